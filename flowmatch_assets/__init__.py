@@ -1,0 +1,1 @@
+"""flowmatch_assets: the Dagster orchestration layer of flowmatch (partitions, assets, catalog, CLI)."""

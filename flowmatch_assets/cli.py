@@ -1,0 +1,291 @@
+"""`flowmatch`: the command line of the pipeline (sample, partitions, materialize, demo, catalog, bench).
+
+Settings come from the same FLOWMATCH_* environment variables as `dagster dev`
+(resources.resource_from_env), and runs are recorded in the Dagster instance at DAGSTER_HOME, so
+what the CLI materializes shows up in the UI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def _instance():
+    import dagster as dg
+
+    if not os.environ.get("DAGSTER_HOME"):
+        home = Path("dagster_home").resolve()
+        home.mkdir(exist_ok=True)
+        os.environ["DAGSTER_HOME"] = str(home)
+    return dg.DagsterInstance.get()
+
+
+def _resource():
+    from flowmatch_assets.resources import resource_from_env
+
+    return resource_from_env()
+
+
+# --------------------------------------------------------------------------------------------
+# partitions / materialize
+# --------------------------------------------------------------------------------------------
+
+
+def cmd_partitions(a: argparse.Namespace) -> int:
+    from flowmatch_assets.partitions import SHARDS, discover, register_partitions
+
+    res = _resource()
+    if a.action == "register":
+        new = register_partitions(_instance(), res)
+        print(f"registered {len(new)} new partitions" + (f": {', '.join(new[:10])}" if new else ""))
+    else:
+        known = set(_instance().get_dynamic_partitions(SHARDS))
+        for s in discover(res):
+            mark = "registered" if s.key in known else "NEW"
+            print(f"{s.key}  rows [{s.row_start}, {s.row_end})  {s.path}  {mark}")
+    return 0
+
+
+def materialize(
+    partitions: list[str] | None = None,
+    assets: list[str] | None = None,
+    missing_only: bool = False,
+    raise_on_error: bool = False,
+) -> dict[str, bool]:
+    """Materialize ``assets`` (default: the whole data lineage) for ``partitions`` (default: all
+    registered) in-process, recorded in the DAGSTER_HOME instance. Returns partition -> success."""
+    import dagster as dg
+
+    from flowmatch_assets.definitions import defs
+    from flowmatch_assets.partitions import SHARDS, register_partitions
+
+    instance = _instance()
+    res = _resource()
+    register_partitions(instance, res)
+    keys = partitions or sorted(instance.get_dynamic_partitions(SHARDS))
+    all_assets = list(defs.assets or [])
+    names = assets or [a.key.to_user_string() for a in all_assets if a.partitions_def is not None]
+    layout = res.layout
+    out: dict[str, bool] = {}
+    for i, key in enumerate(keys):
+        todo = [n for n in names if not (missing_only and layout.asset_path(n, key).exists())]
+        if not todo:
+            print(f"[{i + 1}/{len(keys)}] {key}: all of {names} present, skipped")
+            continue
+        t0 = time.perf_counter()
+        result = dg.materialize(
+            all_assets,
+            selection=todo,
+            partition_key=key,
+            instance=instance,
+            resources={"flowmatch": res},
+            raise_on_error=raise_on_error,
+            tags={"flowmatch/cli": "materialize"},
+            run_config={"loggers": {"console": {"config": {"log_level": "INFO"}}}},
+        )
+        out[key] = result.success
+        status = "ok" if result.success else "FAILED"
+        print(
+            f"[{i + 1}/{len(keys)}] {key}: {', '.join(todo)} {status} ({time.perf_counter() - t0:.1f}s)"
+        )
+    return out
+
+
+def cmd_materialize(a: argparse.Namespace) -> int:
+    res = materialize(a.partition or None, a.asset or None, missing_only=a.missing)
+    return 0 if all(res.values()) else 1
+
+
+# --------------------------------------------------------------------------------------------
+# catalog
+# --------------------------------------------------------------------------------------------
+
+
+def cmd_catalog(a: argparse.Namespace) -> int:
+    from flowmatch_assets.catalog import Catalog, format_table
+
+    cat = Catalog(_resource().data_root)
+    if a.report == "path":
+        print(cat.ensure())
+        return 0
+    if a.report == "sql":
+        rows = cat.query(a.sql)
+    else:
+        rows = {
+            "coverage": cat.coverage,
+            "summary": cat.coverage_summary,
+            "failures": cat.failures_by_reason,
+            "compression": cat.compression,
+            "throughput": cat.throughput,
+        }[a.report]()
+    if a.json:
+        print(json.dumps(rows, default=str, indent=1))
+    else:
+        print(format_table(rows))
+    return 0
+
+
+def print_reports(data_root: str) -> None:
+    from flowmatch_assets.catalog import Catalog, format_table
+
+    cat = Catalog(data_root)
+    for title, rows in (
+        ("Coverage (samples per partition and asset)", cat.coverage()),
+        ("Failures and filtered rows by reason", cat.failures_by_reason()),
+        ("Compression", cat.compression()),
+        ("Throughput", cat.throughput()),
+    ):
+        print(f"\n## {title}\n{format_table(rows)}")
+
+
+# --------------------------------------------------------------------------------------------
+# demo
+# --------------------------------------------------------------------------------------------
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    from flowmatch_assets.sample import SampleSpec, write_sample
+
+    root = Path(os.environ.setdefault("FLOWMATCH_DATA_ROOT", str(Path(a.data_root).resolve())))
+    sample_dir = root / "sample"
+    os.environ.setdefault("FLOWMATCH_METADATA", str(sample_dir / "metadata"))
+    os.environ.setdefault("FLOWMATCH_FILE_ROOT", str(sample_dir))
+    t0 = time.perf_counter()
+    if not (sample_dir / "expected.json").exists() or a.regenerate:
+        print(f"writing the embedded sample to {sample_dir} ...")
+        s = write_sample(sample_dir, SampleSpec(files=a.files, rows_per_file=a.rows_per_file))
+        print(f"  {s['rows']} rows in {s['files']} metadata files")
+    results = materialize(raise_on_error=False)
+    print_reports(str(root))
+    layout = _resource().layout
+    previews = sorted((layout.root / "previews").rglob("*.png"))
+    print(
+        f"\ndemo finished in {time.perf_counter() - t0:.0f}s; "
+        f"{sum(results.values())}/{len(results)} partitions succeeded"
+    )
+    print(f"  data root:        {root}")
+    print(
+        f'  catalog (DuckDB): {layout.catalog_db}   e.g. duckdb {layout.catalog_db} "SELECT * FROM coverage"'
+    )
+    for p in previews[:6]:
+        print(f"  preview grid:     {p}")
+    print(
+        "  UI:               DAGSTER_HOME=$PWD/dagster_home .venv/bin/dagster dev -w workspace.yaml"
+    )
+    return 0 if all(results.values()) else 1
+
+
+# --------------------------------------------------------------------------------------------
+# delegating commands
+# --------------------------------------------------------------------------------------------
+
+
+def cmd_sample(a: argparse.Namespace, rest: list[str]) -> int:
+    from flowmatch_assets.sample import main
+
+    main(rest)
+    return 0
+
+
+def cmd_zoo(a: argparse.Namespace, rest: list[str]) -> int:
+    from flowmatch_models.zoo import main
+
+    return int(main(rest) or 0)
+
+
+BENCHES = {
+    "images": "flowmatch_assets.bench.images",
+    "store": "flowmatch_models.bench_store",
+    "precalc": "flowmatch_models.bench_precalc",
+    "train": "flowmatch_models.bench_train",
+}
+
+
+def cmd_bench(a: argparse.Namespace, rest: list[str]) -> int:
+    import importlib
+
+    mod = importlib.import_module(BENCHES[a.which])
+    mod.main(rest)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flowmatch", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser(
+        "sample", help="write the embedded sample dataset (PD12M format)", add_help=False
+    )
+    s.set_defaults(func=cmd_sample, passthrough=True)
+
+    s = sub.add_parser("partitions", help="list or register the partitions of the metadata source")
+    s.add_argument("action", choices=["list", "register"], nargs="?", default="list")
+    s.set_defaults(func=cmd_partitions)
+
+    s = sub.add_parser("materialize", help="materialize assets for partitions, in-process")
+    s.add_argument(
+        "--partition", "-p", action="append", help="partition key (repeatable; default all)"
+    )
+    s.add_argument(
+        "--asset", "-a", action="append", help="asset name (repeatable; default all partitioned)"
+    )
+    s.add_argument(
+        "--missing", action="store_true", help="only asset partitions whose file is missing"
+    )
+    s.set_defaults(func=cmd_materialize)
+
+    s = sub.add_parser("demo", help="write the sample and materialize every partition end to end")
+    s.add_argument("--data-root", default="data")
+    s.add_argument("--files", type=int, default=3)
+    s.add_argument("--rows-per-file", type=int, default=96)
+    s.add_argument("--regenerate", action="store_true")
+    s.set_defaults(func=cmd_demo)
+
+    s = sub.add_parser("catalog", help="reports from the DuckDB catalog, or raw SQL")
+    s.add_argument(
+        "report",
+        choices=["coverage", "summary", "failures", "compression", "throughput", "sql", "path"],
+    )
+    s.add_argument(
+        "sql",
+        nargs="?",
+        help="SQL for `catalog sql` (views: materializations, rows, "
+        "partitions, coverage, failures, compression, throughput)",
+    )
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_catalog)
+
+    s = sub.add_parser(
+        "zoo", help="create the tiny offline model zoo (random weights)", add_help=False
+    )
+    s.set_defaults(func=cmd_zoo, passthrough=True)
+
+    s = sub.add_parser("bench", help="benchmarks: images, store, precalc, train")
+    s.add_argument("which", choices=sorted(BENCHES))
+    s.set_defaults(func=cmd_bench, passthrough=True)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = build_parser()
+    # passthrough commands hand the rest of the line to their module's own parser
+    if argv and argv[0] in ("sample", "zoo"):
+        a = argparse.Namespace(cmd=argv[0])
+        return {"sample": cmd_sample, "zoo": cmd_zoo}[argv[0]](a, argv[1:])
+    if len(argv) >= 2 and argv[0] == "bench":
+        a = argparse.Namespace(cmd="bench", which=argv[1])
+        if a.which not in BENCHES:
+            p.error(f"unknown benchmark {a.which!r}; choose from {sorted(BENCHES)}")
+        return cmd_bench(a, argv[2:])
+    a = p.parse_args(argv)
+    return int(a.func(a) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Every knob of the data pipeline, in typed config objects with defaults and descriptions.
+
+They are pydantic models (``dg.Config``), so they work in plain Python too, and the Dagster
+resource ``FlowmatchResource`` (resources.py) nests them so they can be edited in the launchpad.
+"""
+
+from __future__ import annotations
+
+import dagster as dg
+from pydantic import Field
+
+
+class FilterConfig(dg.Config):
+    """Row filters applied to PD12M metadata before any image is fetched (counted by reason)."""
+
+    min_width: int = Field(default=256, description="Minimum original width in pixels.")
+    min_height: int = Field(default=256, description="Minimum original height in pixels.")
+    max_aspect_ratio: float = Field(
+        default=3.0, description="Maximum long/short side ratio of the original image."
+    )
+    min_caption_chars: int = Field(
+        default=1, description="Minimum caption length (characters, stripped)."
+    )
+    max_caption_chars: int = Field(
+        default=4000, description="Maximum caption length (characters, stripped)."
+    )
+    licenses: list[str] | None = Field(
+        default=None,
+        description="License allow-list (exact strings); None keeps every license.",
+    )
+    drop_duplicate_hash: bool = Field(
+        default=True, description="Keep only the first row of each md5 `hash` within a shard."
+    )
+
+
+class IngestConfig(dg.Config):
+    """Download, decode, resize and encode settings of the images_256 stage."""
+
+    size: int = Field(
+        default=256, description="Output side: short side resized to this, centre crop."
+    )
+    threads: int = Field(default=16, description="Concurrent downloads+decodes per process.")
+    connect_timeout_s: float = Field(default=5.0, description="TCP connect timeout (seconds).")
+    read_timeout_s: float = Field(default=15.0, description="Read timeout (seconds).")
+    retries: int = Field(
+        default=3, description="Retries on 5xx, timeouts and connection errors (never on 4xx)."
+    )
+    backoff_s: float = Field(default=0.25, description="First retry delay; doubles each retry.")
+    max_bytes: int = Field(default=40_000_000, description="Largest body accepted (bytes).")
+    max_redirects: int = Field(default=5, description="Most http(s) redirects followed.")
+    max_pixels: int = Field(
+        default=100_000_000, description="Decompression-bomb limit: refuse images above w*h."
+    )
+    min_side: int = Field(
+        default=64, description="Decoded images with a shorter side fail as too_small."
+    )
+    file_root: str | None = Field(
+        default=None,
+        description="file:// URLs are allowed only under this folder (None: file:// refused).",
+    )
+    image_format: str = Field(default="jpeg", description="jpeg, webp or png.")
+    quality: int = Field(default=95, description="JPEG/WebP quality.")
+    user_agent: str = Field(
+        default="flowmatch/0.1 (+PD12M research)", description="HTTP User-Agent."
+    )

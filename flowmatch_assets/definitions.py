@@ -1,0 +1,34 @@
+"""The code location: every asset, check, sensor and resource of flowmatch.
+
+Loaded by `dagster dev` through workspace.yaml (``python_module: flowmatch_assets.definitions``).
+Settings come from FLOWMATCH_* environment variables (see resources.resource_from_env).
+"""
+
+
+import dagster as dg
+
+from flowmatch_assets.data_assets import images_256, images_256_complete, pd12m_metadata
+from flowmatch_assets.partitions import pd12m_partition_sensor
+from flowmatch_assets.resources import resource_from_env
+
+ASSETS = [pd12m_metadata, images_256]
+CHECKS = [images_256_complete]
+
+ingest_job = dg.define_asset_job(
+    "ingest_images",
+    selection=dg.AssetSelection.assets(pd12m_metadata, images_256),
+    description="Metadata and 256px images of the chosen partition(s).",
+)
+
+
+def build_definitions() -> dg.Definitions:
+    return dg.Definitions(
+        assets=ASSETS,
+        asset_checks=CHECKS,
+        sensors=[pd12m_partition_sensor],
+        jobs=[ingest_job],
+        resources={"flowmatch": resource_from_env()},
+    )
+
+
+defs = build_definitions()

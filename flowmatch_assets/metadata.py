@@ -1,0 +1,241 @@
+"""PD12M metadata: discover the source files, cut them into shards, validate, filter.
+
+The real metadata is 125 parquet files ``pd12m.000.parquet`` ... ``pd12m.124.parquet`` of 100k
+rows each with columns ``id, url, caption, width, height, mime_type, hash, license, source``.
+One partition is one shard of ``shard_size`` rows of one file: key ``NNN-KK`` (file number,
+shard number within the file), so keys are stable and sort in dataset order.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import fsspec
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from flowmatch_assets.config import FilterConfig
+
+#: The PD12M metadata columns and the arrow type family each must have.
+PD12M_COLUMNS: dict[str, str] = {
+    "id": "string",
+    "url": "string",
+    "caption": "string",
+    "width": "integer",
+    "height": "integer",
+    "mime_type": "string",
+    "hash": "string",
+    "license": "string",
+    "source": "string",
+}
+
+FILE_RE = re.compile(r"(\d+)\.parquet$")
+
+#: Filter reasons, in the order they are checked (a row gets the first that applies).
+FILTER_REASONS = (
+    "missing_url",
+    "small_original",
+    "aspect_ratio",
+    "caption_too_short",
+    "caption_too_long",
+    "license",
+    "duplicate_hash",
+)
+
+
+class MetadataError(ValueError):
+    """The metadata source or one of its files is unusable; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """One partition: rows ``[row_start, row_end)`` of one metadata file."""
+
+    key: str
+    path: str
+    row_start: int
+    row_end: int
+
+    def as_dict(self) -> dict:
+        return {
+            "partition": self.key,
+            "source_file": self.path,
+            "row_start": self.row_start,
+            "row_end": self.row_end,
+        }
+
+
+def shard_key(file_number: int, shard_index: int) -> str:
+    return f"{file_number:03d}-{shard_index:02d}"
+
+
+def parse_shard_key(key: str) -> tuple[int, int]:
+    m = re.fullmatch(r"(\d{3,})-(\d{2,})", key)
+    if not m:
+        raise MetadataError(f"partition key {key!r} is not of the form NNN-KK (file-shard)")
+    return int(m.group(1)), int(m.group(2))
+
+
+def list_metadata_files(source: str) -> dict[int, str]:
+    """Map file number -> path/URL for every ``*NNN.parquet`` under ``source`` (local or fsspec)."""
+    fs, root = fsspec.core.url_to_fs(source)
+    if not fs.exists(root):
+        raise MetadataError(
+            f"metadata source {source!r} does not exist; point FLOWMATCH_METADATA (or the "
+            "resource's metadata_source) at the folder of pd12m.NNN.parquet files, or run "
+            "`flowmatch sample` to write the embedded sample"
+        )
+    out: dict[int, str] = {}
+    for p in sorted(fs.ls(root, detail=False)):
+        name = p.rsplit("/", 1)[-1]
+        m = FILE_RE.search(name)
+        if not m or name.startswith("."):
+            continue
+        n = int(m.group(1))
+        if n in out:
+            raise MetadataError(f"two metadata files share number {n}: {out[n]} and {p}")
+        out[n] = p if "://" not in source else fs.unstrip_protocol(p)
+    return out
+
+
+def _open(path: str):
+    return fsspec.open(path, "rb").open()
+
+
+def validate_schema(schema: pa.Schema, path: str) -> None:
+    """Raise MetadataError naming every missing or mistyped PD12M column."""
+    problems = []
+    for col, kind in PD12M_COLUMNS.items():
+        if col not in schema.names:
+            problems.append(f"missing column {col!r}")
+            continue
+        t = schema.field(col).type
+        ok = (
+            pa.types.is_integer(t) or pa.types.is_floating(t)
+            if kind == "integer"
+            else pa.types.is_string(t) or pa.types.is_large_string(t)
+        )
+        if not ok:
+            problems.append(f"column {col!r} has type {t}, expected {kind}")
+    if problems:
+        raise MetadataError(
+            f"{path}: not PD12M metadata: "
+            + "; ".join(problems)
+            + f" (expected columns: {', '.join(PD12M_COLUMNS)})"
+        )
+
+
+def discover_shards(source: str, shard_size: int) -> list[ShardSpec]:
+    """Every shard of every metadata file under ``source``, in key order."""
+    if shard_size <= 0:
+        raise MetadataError(f"shard_size must be positive, got {shard_size}")
+    specs: list[ShardSpec] = []
+    for n, path in list_metadata_files(source).items():
+        with _open(path) as f:
+            md = pq.ParquetFile(f).metadata
+            validate_schema(md.schema.to_arrow_schema(), path)
+            rows = md.num_rows
+        for k in range(max(1, math.ceil(rows / shard_size))):
+            specs.append(
+                ShardSpec(shard_key(n, k), path, k * shard_size, min(rows, (k + 1) * shard_size))
+            )
+    return specs
+
+
+def read_shard(source: str, key: str, shard_size: int) -> tuple[pa.Table, ShardSpec]:
+    """Read the rows of partition ``key`` (with a ``row_index`` column: position in the file)."""
+    file_number, shard_index = parse_shard_key(key)
+    files = list_metadata_files(source)
+    if file_number not in files:
+        raise MetadataError(
+            f"partition {key}: no metadata file number {file_number} under {source!r} "
+            f"(found {len(files)} files)"
+        )
+    path = files[file_number]
+    with _open(path) as f:
+        pf = pq.ParquetFile(f)
+        validate_schema(pf.schema_arrow, path)
+        rows = pf.metadata.num_rows
+        start, end = shard_index * shard_size, min(rows, (shard_index + 1) * shard_size)
+        if start >= rows and not (start == 0 and rows == 0):
+            raise MetadataError(
+                f"partition {key}: shard {shard_index} starts at row {start} but {path} has "
+                f"{rows} rows (was shard_size changed? it is {shard_size})"
+            )
+        # read only the row groups that overlap [start, end)
+        groups, offset, first = [], 0, None
+        for g in range(pf.metadata.num_row_groups):
+            n = pf.metadata.row_group(g).num_rows
+            if offset + n > start and offset < end:
+                groups.append(g)
+                first = offset if first is None else first
+            offset += n
+        table = pf.read_row_groups(groups, columns=list(PD12M_COLUMNS)) if groups else None
+    if table is None:
+        table = pa.table({c: pa.array([], pa.string()) for c in PD12M_COLUMNS})
+        first = start
+    table = table.slice(start - first, end - start)
+    table = table.append_column("row_index", pa.array(range(start, end), pa.int64()))
+    return table, ShardSpec(key, path, start, end)
+
+
+def filter_rows(table: pa.Table, cfg: FilterConfig) -> tuple[pa.Table, list[dict]]:
+    """Apply the row filters. Returns the kept rows and one ``{id, url, reason, detail}`` per
+    filtered row; every row is either kept or filtered with exactly one reason."""
+    rows = table.to_pylist()
+    keep_idx: list[int] = []
+    filtered: list[dict] = []
+    seen_hash: set[str] = set()
+    allowed = set(cfg.licenses) if cfg.licenses is not None else None
+    for i, r in enumerate(rows):
+        reason = detail = None
+        w, h = r.get("width"), r.get("height")
+        caption = (r.get("caption") or "").strip()
+        if not (r.get("url") or "").strip():
+            reason, detail = "missing_url", "empty url"
+        elif w is not None and h is not None and (w < cfg.min_width or h < cfg.min_height):
+            reason, detail = "small_original", f"{w}x{h} < {cfg.min_width}x{cfg.min_height}"
+        elif w and h and max(w, h) / min(w, h) > cfg.max_aspect_ratio:
+            reason, detail = (
+                "aspect_ratio",
+                f"{w}x{h}: {max(w, h) / min(w, h):.2f} > {cfg.max_aspect_ratio}",
+            )
+        elif len(caption) < cfg.min_caption_chars:
+            reason, detail = "caption_too_short", f"{len(caption)} chars < {cfg.min_caption_chars}"
+        elif len(caption) > cfg.max_caption_chars:
+            reason, detail = "caption_too_long", f"{len(caption)} chars > {cfg.max_caption_chars}"
+        elif allowed is not None and r.get("license") not in allowed:
+            reason, detail = "license", f"license {r.get('license')!r} not allowed"
+        elif cfg.drop_duplicate_hash and r.get("hash"):
+            if r["hash"] in seen_hash:
+                reason, detail = "duplicate_hash", f"hash {r['hash']} seen earlier in the shard"
+            seen_hash.add(r["hash"])
+        if reason is None:
+            keep_idx.append(i)
+        else:
+            filtered.append(
+                {"id": str(r.get("id")), "url": r.get("url"), "reason": reason, "detail": detail}
+            )
+    kept = table.take(pa.array(keep_idx, pa.int64())) if keep_idx else table.slice(0, 0)
+    return kept, filtered
+
+
+def count_reasons(filtered: list[dict]) -> dict[str, int]:
+    return dict(Counter(f["reason"] for f in filtered))
+
+
+def ids_as_strings(table: pa.Table) -> pa.Table:
+    """PD12M ids are strings; cast other id types so downstream joins are uniform."""
+    i = table.schema.get_field_index("id")
+    if not pa.types.is_string(table.schema.field(i).type):
+        table = table.set_column(i, "id", pc.cast(table.column(i), pa.string()))
+    return table
+
+
+def local_path(path: str) -> Path | None:
+    return None if "://" in path else Path(path)

@@ -1,0 +1,51 @@
+"""Dagster resources: one typed object holding every data-pipeline knob."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import dagster as dg
+from pydantic import Field
+
+from flowmatch_assets.config import FilterConfig, IngestConfig
+from flowmatch_models.layout import DataLayout
+
+
+class FlowmatchResource(dg.ConfigurableResource):
+    """Where the data lives and how each stage behaves (defaults come from FLOWMATCH_* env vars)."""
+
+    data_root: str = Field(description="Folder that holds every asset's per-partition files.")
+    metadata_source: str = Field(
+        description="Folder or fsspec URL of PD12M metadata files pd12m.NNN.parquet."
+    )
+    shard_size: int = Field(default=10_000, description="Rows per partition (shard).")
+    filters: FilterConfig = Field(default_factory=FilterConfig)
+    ingest: IngestConfig = Field(default_factory=IngestConfig)
+
+    @property
+    def layout(self) -> DataLayout:
+        return DataLayout(self.data_root)
+
+
+def _abs(p: str) -> str:
+    return p if "://" in p else str(Path(p).expanduser().resolve())
+
+
+def resource_from_env() -> FlowmatchResource:
+    """The resource as `dagster dev` and the CLI build it from the environment.
+
+    FLOWMATCH_DATA_ROOT (default ``data``), FLOWMATCH_METADATA (default
+    ``<data root>/sample/metadata``), FLOWMATCH_SHARD_SIZE (default 10000) and
+    FLOWMATCH_FILE_ROOT (folder under which file:// image URLs are allowed; default
+    ``<data root>/sample``).
+    """
+    root = _abs(os.environ.get("FLOWMATCH_DATA_ROOT", "data"))
+    source = _abs(os.environ.get("FLOWMATCH_METADATA", os.path.join(root, "sample", "metadata")))
+    file_root = os.environ.get("FLOWMATCH_FILE_ROOT", os.path.join(root, "sample"))
+    return FlowmatchResource(
+        data_root=root,
+        metadata_source=source,
+        shard_size=int(os.environ.get("FLOWMATCH_SHARD_SIZE", "10000")),
+        ingest=IngestConfig(file_root=_abs(file_root) if file_root else None),
+    )

@@ -1,0 +1,289 @@
+"""The embedded sample: a small dataset in the exact PD12M metadata format, made procedurally.
+
+Each good image is a coloured shape (circle, square, triangle, ...) on a textured background at a
+PD12M-like size (long side 1,000-3,000 px); its caption names the shape, its colour, its size and
+position and the background, so a text-to-image model trained on it has something to learn.
+Mostly JPEG, some PNG, RGBA PNG and grayscale. A handful of deliberately bad rows exercise every
+failure path: a missing file (404-like), a truncated JPEG, an HTML page saved as .jpg, a zero-byte
+file, a tiny image whose metadata claims a large size, plus rows the metadata filters drop (a
+small original, an extreme aspect ratio, an empty caption, a duplicate hash).
+
+Images are served as ``file://`` URLs under the sample folder (the ingest's allowed root).
+No downloaded data: everything is drawn here, deterministically from a seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import math
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from PIL import Image, ImageDraw
+
+from flowmatch_models.atomic import atomic_path, atomic_write_bytes, atomic_write_text
+
+COLOURS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 40, 40),
+    "green": (40, 170, 70),
+    "blue": (40, 80, 220),
+    "yellow": (240, 210, 40),
+    "purple": (140, 60, 190),
+    "orange": (245, 140, 30),
+    "white": (245, 245, 245),
+    "black": (20, 20, 20),
+}
+BACKGROUNDS: dict[str, tuple[int, int, int]] = {
+    "sandy": (214, 190, 150),
+    "grey": (128, 128, 128),
+    "sky blue": (135, 190, 235),
+    "dark green": (30, 80, 45),
+    "pale pink": (240, 200, 210),
+    "navy": (25, 35, 90),
+}
+SHAPES = ("circle", "square", "triangle", "diamond", "star", "ring")
+LICENSES = ("cc0-1.0", "public-domain-mark-1.0")
+SOURCES = ("wikimedia", "smithsonian", "nasa", "met")
+NAMESPACE = uuid.UUID("6f1c7f0e-3b9a-4c3e-9a43-0d6f1e5b7a10")
+
+
+@dataclass
+class SampleSpec:
+    """How big a sample to write."""
+
+    files: int = 3
+    rows_per_file: int = 96
+    seed: int = 0
+    bad_rows: bool = True
+
+
+def _texture(rng: np.random.Generator, w: int, h: int, base: tuple[int, int, int]) -> Image.Image:
+    """Low-frequency noise + a gradient around ``base``; cheap at any size (upsampled)."""
+    lw, lh = max(8, w // 64), max(8, h // 64)
+    noise = rng.normal(0, 18, size=(lh, lw, 3))
+    grad = np.linspace(-20, 20, lw)[None, :, None] * rng.choice([-1, 1])
+    small = np.clip(np.array(base)[None, None, :] + noise + grad, 0, 255).astype(np.uint8)
+    img = Image.fromarray(small).resize((w, h), Image.BILINEAR)
+    fine = Image.effect_noise((w, h), 40).convert("RGB")  # fine grain, made in C
+    return Image.blend(img, fine, 0.06)
+
+
+def _polygon(shape: str, cx: float, cy: float, r: float) -> list[tuple[float, float]]:
+    if shape == "triangle":
+        return [
+            (cx + r * math.cos(a), cy + r * math.sin(a))
+            for a in (-math.pi / 2, math.pi / 6, 5 * math.pi / 6)
+        ]
+    if shape == "diamond":
+        return [(cx, cy - r), (cx + r, cy), (cx, cy + r), (cx - r, cy)]
+    if shape == "star":
+        pts = []
+        for k in range(10):
+            rr = r if k % 2 == 0 else r * 0.45
+            a = -math.pi / 2 + k * math.pi / 5
+            pts.append((cx + rr * math.cos(a), cy + rr * math.sin(a)))
+        return pts
+    raise ValueError(shape)
+
+
+def draw_image(rng: np.random.Generator) -> tuple[Image.Image, str]:
+    """One procedural image and its caption."""
+    long_side = int(rng.integers(1000, 3001))
+    aspect = float(rng.uniform(1.0, 1.6))
+    short = int(long_side / aspect)
+    w, h = (long_side, short) if rng.random() < 0.6 else (short, long_side)
+    shape = SHAPES[rng.integers(len(SHAPES))]
+    colour = list(COLOURS)[rng.integers(len(COLOURS))]
+    bg = list(BACKGROUNDS)[rng.integers(len(BACKGROUNDS))]
+    img = _texture(rng, w, h, BACKGROUNDS[bg])
+    d = ImageDraw.Draw(img)
+    m = min(w, h)
+    big = rng.random() < 0.5
+    r = m * (0.3 if big else 0.17)
+    # keep the shape inside the centre crop that the 256px stage keeps
+    side = rng.choice(["left", "centre", "right"])
+    off = {"left": -0.22, "centre": 0.0, "right": 0.22}[side] * m
+    cx, cy = w / 2 + off * (w >= h), h / 2 + off * (h > w)
+    fill = COLOURS[colour]
+    if shape == "circle":
+        d.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fill)
+    elif shape == "ring":
+        d.ellipse([cx - r, cy - r, cx + r, cy + r], outline=fill, width=int(r * 0.3))
+    elif shape == "square":
+        d.rectangle([cx - r, cy - r, cx + r, cy + r], fill=fill)
+    else:
+        d.polygon(_polygon(shape, cx, cy, r), fill=fill)
+    where = {"left": "on the left", "centre": "in the centre", "right": "on the right"}[side]
+    if h > w:
+        where = {"left": "at the top", "centre": "in the centre", "right": "at the bottom"}[side]
+    size_word = "large" if big else "small"
+    caption = f"a {size_word} {colour} {shape} {where} of a textured {bg} background"
+    return img, caption
+
+
+def _encode(img: Image.Image, kind: str) -> tuple[bytes, str, str]:
+    buf = io.BytesIO()
+    if kind == "jpeg":
+        img.save(buf, "JPEG", quality=90)
+        return buf.getvalue(), "image/jpeg", ".jpg"
+    if kind == "png":
+        img.save(buf, "PNG", compress_level=1)
+        return buf.getvalue(), "image/png", ".png"
+    if kind == "rgba":
+        rgba = img.convert("RGBA")
+        a = Image.new("L", img.size, 255)
+        ImageDraw.Draw(a).rectangle([0, 0, img.size[0] // 8, img.size[1]], fill=0)
+        rgba.putalpha(a)
+        rgba.save(buf, "PNG", compress_level=1)
+        return buf.getvalue(), "image/png", ".png"
+    if kind == "gray":
+        img.convert("L").save(buf, "JPEG", quality=90)
+        return buf.getvalue(), "image/jpeg", ".jpg"
+    raise ValueError(kind)
+
+
+def write_sample(dest: str | Path, spec: SampleSpec | None = None) -> dict:
+    """Write the sample under ``dest`` (``metadata/pd12m.NNN.parquet`` and ``images/``).
+
+    Returns a summary (paths, row counts, expected outcomes). Idempotent: the same spec gives
+    the same files; each file is written atomically.
+    """
+    spec = spec or SampleSpec()
+    dest = Path(dest).expanduser().resolve()
+    img_dir, md_dir = dest / "images", dest / "metadata"
+    img_dir.mkdir(parents=True, exist_ok=True)
+    md_dir.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(spec.seed)
+    expected: dict[str, str] = {}
+    total = 0
+    for fno in range(spec.files):
+        rows = []
+        for i in range(spec.rows_per_file):
+            rid = str(uuid.uuid5(NAMESPACE, f"{spec.seed}-{fno}-{i}"))
+            img, caption = draw_image(rng)
+            kind = rng.choice(["jpeg"] * 14 + ["png", "rgba", "gray"])
+            data, mime, ext = _encode(img, kind)
+            path = img_dir / f"{rid}{ext}"
+            if not path.exists() or path.stat().st_size != len(data):
+                atomic_write_bytes(path, data)
+            rows.append(
+                {
+                    "id": rid,
+                    "url": path.as_uri(),
+                    "caption": caption,
+                    "width": img.size[0],
+                    "height": img.size[1],
+                    "mime_type": mime,
+                    "hash": hashlib.md5(data).hexdigest(),
+                    "license": LICENSES[i % len(LICENSES)],
+                    "source": SOURCES[i % len(SOURCES)],
+                }
+            )
+            expected[rid] = "stored"
+        if spec.bad_rows and fno == 0:
+            rows += _bad_rows(img_dir, rng, expected, spec.seed)
+        table = pa.Table.from_pylist(rows)
+        with atomic_path(md_dir / f"pd12m.{fno:03d}.parquet", suffix=".parquet") as tmp:
+            pq.write_table(table, tmp, row_group_size=64)
+        total += len(rows)
+    summary = {
+        "dest": str(dest),
+        "metadata": str(md_dir),
+        "files": spec.files,
+        "rows": total,
+        "expected_outcomes": expected,
+    }
+    atomic_write_text(dest / "expected.json", json.dumps(summary, indent=1))
+    return summary
+
+
+def _bad_rows(img_dir: Path, rng: np.random.Generator, expected: dict, seed: int) -> list[dict]:
+    """Deliberately bad rows; ``expected`` gets each one's outcome as ``failed:<reason>``."""
+    out = []
+
+    def row(name: str, path: Path, caption: str, w=1600, h=1200, mime="image/jpeg", h_=None):
+        rid = str(uuid.uuid5(NAMESPACE, f"{seed}-bad-{name}"))
+        out.append(
+            {
+                "id": rid,
+                "url": path.as_uri(),
+                "caption": caption,
+                "width": w,
+                "height": h,
+                "mime_type": mime,
+                "hash": h_ or hashlib.md5(name.encode()).hexdigest(),
+                "license": LICENSES[0],
+                "source": SOURCES[0],
+            }
+        )
+        return rid
+
+    good, _ = draw_image(rng)
+    jpeg, _, _ = _encode(good, "jpeg")
+    atomic_write_bytes(img_dir / "bad-truncated.jpg", jpeg[: len(jpeg) // 3])
+    atomic_write_bytes(
+        img_dir / "bad-html.jpg",
+        b"<!DOCTYPE html><html><head><title>404 Not Found</title></head><body>gone</body></html>",
+    )
+    atomic_write_bytes(img_dir / "bad-empty.jpg", b"")
+    tiny = io.BytesIO()
+    good.resize((24, 18)).save(tiny, "JPEG")
+    atomic_write_bytes(img_dir / "bad-tiny.jpg", tiny.getvalue())
+    expected[row("missing", img_dir / "bad-missing.jpg", "a red circle that was deleted")] = (
+        "failed:not_found"
+    )
+    expected[row("truncated", img_dir / "bad-truncated.jpg", "a truncated picture")] = (
+        "failed:corrupt"
+    )
+    expected[row("html", img_dir / "bad-html.jpg", "an error page saved as a picture")] = (
+        "failed:not_image"
+    )
+    expected[row("empty", img_dir / "bad-empty.jpg", "an empty download")] = "failed:not_image"
+    expected[row("tiny", img_dir / "bad-tiny.jpg", "a thumbnail that claims to be large")] = (
+        "failed:too_small"
+    )
+    # rows the metadata filters drop before any download
+    expected[row("small", img_dir / "bad-tiny.jpg", "a small original", w=120, h=90)] = (
+        "filtered:small_original"
+    )
+    expected[row("wide", img_dir / "bad-tiny.jpg", "a panorama strip", w=3000, h=300)] = (
+        "filtered:aspect_ratio"
+    )
+    expected[row("nocaption", img_dir / "bad-tiny.jpg", "   ")] = "filtered:caption_too_short"
+    dup_hash = hashlib.md5(b"duplicate").hexdigest()
+    row("dup-a", img_dir / "bad-tiny.jpg", "the first copy of a tiny picture", h_=dup_hash)
+    expected[out[-1]["id"]] = "failed:too_small"
+    expected[row("dup-b", img_dir / "bad-tiny.jpg", "the second copy", h_=dup_hash)] = (
+        "filtered:duplicate_hash"
+    )
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="flowmatch sample", description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "dest", nargs="?", default="data/sample", help="folder to write (default data/sample)"
+    )
+    p.add_argument(
+        "--files",
+        type=int,
+        default=SampleSpec.files,
+        help="metadata files (partitions at 10k rows/shard)",
+    )
+    p.add_argument("--rows-per-file", type=int, default=SampleSpec.rows_per_file)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    s = write_sample(a.dest, SampleSpec(files=a.files, rows_per_file=a.rows_per_file, seed=a.seed))
+    print(f"wrote {s['rows']} rows in {s['files']} metadata files under {s['metadata']}")
+    return s
+
+
+if __name__ == "__main__":
+    main()
