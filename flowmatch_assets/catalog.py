@@ -125,7 +125,7 @@ def _now_utc():
 
 
 def _write_parquet(path: Path, table: pa.Table) -> None:
-    with atomic_path(path, suffix=".parquet") as tmp:
+    with atomic_path(path) as tmp:
         pq.write_table(table, tmp)
 
 
@@ -258,7 +258,7 @@ class Catalog:
         with _file_lock(self.layout.catalog_dir / ".catalog.lock"):
             if self._is_current():
                 return self.path
-            with atomic_path(self.path, suffix=".duckdb") as tmp:
+            with atomic_path(self.path) as tmp:
                 tmp.unlink()  # duckdb wants to create the file itself
                 with duckdb.connect(str(tmp)) as con:
                     for sql in _view_sql(self.layout):

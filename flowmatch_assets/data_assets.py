@@ -44,7 +44,7 @@ def pd12m_metadata(
     table = ids_as_strings(table)
     kept, filtered = filter_rows(table, flowmatch.filters)
     out = flowmatch.layout.asset_path("pd12m_metadata", part)
-    with atomic_path(out, suffix=".parquet") as tmp:
+    with atomic_path(out) as tmp:
         pq.write_table(kept, tmp)
     kept_ids = kept.column("id").to_pylist()
     kept_urls = kept.column("url").to_pylist()

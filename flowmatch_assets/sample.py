@@ -190,7 +190,7 @@ def write_sample(dest: str | Path, spec: SampleSpec | None = None) -> dict:
         if spec.bad_rows and fno == 0:
             rows += _bad_rows(img_dir, rng, expected, spec.seed)
         table = pa.Table.from_pylist(rows)
-        with atomic_path(md_dir / f"pd12m.{fno:03d}.parquet", suffix=".parquet") as tmp:
+        with atomic_path(md_dir / f"pd12m.{fno:03d}.parquet") as tmp:
             pq.write_table(table, tmp, row_group_size=64)
         total += len(rows)
     summary = {

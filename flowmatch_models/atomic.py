@@ -15,10 +15,20 @@ from pathlib import Path
 
 @contextlib.contextmanager
 def atomic_path(target: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
-    """Yield a temporary path beside ``target``; on success rename it onto ``target``."""
+    """Yield a temporary path beside ``target``; on success rename it onto ``target``.
+
+    The temporary name starts with ``.tmp-`` and ends in ``suffix`` (default ``.tmp``), so globs
+    such as ``*.parquet`` (DuckDB views, shard listings) never see a half-written file; pass a
+    suffix only where a writer infers the format from the extension (e.g. ``.png``).
+    """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{target.name}.", suffix=suffix, dir=target.parent)
+    fd, tmp = tempfile.mkstemp(
+        prefix=f".tmp-{target.name}.", suffix=suffix or ".tmp", dir=target.parent
+    )
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual mode
     os.close(fd)
     tmp_path = Path(tmp)
     try:

@@ -36,7 +36,7 @@ ROW_GROUP = 512
 def write_image_shard(path: str | Path, rows: Sequence[dict]) -> int:
     """Write ``rows`` (dicts with the schema's keys) atomically; returns the file size."""
     table = pa.Table.from_pylist(list(rows), schema=IMAGE_SHARD_SCHEMA)
-    with atomic_path(path, suffix=".parquet") as tmp:
+    with atomic_path(path) as tmp:
         # images are already compressed: don't spend time re-compressing that column
         pq.write_table(
             table,

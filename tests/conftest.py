@@ -1,0 +1,37 @@
+"""Shared fixtures: a small embedded sample and a data root per test."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from flowmatch_assets.resources import FlowmatchResource
+from flowmatch_assets.config import IngestConfig
+from flowmatch_assets.sample import SampleSpec, write_sample
+
+REPO = Path(__file__).resolve().parents[1]
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("DAGSTER_DISABLE_TELEMETRY", "1")
+
+
+@pytest.fixture(scope="session")
+def small_sample(tmp_path_factory) -> dict:
+    """Two metadata files: 10 good rows each, bad rows in file 000 (written once per session)."""
+    return write_sample(tmp_path_factory.mktemp("sample"), SampleSpec(files=2, rows_per_file=10, seed=1))
+
+
+def make_resource(data_root: Path, sample: dict, shard_size: int = 10_000, **kw) -> FlowmatchResource:
+    return FlowmatchResource(
+        data_root=str(data_root),
+        metadata_source=sample["metadata"],
+        shard_size=shard_size,
+        ingest=IngestConfig(file_root=sample["dest"], threads=4),
+        **kw,
+    )
+
+
+@pytest.fixture
+def resource(tmp_path, small_sample) -> FlowmatchResource:
+    return make_resource(tmp_path / "data", small_sample)
