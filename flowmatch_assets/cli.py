@@ -63,13 +63,14 @@ def materialize(
 
     from flowmatch_assets.definitions import defs
     from flowmatch_assets.partitions import SHARDS, register_partitions
+    from flowmatch_models.layout import PARTITIONED_ASSETS
 
     instance = _instance()
     res = _resource()
     register_partitions(instance, res)
     keys = partitions or sorted(instance.get_dynamic_partitions(SHARDS))
     all_assets = list(defs.assets or [])
-    names = assets or [a.key.to_user_string() for a in all_assets if a.partitions_def is not None]
+    names = assets or list(PARTITIONED_ASSETS)
     layout = res.layout
     out: dict[str, bool] = {}
     for i, key in enumerate(keys):
@@ -160,6 +161,15 @@ def cmd_demo(a: argparse.Namespace) -> int:
         print(f"writing the embedded sample to {sample_dir} ...")
         s = write_sample(sample_dir, SampleSpec(files=a.files, rows_per_file=a.rows_per_file))
         print(f"  {s['rows']} rows in {s['files']} metadata files")
+    zoo = root / "zoo"
+    if not (zoo / "text" / "config.json").exists():
+        from flowmatch_models.zoo import create_zoo
+
+        print(f"creating the tiny offline model zoo (RANDOM weights, same classes) in {zoo} ...")
+        create_zoo(zoo)
+    for var, sub in (("FLOWMATCH_VAE", "vae"), ("FLOWMATCH_DINO", "dino"), ("FLOWMATCH_TEXT", "text")):
+        os.environ.setdefault(var, str(zoo / sub))
+    print("encoders: " + ", ".join(os.environ[v] for v in ("FLOWMATCH_VAE", "FLOWMATCH_DINO", "FLOWMATCH_TEXT")))
     results = materialize(raise_on_error=False)
     print_reports(str(root))
     layout = _resource().layout

@@ -63,3 +63,40 @@ class IngestConfig(dg.Config):
     user_agent: str = Field(
         default="flowmatch/0.1 (+PD12M research)", description="HTTP User-Agent."
     )
+
+
+class EncoderConfig(dg.Config):
+    """Which pretrained encoders compute the embeddings, where, and how they are stored."""
+
+    vae: str = Field(
+        default="mit-han-lab/dc-ae-f32c32-sana-1.0-diffusers",
+        description="DC-AE f32c32: hub id or local folder (diffusers AutoencoderDC).",
+    )
+    dino: str = Field(
+        default="facebook/dinov2-small", description="DINOv2: hub id or local folder."
+    )
+    text: str = Field(
+        default="google/gemma-3-270m",
+        description="Gemma3-270M: hub id (gated: `huggingface-cli login`) or local folder.",
+    )
+    device: str = Field(
+        default="auto", description="auto (a free GPU, else cpu), cpu, cuda or cuda:K."
+    )
+    dtype: str = Field(
+        default="auto", description="auto (bf16 on GPU, fp32 on CPU), fp32, bf16, fp16."
+    )
+    batch_size: int = Field(default=64, description="Images or captions per encoder forward.")
+    max_tokens: int = Field(default=128, description="Caption truncation in tokens.")
+    dino_pool: str = Field(
+        default="avg2x2",
+        description="avg2x2 (DINOv2 at 224 px, 16x16 patches 2x2-averaged to 8x8) or resize112.",
+    )
+    codec: str = Field(
+        default="zstd", description="Store codec: none (mmap), zstd (byte-shuffled) or xz."
+    )
+    lossy_dino: str | None = Field(
+        default=None, description="None (lossless), int8 or fp8: 1-byte DINO patch features."
+    )
+    lossy_text: str | None = Field(
+        default=None, description="None (lossless), int8 or fp8: 1-byte caption hidden states."
+    )

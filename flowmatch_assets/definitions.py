@@ -8,16 +8,22 @@ Settings come from FLOWMATCH_* environment variables (see resources.resource_fro
 import dagster as dg
 
 from flowmatch_assets.data_assets import images_256, images_256_complete, pd12m_metadata
+from flowmatch_assets.embedding_assets import EMBEDDING_CHECKS, encode_embeddings
 from flowmatch_assets.partitions import pd12m_partition_sensor
 from flowmatch_assets.resources import resource_from_env
 
-ASSETS = [pd12m_metadata, images_256]
-CHECKS = [images_256_complete]
+ASSETS = [pd12m_metadata, images_256, encode_embeddings]
+CHECKS = [images_256_complete, *EMBEDDING_CHECKS]
 
 ingest_job = dg.define_asset_job(
     "ingest_images",
     selection=dg.AssetSelection.assets(pd12m_metadata, images_256),
     description="Metadata and 256px images of the chosen partition(s).",
+)
+embed_job = dg.define_asset_job(
+    "encode_embeddings_job",
+    selection=dg.AssetSelection.assets(encode_embeddings),
+    description="DC-AE latents, DINOv2 features and Gemma3 caption embeddings of the chosen partition(s).",
 )
 
 
@@ -26,7 +32,7 @@ def build_definitions() -> dg.Definitions:
         assets=ASSETS,
         asset_checks=CHECKS,
         sensors=[pd12m_partition_sensor],
-        jobs=[ingest_job],
+        jobs=[ingest_job, embed_job],
         resources={"flowmatch": resource_from_env()},
     )
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import dagster as dg
 from pydantic import Field
 
-from flowmatch_assets.config import FilterConfig, IngestConfig
+from flowmatch_assets.config import EncoderConfig, FilterConfig, IngestConfig
 from flowmatch_models.layout import DataLayout
 
 
@@ -22,6 +22,7 @@ class FlowmatchResource(dg.ConfigurableResource):
     shard_size: int = Field(default=10_000, description="Rows per partition (shard).")
     filters: FilterConfig = Field(default_factory=FilterConfig)
     ingest: IngestConfig = Field(default_factory=IngestConfig)
+    encoders: EncoderConfig = Field(default_factory=EncoderConfig)
 
     @property
     def layout(self) -> DataLayout:
@@ -38,7 +39,8 @@ def resource_from_env() -> FlowmatchResource:
     FLOWMATCH_DATA_ROOT (default ``data``), FLOWMATCH_METADATA (default
     ``<data root>/sample/metadata``), FLOWMATCH_SHARD_SIZE (default 10000) and
     FLOWMATCH_FILE_ROOT (folder under which file:// image URLs are allowed; default
-    ``<data root>/sample``).
+    ``<data root>/sample``), FLOWMATCH_VAE / FLOWMATCH_DINO / FLOWMATCH_TEXT (encoder hub ids or
+    folders; default the real models), FLOWMATCH_DEVICE (default auto).
     """
     root = _abs(os.environ.get("FLOWMATCH_DATA_ROOT", "data"))
     source = _abs(os.environ.get("FLOWMATCH_METADATA", os.path.join(root, "sample", "metadata")))
@@ -48,4 +50,16 @@ def resource_from_env() -> FlowmatchResource:
         metadata_source=source,
         shard_size=int(os.environ.get("FLOWMATCH_SHARD_SIZE", "10000")),
         ingest=IngestConfig(file_root=_abs(file_root) if file_root else None),
+        encoders=EncoderConfig(
+            **{
+                field: os.environ[var]
+                for field, var in (
+                    ("vae", "FLOWMATCH_VAE"),
+                    ("dino", "FLOWMATCH_DINO"),
+                    ("text", "FLOWMATCH_TEXT"),
+                    ("device", "FLOWMATCH_DEVICE"),
+                )
+                if os.environ.get(var)
+            }
+        ),
     )
