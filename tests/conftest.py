@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from flowmatch_assets.resources import FlowmatchResource
 from flowmatch_assets.config import IngestConfig
+from flowmatch_assets.resources import FlowmatchResource
 from flowmatch_assets.sample import SampleSpec, write_sample
 
 REPO = Path(__file__).resolve().parents[1]
@@ -19,10 +19,14 @@ os.environ.setdefault("DAGSTER_DISABLE_TELEMETRY", "1")
 @pytest.fixture(scope="session")
 def small_sample(tmp_path_factory) -> dict:
     """Two metadata files: 10 good rows each, bad rows in file 000 (written once per session)."""
-    return write_sample(tmp_path_factory.mktemp("sample"), SampleSpec(files=2, rows_per_file=10, seed=1))
+    return write_sample(
+        tmp_path_factory.mktemp("sample"), SampleSpec(files=2, rows_per_file=10, seed=1)
+    )
 
 
-def make_resource(data_root: Path, sample: dict, shard_size: int = 10_000, **kw) -> FlowmatchResource:
+def make_resource(
+    data_root: Path, sample: dict, shard_size: int = 10_000, **kw
+) -> FlowmatchResource:
     return FlowmatchResource(
         data_root=str(data_root),
         metadata_source=sample["metadata"],
@@ -35,3 +39,11 @@ def make_resource(data_root: Path, sample: dict, shard_size: int = 10_000, **kw)
 @pytest.fixture
 def resource(tmp_path, small_sample) -> FlowmatchResource:
     return make_resource(tmp_path / "data", small_sample)
+
+
+@pytest.fixture(scope="session")
+def zoo(tmp_path_factory) -> dict:
+    """The tiny random model zoo (same classes as the real encoders), built once per session."""
+    from flowmatch_models.zoo import create_zoo
+
+    return {k: str(v) for k, v in create_zoo(tmp_path_factory.mktemp("zoo")).items()}

@@ -1,0 +1,129 @@
+"""The embedding assets in a real Dagster instance on the tiny zoo: alignment, idempotency,
+checks, bad captions, and a corrupted shard detected with a clear error."""
+
+from __future__ import annotations
+
+import dagster as dg
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from flowmatch_assets.catalog import Catalog
+from flowmatch_assets.config import EncoderConfig, FilterConfig
+from flowmatch_assets.definitions import defs
+from flowmatch_assets.partitions import register_partitions
+from flowmatch_models.image_shard import read_image_meta
+from flowmatch_models.store import read_shard
+from tests.conftest import make_resource
+
+EMB = ["vae_latents", "dino_features", "text_embeddings"]
+
+
+def _run(res, key, instance, selection):
+    return dg.materialize(
+        list(defs.assets),
+        selection=selection,
+        partition_key=key,
+        instance=instance,
+        resources={"flowmatch": res},
+        raise_on_error=False,
+    )
+
+
+def _checks(res, key, instance):
+    job = dg.define_asset_job("checks", selection=dg.AssetSelection.all_asset_checks())
+    d = dg.Definitions(
+        assets=list(defs.assets),
+        asset_checks=list(defs.asset_checks),
+        jobs=[job],
+        resources={"flowmatch": res},
+    )
+    result = d.resolve_job_def("checks").execute_in_process(
+        instance=instance, tags={"dagster/partition": key}
+    )
+    return {
+        e.asset_check_evaluation_data.check_name: e.asset_check_evaluation_data
+        for e in result.all_events
+        if e.event_type_value == "ASSET_CHECK_EVALUATION"
+    }
+
+
+def test_three_embedding_assets_align_by_id_rerun_is_idempotent_and_checks_pass(
+    tmp_path, small_sample, zoo
+):
+    res = make_resource(
+        tmp_path / "data", small_sample, encoders=EncoderConfig(**zoo, batch_size=8)
+    )
+    with dg.instance_for_test() as instance:
+        register_partitions(instance, res)
+        assert _run(res, "000-00", instance, ["pd12m_metadata", "images_256", *EMB]).success
+        ids = (
+            read_image_meta(res.layout.asset_path("images_256", "000-00")).column("id").to_pylist()
+        )
+        shards = {a: read_shard(res.layout.asset_path(a, "000-00"), verify=True) for a in EMB}
+        for s in shards.values():
+            assert list(s.ids) == ids
+        assert shards["vae_latents"]["latents"].shape == (len(ids), 32, 8, 8)
+        assert shards["dino_features"]["patch"].shape == (len(ids), 64, 384)
+        assert shards["vae_latents"].attrs["random_weights"] is True
+        lengths = shards["text_embeddings"]["lengths"]
+        assert shards["text_embeddings"]["tokens"].shape == (int(lengths.sum()), 640)
+
+        cat = Catalog(res.data_root)
+        cov = {r["partition"]: r for r in cat.coverage()}["000-00"]
+        assert all(cov[a] == len(ids) for a in EMB)
+        comp = {r["asset"]: r for r in cat.compression()}
+        # only valid tokens are stored: far fewer bytes than the seed's padded fp16
+        assert comp["text_embeddings"]["ratio"] > 3
+
+        before = cat.query("SELECT count(*) AS n FROM rows")[0]["n"]
+        # re-run only the text embeddings (a subset of the multi-asset)
+        result = _run(res, "000-00", instance, ["text_embeddings"])
+        assert result.success
+        done = [e.asset_key.to_user_string() for e in result.get_asset_materialization_events()]
+        assert done == ["text_embeddings"]
+        assert cat.query("SELECT count(*) AS n FROM rows")[0]["n"] == before
+
+        checks = _checks(res, "000-00", instance)
+        assert {n: c.passed for n, c in checks.items()} == {
+            "images_256_complete": True,
+            "vae_latents_valid": True,
+            "dino_features_valid": True,
+            "text_embeddings_valid": True,
+        }
+
+        # corrupt one byte in the middle of the latents shard: the check names the file
+        path = res.layout.asset_path("vae_latents", "000-00")
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+        checks = _checks(res, "000-00", instance)
+        assert not checks["vae_latents_valid"].passed
+        assert str(path) in str(checks["vae_latents_valid"].metadata["problems"].value)
+
+
+def test_bad_captions_are_embedded_not_crashed(tmp_path, small_sample, zoo):
+    captions = ["", "   \n\t ", "x" * 10_000, "çà 漢字 🙂 \u200b\u202e mixed", "a red circle"]
+    src = pq.read_table(small_sample["metadata"] + "/pd12m.001.parquet").slice(0, len(captions))
+    src = src.set_column(src.schema.get_field_index("caption"), "caption", pa.array(captions))
+    md_dir = tmp_path / "md"
+    md_dir.mkdir()
+    pq.write_table(src, md_dir / "pd12m.005.parquet")
+    sample = {**small_sample, "metadata": str(md_dir)}
+    res = make_resource(
+        tmp_path / "data",
+        sample,
+        filters=FilterConfig(min_caption_chars=0, max_caption_chars=20_000),
+        encoders=EncoderConfig(**zoo, max_tokens=16),
+    )
+    with dg.instance_for_test() as instance:
+        register_partitions(instance, res)
+        assert _run(
+            res, "005-00", instance, ["pd12m_metadata", "images_256", "text_embeddings"]
+        ).success
+    shard = read_shard(res.layout.asset_path("text_embeddings", "005-00"))
+    lengths = shard["lengths"]
+    assert len(lengths) == len(captions)
+    assert (lengths >= 1).all() and (lengths <= 16).all()
+    assert lengths[2] == 16  # the 10,000-character caption is truncated
+    assert np.isfinite(shard["tokens"]).all()
