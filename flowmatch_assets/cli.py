@@ -97,6 +97,43 @@ def materialize(
     return out
 
 
+def train(
+    steps: int | None = None,
+    run_name: str = "default",
+    config_file: str | None = None,
+    extra: list[str] | None = None,
+    with_samples: bool = True,
+) -> bool:
+    """Materialize flow_model (and samples) in-process; training itself runs as a Pipes subprocess."""
+    import dagster as dg
+
+    from flowmatch_assets.definitions import defs
+
+    run_cfg: dict = {"run_name": run_name, "overrides": list(extra or [])}
+    if steps is not None:
+        run_cfg["max_steps"] = steps
+    if config_file:
+        run_cfg["config_file"] = str(Path(config_file).resolve())
+    ops = {"flow_model": {"config": run_cfg}}
+    if with_samples:
+        ops["samples"] = {"config": {"run_name": run_name}}
+    t0 = time.perf_counter()
+    result = dg.materialize(
+        list(defs.assets),
+        selection=list(ops),
+        instance=_instance(),
+        resources={"flowmatch": _resource(), "pipes_subprocess_client": dg.PipesSubprocessClient()},
+        run_config={"ops": ops, "loggers": {"console": {"config": {"log_level": "INFO"}}}},
+        raise_on_error=False,
+    )
+    print(f"training {'ok' if result.success else 'FAILED'} ({time.perf_counter() - t0:.0f}s)")
+    return result.success
+
+
+def cmd_train(a: argparse.Namespace) -> int:
+    return 0 if train(a.steps, a.run_name, a.config, a.set, not a.no_samples) else 1
+
+
 def cmd_materialize(a: argparse.Namespace) -> int:
     res = materialize(a.partition or None, a.asset or None, missing_only=a.missing)
     return 0 if all(res.values()) else 1
@@ -167,9 +204,16 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
         print(f"creating the tiny offline model zoo (RANDOM weights, same classes) in {zoo} ...")
         create_zoo(zoo)
-    for var, sub in (("FLOWMATCH_VAE", "vae"), ("FLOWMATCH_DINO", "dino"), ("FLOWMATCH_TEXT", "text")):
+    for var, sub in (
+        ("FLOWMATCH_VAE", "vae"),
+        ("FLOWMATCH_DINO", "dino"),
+        ("FLOWMATCH_TEXT", "text"),
+    ):
         os.environ.setdefault(var, str(zoo / sub))
-    print("encoders: " + ", ".join(os.environ[v] for v in ("FLOWMATCH_VAE", "FLOWMATCH_DINO", "FLOWMATCH_TEXT")))
+    print(
+        "encoders: "
+        + ", ".join(os.environ[v] for v in ("FLOWMATCH_VAE", "FLOWMATCH_DINO", "FLOWMATCH_TEXT"))
+    )
     results = materialize(raise_on_error=False)
     print_reports(str(root))
     layout = _resource().layout
@@ -248,6 +292,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--missing", action="store_true", help="only asset partitions whose file is missing"
     )
     s.set_defaults(func=cmd_materialize)
+
+    s = sub.add_parser("train", help="materialize flow_model (+ samples): start or resume training")
+    s.add_argument("--steps", type=int, default=None, help="total steps (default: the YAML's)")
+    s.add_argument("--run-name", default="default")
+    s.add_argument("--config", default=None, help="training YAML (default configs/tiny.yaml)")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    s.add_argument("--no-samples", action="store_true")
+    s.set_defaults(func=cmd_train)
 
     s = sub.add_parser("demo", help="write the sample and materialize every partition end to end")
     s.add_argument("--data-root", default="data")

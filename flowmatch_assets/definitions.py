@@ -10,15 +10,21 @@ import dagster as dg
 from flowmatch_assets.data_assets import images_256, images_256_complete, pd12m_metadata
 from flowmatch_assets.embedding_assets import EMBEDDING_CHECKS, encode_embeddings
 from flowmatch_assets.partitions import pd12m_partition_sensor
+from flowmatch_assets.training_assets import flow_model, samples
 from flowmatch_assets.resources import resource_from_env
 
-ASSETS = [pd12m_metadata, images_256, encode_embeddings]
+ASSETS = [pd12m_metadata, images_256, encode_embeddings, flow_model, samples]
 CHECKS = [images_256_complete, *EMBEDDING_CHECKS]
 
 ingest_job = dg.define_asset_job(
     "ingest_images",
     selection=dg.AssetSelection.assets(pd12m_metadata, images_256),
     description="Metadata and 256px images of the chosen partition(s).",
+)
+train_job = dg.define_asset_job(
+    "train_job",
+    selection=dg.AssetSelection.assets(flow_model, samples),
+    description="Start or resume training on the covered partitions, then render the sample grid.",
 )
 embed_job = dg.define_asset_job(
     "encode_embeddings_job",
@@ -32,8 +38,11 @@ def build_definitions() -> dg.Definitions:
         assets=ASSETS,
         asset_checks=CHECKS,
         sensors=[pd12m_partition_sensor],
-        jobs=[ingest_job, embed_job],
-        resources={"flowmatch": resource_from_env()},
+        jobs=[ingest_job, embed_job, train_job],
+        resources={
+            "flowmatch": resource_from_env(),
+            "pipes_subprocess_client": dg.PipesSubprocessClient(),
+        },
     )
 
 

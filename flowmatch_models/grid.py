@@ -46,7 +46,7 @@ def save_png(img: Image.Image, path: str | Path) -> Path:
 
 def markdown_image(img: Image.Image, alt: str = "preview", max_side: int = 512) -> str:
     """A small inline JPEG as markdown (shows in the Dagster UI's metadata)."""
-    im = img.copy()
+    im = img.convert("RGB")  # e.g. matplotlib's RGBA PNGs
     im.thumbnail((max_side, max_side))
     buf = io.BytesIO()
     im.save(buf, "JPEG", quality=80)

@@ -37,7 +37,11 @@ def _rows(n: int, **over) -> list[dict]:
 
 def _write(folder, number: int, rows: list[dict], row_group_size: int = 7):
     folder.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows), folder / f"pd12m.{number:03d}.parquet", row_group_size=row_group_size)
+    pq.write_table(
+        pa.Table.from_pylist(rows),
+        folder / f"pd12m.{number:03d}.parquet",
+        row_group_size=row_group_size,
+    )
 
 
 def test_one_file_becomes_several_stable_sorted_shards(tmp_path):
@@ -104,7 +108,9 @@ def test_duplicate_hash_keeps_the_first_and_every_row_has_one_outcome():
     assert kept.column("id").to_pylist() == ["id-0", "id-1"]
     assert {f["reason"] for f in filtered} == {"duplicate_hash"}
     assert kept.num_rows + len(filtered) == len(rows)
-    kept, filtered = filter_rows(pa.Table.from_pylist(rows), FilterConfig(drop_duplicate_hash=False))
+    kept, filtered = filter_rows(
+        pa.Table.from_pylist(rows), FilterConfig(drop_duplicate_hash=False)
+    )
     assert kept.num_rows == 6 and not filtered
 
 

@@ -44,7 +44,9 @@ def _materialize(res, key, instance):
     )
 
 
-def test_partition_materializes_every_row_gets_one_outcome_and_rerun_is_idempotent(resource, small_sample):
+def test_partition_materializes_every_row_gets_one_outcome_and_rerun_is_idempotent(
+    resource, small_sample
+):
     expected = small_sample["expected_outcomes"]
     with dg.instance_for_test() as instance:
         assert register_partitions(instance, resource) == ["000-00", "001-00"]
@@ -76,7 +78,10 @@ def test_partition_materializes_every_row_gets_one_outcome_and_rerun_is_idempote
         before = cat.query("SELECT count(*) AS n FROM rows")[0]["n"]
         assert _materialize(resource, "000-00", instance).success  # again
         assert cat.query("SELECT count(*) AS n FROM rows")[0]["n"] == before
-        assert cat.query("SELECT count(*) AS n FROM materializations WHERE partition='000-00'")[0]["n"] == 2
+        assert (
+            cat.query("SELECT count(*) AS n FROM materializations WHERE partition='000-00'")[0]["n"]
+            == 2
+        )
 
         mats = instance.fetch_materializations(dg.AssetKey("images_256"), limit=10).records
         md = mats[0].asset_materialization.metadata
@@ -123,9 +128,24 @@ def test_parallel_partitions_in_separate_processes_with_sqlite_home(tmp_path, sm
     assert keys == ["000-00", "000-01", "000-02", "000-03", "001-00", "001-01"]
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "dagster", "asset", "materialize", "-m", "flowmatch_assets.definitions",
-             "--select", "pd12m_metadata,images_256", "--partition", k],
-            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                sys.executable,
+                "-m",
+                "dagster",
+                "asset",
+                "materialize",
+                "-m",
+                "flowmatch_assets.definitions",
+                "--select",
+                "pd12m_metadata,images_256",
+                "--partition",
+                k,
+            ],
+            env=env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for k in keys[:3]
     ]
@@ -143,5 +163,7 @@ def test_parallel_partitions_in_separate_processes_with_sqlite_home(tmp_path, sm
     ]
     assert all(r["n"] == 1 for r in rows)
     # 3 shards of 5 rows: every row has exactly one metadata outcome
-    n = cat.query("SELECT count(DISTINCT id) AS n, count(*) AS m FROM rows WHERE asset='pd12m_metadata'")[0]
+    n = cat.query(
+        "SELECT count(DISTINCT id) AS n, count(*) AS m FROM rows WHERE asset='pd12m_metadata'"
+    )[0]
     assert n == {"n": 15, "m": 15}

@@ -1,0 +1,209 @@
+"""Training assets: the flow-matching DiT checkpoint (trained in a subprocess through Dagster
+Pipes, so DDP/torchrun work and metrics stream back) and a sample grid from it."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import dagster as dg
+from pydantic import Field
+
+from flowmatch_assets import catalog
+from flowmatch_assets.catalog import MaterializationRecord
+from flowmatch_assets.partitions import SHARDS
+from flowmatch_assets.resources import FlowmatchResource
+from flowmatch_models.layout import EMBEDDING_ASSETS
+
+GROUP = "training"
+REPO = Path(__file__).resolve().parents[1]
+
+
+class TrainRunConfig(dg.Config):
+    """Launchpad config of a training run (hyperparameters live in the YAML, not here)."""
+
+    config_file: str = Field(
+        default=str(REPO / "configs" / "tiny.yaml"),
+        description="Training YAML (read anew on every resume; never frozen into checkpoints).",
+    )
+    run_name: str = Field(default="default", description="Run folder under <data root>/runs/.")
+    extra_steps: int | None = Field(
+        default=None, description="Train this many steps beyond the latest checkpoint (resume)."
+    )
+    max_steps: int | None = Field(default=None, description="Total steps (overrides the YAML).")
+    resume: str = Field(default="auto", description="auto (latest checkpoint), none, or a path.")
+    min_coverage: float = Field(
+        default=1.0,
+        description="Fraction of registered partitions that must have all three embeddings.",
+    )
+    overrides: list[str] = Field(default_factory=list, description="Extra `--set key=value` items.")
+
+
+def run_dir(flowmatch: FlowmatchResource, name: str) -> Path:
+    return Path(flowmatch.data_root) / "runs" / name
+
+
+def coverage_or_fail(
+    flowmatch: FlowmatchResource, known: list[str], min_coverage: float
+) -> tuple[list[str], float]:
+    """Partitions with all three embeddings; raises dg.Failure naming what is missing when the
+    covered fraction of ``known`` partitions is below ``min_coverage``."""
+    layout = flowmatch.layout
+    complete = layout.complete_partitions()
+    known = sorted(set(known) | set(complete))
+    frac = len(complete) / len(known) if known else 0.0
+    if not complete or frac < min_coverage:
+        missing = {
+            p: [a for a in EMBEDDING_ASSETS if not layout.asset_path(a, p).exists()]
+            for p in known
+            if p not in complete
+        }
+        lines = [f"  {p}: missing {', '.join(a)}" for p, a in list(missing.items())[:20]]
+        more = f"\n  ... and {len(missing) - 20} more" if len(missing) > 20 else ""
+        raise dg.Failure(
+            description=(
+                f"training needs {min_coverage:.0%} of {len(known)} partitions with all of "
+                f"{', '.join(EMBEDDING_ASSETS)}; only {len(complete)} ({frac:.0%}) have them:\n"
+                + "\n".join(lines)
+                + more
+                + "\nMaterialize the missing embeddings (backfill 'missing only') or lower min_coverage."
+            ),
+            metadata={"missing": dg.MetadataValue.json(missing)},
+        )
+    return complete, frac
+
+
+@dg.asset(
+    deps=list(EMBEDDING_ASSETS),
+    group_name=GROUP,
+    kinds={"pytorch", "lightning", "wandb"},
+    pool="gpu",
+    description="The flow-matching SANA DiT (+REPA) checkpoint, trained or resumed on every covered partition.",
+)
+def flow_model(
+    context: dg.AssetExecutionContext,
+    config: TrainRunConfig,
+    flowmatch: FlowmatchResource,
+    pipes_subprocess_client: dg.PipesSubprocessClient,
+) -> dg.MaterializeResult:
+    known = list(context.instance.get_dynamic_partitions(SHARDS))
+    parts, frac = coverage_or_fail(flowmatch, known, config.min_coverage)
+    out = run_dir(flowmatch, config.run_name)
+    summary_path = out / "summary.json"
+    max_steps = config.max_steps
+    if config.extra_steps is not None:
+        done = json.loads(summary_path.read_text()).get("step", 0) if summary_path.exists() else 0
+        max_steps = done + config.extra_steps
+    enc = flowmatch.encoders
+    cmd = [
+        sys.executable, "-m", "flowmatch_models.train",
+        "--config", config.config_file,
+        "--resume", config.resume,
+        "--summary-json", str(summary_path),
+        "--set", f"data.root={flowmatch.data_root}",
+        "--set", f"data.partitions={json.dumps(parts)}",
+        "--set", f"run.out_dir={out}",
+        "--set", f"run.name={config.run_name}",
+        "--set", f"encoders.vae={enc.vae}",
+        "--set", f"encoders.text={enc.text}",
+    ]  # fmt: skip
+    if max_steps is not None:
+        cmd += ["--max-steps", str(max_steps)]
+    for o in config.overrides:
+        cmd += ["--set", o]
+    context.log.info(f"training on {len(parts)} partitions ({frac:.0%} coverage): {' '.join(cmd)}")
+    result = pipes_subprocess_client.run(
+        command=cmd, context=context, env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=str(REPO)
+    ).get_materialize_result()
+    summary = json.loads(summary_path.read_text())
+    catalog.record_materialization(
+        flowmatch.data_root,
+        MaterializationRecord(
+            asset="flow_model",
+            partition=config.run_name,
+            samples=int(summary.get("samples_seen") or 0),
+            seconds=float(summary.get("wall_s") or 0.0),
+            device=str(summary.get("device") or ""),
+            run_id=context.run.run_id,
+            extra={
+                "step": summary.get("step"),
+                "partitions": parts,
+                "trained_counts": summary.get("trained_counts"),
+                "samples_per_s": summary.get("samples_per_s"),
+                "loss": summary.get("loss"),
+            },
+        ),
+    )
+    md = dict(result.metadata or {})
+    md.update(
+        {
+            "partitions_used": dg.MetadataValue.json(parts),
+            "coverage": round(frac, 4),
+            "run_dir": dg.MetadataValue.path(str(out)),
+        }
+    )
+    for key, label in (("loss_curve", "loss curve"), ("sample_grid", "samples")):
+        p = summary.get(key)
+        if p and Path(p).exists():
+            from PIL import Image
+
+            from flowmatch_models.grid import markdown_image
+
+            md[f"{key}_png"] = dg.MetadataValue.path(p)
+            md[key] = dg.MetadataValue.md(markdown_image(Image.open(p), label, max_side=640))
+    return dg.MaterializeResult(metadata=md)
+
+
+class SamplesConfig(dg.Config):
+    """Fixed prompts rendered from the latest EMA export of a run."""
+
+    run_name: str = Field(default="default", description="Run folder under <data root>/runs/.")
+    prompts: list[str] = Field(
+        default_factory=lambda: [
+            "a large red circle in the centre of a textured sandy background",
+            "a small blue square on the left of a textured grey background",
+            "a large yellow star in the centre of a textured navy background",
+            "a small green triangle on the right of a textured pale pink background",
+        ],
+        description="Captions to render (one image each).",
+    )
+    steps: int = Field(default=30, description="Euler steps.")
+    cfg_scale: float = Field(default=4.0, description="Classifier-free guidance scale.")
+    seed: int = Field(default=0, description="Noise seed (fixed so grids compare across runs).")
+
+
+@dg.asset(
+    deps=[flow_model],
+    group_name=GROUP,
+    kinds={"pytorch", "png"},
+    description="A grid of images for fixed prompts from the latest flow_model (EMA weights).",
+)
+def samples(
+    context: dg.AssetExecutionContext, config: SamplesConfig, flowmatch: FlowmatchResource
+) -> dg.MaterializeResult:
+    from PIL import Image
+
+    from flowmatch_models.grid import markdown_image
+    from flowmatch_models.sample import load_model, load_vae, prompt_embeddings, sample_grid
+
+    export = run_dir(flowmatch, config.run_name) / "transformer_ema"
+    if not export.exists():
+        raise dg.Failure(f"no trained model at {export}; materialize flow_model first")
+    model, meta = load_model(model_dir=export)
+    enc = flowmatch.encoders
+    text, mask, labels = prompt_embeddings(config.prompts, enc.text)
+    out = Path(flowmatch.data_root) / "samples" / f"{config.run_name}.png"
+    sample_grid(
+        model, text, mask, out, scaling_factor=float(meta.get("scaling_factor", 1.0)),
+        vae=load_vae(enc.vae), steps=config.steps, cfg_scale=config.cfg_scale,
+        seed=config.seed, labels=labels,
+    )  # fmt: skip
+    context.log.info(f"sample grid: {out}")
+    return dg.MaterializeResult(
+        metadata={
+            "grid_png": dg.MetadataValue.path(str(out)),
+            "grid": dg.MetadataValue.md(markdown_image(Image.open(out), "samples", max_side=640)),
+            "prompts": dg.MetadataValue.json(config.prompts),
+            "model": dg.MetadataValue.path(str(export)),
+        }
+    )

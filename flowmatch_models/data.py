@@ -1,0 +1,295 @@
+"""Training data: batches of (scaled latents, DINOv2 patches, padded captions) from the store.
+
+Order of one epoch (a pure function of ``seed``, ``epoch`` and the partition list):
+shards are permuted, grouped into windows of ``shuffle_window`` shards, and the samples of each
+window are permuted together — so a worker only keeps a window of shards open while batches
+still mix partitions. Global batch ``b`` covers epoch positions ``[start + b G, start + (b+1) G)``
+with ``G = batch_size * world_size``; rank ``r`` takes its ``r``-th slice of ``batch_size``;
+dataloader worker ``w`` builds batches ``b = w mod num_workers`` (the DataLoader returns them in
+order). The data position ``(epoch, sample offset)`` is ours, not Lightning's: the training
+step reports each consumed batch through :meth:`EmbeddingDataModule.mark_consumed`, and the
+position plus per-partition trained counts travel in the checkpoint (``state_dict``), so a
+mid-epoch resume continues exactly where the run stopped, even with a new batch size.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from flowmatch_models.layout import DataLayout
+from flowmatch_models.store import Shard, pad_ragged, ragged_offsets, read_shard
+
+log = logging.getLogger(__name__)
+
+
+class ShardSource:
+    """The partitions' three aligned shards (latents, DINO, text), opened lazily and cached."""
+
+    def __init__(
+        self,
+        root: str | Path,
+        partitions: Sequence[str],
+        text_max_len: int = 128,
+        load_dino: bool = True,
+        cache_shards: int = 4,
+    ):
+        self.layout = DataLayout(root)
+        self.partitions = list(partitions)
+        if not self.partitions:
+            raise ValueError(
+                f"no complete partitions under {self.layout.root}: training needs vae_latents, "
+                "dino_features and text_embeddings for the same partition; materialize them first"
+            )
+        self.text_max_len = text_max_len
+        self.load_dino = load_dino
+        self.cache_shards = max(1, cache_shards)
+        self._open: OrderedDict[int, dict] = OrderedDict()
+        self.sizes = np.array(
+            [len(self._shard("vae_latents", p)) for p in self.partitions], dtype=np.int64
+        )
+        first = self._shard("vae_latents", self.partitions[0])
+        if "scaling_factor" not in first.attrs:
+            raise ValueError(
+                f"{first.path}: attrs has no 'scaling_factor'; re-materialize vae_latents"
+            )
+        self.scaling_factor = float(first.attrs["scaling_factor"])
+
+    def _shard(self, asset: str, partition: str) -> Shard:
+        return read_shard(self.layout.asset_path(asset, partition))
+
+    def _arrays(self, i: int) -> dict:
+        """Decoded arrays of partition ``i`` (LRU cache of ``cache_shards`` partitions)."""
+        if i in self._open:
+            self._open.move_to_end(i)
+            return self._open[i]
+        p = self.partitions[i]
+        vae, text = self._shard("vae_latents", p), self._shard("text_embeddings", p)
+        shards = [vae, text]
+        out = {"ids": vae.ids, "latents": vae["latents"], "tokens": text["tokens"]}
+        out["lengths"] = np.asarray(text["lengths"]).astype(np.int64)
+        out["offsets"] = ragged_offsets(out["lengths"])
+        if self.load_dino:
+            dino = self._shard("dino_features", p)
+            shards.append(dino)
+            out["patch"] = dino["patch"]
+        for s in shards[1:]:
+            if s.ids != vae.ids:
+                raise ValueError(
+                    f"partition {p!r}: ids of {s.path.name} in {s.path.parent.name} differ from "
+                    "vae_latents; re-materialize the partition's embedding assets"
+                )
+        sf = float(vae.attrs.get("scaling_factor", self.scaling_factor))
+        if sf != self.scaling_factor:
+            raise ValueError(f"partition {p!r}: scaling_factor {sf} != {self.scaling_factor}")
+        self._open[i] = out
+        while len(self._open) > self.cache_shards:
+            self._open.popitem(last=False)
+        return out
+
+    def gather(self, shard_idx: np.ndarray, rows: np.ndarray) -> dict:
+        """Batch of samples ``(shard_idx[j], rows[j])`` in that order; text padded per batch."""
+        by_shard = {int(s): np.nonzero(shard_idx == s)[0] for s in np.unique(shard_idx)}
+        arrays = {s: self._arrays(s) for s in by_shard}
+        width = max(int(arrays[s]["lengths"][rows[j]].max()) for s, j in by_shard.items())
+        width = max(1, min(width, self.text_max_len))
+        b = len(rows)
+        latents = np.empty((b, 32, 8, 8), np.float32)
+        text = np.zeros((b, width, 640), np.float16)
+        mask = np.zeros((b, width), bool)
+        patch = np.empty((b, 64, 384), np.float16) if self.load_dino else None
+        ids: list[str] = [""] * b
+        for s, j in by_shard.items():
+            a, r = arrays[s], rows[j]
+            latents[j] = a["latents"][r]
+            t, m = pad_ragged(a["tokens"], a["lengths"], r, width, a["offsets"])
+            text[j], mask[j] = t, m
+            if patch is not None:
+                patch[j] = a["patch"][r]
+            for jj, rr in zip(j, r):
+                ids[jj] = a["ids"][rr]
+        out = {
+            "latents": torch.from_numpy(latents) * self.scaling_factor,
+            "text": torch.from_numpy(text),
+            "mask": torch.from_numpy(mask),
+            "ids": ids,
+            "shard": torch.from_numpy(shard_idx.astype(np.int64)),
+        }
+        if patch is not None:
+            out["dino"] = torch.from_numpy(patch)
+        return out
+
+
+def epoch_order(sizes: np.ndarray, epoch: int, seed: int, window: int) -> np.ndarray:
+    """Global sample indices of one epoch: shuffled shard order, shuffled within windows."""
+    rng = np.random.default_rng([seed, epoch])
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    shard_order = rng.permutation(len(sizes))
+    parts = []
+    for w in range(0, len(shard_order), window):
+        idx = np.concatenate(
+            [np.arange(starts[s], starts[s + 1]) for s in shard_order[w : w + window]]
+        )
+        parts.append(rng.permutation(idx))
+    return np.concatenate(parts)
+
+
+class BatchStream(IterableDataset):
+    """Endless stream of this rank's batches from ``(start_epoch, start_sample)`` onwards."""
+
+    def __init__(
+        self,
+        source: ShardSource,
+        batch_size: int,
+        seed: int = 0,
+        shuffle_window: int = 4,
+        rank: int = 0,
+        world_size: int = 1,
+        start_epoch: int = 0,
+        start_sample: int = 0,
+    ):
+        self.source, self.batch_size, self.seed = source, batch_size, seed
+        self.window, self.rank, self.world_size = shuffle_window, rank, world_size
+        self.start_epoch, self.start_sample = start_epoch, start_sample
+        self.global_batch = batch_size * world_size
+        self.starts = np.concatenate([[0], np.cumsum(source.sizes)])
+        if self.global_batch > int(source.sizes.sum()):
+            raise ValueError(
+                f"global batch {self.global_batch} (batch_size x {world_size} ranks) exceeds the "
+                f"{int(source.sizes.sum())} samples of {len(source.sizes)} partitions; "
+                "lower data.batch_size or add partitions"
+            )
+
+    def __iter__(self) -> Iterator[dict]:
+        info = get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info else (0, 1)
+        epoch, start = self.start_epoch, self.start_sample
+        n_total = int(self.starts[-1])
+        while True:
+            order = epoch_order(self.source.sizes, epoch, self.seed, self.window)
+            b = 0
+            while start + (b + 1) * self.global_batch <= n_total:
+                if b % nw == wid:
+                    g0 = start + b * self.global_batch
+                    lo = g0 + self.rank * self.batch_size
+                    idx = order[lo : lo + self.batch_size]
+                    shard = np.searchsorted(self.starts, idx, side="right") - 1
+                    batch = self.source.gather(shard, idx - self.starts[shard])
+                    batch["epoch"] = torch.tensor(epoch)
+                    batch["position"] = torch.tensor(g0)
+                    batch["global_batch"] = torch.tensor(self.global_batch)
+                    yield batch
+                b += 1
+            epoch, start = epoch + 1, 0
+
+
+class EmbeddingDataModule(L.LightningDataModule):
+    """Lightning data module over the complete partitions (or an explicit list) of a data root.
+
+    ``state_dict`` holds the data position ``(epoch, position)``, the partition list it refers
+    to and the per-partition count of samples trained so far (over all ranks).
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        partitions: Sequence[str] | None = None,
+        batch_size: int = 64,
+        num_workers: int = 0,
+        seed: int = 0,
+        shuffle_window: int = 4,
+        text_max_len: int = 128,
+        load_dino: bool = True,
+    ):
+        super().__init__()
+        self.root = Path(root)
+        self.partitions = list(partitions) if partitions else DataLayout(root).complete_partitions()
+        self.batch_size, self.num_workers, self.seed = batch_size, num_workers, seed
+        self.shuffle_window, self.text_max_len, self.load_dino = (
+            shuffle_window,
+            text_max_len,
+            load_dino,
+        )
+        self.source = ShardSource(
+            root, self.partitions, text_max_len, load_dino, shuffle_window + 1
+        )
+        self.epoch, self.position = 0, 0
+        self.trained_counts: dict[str, int] = {p: 0 for p in self.partitions}
+        self._orders: dict[int, np.ndarray] = {}
+
+    @property
+    def scaling_factor(self) -> float:
+        return self.source.scaling_factor
+
+    def _rank_world(self) -> tuple[int, int]:
+        trainer = getattr(self, "trainer", None)
+        if trainer is None:
+            return 0, 1
+        return trainer.global_rank, trainer.world_size
+
+    def train_dataloader(self) -> DataLoader:
+        rank, world = self._rank_world()
+        stream = BatchStream(
+            self.source,
+            self.batch_size,
+            self.seed,
+            self.shuffle_window,
+            rank,
+            world,
+            self.epoch,
+            self.position,
+        )
+        return DataLoader(
+            stream,
+            batch_size=None,
+            num_workers=self.num_workers,
+            pin_memory=torch.cuda.is_available(),
+            prefetch_factor=4 if self.num_workers > 0 else None,
+            persistent_workers=False,
+        )
+
+    def mark_consumed(self, epoch: int, position: int, global_batch: int) -> None:
+        """Record that the global batch at ``(epoch, position)`` was trained on (all ranks)."""
+        if epoch not in self._orders:
+            self._orders = {
+                epoch: epoch_order(self.source.sizes, epoch, self.seed, self.shuffle_window)
+            }
+        idx = self._orders[epoch][position : position + global_batch]
+        shard = np.searchsorted(np.cumsum(self.source.sizes), idx, side="right")
+        for s, c in zip(*np.unique(shard, return_counts=True)):
+            p = self.partitions[int(s)]
+            self.trained_counts[p] = self.trained_counts.get(p, 0) + int(c)
+        self.epoch, self.position = epoch, position + global_batch
+        if self.position + global_batch > int(self.source.sizes.sum()):
+            self.epoch, self.position = epoch + 1, 0
+
+    def state_dict(self) -> dict:
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "partitions": list(self.partitions),
+            "trained_counts": dict(self.trained_counts),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.trained_counts = {p: 0 for p in self.partitions}
+        self.trained_counts.update({k: int(v) for k, v in state["trained_counts"].items()})
+        if list(state["partitions"]) == self.partitions and int(state["seed"]) == self.seed:
+            self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        else:
+            self.epoch, self.position = int(state["epoch"]) + 1, 0
+            log.warning(
+                "partitions or seed changed since the checkpoint (%d -> %d partitions); "
+                "resuming at the start of epoch %d",
+                len(state["partitions"]),
+                len(self.partitions),
+                self.epoch,
+            )

@@ -1,0 +1,409 @@
+"""The three frozen encoders of the precalc stage, loaded through the real ``from_pretrained``.
+
+- VAE: diffusers ``AutoencoderDC`` (DC-AE f32c32): ``[N, 256, 256, 3] uint8 -> [N, 32, 8, 8]``
+  fp16, the *unscaled* ``.latent`` (multiply by :attr:`Encoders.scaling_factor` for training).
+- DINO: transformers ``Dinov2Model`` (dinov2-small): ImageNet-normalised images resized to
+  ``dino_size``; the last hidden state's patch tokens mapped to the 8x8 latent grid
+  (``avg2x2``: 224 px -> 16x16 patches -> 2x2 average pool; ``resize112``: run at 112 px, 8x8
+  patches directly) -> ``patch [N, 64, 384]`` and ``cls [N, 384]`` fp16.
+- Text: ``AutoTokenizer`` + ``AutoModel`` (``Gemma3TextModel`` for gemma-3-270m): last hidden
+  states of the caption truncated to ``max_tokens`` tokens (BOS included), only the valid
+  tokens -> ragged ``tokens [T, 640]`` fp16 + ``lengths [N] int32``. An empty caption still
+  yields one token (BOS), so every sample has length >= 1.
+
+Each model is given as a hub id or a local folder. Loading is lazy (first use). With
+``HF_HUB_OFFLINE=1`` only the local HF cache is consulted. Missing weights raise
+:class:`MissingWeightsError` naming the model, where it looked and how to fix it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from flowmatch_models.zoo import is_random_weights
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+LATENT_GRID = 8  # 256 px / DC-AE factor 32
+IMAGE_SIZE = 256
+DINO_POOLS = ("avg2x2", "resize112")
+FP16_MAX = 65504.0
+
+
+class MissingWeightsError(RuntimeError):
+    """An encoder's weights are neither a local folder nor in the Hugging Face cache."""
+
+
+@dataclass
+class EncoderSpec:
+    """Which encoders to load and how to run them (one typed config object, with defaults)."""
+
+    vae: str = "mit-han-lab/dc-ae-f32c32-sana-1.0-diffusers"  # hub id or local folder
+    dino: str = "facebook/dinov2-small"
+    text: str = "google/gemma-3-270m"
+    device: str = "auto"  # "auto" = cuda if available, else cpu
+    dtype: str = "auto"  # "auto" = bf16 on cuda, fp32 on cpu; or "fp32" / "bf16" / "fp16"
+    max_tokens: int = 128  # caption truncation (tokens, BOS included)
+    dino_size: int = 224  # DINOv2 input size for dino_pool="avg2x2"
+    dino_pool: str = "avg2x2"  # or "resize112" (run DINOv2 at 112 px -> 8x8 patches)
+    batch_size: int = 64
+    channels_last: bool = True  # conv memory format for the VAE on CUDA
+    compile: bool = False  # torch.compile the VAE encoder and DINOv2 (CUDA only)
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {
+        "fp32": torch.float32,
+        "float32": torch.float32,
+        "bf16": torch.bfloat16,
+        "bfloat16": torch.bfloat16,
+        "fp16": torch.float16,
+        "float16": torch.float16,
+    }
+    if dtype not in table:
+        raise ValueError(f"unknown dtype {dtype!r}; use auto, fp32, bf16 or fp16")
+    return table[dtype]
+
+
+def _looks_like_path(source: str) -> bool:
+    """Hub ids are ``name`` or ``org/name``; anything else is meant as a local folder."""
+    return (
+        source.startswith(("/", ".", "~"))
+        or source.count("/") > 1
+        or os.sep != "/"
+        and os.sep in source
+    )
+
+
+def _missing_message(kind: str, source: str, err: Exception | None) -> str:
+    from huggingface_hub import constants
+
+    fix = f"run `huggingface-cli download {source}`"
+    if "gemma" in source.lower():
+        fix = (
+            f"it is a gated repo: accept the licence on huggingface.co, run `huggingface-cli "
+            f"login` and `huggingface-cli download {source}`"
+        )
+    where = f"the HF cache {constants.HF_HUB_CACHE}"
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        where += " (HF_HUB_OFFLINE=1, so the hub was not asked)"
+    msg = (
+        f"no weights for {kind} encoder `{source}` in {where}; {fix}, or set the {kind} "
+        f"encoder path (EncoderSpec.{kind}) to a local folder made by `save_pretrained` "
+        "(`python -m flowmatch_models.zoo create DEST` makes tiny random ones for demos)"
+    )
+    if err is not None:
+        msg += f". Cause: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    return msg
+
+
+def load_pretrained(kind: str, source: str, loader: Callable[..., Any], **kwargs: Any) -> Any:
+    """Call ``loader(source, ...)`` (a ``from_pretrained``) with clear errors for missing weights.
+
+    A local folder is loaded as is; a hub id is looked up in the HF cache (and on the hub
+    unless ``HF_HUB_OFFLINE=1``).
+    """
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return loader(str(path), **kwargs)
+    if _looks_like_path(source):
+        raise MissingWeightsError(
+            f"{kind} encoder folder {path} does not exist; create it with `save_pretrained` "
+            f"(or `python -m flowmatch_models.zoo create DEST`) or set EncoderSpec.{kind} to a "
+            "hub id"
+        )
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        kwargs.setdefault("local_files_only", True)
+    try:
+        return loader(source, **kwargs)
+    except (OSError, ValueError) as exc:  # transformers/diffusers raise OSError (EnvironmentError)
+        raise MissingWeightsError(_missing_message(kind, source, exc)) from exc
+
+
+class Encoders:
+    """Lazily loaded VAE, DINOv2 and text encoder with batched, inference-mode encode methods."""
+
+    def __init__(self, spec: EncoderSpec | None = None):
+        self.spec = spec or EncoderSpec()
+        if self.spec.dino_pool not in DINO_POOLS:
+            raise ValueError(f"dino_pool {self.spec.dino_pool!r}; choose one of {DINO_POOLS}")
+        self._device = _resolve_device(self.spec.device)
+        self.dtype = _resolve_dtype(self.spec.dtype, self._device)
+        self._vae: Any = None
+        self._dino: Any = None
+        self._text: Any = None
+        self._tokenizer: Any = None
+
+    @classmethod
+    def from_models(
+        cls,
+        spec: EncoderSpec | None = None,
+        *,
+        vae: Any = None,
+        dino: Any = None,
+        text: Any = None,
+        tokenizer: Any = None,
+    ) -> Encoders:
+        """Encoders around already built models (benchmarks, notebooks); the rest load lazily.
+
+        Models are moved to the spec's device/dtype and prepared exactly as loaded ones are.
+        """
+        enc = cls(spec)
+
+        def cast(model: Any) -> Any:
+            return model if next(model.parameters()).dtype == enc.dtype else model.to(enc.dtype)
+
+        if vae is not None:
+            enc._vae = enc._prepare_vae(cast(vae))
+        if dino is not None:
+            enc._dino = enc._prepare(cast(dino), compile_it=True)
+        if text is not None:
+            enc._text = enc._prepare(cast(text), compile_it=False)
+        enc._tokenizer = tokenizer
+        return enc
+
+    def _compiling(self) -> bool:
+        return self.spec.compile and self._device.type == "cuda"
+
+    def _prepare(self, model: Any, compile_it: bool) -> Any:
+        model = model.to(self._device).eval().requires_grad_(False)
+        return torch.compile(model) if compile_it and self._compiling() else model
+
+    def _prepare_vae(self, vae: Any) -> Any:
+        vae = vae.to(self._device).eval().requires_grad_(False)
+        if self.spec.channels_last and self._device.type == "cuda":
+            vae = vae.to(memory_format=torch.channels_last)
+        if self._compiling():
+            vae.encoder = torch.compile(vae.encoder)
+        return vae
+
+    # ---------------------------------------------------------------------------------- props
+    @property
+    def device(self) -> str:
+        """The torch device the encoders run on, e.g. ``"cpu"`` or ``"cuda"``."""
+        return str(self._device)
+
+    @property
+    def random_weights(self) -> dict[str, bool]:
+        """Per encoder: True where its folder is a zoo model (randomly initialised)."""
+        return {k: is_random_weights(getattr(self.spec, k)) for k in ("vae", "dino", "text")}
+
+    @property
+    def scaling_factor(self) -> float:
+        """DC-AE latent scaling factor from the VAE config (0.41407 for f32c32-sana-1.0)."""
+        return float(self.vae.config.scaling_factor)
+
+    @property
+    def vae(self) -> Any:
+        """The ``AutoencoderDC`` (loaded on first use)."""
+        if self._vae is None:
+            from diffusers import AutoencoderDC
+
+            vae = load_pretrained(
+                "vae", self.spec.vae, AutoencoderDC.from_pretrained, torch_dtype=self.dtype
+            )
+            self._vae = self._prepare_vae(vae)
+        return self._vae
+
+    @property
+    def dino(self) -> Any:
+        """The DINOv2 model (loaded on first use)."""
+        if self._dino is None:
+            from transformers import AutoModel
+
+            dino = load_pretrained(
+                "dino", self.spec.dino, AutoModel.from_pretrained, dtype=self.dtype
+            )
+            self._dino = self._prepare(dino, compile_it=True)
+        return self._dino
+
+    @property
+    def text_model(self) -> Any:
+        """The text encoder (``Gemma3TextModel`` for gemma-3-270m; loaded on first use)."""
+        if self._text is None:
+            from transformers import AutoModel
+
+            model = load_pretrained(
+                "text", self.spec.text, AutoModel.from_pretrained, dtype=self.dtype
+            )
+            self._text = self._prepare(model, compile_it=False)
+        return self._text
+
+    @property
+    def tokenizer(self) -> Any:
+        """The caption tokenizer (loaded on first use)."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = load_pretrained("text", self.spec.text, AutoTokenizer.from_pretrained)
+        return self._tokenizer
+
+    # --------------------------------------------------------------------------------- images
+    def _batches(self, n: int) -> list[slice]:
+        bs = max(1, int(self.spec.batch_size))
+        return [slice(i, min(i + bs, n)) for i in range(0, n, bs)]
+
+    def _images_to_tensor(self, images: np.ndarray) -> torch.Tensor:
+        """uint8 NHWC -> float NCHW in [0, 1] on the device."""
+        t = torch.from_numpy(np.ascontiguousarray(images)).to(self._device, non_blocking=True)
+        return t.permute(0, 3, 1, 2).float().div_(255.0)
+
+    @staticmethod
+    def _check_images(images: np.ndarray) -> np.ndarray:
+        images = np.asarray(images)
+        if images.dtype != np.uint8 or images.ndim != 4 or images.shape[1:] != (256, 256, 3):
+            raise ValueError(
+                f"expected uint8 images [N, 256, 256, 3], got {images.dtype} {images.shape}"
+            )
+        return images
+
+    @torch.inference_mode()
+    def encode_vae(self, images_uint8: np.ndarray) -> np.ndarray:
+        """DC-AE latents ``[N, 32, 8, 8]`` fp16 (unscaled) of uint8 images ``[N, 256, 256, 3]``."""
+        images = self._check_images(images_uint8)
+        vae = self.vae
+        out = []
+        for sl in self._batches(len(images)):
+            x = self._images_to_tensor(images[sl]).mul_(2.0).sub_(1.0).to(self.dtype)
+            if self.spec.channels_last and self._device.type == "cuda":
+                x = x.contiguous(memory_format=torch.channels_last)
+            out.append(_to_fp16(vae.encode(x).latent))
+        if not out:
+            c = int(vae.config.latent_channels)
+            return np.zeros((0, c, LATENT_GRID, LATENT_GRID), np.float16)
+        return np.concatenate(out)
+
+    @property
+    def dino_input_size(self) -> int:
+        """Pixel size DINOv2 runs at (``dino_size``, or 112 for ``resize112``)."""
+        patch = int(self.dino.config.patch_size)
+        size = patch * LATENT_GRID if self.spec.dino_pool == "resize112" else self.spec.dino_size
+        grid = size // patch
+        if size % patch or grid % LATENT_GRID:
+            raise ValueError(
+                f"dino_size {size} gives a {size / patch:g}-patch grid with patch {patch}; it "
+                f"must be a multiple of {LATENT_GRID} patches (e.g. 224 for patch 14)"
+            )
+        return size
+
+    @torch.inference_mode()
+    def encode_dino(self, images_uint8: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """DINOv2 features of uint8 images: ``(patch [N, 64, D], cls [N, D])`` fp16, D = 384."""
+        images = self._check_images(images_uint8)
+        dino = self.dino
+        size = self.dino_input_size
+        grid = size // int(dino.config.patch_size)
+        mean = torch.tensor(IMAGENET_MEAN, device=self._device).view(1, 3, 1, 1)
+        std = torch.tensor(IMAGENET_STD, device=self._device).view(1, 3, 1, 1)
+        patches, clss = [], []
+        for sl in self._batches(len(images)):
+            x = self._images_to_tensor(images[sl])
+            if size != IMAGE_SIZE:
+                x = F.interpolate(x, size=(size, size), mode="bicubic", antialias=True)
+            x = ((x - mean) / std).to(self.dtype)
+            h = dino(pixel_values=x).last_hidden_state  # [B, 1 + registers + grid^2, D]
+            cls = h[:, 0]
+            p = h[:, -grid * grid :].float()
+            b, _, d = p.shape
+            if grid != LATENT_GRID:
+                p = p.transpose(1, 2).reshape(b, d, grid, grid)
+                p = F.adaptive_avg_pool2d(p, LATENT_GRID).reshape(b, d, -1).transpose(1, 2)
+            patches.append(_to_fp16(p))
+            clss.append(_to_fp16(cls))
+        if not patches:
+            d = int(dino.config.hidden_size)
+            return np.zeros((0, LATENT_GRID**2, d), np.float16), np.zeros((0, d), np.float16)
+        return np.concatenate(patches), np.concatenate(clss)
+
+    # ----------------------------------------------------------------------------------- text
+    def tokenize(self, captions: Sequence[str]) -> list[list[int]]:
+        """Token ids per caption, exactly as :meth:`encode_text` feeds them (truncated, BOS)."""
+        enc = self.tokenizer(
+            [_clean_caption(c) for c in captions],
+            truncation=True,
+            max_length=self.spec.max_tokens,
+            add_special_tokens=True,
+        )
+        ids = [list(x) for x in enc["input_ids"]]
+        bos = self.tokenizer.bos_token_id
+        # every sample keeps >= 1 token: tokenizers that add no BOS get one for empty captions
+        return [x if x else [bos if bos is not None else self.tokenizer.pad_token_id] for x in ids]
+
+    @torch.inference_mode()
+    def encode_text(self, captions: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Last hidden states of the valid caption tokens: ``(tokens [T, D], lengths [N] int32)``.
+
+        Captions are truncated to ``max_tokens`` tokens; empty/whitespace captions give the BOS
+        token only (length 1). Batches are sorted by length so padding stays small.
+        """
+        ids = self.tokenize(list(captions))
+        lengths = np.array([len(x) for x in ids], dtype=np.int32)
+        model = self.text_model
+        hidden = int(model.config.hidden_size)
+        pad = self.tokenizer.pad_token_id or 0
+        order = np.argsort(-lengths, kind="stable")
+        per_sample: list[np.ndarray | None] = [None] * len(ids)
+        for sl in self._batches(len(ids)):
+            idx = order[sl]
+            L = int(lengths[idx].max())
+            input_ids = torch.full((len(idx), L), pad, dtype=torch.long)
+            mask = torch.zeros((len(idx), L), dtype=torch.long)
+            for row, i in enumerate(idx):
+                input_ids[row, : lengths[i]] = torch.tensor(ids[i])
+                mask[row, : lengths[i]] = 1
+            h = model(
+                input_ids=input_ids.to(self._device), attention_mask=mask.to(self._device)
+            ).last_hidden_state
+            h16 = _to_fp16(h)
+            for row, i in enumerate(idx):
+                per_sample[i] = h16[row, : lengths[i]]
+        if not ids:
+            return np.zeros((0, hidden), np.float16), lengths
+        return np.concatenate(per_sample), lengths  # type: ignore[arg-type]
+
+
+def _clean_caption(caption: Any) -> str:
+    """Captions as text: None/NaN -> "", surrogates and NULs removed, whitespace stripped."""
+    if caption is None or (isinstance(caption, float) and caption != caption):
+        return ""
+    text = str(caption).replace("\x00", "")
+    text = text.encode("utf-8", errors="replace").decode("utf-8")
+    return text.strip()
+
+
+def _to_fp16(t: torch.Tensor) -> np.ndarray:
+    """Float tensor -> fp16 numpy, saturating at the fp16 range instead of overflowing to inf."""
+    return t.float().clamp_(-FP16_MAX, FP16_MAX).to(torch.float16).cpu().numpy()
+
+
+@torch.inference_mode()
+def decode_latents(
+    vae: Any, latents: np.ndarray | torch.Tensor, batch_size: int = 32
+) -> np.ndarray:
+    """Decode unscaled DC-AE latents ``[N, 32, 8, 8]`` to uint8 images ``[N, 256, 256, 3]``."""
+    param = next(vae.parameters())
+    z = torch.as_tensor(np.asarray(latents) if not torch.is_tensor(latents) else latents)
+    out = []
+    for i in range(0, len(z), batch_size):
+        x = vae.decode(z[i : i + batch_size].to(param.device, param.dtype)).sample
+        x = ((x.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+        out.append(x.permute(0, 2, 3, 1).cpu().numpy())
+    if not out:
+        return np.zeros((0, IMAGE_SIZE, IMAGE_SIZE, 3), np.uint8)
+    return np.concatenate(out)

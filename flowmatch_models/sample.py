@@ -1,0 +1,162 @@
+"""Sample a grid of images from a trained model: fixed prompts -> Euler/CFG -> DC-AE -> PNG.
+
+    python -m flowmatch_models.sample --model runs/x/transformer_ema --text-encoder TEXT \\
+        --vae VAE --prompts "a red car" "a cat" --out grid.png
+    python -m flowmatch_models.sample --checkpoint runs/x/checkpoints/last.ckpt ...
+
+Without ``--vae`` the grid shows the latents themselves (channels 0-2, per-image normalised).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from diffusers import SanaTransformer2DModel
+
+from flowmatch_models.dit import transformer_config
+from flowmatch_models.flow import sample
+from flowmatch_models.grid import make_grid, save_png
+
+
+def load_model(
+    checkpoint: str | Path | None = None, model_dir: str | Path | None = None
+) -> tuple[SanaTransformer2DModel, dict]:
+    """The EMA transformer and its metadata (``scaling_factor``, ``preset``) from either a
+    training checkpoint (``weights_only`` load) or an exported ``transformer_ema`` folder."""
+    if (checkpoint is None) == (model_dir is None):
+        raise ValueError("pass exactly one of checkpoint= (a .ckpt) or model_dir= (an export)")
+    if model_dir is not None:
+        model_dir = Path(model_dir)
+        model = SanaTransformer2DModel.from_pretrained(model_dir)
+        meta_path = model_dir / "flowmatch.json"
+        meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+        return model.eval(), meta
+    ckpt = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    meta = ckpt.get("flowmatch", {})
+    if "preset" not in meta:
+        raise ValueError(f"{checkpoint}: not a flowmatch training checkpoint (no 'flowmatch' info)")
+    model = SanaTransformer2DModel(**transformer_config(meta["preset"]))
+    state = {k[4:]: v for k, v in ckpt["state_dict"].items() if k.startswith("ema.")}
+    model.load_state_dict(state)
+    return model.eval(), meta
+
+
+def load_vae(path: str):
+    """The DC-AE decoder (``AutoencoderDC.from_pretrained``) via the project's encoder loader."""
+    from flowmatch_models.encoders import Encoders, EncoderSpec
+
+    return Encoders(EncoderSpec(vae=path)).vae
+
+
+def prompt_embeddings(
+    prompts: Sequence[str], text_encoder: str
+) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """Gemma3 hidden states of ``prompts``, padded: ``(text [N, L, 640], mask [N, L], labels)``."""
+    from flowmatch_models.encoders import Encoders, EncoderSpec
+    from flowmatch_models.store import pad_ragged
+
+    tokens, lengths = Encoders(EncoderSpec(text=text_encoder)).encode_text(list(prompts))
+    text, mask = pad_ragged(tokens, lengths, np.arange(len(prompts)))
+    return torch.from_numpy(text).float(), torch.from_numpy(mask), list(prompts)
+
+
+def store_captions(source, n: int) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """The first ``n`` stored caption embeddings of the first partition (no text encoder needed)."""
+    b = source.gather(np.zeros(n, np.int64), np.arange(min(n, int(source.sizes[0]))))
+    return b["text"].float(), b["mask"], b["ids"]
+
+
+def latents_to_images(latents: torch.Tensor, scaling_factor: float, vae=None) -> np.ndarray:
+    """Scaled latents -> uint8 ``[N, H, W, 3]``: VAE-decoded, or latent channels 0-2 if no VAE."""
+    if vae is not None:
+        from flowmatch_models.encoders import decode_latents
+
+        return decode_latents(vae, latents / scaling_factor)
+    z = latents[:, :3].float()
+    lo = z.amin(dim=(1, 2, 3), keepdim=True)
+    hi = z.amax(dim=(1, 2, 3), keepdim=True)
+    z = ((z - lo) / (hi - lo).clamp(min=1e-6) * 255).round().to(torch.uint8)
+    return z.permute(0, 2, 3, 1).repeat_interleave(16, 1).repeat_interleave(16, 2).numpy()
+
+
+@torch.no_grad()
+def sample_grid(
+    model,
+    text: torch.Tensor,
+    mask: torch.Tensor,
+    out: str | Path,
+    scaling_factor: float,
+    vae=None,
+    steps: int = 30,
+    cfg_scale: float = 4.0,
+    seed: int = 0,
+    shift: float = 1.0,
+    labels: Sequence[str] | None = None,
+) -> Path:
+    """Sample one image per caption embedding and save the grid PNG atomically; returns ``out``."""
+    param = next(model.parameters())
+    gen = torch.Generator(device=param.device).manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    z = sample(
+        model,
+        text.to(param.device, param.dtype),
+        mask.to(param.device),
+        steps=steps,
+        cfg_scale=cfg_scale,
+        generator=gen,
+        shift=shift,
+    )
+    model.train(was_training)
+    images = latents_to_images(z.cpu(), scaling_factor, vae)
+    return save_png(make_grid(list(images), cell=128), out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI."""
+    ap = argparse.ArgumentParser(prog="python -m flowmatch_models.sample", description=__doc__)
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="training checkpoint (.ckpt); uses its EMA weights")
+    src.add_argument("--model", help="exported folder (run_dir/transformer_ema)")
+    ap.add_argument("--prompts", nargs="+", required=True)
+    ap.add_argument("--text-encoder", required=True, help="Gemma3 folder or hub id")
+    ap.add_argument("--vae", default=None, help="DC-AE folder or hub id (omit: show latents)")
+    ap.add_argument("--scaling-factor", type=float, default=None)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--cfg-scale", type=float, default=4.0)
+    ap.add_argument("--shift", type=float, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="grid.png")
+    args = ap.parse_args(argv)
+    model, meta = load_model(args.checkpoint, args.model)
+    sf = args.scaling_factor or meta.get("scaling_factor")
+    if sf is None:
+        raise SystemExit("no scaling factor in the model metadata; pass --scaling-factor")
+    shift = args.shift if args.shift is not None else float(meta.get("flow_shift", 1.0))
+    text, mask, labels = prompt_embeddings(args.prompts, args.text_encoder)
+    vae = load_vae(args.vae) if args.vae else None
+    out = sample_grid(
+        model,
+        text,
+        mask,
+        args.out,
+        float(sf),
+        vae,
+        args.steps,
+        args.cfg_scale,
+        args.seed,
+        shift,
+        labels,
+    )
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""The embedding store: exact codec round trips, lossy error bounds, integrity errors, ragged text."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flowmatch_models.store import (
+    CODECS,
+    StoreError,
+    lossy_error,
+    pad_ragged,
+    ragged_offsets,
+    read_shard,
+    write_shard,
+)
+
+
+def _smooth(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """Correlated data (like real embeddings): a random walk along the last dim plus noise."""
+    x = np.cumsum(rng.standard_normal(shape), axis=-1) * 0.1 + rng.standard_normal(shape) * 0.05
+    return x.astype(np.float16)
+
+
+@pytest.fixture()
+def arrays() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 40, size=12).astype(np.int32)
+    return {
+        "latents": _smooth(rng, (12, 32, 8, 8)),
+        "patch": _smooth(rng, (12, 64, 384)),
+        "cls": _smooth(rng, (12, 384)),
+        "tokens": _smooth(rng, (int(lengths.sum()), 640)),
+        "lengths": lengths,
+        "empty": np.zeros((0, 16), np.float16),
+        "flags": rng.integers(0, 2, size=12).astype(bool),
+        "big_endian": np.arange(12, dtype=">f4"),
+        "f64": rng.standard_normal((12, 3)),
+        "i64": rng.integers(-(2**40), 2**40, size=(12, 2)),
+    }
+
+
+IDS = [f"id-{i:03d}" for i in range(12)]
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_codecs_roundtrip_exactly(tmp_path, arrays, codec):
+    path = tmp_path / f"s-{codec}.fms"
+    attrs = {"scaling_factor": 0.41407, "model": "dc-ae", "random_weights": True}
+    stats = write_shard(path, arrays, IDS, codec=codec, attrs=attrs)
+    assert stats.raw_bytes == sum(a.nbytes for a in arrays.values())
+    assert stats.stored_bytes == path.stat().st_size
+    shard = read_shard(path, verify=True)
+    assert len(shard) == 12 and shard.ids == IDS
+    assert shard.attrs == attrs
+    assert shard.names == list(arrays)
+    for name, a in arrays.items():
+        got = shard[name]
+        assert got.shape == a.shape
+        assert got.dtype == a.dtype.newbyteorder("<")
+        np.testing.assert_array_equal(got, a)
+        assert not got.flags.writeable
+        assert shard[name] is got  # cached
+    if codec == "zstd":
+        # byte-shuffled zstd beats raw on correlated fp16 data
+        assert stats.arrays["patch"]["stored_bytes"] < stats.arrays["patch"]["raw_bytes"]
+
+
+def test_none_codec_is_memory_mapped(tmp_path, arrays):
+    path = tmp_path / "s.fms"
+    write_shard(path, arrays, IDS, codec="none")
+    shard = read_shard(path)
+    patch = shard["patch"]
+    assert isinstance(patch, np.memmap)
+    assert patch.offset % 64 == 0
+    with pytest.raises(ValueError):
+        patch[0, 0, 0] = 1.0
+
+
+def test_missing_array_and_attrs_errors(tmp_path, arrays):
+    path = tmp_path / "s.fms"
+    write_shard(path, arrays, IDS)
+    with pytest.raises(KeyError, match="no array 'nope'"):
+        read_shard(path)["nope"]
+    with pytest.raises(TypeError, match="JSON-serialisable"):
+        write_shard(tmp_path / "t.fms", arrays, IDS, attrs={"x": object()})
+    with pytest.raises(TypeError, match="numeric arrays"):
+        write_shard(tmp_path / "t.fms", {"s": np.array(["a"], dtype=object)}, ["a"])
+    with pytest.raises(ValueError, match="unknown codec"):
+        write_shard(tmp_path / "t.fms", arrays, IDS, codec="gzip")
+    assert not (tmp_path / "t.fms").exists()
+
+
+@pytest.mark.parametrize("mode, min_cos, max_rms", [("int8", 0.999, 0.02), ("fp8", 0.995, 0.05)])
+@pytest.mark.parametrize("codec", ["none", "zstd"])
+def test_lossy_error_within_bounds_and_recorded(tmp_path, arrays, mode, min_cos, max_rms, codec):
+    path = tmp_path / "lossy.fms"
+    stats = write_shard(path, arrays, IDS, codec=codec, lossy={"patch": mode, "tokens": mode})
+    shard = read_shard(path, verify=True)
+    assert shard.names == list(arrays)  # scale arrays are internal
+    for name in ("patch", "tokens"):
+        got = shard[name]
+        assert got.dtype == np.float16 and got.shape == arrays[name].shape
+        err = lossy_error(arrays[name], got)
+        assert err["min_cosine"] >= min_cos, err
+        assert err["rel_rms"] <= max_rms, err
+        recorded = shard.attrs["lossy"][name]
+        assert recorded["mode"] == mode
+        assert recorded["min_cosine"] == pytest.approx(err["min_cosine"], abs=1e-6)
+        assert stats.arrays[name]["lossy"]["rel_rms"] == pytest.approx(err["rel_rms"], rel=1e-6)
+        assert stats.arrays[name]["stored_bytes"] < 0.6 * arrays[name].nbytes
+    np.testing.assert_array_equal(shard["latents"], arrays["latents"])  # others lossless
+
+
+def test_lossy_rejects_non_float(tmp_path, arrays):
+    with pytest.raises(ValueError, match="float array"):
+        write_shard(tmp_path / "x.fms", arrays, IDS, lossy={"lengths": "int8"})
+    with pytest.raises(ValueError, match="lossy mode"):
+        write_shard(tmp_path / "x.fms", arrays, IDS, lossy={"patch": "int4"})
+
+
+def test_lossy_error_metrics():
+    a = np.array([[1.0, 0.0], [0.0, 0.0]])
+    assert lossy_error(a, a) == {"min_cosine": 1.0, "mean_cosine": 1.0, "rel_rms": 0.0}
+    b = np.array([[0.0, 1.0], [0.0, 0.0]])
+    e = lossy_error(a, b)
+    assert e["min_cosine"] == pytest.approx(0.0) and e["rel_rms"] == pytest.approx(np.sqrt(2))
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_truncated_file_names_the_file(tmp_path, arrays, codec):
+    path = tmp_path / "trunc.fms"
+    write_shard(path, arrays, IDS, codec=codec)
+    data = path.read_bytes()
+    for cut in (len(data) - 1, len(data) // 2, 20, 0):
+        path.write_bytes(data[:cut])
+        with pytest.raises(StoreError, match="trunc.fms.*truncated"):
+            read_shard(path)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_flipped_byte_in_array_detected(tmp_path, arrays, codec):
+    path = tmp_path / "flip.fms"
+    write_shard(path, arrays, IDS, codec=codec)
+    shard = read_shard(path)
+    off = shard._data_start + shard.info("patch")["offset"] + 5
+    data = bytearray(path.read_bytes())
+    data[off] ^= 0x10
+    path.write_bytes(bytes(data))
+    shard = read_shard(path)  # header is fine: opening is cheap and succeeds
+    np.testing.assert_array_equal(shard["cls"], arrays["cls"])
+    with pytest.raises(StoreError, match="flip.fms.*checksum mismatch in array 'patch'"):
+        shard["patch"]
+    with pytest.raises(StoreError, match="flip.fms"):
+        read_shard(path, verify=True)
+
+
+def test_flipped_byte_in_header_and_bad_magic(tmp_path, arrays):
+    path = tmp_path / "hdr.fms"
+    write_shard(path, arrays, IDS)
+    data = bytearray(path.read_bytes())
+    data[40] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match="hdr.fms.*header checksum"):
+        read_shard(path)
+    other = tmp_path / "not.fms"
+    other.write_bytes(b"PK\x03\x04" + b"\x00" * 200)
+    with pytest.raises(StoreError, match="not.fms.*bad magic"):
+        read_shard(other)
+    with pytest.raises(StoreError, match="missing.fms.*no such shard"):
+        read_shard(tmp_path / "missing.fms")
+
+
+def test_rewrite_is_atomic_replacement(tmp_path, arrays):
+    path = tmp_path / "s.fms"
+    write_shard(path, arrays, IDS)
+    write_shard(path, {"cls": arrays["cls"][:3]}, IDS[:3], codec="xz")
+    shard = read_shard(path, verify=True)
+    assert shard.ids == IDS[:3] and shard.names == ["cls"]
+    assert [p.name for p in tmp_path.iterdir()] == ["s.fms"]  # no temp files left
+
+
+def test_ragged_text_roundtrip(tmp_path):
+    rng = np.random.default_rng(1)
+    lengths = np.array([3, 1, 5, 2], np.int32)
+    tokens = rng.standard_normal((int(lengths.sum()), 8)).astype(np.float16)
+    offsets = ragged_offsets(lengths)
+    assert offsets.tolist() == [0, 3, 4, 9, 11]
+    write_shard(tmp_path / "t.fms", {"tokens": tokens, "lengths": lengths}, list("abcd"))
+    s = read_shard(tmp_path / "t.fms")
+    padded, mask = pad_ragged(s["tokens"], s["lengths"], [2, 0, 1])
+    assert padded.shape == (3, 5, 8) and padded.dtype == np.float16
+    assert mask.sum(axis=1).tolist() == [5, 3, 1]
+    np.testing.assert_array_equal(padded[0], tokens[4:9])
+    np.testing.assert_array_equal(padded[1, :3], tokens[0:3])
+    assert not padded[1, 3:].any() and not padded[2, 1:].any()
+    padded, mask = pad_ragged(tokens, lengths, [2, 3], max_len=4, offsets=offsets)
+    assert padded.shape == (2, 4, 8) and mask.tolist() == [[True] * 4, [True, True, False, False]]
+    np.testing.assert_array_equal(padded[0], tokens[4:8])

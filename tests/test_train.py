@@ -1,0 +1,230 @@
+"""Training: data order, DDP sharding, mid-epoch resume exactness, edited-YAML resume, outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from flowmatch_models.data import BatchStream, EmbeddingDataModule, ShardSource
+from flowmatch_models.layout import DataLayout
+from flowmatch_models.store import write_shard
+from flowmatch_models.train import run_training
+
+REPO = Path(__file__).resolve().parents[1]
+SIZES = {"000-00": 24, "000-01": 20, "000-02": 28, "001-00": 24}
+SF = 0.41407
+
+
+def make_store(root: Path, sizes: dict[str, int] = SIZES, seed: int = 0) -> Path:
+    """Random but well-formed vae_latents / dino_features / text_embeddings shards."""
+    rng = np.random.default_rng(seed)
+    layout = DataLayout(root)
+    for i, (p, n) in enumerate(sizes.items()):
+        ids = [f"{p}/{j}" for j in range(n)]
+        lat = (rng.standard_normal((n, 32, 8, 8)) / SF).astype(np.float16)
+        write_shard(
+            layout.asset_path("vae_latents", p),
+            {"latents": lat},
+            ids,
+            codec="zstd" if i % 2 else "none",
+            attrs={"scaling_factor": SF},
+        )
+        write_shard(
+            layout.asset_path("dino_features", p),
+            {
+                "patch": rng.standard_normal((n, 64, 384)).astype(np.float16),
+                "cls": rng.standard_normal((n, 384)).astype(np.float16),
+            },
+            ids,
+            codec="none",
+        )
+        lengths = rng.integers(2, 24, n).astype(np.int32)
+        tokens = rng.standard_normal((int(lengths.sum()), 640)).astype(np.float16)
+        write_shard(
+            layout.asset_path("text_embeddings", p),
+            {"tokens": tokens, "lengths": lengths},
+            ids,
+            codec="zstd",
+        )
+    return root
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: the tiny model is overhead-bound and CI cores are shared."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    root = make_store(tmp_path_factory.mktemp("store"))
+    # an incomplete partition (no text) must be ignored
+    layout = DataLayout(root)
+    shutil.copy(
+        layout.asset_path("vae_latents", "000-00"), layout.asset_path("vae_latents", "009-00")
+    )
+    return root
+
+
+def tiny_config(root: Path, out: Path, **over) -> dict:
+    cfg = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
+    cfg["run"]["out_dir"] = str(out)
+    cfg["data"].update(root=str(root), batch_size=8, num_workers=0)
+    cfg["trainer"].update(
+        max_steps=8, accumulate_grad_batches=2, log_every=1, checkpoint_every=100, sample_every=0
+    )
+    cfg["optim"].update(warmup_steps=0, lr=1e-3)
+    cfg["logging"].update(wandb=False, record_sample_ids=True)
+    for key, value in over.items():
+        section, leaf = key.split("__")
+        cfg[section][leaf] = value
+    return cfg
+
+
+def read_records(out: Path, rank: int = 0) -> list[dict]:
+    lines = (out / "sample_ids" / f"rank{rank}.jsonl").read_text().splitlines()
+    return [json.loads(x) for x in lines]
+
+
+# --------------------------------------------------------------------------------------------
+# data order
+# --------------------------------------------------------------------------------------------
+
+
+def test_complete_partitions_and_batches(store: Path) -> None:
+    dm = EmbeddingDataModule(store, batch_size=8)
+    assert dm.partitions == sorted(SIZES)  # 009-00 has no dino/text
+    assert dm.scaling_factor == pytest.approx(SF)
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["latents"].shape == (8, 32, 8, 8) and batch["dino"].shape == (8, 64, 384)
+    width = batch["mask"].sum(1).max()
+    assert batch["text"].shape == (8, width, 640)  # padded to the batch's longest caption
+    assert not batch["text"][~batch["mask"]].any()
+    assert len({i.split("/")[0] for i in batch["ids"]}) > 1  # the shuffle window mixes shards
+
+
+def test_ranks_and_workers_see_disjoint_exact_samples(store: Path) -> None:
+    src = ShardSource(store, sorted(SIZES))
+    n_batches = sum(SIZES.values()) // 16
+
+    def ids(stream: BatchStream, n: int, workers: int = 0) -> list[list[str]]:
+        it = iter(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=workers))
+        return [next(it)["ids"] for _ in range(n)]
+
+    per_rank = [ids(BatchStream(src, 8, seed=3, rank=r, world_size=2), n_batches) for r in (0, 1)]
+    seen = [i for r in per_rank for b in r for i in b]
+    assert len(seen) == len(set(seen)) == n_batches * 16  # disjoint, no repeats in an epoch
+    # two dataloader workers interleave batches; the order is unchanged
+    assert ids(BatchStream(src, 8, seed=3, rank=1, world_size=2), n_batches, 2) == per_rank[1]
+    # resuming at a sample position continues the same sequence
+    resumed = BatchStream(src, 8, seed=3, rank=1, world_size=2, start_sample=3 * 16)
+    assert ids(resumed, 2) == per_rank[1][3:5]
+
+
+# --------------------------------------------------------------------------------------------
+# resume
+# --------------------------------------------------------------------------------------------
+
+
+def test_resume_is_exact_and_edited_yaml_wins(store: Path, tmp_path: Path) -> None:
+    # 96 samples, 12 batches of 8 per epoch; 8 steps x 2 accumulation = 16 batches (> 1 epoch)
+    full = run_training(tiny_config(store, tmp_path / "full"), resume="none")
+    assert full["step"] == 8
+    a = read_records(tmp_path / "full")
+
+    split = tmp_path / "split"
+    first = run_training(tiny_config(store, split, trainer__max_steps=3), resume="none")
+    assert first["step"] == 3
+    ckpt = split / "checkpoints" / "last.ckpt"
+    state = torch.load(ckpt, weights_only=True)  # only tensors and primitive containers
+    assert state["EmbeddingDataModule"]["position"] == 3 * 2 * 8
+    assert sum(state["EmbeddingDataModule"]["trained_counts"].values()) == 48
+    counts = json.loads((split / "checkpoints" / "trained_counts.json").read_text())
+    assert counts["trained_counts"] == state["EmbeddingDataModule"]["trained_counts"]
+    shutil.copytree(split, tmp_path / "edited")
+
+    second = run_training(tiny_config(store, split), resume="auto")
+    assert second["resumed_from"] == str(ckpt) and second["step"] == 8
+    b = read_records(split)
+    assert [r["ids"] for r in b] == [r["ids"] for r in a]
+    assert [r["step"] for r in b] == [r["step"] for r in a]
+    np.testing.assert_allclose([r["loss"] for r in b], [r["loss"] for r in a], rtol=0, atol=1e-6)
+    assert second["trained_counts"] == full["trained_counts"]
+    assert sum(full["trained_counts"].values()) == 16 * 8
+
+    # resume with an edited YAML: new lr and batch size take effect, data continues in place
+    edited = tmp_path / "edited"
+    (edited / "sample_ids" / "rank0.jsonl").unlink()
+    cfg = tiny_config(store, edited, trainer__max_steps=5, optim__lr=5e-3, data__batch_size=4)
+    out = run_training(cfg, resume="auto")
+    assert out["lr"] == pytest.approx(5e-3)
+    recs = read_records(edited)
+    assert [len(r["ids"]) for r in recs] == [4] * 4
+    assert recs[0]["position"] == 48  # exactly where the 3-step run stopped
+    assert [i for r in recs for i in r["ids"]] == [i for r in a[6:8] for i in r["ids"]]
+
+
+# --------------------------------------------------------------------------------------------
+# end to end: 2-process DDP (gloo) via the CLI, W&B offline, every output
+# --------------------------------------------------------------------------------------------
+
+
+def test_ddp_cli_run_writes_everything(store: Path, tmp_path: Path) -> None:
+    out = tmp_path / "ddp"
+    cfg = tiny_config(
+        store,
+        out,
+        trainer__devices=2,
+        trainer__strategy="ddp",
+        trainer__accelerator="cpu",
+        trainer__max_steps=4,
+        trainer__accumulate_grad_batches=1,
+        trainer__checkpoint_every=2,
+        trainer__sample_every=2,
+        logging__wandb=True,
+        logging__wandb_mode="offline",
+    )
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = {k: v for k, v in os.environ.items() if k not in ("WANDB_API_KEY", "LOCAL_RANK")}
+    env.update(PYTHONPATH=str(REPO), WANDB_SILENT="true", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "flowmatch_models.train", "--config", str(path),
+         "--summary-json", str(tmp_path / "summary.json")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "step 4/4" in proc.stdout
+    r0, r1 = read_records(out, 0), read_records(out, 1)
+    assert len(r0) == len(r1) == 4
+    for a, b in zip(r0, r1):
+        assert a["position"] == b["position"] and not set(a["ids"]) & set(b["ids"])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert sum(summary["trained_counts"].values()) == 4 * 16
+    ckpt = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ckpt["global_step"] == 4 and any(k.startswith("ema.") for k in ckpt["state_dict"])
+    assert (out / "checkpoints" / "step0000002.ckpt").is_file()
+    assert list((out / "wandb").glob("offline-run-*"))
+    rows = (out / "metrics.csv").read_text().splitlines()
+    assert "train/loss" in rows[0] and "train/lr" in rows[0] and len(rows) > 4
+    for png in ("loss_curve.png", "samples/step0000002.png", "samples/step0000004.png"):
+        assert (out / png).stat().st_size > 1000, png
+
+    from diffusers import SanaTransformer2DModel
+
+    model = SanaTransformer2DModel.from_pretrained(out / "transformer_ema")
+    ema = {k[4:]: v for k, v in ckpt["state_dict"].items() if k.startswith("ema.")}
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, ema[k])
