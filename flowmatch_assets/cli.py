@@ -215,23 +215,32 @@ def cmd_demo(a: argparse.Namespace) -> int:
         + ", ".join(os.environ[v] for v in ("FLOWMATCH_VAE", "FLOWMATCH_DINO", "FLOWMATCH_TEXT"))
     )
     results = materialize(raise_on_error=False)
+    trained = True
+    if a.train_steps > 0:
+        print(f"\ntraining the tiny DiT for {a.train_steps} steps on the covered partitions ...")
+        trained = train(steps=a.train_steps, run_name="demo")
     print_reports(str(root))
     layout = _resource().layout
     previews = sorted((layout.root / "previews").rglob("*.png"))
     print(
         f"\ndemo finished in {time.perf_counter() - t0:.0f}s; "
         f"{sum(results.values())}/{len(results)} partitions succeeded"
+        + ("" if a.train_steps <= 0 else f"; training {'ok' if trained else 'FAILED'}")
     )
     print(f"  data root:        {root}")
-    print(
-        f'  catalog (DuckDB): {layout.catalog_db}   e.g. duckdb {layout.catalog_db} "SELECT * FROM coverage"'
-    )
-    for p in previews[:6]:
+    print(f"  catalog (DuckDB): {layout.catalog_db}")
+    print("                    flowmatch catalog coverage | failures | compression | throughput")
+    for p in previews[:3]:
         print(f"  preview grid:     {p}")
+    run = root / "runs" / "demo"
+    if (run / "loss_curve.png").exists():
+        print(f"  loss curve:       {run / 'loss_curve.png'}")
+        print(f"  sample grid:      {root / 'samples' / 'demo.png'}  (random-weight zoo encoders)")
+        print(f"  checkpoint:       {run / 'checkpoints'}   wandb (offline): {run / 'wandb'}")
     print(
         "  UI:               DAGSTER_HOME=$PWD/dagster_home .venv/bin/dagster dev -w workspace.yaml"
     )
-    return 0 if all(results.values()) else 1
+    return 0 if all(results.values()) and trained else 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -306,6 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--files", type=int, default=3)
     s.add_argument("--rows-per-file", type=int, default=96)
     s.add_argument("--regenerate", action="store_true")
+    s.add_argument("--train-steps", type=int, default=300, help="tiny DiT steps (0: no training)")
     s.set_defaults(func=cmd_demo)
 
     s = sub.add_parser("catalog", help="reports from the DuckDB catalog, or raw SQL")

@@ -68,6 +68,11 @@ import urllib3
 from PIL import Image, ImageFile
 from urllib3 import exceptions as u3e
 
+try:  # libjpeg-turbo with M/8 DCT scaling; without it every JPEG takes the Pillow draft path
+    import simplejpeg
+except ImportError:  # pragma: no cover - simplejpeg is a declared dependency
+    simplejpeg = None
+
 from flowmatch_assets.config import IngestConfig
 
 __all__ = [
@@ -381,6 +386,138 @@ def _crop_box(w: int, h: int, size: int) -> tuple[float, float, float, float]:
     return (left / scale, top / scale, (left + size) / scale, (top + size) / scale)
 
 
+def _tiff_orientation(tiff: bytes) -> int:
+    """The Orientation (0x0112) of IFD0 in a TIFF/EXIF block, 1 if absent or unreadable."""
+    if len(tiff) < 8 or tiff[:2] not in (b"II", b"MM"):
+        return 1
+    order = "little" if tiff[:2] == b"II" else "big"
+    ifd = int.from_bytes(tiff[4:8], order)
+    if ifd + 2 > len(tiff):
+        return 1
+    count = int.from_bytes(tiff[ifd : ifd + 2], order)
+    for pos in range(ifd + 2, min(ifd + 2 + 12 * count, len(tiff) - 11), 12):
+        if int.from_bytes(tiff[pos : pos + 2], order) == _EXIF_ORIENTATION_TAG:
+            typ = int.from_bytes(tiff[pos + 2 : pos + 4], order)
+            if typ == 3:  # SHORT
+                return int.from_bytes(tiff[pos + 8 : pos + 10], order)
+            if typ == 4:  # LONG
+                return int.from_bytes(tiff[pos + 8 : pos + 12], order)
+            return 1
+    return 1
+
+
+def _jpeg_orientation(data: bytes) -> int:
+    """EXIF orientation of a JPEG: IFD0 of its first ``Exif`` APP1 segment, as Pillow reads it.
+
+    Scans the marker segments up to the start of scan; 1 when there is no EXIF orientation.
+    """
+    n = len(data)
+    i = 2
+    while i + 4 <= n:
+        if data[i] != 0xFF:
+            return 1
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker in (0xDA, 0xD9):  # start of scan, end of image
+            return 1
+        if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # no length field
+            i += 2
+            continue
+        seg_len = int.from_bytes(data[i + 2 : i + 4], "big")
+        if marker == 0xE1 and data[i + 4 : i + 10] == b"Exif\x00\x00":
+            return _tiff_orientation(data[i + 10 : i + 2 + seg_len])
+        i += 2 + seg_len
+    return 1
+
+
+def _check_size(w: int, h: int, orientation: int, cfg: IngestConfig) -> tuple[int, int]:
+    """Bomb and too-small checks on the header size; returns the size after EXIF orientation."""
+    if w * h > cfg.max_pixels:
+        raise IngestError("decompression_bomb", f"{w}x{h} > max_pixels {cfg.max_pixels}")
+    ow, oh = (h, w) if orientation in (5, 6, 7, 8) else (w, h)
+    if min(w, h) < cfg.min_side:
+        raise IngestError("too_small", f"{ow}x{oh} has short side < min_side {cfg.min_side}")
+    return ow, oh
+
+
+def _decode_jpeg_scaled(data: bytes, cfg: IngestConfig) -> tuple[Image.Image, int, int, int] | None:
+    """simplejpeg (libjpeg-turbo) decode straight to the smallest M/8 scale >= the resize target.
+
+    Returns ``(image, orig_width, orig_height, orientation)`` with an RGB or L image, or None
+    when this JPEG should take the Pillow path instead (no simplejpeg, CMYK/YCCK, a header or
+    data error of any kind, even a warning: strict mode, so Pillow decides what is corrupt).
+    Raises ``IngestError`` for ``decompression_bomb`` / ``too_small``, before decoding.
+    """
+    if simplejpeg is None:
+        return None
+    try:
+        h, w, colorspace, _ = simplejpeg.decode_jpeg_header(data)
+    except Exception:  # noqa: BLE001 - Pillow reports what is wrong with this file
+        return None
+    if colorspace in ("YCbCr", "RGB"):
+        target, mode = "RGB", "RGB"
+    elif colorspace == "Gray":
+        target, mode = "GRAY", "L"
+    else:
+        return None  # CMYK / YCCK (Adobe inversion): Pillow
+    if Image.MAX_IMAGE_PIXELS and w * h > 2 * Image.MAX_IMAGE_PIXELS:
+        return None  # Pillow raises its DecompressionBombError for these
+    orientation = _jpeg_orientation(data)
+    ow, oh = _check_size(w, h, orientation, cfg)
+    scale = cfg.size / min(w, h)
+    try:
+        arr = simplejpeg.decode_jpeg(
+            data,
+            colorspace=target,
+            min_width=max(1, math.ceil(w * scale)),
+            min_height=max(1, math.ceil(h * scale)),
+            strict=True,
+        )
+    except Exception:  # noqa: BLE001 - truncated/damaged: Pillow decides (and says corrupt)
+        return None
+    im = Image.fromarray(arr[:, :, 0] if mode == "L" else arr, mode)
+    return im, ow, oh, orientation
+
+
+def _finish(
+    im: Image.Image, transpose: Image.Transpose | None, cfg: IngestConfig, encoder: str
+) -> bytes:
+    """Mode to RGB/L(A), resample the centre-crop box to size x size, orient, encode."""
+    size = cfg.size
+    mode = im.mode
+    alpha = mode in ("RGBA", "LA", "PA") or (mode == "P" and "transparency" in im.info)
+    if mode == "P" or mode == "PA":
+        im = im.convert("RGBA" if alpha else "RGB")
+    elif mode in ("I", "F") or mode.startswith("I;16"):
+        im = _to_8bit_l(im)
+    elif mode == "L" and "transparency" in im.info:
+        im = im.convert("LA")
+        alpha = True
+    elif mode not in ("RGB", "RGBA", "L", "LA"):
+        im = im.convert("RGB")  # CMYK, YCbCr, 1, RGBX, ...
+    elif mode == "RGB" and "transparency" in im.info:
+        im = im.convert("RGBA")
+        alpha = True
+    dw, dh = im.size  # after DCT scaling
+    out = im.resize(
+        (size, size), Image.Resampling.BICUBIC, box=_crop_box(dw, dh, size), reducing_gap=3.0
+    )
+    if alpha:
+        out = _composite_white(out)
+    elif out.mode != "RGB":
+        out = out.convert("RGB")
+    if transpose is not None:
+        out = out.transpose(transpose)
+    buf = io.BytesIO()
+    if encoder == "PNG":
+        out.save(buf, encoder)
+    else:
+        out.save(buf, encoder, quality=cfg.quality)
+    return buf.getvalue()
+
+
 def process_image(data: bytes, cfg: IngestConfig) -> tuple[bytes, int, int]:
     """Decode ``data``, resize its short side to ``cfg.size``, centre-crop, encode.
 
@@ -401,62 +538,33 @@ def process_image(data: bytes, cfg: IngestConfig) -> tuple[bytes, int, int]:
     if fmt is None:
         what = "empty body" if not data else f"starts with {bytes(data[:16])!r}"
         raise IngestError("not_image", what)
-    size = cfg.size
+    fast = _decode_jpeg_scaled(data, cfg) if fmt == "JPEG" else None
+    if fast is not None:
+        im, ow, oh, orientation = fast
+    else:
+        size = cfg.size
+        try:
+            im = Image.open(io.BytesIO(data), formats=[fmt])
+            w, h = im.size
+            if w * h > cfg.max_pixels:  # before getexif: bombs are refused unparsed
+                raise IngestError("decompression_bomb", f"{w}x{h} > max_pixels {cfg.max_pixels}")
+            orientation = im.getexif().get(_EXIF_ORIENTATION_TAG, 1)
+            ow, oh = _check_size(w, h, orientation, cfg)
+            if fmt == "JPEG":
+                scale = size / min(w, h)
+                need = (max(1, math.ceil(w * scale)), max(1, math.ceil(h * scale)))
+                im.draft("RGB", need)
+            im.load()
+        except IngestError:
+            raise
+        except Image.DecompressionBombError as e:
+            raise IngestError("decompression_bomb", str(e)) from None
+        except Exception as e:  # noqa: BLE001 - PIL raises many types for damaged data
+            raise IngestError("corrupt", f"{type(e).__name__}: {e}") from None
     try:
-        im = Image.open(io.BytesIO(data), formats=[fmt])
-        w, h = im.size
-        if w * h > cfg.max_pixels:
-            raise IngestError("decompression_bomb", f"{w}x{h} > max_pixels {cfg.max_pixels}")
-        orientation = im.getexif().get(_EXIF_ORIENTATION_TAG, 1)
-        transpose = _EXIF_TRANSPOSE.get(orientation)
-        ow, oh = (h, w) if orientation in (5, 6, 7, 8) else (w, h)
-        if min(w, h) < cfg.min_side:
-            raise IngestError("too_small", f"{ow}x{oh} has short side < min_side {cfg.min_side}")
-        if fmt == "JPEG":
-            scale = size / min(w, h)
-            need = (max(1, math.ceil(w * scale)), max(1, math.ceil(h * scale)))
-            im.draft("RGB", need)
-        im.load()
-    except IngestError:
-        raise
-    except Image.DecompressionBombError as e:
-        raise IngestError("decompression_bomb", str(e)) from None
-    except Exception as e:  # noqa: BLE001 - PIL raises many types for damaged data
-        raise IngestError("corrupt", f"{type(e).__name__}: {e}") from None
-
-    try:
-        mode = im.mode
-        alpha = mode in ("RGBA", "LA", "PA") or (mode == "P" and "transparency" in im.info)
-        if mode == "P" or mode == "PA":
-            im = im.convert("RGBA" if alpha else "RGB")
-        elif mode in ("I", "F") or mode.startswith("I;16"):
-            im = _to_8bit_l(im)
-        elif mode == "L" and "transparency" in im.info:
-            im = im.convert("LA")
-            alpha = True
-        elif mode not in ("RGB", "RGBA", "L", "LA"):
-            im = im.convert("RGB")  # CMYK, YCbCr, 1, RGBX, ...
-        elif mode == "RGB" and "transparency" in im.info:
-            im = im.convert("RGBA")
-            alpha = True
-        dw, dh = im.size  # after draft
-        out = im.resize(
-            (size, size), Image.Resampling.BICUBIC, box=_crop_box(dw, dh, size), reducing_gap=3.0
-        )
-        if alpha:
-            out = _composite_white(out)
-        elif out.mode != "RGB":
-            out = out.convert("RGB")
-        if transpose is not None:
-            out = out.transpose(transpose)
-        buf = io.BytesIO()
-        if encoder == "PNG":
-            out.save(buf, encoder)
-        else:
-            out.save(buf, encoder, quality=cfg.quality)
+        return _finish(im, _EXIF_TRANSPOSE.get(orientation), cfg, encoder), ow, oh
     except Exception as e:  # noqa: BLE001 - lazily-decoded frames can still fail here
         raise IngestError("corrupt", f"{type(e).__name__}: {e}") from None
-    return buf.getvalue(), ow, oh
 
 
 # --------------------------------------------------------------------------------------------

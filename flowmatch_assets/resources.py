@@ -40,7 +40,8 @@ def resource_from_env() -> FlowmatchResource:
     ``<data root>/sample/metadata``), FLOWMATCH_SHARD_SIZE (default 10000) and
     FLOWMATCH_FILE_ROOT (folder under which file:// image URLs are allowed; default
     ``<data root>/sample``), FLOWMATCH_VAE / FLOWMATCH_DINO / FLOWMATCH_TEXT (encoder hub ids or
-    folders; default the real models), FLOWMATCH_DEVICE (default auto).
+    folders; default the real models, or the demo's random-weight zoo when ``<data root>/zoo``
+    exists, as it does after `flowmatch demo`), FLOWMATCH_DEVICE (default auto).
     """
     root = _abs(os.environ.get("FLOWMATCH_DATA_ROOT", "data"))
     source = _abs(os.environ.get("FLOWMATCH_METADATA", os.path.join(root, "sample", "metadata")))
@@ -50,16 +51,21 @@ def resource_from_env() -> FlowmatchResource:
         metadata_source=source,
         shard_size=int(os.environ.get("FLOWMATCH_SHARD_SIZE", "10000")),
         ingest=IngestConfig(file_root=_abs(file_root) if file_root else None),
-        encoders=EncoderConfig(
-            **{
-                field: os.environ[var]
-                for field, var in (
-                    ("vae", "FLOWMATCH_VAE"),
-                    ("dino", "FLOWMATCH_DINO"),
-                    ("text", "FLOWMATCH_TEXT"),
-                    ("device", "FLOWMATCH_DEVICE"),
-                )
-                if os.environ.get(var)
-            }
-        ),
+        encoders=EncoderConfig(**_encoder_env(Path(root))),
     )
+
+
+def _encoder_env(root: Path) -> dict:
+    out = {}
+    for field, var in (
+        ("vae", "FLOWMATCH_VAE"),
+        ("dino", "FLOWMATCH_DINO"),
+        ("text", "FLOWMATCH_TEXT"),
+    ):
+        if os.environ.get(var):
+            out[field] = os.environ[var]
+        elif (root / "zoo" / field / "config.json").exists():
+            out[field] = str(root / "zoo" / field)  # the demo's zoo: labelled random wherever used
+    if os.environ.get("FLOWMATCH_DEVICE"):
+        out["device"] = os.environ["FLOWMATCH_DEVICE"]
+    return out

@@ -121,7 +121,7 @@ def flow_model(
         MaterializationRecord(
             asset="flow_model",
             partition=config.run_name,
-            samples=int(summary.get("samples_seen") or 0),
+            samples=int(sum((summary.get("trained_counts") or {}).values())),
             seconds=float(summary.get("wall_s") or 0.0),
             device=str(summary.get("device") or ""),
             run_id=context.run.run_id,
