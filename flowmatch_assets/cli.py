@@ -61,7 +61,7 @@ def materialize(
     registered) in-process, recorded in the DAGSTER_HOME instance. Returns partition -> success."""
     import dagster as dg
 
-    from flowmatch_assets.definitions import defs
+    from flowmatch_assets.definitions import defs, resources_for
     from flowmatch_assets.partitions import SHARDS, register_partitions
     from flowmatch_models.layout import PARTITIONED_ASSETS
 
@@ -84,7 +84,7 @@ def materialize(
             selection=todo,
             partition_key=key,
             instance=instance,
-            resources={"flowmatch": res},
+            resources=resources_for(res),
             raise_on_error=raise_on_error,
             tags={"flowmatch/cli": "materialize"},
             run_config={"loggers": {"console": {"config": {"log_level": "INFO"}}}},
@@ -107,7 +107,7 @@ def train(
     """Materialize flow_model (and samples) in-process; training itself runs as a Pipes subprocess."""
     import dagster as dg
 
-    from flowmatch_assets.definitions import defs
+    from flowmatch_assets.definitions import defs, resources_for
 
     run_cfg: dict = {"run_name": run_name, "overrides": list(extra or [])}
     if steps is not None:
@@ -122,7 +122,7 @@ def train(
         list(defs.assets),
         selection=list(ops),
         instance=_instance(),
-        resources={"flowmatch": _resource(), "pipes_subprocess_client": dg.PipesSubprocessClient()},
+        resources=resources_for(_resource()),
         run_config={"ops": ops, "loggers": {"console": {"config": {"log_level": "INFO"}}}},
         raise_on_error=False,
     )

@@ -10,8 +10,8 @@ import dagster as dg
 from flowmatch_assets.data_assets import images_256, images_256_complete, pd12m_metadata
 from flowmatch_assets.embedding_assets import EMBEDDING_CHECKS, encode_embeddings
 from flowmatch_assets.partitions import pd12m_partition_sensor
+from flowmatch_assets.resources import FlowmatchResource, resource_from_env
 from flowmatch_assets.training_assets import flow_model, samples
-from flowmatch_assets.resources import resource_from_env
 
 ASSETS = [pd12m_metadata, images_256, encode_embeddings, flow_model, samples]
 CHECKS = [images_256_complete, *EMBEDDING_CHECKS]
@@ -33,16 +33,18 @@ embed_job = dg.define_asset_job(
 )
 
 
+def resources_for(flowmatch: FlowmatchResource) -> dict:
+    """Every resource the assets need, around one FlowmatchResource."""
+    return {"flowmatch": flowmatch, "pipes_subprocess_client": dg.PipesSubprocessClient()}
+
+
 def build_definitions() -> dg.Definitions:
     return dg.Definitions(
         assets=ASSETS,
         asset_checks=CHECKS,
         sensors=[pd12m_partition_sensor],
         jobs=[ingest_job, embed_job, train_job],
-        resources={
-            "flowmatch": resource_from_env(),
-            "pipes_subprocess_client": dg.PipesSubprocessClient(),
-        },
+        resources=resources_for(resource_from_env()),
     )
 
 

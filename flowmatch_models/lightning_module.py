@@ -79,11 +79,21 @@ class FlowMatchModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """Let the current YAML win over the optimizer/scheduler hyperparameters restored."""
-        o = self.config["optim"]
+        o, t = self.config["optim"], self.config["trainer"]
         lr = float(o["lr"])
+        scheds = checkpoint.get("lr_schedulers", [])
+        last = int(scheds[0]["last_epoch"]) if scheds else int(checkpoint.get("global_step", 0))
+        factor = lr_factor(
+            last,
+            int(o.get("warmup_steps", 0)),
+            o.get("schedule", "constant"),
+            int(t["max_steps"]),
+            float(o.get("min_lr_ratio", 0.0)),
+        )
         for state in checkpoint.get("optimizer_states", []):
             for group in state["param_groups"]:
                 group["initial_lr"] = lr
+                group["lr"] = lr * factor  # the first resumed step already uses the new value
                 group["weight_decay"] = float(o.get("weight_decay", 0.0))
                 group["betas"] = tuple(o.get("betas", (0.9, 0.999)))
         for state in checkpoint.get("lr_schedulers", []):

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 
 from flowmatch_assets.catalog import Catalog
 from flowmatch_assets.config import EncoderConfig, FilterConfig
-from flowmatch_assets.definitions import defs
+from flowmatch_assets.definitions import defs, resources_for
 from flowmatch_assets.partitions import register_partitions
 from flowmatch_models.image_shard import read_image_meta
 from flowmatch_models.store import read_shard
@@ -25,7 +25,7 @@ def _run(res, key, instance, selection):
         selection=selection,
         partition_key=key,
         instance=instance,
-        resources={"flowmatch": res},
+        resources=resources_for(res),
         raise_on_error=False,
     )
 
@@ -36,7 +36,7 @@ def _checks(res, key, instance):
         assets=list(defs.assets),
         asset_checks=list(defs.asset_checks),
         jobs=[job],
-        resources={"flowmatch": res},
+        resources=resources_for(res),
     )
     result = d.resolve_job_def("checks").execute_in_process(
         instance=instance, tags={"dagster/partition": key}

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from flowmatch_assets.catalog import Catalog
-from flowmatch_assets.definitions import defs
+from flowmatch_assets.definitions import defs, resources_for
 from flowmatch_assets.partitions import SHARDS, register_partitions
 from flowmatch_models.image_shard import iter_image_batches
 from tests.conftest import REPO, make_resource
@@ -40,7 +40,7 @@ def _materialize(res, key, instance):
         selection=["pd12m_metadata", "images_256"],
         partition_key=key,
         instance=instance,
-        resources={"flowmatch": res},
+        resources=resources_for(res),
     )
 
 

@@ -1,7 +1,7 @@
 """Training: data order, DDP sharding, mid-epoch resume exactness, edited-YAML resume, outputs."""
 
-from __future__ import annotations
 
+import csv
 import json
 import os
 import shutil
@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import dagster as dg
 import numpy as np
 import pytest
 import torch
@@ -93,6 +94,11 @@ def tiny_config(root: Path, out: Path, **over) -> dict:
     return cfg
 
 
+def _csv(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
 def read_records(out: Path, rank: int = 0) -> list[dict]:
     lines = (out / "sample_ids" / f"rank{rank}.jsonl").read_text().splitlines()
     return [json.loads(x) for x in lines]
@@ -170,6 +176,8 @@ def test_resume_is_exact_and_edited_yaml_wins(store: Path, tmp_path: Path) -> No
     cfg = tiny_config(store, edited, trainer__max_steps=5, optim__lr=5e-3, data__batch_size=4)
     out = run_training(cfg, resume="auto")
     assert out["lr"] == pytest.approx(5e-3)
+    lrs = [r["train/lr"] for r in _csv(edited / "metrics.csv") if r.get("train/lr")]
+    assert [float(x) for x in lrs] == pytest.approx([1e-3] * 3 + [5e-3] * 2)  # from step 4 on
     recs = read_records(edited)
     assert [len(r["ids"]) for r in recs] == [4] * 4
     assert recs[0]["position"] == 48  # exactly where the 3-step run stopped
@@ -228,3 +236,41 @@ def test_ddp_cli_run_writes_everything(store: Path, tmp_path: Path) -> None:
     ema = {k[4:]: v for k, v in ckpt["state_dict"].items() if k.startswith("ema.")}
     for k, v in model.state_dict().items():
         torch.testing.assert_close(v, ema[k])
+
+
+def test_bench_counts_grouped_conv_backward_like_the_forward() -> None:
+    """torch's built-in formula prices depthwise-conv weight grads as dense; ours does not."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from flowmatch_models.bench_train import FLOP_FORMULAS
+
+    for groups in (1, 64):
+        conv = torch.nn.Conv2d(64, 64, 3, padding=1, groups=groups)
+        x = torch.randn(2, 64, 8, 8, requires_grad=True)
+        fwd, bwd = (FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) for _ in "ab")
+        with fwd:
+            y = conv(x)
+        with bwd:
+            y.sum().backward()
+        assert fwd.get_total_flops() == 2 * 2 * 64 * (64 // groups) * 9 * 64
+        assert bwd.get_total_flops() == 2 * fwd.get_total_flops()  # grad input + grad weight
+
+
+def test_cli_reports_to_dagster_pipes(store: Path, tmp_path: Path) -> None:
+    """Launched through Dagster Pipes, the run logs progress and materializes its metrics."""
+    cfg = tiny_config(
+        store, tmp_path / "run", trainer__max_steps=2, logging__record_sample_ids=False
+    )
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    cmd = [sys.executable, "-m", "flowmatch_models.train", "--config", str(tmp_path / "run.yaml")]
+    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+    @dg.asset
+    def training(context: dg.AssetExecutionContext, pipes: dg.PipesSubprocessClient):
+        return pipes.run(command=cmd, context=context, env=env).get_materialize_result()
+
+    result = dg.materialize([training], resources={"pipes": dg.PipesSubprocessClient()})
+    assert result.success
+    meta = result.asset_materializations_for_node("training")[0].metadata
+    assert meta["step"].value == 2 and meta["loss"].value > 0
+    assert Path(meta["checkpoint"].value).is_file()

@@ -11,7 +11,7 @@ from PIL import Image
 
 from flowmatch_assets.catalog import Catalog
 from flowmatch_assets.config import EncoderConfig
-from flowmatch_assets.definitions import defs
+from flowmatch_assets.definitions import defs, resources_for
 from flowmatch_assets.partitions import register_partitions
 from tests.conftest import make_resource
 
@@ -24,7 +24,7 @@ def _materialize(res, instance, selection, run_config=None, partition_key=None):
         selection=selection,
         instance=instance,
         partition_key=partition_key,
-        resources={"flowmatch": res, "pipes_subprocess_client": dg.PipesSubprocessClient()},
+        resources=resources_for(res),
         run_config=run_config or {},
         raise_on_error=False,
     )
