@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 from flowmatch_models.atomic import atomic_path
 from flowmatch_models.layout import PARTITIONED_ASSETS, DataLayout
 
-CATALOG_VERSION = 3
+CATALOG_VERSION = 4
 
 OUTCOMES = ("stored", "filtered", "failed")
 
@@ -173,6 +173,10 @@ def _sql_str(s: str | Path) -> str:
     return "'" + str(s).replace("'", "''") + "'"
 
 
+#: Pairs in the whole PD12M dataset (for projections).
+PD12M_PAIRS = 12_400_000
+
+
 def _view_sql(layout: DataLayout) -> list[str]:
     c = layout.catalog_dir
     mat = _sql_str(c / "materializations" / "*" / "*.parquet")
@@ -195,11 +199,13 @@ def _view_sql(layout: DataLayout) -> list[str]:
         """CREATE OR REPLACE VIEW failures AS
            SELECT asset, partition, id, url, outcome, reason, detail FROM rows
            WHERE outcome IN ('failed', 'filtered')""",
-        """CREATE OR REPLACE VIEW compression AS
+        f"""CREATE OR REPLACE VIEW compression AS
            SELECT asset, any_value(codec) AS codec, count(*) AS partitions, sum(samples) AS samples,
                   sum(raw_bytes) AS raw_bytes, sum(stored_bytes) AS stored_bytes,
                   sum(raw_bytes) / nullif(sum(stored_bytes), 0) AS ratio,
                   sum(stored_bytes) / nullif(sum(samples), 0) AS stored_bytes_per_sample,
+                  sum(stored_bytes) / nullif(sum(samples), 0) * {PD12M_PAIRS} / 1e9
+                      AS projected_pd12m_gb,
                   min(lossy_min_cosine) AS lossy_min_cosine, max(lossy_rel_rms) AS lossy_rel_rms
            FROM materializations GROUP BY asset""",
         """CREATE OR REPLACE VIEW throughput AS

@@ -11,6 +11,7 @@ from flowmatch_assets import catalog
 from flowmatch_assets.catalog import MaterializationRecord, RowOutcome
 from flowmatch_assets.ingest import ingest_rows
 from flowmatch_assets.metadata import filter_rows, ids_as_strings, read_shard
+from flowmatch_assets.deploy import IMAGE_TAGS
 from flowmatch_assets.partitions import shard_partitions
 from flowmatch_assets.resources import FlowmatchResource
 from flowmatch_models.atomic import atomic_path
@@ -94,6 +95,7 @@ def pd12m_metadata(
     deps=[pd12m_metadata],
     group_name=GROUP,
     kinds={"parquet", "pillow"},
+    op_tags=IMAGE_TAGS,
     description="The shard's images: downloaded, short side 256, centre-cropped 256x256, encoded (JPEG q95); failures recorded with reasons.",
 )
 def images_256(

@@ -38,13 +38,15 @@ def resources_for(flowmatch: FlowmatchResource) -> dict:
     return {"flowmatch": flowmatch, "pipes_subprocess_client": dg.PipesSubprocessClient()}
 
 
-def build_definitions() -> dg.Definitions:
+def build_definitions(executor: dg.ExecutorDefinition | None = None) -> dg.Definitions:
+    """All definitions; ``executor`` replaces Dagster's default multiprocess executor."""
     return dg.Definitions(
         assets=ASSETS,
         asset_checks=CHECKS,
         sensors=[pd12m_partition_sensor],
         jobs=[ingest_job, embed_job, train_job],
         resources=resources_for(resource_from_env()),
+        executor=executor,
     )
 
 

@@ -14,6 +14,7 @@ import numpy as np
 from flowmatch_assets import catalog
 from flowmatch_assets.catalog import MaterializationRecord, RowOutcome
 from flowmatch_assets.data_assets import _run_id, images_256, run_partitions
+from flowmatch_assets.deploy import ENCODER_TAGS
 from flowmatch_assets.partitions import shard_partitions
 from flowmatch_assets.resources import FlowmatchResource
 from flowmatch_models.devices import lease_device
@@ -60,6 +61,7 @@ def _seed_bytes(asset: str, n: int, max_tokens: int) -> int:
     partitions_def=shard_partitions,
     can_subset=True,
     pool="gpu",
+    op_tags=ENCODER_TAGS,
     name="encode_embeddings",
 )
 def encode_embeddings(context: dg.AssetExecutionContext, flowmatch: FlowmatchResource):

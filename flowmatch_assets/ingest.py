@@ -38,16 +38,21 @@ A bad row never raises: it becomes a ``failed`` result whose ``reason`` is one o
 ``internal``
     An unexpected exception (a bug, not bad data); ``detail`` names the exception.
 
-Speed: JPEG (almost all of PD12M) is decoded with Pillow's draft mode, i.e. libjpeg's DCT
-scaling to the smallest of 1/2, 1/4, 1/8 that is still at least the size the short-side resize
-needs, which skips most of the IDCT and colour-conversion work (Huffman decoding of every
-coefficient remains and is the floor). Only the centre-crop box of the source is resampled
-(``Image.resize(box=...)``, antialiased BICUBIC: after draft the remaining factor is below 2,
-where it matches LANCZOS to within JPEG noise at 3/4 of the cost). The EXIF orientation is
-applied to the small output (a lossless transpose that commutes with the centred crop) instead
-of to the full decoded image. A body with a Content-Length is read in one call (no chunk list,
-no join copy). Decode, resize, encode and md5 release the GIL, so a thread pool scales over
-cores.
+Speed: JPEG (almost all of PD12M) is decoded with ``simplejpeg`` (libjpeg-turbo), whose DCT
+scaling goes in eighths (1/8 ... 8/8): the smallest M/8 whose short side is still at least
+``size`` (e.g. 3/8 where Pillow's draft mode can only pick 1/2), which skips most of the IDCT and
+colour-conversion work; Huffman decoding of every coefficient remains and is the floor. The
+header (size, colour space) and the EXIF orientation are read without Pillow, and the bomb and
+size checks run before decoding. Strict mode: any libjpeg warning (truncation, bad data) sends
+the file to the Pillow path, which decides whether it is ``corrupt``, so outcomes match the
+Pillow path's; so do CMYK/YCCK JPEGs (Adobe inversion) and a missing ``simplejpeg``. Pillow's
+path for JPEG is draft mode (1/2, 1/4, 1/8 scaling). Only the centre-crop box of the decoded
+image is resampled (``Image.resize(box=...)``, antialiased BICUBIC: after DCT scaling the
+remaining factor is below 2, where it matches LANCZOS to within JPEG noise at 3/4 of the cost).
+The EXIF orientation is applied to the small output (a lossless transpose that commutes with
+the centred crop) instead of to the full decoded image. A body with a Content-Length is read in
+one call (no chunk list, no join copy). Decode, resize, encode and md5 release the GIL, so a
+thread pool scales over cores.
 """
 
 from __future__ import annotations

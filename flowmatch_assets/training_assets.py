@@ -11,6 +11,7 @@ from pydantic import Field
 
 from flowmatch_assets import catalog
 from flowmatch_assets.catalog import MaterializationRecord
+from flowmatch_assets.deploy import TRAIN_TAGS
 from flowmatch_assets.partitions import SHARDS
 from flowmatch_assets.resources import FlowmatchResource
 from flowmatch_models.layout import EMBEDDING_ASSETS
@@ -78,6 +79,7 @@ def coverage_or_fail(
     group_name=GROUP,
     kinds={"pytorch", "lightning", "wandb"},
     pool="gpu",
+    op_tags=TRAIN_TAGS,
     description="The flow-matching SANA DiT (+REPA) checkpoint, trained or resumed on every covered partition.",
 )
 def flow_model(

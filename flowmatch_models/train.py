@@ -38,6 +38,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from flowmatch_models.atomic import atomic_path, atomic_write_text
 from flowmatch_models.data import EmbeddingDataModule
+from flowmatch_models.layout import DataLayout
 from flowmatch_models.lightning_module import FlowMatchModule
 
 DEFAULT_CONFIG: dict[str, dict[str, Any]] = {
@@ -360,6 +361,18 @@ def _resolve_resume(resume: str | None, out_dir: Path) -> str | None:
     return resume
 
 
+def _resolve_partitions(root: str, partitions: list[str] | None) -> list[str]:
+    """The partition list, fixed once by the launching process so that DDP ranks started
+    later agree even if more partitions complete meanwhile (passed on in an env var)."""
+    if partitions:
+        return list(partitions)
+    if not _is_launcher_rank_zero() and "FLOWMATCH_PARTITIONS" in os.environ:
+        return json.loads(os.environ["FLOWMATCH_PARTITIONS"])
+    found = DataLayout(root).complete_partitions()
+    os.environ["FLOWMATCH_PARTITIONS"] = json.dumps(found)
+    return found
+
+
 def _is_launcher_rank_zero() -> bool:
     return os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
 
@@ -402,7 +415,7 @@ def _train(cfg: dict, resume: str | None, pipes) -> dict:
     d, t, lg = cfg["data"], cfg["trainer"], cfg["logging"]
     dm = EmbeddingDataModule(
         d["root"],
-        d["partitions"],
+        _resolve_partitions(d["root"], d["partitions"]),
         batch_size=int(d["batch_size"]),
         num_workers=int(d["num_workers"]),
         seed=int(cfg["run"]["seed"]),

@@ -55,6 +55,7 @@ def test_records_replace_and_reports(tmp_path):
     assert cov["000-00"]["vae_latents"] is None
     comp = cat.compression()[0]
     assert comp["ratio"] == 8.0 and comp["samples"] == 8
+    assert comp["projected_pd12m_gb"] == 100 / 8 * 12_400_000 / 1e9  # bytes/sample x 12.4M
     assert cat.throughput()[0]["samples_per_s"] == 4.0
     assert cat.failures_by_reason() == [
         {"asset": "images_256", "outcome": "failed", "reason": "http_404", "rows": 1}

@@ -91,9 +91,14 @@ def test_lambda_zero_is_plain_flow_matching(batch: dict) -> None:
     torch.testing.assert_close(with_repa["loss"], with_repa["fm"] + 0.5 * with_repa["repa"])
 
 
-def test_repa_gradients_reach_projector_and_blocks_up_to_k_only(batch: dict) -> None:
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_repa_gradients_reach_projector_and_blocks_up_to_k_only(
+    batch: dict, checkpointing: bool
+) -> None:
     torch.manual_seed(0)
     model = build_model("tiny", repa_block=1)
+    if checkpointing:  # the hook must also see block k under gradient checkpointing
+        model.transformer.enable_gradient_checkpointing()
     fm = FlowMatching(repa_lambda=0.5, caption_dropout=0.0)
     out = fm.loss(model, batch["x"], batch["text"], batch["mask"], batch["dino"])
     out["repa"].backward()

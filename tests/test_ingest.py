@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw, ImageFile, ImageOps
 
+from flowmatch_assets import ingest
 from flowmatch_assets.config import IngestConfig
 from flowmatch_assets.ingest import (
     IngestError,
@@ -399,3 +400,76 @@ def test_fetch_bytes_without_pool_and_file_root_unset(tmp_path: Path, images) ->
     with pytest.raises(IngestError) as e:
         fetch_bytes(p.as_uri(), _cfg())
     assert e.value.reason == "file_not_allowed" and "file_root" in e.value.detail
+
+
+# --------------------------------------------------------------------------------------------
+# simplejpeg (libjpeg-turbo M/8 scaling) fast path vs the Pillow draft path
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["jpeg", "gray", "exif6"])
+def test_simplejpeg_path_matches_pillow_path(monkeypatch, images, name: str) -> None:
+    pytest.importorskip("simplejpeg")
+    fast, fw, fh = process_image(images[name], _cfg())
+    monkeypatch.setattr(ingest, "simplejpeg", None)
+    slow, sw, sh = process_image(images[name], _cfg())
+    assert (fw, fh) == (sw, sh)
+    a, b = _decode(fast), _decode(slow)
+    assert a.mode == b.mode == "RGB" and a.size == b.size == (256, 256)
+    diff = np.abs(np.asarray(a).astype(int) - np.asarray(b).astype(int))
+    assert diff.mean() < 2.5, diff.mean()
+
+
+def test_m8_scaled_decode_matches_full_decode() -> None:
+    """A 3/8 DCT scale (short side 700 -> 263) still looks like full decode + LANCZOS."""
+    pytest.importorskip("simplejpeg")
+    src = _enc(_scene(1100, 700, 8), "JPEG", quality=90)
+    fast, _, _ = process_image(src, _cfg())
+    ref = ImageOps.fit(Image.open(io.BytesIO(src)).convert("RGB"), (256, 256), Image.LANCZOS)
+    diff = np.abs(np.asarray(_decode(fast)).astype(int) - np.asarray(ref).astype(int))
+    assert diff.mean() < 4.0, diff.mean()
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_jpeg_orientation_parser_matches_pillow(orientation: int) -> None:
+    exif = Image.Exif()
+    exif[0x0110] = "camera"  # another IFD0 entry before the orientation
+    exif[0x0112] = orientation
+    data = _enc(Image.new("RGB", (64, 32)), "JPEG", exif=exif.tobytes())
+    assert Image.open(io.BytesIO(data)).getexif().get(0x0112, 1) == orientation
+    assert ingest._jpeg_orientation(data) == orientation
+    # Big-endian TIFF header, one SHORT entry.
+    mm = b"MM\x00*" + struct.pack(">IH", 8, 1) + struct.pack(">HHIHH", 0x0112, 3, 1, orientation, 0)
+    app1 = b"Exif\x00\x00" + mm + struct.pack(">I", 0)
+    seg = b"\xff\xe1" + struct.pack(">H", len(app1) + 2) + app1
+    plain = _enc(Image.new("RGB", (64, 32)), "JPEG")
+    assert ingest._jpeg_orientation(plain) == 1
+    assert ingest._jpeg_orientation(plain[:2] + seg + plain[2:]) == orientation
+
+
+def test_damaged_jpeg_is_corrupt_on_both_paths(monkeypatch, images) -> None:
+    jpeg = images["jpeg"]
+    garbled = bytearray(jpeg)
+    garbled[len(jpeg) // 2 : len(jpeg) // 2 + 64] = b"\x00" * 64
+    cut = jpeg[: len(jpeg) - 200]
+    for lib in ("present", None):
+        if lib is None:
+            monkeypatch.setattr(ingest, "simplejpeg", None)
+        for data in (cut, images["truncated"]):
+            with pytest.raises(IngestError) as e:
+                process_image(data, _cfg())
+            assert e.value.reason == "corrupt"
+        try:  # libjpeg may resync past zeroed bytes: then it must at least be a valid image
+            out, _, _ = process_image(bytes(garbled), _cfg())
+            assert _decode(out).size == (256, 256)
+        except IngestError as err:
+            assert err.reason == "corrupt"
+
+
+def test_header_checks_run_before_the_fast_decode(monkeypatch) -> None:
+    sj = pytest.importorskip("simplejpeg")
+    calls: list[int] = []
+    monkeypatch.setattr(sj, "decode_jpeg", lambda *a, **k: calls.append(1))
+    with pytest.raises(IngestError) as e:
+        process_image(_enc(_scene(1000, 800), "JPEG"), _cfg(max_pixels=500_000))
+    assert e.value.reason == "decompression_bomb" and not calls

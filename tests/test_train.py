@@ -1,6 +1,5 @@
 """Training: data order, DDP sharding, mid-epoch resume exactness, edited-YAML resume, outputs."""
 
-
 import csv
 import json
 import os
@@ -274,3 +273,42 @@ def test_cli_reports_to_dagster_pipes(store: Path, tmp_path: Path) -> None:
     meta = result.asset_materializations_for_node("training")[0].metadata
     assert meta["step"].value == 2 and meta["loss"].value > 0
     assert Path(meta["checkpoint"].value).is_file()
+
+
+def test_sample_grids_from_checkpoint_and_export_with_zoo_encoders(
+    store: Path, tmp_path: Path
+) -> None:
+    """Prompts -> Gemma3 (tiny random zoo) -> EMA sampler -> DC-AE decode -> the same PNG."""
+    from PIL import Image
+
+    from flowmatch_models.sample import main as sample_main
+    from flowmatch_models.zoo import create_zoo
+
+    zoo = create_zoo(tmp_path / "zoo")
+    cfg = tiny_config(store, tmp_path / "run", trainer__max_steps=2, trainer__sample_every=2)
+    cfg["encoders"] = {"vae": str(zoo["vae"]), "text": str(zoo["text"])}
+    cfg["sample"].update(prompts=["a red car", "a cat on a mat", "a map"], steps=3)
+    summary = run_training(cfg, resume="none")
+    assert Image.open(summary["sample_grid"]).size == (262, 262)  # 3 prompts, 2x2 cells
+    grids = []
+    for src in (["--checkpoint", summary["checkpoint"]], ["--model", summary["export_dir"]]):
+        out = tmp_path / f"grid{len(grids)}.png"
+        args = ["--prompts", "a red car", "a cat", "--steps", "3", "--out", str(out)]
+        args += ["--text-encoder", str(zoo["text"]), "--vae", str(zoo["vae"])]
+        assert sample_main(src + args) == 0
+        grids.append(np.asarray(Image.open(out)))
+    assert grids[0].shape == (132, 262, 3)
+    np.testing.assert_array_equal(grids[0], grids[1])  # checkpoint EMA == exported EMA
+
+
+def test_configs_load_and_base_is_effective_batch_1024() -> None:
+    from flowmatch_models.train import load_config
+
+    tiny = load_config(REPO / "configs" / "tiny.yaml", ["optim.lr=0.01", "data.partitions=[a, b]"])
+    assert tiny["optim"]["lr"] == 0.01 and tiny["data"]["partitions"] == ["a", "b"]
+    base = load_config(REPO / "configs" / "base.yaml", max_steps=7)
+    t = base["trainer"]
+    assert base["data"]["batch_size"] * t["accumulate_grad_batches"] * t["devices"] == 1024
+    assert t["max_steps"] == 7 and base["model"]["preset"] == "base"
+    with pytest.raises(KeyError, match="unknown config key 'optim.lrr'"):
+        load_config({"optim": {"lrr": 1}})

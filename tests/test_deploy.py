@@ -1,0 +1,38 @@
+"""Scale-out wiring: the Kubernetes code location loads and carries the per-asset requests."""
+
+from __future__ import annotations
+
+import json
+
+import dagster as dg
+
+from flowmatch_assets.deploy import K8S_CONFIG
+
+
+def _k8s(defs: dg.Definitions, name: str) -> dict:
+    """The dagster-k8s config of an asset's op (Dagster stores tag values as JSON strings)."""
+    return json.loads(_node(defs, name).assets_def.op.tags[K8S_CONFIG])["container_config"]
+
+
+def _node(defs: dg.Definitions, name: str):
+    return defs.get_repository_def().asset_graph.get(dg.AssetKey(name))
+
+
+def test_k8s_definitions_use_the_k8s_executor_and_gpu_requests():
+    from flowmatch_assets.definitions_k8s import defs
+
+    job = defs.resolve_implicit_global_asset_job_def()
+    assert job.executor_def.name == "k8s"
+    for name in ("vae_latents", "flow_model"):
+        res = _k8s(defs, name)["resources"]
+        assert res["limits"]["nvidia.com/gpu"] == "1", name
+        assert _node(defs, name).assets_def.op.pool == "gpu"
+    img = _k8s(defs, "images_256")
+    assert "nvidia.com/gpu" not in img["resources"]["requests"]
+
+
+def test_local_definitions_keep_the_multiprocess_executor():
+    from flowmatch_assets.definitions import defs
+
+    job = defs.resolve_implicit_global_asset_job_def()
+    assert job.executor_def.name == "multi_or_in_process_executor"
