@@ -14,7 +14,7 @@ from flowmatch_assets.metadata import filter_rows, ids_as_strings, read_shard
 from flowmatch_assets.deploy import IMAGE_TAGS
 from flowmatch_assets.partitions import shard_partitions
 from flowmatch_assets.resources import FlowmatchResource
-from flowmatch_models.atomic import atomic_path
+from flowmatch_models.atomic import atomic_path, remove_stale_temps
 from flowmatch_models.grid import make_grid, markdown_image, save_png
 from flowmatch_models.image_shard import decode, write_image_shard
 
@@ -45,6 +45,7 @@ def pd12m_metadata(
     table = ids_as_strings(table)
     kept, filtered = filter_rows(table, flowmatch.filters)
     out = flowmatch.layout.asset_path("pd12m_metadata", part)
+    remove_stale_temps(out)
     with atomic_path(out) as tmp:
         pq.write_table(kept, tmp)
     kept_ids = kept.column("id").to_pylist()
@@ -130,6 +131,8 @@ def images_256(
         if r.outcome == "stored"
     ]
     out = layout.asset_path("images_256", part)
+    if remove_stale_temps(out):
+        context.log.warning(f"{part}: removed the temp files of an earlier, killed run")
     size = write_image_shard(out, stored)
     catalog.record_rows(
         root,

@@ -4,6 +4,7 @@ Loaded by `dagster dev` through workspace.yaml (``python_module: flowmatch_asset
 Settings come from FLOWMATCH_* environment variables (see resources.resource_from_env).
 """
 
+import os
 
 import dagster as dg
 
@@ -38,10 +39,37 @@ def resources_for(flowmatch: FlowmatchResource) -> dict:
     return {"flowmatch": flowmatch, "pipes_subprocess_client": dg.PipesSubprocessClient()}
 
 
-def build_definitions(executor: dg.ExecutorDefinition | None = None) -> dg.Definitions:
-    """All definitions; ``executor`` replaces Dagster's default multiprocess executor."""
+#: Assets that may follow their upstream automatically (FLOWMATCH_AUTOMATION=eager).
+AUTOMATABLE = {"images_256", "vae_latents", "dino_features", "text_embeddings"}
+
+
+def with_automation(assets: list, mode: str) -> list:
+    """``mode`` "eager": images and embeddings materialize as soon as their upstream partition
+    does (AutomationCondition.eager()); "off": nothing is automatic (the default)."""
+    if mode == "off":
+        return assets
+    if mode != "eager":
+        raise ValueError(f"FLOWMATCH_AUTOMATION={mode!r}: use off or eager")
+    return list(
+        dg.map_asset_specs(
+            lambda spec: (
+                spec.replace_attributes(automation_condition=dg.AutomationCondition.eager())
+                if spec.key.to_user_string() in AUTOMATABLE
+                else spec
+            ),
+            assets,
+        )
+    )
+
+
+def build_definitions(
+    executor: dg.ExecutorDefinition | None = None, automation: str | None = None
+) -> dg.Definitions:
+    """All definitions; ``executor`` replaces Dagster's default multiprocess executor;
+    ``automation`` (default: FLOWMATCH_AUTOMATION or "off") see :func:`with_automation`."""
+    mode = automation or os.environ.get("FLOWMATCH_AUTOMATION", "off")
     return dg.Definitions(
-        assets=ASSETS,
+        assets=with_automation(ASSETS, mode),
         asset_checks=CHECKS,
         sensors=[pd12m_partition_sensor],
         jobs=[ingest_job, embed_job, train_job],

@@ -17,6 +17,7 @@ from flowmatch_assets.data_assets import _run_id, images_256, run_partitions
 from flowmatch_assets.deploy import ENCODER_TAGS
 from flowmatch_assets.partitions import shard_partitions
 from flowmatch_assets.resources import FlowmatchResource
+from flowmatch_models.atomic import remove_stale_temps
 from flowmatch_models.devices import lease_device
 from flowmatch_models.encoders import Encoders, EncoderSpec
 from flowmatch_models.image_shard import iter_image_batches, read_image_meta
@@ -146,6 +147,7 @@ def encode_embeddings(context: dg.AssetExecutionContext, flowmatch: FlowmatchRes
                 attrs["max_tokens"] = cfg.max_tokens
             lossy = {k: v for k, v in lossy_of.get(name, {}).items() if v}
             out = layout.asset_path(name, part)
+            remove_stale_temps(out)
             stats = write_shard(out, arrays, ids, codec=cfg.codec, attrs=attrs, lossy=lossy or None)
             errs = [a["lossy"] for a in stats.arrays.values() if "lossy" in a]
             seed = _seed_bytes(name, len(ids), cfg.max_tokens)

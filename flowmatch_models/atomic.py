@@ -50,3 +50,15 @@ def atomic_write_bytes(target: str | os.PathLike, data: bytes) -> None:
 def atomic_write_text(target: str | os.PathLike, text: str) -> None:
     """Write ``text`` (utf-8) to ``target`` atomically."""
     atomic_write_bytes(target, text.encode("utf-8"))
+
+
+def remove_stale_temps(target: str | os.PathLike) -> int:
+    """Delete temp files that a killed writer of ``target`` left behind; returns how many.
+
+    Call it only where one writer owns ``target`` (a partition's materialization)."""
+    target = Path(target)
+    n = 0
+    for p in target.parent.glob(f".tmp-{target.name}.*"):
+        p.unlink(missing_ok=True)
+        n += 1
+    return n

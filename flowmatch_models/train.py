@@ -121,7 +121,7 @@ def _merge(base: dict, over: dict, where: str = "") -> dict:
     for k, v in over.items():
         if k not in base:
             raise KeyError(
-                f"unknown config key {where}{k!r}; known: {sorted(base)} (see configs/tiny.yaml)"
+                f"unknown config key '{where}{k}'; known: {sorted(base)} (see configs/tiny.yaml)"
             )
         out[k] = _merge(base[k], v, f"{where}{k}.") if isinstance(base[k], dict) else v
     return out

@@ -36,3 +36,20 @@ def test_local_definitions_keep_the_multiprocess_executor():
 
     job = defs.resolve_implicit_global_asset_job_def()
     assert job.executor_def.name == "multi_or_in_process_executor"
+
+
+def test_eager_automation_is_opt_in():
+    from flowmatch_assets.definitions import build_definitions
+
+    def conditions(defs):
+        g = defs.get_repository_def().asset_graph
+        return {k.to_user_string(): g.get(k).automation_condition for k in g.get_all_asset_keys()}
+
+    assert all(c is None for c in conditions(build_definitions(automation="off")).values())
+    eager = conditions(build_definitions(automation="eager"))
+    assert {k for k, c in eager.items() if c is not None} == {
+        "images_256",
+        "vae_latents",
+        "dino_features",
+        "text_embeddings",
+    }
