@@ -9,9 +9,9 @@ import pyarrow.parquet as pq
 
 from flowmatch_assets import catalog
 from flowmatch_assets.catalog import MaterializationRecord, RowOutcome
+from flowmatch_assets.deploy import IMAGE_TAGS
 from flowmatch_assets.ingest import ingest_rows
 from flowmatch_assets.metadata import filter_rows, ids_as_strings, read_shard
-from flowmatch_assets.deploy import IMAGE_TAGS
 from flowmatch_assets.partitions import shard_partitions
 from flowmatch_assets.resources import FlowmatchResource
 from flowmatch_models.atomic import atomic_path, remove_stale_temps
