@@ -100,11 +100,11 @@ class ShardSource:
         arrays = {s: self._arrays(s) for s in by_shard}
         width = max(int(arrays[s]["lengths"][rows[j]].max()) for s, j in by_shard.items())
         width = max(1, min(width, self.text_max_len))
-        b = len(rows)
-        latents = np.empty((b, 32, 8, 8), np.float32)
-        text = np.zeros((b, width, 640), np.float16)
+        b, first = len(rows), next(iter(arrays.values()))
+        latents = np.empty((b, *first["latents"].shape[1:]), np.float32)
+        text = np.zeros((b, width, first["tokens"].shape[-1]), first["tokens"].dtype)
         mask = np.zeros((b, width), bool)
-        patch = np.empty((b, 64, 384), np.float16) if self.load_dino else None
+        patch = np.empty((b, *first["patch"].shape[1:]), np.float16) if self.load_dino else None
         ids: list[str] = [""] * b
         for s, j in by_shard.items():
             a, r = arrays[s], rows[j]

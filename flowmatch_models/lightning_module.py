@@ -13,6 +13,7 @@ run drew, independent of Lightning's RNG handling.
 from __future__ import annotations
 
 import copy
+import json
 import math
 import time
 from pathlib import Path
@@ -174,12 +175,6 @@ class FlowMatchModule(L.LightningModule):
                 ckpt_dir = Path(self.config["run"]["out_dir"]) / "checkpoints"
                 atomic_write_text(
                     ckpt_dir / "trained_counts.json",
-                    _json({"step": int(self.global_step), **state}),
+                    json.dumps({"step": int(self.global_step), **state}, indent=1, sort_keys=True),
                 )
         checkpoint["flowmatch"] = info
-
-
-def _json(obj) -> str:
-    import json
-
-    return json.dumps(obj, indent=1, sort_keys=True)

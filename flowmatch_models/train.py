@@ -193,17 +193,6 @@ class ProgressPrinter(Callback):
             self.pipes.log.info(line)
 
 
-class FinalCheckpoint(Callback):
-    """Saves ``last.ckpt`` when training ends off the checkpoint cadence (all ranks call it)."""
-
-    def __init__(self, path: Path, every: int):
-        self.path, self.every = path, max(1, every)
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        if trainer.global_step > 0 and trainer.global_step % self.every:
-            trainer.save_checkpoint(self.path)
-
-
 class SampleIdRecorder(Callback):
     """Appends ``{step, epoch, position, ids, loss}`` per batch to ``sample_ids/rank<r>.jsonl``."""
 
@@ -467,12 +456,12 @@ def _train(cfg: dict, resume: str | None, pipes) -> dict:
         auto_insert_metric_name=False,
         every_n_train_steps=int(t["checkpoint_every"]),
         save_top_k=-1 if t["keep_checkpoints"] else 1,
-        save_last=True,
+        save_last=True,  # also at the end of training, off the cadence
+        enable_version_counter=False,  # always overwrite last.ckpt (resume --auto reads it)
     )
     grid_cb = SampleGridCallback(cfg, dm)
     callbacks: list[Callback] = [
         ckpt_cb,
-        FinalCheckpoint(out_dir / "checkpoints" / "last.ckpt", int(t["checkpoint_every"])),
         ProgressPrinter(int(t["log_every"]), pipes),
         grid_cb,
     ]

@@ -143,14 +143,19 @@ def test_ranks_and_workers_see_disjoint_exact_samples(store: Path) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def test_resume_is_exact_and_edited_yaml_wins(store: Path, tmp_path: Path) -> None:
-    # 96 samples, 12 batches of 8 per epoch; 8 steps x 2 accumulation = 16 batches (> 1 epoch)
-    full = run_training(tiny_config(store, tmp_path / "full"), resume="none")
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_is_exact_and_edited_yaml_wins(store: Path, tmp_path: Path, workers: int) -> None:
+    # 96 samples, 12 batches of 8 per epoch; 8 steps x 2 accumulation = 16 batches (> 1 epoch).
+    # With workers, batches are prefetched past the stop: the position counts consumed ones.
+    def config(out: Path, **kw) -> dict:
+        return tiny_config(store, out, data__num_workers=workers, **kw)
+
+    full = run_training(config(tmp_path / "full"), resume="none")
     assert full["step"] == 8
     a = read_records(tmp_path / "full")
 
     split = tmp_path / "split"
-    first = run_training(tiny_config(store, split, trainer__max_steps=3), resume="none")
+    first = run_training(config(split, trainer__max_steps=3), resume="none")
     assert first["step"] == 3
     ckpt = split / "checkpoints" / "last.ckpt"
     state = torch.load(ckpt, weights_only=True)  # only tensors and primitive containers
@@ -160,7 +165,7 @@ def test_resume_is_exact_and_edited_yaml_wins(store: Path, tmp_path: Path) -> No
     assert counts["trained_counts"] == state["EmbeddingDataModule"]["trained_counts"]
     shutil.copytree(split, tmp_path / "edited")
 
-    second = run_training(tiny_config(store, split), resume="auto")
+    second = run_training(config(split), resume="auto")
     assert second["resumed_from"] == str(ckpt) and second["step"] == 8
     b = read_records(split)
     assert [r["ids"] for r in b] == [r["ids"] for r in a]
@@ -172,9 +177,11 @@ def test_resume_is_exact_and_edited_yaml_wins(store: Path, tmp_path: Path) -> No
     # resume with an edited YAML: new lr and batch size take effect, data continues in place
     edited = tmp_path / "edited"
     (edited / "sample_ids" / "rank0.jsonl").unlink()
-    cfg = tiny_config(store, edited, trainer__max_steps=5, optim__lr=5e-3, data__batch_size=4)
+    cfg = config(edited, trainer__max_steps=5, optim__lr=5e-3, data__batch_size=4)
     out = run_training(cfg, resume="auto")
     assert out["lr"] == pytest.approx(5e-3)
+    assert not list((edited / "checkpoints").glob("last-v*.ckpt"))  # last.ckpt overwritten
+    assert torch.load(edited / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 5
     lrs = [r["train/lr"] for r in _csv(edited / "metrics.csv") if r.get("train/lr")]
     assert [float(x) for x in lrs] == pytest.approx([1e-3] * 3 + [5e-3] * 2)  # from step 4 on
     recs = read_records(edited)
