@@ -1,6 +1,5 @@
 """Data assets: raw PD12M shards -> 256px images. Thin wiring over metadata.py and ingest.py."""
 
-
 import time
 from collections import Counter
 

@@ -72,7 +72,9 @@ def encode_embeddings(context: dg.AssetExecutionContext, flowmatch: FlowmatchRes
     selected = [k.to_user_string() for k in context.selected_asset_keys]
     src = layout.asset_path("images_256", part)
     if not src.exists():
-        raise dg.Failure(f"partition {part} has no images_256 shard ({src}); materialize images_256 first")
+        raise dg.Failure(
+            f"partition {part} has no images_256 shard ({src}); materialize images_256 first"
+        )
     meta = read_image_meta(src)
     ids = meta.column("id").to_pylist()
     for name in selected:

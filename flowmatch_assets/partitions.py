@@ -1,6 +1,5 @@
 """Partitions: one dynamic partition per PD12M shard, discovered from the metadata source."""
 
-
 import dagster as dg
 
 from flowmatch_assets.catalog import record_partitions

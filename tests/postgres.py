@@ -68,7 +68,9 @@ def postgres_server() -> Iterator[PgServer]:
         )  # fmt: skip
         subprocess.run(
             [f"{bindir}/createdb", "-h", "127.0.0.1", "-p", str(port), "-U", user, "dagster"],
-            check=True, capture_output=True, timeout=60,
+            check=True,
+            capture_output=True,
+            timeout=60,
         )
         yield PgServer("127.0.0.1", port, user, "dagster")
     finally:

@@ -47,10 +47,14 @@ def _train_cfg(**kw):
 
 @pytest.mark.slow
 def test_coverage_rule_then_train_resume_and_sample(tmp_path, small_sample, zoo):
-    res = make_resource(tmp_path / "data", small_sample, encoders=EncoderConfig(**zoo, batch_size=8))
+    res = make_resource(
+        tmp_path / "data", small_sample, encoders=EncoderConfig(**zoo, batch_size=8)
+    )
     with dg.instance_for_test() as instance:
         register_partitions(instance, res)
-        assert _materialize(res, instance, ["pd12m_metadata", "images_256", *EMB], partition_key="000-00").success
+        assert _materialize(
+            res, instance, ["pd12m_metadata", "images_256", *EMB], partition_key="000-00"
+        ).success
 
         # 1 of 2 partitions covered: refused, and the message names what is missing
         result = _materialize(res, instance, ["flow_model"], _train_cfg(max_steps=4))
@@ -61,15 +65,23 @@ def test_coverage_rule_then_train_resume_and_sample(tmp_path, small_sample, zoo)
         assert "only 1 (50%)" in msg
 
         # with min_coverage 0.5 it trains on the covered partition, in a Pipes subprocess
-        result = _materialize(res, instance, ["flow_model"], _train_cfg(max_steps=4, min_coverage=0.5))
+        result = _materialize(
+            res, instance, ["flow_model"], _train_cfg(max_steps=4, min_coverage=0.5)
+        )
         assert result.success
-        md = instance.fetch_materializations(dg.AssetKey("flow_model"), limit=1).records[0].asset_materialization.metadata
+        md = (
+            instance.fetch_materializations(dg.AssetKey("flow_model"), limit=1)
+            .records[0]
+            .asset_materialization.metadata
+        )
         assert md["step"].value == 4  # reported by the training process through Pipes
         assert md["partitions_used"].value == ["000-00"]
         assert "data:image/jpeg;base64" in md["loss_curve"].value
 
         # resume: 3 extra steps continue from the checkpoint
-        result = _materialize(res, instance, ["flow_model"], _train_cfg(extra_steps=3, min_coverage=0.5))
+        result = _materialize(
+            res, instance, ["flow_model"], _train_cfg(extra_steps=3, min_coverage=0.5)
+        )
         assert result.success
         summary = json.loads((tmp_path / "data" / "runs" / "t" / "summary.json").read_text())
         assert summary["step"] == 7 and summary["resumed_from"]
@@ -78,7 +90,12 @@ def test_coverage_rule_then_train_resume_and_sample(tmp_path, small_sample, zoo)
         row = cat.query("SELECT samples, extra FROM materializations WHERE asset='flow_model'")[0]
         assert row["samples"] == 28 and json.loads(row["extra"])["partitions"] == ["000-00"]
 
-        result = _materialize(res, instance, ["samples"], {"ops": {"samples": {"config": {"run_name": "t", "steps": 2}}}})
+        result = _materialize(
+            res,
+            instance,
+            ["samples"],
+            {"ops": {"samples": {"config": {"run_name": "t", "steps": 2}}}},
+        )
         assert result.success
         grid = Image.open(tmp_path / "data" / "samples" / "t.png")
         assert grid.size[0] > 256 and grid.mode == "RGB"
