@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 from flowmatch_models.atomic import atomic_path
 from flowmatch_models.layout import PARTITIONED_ASSETS, DataLayout
 
-CATALOG_VERSION = 4
+CATALOG_VERSION = 5
 
 OUTCOMES = ("stored", "filtered", "failed")
 
@@ -191,7 +191,9 @@ def _view_sql(layout: DataLayout) -> list[str]:
         # every (partition, asset) pair with whether it is materialized; partitions known either
         # from registration or from a materialization
         """CREATE OR REPLACE VIEW coverage AS
-           WITH p AS (SELECT partition FROM partitions UNION SELECT partition FROM materializations)
+           WITH p AS (SELECT partition FROM partitions
+                      UNION SELECT partition FROM materializations
+                      WHERE asset IN (SELECT asset FROM assets))
            SELECT p.partition, a.asset, a.lineage_order, m.samples, m.written_at,
                   m.partition IS NOT NULL AS materialized
            FROM p CROSS JOIN assets a
@@ -207,7 +209,7 @@ def _view_sql(layout: DataLayout) -> list[str]:
                   sum(stored_bytes) / nullif(sum(samples), 0) * {PD12M_PAIRS} / 1e9
                       AS projected_pd12m_gb,
                   min(lossy_min_cosine) AS lossy_min_cosine, max(lossy_rel_rms) AS lossy_rel_rms
-           FROM materializations GROUP BY asset""",
+           FROM materializations WHERE stored_bytes > 0 GROUP BY asset""",
         """CREATE OR REPLACE VIEW throughput AS
            SELECT asset, any_value(device) AS device, count(*) AS partitions,
                   sum(samples) AS samples, sum(seconds) AS seconds,

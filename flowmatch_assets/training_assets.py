@@ -40,6 +40,12 @@ class TrainRunConfig(dg.Config):
     overrides: list[str] = Field(default_factory=list, description="Extra `--set key=value` items.")
 
 
+def _default_device() -> str:
+    import torch
+
+    return f"cuda ({torch.cuda.get_device_name(0)})" if torch.cuda.is_available() else "cpu"
+
+
 def run_dir(flowmatch: FlowmatchResource, name: str) -> Path:
     return Path(flowmatch.data_root) / "runs" / name
 
@@ -125,7 +131,7 @@ def flow_model(
             partition=config.run_name,
             samples=int(sum((summary.get("trained_counts") or {}).values())),
             seconds=float(summary.get("wall_s") or 0.0),
-            device=str(summary.get("device") or ""),
+            device=str(summary.get("device") or _default_device()),
             run_id=context.run.run_id,
             extra={
                 "step": summary.get("step"),

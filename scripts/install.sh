@@ -13,10 +13,10 @@ PIP=(.venv/bin/python -m pip install --progress-bar off)
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     echo "install: NVIDIA GPU found, installing CUDA torch"
-    "${PIP[@]}" "torch>=2.4,<2.15"
+    "${PIP[@]}" -q "torch>=2.4,<2.15"
   else
     echo "install: no GPU found, installing CPU torch ${FLOWMATCH_TORCH_VERSION:-2.13.0}"
-    "${PIP[@]}" "torch==${FLOWMATCH_TORCH_VERSION:-2.13.0}" ${FLOWMATCH_TORCH_INDEX:+--index-url "$FLOWMATCH_TORCH_INDEX"}
+    "${PIP[@]}" -q "torch==${FLOWMATCH_TORCH_VERSION:-2.13.0}" ${FLOWMATCH_TORCH_INDEX:+--index-url "$FLOWMATCH_TORCH_INDEX"}
   fi
 fi
 "${PIP[@]}" -q -e ".[dev]"
