@@ -266,6 +266,7 @@ BENCHES = {
     "store": "flowmatch_models.bench_store",
     "precalc": "flowmatch_models.bench_precalc",
     "train": "flowmatch_models.bench_train",
+    "orchestration": "flowmatch_assets.bench.orchestration",
 }
 
 
@@ -337,7 +338,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.set_defaults(func=cmd_zoo, passthrough=True)
 
-    s = sub.add_parser("bench", help="benchmarks: images, store, precalc, train")
+    s = sub.add_parser(
+        "backfill",
+        help="launch a backfill (--missing) through the running webserver's GraphQL",
+        add_help=False,
+    )
+    s.set_defaults(func=None)
+
+    s = sub.add_parser("bench", help="benchmarks: images, store, precalc, train, orchestration")
     s.add_argument("which", choices=sorted(BENCHES))
     s.set_defaults(func=cmd_bench, passthrough=True)
     return p
@@ -347,6 +355,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = build_parser()
     # passthrough commands hand the rest of the line to their module's own parser
+    if argv[:1] == ["backfill"]:
+        from flowmatch_assets.backfill import main as backfill_main
+
+        return backfill_main(argv[1:])
     if argv and argv[0] in ("sample", "zoo"):
         a = argparse.Namespace(cmd=argv[0])
         return {"sample": cmd_sample, "zoo": cmd_zoo}[argv[0]](a, argv[1:])
