@@ -41,7 +41,14 @@ def test_graphql_documents_match_the_installed_schema():
     from graphql import parse, validate
 
     schema = create_schema().graphql_schema
-    for doc in (backfill.LAUNCH, backfill.STATUS, backfill.PARTITIONS):
+    for doc in (
+        backfill.LAUNCH,
+        backfill.STATUS,
+        backfill.PARTITIONS,
+        backfill.REPOS,
+        backfill.LAUNCH_RUN,
+        backfill.RUN_STATUS,
+    ):
         assert validate(schema, parse(doc)) == [], doc
 
 
@@ -190,6 +197,42 @@ def test_dagster_dev_backfill_catalog_and_ui(tmp_path, small_sample, zoo):
                 )
         assert got == bad, (got, bad)
         log(f"catalog: {n_stored} rows stored, failures {sorted(bad)}")
+
+        # training from the webserver: flow_model (+ samples) with launchpad run config
+        t3 = time.monotonic()
+        train_cfg = {
+            "run_name": "e2e",
+            "max_steps": 6,
+            "overrides": [
+                "data.batch_size=4",
+                "trainer.log_every=2",
+                "trainer.sample_every=1000",
+                "trainer.checkpoint_every=1000",
+                "sample.steps=2",
+            ],
+        }
+        run_config = {
+            "ops": {
+                "flow_model": {"config": train_cfg},
+                "samples": {"config": {"run_name": "e2e", "steps": 2}},
+            }
+        }
+        run_id = backfill.launch_run(dev.url, ["flow_model", "samples"], run_config)
+        log(f"launched training run {run_id}")
+        try:
+            status = backfill.wait_run(dev.url, run_id, timeout=400)
+        except TimeoutError as e:
+            pytest.fail(dev.fail_msg(str(e)))
+        assert status == "SUCCESS", dev.fail_msg(f"training run ended {status}")
+        timings["training"] = time.monotonic() - t3
+        with dg.DagsterInstance.from_config(str(home)) as instance:
+            rec = instance.fetch_materializations(dg.AssetKey("flow_model"), limit=1).records[0]
+            md = rec.asset_materialization.metadata
+            assert md["step"].value == 6  # reported live by the training process (Pipes)
+            assert md["partitions_used"].value == keys
+            assert "data:image/jpeg;base64" in md["loss_curve"].value
+        assert (data / "samples" / "e2e.png").stat().st_size > 1000
+        log("training: 6 steps through Pipes, loss curve and sample grid recorded")
 
         # the UI in a real browser
         if not CHROMIUM.exists():
