@@ -339,6 +339,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_zoo, passthrough=True)
 
     s = sub.add_parser(
+        "budget", help="time, cost, energy and disk for PD12M and N updates", add_help=False
+    )
+    s.set_defaults(func=None)
+
+    s = sub.add_parser(
         "backfill",
         help="launch a backfill (--missing) through the running webserver's GraphQL",
         add_help=False,
@@ -355,6 +360,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = build_parser()
     # passthrough commands hand the rest of the line to their module's own parser
+    if argv[:1] == ["budget"]:
+        from flowmatch_assets.budget_report import main as budget_main
+
+        return budget_main(argv[1:])
     if argv[:1] == ["backfill"]:
         from flowmatch_assets.backfill import main as backfill_main
 

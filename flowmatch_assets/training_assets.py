@@ -46,6 +46,12 @@ def _default_device() -> str:
     return f"cuda ({torch.cuda.get_device_name(0)})" if torch.cuda.is_available() else "cpu"
 
 
+def _preset(summary: dict) -> str | None:
+    """The model preset of a finished run (from its EMA export's flowmatch.json)."""
+    meta = Path(summary.get("export_dir") or "/nonexistent") / "flowmatch.json"
+    return json.loads(meta.read_text()).get("preset") if meta.exists() else None
+
+
 def run_dir(flowmatch: FlowmatchResource, name: str) -> Path:
     return Path(flowmatch.data_root) / "runs" / name
 
@@ -139,6 +145,7 @@ def flow_model(
                 "trained_counts": summary.get("trained_counts"),
                 "samples_per_s": summary.get("samples_per_s"),
                 "loss": summary.get("loss"),
+                "preset": _preset(summary),
             },
         ),
     )
