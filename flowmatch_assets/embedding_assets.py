@@ -19,7 +19,6 @@ from flowmatch_assets.partitions import shard_partitions
 from flowmatch_assets.resources import FlowmatchResource
 from flowmatch_models.atomic import remove_stale_temps
 from flowmatch_models.devices import lease_device
-from flowmatch_models.encoders import Encoders, EncoderSpec
 from flowmatch_models.image_shard import iter_image_batches, read_image_meta
 from flowmatch_models.store import read_shard, write_shard
 
@@ -79,6 +78,9 @@ def encode_embeddings(context: dg.AssetExecutionContext, flowmatch: FlowmatchRes
     ids = meta.column("id").to_pylist()
     for name in selected:
         catalog.clear_partition(flowmatch.data_root, name, part)
+
+    from flowmatch_models.encoders import Encoders, EncoderSpec  # torch: only where it runs
+
     with lease_device(cfg.device) as device:
         enc = Encoders(
             EncoderSpec(

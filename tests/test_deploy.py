@@ -35,7 +35,7 @@ def test_local_definitions_keep_the_multiprocess_executor():
     from flowmatch_assets.definitions import defs
 
     job = defs.resolve_implicit_global_asset_job_def()
-    assert job.executor_def.name == "multi_or_in_process_executor"
+    assert job.executor_def.name == "multiprocess"  # forkserver with preloaded definitions
 
 
 def test_eager_automation_is_opt_in():

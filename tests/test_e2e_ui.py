@@ -14,9 +14,9 @@ import pytest
 
 from flowmatch_assets import backfill
 from flowmatch_assets.catalog import Catalog
+from flowmatch_assets.devserver import REPO, dagster_dev, make_dagster_home
 from flowmatch_assets.partitions import register_partitions
 from tests.conftest import make_resource
-from tests.dagster_dev import REPO, dagster_dev, make_dagster_home
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = REPO / "test-artifacts"

@@ -11,9 +11,9 @@ import pytest
 
 from flowmatch_assets import backfill
 from flowmatch_assets.catalog import Catalog
+from flowmatch_assets.devserver import dagster_dev
 from flowmatch_assets.partitions import register_partitions
 from tests.conftest import REPO, make_resource
-from tests.dagster_dev import dagster_dev
 from tests.postgres import pg_bin, postgres_server
 
 ASSETS = ["pd12m_metadata", "images_256"]

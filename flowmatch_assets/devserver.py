@@ -1,4 +1,4 @@
-"""Start and stop a real `dagster dev` (webserver + daemon) for end-to-end tests.
+"""Start and stop a real `dagster dev` (webserver + daemon) for end-to-end tests and benchmarks.
 
     with dagster_dev(home, env, log) as dev:
         dev.url  # http://127.0.0.1:<free port>, answering GraphQL with our code location loaded
