@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     # passthrough commands hand the rest of the line to their module's own parser
     if argv[:1] == ["budget"]:
-        from flowmatch_assets.budget_report import main as budget_main
+        from flowmatch_assets.budget_cli import main as budget_main
 
         return budget_main(argv[1:])
     if argv[:1] == ["backfill"]:

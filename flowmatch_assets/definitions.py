@@ -8,7 +8,7 @@ import os
 
 import dagster as dg
 
-from flowmatch_assets.budget_report import budget_report
+from flowmatch_assets.budget_assets import budget_report
 from flowmatch_assets.data_assets import images_256, images_256_complete, pd12m_metadata
 from flowmatch_assets.embedding_assets import EMBEDDING_CHECKS, encode_embeddings
 from flowmatch_assets.partitions import pd12m_partition_sensor

@@ -104,6 +104,11 @@ def flow_model(
     parts, frac = coverage_or_fail(flowmatch, known, config.min_coverage)
     out = run_dir(flowmatch, config.run_name)
     summary_path = out / "summary.json"
+
+    def seen(summary: dict) -> int:
+        return int(sum((summary.get("trained_counts") or {}).values()))
+
+    before = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     max_steps = config.max_steps
     if config.extra_steps is not None:
         done = json.loads(summary_path.read_text()).get("step", 0) if summary_path.exists() else 0
@@ -135,7 +140,10 @@ def flow_model(
         MaterializationRecord(
             asset="flow_model",
             partition=config.run_name,
-            samples=int(sum((summary.get("trained_counts") or {}).values())),
+            # this session's samples (a resumed run's counts include earlier sessions)
+            samples=seen(summary) - seen(before)
+            if seen(summary) >= seen(before)
+            else seen(summary),
             seconds=float(summary.get("wall_s") or 0.0),
             device=str(summary.get("device") or _default_device()),
             run_id=context.run.run_id,
@@ -143,6 +151,7 @@ def flow_model(
                 "step": summary.get("step"),
                 "partitions": parts,
                 "trained_counts": summary.get("trained_counts"),
+                "samples_total": seen(summary),
                 "samples_per_s": summary.get("samples_per_s"),
                 "loss": summary.get("loss"),
                 "preset": _preset(summary),

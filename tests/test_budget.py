@@ -1,90 +1,150 @@
-"""The budget report: projections from measured catalog rates, the seeds' references, disk."""
+"""The budget report: projections from measured catalog rates, the seeds' references, disk.
+
+Real catalogs (parquet records + DuckDB views) in tmp dirs; no mocks.
+"""
 
 from __future__ import annotations
+
+import json
 
 import dagster as dg
 import pytest
 
-from flowmatch_assets.budget_report import BudgetConfig, budget, budget_report, main
-from flowmatch_assets.catalog import MaterializationRecord, record_materialization
+from flowmatch_assets.budget import BudgetConfig, budget, measure, payback_hours, project
+from flowmatch_assets.budget_assets import budget_report
+from flowmatch_assets.budget_cli import main
+from flowmatch_assets.catalog import Catalog, MaterializationRecord, record_materialization
 from flowmatch_assets.resources import FlowmatchResource
+
+EMB = {"vae_latents": 2.0, "dino_features": 1.0, "text_embeddings": 1.0}
 
 
 def _rec(root, asset, part, samples, seconds, stored=0, device="cpu", extra=None):
     record_materialization(
         root,
         MaterializationRecord(
-            asset,
-            part,
-            samples=samples,
-            seconds=seconds,
-            raw_bytes=stored * 2,
-            stored_bytes=stored,
-            device=device,
-            extra=extra or {},
-        ),  # fmt: skip
-    )
+            asset, part, samples=samples, seconds=seconds, raw_bytes=stored * 2,
+            stored_bytes=stored, device=device, extra=extra or {},
+        ),
+    )  # fmt: skip
 
 
 def _rows(data):
-    return {(r["stage"].split(":")[0], r["source"]): r for r in data["projection"]}
+    return {(r["stage"].split(":")[0], r["source"], r["device"]): r for r in data["projection"]}
 
 
-def test_unmeasured_stages_say_so_and_seed_references_are_exact(tmp_path):
-    md, data = budget(tmp_path, BudgetConfig(updates=400_000))
+def _embeddings(root, part, device="cuda:0", n=1000, random_weights=False):
+    for a, s in EMB.items():
+        _rec(root, a, part, n, s, stored=n * 20_000, device=device,
+             extra={"random_weights": random_weights})  # fmt: skip
+
+
+def test_empty_catalog_says_not_measured_and_seed_references_are_exact(tmp_path):
+    md, data = budget(Catalog(tmp_path), BudgetConfig(updates=400_000))
     rows = _rows(data)
-    assert rows[("images_256", "ours")]["hours"] is None
-    assert "not measured yet" in md
-    # seed: 12.4M pairs at 200/s = 17.2 h; REPA: 400k updates at 5.4/s on 8 H100 at $2.76 ~ $454
-    assert rows[("precalc", "seed (2x RTX 3090)")]["hours"] == pytest.approx(12.4e6 / 200 / 3600)
-    assert rows[("training", "REPA paper (8x H100)")]["cloud_usd"] == pytest.approx(
-        400_000 / 5.4 / 3600 * 8 * 2.76
-    )
-    assert rows[("training", "seed (2x RTX 3090)")]["hours"] == pytest.approx(400_000 / 0.39 / 3600)
+    for stage in ("images_256", "precalc", "training"):
+        r = rows[(stage, "ours", "-")]
+        assert r["rate"] == "not measured" and r["hours"] is None and r["cloud_usd"] is None
+    assert md.count("not measured") >= 5  # three stages + two disk rows
+    seed = "seed (2x RTX 3090)"
+    pre = rows[("precalc", seed, "2x RTX 3090")]
+    assert pre["hours"] == pytest.approx(12.4e6 / 200 / 3600)  # the seed's ~17 h
+    tr = rows[("training", seed, "2x RTX 3090")]
+    assert tr["hours"] == pytest.approx(400_000 / 0.39 / 3600)
+    assert tr["box_kwh"] == pytest.approx(tr["hours"] * 1.0)  # the seed's 1 kW
+    assert tr["box_usd"] == pytest.approx(tr["hours"] * 0.32)
+    repa = rows[("training", "REPA paper (8x H100)", "8x H100")]
+    # the seed's arithmetic: 400k updates at 5.4/s on 8 H100 = ~164 GPU-h = ~$450 at $2.76
+    assert repa["hours"] * 8 == pytest.approx(164.6, abs=0.1)
+    assert repa["cloud_usd"] == pytest.approx(400_000 / 5.4 / 3600 * 8 * 2.76)
+    assert repa["box_kwh"] is None  # not an owned box
+    disk = {d["what"]: d for d in data["disk"]}
+    assert disk["images (HDD)"]["gb"] is None and "not measured" in disk["images (HDD)"]["note"]
+    assert disk["seed: embeddings"]["gb"] == pytest.approx(700.0)
 
 
 def test_projection_from_measured_rates(tmp_path):
     for p in ("000-00", "000-01"):
         _rec(tmp_path, "images_256", p, 1000, 10.0, stored=13_000_000)  # 100 img/s, 13 kB each
-        for a, s in (("vae_latents", 2.0), ("dino_features", 1.0), ("text_embeddings", 1.0)):
-            _rec(
-                tmp_path,
-                a,
-                p,
-                1000,
-                s,
-                stored=20_000_000,
-                device="cuda:0",
-                extra={"random_weights": False},
-            )
-    _rec(tmp_path, "flow_model", "run", 2048, 1.0, device="cuda (H200)", extra={"preset": "base"})
+        _embeddings(tmp_path, p)  # 1000 pairs per 2+1+1 s = 250 pairs/s
+    _embeddings(tmp_path, "000-02")
+    _rec(tmp_path, "vae_latents", "000-03", 1000, 0.1, device="cuda:0")  # incomplete: ignored
+    _rec(tmp_path, "flow_model", "run", 2048, 1.0, device="cuda (NVIDIA H200)",
+         extra={"preset": "base", "samples_per_s": 2048.0})  # fmt: skip
     cfg = BudgetConfig(
-        updates=1000, effective_batch=1024, gpu_hour_usd=2.0, box_watts=500, kwh_usd=0.5
+        updates=1000, effective_batch=1024, gpu_hour_usd=2.0, gpus=2, box_watts=500, kwh_usd=0.5
     )
-    md, data = budget(tmp_path, cfg)
+    md, data = budget(Catalog(tmp_path), cfg)
     rows = _rows(data)
-    img = rows[("images_256", "ours")]
+    img = rows[("images_256", "ours", "cpu")]
     assert img["hours"] == pytest.approx(12.4e6 / 100 / 3600)
     assert img["cloud_usd"] == pytest.approx(img["hours"] * 0.10)  # a CPU rate: CPU price
-    pre = rows[("precalc", "ours")]
-    assert pre["hours"] == pytest.approx(12.4e6 / 250 / 3600)  # 1000 pairs per 4 s of encoders
-    assert pre["cloud_usd"] == pytest.approx(pre["hours"] * 2.0)
+    pre = rows[("precalc", "ours", "cuda:0")]
+    assert pre["hours"] == pytest.approx(12.4e6 / 250 / 3600)  # rates are not scaled by gpus
+    assert pre["cloud_usd"] == pytest.approx(pre["hours"] * 2.0 * 2)  # ...the price is
     assert pre["box_usd"] == pytest.approx(pre["hours"] * 0.5 * 0.5)
-    tr = rows[("training", "ours")]
+    assert "3000 samples" in pre["note"].replace(",", "") and "3 partitions" in pre["note"]
+    tr = rows[("training", "ours", "cuda (NVIDIA H200)")]
     assert tr["hours"] == pytest.approx(1000 / 2.0 / 3600)  # 2048 samples/s = 2 updates/s
-    assert "preset base" in tr["device"]
+    assert "preset base" in tr["note"]
     disk = {d["what"]: d for d in data["disk"]}
-    assert disk["images (HDD)"]["projected_gb"] == pytest.approx(13_000 * 12.4e6 / 1e9)
-    assert disk["embeddings (SSD)"]["projected_gb"] == pytest.approx(60_000 * 12.4e6 / 1e9)
-    assert "| training: 1,000 updates x 1024 | ours | 2 updates/s |" in md
+    assert disk["images (HDD)"]["gb"] == pytest.approx(13_000 * 12.4e6 / 1e9)
+    emb = disk["embeddings (SSD)"]  # 3 x 20 kB per pair (000-03 has no stored bytes)
+    assert emb["gb"] == pytest.approx(60_000 * 12.4e6 / 1e9)
+    assert "| training: 1,000 updates x 1,024 | ours | 2 updates/s" in md
+    assert "| cuda (NVIDIA H200) |" in md
+
+
+def test_devices_are_never_mixed_and_zoo_is_flagged(tmp_path):
+    _rec(tmp_path, "images_256", "000-00", 100, 10.0, device="cpu")
+    _rec(tmp_path, "images_256", "000-01", 1000, 10.0, device="cuda:0")
+    _embeddings(tmp_path, "000-00", device="cpu", random_weights=True)
+    m = measure(Catalog(tmp_path))
+    assert {(r.device, r.per_s) for r in m["images"]} == {("cpu", 10.0), ("cuda:0", 100.0)}
+    (pre,) = m["precalc"]
+    assert pre.device == "cpu" and "RANDOM-WEIGHT" in pre.note
+    rows = project(m, BudgetConfig())
+    assert [r["device"] for r in rows if r["stage"].startswith("images_256")] == ["cpu", "cuda:0"]
+
+
+def test_resumed_run_uses_the_logged_rate_and_latest_run_wins(tmp_path):
+    # a resumed run: cumulative samples over one short session's wall -> samples/s far too high
+    _rec(tmp_path, "flow_model", "old", 1024, 100.0, device="cuda", extra={"preset": "tiny"})
+    _rec(tmp_path, "flow_model", "resumed", 1_024_000, 10.0, device="cuda",
+         extra={"preset": "tiny", "samples_per_s": 512.0})  # fmt: skip
+    _rec(tmp_path, "flow_model", "nolog", 2048, 4.0, device="cpu", extra={"preset": "tiny"})
+    m = measure(Catalog(tmp_path))
+    by_dev = {r.device: r for r in m["training"]}
+    assert by_dev["cuda"].per_s == 512.0 and by_dev["cuda"].count == 2
+    assert by_dev["cpu"].per_s == 512.0 and "wall" in by_dev["cpu"].note
+
+
+def test_config_validation_and_payback():
+    with pytest.raises(ValueError, match="effective_batch"):
+        project({}, BudgetConfig(effective_batch=0))
+    assert payback_hours(BudgetConfig()) is None
+    cfg = BudgetConfig(hardware_usd=2500, gpu_hour_usd=2.76, gpus=2, box_watts=1000, kwh_usd=0.32)
+    assert payback_hours(cfg) == pytest.approx(2500 / (5.52 - 0.32))
+    assert payback_hours(BudgetConfig(hardware_usd=1, gpu_hour_usd=0.1)) is None
 
 
 def test_asset_and_cli(tmp_path, capsys, monkeypatch):
     _rec(tmp_path, "images_256", "000-00", 500, 5.0, stored=1000)
     res = FlowmatchResource(data_root=str(tmp_path), metadata_source=str(tmp_path))
-    result = dg.materialize([budget_report], resources={"flowmatch": res})
+    result = dg.materialize(
+        [budget_report],
+        resources={"flowmatch": res},
+        run_config={"ops": {"budget_report": {"config": {"updates": 2000, "hardware_usd": 2500}}}},
+    )
+    assert result.success
     md = result.asset_materializations_for_node("budget_report")[0].metadata["report"].value
-    assert "100.0 images/s" in md and (tmp_path / "reports" / "budget.md").read_text() == md
+    assert "100.0 images/s" in md and "2,000 updates" in md and "cheaper than the cloud" in md
+    assert (tmp_path / "reports" / "budget.md").read_text() == md
     monkeypatch.setenv("FLOWMATCH_DATA_ROOT", str(tmp_path))
-    assert main(["--updates", "1000"]) == 0
-    assert "1,000 updates" in capsys.readouterr().out
+    assert main(["--updates", "1000", "--batch", "512"]) == 0
+    assert "1,000 updates at batch 512" in capsys.readouterr().out
+    assert main(["--json", "--watts", "700"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["config"]["box_watts"] == 700 and data["measured"]["images"][0]["per_s"] == 100
+    assert main(["--batch", "0"]) == 2
+    assert "effective_batch" in capsys.readouterr().err

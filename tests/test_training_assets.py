@@ -88,7 +88,9 @@ def test_coverage_rule_then_train_resume_and_sample(tmp_path, small_sample, zoo)
         assert summary["trained_counts"] == {"000-00": 7 * 4}
         cat = Catalog(res.data_root)
         row = cat.query("SELECT samples, extra FROM materializations WHERE asset='flow_model'")[0]
-        assert row["samples"] == 28 and json.loads(row["extra"])["partitions"] == ["000-00"]
+        # the record is this session's: 3 resumed steps x 4 samples; the total is kept beside it
+        assert row["samples"] == 12 and json.loads(row["extra"])["samples_total"] == 28
+        assert json.loads(row["extra"])["partitions"] == ["000-00"]
 
         result = _materialize(
             res,

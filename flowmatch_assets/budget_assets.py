@@ -1,0 +1,48 @@
+"""The ``budget_report`` asset: the budget projection (flowmatch_assets.budget) in the UI.
+
+Non-partitioned and without ``deps``: it only reads the catalog, so materializing it never forces
+any data asset to run; re-materialize it after new measurements to refresh the table.
+(No ``from __future__ import annotations`` here: Dagster resolves the config annotation.)
+"""
+
+from pathlib import Path
+
+import dagster as dg
+
+from flowmatch_assets.budget import BudgetConfig, budget
+from flowmatch_assets.catalog import Catalog
+from flowmatch_assets.resources import FlowmatchResource
+from flowmatch_models.atomic import atomic_write_text
+
+
+def report_path(data_root: str | Path) -> Path:
+    """Where the markdown report is written: ``<data root>/reports/budget.md``."""
+    return Path(data_root) / "reports" / "budget.md"
+
+
+@dg.asset(
+    group_name="reports",
+    kinds={"duckdb"},
+    description=(
+        "Hours, cloud $, owned-box kWh/$ and disk for the whole PD12M and N gradient updates, "
+        "projected from throughput measured in the catalog, beside the seeds' figures."
+    ),
+)
+def budget_report(
+    context: dg.AssetExecutionContext, config: BudgetConfig, flowmatch: FlowmatchResource
+) -> dg.MaterializeResult:
+    """Project from the catalog, write ``reports/budget.md`` atomically, show it as markdown."""
+    md, data = budget(Catalog(flowmatch.data_root), config)
+    out = report_path(flowmatch.data_root)
+    atomic_write_text(out, md)
+    context.log.info(md)
+    measured = {s: len(data["measured"][s]) for s in ("images", "precalc", "training")}
+    return dg.MaterializeResult(
+        metadata={
+            "report": dg.MetadataValue.md(md),
+            "path": dg.MetadataValue.path(str(out)),
+            "projection": dg.MetadataValue.json(data["projection"]),
+            "disk": dg.MetadataValue.json(data["disk"]),
+            "measured_devices": dg.MetadataValue.json(measured),
+        }
+    )
