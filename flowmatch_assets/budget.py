@@ -340,7 +340,7 @@ def render_markdown(rows: list[dict], disk_rows: list[dict], cfg: BudgetConfig) 
         f"{cfg.effective_batch:,}\n\n"
         f"Cloud: ${cfg.gpu_hour_usd:g}/GPU-hour x {cfg.gpus} GPU(s) for GPU-measured rates, "
         f"${cfg.cpu_hour_usd:g}/hour for CPU-measured ones (one GPU price for every GPU model, "
-        "also in the reference rows). Owned box: {cfg.box_watts:g} W at "
+        f"also in the reference rows). Owned box: {cfg.box_watts:g} W at "
         f"${cfg.kwh_usd:g}/kWh (seed rows: {SEED_BOX_WATTS:g} W). Our rates are measured by this "
         "pipeline on the device named and are not scaled: a CPU rate is not a GPU rate.\n"
     )

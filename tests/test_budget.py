@@ -143,6 +143,8 @@ def test_asset_and_cli(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("FLOWMATCH_DATA_ROOT", str(tmp_path))
     assert main(["--updates", "1000", "--batch", "512"]) == 0
     assert "1,000 updates at batch 512" in capsys.readouterr().out
+    assert main(["--watts", "700"]) == 0
+    assert "Owned box: 700 W at" in capsys.readouterr().out
     assert main(["--json", "--watts", "700"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["config"]["box_watts"] == 700 and data["measured"]["images"][0]["per_s"] == 100
