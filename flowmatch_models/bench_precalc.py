@@ -41,26 +41,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from flowmatch_models.encoders import Encoders, EncoderSpec
-from flowmatch_models.zoo import build_tokenizer, caption_corpus
+from flowmatch_models.zoo import DCAE_F32C32_SANA_1_0, build_tokenizer, caption_corpus
 
-DCAE_F32C32_SANA_1_0: dict = {
-    "in_channels": 3,
-    "latent_channels": 32,
-    "attention_head_dim": 32,
-    "encoder_block_types": ("ResBlock",) * 3 + ("EfficientViTBlock",) * 3,
-    "decoder_block_types": ("ResBlock",) * 3 + ("EfficientViTBlock",) * 3,
-    "encoder_block_out_channels": (128, 256, 512, 512, 1024, 1024),
-    "decoder_block_out_channels": (128, 256, 512, 512, 1024, 1024),
-    "encoder_layers_per_block": (2, 2, 2, 3, 3, 3),
-    "decoder_layers_per_block": (3, 3, 3, 3, 3, 3),
-    "encoder_qkv_multiscales": ((), (), (), (5,), (5,), (5,)),
-    "decoder_qkv_multiscales": ((), (), (), (5,), (5,), (5,)),
-    "downsample_block_type": "conv",
-    "upsample_block_type": "interpolate",
-    "decoder_norm_types": "rms_norm",
-    "decoder_act_fns": "silu",
-    "scaling_factor": 0.41407,
-}
 DINOV2_SMALL: dict = {
     "hidden_size": 384,
     "num_hidden_layers": 12,

@@ -34,24 +34,34 @@ RANDOM_WEIGHTS_MARKER = "FLOWMATCH_RANDOM_WEIGHTS"
 ZOO_SEED = 0
 ZOO_MODELS = ("vae", "dino", "text")
 
-# Tiny DC-AE: same block types / down-sampling as dc-ae-f32c32-sana-1.0, narrower and shallower.
-TINY_VAE_CONFIG: dict = {
+# The real dc-ae-f32c32-sana-1.0 config (diffusers scripts/convert_dcae_to_diffusers.py).
+DCAE_F32C32_SANA_1_0: dict = {
     "in_channels": 3,
     "latent_channels": 32,
-    "attention_head_dim": 8,
+    "attention_head_dim": 32,
     "encoder_block_types": ("ResBlock",) * 3 + ("EfficientViTBlock",) * 3,
     "decoder_block_types": ("ResBlock",) * 3 + ("EfficientViTBlock",) * 3,
-    "encoder_block_out_channels": (8, 16, 32, 32, 64, 64),
-    "decoder_block_out_channels": (8, 16, 32, 32, 64, 64),
-    "encoder_layers_per_block": (1, 1, 1, 1, 1, 1),
-    "decoder_layers_per_block": (1, 1, 1, 1, 1, 1),
+    "encoder_block_out_channels": (128, 256, 512, 512, 1024, 1024),
+    "decoder_block_out_channels": (128, 256, 512, 512, 1024, 1024),
+    "encoder_layers_per_block": (2, 2, 2, 3, 3, 3),
+    "decoder_layers_per_block": (3, 3, 3, 3, 3, 3),
     "encoder_qkv_multiscales": ((), (), (), (5,), (5,), (5,)),
     "decoder_qkv_multiscales": ((), (), (), (5,), (5,), (5,)),
     "downsample_block_type": "conv",
     "upsample_block_type": "interpolate",
     "decoder_norm_types": "rms_norm",
     "decoder_act_fns": "silu",
-    "scaling_factor": 0.41407,  # the real model's value, so downstream code paths are identical
+    "scaling_factor": 0.41407,
+}
+
+# Tiny DC-AE: the real block types and down-sampling, narrower and one layer per stage.
+TINY_VAE_CONFIG: dict = {
+    **DCAE_F32C32_SANA_1_0,  # incl. the real scaling factor, so downstream code paths match
+    "attention_head_dim": 8,
+    "encoder_block_out_channels": (8, 16, 32, 32, 64, 64),
+    "decoder_block_out_channels": (8, 16, 32, 32, 64, 64),
+    "encoder_layers_per_block": (1, 1, 1, 1, 1, 1),
+    "decoder_layers_per_block": (1, 1, 1, 1, 1, 1),
 }
 
 TINY_DINO_CONFIG: dict = {
