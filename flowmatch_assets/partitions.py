@@ -3,7 +3,7 @@
 import dagster as dg
 
 from flowmatch_assets.catalog import record_partitions
-from flowmatch_assets.metadata import ShardSpec, discover_shards
+from flowmatch_assets.metadata import MetadataError, ShardSpec, discover_shards
 from flowmatch_assets.resources import FlowmatchResource
 
 SHARDS = "pd12m_shards"
@@ -36,7 +36,10 @@ def register_partitions(instance: dg.DagsterInstance, flowmatch: FlowmatchResour
 def pd12m_partition_sensor(
     context: dg.SensorEvaluationContext, flowmatch: FlowmatchResource
 ) -> dg.SensorResult | dg.SkipReason:
-    specs = discover(flowmatch)
+    try:
+        specs = discover(flowmatch)
+    except MetadataError as e:  # e.g. no metadata yet: say why in the UI, don't error each tick
+        return dg.SkipReason(str(e))
     existing = set(context.instance.get_dynamic_partitions(SHARDS))
     new = [s.key for s in specs if s.key not in existing]
     if not new:

@@ -14,6 +14,7 @@ import pytest
 from flowmatch_assets.catalog import Catalog
 from flowmatch_assets.definitions import defs, resources_for
 from flowmatch_assets.partitions import SHARDS, register_partitions
+from flowmatch_assets.resources import FlowmatchResource
 from flowmatch_models.image_shard import iter_image_batches
 from tests.conftest import REPO, make_resource
 
@@ -99,6 +100,13 @@ def test_sensor_registers_new_metadata_files(resource, small_sample):
         assert result.dynamic_partitions_requests[0].partition_keys == ["000-00", "001-00"]
         instance.add_dynamic_partitions(SHARDS, ["000-00", "001-00"])
         assert isinstance(pd12m_partition_sensor(ctx), dg.SkipReason)
+        # no metadata source (yet): a skip that says how to fix it, not an error every tick
+        gone = FlowmatchResource(
+            data_root=resource.data_root, metadata_source=str(resource.data_root) + "/none"
+        )
+        ctx = dg.build_sensor_context(instance=instance, resources={"flowmatch": gone})
+        skip = pd12m_partition_sensor(ctx)
+        assert isinstance(skip, dg.SkipReason) and "flowmatch sample" in skip.skip_message
 
 
 @pytest.mark.slow
