@@ -83,7 +83,13 @@ class EncoderConfig(dg.Config):
         default="auto", description="auto (a free GPU, else cpu), cpu, cuda or cuda:K."
     )
     dtype: str = Field(
-        default="auto", description="auto (bf16 on GPU, fp32 on CPU), fp32, bf16, fp16."
+        default="auto",
+        description="VAE/DINO compute: auto (bf16 on GPU, fp32 on CPU), fp32, bf16, fp16.",
+    )
+    text_dtype: str = Field(
+        default="auto",
+        description="Text encoder compute: auto (bf16 on GPU, fp32 on CPU), bf16 or fp32; fp16 "
+        "is refused (Gemma3 overflows it). Stored as fp16, saturated values counted.",
     )
     batch_size: int = Field(default=64, description="Images or captions per encoder forward.")
     max_tokens: int = Field(default=128, description="Caption truncation in tokens.")

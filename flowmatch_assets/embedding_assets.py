@@ -89,6 +89,7 @@ def encode_embeddings(context: dg.AssetExecutionContext, flowmatch: FlowmatchRes
                 text=cfg.text,
                 device=device,
                 dtype=cfg.dtype,
+                text_dtype=cfg.text_dtype,
                 max_tokens=cfg.max_tokens,
                 dino_pool=cfg.dino_pool,
                 batch_size=cfg.batch_size,
@@ -125,6 +126,8 @@ def encode_embeddings(context: dg.AssetExecutionContext, flowmatch: FlowmatchRes
                 add("text_embeddings", "tokens", tokens)
                 add("text_embeddings", "lengths", lengths)
             timings["text_embeddings"] = time.perf_counter() - t0
+            saturated = enc.text_saturated
+            add("text_embeddings", "null_tokens", enc.encode_null())
 
         model_of = {"vae_latents": cfg.vae, "dino_features": cfg.dino, "text_embeddings": cfg.text}
         enc_of = {"vae_latents": "vae", "dino_features": "dino", "text_embeddings": "text"}
@@ -133,9 +136,8 @@ def encode_embeddings(context: dg.AssetExecutionContext, flowmatch: FlowmatchRes
             "text_embeddings": {"tokens": cfg.lossy_text},
         }
         for name in selected:
-            arrays = {k: np.concatenate(v) for k, v in outs[name].items()}
-            if not arrays:  # an empty shard still gets well-formed, empty arrays
-                arrays = _empty(name)
+            # an empty shard still gets well-formed, empty arrays
+            arrays = {**_empty(name), **{k: np.concatenate(v) for k, v in outs[name].items()}}
             attrs = {
                 "model": model_of[name],
                 "random_weights": random[enc_of[name]],
@@ -149,6 +151,8 @@ def encode_embeddings(context: dg.AssetExecutionContext, flowmatch: FlowmatchRes
                 attrs["dino_pool"] = cfg.dino_pool
             if name == "text_embeddings":
                 attrs["max_tokens"] = cfg.max_tokens
+                attrs["text_dtype"] = str(enc.text_dtype)
+                attrs["fp16_saturated"] = saturated
             lossy = {k: v for k, v in lossy_of.get(name, {}).items() if v}
             out = layout.asset_path(name, part)
             remove_stale_temps(out)
@@ -178,6 +182,7 @@ def encode_embeddings(context: dg.AssetExecutionContext, flowmatch: FlowmatchRes
                         "model": model_of[name],
                         "random_weights": attrs["random_weights"],
                         "array_bytes": stats.raw_bytes,
+                        **({"fp16_saturated": saturated} if name == "text_embeddings" else {}),
                     },
                 ),
             )
@@ -203,6 +208,7 @@ def encode_embeddings(context: dg.AssetExecutionContext, flowmatch: FlowmatchRes
                     "device": device,
                     "model": model_of[name] + label,
                     "random_weights": bool(attrs["random_weights"]),
+                    **({"fp16_saturated_values": saturated} if name == "text_embeddings" else {}),
                     "path": dg.MetadataValue.path(str(out)),
                 },
             )
@@ -213,7 +219,11 @@ def _empty(name: str) -> dict[str, np.ndarray]:
         return {"latents": np.zeros((0, 32, 8, 8), np.float16)}
     if name == "dino_features":
         return {"patch": np.zeros((0, 64, 384), np.float16), "cls": np.zeros((0, 384), np.float16)}
-    return {"tokens": np.zeros((0, 640), np.float16), "lengths": np.zeros((0,), np.int32)}
+    return {
+        "tokens": np.zeros((0, 640), np.float16),
+        "lengths": np.zeros((0,), np.int32),
+        "null_tokens": np.zeros((1, 640), np.float16),
+    }
 
 
 EXPECTED = {
@@ -279,4 +289,35 @@ def _make_check(asset: str):
     return _check
 
 
-EMBEDDING_CHECKS = [_make_check(a) for a in SPECS]
+@dg.asset_check(
+    asset="text_embeddings",
+    name="text_embeddings_fp16_saturation",
+    description="Caption hidden-state values clamped to the fp16 range when stored (warns above 0).",
+)
+def text_saturation_check(
+    context: dg.AssetCheckExecutionContext, flowmatch: FlowmatchResource
+) -> dg.AssetCheckResult:
+    parts = run_partitions(context) or flowmatch.layout.partitions_with("text_embeddings")
+    per_part = {}
+    for p in parts:
+        try:
+            attrs = read_shard(flowmatch.layout.asset_path("text_embeddings", p)).attrs
+        except Exception:  # noqa: BLE001 - the validity check reports unreadable shards
+            continue
+        per_part[p] = int(attrs.get("fp16_saturated", 0))
+    total = sum(per_part.values())
+    return dg.AssetCheckResult(
+        passed=total == 0,
+        severity=dg.AssetCheckSeverity.WARN,
+        metadata={
+            "saturated_values": total,
+            "partitions": dg.MetadataValue.json({k: v for k, v in per_part.items() if v}),
+        },
+        description=None
+        if total == 0
+        else f"{total} caption values exceeded fp16 and were clamped: compute the text encoder "
+        "in fp32, or check the captions of the listed partitions",
+    )
+
+
+EMBEDDING_CHECKS = [*(_make_check(a) for a in SPECS), text_saturation_check]

@@ -5,11 +5,15 @@ shards are permuted, grouped into windows of ``shuffle_window`` shards, and the 
 window are permuted together — so a worker only keeps a window of shards open while batches
 still mix partitions. Global batch ``b`` covers epoch positions ``[start + b G, start + (b+1) G)``
 with ``G = batch_size * world_size``; rank ``r`` takes its ``r``-th slice of ``batch_size``;
-dataloader worker ``w`` builds batches ``b = w mod num_workers`` (the DataLoader returns them in
-order). The data position ``(epoch, sample offset)`` is ours, not Lightning's: the training
+dataloader worker ``w`` builds the batches ``k`` of the whole stream (counted across epochs, as
+the DataLoader counts) with ``k mod num_workers = w``, so any number of workers yields exactly
+the single-process sequence. The data position ``(epoch, sample offset)`` is ours, not Lightning's: the training
 step reports each consumed batch through :meth:`EmbeddingDataModule.mark_consumed`, and the
 position plus per-partition trained counts travel in the checkpoint (``state_dict``), so a
-mid-epoch resume continues exactly where the run stopped, even with a new batch size.
+mid-epoch resume continues exactly where the run stopped, even with a new batch size, worker
+count or number of ranks. Settings that define the order (``seed``, ``shuffle_window``) must match
+the checkpoint's: a resume that changes one stops with an error naming it, unless
+``allow_order_change`` is set; a changed partition list starts the next epoch (logged).
 """
 
 from __future__ import annotations
@@ -61,6 +65,21 @@ class ShardSource:
                 f"{first.path}: attrs has no 'scaling_factor'; re-materialize vae_latents"
             )
         self.scaling_factor = float(first.attrs["scaling_factor"])
+        text0 = self._shard("text_embeddings", self.partitions[0])
+        self.null_tokens: np.ndarray | None = (
+            np.asarray(text0["null_tokens"], np.float32) if "null_tokens" in text0 else None
+        )
+        if self.null_tokens is None:
+            log.warning(
+                "%s has no null_tokens (encoded empty prompt): caption dropout and CFG use a "
+                "zero token; re-materialize text_embeddings to store it",
+                text0.path,
+            )
+
+    @property
+    def null_text(self) -> torch.Tensor | None:
+        """The encoded empty prompt ``[L0, D]`` (float32) shared by every partition, or None."""
+        return None if self.null_tokens is None else torch.from_numpy(self.null_tokens)
 
     def _shard(self, asset: str, partition: str) -> Shard:
         return read_shard(self.layout.asset_path(asset, partition))
@@ -86,6 +105,15 @@ class ShardSource:
                     f"partition {p!r}: ids of {s.path.name} in {s.path.parent.name} differ from "
                     "vae_latents; re-materialize the partition's embedding assets"
                 )
+        null = text["null_tokens"] if "null_tokens" in text else None
+        if (null is None) != (self.null_tokens is None) or (
+            null is not None and not np.array_equal(np.asarray(null, np.float32), self.null_tokens)
+        ):
+            raise ValueError(
+                f"partition {p!r}: its text_embeddings were made by another text encoder than "
+                f"{self.partitions[0]!r}'s (the encoded empty prompts differ); re-materialize "
+                "text_embeddings so that every partition uses the same encoder"
+            )
         sf = float(vae.attrs.get("scaling_factor", self.scaling_factor))
         if sf != self.scaling_factor:
             raise ValueError(f"partition {p!r}: scaling_factor {sf} != {self.scaling_factor}")
@@ -167,27 +195,41 @@ class BatchStream(IterableDataset):
                 "lower data.batch_size or add partitions"
             )
 
+    def positions(self) -> Iterator[tuple[int, int]]:
+        """``(epoch, position)`` of every global batch from the start on, in training order.
+
+        The k-th item is the k-th batch of the stream whatever the number of workers: each epoch
+        holds ``n // G`` full global batches from position 0 (the tail is dropped), the first
+        epoch those from ``start_sample`` on.
+        """
+        epoch, pos = self.start_epoch, self.start_sample
+        n_total = int(self.starts[-1])
+        while True:
+            while pos + self.global_batch <= n_total:
+                yield epoch, pos
+                pos += self.global_batch
+            epoch, pos = epoch + 1, 0
+
     def __iter__(self) -> Iterator[dict]:
         info = get_worker_info()
         wid, nw = (info.id, info.num_workers) if info else (0, 1)
-        epoch, start = self.start_epoch, self.start_sample
-        n_total = int(self.starts[-1])
-        while True:
-            order = epoch_order(self.source.sizes, epoch, self.seed, self.window)
-            b = 0
-            while start + (b + 1) * self.global_batch <= n_total:
-                if b % nw == wid:
-                    g0 = start + b * self.global_batch
-                    lo = g0 + self.rank * self.batch_size
-                    idx = order[lo : lo + self.batch_size]
-                    shard = np.searchsorted(self.starts, idx, side="right") - 1
-                    batch = self.source.gather(shard, idx - self.starts[shard])
-                    batch["epoch"] = torch.tensor(epoch)
-                    batch["position"] = torch.tensor(g0)
-                    batch["global_batch"] = torch.tensor(self.global_batch)
-                    yield batch
-                b += 1
-            epoch, start = epoch + 1, 0
+        order_epoch, order = -1, None
+        # The DataLoader asks worker k % nw for the k-th batch of the whole iterator (not of the
+        # epoch), so worker w takes items w, w + nw, ... of one global sequence across epochs.
+        for k, (epoch, g0) in enumerate(self.positions()):
+            if k % nw != wid:
+                continue
+            if epoch != order_epoch:
+                order_epoch = epoch
+                order = epoch_order(self.source.sizes, epoch, self.seed, self.window)
+            lo = g0 + self.rank * self.batch_size
+            idx = order[lo : lo + self.batch_size]
+            shard = np.searchsorted(self.starts, idx, side="right") - 1
+            batch = self.source.gather(shard, idx - self.starts[shard])
+            batch["epoch"] = torch.tensor(epoch)
+            batch["position"] = torch.tensor(g0)
+            batch["global_batch"] = torch.tensor(self.global_batch)
+            yield batch
 
 
 class EmbeddingDataModule(L.LightningDataModule):
@@ -207,8 +249,10 @@ class EmbeddingDataModule(L.LightningDataModule):
         shuffle_window: int = 4,
         text_max_len: int = 128,
         load_dino: bool = True,
+        allow_order_change: bool = False,
     ):
         super().__init__()
+        self.allow_order_change = allow_order_change
         self.root = Path(root)
         self.partitions = list(partitions) if partitions else DataLayout(root).complete_partitions()
         self.batch_size, self.num_workers, self.seed = batch_size, num_workers, seed
@@ -275,6 +319,7 @@ class EmbeddingDataModule(L.LightningDataModule):
             "epoch": self.epoch,
             "position": self.position,
             "seed": self.seed,
+            "shuffle_window": self.shuffle_window,
             "partitions": list(self.partitions),
             "trained_counts": dict(self.trained_counts),
         }
@@ -282,14 +327,26 @@ class EmbeddingDataModule(L.LightningDataModule):
     def load_state_dict(self, state: dict) -> None:
         self.trained_counts = {p: 0 for p in self.partitions}
         self.trained_counts.update({k: int(v) for k, v in state["trained_counts"].items()})
-        if list(state["partitions"]) == self.partitions and int(state["seed"]) == self.seed:
-            self.epoch, self.position = int(state["epoch"]), int(state["position"])
-        else:
-            self.epoch, self.position = int(state["epoch"]) + 1, 0
-            log.warning(
-                "partitions or seed changed since the checkpoint (%d -> %d partitions); "
-                "resuming at the start of epoch %d",
-                len(state["partitions"]),
-                len(self.partitions),
-                self.epoch,
+        ours = {"seed": self.seed, "shuffle_window": self.shuffle_window}
+        changed = {k: (state[k], v) for k, v in ours.items() if k in state and state[k] != v}
+        if changed and not self.allow_order_change:
+            what = ", ".join(
+                f"data.{k}: checkpoint {a!r} -> now {b!r}" for k, (a, b) in changed.items()
             )
+            what = what.replace("data.seed", "run.seed")
+            raise ValueError(
+                f"resume would change the data order ({what}); set it back, or pass "
+                "--set data.allow_order_change=true to continue with a new order from the next epoch"
+            )
+        if list(state["partitions"]) == self.partitions and not changed:
+            self.epoch, self.position = int(state["epoch"]), int(state["position"])
+            return
+        self.epoch, self.position = int(state["epoch"]) + 1, 0
+        log.warning(
+            "%s changed since the checkpoint (%d -> %d partitions); resuming at the start of "
+            "epoch %d",
+            ", ".join(changed) or "the partitions",
+            len(state["partitions"]),
+            len(self.partitions),
+            self.epoch,
+        )

@@ -1,9 +1,15 @@
 """The denoiser: a narrowed SANA DiT (diffusers ``SanaTransformer2DModel``) plus a REPA head.
 
-The transformer sees DC-AE latents ``[B, 32, 8, 8]`` as 64 tokens (patch size 1) and attends to
-Gemma3 caption hidden states ``[B, L, 640]``. REPA (Yu et al. 2024) aligns the output of
-``transformer_blocks[k]`` with frozen DINOv2 patch features through a small MLP; SANA does not
-return intermediate states, so a forward hook captures them (also under gradient checkpointing).
+The transformer sees DC-AE latents ``[B, 32, 8, 8]`` as 64 tokens (patch size 1) plus a sin-cos
+positional embedding (Sana's 256 px config sets ``use_pe``; on an 8x8 grid the Mix-FFN conv alone
+carries too little position, see BENCHMARKS.md "Learning") and attends to Gemma3 caption hidden
+states ``[B, L, 640]``. Weights are initialised as Sana does (:func:`sana_init_`).
+
+REPA (Yu et al. 2024) aligns the output of block ``encoder_depth`` (counted from 1, as REPA's
+``--encoder-depth``: index ``encoder_depth - 1``) with frozen DINOv2 patch features through a
+small MLP; SANA does not return intermediate states, so a forward hook captures them (also under
+gradient checkpointing). With REPA off no hook and no projector exist (DDP requires every
+registered parameter to get a gradient).
 
 Presets are plain ``name -> factory`` entries (DiT-style), each returning the
 ``SanaTransformer2DModel`` config for that size.
@@ -43,6 +49,7 @@ def _sana_config(layers: int, heads: int, head_dim: int, cross_heads: int) -> di
         mlp_ratio=2.5,
         sample_size=LATENT_SIZE,
         patch_size=1,
+        interpolation_scale=1,  # sin-cos PE on the 8x8 grid (None: no PE, Sana 1.0 at 1024 px)
     )
 
 
@@ -65,6 +72,10 @@ PRESETS: dict[str, Callable[[], dict]] = {"tiny": DiT_tiny, "small": DiT_small, 
 
 #: REPA projector hidden width per preset (the paper's 2048 except for the CPU-sized model).
 PROJECTOR_HIDDEN: dict[str, int] = {"tiny": 256, "small": 2048, "base": 2048}
+
+#: REPA ``encoder_depth`` per preset: the block (counted from 1) whose output is aligned. REPA
+#: uses 4 for its 12-layer SiT-B and 8 for 24/28 layers (about a third of the depth).
+REPA_ENCODER_DEPTH: dict[str, int] = {"tiny": 2, "small": 4, "base": 7}
 
 
 def transformer_config(preset: str, **overrides) -> dict:
@@ -97,29 +108,35 @@ class REPAProjector(nn.Module):
 
 
 class FlowDiT(nn.Module):
-    """``SanaTransformer2DModel`` + REPA projector on the output of ``transformer_blocks[k]``.
+    """``SanaTransformer2DModel`` + REPA projector on the output of block ``encoder_depth``.
 
     ``forward(x_t, t, text, mask)`` takes ``t`` in [0, 1] (SANA wants 0-1000) and returns the
-    predicted velocity and, when ``return_repa`` is set, the projected block-``k`` tokens
-    ``[B, 64, 384]``.
+    predicted velocity and, when ``return_repa`` is set, the projected block tokens
+    ``[B, 64, 384]``. ``encoder_depth=None`` builds no REPA head at all.
     """
 
     def __init__(
         self,
         transformer: SanaTransformer2DModel,
-        repa_block: int | None = None,
+        encoder_depth: int | None = None,
         projector_hidden: int = 2048,
     ):
         super().__init__()
         self.transformer = transformer
         depth = len(transformer.transformer_blocks)
-        self.repa_block = depth // 3 if repa_block is None else int(repa_block)
-        if not 0 <= self.repa_block < depth:
-            raise ValueError(f"repa_block {self.repa_block} outside the model's {depth} blocks")
+        self.encoder_depth = encoder_depth
+        self.projector: REPAProjector | None = None
+        self._captured: torch.Tensor | None = None
+        if encoder_depth is None:
+            return
+        if not 1 <= int(encoder_depth) <= depth:
+            raise ValueError(
+                f"model.repa_encoder_depth {encoder_depth} outside 1..{depth} (the model's blocks, "
+                "counted from 1 as in REPA)"
+            )
         width = transformer.config.num_attention_heads * transformer.config.attention_head_dim
         self.projector = REPAProjector(width, projector_hidden)
-        self._captured: torch.Tensor | None = None
-        transformer.transformer_blocks[self.repa_block].register_forward_hook(self._capture)
+        transformer.transformer_blocks[int(encoder_depth) - 1].register_forward_hook(self._capture)
 
     def _capture(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         self._captured = output
@@ -132,6 +149,8 @@ class FlowDiT(nn.Module):
         mask: torch.Tensor | None = None,
         return_repa: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if return_repa and self.projector is None:
+            raise ValueError("this model was built without a REPA head (repa_encoder_depth null)")
         self._captured = None
         v = self.transformer(
             hidden_states=x_t,
@@ -145,16 +164,68 @@ class FlowDiT(nn.Module):
         return v, (self.projector(h) if return_repa else None)
 
 
+# --------------------------------------------------------------------------------------------
+# initialisation (as Sana's ``initialize_weights``)
+# --------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def sana_init_(transformer: SanaTransformer2DModel, caption_norm_scale: float = 0.01) -> None:
+    """Sana's initialisation, in place: xavier-uniform linears (zero bias), the patch embedding
+    like a linear, N(0, 0.02) for the timestep and caption MLPs, the caption RMSNorm weight at
+    ``caption_norm_scale`` (Sana's ``y_norm_scale_factor``: Gemma states are large), and
+    zero-initialised cross-attention outputs and output projection (the network starts as the
+    identity on its residual stream and predicts 0)."""
+    for m in transformer.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.xavier_uniform_(m.weight)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+    w = transformer.patch_embed.proj.weight
+    nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+    te = transformer.time_embed
+    nn.init.normal_(te.emb.timestep_embedder.linear_1.weight, std=0.02)
+    nn.init.normal_(te.emb.timestep_embedder.linear_2.weight, std=0.02)
+    nn.init.normal_(te.linear.weight, std=0.02)
+    nn.init.normal_(transformer.caption_projection.linear_1.weight, std=0.02)
+    nn.init.normal_(transformer.caption_projection.linear_2.weight, std=0.02)
+    transformer.caption_norm.weight.fill_(caption_norm_scale)
+    for block in transformer.transformer_blocks:
+        nn.init.zeros_(block.attn2.to_out[0].weight)
+        nn.init.zeros_(block.attn2.to_out[0].bias)
+    nn.init.zeros_(transformer.proj_out.weight)
+    nn.init.zeros_(transformer.proj_out.bias)
+
+
 def build_model(
     preset: str = "tiny",
-    repa_block: int | None = None,
+    repa_encoder_depth: int | None = None,
     projector_hidden: int | None = None,
+    repa: bool = True,
+    pos_embed: bool = True,
+    init: str = "sana",
     **overrides,
 ) -> FlowDiT:
-    """A randomly initialised :class:`FlowDiT` of the named preset."""
+    """A freshly initialised :class:`FlowDiT` of the named preset.
+
+    ``repa=False`` builds no REPA head; ``repa_encoder_depth`` defaults to the preset's
+    (:data:`REPA_ENCODER_DEPTH`). ``pos_embed=False`` drops the sin-cos PE. ``init`` is
+    ``"sana"`` (:func:`sana_init_`) or ``"default"`` (PyTorch's layer defaults).
+    """
+    if not pos_embed:
+        overrides = {**overrides, "interpolation_scale": None}
     transformer = SanaTransformer2DModel(**transformer_config(preset, **overrides))
+    if init == "sana":
+        sana_init_(transformer)
+    elif init != "default":
+        raise ValueError(f"model.init {init!r}: use 'sana' or 'default'")
+    depth = None
+    if repa:
+        depth = repa_encoder_depth or REPA_ENCODER_DEPTH.get(
+            preset, max(1, len(transformer.transformer_blocks) // 3)
+        )
     hidden = projector_hidden or PROJECTOR_HIDDEN.get(preset, 2048)
-    return FlowDiT(transformer, repa_block=repa_block, projector_hidden=hidden)
+    return FlowDiT(transformer, encoder_depth=depth, projector_hidden=hidden)
 
 
 def count_params(module: nn.Module) -> int:

@@ -9,7 +9,10 @@
 - Text: ``AutoTokenizer`` + ``AutoModel`` (``Gemma3TextModel`` for gemma-3-270m): last hidden
   states of the caption truncated to ``max_tokens`` tokens (BOS included), only the valid
   tokens -> ragged ``tokens [T, 640]`` fp16 + ``lengths [N] int32``. An empty caption still
-  yields one token (BOS), so every sample has length >= 1.
+  yields one token (BOS), so every sample has length >= 1. Gemma's activations overflow fp16,
+  so the text encoder computes in bf16 or fp32 only (``text_dtype``; fp16 is refused); values
+  beyond the fp16 range are clamped when stored and counted (:attr:`Encoders.text_saturated`).
+  :meth:`Encoders.encode_null` gives the encoded empty prompt: the null caption for CFG.
 
 Each model is given as a hub id or a local folder. Loading is lazy (first use). With
 ``HF_HUB_OFFLINE=1`` only the local HF cache is consulted. Missing weights raise
@@ -51,6 +54,9 @@ class EncoderSpec:
     text: str = "google/gemma-3-270m"
     device: str = "auto"  # "auto" = cuda if available, else cpu
     dtype: str = "auto"  # "auto" = bf16 on cuda, fp32 on cpu; or "fp32" / "bf16" / "fp16"
+    text_dtype: str = (
+        "auto"  # text encoder compute: "auto" (bf16 on cuda, fp32 on cpu) / bf16 / fp32
+    )
     max_tokens: int = 128  # caption truncation (tokens, BOS included)
     dino_size: int = 224  # DINOv2 input size for dino_pool="avg2x2"
     dino_pool: str = "avg2x2"  # or "resize112" (run DINOv2 at 112 px -> 8x8 patches)
@@ -145,6 +151,14 @@ class Encoders:
             raise ValueError(f"dino_pool {self.spec.dino_pool!r}; choose one of {DINO_POOLS}")
         self._device = _resolve_device(self.spec.device)
         self.dtype = _resolve_dtype(self.spec.dtype, self._device)
+        self.text_dtype = _resolve_dtype(self.spec.text_dtype, self._device)
+        if self.text_dtype == torch.float16:
+            raise ValueError(
+                "text_dtype fp16: Gemma3's hidden states overflow fp16 (values beyond 65504 become "
+                "inf); compute the text encoder in bf16 or fp32 (text_dtype: bf16 | fp32 | auto). "
+                "Its outputs are still stored as fp16, clamped and counted."
+            )
+        self.text_saturated = 0  # caption values clamped to the fp16 range so far
         self._vae: Any = None
         self._dino: Any = None
         self._text: Any = None
@@ -174,7 +188,9 @@ class Encoders:
         if dino is not None:
             enc._dino = enc._prepare(cast(dino), compile_it=True)
         if text is not None:
-            enc._text = enc._prepare(cast(text), compile_it=False)
+            if next(text.parameters()).dtype != enc.text_dtype:
+                text = text.to(enc.text_dtype)
+            enc._text = enc._prepare(text, compile_it=False)
         enc._tokenizer = tokenizer
         return enc
 
@@ -240,7 +256,7 @@ class Encoders:
             from transformers import AutoModel
 
             model = load_pretrained(
-                "text", self.spec.text, AutoModel.from_pretrained, dtype=self.dtype
+                "text", self.spec.text, AutoModel.from_pretrained, dtype=self.text_dtype
             )
             self._text = self._prepare(model, compile_it=False)
         return self._text
@@ -370,12 +386,22 @@ class Encoders:
             h = model(
                 input_ids=input_ids.to(self._device), attention_mask=mask.to(self._device)
             ).last_hidden_state
+            valid = mask.to(h.device, torch.bool)[..., None]
+            self.text_saturated += int(((h.float().abs() > FP16_MAX) & valid).sum())
             h16 = _to_fp16(h)
             for row, i in enumerate(idx):
                 per_sample[i] = h16[row, : lengths[i]]
         if not ids:
             return np.zeros((0, hidden), np.float16), lengths
         return np.concatenate(per_sample), lengths  # type: ignore[arg-type]
+
+    def encode_null(self) -> np.ndarray:
+        """The encoded empty prompt ``[L0, D]`` fp16 (Gemma: the BOS token's state): the null
+        caption of caption dropout and CFG, and SanaPipeline's default negative prompt."""
+        saturated = self.text_saturated
+        tokens, _ = self.encode_text([""])
+        self.text_saturated = saturated  # the null caption is not a sample
+        return tokens
 
 
 def _clean_caption(caption: Any) -> str:

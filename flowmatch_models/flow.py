@@ -6,10 +6,12 @@
 Sampling integrates dx/dt = v from t = 1 (noise) to t = 0 (data) with Euler steps and
 classifier-free guidance ``v = v_null + s (v_cond - v_null)``.
 
-Null caption (for CFG): a single all-zero text token with mask ``[1]``. Caption dropout replaces
-a caption by exactly this (zero the tokens, keep only the first mask entry), so training and
-sampling see the same unconditional input, independent of the text encoder. Latents are in
-scaled space (``latents * scaling_factor``, unit-ish variance) throughout.
+Null caption (for CFG): the text encoder's hidden states of the empty prompt (for Gemma: the BOS
+token), which is what SanaPipeline feeds as its default negative prompt. The embedding step
+stores it once per text encoder in every text_embeddings shard (array ``null_tokens``); caption
+dropout replaces a caption by exactly this, and sampling uses it as the unconditional input.
+Without a stored one (shards from before it was stored) a single all-zero token stands in.
+Latents are in scaled space (``latents * scaling_factor``, unit-ish variance) throughout.
 """
 
 from __future__ import annotations
@@ -24,12 +26,17 @@ from flowmatch_models.dit import TEXT_DIM, FlowDiT
 
 
 def null_caption(
-    batch: int, text_dim: int = TEXT_DIM, device: torch.device | str = "cpu"
+    batch: int,
+    text_dim: int = TEXT_DIM,
+    device: torch.device | str = "cpu",
+    tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The unconditional caption: ``(zeros [B, 1, D], mask ones [B, 1])``."""
-    return torch.zeros(batch, 1, text_dim, device=device), torch.ones(
-        batch, 1, dtype=torch.bool, device=device
-    )
+    """The unconditional caption ``(text [B, L0, D], mask ones [B, L0])``: the encoded empty
+    prompt ``tokens [L0, D]`` repeated, or one all-zero token when ``tokens`` is None."""
+    if tokens is None:
+        tokens = torch.zeros(1, text_dim)
+    text = tokens.to(device=device, dtype=torch.float32)[None].expand(batch, -1, -1).clone()
+    return text, torch.ones(batch, tokens.shape[0], dtype=torch.bool, device=device)
 
 
 def shift_t(t: torch.Tensor, shift: float) -> torch.Tensor:
@@ -47,6 +54,7 @@ class FlowMatching:
     repa_lambda: float = 0.5
     caption_dropout: float = 0.1
     n_bins: int = 10
+    null_text: torch.Tensor | None = None  # encoded empty prompt [L0, D]; None: a zero token
 
     def sample_t(self, n: int, generator: torch.Generator | None = None, device="cpu"):
         """Logit-normal ``t`` with optional shift."""
@@ -64,9 +72,13 @@ class FlowMatching:
             return text, mask
         drop = torch.rand(text.shape[0], generator=generator, device=text.device)
         drop = drop < self.caption_dropout
-        text = torch.where(drop[:, None, None], torch.zeros_like(text), text)
-        null_mask = torch.zeros_like(mask)
-        null_mask[:, 0] = True
+        null_text, null_mask = null_caption(
+            text.shape[0], text.shape[-1], text.device, self.null_text
+        )
+        width = max(text.shape[1], null_text.shape[1])
+        text, mask = _pad_to(text, width), _pad_to(mask, width)
+        null_text, null_mask = _pad_to(null_text.to(text.dtype), width), _pad_to(null_mask, width)
+        text = torch.where(drop[:, None, None], null_text, text)
         mask = torch.where(drop[:, None], null_mask, mask)
         return text, mask
 
@@ -121,7 +133,8 @@ class FlowMatching:
         noise: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Scaled latents ``[B, 32, 8, 8]`` for captions ``text [B, L, D]`` (see :func:`sample`)."""
-        return sample(model, text, mask, None, steps, cfg_scale, generator, noise, self.shift)
+        null = null_caption(text.shape[0], text.shape[-1], text.device, self.null_text)
+        return sample(model, text, mask, null, steps, cfg_scale, generator, noise, self.shift)
 
 
 @torch.no_grad()
@@ -138,7 +151,8 @@ def sample(
 ) -> torch.Tensor:
     """Euler integration of ``dx/dt = v`` from ``t = 1`` to ``0`` with classifier-free guidance.
 
-    ``null_cond`` is ``(text [B, L0, D], mask [B, L0])``; default :func:`null_caption`.
+    ``null_cond`` is ``(text [B, L0, D], mask [B, L0])`` (see :func:`null_caption`; pass the
+    encoded empty prompt the model was trained with); default one all-zero token.
     ``cfg_scale = 1`` disables guidance (one forward per step). ``shift`` spaces the time grid
     like training (SD3 shift). Returns scaled latents.
     """

@@ -51,7 +51,12 @@ class FlowMatchModule(L.LightningModule):
         self.config = config
         m = config["model"]
         self.model = model or build_model(
-            m["preset"], repa_block=m.get("repa_block"), projector_hidden=m.get("projector_hidden")
+            m["preset"],
+            repa_encoder_depth=m.get("repa_encoder_depth"),
+            projector_hidden=m.get("projector_hidden"),
+            repa=float(config["flow"]["repa_lambda"]) > 0,  # no unused REPA head (DDP)
+            pos_embed=bool(m.get("pos_embed", True)),
+            init=m.get("init", "sana"),
         )
         if m.get("gradient_checkpointing"):
             self.model.transformer.enable_gradient_checkpointing()
@@ -167,6 +172,10 @@ class FlowMatchModule(L.LightningModule):
             "step": int(self.global_step),
             "flow_shift": float(self.config["flow"]["shift"]),
         }
+        cfg = self.model.transformer.config
+        info["transformer_config"] = {k: v for k, v in cfg.items() if not k.startswith("_")}
+        if self.flow.null_text is not None:
+            info["null_text"] = self.flow.null_text.detach().cpu().clone()
         if dm is not None and hasattr(dm, "state_dict"):
             info["scaling_factor"] = float(dm.scaling_factor)
             state = dm.state_dict()

@@ -20,15 +20,16 @@ import torch
 from diffusers import SanaTransformer2DModel
 
 from flowmatch_models.dit import transformer_config
-from flowmatch_models.flow import sample
+from flowmatch_models.flow import null_caption, sample
 from flowmatch_models.grid import make_grid, save_png
 
 
 def load_model(
     checkpoint: str | Path | None = None, model_dir: str | Path | None = None
 ) -> tuple[SanaTransformer2DModel, dict]:
-    """The EMA transformer and its metadata (``scaling_factor``, ``preset``) from either a
-    training checkpoint (``weights_only`` load) or an exported ``transformer_ema`` folder."""
+    """The EMA transformer and its metadata (``scaling_factor``, ``preset``, ``null_text`` when
+    stored) from either a training checkpoint (``weights_only`` load) or an exported
+    ``transformer_ema`` folder."""
     if (checkpoint is None) == (model_dir is None):
         raise ValueError("pass exactly one of checkpoint= (a .ckpt) or model_dir= (an export)")
     if model_dir is not None:
@@ -36,12 +37,18 @@ def load_model(
         model = SanaTransformer2DModel.from_pretrained(model_dir)
         meta_path = model_dir / "flowmatch.json"
         meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+        if (model_dir / "null_caption.safetensors").is_file():
+            from safetensors.torch import load_file
+
+            meta["null_text"] = load_file(model_dir / "null_caption.safetensors")["null_text"]
         return model.eval(), meta
     ckpt = torch.load(checkpoint, map_location="cpu", weights_only=True)
     meta = ckpt.get("flowmatch", {})
     if "preset" not in meta:
         raise ValueError(f"{checkpoint}: not a flowmatch training checkpoint (no 'flowmatch' info)")
-    model = SanaTransformer2DModel(**transformer_config(meta["preset"]))
+    model = SanaTransformer2DModel(
+        **meta.get("transformer_config") or transformer_config(meta["preset"])
+    )
     state = {k[4:]: v for k, v in ckpt["state_dict"].items() if k.startswith("ema.")}
     model.load_state_dict(state)
     return model.eval(), meta
@@ -98,16 +105,22 @@ def sample_grid(
     seed: int = 0,
     shift: float = 1.0,
     labels: Sequence[str] | None = None,
+    null_text: torch.Tensor | None = None,
 ) -> Path:
-    """Sample one image per caption embedding and save the grid PNG atomically; returns ``out``."""
+    """Sample one image per caption embedding and save the grid PNG atomically; returns ``out``.
+
+    ``null_text [L0, D]`` is the unconditional caption for CFG (the encoded empty prompt the
+    model was trained with; see :func:`flowmatch_models.flow.null_caption`)."""
     param = next(model.parameters())
     gen = torch.Generator(device=param.device).manual_seed(seed)
     was_training = model.training
     model.eval()
+    null = null_caption(len(text), text.shape[-1], param.device, null_text)
     z = sample(
         model,
         text.to(param.device, param.dtype),
         mask.to(param.device),
+        null_cond=null,
         steps=steps,
         cfg_scale=cfg_scale,
         generator=gen,
@@ -153,6 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.seed,
         shift,
         labels,
+        meta.get("null_text"),
     )
     print(out)
     return 0

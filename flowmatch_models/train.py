@@ -45,8 +45,10 @@ DEFAULT_CONFIG: dict[str, dict[str, Any]] = {
     "run": {"out_dir": "runs/default", "seed": 0, "name": None},
     "model": {
         "preset": "tiny",
-        "repa_block": None,  # default depth // 3
+        "repa_encoder_depth": None,  # REPA aligns block k counted from 1; None = preset default
         "projector_hidden": None,  # default per preset (2048 for small/base)
+        "pos_embed": True,  # sin-cos positional embedding on the 8x8 grid
+        "init": "sana",  # sana | default
         "gradient_checkpointing": False,
         "compile": False,
     },
@@ -75,6 +77,7 @@ DEFAULT_CONFIG: dict[str, dict[str, Any]] = {
         "num_workers": 2,
         "shuffle_window": 4,
         "text_max_len": 128,
+        "allow_order_change": False,  # resume even if seed/shuffle_window changed (next epoch)
     },
     "trainer": {
         "max_steps": 1000,
@@ -253,6 +256,7 @@ class SampleGridCallback(Callback):
             seed=int(s["seed"]),
             shift=float(self.cfg["flow"]["shift"]),
             labels=labels,
+            null_text=pl_module.flow.null_text,
         )
         return self.last_path
 
@@ -320,6 +324,9 @@ def plot_loss_curve(metrics_csv: Path, out_png: Path) -> Path:
     return out_png
 
 
+NULL_FILE = "null_caption.safetensors"
+
+
 def export_ema(module: FlowMatchModule, out_dir: Path, scaling_factor: float) -> Path:
     """``save_pretrained`` the EMA transformer to ``out_dir/transformer_ema`` (atomic swap)."""
     target = out_dir / "transformer_ema"
@@ -329,11 +336,19 @@ def export_ema(module: FlowMatchModule, out_dir: Path, scaling_factor: float) ->
     meta = {
         "scaling_factor": scaling_factor,
         "preset": module.config["model"]["preset"],
-        "null_caption": "one all-zero token (mask [1]); see flowmatch_models.flow",
+        "null_caption": (
+            "null_caption.safetensors: the encoded empty prompt (text_embeddings' null_tokens)"
+            if module.flow.null_text is not None
+            else "one all-zero token (mask [1]); see flowmatch_models.flow"
+        ),
         "timestep_scale": "t in [0, 1] x 1000",
         "flow_shift": module.config["flow"]["shift"],
     }
     atomic_write_text(tmp / "flowmatch.json", json.dumps(meta, indent=1))
+    if module.flow.null_text is not None:
+        from safetensors.torch import save_file
+
+        save_file({"null_text": module.flow.null_text.float().contiguous()}, tmp / NULL_FILE)
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)
     return target
@@ -411,8 +426,10 @@ def _train(cfg: dict, resume: str | None, pipes) -> dict:
         shuffle_window=int(d["shuffle_window"]),
         text_max_len=int(d["text_max_len"]),
         load_dino=float(cfg["flow"]["repa_lambda"]) > 0,
+        allow_order_change=bool(d["allow_order_change"]),
     )
     module = FlowMatchModule(cfg)
+    module.flow.null_text = dm.source.null_text
     if cfg["model"]["compile"]:
         module.model.transformer.compile()
     cuda = torch.cuda.is_available() and t["accelerator"] in ("auto", "gpu", "cuda")

@@ -69,7 +69,7 @@ def test_gaussian_clusters_are_learned_and_sampled() -> None:
 
 def test_lambda_zero_is_plain_flow_matching(batch: dict) -> None:
     torch.manual_seed(0)
-    model = build_model("tiny")
+    model = build_model("tiny", init="default")  # a non-zero output, so the comparison can fail
     fm = FlowMatching(repa_lambda=0.0, caption_dropout=0.0)
     out = fm.loss(model, batch["x"], batch["text"], batch["mask"], batch["dino"],
                   generator=torch.Generator().manual_seed(5))  # fmt: skip
@@ -96,7 +96,9 @@ def test_repa_gradients_reach_projector_and_blocks_up_to_k_only(
     batch: dict, checkpointing: bool
 ) -> None:
     torch.manual_seed(0)
-    model = build_model("tiny", repa_block=1)
+    # PyTorch's default init: Sana's zero-initialised output would leave the blocks without
+    # gradient on the very first step, which is not what this test is about
+    model = build_model("tiny", repa_encoder_depth=2, init="default")
     if checkpointing:  # the hook must also see block k under gradient checkpointing
         model.transformer.enable_gradient_checkpointing()
     fm = FlowMatching(repa_lambda=0.5, caption_dropout=0.0)
@@ -124,10 +126,57 @@ def test_caption_dropout_is_the_null_caption(batch: dict) -> None:
     null_text, null_mask = null_caption(4)
     assert not text.any() and mask[:, 0].all() and not mask[:, 1:].any()
     torch.manual_seed(0)
-    model = build_model("tiny").eval()
+    model = build_model("tiny", init="default").eval()
     x, t = torch.randn(4, 32, 8, 8), torch.rand(4)
     with torch.no_grad():  # padded null == one-token null: masked tokens carry no weight
         torch.testing.assert_close(model(x, t, text, mask)[0], model(x, t, null_text, null_mask)[0])
+
+
+def test_stored_null_caption_is_what_dropout_and_cfg_use(batch: dict) -> None:
+    """The encoded empty prompt (2 tokens here) replaces dropped captions and is CFG's input."""
+    g = torch.Generator().manual_seed(3)
+    null_tokens = torch.randn(2, 640, generator=g)
+    fm = FlowMatching(caption_dropout=1.0, null_text=null_tokens)
+    text, mask = fm.drop_captions(batch["text"], batch["mask"])
+    torch.testing.assert_close(text[:, :2], null_tokens.expand(4, -1, -1))
+    assert not text[:, 2:].any() and mask[:, :2].all() and not mask[:, 2:].any()
+    one = torch.randn(4, 1, 640, generator=g)  # captions shorter than the null caption: padded
+    t1, m1 = fm.drop_captions(one, torch.ones(4, 1, dtype=torch.bool))
+    assert t1.shape == (4, 2, 640) and m1.all()
+    torch.manual_seed(0)
+    model = build_model("tiny", init="default").eval()
+    noise = torch.randn(4, 32, 8, 8, generator=g)
+    ours = fm.sample(model, batch["text"], batch["mask"], steps=3, cfg_scale=3.0, noise=noise)
+    null = null_caption(4, tokens=null_tokens)
+    explicit = sample(model, batch["text"], batch["mask"], null, 3, 3.0, noise=noise)
+    zero = sample(model, batch["text"], batch["mask"], None, 3, 3.0, noise=noise)
+    torch.testing.assert_close(ours, explicit)
+    assert (ours - zero).abs().max() > 1e-3  # the null caption matters under CFG
+
+
+def test_sana_init_and_positional_embedding() -> None:
+    torch.manual_seed(0)
+    model = build_model("small")
+    tr = model.transformer
+    assert torch.all(tr.caption_norm.weight == 0.01)
+    assert not tr.proj_out.weight.any() and not tr.proj_out.bias.any()
+    assert all(not b.attn2.to_out[0].weight.any() for b in tr.transformer_blocks)
+    std = tr.time_embed.emb.timestep_embedder.linear_1.weight.std().item()
+    assert abs(std - 0.02) < 0.002
+    assert abs(tr.caption_projection.linear_1.weight.std().item() - 0.02) < 0.002
+    w = tr.transformer_blocks[0].attn1.to_q.weight  # xavier-uniform bound sqrt(6/(in+out))
+    bound = (6 / (w.shape[0] + w.shape[1])) ** 0.5
+    assert w.abs().max() <= bound and w.abs().max() > 0.95 * bound
+    for preset in ("tiny", "small", "base"):
+        from flowmatch_models.dit import transformer_config
+
+        assert transformer_config(preset)["interpolation_scale"] == 1  # PE on everywhere
+    assert tr.patch_embed.pos_embed.shape == (1, 64, 384)
+    assert build_model("tiny", pos_embed=False).transformer.patch_embed.pos_embed is None
+    # REPA counts blocks from 1; with REPA off there is no head (DDP needs no unused params)
+    assert model.encoder_depth == 4 and build_model("base", repa=False).projector is None
+    with pytest.raises(ValueError, match="outside 1..4"):
+        build_model("tiny", repa_encoder_depth=5)
 
 
 def test_sampler_integrates_a_known_velocity_field() -> None:

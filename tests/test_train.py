@@ -1,6 +1,7 @@
 """Training: data order, DDP sharding, mid-epoch resume exactness, edited-YAML resume, outputs."""
 
 import csv
+import itertools
 import json
 import os
 import shutil
@@ -136,6 +137,36 @@ def test_ranks_and_workers_see_disjoint_exact_samples(store: Path) -> None:
     # resuming at a sample position continues the same sequence
     resumed = BatchStream(src, 8, seed=3, rank=1, world_size=2, start_sample=3 * 16)
     assert ids(resumed, 2) == per_rank[1][3:5]
+
+
+def _stream_ids(stream: BatchStream, n: int, workers: int) -> list[list[str]]:
+    kw = {"num_workers": workers, "prefetch_factor": 2} if workers else {}
+    it = iter(torch.utils.data.DataLoader(stream, batch_size=None, **kw))
+    return [next(it)["ids"] for _ in range(n)]
+
+
+def test_workers_follow_the_single_process_order_across_epochs(store: Path) -> None:
+    """4 workers, 6 batches per epoch (not a multiple of 4), 8 epochs: the 0-worker sequence,
+    and every sample exactly once per epoch (the per-epoch worker assignment drifted apart)."""
+    src = ShardSource(store, sorted(SIZES))
+    ref = _stream_ids(BatchStream(src, 16, seed=5), 48, 0)
+    assert _stream_ids(BatchStream(src, 16, seed=5), 48, 4) == ref
+    for e in range(8):
+        epoch_ids = [i for b in ref[6 * e : 6 * e + 6] for i in b]
+        assert len(epoch_ids) == len(set(epoch_ids)) == 96
+    # odd sizes: 3 workers, batch 10 (9 batches per epoch, 6 samples dropped each epoch)
+    ref10 = _stream_ids(BatchStream(src, 10, seed=1), 20, 0)
+    assert _stream_ids(BatchStream(src, 10, seed=1), 20, 3) == ref10
+
+
+@pytest.mark.parametrize("k", [3, 6, 13])  # mid-epoch, at an epoch boundary, in epoch 2
+def test_resume_anywhere_with_another_worker_count(store: Path, k: int) -> None:
+    src = ShardSource(store, sorted(SIZES))
+    stream = BatchStream(src, 16, seed=5)
+    ref = _stream_ids(stream, 18, 0)
+    epoch, pos = list(itertools.islice(stream.positions(), k + 1))[k]
+    resumed = BatchStream(src, 16, seed=5, start_epoch=epoch, start_sample=pos)
+    assert _stream_ids(resumed, 18 - k, 3) == ref[k:]
 
 
 # --------------------------------------------------------------------------------------------
@@ -319,3 +350,43 @@ def test_configs_load_and_base_is_effective_batch_1024() -> None:
     assert t["max_steps"] == 7 and base["model"]["preset"] == "base"
     with pytest.raises(KeyError, match="unknown config key 'optim.lrr'"):
         load_config({"optim": {"lrr": 1}})
+
+
+def test_resume_that_changes_the_order_stops_and_names_the_setting(
+    store: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    run_training(tiny_config(store, out, trainer__max_steps=2), resume="none")
+    for key, value, name in (("data__shuffle_window", 2, "data.shuffle_window"),
+                             ("run__seed", 7, "run.seed")):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"{name}: checkpoint .* -> now {value}"):
+            run_training(tiny_config(store, out, trainer__max_steps=3, **{key: value}))
+    # an explicit override continues from the start of the next epoch with the new order
+    res = run_training(
+        tiny_config(store, out, trainer__max_steps=3, data__shuffle_window=2,
+                    data__allow_order_change=True),
+    )  # fmt: skip
+    assert res["step"] == 3 and res["data_position"]["epoch"] == 1
+
+
+def test_ddp_with_repa_off(store: Path, tmp_path: Path) -> None:
+    """repa_lambda 0: no REPA head is built, so DDP has no unused parameters (it failed on the
+    second step). REPA on is covered by test_ddp_cli_run_writes_everything."""
+    out = tmp_path / "ddp"
+    cfg = tiny_config(
+        store, out, trainer__devices=2, trainer__strategy="ddp", trainer__accelerator="cpu",
+        trainer__max_steps=3, trainer__accumulate_grad_batches=1, flow__repa_lambda=0.0,
+    )  # fmt: skip
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = {k: v for k, v in os.environ.items() if k not in ("WANDB_API_KEY", "LOCAL_RANK")}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "flowmatch_models.train", "--config", str(path)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ckpt = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ckpt["global_step"] == 3
+    assert not any(k.startswith("model.projector") for k in ckpt["state_dict"])
+    assert len(read_records(out, 0)) == len(read_records(out, 1)) == 3
