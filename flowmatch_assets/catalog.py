@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 from flowmatch_models.atomic import atomic_path
 from flowmatch_models.layout import PARTITIONED_ASSETS, DataLayout
 
-CATALOG_VERSION = 5
+CATALOG_VERSION = 6
 
 OUTCOMES = ("stored", "filtered", "failed")
 
@@ -156,6 +156,31 @@ def clear_partition(data_root: str | Path, asset: str, partition: str) -> None:
         p.unlink(missing_ok=True)
 
 
+EVALUATION_SCHEMA = pa.schema(
+    [
+        ("run", pa.string()),
+        ("step", pa.int64()),
+        ("checkpoint", pa.string()),
+        ("attribute", pa.string()),
+        ("accuracy", pa.float64()),
+        ("chance", pa.float64()),
+        ("n", pa.int64()),
+        ("unknown", pa.int64()),
+        ("evaluated_at", pa.timestamp("us", tz="UTC")),
+    ]
+)
+
+
+def record_evaluation(data_root: str | Path, run: str, step: int, rows: Sequence[dict]) -> Path:
+    """Write (replace) the caption-following scores of one checkpoint (one row per attribute)."""
+    layout = DataLayout(data_root)
+    path = layout.catalog_dir / "evaluations" / run / f"step{step:07d}.parquet"
+    now = _now_utc()
+    data = [{**r, "evaluated_at": now} for r in rows]
+    _write_parquet(path, pa.Table.from_pylist(data, schema=EVALUATION_SCHEMA))
+    return path
+
+
 def record_partitions(data_root: str | Path, partitions: Sequence[dict]) -> Path:
     """Replace the list of known partitions (key, source file, row range)."""
     layout = DataLayout(data_root)
@@ -182,11 +207,14 @@ def _view_sql(layout: DataLayout) -> list[str]:
     mat = _sql_str(c / "materializations" / "*" / "*.parquet")
     rows = _sql_str(c / "rows" / "*" / "*.parquet")
     parts = _sql_str(c / "partitions.parquet")
+    evals = _sql_str(c / "evaluations" / "*" / "*.parquet")
     assets = ", ".join(f"({_sql_str(a)}, {i})" for i, a in enumerate(PARTITIONED_ASSETS))
     return [
         f"CREATE OR REPLACE VIEW materializations AS SELECT * FROM read_parquet({mat}, union_by_name=true) WHERE asset IS NOT NULL",
         f"CREATE OR REPLACE VIEW rows AS SELECT * FROM read_parquet({rows}, union_by_name=true) WHERE asset IS NOT NULL",
         f"CREATE OR REPLACE VIEW partitions AS SELECT * FROM read_parquet({parts}) WHERE partition IS NOT NULL",
+        # caption following per run, checkpoint step and attribute, beside the chance level
+        f"CREATE OR REPLACE VIEW evaluations AS SELECT *, accuracy / nullif(chance, 0) AS x_chance FROM read_parquet({evals}, union_by_name=true) WHERE run IS NOT NULL",
         f"CREATE OR REPLACE TABLE assets AS SELECT * FROM (VALUES {assets}) t(asset, lineage_order)",
         # every (partition, asset) pair with whether it is materialized; partitions known either
         # from registration or from a materialization
@@ -221,7 +249,11 @@ def _view_sql(layout: DataLayout) -> list[str]:
 def _ensure_placeholders(layout: DataLayout) -> None:
     """Empty, schema-carrying files so that the views' globs always match something."""
     c = layout.catalog_dir
-    for kind, schema in (("materializations", MATERIALIZATION_SCHEMA), ("rows", ROW_SCHEMA)):
+    for kind, schema in (
+        ("materializations", MATERIALIZATION_SCHEMA),
+        ("rows", ROW_SCHEMA),
+        ("evaluations", EVALUATION_SCHEMA),
+    ):
         p = c / kind / "_empty" / "_empty.parquet"
         if not p.exists():
             _write_parquet(p, schema.empty_table())

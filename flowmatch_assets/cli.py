@@ -130,6 +130,37 @@ def train(
     return result.success
 
 
+def evaluate(run_name: str = "default", which: str = "latest", n_prompts: int = 48) -> bool:
+    """Materialize ``evaluation`` in-process: caption following of the run's checkpoint(s)."""
+    import dagster as dg
+
+    from flowmatch_assets.definitions import defs, resources_for
+
+    cfg = {"run_name": run_name, "checkpoints": which, "n_prompts": n_prompts}
+    result = dg.materialize(
+        list(defs.assets),
+        selection=["evaluation"],
+        instance=_instance(),
+        resources=resources_for(_resource()),
+        run_config={"ops": {"evaluation": {"config": cfg}}},
+        raise_on_error=False,
+    )
+    return result.success
+
+
+def cmd_evaluate(a: argparse.Namespace) -> int:
+    from flowmatch_assets.catalog import Catalog, format_table
+
+    ok = evaluate(a.run_name, a.checkpoints, a.prompts)
+    rows = Catalog(_resource().data_root).query(
+        "SELECT step, attribute, round(accuracy, 3) AS accuracy, round(chance, 3) AS chance, "
+        "round(x_chance, 1) AS x_chance FROM evaluations WHERE run = ? ORDER BY step, attribute",
+        [a.run_name],
+    )
+    print(format_table(rows))
+    return 0 if ok else 1
+
+
 def cmd_train(a: argparse.Namespace) -> int:
     return 0 if train(a.steps, a.run_name, a.config, a.set, not a.no_samples) else 1
 
@@ -267,6 +298,7 @@ BENCHES = {
     "precalc": "flowmatch_models.bench_precalc",
     "train": "flowmatch_models.bench_train",
     "orchestration": "flowmatch_assets.bench.orchestration",
+    "learning": "flowmatch_assets.bench.learning",
 }
 
 
@@ -310,6 +342,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     s.add_argument("--no-samples", action="store_true")
     s.set_defaults(func=cmd_train)
+
+    s = sub.add_parser(
+        "evaluate", help="score caption following of a run's checkpoints (evaluation asset)"
+    )
+    s.add_argument("--run-name", default="default")
+    s.add_argument("--checkpoints", choices=["latest", "all"], default="latest")
+    s.add_argument("--prompts", type=int, default=48, help="prompts from the caption grammar")
+    s.set_defaults(func=cmd_evaluate)
 
     s = sub.add_parser("demo", help="write the sample and materialize every partition end to end")
     s.add_argument("--data-root", default="data")

@@ -13,9 +13,17 @@ from flowmatch_assets.data_assets import images_256, images_256_complete, pd12m_
 from flowmatch_assets.embedding_assets import EMBEDDING_CHECKS, encode_embeddings
 from flowmatch_assets.partitions import pd12m_partition_sensor
 from flowmatch_assets.resources import FlowmatchResource, resource_from_env
-from flowmatch_assets.training_assets import flow_model, samples
+from flowmatch_assets.training_assets import evaluation, flow_model, samples
 
-ASSETS = [pd12m_metadata, images_256, encode_embeddings, flow_model, samples, budget_report]
+ASSETS = [
+    pd12m_metadata,
+    images_256,
+    encode_embeddings,
+    flow_model,
+    samples,
+    evaluation,
+    budget_report,
+]
 CHECKS = [images_256_complete, *EMBEDDING_CHECKS]
 
 ingest_job = dg.define_asset_job(

@@ -220,7 +220,8 @@ def samples(
     sample_grid(
         model, text, mask, out, scaling_factor=float(meta.get("scaling_factor", 1.0)),
         vae=load_vae(enc.vae), steps=config.steps, cfg_scale=config.cfg_scale,
-        seed=config.seed, labels=labels,
+        seed=config.seed, shift=float(meta.get("flow_shift", 1.0)), labels=labels,
+        null_text=meta.get("null_text"),
     )  # fmt: skip
     context.log.info(f"sample grid: {out}")
     return dg.MaterializeResult(
@@ -231,3 +232,68 @@ def samples(
             "model": dg.MetadataValue.path(str(export)),
         }
     )
+
+
+class EvaluationConfig(dg.Config):
+    """Caption following of a run's checkpoints on prompts from the demo caption grammar."""
+
+    run_name: str = Field(default="default", description="Run folder under <data root>/runs/.")
+    checkpoints: str = Field(
+        default="latest", description="latest (last.ckpt) or all (every saved step*.ckpt)."
+    )
+    n_prompts: int = Field(default=48, description="Prompts drawn from the caption grammar.")
+    seed: int = Field(default=0, description="Prompt and noise seed (fixed: scores compare).")
+    steps: int = Field(default=20, description="Euler steps.")
+    cfg_scale: float = Field(default=4.0, description="Classifier-free guidance scale.")
+
+
+@dg.asset(
+    deps=[flow_model],
+    group_name=GROUP,
+    kinds={"pytorch", "duckdb"},
+    description="Caption following (colour, shape, size, position vs chance) of a run's checkpoints, "
+    "scored by a deterministic image analyser; into the catalog's `evaluations` view.",
+)
+def evaluation(
+    context: dg.AssetExecutionContext, config: EvaluationConfig, flowmatch: FlowmatchResource
+) -> dg.MaterializeResult:
+    from PIL import Image
+
+    from flowmatch_assets.evaluation import (
+        checkpoints,
+        evaluate_checkpoint,
+        evaluation_figure,
+        rows_for_catalog,
+        summary_line,
+    )
+    from flowmatch_models.grid import markdown_image
+
+    out = run_dir(flowmatch, config.run_name)
+    found = checkpoints(out, config.checkpoints)
+    if not found:
+        raise dg.Failure(f"no checkpoint under {out / 'checkpoints'}; materialize flow_model first")
+    enc = flowmatch.encoders
+    md: dict = {}
+    for step, path in found:
+        result = evaluate_checkpoint(
+            path, enc.text, enc.vae, config.n_prompts, config.seed, config.steps, config.cfg_scale
+        )
+        catalog.record_evaluation(
+            flowmatch.data_root,
+            config.run_name,
+            step,
+            rows_for_catalog(result, config.run_name, path),
+        )
+        fig = evaluation_figure(result, out / "evaluation" / f"step{step:07d}.png")
+        context.log.info(f"{config.run_name} step {step}: {summary_line(result)}")
+        md = {
+            "step": step,
+            **{f"{a}_accuracy": round(v, 3) for a, v in result["accuracy"].items()},
+            **{f"{a}_chance": round(v, 3) for a, v in result["chance"].items()},
+            "prompts": result["n"],
+            "figure_png": dg.MetadataValue.path(str(fig)),
+            "figure": dg.MetadataValue.md(markdown_image(Image.open(fig), "evaluation", 800)),
+        }
+    md["checkpoints_evaluated"] = dg.MetadataValue.json([s for s, _ in found])
+    md["vae"] = enc.vae
+    return dg.MaterializeResult(metadata=md)

@@ -93,21 +93,20 @@ def latents_to_images(latents: torch.Tensor, scaling_factor: float, vae=None) ->
 
 
 @torch.no_grad()
-def sample_grid(
+def generate(
     model,
     text: torch.Tensor,
     mask: torch.Tensor,
-    out: str | Path,
     scaling_factor: float,
     vae=None,
     steps: int = 30,
     cfg_scale: float = 4.0,
     seed: int = 0,
     shift: float = 1.0,
-    labels: Sequence[str] | None = None,
     null_text: torch.Tensor | None = None,
-) -> Path:
-    """Sample one image per caption embedding and save the grid PNG atomically; returns ``out``.
+) -> np.ndarray:
+    """One uint8 image ``[N, H, W, 3]`` per caption embedding: Euler/CFG from seeded noise,
+    decoded by ``vae`` (latent channels 0-2 without one).
 
     ``null_text [L0, D]`` is the unconditional caption for CFG (the encoded empty prompt the
     model was trained with; see :func:`flowmatch_models.flow.null_caption`)."""
@@ -127,7 +126,27 @@ def sample_grid(
         shift=shift,
     )
     model.train(was_training)
-    images = latents_to_images(z.cpu(), scaling_factor, vae)
+    return latents_to_images(z.cpu(), scaling_factor, vae)
+
+
+def sample_grid(
+    model,
+    text: torch.Tensor,
+    mask: torch.Tensor,
+    out: str | Path,
+    scaling_factor: float,
+    vae=None,
+    steps: int = 30,
+    cfg_scale: float = 4.0,
+    seed: int = 0,
+    shift: float = 1.0,
+    labels: Sequence[str] | None = None,
+    null_text: torch.Tensor | None = None,
+) -> Path:
+    """:func:`generate` one image per caption and save the grid PNG atomically; returns ``out``."""
+    images = generate(
+        model, text, mask, scaling_factor, vae, steps, cfg_scale, seed, shift, null_text
+    )
     return save_png(make_grid(list(images), cell=128), out)
 
 

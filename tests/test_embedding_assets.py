@@ -90,7 +90,12 @@ def test_three_embedding_assets_align_by_id_rerun_is_idempotent_and_checks_pass(
             "vae_latents_valid": True,
             "dino_features_valid": True,
             "text_embeddings_valid": True,
+            "text_embeddings_fp16_saturation": True,  # the zoo's states stay within fp16
         }
+        text = read_shard(res.layout.asset_path("text_embeddings", "000-00"))
+        assert text.attrs["fp16_saturated"] == 0 and text.attrs["text_dtype"] == "torch.float32"
+        # the null caption is the encoded empty prompt: one (BOS) token, not zeros
+        assert text["null_tokens"].shape == (1, 640) and np.abs(text["null_tokens"]).sum() > 0
 
         # corrupt one byte in the middle of the latents shard: the check names the file
         path = res.layout.asset_path("vae_latents", "000-00")

@@ -158,3 +158,33 @@ def test_missing_weights_error_names_model_and_fix(monkeypatch, tmp_path):
     missing = Encoders(EncoderSpec(vae=str(tmp_path / "nope" / "vae")))
     with pytest.raises(MissingWeightsError, match=r"nope/vae does not exist.*zoo create"):
         _ = missing.vae
+
+
+def test_text_encoder_never_computes_in_fp16_and_counts_saturation(zoo):
+    with pytest.raises(ValueError, match="overflow fp16.*bf16 or fp32"):
+        Encoders(EncoderSpec(text=str(zoo["text"]), text_dtype="fp16"))
+    # fp16 for the image encoders still leaves the text encoder in fp32 on the CPU
+    enc = Encoders(EncoderSpec(text=str(zoo["text"]), dtype="fp16"))
+    assert enc.text_dtype == torch.float32
+    from transformers import AutoModel, AutoTokenizer
+
+    model = AutoModel.from_pretrained(zoo["text"])
+    with torch.no_grad():  # Gemma-sized activations: the final norm scales states past 65504
+        model.norm.weight.fill_(3e5)
+    tok = AutoTokenizer.from_pretrained(zoo["text"])
+    big = Encoders.from_models(EncoderSpec(text=str(zoo["text"])), text=model, tokenizer=tok)
+    tokens, lengths = big.encode_text(["a red circle", "a small blue star on the left"])
+    assert np.isfinite(tokens).all() and np.abs(tokens).max() == 65504  # clamped, not inf
+    hidden = model(**tok(["a red circle"], return_tensors="pt")).last_hidden_state
+    expect_first = int((hidden.abs() > 65504).sum())
+    assert big.text_saturated > expect_first > 0  # counted per valid token value, both captions
+    before = big.text_saturated
+    null = big.encode_null()
+    assert null.shape == (1, 640) and big.text_saturated == before  # BOS only; not a sample
+
+
+def test_null_caption_is_the_encoded_empty_prompt(enc):
+    null = enc.encode_null()
+    tokens, lengths = enc.encode_text([""])
+    assert lengths.tolist() == [1] and np.array_equal(null, tokens)
+    assert np.abs(null).sum() > 0  # not the zero token it replaces
