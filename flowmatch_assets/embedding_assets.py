@@ -7,6 +7,7 @@ share a GPU; without CUDA it runs on the CPU.
 """
 
 import time
+from pathlib import Path
 
 import dagster as dg
 import numpy as np
@@ -140,6 +141,7 @@ def encode_embeddings(context: dg.AssetExecutionContext, flowmatch: FlowmatchRes
             arrays = {**_empty(name), **{k: np.concatenate(v) for k, v in outs[name].items()}}
             attrs = {
                 "model": model_of[name],
+                "weights": _weights_label(model_of[name]),
                 "random_weights": random[enc_of[name]],
                 "device": device,
                 "dtype": str(enc.dtype),
@@ -186,11 +188,7 @@ def encode_embeddings(context: dg.AssetExecutionContext, flowmatch: FlowmatchRes
                     },
                 ),
             )
-            label = (
-                " (RANDOM WEIGHTS: demo/test zoo, not a pretrained model)"
-                if attrs["random_weights"]
-                else ""
-            )
+            label = f" ({attrs['weights']})" if attrs["weights"] else ""
             context.log.info(f"{part}: {name} {len(ids)} samples, {stats.stored_bytes} B{label}")
             yield dg.MaterializeResult(
                 asset_key=name,
@@ -212,6 +210,13 @@ def encode_embeddings(context: dg.AssetExecutionContext, flowmatch: FlowmatchRes
                     "path": dg.MetadataValue.path(str(out)),
                 },
             )
+
+
+def _weights_label(source: str) -> str:
+    """The zoo's / demo VAE's label for a local model folder; "" for a real model."""
+    from flowmatch_models.zoo import weights_label  # imports torch: only where it runs
+
+    return weights_label(source) if Path(source).expanduser().is_dir() else ""
 
 
 def _empty(name: str) -> dict[str, np.ndarray]:

@@ -143,6 +143,21 @@ def is_random_weights(folder: str | Path) -> bool:
     return (Path(folder).expanduser() / RANDOM_WEIGHTS_MARKER).is_file()
 
 
+#: Marker of the demo VAE (flowmatch_assets/demo_vae): trained on the procedural sample only.
+DEMO_WEIGHTS_MARKER = "FLOWMATCH_DEMO_VAE"
+
+
+def weights_label(folder: str | Path) -> str:
+    """What to say next to anything computed with the model in ``folder``: random zoo weights,
+    the demo VAE (trained on the synthetic sample), or nothing for a real model."""
+    folder = Path(folder).expanduser()
+    if (folder / RANDOM_WEIGHTS_MARKER).is_file():
+        return "RANDOM WEIGHTS: demo/test zoo, not a pretrained model"
+    if (folder / DEMO_WEIGHTS_MARKER).is_file():
+        return "DEMO VAE: trained on the synthetic sample, not the real DC-AE"
+    return ""
+
+
 def build_tokenizer():
     """A byte-level BPE ``PreTrainedTokenizerFast`` trained on :func:`caption_corpus`.
 
