@@ -34,6 +34,10 @@ from flowmatch_models.store import Shard, pad_ragged, ragged_offsets, read_shard
 log = logging.getLogger(__name__)
 
 
+class OrderChangedError(ValueError):
+    """A resume whose order-defining settings differ from the checkpoint's."""
+
+
 class ShardSource:
     """The partitions' three aligned shards (latents, DINO, text), opened lazily and cached."""
 
@@ -334,7 +338,7 @@ class EmbeddingDataModule(L.LightningDataModule):
                 f"data.{k}: checkpoint {a!r} -> now {b!r}" for k, (a, b) in changed.items()
             )
             what = what.replace("data.seed", "run.seed")
-            raise ValueError(
+            raise OrderChangedError(
                 f"resume would change the data order ({what}); set it back, or pass "
                 "--set data.allow_order_change=true to continue with a new order from the next epoch"
             )

@@ -37,7 +37,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from flowmatch_models.atomic import atomic_path, atomic_write_text
-from flowmatch_models.data import EmbeddingDataModule
+from flowmatch_models.data import EmbeddingDataModule, OrderChangedError
 from flowmatch_models.layout import DataLayout
 from flowmatch_models.lightning_module import FlowMatchModule
 
@@ -119,11 +119,15 @@ DEFAULT_CONFIG: dict[str, dict[str, Any]] = {
 # --------------------------------------------------------------------------------------------
 
 
+class ConfigError(ValueError):
+    """A config key or value the training does not know; the message names it and the fix."""
+
+
 def _merge(base: dict, over: dict, where: str = "") -> dict:
     out = copy.deepcopy(base)
     for k, v in over.items():
         if k not in base:
-            raise KeyError(
+            raise ConfigError(
                 f"unknown config key '{where}{k}'; known: {sorted(base)} (see configs/tiny.yaml)"
             )
         out[k] = _merge(base[k], v, f"{where}{k}.") if isinstance(base[k], dict) else v
@@ -143,13 +147,17 @@ def load_config(
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep:
-            raise ValueError(f"--set {item!r}: expected key.sub=value")
+            raise ConfigError(f"--set {item!r}: expected key.sub=value")
         *parents, leaf = key.split(".")
         node = cfg
         for p in parents:
+            if not isinstance(node.get(p), dict):
+                raise ConfigError(
+                    f"--set {key}: unknown config section '{p}'; known: {sorted(node)}"
+                )
             node = node[p]
         if leaf not in node:
-            raise KeyError(f"--set {key}: unknown config key")
+            raise ConfigError(f"--set {key}: unknown config key; known: {sorted(node)}")
         node[leaf] = yaml.safe_load(value)
     if max_steps is not None:
         cfg["trainer"]["max_steps"] = int(max_steps)
@@ -547,7 +555,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--summary-json", default=None, help="also write the summary here")
     args = ap.parse_args(argv)
-    summary = run_training(args.config, args.resume, args.max_steps, args.set)
+    try:  # a user's mistake (bad key or value, changed order on resume): one line, exit 2
+        cfg = load_config(args.config, args.set, args.max_steps)
+        summary = run_training(cfg, args.resume)
+    except (ConfigError, OrderChangedError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.summary_json and summary.get("is_global_zero"):
         atomic_write_text(args.summary_json, json.dumps(summary, indent=1))
     return 0

@@ -18,7 +18,7 @@ import yaml
 from flowmatch_models.data import BatchStream, EmbeddingDataModule, ShardSource
 from flowmatch_models.layout import DataLayout
 from flowmatch_models.store import write_shard
-from flowmatch_models.train import run_training
+from flowmatch_models.train import ConfigError, main, run_training
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = {"000-00": 24, "000-01": 20, "000-02": 28, "001-00": 24}
@@ -348,7 +348,7 @@ def test_configs_load_and_base_is_effective_batch_1024() -> None:
     t = base["trainer"]
     assert base["data"]["batch_size"] * t["accumulate_grad_batches"] * t["devices"] == 1024
     assert t["max_steps"] == 7 and base["model"]["preset"] == "base"
-    with pytest.raises(KeyError, match="unknown config key 'optim.lrr'"):
+    with pytest.raises(ConfigError, match="unknown config key 'optim.lrr'"):
         load_config({"optim": {"lrr": 1}})
 
 
@@ -390,3 +390,17 @@ def test_ddp_with_repa_off(store: Path, tmp_path: Path) -> None:
     assert ckpt["global_step"] == 3
     assert not any(k.startswith("model.projector") for k in ckpt["state_dict"])
     assert len(read_records(out, 0)) == len(read_records(out, 1)) == 3
+
+
+def test_training_cli_mistakes_are_one_line(store: Path, tmp_path: Path, capsys) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(tiny_config(store, tmp_path / "r", trainer__max_steps=1)))
+    assert main(["--config", str(path), "--set", "optim.lrr=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --set optim.lrr: unknown config key") and "\n" not in err
+    assert main(["--config", str(tmp_path / "nope.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "nope.yaml not found; start from configs/tiny.yaml" in err
+    assert main(["--config", str(path), "--resume", "none"]) == 0
+    assert main(["--config", str(path), "--set", "data.shuffle_window=3", "--max-steps", "2"]) == 2
+    assert "data.shuffle_window: checkpoint 4 -> now 3" in capsys.readouterr().err
