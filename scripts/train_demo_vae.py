@@ -45,8 +45,8 @@ REPO = Path(__file__).resolve().parent.parent
 DEMO_VAE_CONFIG: dict = {
     **DCAE_F32C32_SANA_1_0,
     "attention_head_dim": 16,
-    "encoder_block_out_channels": (16, 32, 64, 64, 128, 128),
-    "decoder_block_out_channels": (16, 32, 64, 64, 128, 128),
+    "encoder_block_out_channels": (16, 16, 32, 64, 128, 128),
+    "decoder_block_out_channels": (16, 16, 32, 64, 128, 128),
     "encoder_layers_per_block": (0, 1, 1, 1, 1, 1),
     "decoder_layers_per_block": (0, 1, 1, 1, 1, 1),
 }
@@ -108,14 +108,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--train-images", type=int, default=1200)
     p.add_argument("--heldout-images", type=int, default=64)
-    p.add_argument("--steps", type=int, default=1200)
+    p.add_argument("--steps", type=int, default=1600)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--l1", type=float, default=0.1, help="weight of the L1 term next to MSE")
     p.add_argument(
         "--latent-l2", type=float, default=1e-5, help="weight of a tiny latent L2 penalty"
     )
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch threads (2 on a busy 2-core box is 5x slower)"
+    )
     p.add_argument("--cache", type=Path, default=None, help="npz cache of the training images")
     a = p.parse_args(argv)
     torch.manual_seed(a.seed)

@@ -106,15 +106,20 @@ def test_demo_vae_reconstructs_what_captions_say(ground_truth):
     from diffusers import AutoencoderDC
 
     marker = json.loads((DEMO_VAE / "FLOWMATCH_DEMO_VAE").read_text())
-    assert "not the real DC-AE" in marker["what"]
+    assert "not the real dc-ae" in marker["what"].lower()
     vae = AutoencoderDC.from_pretrained(DEMO_VAE).float().eval()
     assert vae.config.scaling_factor == pytest.approx(marker["scaling_factor"])
     images, captions = ground_truth[0][:16], ground_truth[1][:16]
     x = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1
-    with torch.no_grad():
-        z = vae.encode(x).latent
-        y = vae.decode(z).sample
-    assert tuple(z.shape) == (16, 32, 8, 8)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # on a busy 2-core CI box, 2 threads are several times slower
+    try:
+        with torch.no_grad():
+            assert tuple(vae.encode(x[:1]).latent.shape) == (1, 32, 8, 8)  # 256 px -> 32x8x8
+            z = vae.encode(x).latent
+            y = vae.decode(z).sample
+    finally:
+        torch.set_num_threads(threads)
     scaled_std = float((z * vae.config.scaling_factor).std())
     assert 0.5 < scaled_std < 2.0, scaled_std  # scaled latents have ~unit variance
     recon = ((y.clamp(-1, 1) + 1) * 127.5).round().byte().permute(0, 2, 3, 1).numpy()
