@@ -58,6 +58,11 @@ def DiT_tiny() -> dict:
     return _sana_config(layers=4, heads=4, head_dim=16, cross_heads=4)
 
 
+def DiT_demo() -> dict:
+    """6 layers, width 128 (~2M): the demo's CPU run, big enough to draw the sample's shapes."""
+    return _sana_config(layers=6, heads=4, head_dim=32, cross_heads=4)
+
+
 def DiT_small() -> dict:
     """12 layers, width 384 (~35M): quick single-GPU experiments."""
     return _sana_config(layers=12, heads=12, head_dim=32, cross_heads=6)
@@ -68,14 +73,19 @@ def DiT_base() -> dict:
     return _sana_config(layers=20, heads=24, head_dim=32, cross_heads=12)
 
 
-PRESETS: dict[str, Callable[[], dict]] = {"tiny": DiT_tiny, "small": DiT_small, "base": DiT_base}
+PRESETS: dict[str, Callable[[], dict]] = {
+    "tiny": DiT_tiny,
+    "demo": DiT_demo,
+    "small": DiT_small,
+    "base": DiT_base,
+}
 
 #: REPA projector hidden width per preset (the paper's 2048 except for the CPU-sized model).
-PROJECTOR_HIDDEN: dict[str, int] = {"tiny": 256, "small": 2048, "base": 2048}
+PROJECTOR_HIDDEN: dict[str, int] = {"tiny": 256, "demo": 512, "small": 2048, "base": 2048}
 
 #: REPA ``encoder_depth`` per preset: the block (counted from 1) whose output is aligned. REPA
 #: uses 4 for its 12-layer SiT-B and 8 for 24/28 layers (about a third of the depth).
-REPA_ENCODER_DEPTH: dict[str, int] = {"tiny": 2, "small": 4, "base": 7}
+REPA_ENCODER_DEPTH: dict[str, int] = {"tiny": 2, "demo": 2, "small": 4, "base": 7}
 
 
 def transformer_config(preset: str, **overrides) -> dict:
