@@ -46,6 +46,12 @@ class IngestConfig(dg.Config):
         default=3, description="Retries on 5xx, timeouts and connection errors (never on 4xx)."
     )
     backoff_s: float = Field(default=0.25, description="First retry delay; doubles each retry.")
+    deadline_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="Total time one download may take, retries and redirects included; past it "
+        "the row fails as timeout (a trickling or stalled server never holds a thread longer).",
+    )
     max_bytes: int = Field(default=40_000_000, description="Largest body accepted (bytes).")
     max_redirects: int = Field(default=5, description="Most http(s) redirects followed.")
     max_pixels: int = Field(

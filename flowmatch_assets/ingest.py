@@ -10,7 +10,8 @@ A bad row never raises: it becomes a ``failed`` result whose ``reason`` is one o
     The server answered a non-2xx status (after retries for 5xx), e.g. ``http_404``,
     ``http_503``; also an unfollowable 3xx (no ``Location``, ``304``).
 ``timeout``
-    Connect or read timeout, on every attempt.
+    Connect or read timeout on every attempt, or the row's total ``deadline_s`` (retries and
+    redirects included) ran out, e.g. a server that trickles a byte every few seconds.
 ``connection_error``
     Refused/reset connection, DNS failure, TLS error or a body shorter than its
     ``Content-Length``, on every attempt.
@@ -31,6 +32,8 @@ A bad row never raises: it becomes a ``failed`` result whose ``reason`` is one o
     ``max_redirects`` redirects.
 ``file_not_allowed``
     A ``file://`` URL while ``file_root`` is unset, or one that resolves outside ``file_root``.
+    A relative file URL (``file:images/a.jpg``, as the sample writes) is resolved against
+    ``file_root``, so a data root can be moved or copied.
 ``not_found``
     A ``file://`` URL naming a missing file (HTTP 404 is ``http_404``).
 ``bad_url``
@@ -50,13 +53,14 @@ path for JPEG is draft mode (1/2, 1/4, 1/8 scaling). Only the centre-crop box of
 image is resampled (``Image.resize(box=...)``, antialiased BICUBIC: after DCT scaling the
 remaining factor is below 2, where it matches LANCZOS to within JPEG noise at 3/4 of the cost).
 The EXIF orientation is applied to the small output (a lossless transpose that commutes with
-the centred crop) instead of to the full decoded image. A body with a Content-Length is read in
-one call (no chunk list, no join copy). Decode, resize, encode and md5 release the GIL, so a
+the centred crop) instead of to the full decoded image. The body is read with ``read1`` (one
+socket read per call) so the row's total deadline is checked between reads. Decode, resize, encode and md5 release the GIL, so a
 thread pool scales over cores.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import math
@@ -148,6 +152,7 @@ class IngestResult:
     orig_width: int | None = None  # decoded size after EXIF orientation
     orig_height: int | None = None
     md5: str | None = None  # md5 hex of the downloaded bytes
+    bytes_downloaded: int = 0  # body bytes fetched (0 for a failed download)
 
 
 # --------------------------------------------------------------------------------------------
@@ -174,7 +179,8 @@ def _read_file(url: str, cfg: IngestConfig) -> bytes:
             "file_not_allowed", "file:// URLs are refused; set ingest.file_root to allow a folder"
         )
     root = Path(cfg.file_root).resolve()
-    path = Path(unquote(parts.path)).resolve()
+    raw = Path(unquote(parts.path))
+    path = (raw if raw.is_absolute() else root / raw).resolve()
     if not path.is_relative_to(root):
         raise IngestError("file_not_allowed", f"{path} is outside file_root {root}")
     try:
@@ -204,20 +210,44 @@ def _discard(resp: urllib3.BaseHTTPResponse) -> None:
         resp.release_conn()
 
 
-def _read_body(resp: urllib3.BaseHTTPResponse, max_bytes: int) -> bytes:
+def _remaining(deadline: float) -> float:
+    return deadline - time.monotonic()
+
+
+def _deadline_error(cfg: IngestConfig, what: str) -> IngestError:
+    return IngestError("timeout", f"download deadline {cfg.deadline_s:g}s exceeded ({what})")
+
+
+def _set_sock_timeout(resp: urllib3.BaseHTTPResponse, seconds: float) -> None:
+    """Bound the next socket read by ``seconds`` (the time left to the deadline)."""
+    conn = getattr(resp, "_connection", None)
+    sock = getattr(conn, "sock", None)
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.settimeout(max(seconds, 0.001))
+
+
+def _read_body(
+    resp: urllib3.BaseHTTPResponse, cfg: IngestConfig, deadline: float
+) -> bytes:
+    """The body, at most ``cfg.max_bytes``, read before ``deadline`` (time.monotonic()).
+
+    Read with ``read1`` (at most one socket read per call) so a server that trickles bytes
+    cannot hold the row past the deadline: the time left is checked between reads and bounds
+    each socket read.
+    """
+    max_bytes = cfg.max_bytes
     length = resp.headers.get("Content-Length")
-    encoded = resp.headers.get("Content-Encoding", "identity").lower() not in ("", "identity")
-    if length is not None and length.strip().isdigit():
-        if int(length) > max_bytes:
-            raise IngestError("too_large", f"Content-Length {int(length)} > max_bytes {max_bytes}")
-        if not encoded:
-            # One read of exactly Content-Length bytes: no chunk list, no join copy. A short
-            # body raises urllib3's ProtocolError (IncompleteRead) -> connection_error.
-            return resp.read()
+    if length is not None and length.strip().isdigit() and int(length) > max_bytes:
+        raise IngestError("too_large", f"Content-Length {int(length)} > max_bytes {max_bytes}")
     chunks: list[bytes] = []
     total = 0
     while True:
-        chunk = resp.read(_CHUNK)
+        left = _remaining(deadline)
+        if left <= 0:
+            raise _deadline_error(cfg, f"{total} body bytes received")
+        _set_sock_timeout(resp, min(cfg.read_timeout_s, left))
+        chunk = resp.read1(_CHUNK)
         if not chunk:
             break
         total += len(chunk)
@@ -227,8 +257,13 @@ def _read_body(resp: urllib3.BaseHTTPResponse, max_bytes: int) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def _get_once(url: str, cfg: IngestConfig, pool: urllib3.PoolManager) -> tuple[int, str, bytes]:
+def _get_once(
+    url: str, cfg: IngestConfig, pool: urllib3.PoolManager, deadline: float
+) -> tuple[int, str, bytes]:
     """One GET without redirects. Returns (status, location, body); body only for 2xx."""
+    left = _remaining(deadline)
+    if left <= 0:
+        raise _deadline_error(cfg, "before the request")
     try:
         resp = pool.request(
             "GET",
@@ -236,7 +271,9 @@ def _get_once(url: str, cfg: IngestConfig, pool: urllib3.PoolManager) -> tuple[i
             redirect=False,
             retries=False,
             preload_content=False,
-            timeout=urllib3.Timeout(connect=cfg.connect_timeout_s, read=cfg.read_timeout_s),
+            timeout=urllib3.Timeout(
+                connect=min(cfg.connect_timeout_s, left), read=min(cfg.read_timeout_s, left)
+            ),
         )
     except u3e.LocationValueError as e:
         raise IngestError("bad_url", str(e)) from None
@@ -247,7 +284,7 @@ def _get_once(url: str, cfg: IngestConfig, pool: urllib3.PoolManager) -> tuple[i
         return status, location, b""
     done = False
     try:
-        body = _read_body(resp, cfg.max_bytes)
+        body = _read_body(resp, cfg, deadline)
         done = True
         return status, "", body
     finally:
@@ -267,13 +304,16 @@ def _retryable(e: BaseException) -> IngestError | None:
     return None
 
 
-def _http_get(url: str, cfg: IngestConfig, pool: urllib3.PoolManager) -> bytes:
-    """GET with retries (5xx, timeouts, connection errors) at the current hop."""
+def _http_get(
+    url: str, cfg: IngestConfig, pool: urllib3.PoolManager, deadline: float
+) -> bytes:
+    """GET with retries (5xx, timeouts, connection errors) at the current hop, all before
+    ``deadline``; a retry that would start after it fails the row as ``timeout``."""
     attempts = max(0, cfg.retries) + 1
     for attempt in range(attempts):
         last = attempt == attempts - 1
         try:
-            status, location, body = _get_once(url, cfg, pool)
+            status, location, body = _get_once(url, cfg, pool, deadline)
         except IngestError:
             raise
         except Exception as e:  # noqa: BLE001 - mapped below, re-raised if unknown
@@ -289,7 +329,14 @@ def _http_get(url: str, cfg: IngestConfig, pool: urllib3.PoolManager) -> bytes:
                 raise _Redirect(status, location)
             if status < 500 or last:
                 raise IngestError(f"http_{status}", f"GET {url} -> {status}")
-        time.sleep(cfg.backoff_s * (2**attempt))
+            err = IngestError(f"http_{status}", f"GET {url} -> {status}")
+        left = _remaining(deadline)
+        pause = cfg.backoff_s * (2**attempt)
+        if pause >= left:  # no time for another attempt: report what the last one got
+            if err.reason == "timeout":
+                raise _deadline_error(cfg, f"{attempt + 1} attempts; last: {err.detail}")
+            raise err
+        time.sleep(pause)
     raise AssertionError("unreachable")
 
 
@@ -306,8 +353,10 @@ def fetch_bytes(url: str, cfg: IngestConfig, pool: urllib3.PoolManager | None = 
     """Return the body of ``url`` (http, https, or file under ``cfg.file_root``).
 
     Redirects are followed by hand, at most ``cfg.max_redirects``, and only to http/https.
+    The whole download (every hop, attempt and backoff) ends within ``cfg.deadline_s``.
     Raises ``IngestError`` with a reason code from the module docstring.
     """
+    deadline = time.monotonic() + cfg.deadline_s
     if not isinstance(url, str) or not url.strip():
         raise IngestError("bad_url", f"no URL ({url!r})")
     url = url.strip()
@@ -322,7 +371,7 @@ def fetch_bytes(url: str, cfg: IngestConfig, pool: urllib3.PoolManager | None = 
     current = url
     for _ in range(cfg.max_redirects + 1):
         try:
-            return _http_get(current, cfg, pool)
+            return _http_get(current, cfg, pool, deadline)
         except _Redirect as r:
             if not r.location:
                 raise IngestError(f"http_{r.status}", "redirect without Location") from None
@@ -582,14 +631,19 @@ def _ingest_one(row: Mapping, cfg: IngestConfig, pool: urllib3.PoolManager) -> I
     url = row.get("url")
     url_s = url if isinstance(url, str) else ""
     try:
+    n = 0
+    try:
         data = fetch_bytes(url, cfg, pool)  # type: ignore[arg-type]  # bad types -> bad_url
+        n = len(data)
         md5 = hashlib.md5(data).hexdigest()
         image, ow, oh = process_image(data, cfg)
     except IngestError as e:
-        return IngestResult(rid, url_s, "failed", e.reason, e.detail or None)
+        return IngestResult(rid, url_s, "failed", e.reason, e.detail or None, bytes_downloaded=n)
     except Exception as e:  # noqa: BLE001 - a bad row must never crash the shard
-        return IngestResult(rid, url_s, "failed", "internal", f"{type(e).__name__}: {e}")
-    return IngestResult(rid, url_s, "stored", None, None, image, ow, oh, md5)
+        return IngestResult(
+            rid, url_s, "failed", "internal", f"{type(e).__name__}: {e}", bytes_downloaded=n
+        )
+    return IngestResult(rid, url_s, "stored", None, None, image, ow, oh, md5, n)
 
 
 def ingest_rows(
