@@ -227,9 +227,7 @@ def _set_sock_timeout(resp: urllib3.BaseHTTPResponse, seconds: float) -> None:
             sock.settimeout(max(seconds, 0.001))
 
 
-def _read_body(
-    resp: urllib3.BaseHTTPResponse, cfg: IngestConfig, deadline: float
-) -> bytes:
+def _read_body(resp: urllib3.BaseHTTPResponse, cfg: IngestConfig, deadline: float) -> bytes:
     """The body, at most ``cfg.max_bytes``, read before ``deadline`` (time.monotonic()).
 
     Read with ``read1`` (at most one socket read per call) so a server that trickles bytes
@@ -304,9 +302,7 @@ def _retryable(e: BaseException) -> IngestError | None:
     return None
 
 
-def _http_get(
-    url: str, cfg: IngestConfig, pool: urllib3.PoolManager, deadline: float
-) -> bytes:
+def _http_get(url: str, cfg: IngestConfig, pool: urllib3.PoolManager, deadline: float) -> bytes:
     """GET with retries (5xx, timeouts, connection errors) at the current hop, all before
     ``deadline``; a retry that would start after it fails the row as ``timeout``."""
     attempts = max(0, cfg.retries) + 1
@@ -630,7 +626,6 @@ def _ingest_one(row: Mapping, cfg: IngestConfig, pool: urllib3.PoolManager) -> I
     rid = str(row.get("id", ""))
     url = row.get("url")
     url_s = url if isinstance(url, str) else ""
-    try:
     n = 0
     try:
         data = fetch_bytes(url, cfg, pool)  # type: ignore[arg-type]  # bad types -> bad_url
