@@ -64,6 +64,14 @@ class IngestConfig(dg.Config):
         default=None,
         description="file:// URLs are allowed only under this folder (None: file:// refused).",
     )
+    min_stored_fraction: float = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        description="An attempt that stores fewer than this fraction of the shard's kept rows "
+        "fails and keeps the previous shard and its catalog records (its failures are recorded "
+        "in the rejected_attempts view).",
+    )
     image_format: str = Field(default="jpeg", description="jpeg, webp or png.")
     quality: int = Field(default=95, description="JPEG/WebP quality.")
     user_agent: str = Field(

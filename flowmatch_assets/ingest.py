@@ -86,6 +86,7 @@ from flowmatch_assets.config import IngestConfig
 
 __all__ = [
     "REASONS",
+    "RETRYABLE",
     "IngestError",
     "IngestResult",
     "count_reasons",
@@ -113,6 +114,24 @@ REASONS: frozenset[str] = frozenset(
         "internal",
     }
 )
+
+#: Reasons a later attempt may fix (the server or network was at fault): `flowmatch retry`
+#: re-fetches these by default; every other reason is permanent for the same bytes and config.
+#: HTTP 5xx, 408 and 429 are retryable too (see :func:`is_retryable`).
+RETRYABLE: frozenset[str] = frozenset({"timeout", "connection_error", "internal"})
+
+
+def is_retryable(reason: str | None) -> bool:
+    """Whether a failure ``reason`` may succeed on a later attempt (timeouts, 5xx, connection
+    errors, 408/429); 4xx, corrupt, not_image, too_small, bombs, too_large and refused
+    redirects are permanent."""
+    if not reason:
+        return False
+    if reason.startswith("http_"):
+        code = reason[5:]
+        return code.isdigit() and (code.startswith("5") or code in ("408", "429"))
+    return reason in RETRYABLE
+
 
 _REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 _CHUNK = 1 << 20
