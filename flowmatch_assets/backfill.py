@@ -324,7 +324,8 @@ def _missing_on_disk(
     keys: Sequence[str], asset_keys: Sequence[str], instance=None, data_root=None
 ) -> list[str]:
     from flowmatch_assets.resources import resource_from_env
-    from flowmatch_assets.state import missing_partitions as _missing, partition_states
+    from flowmatch_assets.state import missing_partitions as _missing
+    from flowmatch_assets.state import partition_states
     from flowmatch_models.layout import DataLayout
 
     layout = DataLayout(data_root) if data_root else resource_from_env().layout

@@ -268,6 +268,7 @@ def images_256(
 
 @dg.asset_check(
     asset=images_256,
+    blocking=True,
     description="Every kept metadata row has exactly one outcome; stored images are 256x256 RGB.",
 )
 def images_256_complete(
@@ -283,6 +284,9 @@ def images_256_complete(
             .to_pylist()
         )
         rows_file = layout.catalog_dir / "rows" / "images_256" / f"{p}.parquet"
+        if not layout.asset_path("images_256", p).exists():
+            problems.append(f"{p}: no images_256 shard")
+            continue
         if not rows_file.exists():
             problems.append(f"{p}: no outcome records")
             continue

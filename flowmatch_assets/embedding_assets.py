@@ -265,6 +265,7 @@ def _make_check(asset: str):
     @dg.asset_check(
         asset=asset,
         name=f"{asset}_valid",
+        blocking=True,
         description=f"{asset}: shapes and dtypes, finite values, checksums, ids aligned with images_256.",
     )
     def _check(
