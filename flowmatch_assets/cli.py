@@ -252,7 +252,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
     fixed = sum(s.state in ("gone", "corrupt") for s in bad)
     print(
         f"{len(bad)} asset partitions missing ({fixed} gone or corrupt: catalog records removed, "
-        "Dagster materialization wiped, check failed)"
+        "a failed materialization recorded in Dagster, check failed)"
         + ("; re-create them with `flowmatch materialize --missing`" if bad else "")
     )
     return 1 if bad else 0

@@ -8,8 +8,10 @@ An asset partition is **present** when all three hold:
 2. the catalog holds its materialization record;
 3. Dagster has a materialization of it (skipped where no instance is given).
 
-Anything else is **missing**, with the first failing condition as its state: ``gone`` (no
-file), ``corrupt`` (unreadable file), ``no_record`` (catalog), ``not_in_dagster``.
+Anything else is **missing**, with the first failing condition as its state: ``never`` (no
+file, no catalog record, no Dagster materialization: never made), ``gone`` (no file, but the
+catalog or Dagster says it was made), ``corrupt`` (unreadable file), ``no_record`` (catalog),
+``not_in_dagster``.
 `flowmatch materialize --missing`, `flowmatch backfill --missing`, `flowmatch verify` and the
 (off by default) ``verify_sensor`` all use :func:`partition_states`.
 
@@ -86,23 +88,36 @@ def partition_states(
     deep: bool = False,
 ) -> list[PartitionState]:
     """The state of every (asset, partition); Dagster is consulted only when ``instance``."""
-    import dagster as dg
 
     parts = list(partitions)
-    done: dict[str, set[str]] = {}
-    if instance is not None:
-        for a in assets:
-            done[a] = set(instance.get_materialized_partitions(dg.AssetKey(a)))
+    done = {a: dagster_materialized(instance, a) for a in assets} if instance is not None else {}
     out = []
     for p in parts:
         for a in assets:
             state, detail = file_state(layout, a, p, deep)
+            recorded = _record_path(layout, a, p).exists()
+            if state == "gone" and not recorded and (instance is None or p not in done[a]):
+                state, detail = "never", "never materialized"
             if state == PRESENT and not _record_path(layout, a, p).exists():
                 state, detail = "no_record", "no catalog record"
             if state == PRESENT and instance is not None and p not in done[a]:
                 state, detail = "not_in_dagster", "no Dagster materialization"
             out.append(PartitionState(a, p, state, detail))
     return out
+
+
+def dagster_materialized(instance, asset: str) -> set[str]:
+    """Partitions whose latest Dagster materialization attempt succeeded (as the UI's
+    "Materialized": a later failed or running attempt does not count)."""
+    import dagster as dg
+
+    key = dg.AssetKey(asset)
+    ever = set(instance.get_materialized_partitions(key))
+    storage = instance.event_log_storage
+    attempts = storage.get_latest_asset_partition_materialization_attempts_without_materializations(
+        key
+    )
+    return ever - set(attempts)
 
 
 def missing_partitions(states: Iterable[PartitionState]) -> list[str]:
@@ -119,9 +134,13 @@ def verify(
 ) -> list[PartitionState]:
     """Find shards that are gone or corrupt and make the catalog and Dagster say so too.
 
-    Returns the states that are not present. For ``gone`` / ``corrupt``: the corrupt file is
-    renamed to a hidden ``.corrupt-<name>`` beside it, the catalog records are removed, Dagster's
-    materialization of that partition is wiped and a failed check evaluation is reported.
+    Returns the states that are not present, except ``never`` (not made yet). For ``gone`` / ``corrupt``: the corrupt file is
+    renamed to a hidden ``.corrupt-<name>`` beside it, the catalog records are removed, a run
+    tagged ``flowmatch/cli=verify`` records a *failed* materialization of that asset partition
+    and a failed check evaluation says why. (Open-source Dagster 1.13 cannot wipe one partition
+    of an asset: ``wipe_asset_partitions`` raises NotImplementedError on its SQL storages. A
+    failed latest attempt is what the UI shows as Failed, what GraphQL leaves out of
+    ``materializedPartitions`` and what a "missing and failed" backfill picks up.)
     ``no_record`` / ``not_in_dagster`` (a valid file the catalog or Dagster does not know) are
     reported only: re-materializing the partition fixes them.
     """
@@ -130,7 +149,7 @@ def verify(
     from flowmatch_assets import catalog
 
     states = partition_states(layout, partitions, assets, instance, deep)
-    bad = [s for s in states if s.missing]
+    bad = [s for s in states if s.missing and s.state != "never"]
     for s in bad:
         if s.state not in ("gone", "corrupt"):
             continue
@@ -139,8 +158,8 @@ def verify(
             path.rename(path.with_name(f".corrupt-{path.name}"))
         catalog.clear_partition(layout.root, s.asset, s.partition)
         key = dg.AssetKey(s.asset)
-        if s.partition in set(instance.get_materialized_partitions(key)):
-            instance.wipe_asset_partitions(key, [s.partition])
+        if s.partition in dagster_materialized(instance, s.asset):
+            _record_failed_attempt(instance, s)
         check = CHECK_OF.get(s.asset)
         if check:
             instance.report_runless_asset_event(
@@ -148,12 +167,34 @@ def verify(
                     asset_key=key,
                     check_name=check,
                     passed=False,
-                    partition=s.partition,
-                    metadata={"verify": f"{s.state}: {s.detail}"},
+                    metadata={"partition": s.partition, "verify": f"{s.state}: {s.detail}"},
                     description=f"flowmatch verify: {s.partition} {s.state}",
                 )
             )
     return bad
+
+
+def _record_failed_attempt(instance, s: PartitionState) -> None:
+    """A run that plans ``s.asset``'s partition and fails with what verify found, so Dagster's
+    latest attempt for it is a failure (the partition shows as Failed, no longer Materialized).
+    The stand-in asset has the real key and partitions and does nothing but fail."""
+    import dagster as dg
+
+    from flowmatch_assets.partitions import shard_partitions
+
+    message = f"flowmatch verify: {s.asset} {s.partition} is {s.state} ({s.detail})"
+
+    @dg.asset(key=s.asset, partitions_def=shard_partitions, name=None)
+    def _stand_in() -> None:
+        raise dg.Failure(message)
+
+    dg.materialize(
+        [_stand_in],
+        partition_key=s.partition,
+        instance=instance,
+        raise_on_error=False,
+        tags={"flowmatch/cli": "verify"},
+    )
 
 
 def _verify_sensor_fn(context, flowmatch):
