@@ -36,13 +36,24 @@ def _resource():
         return resource_from_env()
     except ValidationError as e:
         err = e.errors()[0]
-        where = ".".join(str(x) for x in err["loc"])
+        field = str(err["loc"][-1]) if err["loc"] else "?"
+        var = ENV_OF.get(field, "the FLOWMATCH_* variable that sets it")
         raise CliError(
-            f"bad setting {where}={err.get('input')!r}: {err['msg']}; fix the FLOWMATCH_* "
-            "environment variable that sets it (see `flowmatch_assets/resources.py`)"
+            f"bad setting {var}={err.get('input')!r} ({field}: {err['msg']}); fix that "
+            "environment variable"
         ) from e
     except ValueError as e:  # e.g. int("abc") for FLOWMATCH_SHARD_SIZE
-        raise CliError(f"bad FLOWMATCH_* setting: {e}; fix the environment variable") from e
+        raise CliError(f"bad setting {e}; fix that environment variable") from e
+
+
+#: The environment variable behind each setting resource_from_env reads.
+ENV_OF = {
+    "min_stored_fraction": "FLOWMATCH_MIN_STORED_FRACTION",
+    "deadline_s": "FLOWMATCH_DEADLINE_S",
+    "shard_size": "FLOWMATCH_SHARD_SIZE",
+    "device": "FLOWMATCH_DEVICE",
+    "file_root": "FLOWMATCH_FILE_ROOT",
+}
 
 
 class CliError(Exception):

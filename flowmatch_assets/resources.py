@@ -51,10 +51,20 @@ def resource_from_env() -> FlowmatchResource:
     return FlowmatchResource(
         data_root=root,
         metadata_source=source,
-        shard_size=int(os.environ.get("FLOWMATCH_SHARD_SIZE", "10000")),
+        shard_size=_int_env("FLOWMATCH_SHARD_SIZE", 10_000),
         ingest=IngestConfig(file_root=_abs(file_root) if file_root else None, **_ingest_env()),
         encoders=EncoderConfig(**_encoder_env(Path(root))),
     )
+
+
+def _int_env(var: str, default: int) -> int:
+    raw = os.environ.get(var)
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{var}={raw!r} is not a whole number") from None
 
 
 def _ingest_env() -> dict:

@@ -339,8 +339,16 @@ def test_cli_mistakes_are_one_line_and_exit_2(tmp_path, small_sample, monkeypatc
     assert len(e.splitlines()) == 1
     monkeypatch.setenv("FLOWMATCH_MIN_STORED_FRACTION", "2")
     e = err(["materialize", "-p", "000-00"])
-    assert "bad setting ingest.min_stored_fraction='2'" in e
+    assert (
+        "bad setting FLOWMATCH_MIN_STORED_FRACTION='2' (min_stored_fraction: Input should be less than or equal to 1)"
+        in e
+    )
     monkeypatch.delenv("FLOWMATCH_MIN_STORED_FRACTION")
+    monkeypatch.setenv("FLOWMATCH_SHARD_SIZE", "ten")
+    assert "bad setting FLOWMATCH_SHARD_SIZE='ten' is not a whole number; fix that" in err(
+        ["partitions", "list"]
+    )
+    monkeypatch.delenv("FLOWMATCH_SHARD_SIZE")
     monkeypatch.setenv("FLOWMATCH_METADATA", str(tmp_path / "no-such-folder"))
     e = err(["partitions", "list"])
     assert "FLOWMATCH_METADATA" in e and "flowmatch demo" in e
