@@ -16,7 +16,7 @@ import pytest
 from flowmatch_assets import backfill, cli
 from flowmatch_assets.budget import steady_rate
 from flowmatch_assets.catalog import Catalog
-from flowmatch_assets.config import IngestConfig
+from flowmatch_assets.config import EncoderConfig, IngestConfig
 from flowmatch_assets.definitions import CHECKS, defs, resources_for
 from flowmatch_assets.ingest import is_retryable
 from flowmatch_assets.partitions import SHARDS, register_partitions
@@ -24,6 +24,7 @@ from flowmatch_assets.resources import FlowmatchResource
 from flowmatch_assets.sample import SampleSpec, write_sample
 from flowmatch_assets.state import dagster_materialized, partition_states
 from flowmatch_assets.training_assets import round_meta
+from flowmatch_models.layout import PARTITIONED_ASSETS
 from tests.conftest import make_resource
 from tests.http_fixtures import LoopbackHTTPServer, Reply
 
@@ -118,26 +119,29 @@ def test_zero_images_never_become_an_embedding_shard(tmp_path, small_sample):
         assert not res.layout.asset_path("vae_latents", "001-00").exists()
 
 
-def test_a_data_root_moves(tmp_path):
+@pytest.mark.slow
+def test_a_data_root_moves(tmp_path, zoo):
     """The sample's URLs are relative to the file root and the catalog rebuilds its views, so
-    a data root moved elsewhere re-materializes and answers queries from its new place."""
+    a data root moved elsewhere re-materializes, answers queries and trains from its new place."""
     old = tmp_path / "old"
     sample = write_sample(old / "sample", SampleSpec(files=1, rows_per_file=6, seed=3))
-    res = make_resource(old, sample)
+    enc = EncoderConfig(**zoo, batch_size=8)
+    res = make_resource(old, sample, encoders=enc)
     with dg.instance_for_test() as instance:
         register_partitions(instance, res)
-        assert _mat(res, "000-00", instance).success
+        assert _mat(res, "000-00", instance, list(PARTITIONED_ASSETS)).success
         assert Catalog(old).query("SELECT sum(samples) AS n FROM coverage WHERE asset='images_256'") == [{"n": 6}]  # fmt: skip
     new = tmp_path / "moved"
     shutil.move(old, new)
-    moved = make_resource(
-        new, {"metadata": str(new / "sample" / "metadata"), "dest": str(new / "sample")}
-    )
+    where = {"metadata": str(new / "sample" / "metadata"), "dest": str(new / "sample")}
+    moved = make_resource(new, where, encoders=enc)
     with dg.instance_for_test() as instance:
         register_partitions(instance, moved)
         cat = Catalog(new)
-        assert cat.query("SELECT sum(samples) AS n FROM coverage WHERE asset='images_256'") == [{"n": 6}]  # fmt: skip
-        result = _mat(moved, "000-00", instance)
+        assert cat.query("SELECT asset, samples FROM coverage ORDER BY lineage_order") == [
+            {"asset": a, "samples": 6 if a != "pd12m_metadata" else 12} for a in PARTITIONED_ASSETS
+        ]
+        result = _mat(moved, "000-00", instance, list(PARTITIONED_ASSETS))
         assert result.success, _failure_message(result)
         assert cat.query(
             "SELECT outcome, count(*) AS n FROM rows WHERE asset='images_256' GROUP BY ALL ORDER BY ALL"
@@ -145,6 +149,24 @@ def test_a_data_root_moves(tmp_path):
             {"outcome": "failed", "n": 6},  # the sample's deliberately bad rows
             {"outcome": "stored", "n": 6},
         ]
+        overrides = ["data.batch_size=4", "trainer.log_every=1", "trainer.sample_every=1000",
+                     "trainer.checkpoint_every=1000", "sample.steps=2"]  # fmt: skip
+        result = dg.materialize(
+            list(defs.assets),
+            selection=["flow_model"],
+            instance=instance,
+            resources=resources_for(moved),
+            run_config={"ops": {"flow_model": {"config": {"run_name": "m", "max_steps": 3, "overrides": overrides}}}},
+            raise_on_error=False,
+        )  # fmt: skip
+        assert result.success, _failure_message(result)
+        assert (new / "runs" / "m" / "checkpoints" / "last.ckpt").is_file()
+        tp = cat.query("SELECT samples_per_s FROM throughput WHERE asset = 'flow_model'")
+        md = instance.fetch_materializations(dg.AssetKey("flow_model"), limit=1).records[0]
+        assert tp[0]["samples_per_s"] > 0  # one training speed: the catalog's is the metadata's
+        assert md.asset_materialization.metadata["samples_per_s"].value == round_meta(
+            tp[0]["samples_per_s"]
+        )
     assert str(old) not in Path(cat.ensure()).read_bytes().decode(errors="ignore")
 
 
