@@ -68,6 +68,16 @@ def _records(root: Path, asset: str, key: str) -> tuple[bytes, bytes]:
     )
 
 
+def _stale(instance, asset: str, partition: str) -> str:
+    """Dagster's staleness of one asset partition, as the UI shows it (FRESH / STALE)."""
+    from dagster._core.definitions.data_version import CachingStaleStatusResolver
+    from dagster._core.loader import LoadingContextForTest
+
+    graph = defs.get_repository_def().asset_graph
+    resolver = CachingStaleStatusResolver(instance, graph, LoadingContextForTest(instance))
+    return resolver.get_status(dg.AssetKey(asset), partition).name
+
+
 # --- 1. a bad run never replaces good data ----------------------------------------------------
 
 
@@ -149,6 +159,14 @@ def test_a_data_root_moves(tmp_path, zoo):
             {"outcome": "failed", "n": 6},  # the sample's deliberately bad rows
             {"outcome": "stored", "n": 6},
         ]
+        # a replaced shard makes its downstream partitions out of date (the UI's "upstream
+        # changed"), a rejected attempt does not
+        assert _stale(instance, "vae_latents", "000-00") == "FRESH"
+        bad = make_resource(new, {**where, "dest": str(tmp_path)}, encoders=enc)
+        assert not _mat(bad, "000-00", instance, ["images_256"]).success
+        assert _stale(instance, "vae_latents", "000-00") == "FRESH"
+        assert _mat(moved, "000-00", instance, ["images_256"]).success
+        assert _stale(instance, "vae_latents", "000-00") == "STALE"
         overrides = ["data.batch_size=4", "trainer.log_every=1", "trainer.sample_every=1000",
                      "trainer.checkpoint_every=1000", "sample.steps=2"]  # fmt: skip
         result = dg.materialize(
