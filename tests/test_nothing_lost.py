@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import shutil
 import socket
+import threading
+import time
 from pathlib import Path
 
 import dagster as dg
@@ -262,16 +264,24 @@ def test_retryable_reasons(reason, retryable):
     assert is_retryable(reason) is retryable
 
 
-def test_retry_refetches_only_retryable_rows_and_merges_them_in_order(tmp_path, small_sample):
+def test_retry_refetches_only_retryable_rows_and_merges_them_in_order(
+    tmp_path, small_sample, monkeypatch, capsys
+):
+    """`flowmatch retry` re-fetches the rows that failed as http_503 (4 attempts each the first
+    time) and merges them into the shard; meanwhile the catalog keeps showing the old records."""
     src = pq.read_table(Path(small_sample["metadata"]) / "pd12m.001.parquet")
-    flaky = set(src.column("id").to_pylist()[2:5])  # 3 of 10 rows fail the first time
+    flaky = set(src.column("id").to_pylist()[2:5])  # 3 of 10 rows fail the first run
+    attempts = IngestConfig().retries + 1
     with LoopbackHTTPServer() as srv:
         urls = []
         for r in src.to_pylist():
             body = (Path(small_sample["dest"]) / r["url"].removeprefix("file:")).read_bytes()
             ok = Reply(body=body, headers={"Content-Type": "image/jpeg"})
+            slow = Reply(body=body, headers={"Content-Type": "image/jpeg"}, delay_s=1.5)
             route = (
-                (lambda n, ok=ok: Reply(status=503) if n == 1 else ok) if r["id"] in flaky else ok
+                (lambda n, ok=slow: Reply(status=503) if n <= attempts else ok)
+                if r["id"] in flaky
+                else ok
             )
             urls.append(srv.add(f"/{r['id']}.jpg", route))
         md = tmp_path / "metadata"
@@ -280,32 +290,44 @@ def test_retry_refetches_only_retryable_rows_and_merges_them_in_order(tmp_path, 
             src.set_column(src.schema.get_field_index("url"), "url", pa.array(urls)),
             md / "pd12m.000.parquet",
         )
-        res = _res(tmp_path / "data", {"metadata": str(md), "dest": str(md)}, retries=0)
-        with dg.instance_for_test() as instance:
-            register_partitions(instance, res)
-            assert _mat(res, "000-00", instance).success
-            cat = Catalog(res.data_root)
-            assert cat.query("SELECT reason, retryable, count(*) AS n FROM failures GROUP BY ALL") == [
-                {"reason": "http_503", "retryable": True, "n": 3}
-            ]  # fmt: skip
-            shard = res.layout.asset_path("images_256", "000-00")
-            assert pq.read_metadata(shard).num_rows == 7
-            first = {
-                r["id"]: r["image"]
-                for r in pq.read_table(shard, columns=["id", "image"]).to_pylist()
-            }
-            result = _mat(
-                res, "000-00", instance, ["images_256"],
-                {"ops": {"images_256": {"config": {"retry": True}}}},
-            )  # fmt: skip
-            assert result.success, _failure_message(result)
+        data = tmp_path / "data"
+        for k, v in {
+            "DAGSTER_HOME": str(tmp_path),
+            "FLOWMATCH_DATA_ROOT": str(data),
+            "FLOWMATCH_METADATA": str(md),
+        }.items():
+            monkeypatch.setenv(k, v)
+        assert cli.main(["materialize", "-a", "pd12m_metadata", "-a", "images_256"]) == 0
+        cat = Catalog(data)
+        assert cat.query("SELECT reason, retryable, count(*) AS n FROM failures GROUP BY ALL") == [
+            {"reason": "http_503", "retryable": True, "n": 3}
+        ]  # fmt: skip
+        shard = data / "images_256" / "000-00.parquet"
+        first = {
+            r["id"]: r["image"] for r in pq.read_table(shard, columns=["id", "image"]).to_pylist()
+        }
+        assert len(first) == 7
+        capsys.readouterr()
+        rc: list[int] = []
+        t = threading.Thread(target=lambda: rc.append(cli.main(["retry"])))
+        t.start()
+        time.sleep(1.0)  # mid-run: the retried rows are being served slowly
+        assert t.is_alive()
+        assert cat.query("SELECT samples FROM coverage WHERE asset = 'images_256'") == [{"samples": 7}]  # fmt: skip
+        assert cat.query("SELECT count(*) AS n FROM rows WHERE asset = 'images_256'") == [{"n": 10}]  # fmt: skip
+        t.join(60)
+        assert rc == [0]
+        assert "000-00: retrying 3 failed rows" in capsys.readouterr().out
         for r in src.to_pylist():  # only the 3 failed rows were fetched again
-            assert srv.hits(f"/{r['id']}.jpg") == (2 if r["id"] in flaky else 1)
+            assert srv.hits(f"/{r['id']}.jpg") == (attempts + 1 if r["id"] in flaky else 1)
     t = pq.read_table(shard, columns=["id", "image"]).to_pylist()
     assert [r["id"] for r in t] == src.column("id").to_pylist()  # metadata order, no duplicates
     assert all(first[r["id"]] == r["image"] for r in t if r["id"] in first)  # kept as they were
     assert cat.query("SELECT count(*) AS n FROM failures") == [{"n": 0}]
     assert cat.query("SELECT samples FROM materializations WHERE asset='images_256'") == [{"samples": 10}]  # fmt: skip
+    capsys.readouterr()
+    assert cli.main(["retry"]) == 0  # nothing left to retry
+    assert "no failed rows with a retryable reason" in capsys.readouterr().out
 
 
 # --- 5. honest numbers ------------------------------------------------------------------------
