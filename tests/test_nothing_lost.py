@@ -17,6 +17,7 @@ import pytest
 
 from flowmatch_assets import backfill, cli
 from flowmatch_assets.budget import steady_rate
+from flowmatch_assets.budget_assets import rounded
 from flowmatch_assets.catalog import Catalog
 from flowmatch_assets.config import EncoderConfig, IngestConfig
 from flowmatch_assets.definitions import CHECKS, defs, resources_for
@@ -352,6 +353,10 @@ def test_steady_rate_is_the_median_without_the_first_and_last_window():
     assert steady_rate([]) is None
     assert round_meta(0.5136181712150574) == 0.5136
     assert round_meta(dg.FloatMetadataValue(1234.5678)) == 1235.0
+    assert rounded({"hours": [0.5136181712150574, 12345678.9], "n": 3}) == {
+        "hours": [0.5136, 12350000.0],
+        "n": 3,
+    }
 
 
 # --- 6. one-line answers ----------------------------------------------------------------------
