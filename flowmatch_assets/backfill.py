@@ -374,6 +374,14 @@ def main(argv: list[str] | None = None) -> int:
     keys = [s.strip() for s in a.partitions.split(",") if s.strip()]
     if not a.missing and not keys:
         p.error("give --missing or --partitions")
+    unknown = [x for x in assets if x not in DEFAULT_ASSETS]
+    if unknown:
+        print(
+            f"flowmatch backfill: unknown asset {unknown[0]!r}; partitioned assets: "
+            f"{', '.join(DEFAULT_ASSETS)}",
+            file=sys.stderr,
+        )
+        return 2
     try:
         if a.missing:
             missing = missing_partitions(a.url, assets)

@@ -404,6 +404,12 @@ def test_cli_mistakes_are_one_line_and_exit_2(tmp_path, small_sample, monkeypatc
     e = capsys.readouterr().err.strip()
     assert e.startswith(f"flowmatch backfill: no Dagster webserver at http://127.0.0.1:{port}")
     assert len(e.splitlines()) == 1
+    capsys.readouterr()
+    assert cli.main(["backfill", "--missing", "--assets", "images256"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "flowmatch backfill: unknown asset 'images256'; partitioned assets: pd12m_metadata, "
+        "images_256, vae_latents, dino_features, text_embeddings"
+    )
     monkeypatch.setenv("FLOWMATCH_MIN_STORED_FRACTION", "2")
     e = err(["materialize", "-p", "000-00"])
     assert (
