@@ -62,9 +62,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import heapq
 import io
 import math
 import socket
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -249,21 +251,27 @@ def _set_sock_timeout(resp: urllib3.BaseHTTPResponse, seconds: float) -> None:
 def _read_body(resp: urllib3.BaseHTTPResponse, cfg: IngestConfig, deadline: float) -> bytes:
     """The body, at most ``cfg.max_bytes``, read before ``deadline`` (time.monotonic()).
 
-    Read with ``read1`` (at most one socket read per call) so a server that trickles bytes
-    cannot hold the row past the deadline: the time left is checked between reads and bounds
-    each socket read.
+    With a Content-Length (and no content encoding) the body is read in one call, and a
+    watchdog timer shuts the socket down at the deadline, so a server that trickles bytes
+    cannot hold the row longer. Otherwise it is read with ``read1`` (one socket read per call)
+    and the time left is checked between reads and bounds each socket read.
     """
     max_bytes = cfg.max_bytes
     length = resp.headers.get("Content-Length")
-    if length is not None and length.strip().isdigit() and int(length) > max_bytes:
-        raise IngestError("too_large", f"Content-Length {int(length)} > max_bytes {max_bytes}")
+    encoded = resp.headers.get("Content-Encoding", "identity").lower() not in ("", "identity")
+    if length is not None and length.strip().isdigit():
+        if int(length) > max_bytes:
+            raise IngestError("too_large", f"Content-Length {int(length)} > max_bytes {max_bytes}")
+        if not encoded:
+            return _read_sized(resp, cfg, deadline)
     chunks: list[bytes] = []
     total = 0
     while True:
         left = _remaining(deadline)
         if left <= 0:
             raise _deadline_error(cfg, f"{total} body bytes received")
-        _set_sock_timeout(resp, min(cfg.read_timeout_s, left))
+        if left < cfg.read_timeout_s:  # near the deadline: bound each socket read by it
+            _set_sock_timeout(resp, left)
         chunk = resp.read1(_CHUNK)
         if not chunk:
             break
@@ -272,6 +280,85 @@ def _read_body(resp: urllib3.BaseHTTPResponse, cfg: IngestConfig, deadline: floa
             raise IngestError("too_large", f"body above max_bytes {max_bytes}")
         chunks.append(chunk)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+class _Watchdog:
+    """One daemon thread that calls ``fn`` at time ``when`` unless disarmed first: the deadline
+    of every in-flight body read, without a thread per download (starting one costs ms)."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._live: set[int] = set()
+        self._next = 0
+        self._thread: threading.Thread | None = None
+
+    def arm(self, when: float, fn: Callable[[], None]) -> int:
+        with self._cv:
+            self._next += 1
+            token = self._next
+            heapq.heappush(self._heap, (when, token, fn))
+            self._live.add(token)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="ingest-deadline", daemon=True
+                )
+                self._thread.start()
+            self._cv.notify()
+        return token
+
+    def disarm(self, token: int) -> None:
+        with self._cv:
+            self._live.discard(token)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while self._heap and self._heap[0][1] not in self._live:
+                    heapq.heappop(self._heap)
+                if not self._heap:
+                    self._cv.wait(timeout=60)
+                    continue
+                when, token, fn = self._heap[0]
+                wait = when - time.monotonic()
+                if wait > 0:
+                    self._cv.wait(timeout=wait)
+                    continue
+                heapq.heappop(self._heap)
+                self._live.discard(token)
+            with contextlib.suppress(Exception):
+                fn()
+
+
+_WATCHDOG = _Watchdog()
+
+
+def _read_sized(resp: urllib3.BaseHTTPResponse, cfg: IngestConfig, deadline: float) -> bytes:
+    """One read of exactly Content-Length bytes (no chunk list, no join copy), cut off at the
+    deadline by the watchdog, which shuts the socket down. A short body raises urllib3's
+    ProtocolError (IncompleteRead) -> connection_error."""
+    if _remaining(deadline) <= 0:
+        raise _deadline_error(cfg, "before the body")
+    fired = threading.Event()
+
+    def cut() -> None:
+        fired.set()
+        sock = getattr(getattr(resp, "_connection", None), "sock", None)
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    token = _WATCHDOG.arm(deadline, cut)
+    try:
+        return resp.read()
+    except Exception:
+        if fired.is_set():
+            raise _deadline_error(cfg, "body incomplete") from None
+        raise
+    finally:
+        _WATCHDOG.disarm(token)
+        if fired.is_set():  # the socket was shut down even if read() returned: never reuse it
+            resp.close()
 
 
 def _get_once(
