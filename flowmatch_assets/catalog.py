@@ -185,6 +185,13 @@ def clear_partition(data_root: str | Path, asset: str, partition: str) -> None:
         p.unlink(missing_ok=True)
 
 
+def read_materialization(data_root: str | Path, asset: str, partition: str) -> dict | None:
+    """The materialization record of one asset partition, or None."""
+    p = DataLayout(data_root).catalog_dir / "materializations" / asset / f"{partition}.parquet"
+    rows = pq.read_table(p).to_pylist() if p.exists() else []
+    return rows[0] if rows else None
+
+
 def read_rows(data_root: str | Path, asset: str, partition: str) -> pa.Table | None:
     """The per-row outcomes of one asset partition, or None if there are none."""
     p = DataLayout(data_root).catalog_dir / "rows" / asset / f"{partition}.parquet"
