@@ -165,9 +165,14 @@ def materialize(
         )
         if not result.success:
             for ev in result.all_events:
-                if ev.is_step_failure and ev.step_failure_data.error:
-                    msg = ev.step_failure_data.error.message.strip().splitlines()
-                    print(f"    {ev.step_key}: {msg[-1] if msg else ''}")
+                if ev.is_step_failure:
+                    data = ev.step_failure_data
+                    if data.user_failure_data and data.user_failure_data.description:
+                        msg = data.user_failure_data.description  # a dg.Failure: its message
+                    else:
+                        lines = (data.error.message if data.error else "").strip().splitlines()
+                        msg = lines[-1] if lines else "failed"
+                    print(f"    {ev.step_key}: {msg}")
     return out
 
 

@@ -312,11 +312,14 @@ def test_retry_refetches_only_retryable_rows_and_merges_them_in_order(
         rc: list[int] = []
         t = threading.Thread(target=lambda: rc.append(cli.main(["retry"])))
         t.start()
-        time.sleep(1.0)  # mid-run: the retried rows are being served slowly
-        assert t.is_alive()
+        deadline = time.monotonic() + 120
+        while not any(srv.hits(f"/{i}.jpg") > attempts for i in flaky):  # the retry is fetching
+            assert t.is_alive() and time.monotonic() < deadline
+            time.sleep(0.05)
+        # mid-run (the retried rows are served 1.5 s late): the catalog shows the old records
         assert cat.query("SELECT samples FROM coverage WHERE asset = 'images_256'") == [{"samples": 7}]  # fmt: skip
         assert cat.query("SELECT count(*) AS n FROM rows WHERE asset = 'images_256'") == [{"n": 10}]  # fmt: skip
-        t.join(60)
+        t.join(300)
         assert rc == [0]
         assert "000-00: retrying 3 failed rows" in capsys.readouterr().out
         for r in src.to_pylist():  # only the 3 failed rows were fetched again
