@@ -28,22 +28,28 @@ def _instance():
 
 
 def _resource():
-    from pydantic import ValidationError
-
     from flowmatch_assets.resources import resource_from_env
 
-    try:
-        return resource_from_env()
-    except ValidationError as e:
+    return resource_from_env()  # bad settings: see _one_line
+
+
+class CliError(Exception):
+    """A usage mistake: printed as one line (problem and fix), exit code 2."""
+
+
+def _setting_message(e: Exception) -> str:
+    """One line for a bad FLOWMATCH_* setting (pydantic ValidationError or SettingError)."""
+    from pydantic import ValidationError
+
+    if isinstance(e, ValidationError):
         err = e.errors()[0]
         field = str(err["loc"][-1]) if err["loc"] else "?"
         var = ENV_OF.get(field, "the FLOWMATCH_* variable that sets it")
-        raise CliError(
+        return (
             f"bad setting {var}={err.get('input')!r} ({field}: {err['msg']}); fix that "
             "environment variable"
-        ) from e
-    except ValueError as e:  # e.g. int("abc") for FLOWMATCH_SHARD_SIZE
-        raise CliError(f"bad setting {e}; fix that environment variable") from e
+        )
+    return f"bad setting {e}; fix that environment variable"
 
 
 #: The environment variable behind each setting resource_from_env reads.
@@ -54,10 +60,6 @@ ENV_OF = {
     "device": "FLOWMATCH_DEVICE",
     "file_root": "FLOWMATCH_FILE_ROOT",
 }
-
-
-class CliError(Exception):
-    """A usage mistake: printed as one line (problem and fix), exit code 2."""
 
 
 def _check_partitions(keys: list[str], known: list[str]) -> None:
@@ -593,12 +595,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _one_line(e: BaseException) -> str | None:
     """The one-line message of a usage mistake, or None for a real bug (traceback)."""
-    from flowmatch_assets.metadata import MetadataError
+    from pydantic import ValidationError
 
-    if isinstance(e, CliError):
-        return str(e)
-    if isinstance(e, MetadataError):
-        return f"{e} (set FLOWMATCH_METADATA to the folder of pd12m.NNN.parquet files, or run `flowmatch demo`)"
+    from flowmatch_assets.metadata import MetadataError
+    from flowmatch_assets.resources import SettingError
+
+    if isinstance(e, CliError | MetadataError):
+        return str(e)  # MetadataError names the folder and FLOWMATCH_METADATA already
+    if isinstance(e, ValidationError | SettingError):
+        return _setting_message(e)
     try:
         from dagster._core.errors import DagsterError
     except ImportError:  # pragma: no cover

@@ -57,6 +57,10 @@ def resource_from_env() -> FlowmatchResource:
     )
 
 
+class SettingError(ValueError):
+    """A FLOWMATCH_* environment variable holds a value that cannot be used."""
+
+
 def _int_env(var: str, default: int) -> int:
     raw = os.environ.get(var)
     if not raw:
@@ -64,7 +68,7 @@ def _int_env(var: str, default: int) -> int:
     try:
         return int(raw)
     except ValueError:
-        raise ValueError(f"{var}={raw!r} is not a whole number") from None
+        raise SettingError(f"{var}={raw!r} is not a whole number") from None
 
 
 def _ingest_env() -> dict:

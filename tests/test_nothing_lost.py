@@ -433,7 +433,7 @@ def test_cli_mistakes_are_one_line_and_exit_2(tmp_path, small_sample, monkeypatc
     monkeypatch.delenv("FLOWMATCH_SHARD_SIZE")
     monkeypatch.setenv("FLOWMATCH_METADATA", str(tmp_path / "no-such-folder"))
     e = err(["partitions", "list"])
-    assert "FLOWMATCH_METADATA" in e and "flowmatch demo" in e
+    assert "FLOWMATCH_METADATA" in e and "flowmatch sample" in e
     # --help is help, not an error
     capsys.readouterr()
     assert cli.main(["bench", "--help"]) == 0
