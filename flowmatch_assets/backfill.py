@@ -296,7 +296,7 @@ def wait_run(url: str, run_id: str, timeout: float = 3600, poll: float = 3.0) ->
     raise TimeoutError(f"run {run_id} still {status} after {timeout:.0f}s")
 
 
-def _missing_from_url(url: str, asset_keys: Sequence[str]) -> list[str]:
+def _missing_from_url(url: str, asset_keys: Sequence[str], data_root=None) -> list[str]:
     nodes = graphql(url, PARTITIONS, {"keys": [_key_input(a) for a in asset_keys]})["assetNodes"]
     found = {"/".join(n["assetKey"]["path"]): n for n in nodes}
     unknown = [a for a in asset_keys if a not in found]
@@ -312,30 +312,45 @@ def _missing_from_url(url: str, asset_keys: Sequence[str]) -> list[str]:
         if st["__typename"] != "DefaultPartitionStatuses":
             raise BackfillError(f"{a}: unexpected partition statuses {st['__typename']}")
         done = set(st["materializedPartitions"]) | set(st["materializingPartitions"])
-        missing |= set(dims[0]["partitionKeys"]) - done
+        keys = set(dims[0]["partitionKeys"])
+        missing |= keys - done
+        # the same definition as every other command: a file gone or corrupt, or no catalog
+        # record, is missing even where Dagster remembers a materialization
+        missing |= set(_missing_on_disk(sorted(keys & done), [a], data_root=data_root))
     return sorted(missing)
 
 
-def _missing_from_instance(instance, asset_keys: Sequence[str]) -> list[str]:
-    import dagster as dg
+def _missing_on_disk(
+    keys: Sequence[str], asset_keys: Sequence[str], instance=None, data_root=None
+) -> list[str]:
+    from flowmatch_assets.resources import resource_from_env
+    from flowmatch_assets.state import missing_partitions as _missing
+    from flowmatch_assets.state import partition_states
+    from flowmatch_models.layout import DataLayout
 
+    layout = DataLayout(data_root) if data_root else resource_from_env().layout
+    known = [a for a in asset_keys if a in DEFAULT_ASSETS]
+    return _missing(partition_states(layout, keys, known, instance))
+
+
+def _missing_from_instance(instance, asset_keys: Sequence[str], data_root=None) -> list[str]:
     from flowmatch_assets.partitions import SHARDS
 
-    keys = set(instance.get_dynamic_partitions(SHARDS))
-    missing: set[str] = set()
-    for a in asset_keys:
-        done = instance.get_materialized_partitions(dg.AssetKey(a.split("/")))
-        missing |= keys - set(done)
-    return sorted(missing)
+    keys = sorted(instance.get_dynamic_partitions(SHARDS))
+    return _missing_on_disk(keys, asset_keys, instance, data_root)
 
 
-def missing_partitions(source, asset_keys: Sequence[str] = DEFAULT_ASSETS) -> list[str]:
-    """Registered partitions that at least one of ``asset_keys`` has not materialized yet
-    (failed partitions count as missing; on a webserver, ones materializing now do not).
-    ``source`` is a webserver URL or a DagsterInstance."""
+def missing_partitions(
+    source, asset_keys: Sequence[str] = DEFAULT_ASSETS, data_root: str | None = None
+) -> list[str]:
+    """Registered partitions that at least one of ``asset_keys`` is missing, by the one
+    definition in flowmatch_assets.state (file valid, catalog record, Dagster materialization;
+    failed partitions count as missing; on a webserver, ones materializing now do not).
+    ``source`` is a webserver URL or a DagsterInstance; the files are those of ``data_root``
+    (default: FLOWMATCH_DATA_ROOT)."""
     if isinstance(source, str):
-        return _missing_from_url(source, asset_keys)
-    return _missing_from_instance(source, asset_keys)
+        return _missing_from_url(source, asset_keys, data_root)
+    return _missing_from_instance(source, asset_keys, data_root)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -359,6 +374,14 @@ def main(argv: list[str] | None = None) -> int:
     keys = [s.strip() for s in a.partitions.split(",") if s.strip()]
     if not a.missing and not keys:
         p.error("give --missing or --partitions")
+    unknown = [x for x in assets if x not in DEFAULT_ASSETS]
+    if unknown:
+        print(
+            f"flowmatch backfill: unknown asset {unknown[0]!r}; partitioned assets: "
+            f"{', '.join(DEFAULT_ASSETS)}",
+            file=sys.stderr,
+        )
+        return 2
     try:
         if a.missing:
             missing = missing_partitions(a.url, assets)
@@ -380,8 +403,18 @@ def main(argv: list[str] | None = None) -> int:
             poll=a.poll,
             progress_cb=lambda s: print(format_status(s), flush=True),
         )
-    except (BackfillError, TimeoutError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except BackfillError as e:
+        if "cannot reach" in str(e):  # the common mistake: no webserver running
+            print(
+                f"flowmatch backfill: no Dagster webserver at {a.url}; start one with "
+                "`DAGSTER_HOME=$PWD/dagster_home dagster dev -w workspace.yaml` or pass --url",
+                file=sys.stderr,
+            )
+            return 2
+        print(f"flowmatch backfill: {e}", file=sys.stderr)
+        return 1
+    except TimeoutError as e:
+        print(f"flowmatch backfill: {e}", file=sys.stderr)
         return 1
     if st["error"]:
         print(f"error: {st['error']}", file=sys.stderr)

@@ -18,14 +18,17 @@ Honesty rules, enforced here:
   three are counted; shard read/write time is not in these seconds.
 * Training samples/s: a resumed run's ``flow_model`` record carries the run's *cumulative*
   samples but only the last session's wall seconds, so samples/seconds can be wildly high. The
-  steady-state rate the Lightning module logs (``extra.samples_per_s``) is used when present;
-  otherwise samples/seconds, labelled as such. Per (device, preset) the latest run counts.
+  run's steady rate (``extra.samples_per_s``: the median of the samples/s windows the Lightning
+  module logged, without the first and last window, see :func:`steady_rate`; the same number
+  as the catalog's ``throughput`` and the asset's metadata) is used when present; otherwise
+  samples/seconds, labelled as such. Per (device, preset) the latest run counts.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import dagster as dg
 from pydantic import Field
@@ -136,6 +139,35 @@ def _precalc(catalog: Catalog) -> list[Rate]:
     return out
 
 
+def steady_rate(rates: list[float]) -> float | None:
+    """The median of a run's logged samples/s windows, without the first (start-up, compile,
+    first batches) and, from 3 windows on, the last (it often holds the final checkpoint and
+    sample grid): one slow window moves a median by at most one rank. None without windows."""
+    xs = [float(x) for x in rates if x is not None and float(x) > 0]
+    if len(xs) >= 3:
+        xs = xs[1:-1]
+    elif len(xs) == 2:
+        xs = xs[1:]
+    if not xs:
+        return None
+    xs.sort()
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def logged_rates(metrics_csv: str | Path) -> list[float]:
+    """The ``train/samples_per_s`` column of a Lightning CSVLogger ``metrics.csv``, in order."""
+    import csv
+
+    out = []
+    with open(metrics_csv, newline="") as f:
+        for r in csv.DictReader(f):
+            v = r.get("train/samples_per_s")
+            if v not in (None, ""):
+                out.append(float(v))
+    return out
+
+
 def _training(catalog: Catalog) -> list[Rate]:
     rows = catalog.query(
         """SELECT coalesce(device, 'unknown device') AS d,
@@ -154,7 +186,7 @@ def _training(catalog: Catalog) -> list[Rate]:
     for (device, preset), r in sorted(latest.items()):
         n, s = int(r["samples"] or 0), float(r["seconds"] or 0.0)
         if r["sps"] and r["sps"] > 0:
-            per_s, how = float(r["sps"]), "steady-state samples/s logged by the run"
+            per_s, how = float(r["sps"]), "median samples/s over the run's steady logged windows"
         elif n > 0 and s > 0:
             per_s, how = n / s, "samples / wall s (incl. startup; too high if resumed)"
         else:

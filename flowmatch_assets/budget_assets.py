@@ -5,6 +5,7 @@ any data asset to run; re-materialize it after new measurements to refresh the t
 (No ``from __future__ import annotations`` here: Dagster resolves the config annotation.)
 """
 
+import math
 from pathlib import Path
 
 import dagster as dg
@@ -13,6 +14,17 @@ from flowmatch_assets.budget import BudgetConfig, budget
 from flowmatch_assets.catalog import Catalog
 from flowmatch_assets.resources import FlowmatchResource
 from flowmatch_models.atomic import atomic_write_text
+
+
+def rounded(v, digits: int = 4):
+    """``v`` with every float rounded to ``digits`` significant digits (for UI metadata)."""
+    if isinstance(v, float):
+        return float(f"{v:.{digits}g}") if math.isfinite(v) else v
+    if isinstance(v, dict):
+        return {k: rounded(x, digits) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [rounded(x, digits) for x in v]
+    return v
 
 
 def report_path(data_root: str | Path) -> Path:
@@ -41,8 +53,8 @@ def budget_report(
         metadata={
             "report": dg.MetadataValue.md(md),
             "path": dg.MetadataValue.path(str(out)),
-            "projection": dg.MetadataValue.json(data["projection"]),
-            "disk": dg.MetadataValue.json(data["disk"]),
+            "projection": dg.MetadataValue.json(rounded(data["projection"])),
+            "disk": dg.MetadataValue.json(rounded(data["disk"])),
             "measured_devices": dg.MetadataValue.json(measured),
         }
     )

@@ -5,10 +5,16 @@ DuckDB. It writes two small parquet records of its own, atomically and per parti
 
     <root>/catalog/materializations/<asset>/<partition>.parquet   one row: counts, bytes, time
     <root>/catalog/rows/<asset>/<partition>.parquet               one row per input row: outcome
+    <root>/catalog/attempts/<asset>/<partition>.parquet           failures of a rejected attempt
 
 ``catalog.duckdb`` holds only *views* over those files (plus the known partitions), so it is
 written once (under a file lock) and afterwards opened read-only by any number of processes.
-Re-materializing a partition replaces its two files: no duplicate rows, ever.
+Re-materializing a partition replaces its two files when it succeeds (each by an atomic rename;
+the old records stay visible until then): no duplicate rows, and a partition never vanishes from
+the catalog during a re-run. An attempt that is rejected (too few rows stored) leaves both files
+as they were and records its failures under ``attempts/`` (the ``rejected_attempts`` view).
+The views are rebuilt when the data root moves (the file records its root), so a data root can
+be copied or moved.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import pyarrow.parquet as pq
 from flowmatch_models.atomic import atomic_path
 from flowmatch_models.layout import PARTITIONED_ASSETS, DataLayout
 
-CATALOG_VERSION = 6
+CATALOG_VERSION = 7
 
 OUTCOMES = ("stored", "filtered", "failed")
 
@@ -92,12 +98,18 @@ class MaterializationRecord:
     lossy_rel_rms: float | None = None
     run_id: str | None = None
     extra: dict = field(default_factory=dict)
+    #: samples/s when it is not samples / seconds (training: the median of its steady windows)
+    rate: float | None = None
 
     def as_row(self) -> dict:
         d = asdict(self)
         d["input_rows"] = self.samples if self.input_rows is None else self.input_rows
         d["ratio"] = (self.raw_bytes / self.stored_bytes) if self.stored_bytes else None
-        d["samples_per_s"] = (self.samples / self.seconds) if self.seconds > 0 else None
+        d.pop("rate")
+        if self.rate is not None:
+            d["samples_per_s"] = self.rate
+        else:
+            d["samples_per_s"] = (self.samples / self.seconds) if self.seconds > 0 else None
         d["written_at"] = _now_utc()
         d["extra"] = json.dumps(self.extra, sort_keys=True, default=str)
         return d
@@ -148,8 +160,25 @@ def record_rows(
     return path
 
 
+def record_attempt(
+    data_root: str | Path, asset: str, partition: str, rows: Iterable[RowOutcome]
+) -> Path:
+    """Record the row outcomes of a rejected attempt, leaving the partition's records alone."""
+    layout = DataLayout(data_root)
+    path = layout.catalog_dir / "attempts" / asset / f"{partition}.parquet"
+    data = [{"asset": asset, "partition": partition, **asdict(r)} for r in rows]
+    _write_parquet(path, pa.Table.from_pylist(data, schema=ROW_SCHEMA))
+    return path
+
+
+def clear_attempt(data_root: str | Path, asset: str, partition: str) -> None:
+    """Forget a rejected attempt's failures (a later attempt succeeded)."""
+    p = DataLayout(data_root).catalog_dir / "attempts" / asset / f"{partition}.parquet"
+    p.unlink(missing_ok=True)
+
+
 def clear_partition(data_root: str | Path, asset: str, partition: str) -> None:
-    """Remove the catalog records of one asset partition (used before a re-run writes anew)."""
+    """Remove the catalog records of one asset partition (`flowmatch verify`: its file is gone)."""
     layout = DataLayout(data_root)
     for kind in ("materializations", "rows"):
         p = layout.catalog_dir / kind / asset / f"{partition}.parquet"
@@ -181,6 +210,19 @@ def record_evaluation(data_root: str | Path, run: str, step: int, rows: Sequence
     return path
 
 
+def read_materialization(data_root: str | Path, asset: str, partition: str) -> dict | None:
+    """The materialization record of one asset partition, or None."""
+    p = DataLayout(data_root).catalog_dir / "materializations" / asset / f"{partition}.parquet"
+    rows = pq.read_table(p).to_pylist() if p.exists() else []
+    return rows[0] if rows else None
+
+
+def read_rows(data_root: str | Path, asset: str, partition: str) -> pa.Table | None:
+    """The per-row outcomes of one asset partition, or None if there are none."""
+    p = DataLayout(data_root).catalog_dir / "rows" / asset / f"{partition}.parquet"
+    return pq.read_table(p) if p.exists() else None
+
+
 def record_partitions(data_root: str | Path, partitions: Sequence[dict]) -> Path:
     """Replace the list of known partitions (key, source file, row range)."""
     layout = DataLayout(data_root)
@@ -206,6 +248,7 @@ def _view_sql(layout: DataLayout) -> list[str]:
     c = layout.catalog_dir
     mat = _sql_str(c / "materializations" / "*" / "*.parquet")
     rows = _sql_str(c / "rows" / "*" / "*.parquet")
+    attempts = _sql_str(c / "attempts" / "*" / "*.parquet")
     parts = _sql_str(c / "partitions.parquet")
     evals = _sql_str(c / "evaluations" / "*" / "*.parquet")
     assets = ", ".join(f"({_sql_str(a)}, {i})" for i, a in enumerate(PARTITIONED_ASSETS))
@@ -226,9 +269,16 @@ def _view_sql(layout: DataLayout) -> list[str]:
                   m.partition IS NOT NULL AS materialized
            FROM p CROSS JOIN assets a
            LEFT JOIN materializations m ON m.partition = p.partition AND m.asset = a.asset""",
+        f"CREATE OR REPLACE MACRO retryable(r) AS {_retryable_sql('r')}",
         """CREATE OR REPLACE VIEW failures AS
-           SELECT asset, partition, id, url, outcome, reason, detail FROM rows
+           SELECT asset, partition, id, url, outcome, reason, detail,
+                  outcome = 'failed' AND retryable(reason) AS retryable FROM rows
            WHERE outcome IN ('failed', 'filtered')""",
+        f"""CREATE OR REPLACE VIEW rejected_attempts AS
+           SELECT asset, partition, id, url, outcome, reason, detail,
+                  outcome = 'failed' AND retryable(reason) AS retryable
+           FROM read_parquet({attempts}, union_by_name=true)
+           WHERE asset IS NOT NULL AND outcome = 'failed'""",
         f"""CREATE OR REPLACE VIEW compression AS
            SELECT asset, any_value(codec) AS codec, count(*) AS partitions, sum(samples) AS samples,
                   sum(raw_bytes) AS raw_bytes, sum(stored_bytes) AS stored_bytes,
@@ -238,12 +288,26 @@ def _view_sql(layout: DataLayout) -> list[str]:
                       AS projected_pd12m_gb,
                   min(lossy_min_cosine) AS lossy_min_cosine, max(lossy_rel_rms) AS lossy_rel_rms
            FROM materializations WHERE stored_bytes > 0 GROUP BY asset""",
+        # training's rate is its latest run's median steady-window rate (the budget's figure);
+        # every other asset's is samples / seconds over its partitions
         """CREATE OR REPLACE VIEW throughput AS
            SELECT asset, any_value(device) AS device, count(*) AS partitions,
                   sum(samples) AS samples, sum(seconds) AS seconds,
-                  sum(samples) / nullif(sum(seconds), 0) AS samples_per_s
+                  CASE WHEN asset = 'flow_model' THEN arg_max(samples_per_s, written_at)
+                       ELSE sum(samples) / nullif(sum(seconds), 0) END AS samples_per_s
            FROM materializations GROUP BY asset""",
     ]
+
+
+def _retryable_sql(col: str) -> str:
+    """SQL twin of ingest.is_retryable (one list of reasons: ingest.RETRYABLE)."""
+    from flowmatch_assets.ingest import RETRYABLE
+
+    names = ", ".join(_sql_str(r) for r in sorted(RETRYABLE))
+    return (
+        f"coalesce({col} IN ({names}) OR regexp_full_match({col}, 'http_(5[0-9][0-9]|408|429)'),"
+        " false)"
+    )
 
 
 def _ensure_placeholders(layout: DataLayout) -> None:
@@ -253,6 +317,7 @@ def _ensure_placeholders(layout: DataLayout) -> None:
         ("materializations", MATERIALIZATION_SCHEMA),
         ("rows", ROW_SCHEMA),
         ("evaluations", EVALUATION_SCHEMA),
+        ("attempts", ROW_SCHEMA),
     ):
         p = c / kind / "_empty" / "_empty.parquet"
         if not p.exists():
@@ -352,7 +417,7 @@ class Catalog:
 
     def failures_by_reason(self) -> list[dict]:
         return self.query(
-            """SELECT asset, outcome, reason, count(*) AS rows FROM failures
+            """SELECT asset, outcome, reason, retryable, count(*) AS rows FROM failures
                GROUP BY ALL ORDER BY asset, outcome, rows DESC, reason"""
         )
 

@@ -1,8 +1,10 @@
-"""`flowmatch`: the command line of the pipeline (sample, partitions, materialize, demo, catalog, bench).
+"""`flowmatch`: the command line of the pipeline (sample, partitions, materialize, retry, verify, demo, catalog, bench).
 
 Settings come from the same FLOWMATCH_* environment variables as `dagster dev`
 (resources.resource_from_env), and runs are recorded in the Dagster instance at DAGSTER_HOME, so
-what the CLI materializes shows up in the UI.
+what the CLI materializes shows up in the UI. A usage mistake (unknown partition or asset, bad
+setting, no metadata, ...) is one line naming the problem and the fix, exit code 2; `--debug`
+shows the traceback.
 """
 
 from __future__ import annotations
@@ -28,7 +30,64 @@ def _instance():
 def _resource():
     from flowmatch_assets.resources import resource_from_env
 
-    return resource_from_env()
+    return resource_from_env()  # bad settings: see _one_line
+
+
+class CliError(Exception):
+    """A usage mistake: printed as one line (problem and fix), exit code 2."""
+
+
+def _setting_message(e: Exception) -> str:
+    """One line for a bad FLOWMATCH_* setting (pydantic ValidationError or SettingError)."""
+    from pydantic import ValidationError
+
+    if isinstance(e, ValidationError):
+        err = e.errors()[0]
+        field = str(err["loc"][-1]) if err["loc"] else "?"
+        var = ENV_OF.get(field, "the FLOWMATCH_* variable that sets it")
+        return (
+            f"bad setting {var}={err.get('input')!r} ({field}: {err['msg']}); fix that "
+            "environment variable"
+        )
+    return f"bad setting {e}; fix that environment variable"
+
+
+#: The environment variable behind each setting resource_from_env reads.
+ENV_OF = {
+    "min_stored_fraction": "FLOWMATCH_MIN_STORED_FRACTION",
+    "deadline_s": "FLOWMATCH_DEADLINE_S",
+    "shard_size": "FLOWMATCH_SHARD_SIZE",
+    "device": "FLOWMATCH_DEVICE",
+    "file_root": "FLOWMATCH_FILE_ROOT",
+}
+
+
+def _check_partitions(keys: list[str], known: list[str]) -> None:
+    import difflib
+
+    unknown = [k for k in keys if k not in known]
+    if not unknown:
+        return
+    if not known:
+        raise CliError(
+            f"unknown partition {unknown[0]!r}: no partitions are registered; run "
+            "`flowmatch partitions register` (or check FLOWMATCH_METADATA)"
+        )
+    near = difflib.get_close_matches(unknown[0], known, n=3, cutoff=0.3) or known[:3]
+    raise CliError(
+        f"unknown partition {unknown[0]!r}; nearest: {', '.join(near)} "
+        f"({len(known)} registered: `flowmatch partitions list`)"
+    )
+
+
+def _check_assets(names: list[str], valid: list[str]) -> None:
+    import difflib
+
+    for n in names:
+        if n not in valid:
+            near = difflib.get_close_matches(n, valid, n=1)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            raise CliError(f"unknown asset {n!r}; {hint}assets: {', '.join(valid)}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -56,25 +115,37 @@ def materialize(
     assets: list[str] | None = None,
     missing_only: bool = False,
     raise_on_error: bool = False,
+    run_config: dict | None = None,
 ) -> dict[str, bool]:
     """Materialize ``assets`` (default: the whole data lineage) for ``partitions`` (default: all
-    registered) in-process, recorded in the DAGSTER_HOME instance. Returns partition -> success."""
+    registered) in-process, recorded in the DAGSTER_HOME instance, with the assets' checks.
+    Returns partition -> success."""
     import dagster as dg
 
-    from flowmatch_assets.definitions import defs, resources_for
+    run_config = dict(run_config or {})
+
+    from flowmatch_assets.definitions import CHECKS, defs, resources_for
     from flowmatch_assets.partitions import SHARDS, register_partitions
+    from flowmatch_assets.state import partition_states
     from flowmatch_models.layout import PARTITIONED_ASSETS
 
     instance = _instance()
     res = _resource()
     register_partitions(instance, res)
-    keys = partitions or sorted(instance.get_dynamic_partitions(SHARDS))
-    all_assets = list(defs.assets or [])
+    known = sorted(instance.get_dynamic_partitions(SHARDS))
+    _check_partitions(list(partitions or []), known)
     names = assets or list(PARTITIONED_ASSETS)
+    _check_assets(names, list(PARTITIONED_ASSETS))
+    keys = partitions or known
+    # the asset checks run in the same run (blocking ones stop downstream assets on failure)
+    all_assets = [*(defs.assets or []), *CHECKS]
     layout = res.layout
     out: dict[str, bool] = {}
     for i, key in enumerate(keys):
-        todo = [n for n in names if not (missing_only and layout.asset_path(n, key).exists())]
+        todo = names
+        if missing_only:  # one definition of missing: flowmatch_assets.state
+            states = partition_states(layout, [key], names, instance)
+            todo = [s.asset for s in states if s.missing]
         if not todo:
             print(f"[{i + 1}/{len(keys)}] {key}: all of {names} present, skipped")
             continue
@@ -87,13 +158,23 @@ def materialize(
             resources=resources_for(res),
             raise_on_error=raise_on_error,
             tags={"flowmatch/cli": "materialize"},
-            run_config={"loggers": {"console": {"config": {"log_level": "INFO"}}}},
+            run_config={"loggers": {"console": {"config": {"log_level": "INFO"}}}, **run_config},
         )
         out[key] = result.success
         status = "ok" if result.success else "FAILED"
         print(
             f"[{i + 1}/{len(keys)}] {key}: {', '.join(todo)} {status} ({time.perf_counter() - t0:.1f}s)"
         )
+        if not result.success:
+            for ev in result.all_events:
+                if ev.is_step_failure:
+                    data = ev.step_failure_data
+                    if data.user_failure_data and data.user_failure_data.description:
+                        msg = data.user_failure_data.description  # a dg.Failure: its message
+                    else:
+                        lines = (data.error.message if data.error else "").strip().splitlines()
+                        msg = lines[-1] if lines else "failed"
+                    print(f"    {ev.step_key}: {msg}")
     return out
 
 
@@ -170,6 +251,62 @@ def cmd_materialize(a: argparse.Namespace) -> int:
     return 0 if all(res.values()) else 1
 
 
+def retry(partitions: list[str] | None = None, reasons: list[str] | None = None) -> dict[str, bool]:
+    """Re-fetch the failed rows (retryable reasons, or ``reasons``) of ``partitions`` (default:
+    every partition with such rows) and merge them into their images_256 shards."""
+    from flowmatch_assets.catalog import Catalog
+
+    res = _resource()
+    cat = Catalog(res.data_root)
+    where = "reason IN (SELECT unnest(?))" if reasons else "retryable"
+    params = [list(reasons)] if reasons else []
+    rows = cat.query(
+        f"""SELECT partition, count(*) AS n FROM failures
+            WHERE asset = 'images_256' AND outcome = 'failed' AND {where}
+            GROUP BY partition ORDER BY partition""",
+        params,
+    )
+    todo = {r["partition"]: r["n"] for r in rows}
+    keys = [k for k in (partitions or sorted(todo)) if k in todo]
+    if not keys:
+        what = f"with reasons {reasons}" if reasons else "with a retryable reason"
+        print(f"no failed rows {what}" + (f" in {', '.join(partitions)}" if partitions else ""))
+        return {}
+    for k in keys:
+        print(f"{k}: retrying {todo[k]} failed rows")
+    cfg = {"retry": True, "reasons": list(reasons) if reasons else None}
+    return materialize(keys, ["images_256"], run_config={"ops": {"images_256": {"config": cfg}}})
+
+
+def cmd_retry(a: argparse.Namespace) -> int:
+    if a.partition:
+        from flowmatch_assets.partitions import SHARDS
+
+        _check_partitions(a.partition, sorted(_instance().get_dynamic_partitions(SHARDS)))
+    res = retry(a.partition or None, a.reason or None)
+    return 0 if all(res.values()) else 1
+
+
+def cmd_verify(a: argparse.Namespace) -> int:
+    from flowmatch_assets.partitions import SHARDS
+    from flowmatch_assets.state import verify
+
+    res = _resource()
+    instance = _instance()
+    known = sorted(instance.get_dynamic_partitions(SHARDS))
+    _check_partitions(list(a.partition or []), known)
+    bad = verify(res.layout, a.partition or known, instance, deep=not a.quick)
+    for s in bad:
+        print(f"{s.partition}  {s.asset}  {s.state}  {s.detail}")
+    fixed = sum(s.state in ("gone", "corrupt") for s in bad)
+    print(
+        f"{len(bad)} asset partitions missing ({fixed} gone or corrupt: catalog records removed, "
+        "a failed materialization recorded in Dagster, check failed)"
+        + ("; re-create them with `flowmatch materialize --missing`" if bad else "")
+    )
+    return 1 if bad else 0
+
+
 # --------------------------------------------------------------------------------------------
 # catalog
 # --------------------------------------------------------------------------------------------
@@ -183,7 +320,20 @@ def cmd_catalog(a: argparse.Namespace) -> int:
         print(cat.ensure())
         return 0
     if a.report == "sql":
-        rows = cat.query(a.sql)
+        if not a.sql:
+            raise CliError(
+                'catalog sql needs the SQL: flowmatch catalog sql "SELECT * FROM coverage"'
+            )
+        import duckdb
+
+        try:
+            rows = cat.query(a.sql)
+        except duckdb.Error as e:
+            first = str(e).strip().splitlines()[0]
+            raise CliError(
+                f"the catalog rejected the SQL: {first}; views: materializations, rows, "
+                "partitions, coverage, failures, rejected_attempts, compression, throughput"
+            ) from e
     else:
         rows = {
             "coverage": cat.coverage,
@@ -250,6 +400,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
     if a.train_steps > 0:
         print(f"\ntraining the tiny DiT for {a.train_steps} steps on the covered partitions ...")
         trained = train(steps=a.train_steps, run_name="demo")
+    budget_ok = materialize_budget()
     print_reports(str(root))
     layout = _resource().layout
     previews = sorted((layout.root / "previews").rglob("*.png"))
@@ -268,10 +419,30 @@ def cmd_demo(a: argparse.Namespace) -> int:
         print(f"  loss curve:       {run / 'loss_curve.png'}")
         print(f"  sample grid:      {root / 'samples' / 'demo.png'}  (random-weight zoo encoders)")
         print(f"  checkpoint:       {run / 'checkpoints'}   wandb (offline): {run / 'wandb'}")
+    if budget_ok:
+        print(f"  budget report:    {root / 'reports' / 'budget.md'}")
     print(
         "  UI:               DAGSTER_HOME=$PWD/dagster_home .venv/bin/dagster dev -w workspace.yaml"
     )
-    return 0 if all(results.values()) and trained else 1
+    return 0 if all(results.values()) and trained and budget_ok else 1
+
+
+def materialize_budget() -> bool:
+    """Materialize budget_report (the projection from what the catalog measured)."""
+    import dagster as dg
+
+    from flowmatch_assets.definitions import defs, resources_for
+
+    result = dg.materialize(
+        list(defs.assets),
+        selection=["budget_report"],
+        instance=_instance(),
+        resources=resources_for(_resource()),
+        raise_on_error=False,
+        tags={"flowmatch/cli": "demo"},
+    )
+    print(f"budget_report {'ok' if result.success else 'FAILED'}")
+    return result.success
 
 
 # --------------------------------------------------------------------------------------------
@@ -305,6 +476,12 @@ BENCHES = {
 def cmd_bench(a: argparse.Namespace, rest: list[str]) -> int:
     import importlib
 
+    if a.which in ("-h", "--help"):
+        print("usage: flowmatch bench {" + ",".join(sorted(BENCHES)) + "} [options]")
+        print("  flowmatch bench <name> --help   shows that benchmark's options")
+        return 0
+    if a.which not in BENCHES:
+        raise CliError(f"unknown benchmark {a.which!r}; choose one of {', '.join(sorted(BENCHES))}")
     mod = importlib.import_module(BENCHES[a.which])
     mod.main(rest)
     return 0
@@ -331,9 +508,32 @@ def build_parser() -> argparse.ArgumentParser:
         "--asset", "-a", action="append", help="asset name (repeatable; default all partitioned)"
     )
     s.add_argument(
-        "--missing", action="store_true", help="only asset partitions whose file is missing"
+        "--missing",
+        action="store_true",
+        help="only asset partitions that are missing (file gone or corrupt, no catalog record, "
+        "or not materialized in Dagster)",
     )
     s.set_defaults(func=cmd_materialize)
+
+    s = sub.add_parser(
+        "retry", help="re-fetch retryable failed images and merge them into their shards"
+    )
+    s.add_argument("--partition", "-p", action="append", help="partition key (repeatable)")
+    s.add_argument(
+        "--reason",
+        "-r",
+        action="append",
+        help="failure reason to re-fetch (repeatable; default: every retryable one)",
+    )
+    s.set_defaults(func=cmd_retry)
+
+    s = sub.add_parser(
+        "verify",
+        help="find shards that are gone or corrupt; make the catalog and Dagster say missing",
+    )
+    s.add_argument("--partition", "-p", action="append", help="partition key (default all)")
+    s.add_argument("--quick", action="store_true", help="headers only, no checksums")
+    s.set_defaults(func=cmd_verify)
 
     s = sub.add_parser("train", help="materialize flow_model (+ samples): start or resume training")
     s.add_argument("--steps", type=int, default=None, help="total steps (default: the YAML's)")
@@ -368,7 +568,7 @@ def build_parser() -> argparse.ArgumentParser:
         "sql",
         nargs="?",
         help="SQL for `catalog sql` (views: materializations, rows, "
-        "partitions, coverage, failures, compression, throughput)",
+        "partitions, coverage, failures, rejected_attempts, compression, throughput)",
     )
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_catalog)
@@ -396,8 +596,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def _main(argv: list[str]) -> int:
     p = build_parser()
     # passthrough commands hand the rest of the line to their module's own parser
     if argv[:1] == ["budget"]:
@@ -413,11 +612,46 @@ def main(argv: list[str] | None = None) -> int:
         return {"sample": cmd_sample, "zoo": cmd_zoo}[argv[0]](a, argv[1:])
     if len(argv) >= 2 and argv[0] == "bench":
         a = argparse.Namespace(cmd="bench", which=argv[1])
-        if a.which not in BENCHES:
-            p.error(f"unknown benchmark {a.which!r}; choose from {sorted(BENCHES)}")
         return cmd_bench(a, argv[2:])
     a = p.parse_args(argv)
     return int(a.func(a) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command; a usage mistake is one line on stderr and exit code 2 (`--debug`:
+    the traceback too)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [x for x in argv if x != "--debug"]
+    try:
+        return _main(argv)
+    except Exception as e:  # noqa: BLE001 - mapped to one line below, or re-raised
+        msg = _one_line(e)
+        if msg is None or debug:
+            raise
+        print(f"flowmatch: {msg} (--debug for the traceback)", file=sys.stderr)
+        return 2
+
+
+def _one_line(e: BaseException) -> str | None:
+    """The one-line message of a usage mistake, or None for a real bug (traceback)."""
+    from pydantic import ValidationError
+
+    from flowmatch_assets.metadata import MetadataError
+    from flowmatch_assets.resources import SettingError
+
+    if isinstance(e, CliError | MetadataError):
+        return str(e)  # MetadataError names the folder and FLOWMATCH_METADATA already
+    if isinstance(e, ValidationError | SettingError):
+        return _setting_message(e)
+    try:
+        from dagster._core.errors import DagsterError
+    except ImportError:  # pragma: no cover
+        return None
+    if isinstance(e, DagsterError):
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return f"{type(e).__name__}: {first}"
+    return None
 
 
 if __name__ == "__main__":

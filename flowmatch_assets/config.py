@@ -46,6 +46,12 @@ class IngestConfig(dg.Config):
         default=3, description="Retries on 5xx, timeouts and connection errors (never on 4xx)."
     )
     backoff_s: float = Field(default=0.25, description="First retry delay; doubles each retry.")
+    deadline_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="Total time one download may take, retries and redirects included; past it "
+        "the row fails as timeout (a trickling or stalled server never holds a thread longer).",
+    )
     max_bytes: int = Field(default=40_000_000, description="Largest body accepted (bytes).")
     max_redirects: int = Field(default=5, description="Most http(s) redirects followed.")
     max_pixels: int = Field(
@@ -57,6 +63,14 @@ class IngestConfig(dg.Config):
     file_root: str | None = Field(
         default=None,
         description="file:// URLs are allowed only under this folder (None: file:// refused).",
+    )
+    min_stored_fraction: float = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        description="An attempt that stores fewer than this fraction of the shard's kept rows "
+        "fails and keeps the previous shard and its catalog records (its failures are recorded "
+        "in the rejected_attempts view).",
     )
     image_format: str = Field(default="jpeg", description="jpeg, webp or png.")
     quality: int = Field(default=95, description="JPEG/WebP quality.")

@@ -1,15 +1,18 @@
 """Data assets: raw PD12M shards -> 256px images. Thin wiring over metadata.py and ingest.py."""
 
+import json
 import time
 from collections import Counter
 
 import dagster as dg
+import pyarrow as pa
 import pyarrow.parquet as pq
+from pydantic import Field
 
 from flowmatch_assets import catalog
 from flowmatch_assets.catalog import MaterializationRecord, RowOutcome
 from flowmatch_assets.deploy import IMAGE_TAGS
-from flowmatch_assets.ingest import ingest_rows
+from flowmatch_assets.ingest import IngestResult, ingest_rows, is_retryable
 from flowmatch_assets.metadata import filter_rows, ids_as_strings, read_shard
 from flowmatch_assets.partitions import shard_partitions
 from flowmatch_assets.resources import FlowmatchResource
@@ -39,7 +42,6 @@ def pd12m_metadata(
     t0 = time.perf_counter()
     part = context.partition_key
     root = flowmatch.data_root
-    catalog.clear_partition(root, "pd12m_metadata", part)  # delete-then-write
     table, spec = read_shard(flowmatch.metadata_source, part, flowmatch.shard_size)
     table = ids_as_strings(table)
     kept, filtered = filter_rows(table, flowmatch.filters)
@@ -90,6 +92,41 @@ def pd12m_metadata(
     )
 
 
+class ImagesConfig(dg.Config):
+    """How one images_256 materialization treats the partition's existing shard."""
+
+    retry: bool = Field(
+        default=False,
+        description="Re-fetch only the shard's failed rows (retryable reasons, or `reasons`) and "
+        "merge the new images into the existing shard; the other rows are not fetched again.",
+    )
+    reasons: list[str] | None = Field(
+        default=None,
+        description="With retry: the failure reasons to re-fetch (None: every retryable one).",
+    )
+
+
+def top_reasons(results: list[IngestResult], n: int = 3) -> str:
+    """``"file_not_allowed x102, timeout x3"``: the most common failure reasons."""
+    c = Counter(r.reason for r in results if r.outcome == "failed")
+    return ", ".join(f"{k} x{v}" for k, v in c.most_common(n)) or "none"
+
+
+def _retry_rows(
+    rows: list[dict], previous: pa.Table | None, reasons: list[str] | None
+) -> tuple[list[dict], dict[str, dict]]:
+    """(metadata rows to re-fetch, the previous outcome of every row by id)."""
+    before = {r["id"]: r for r in (previous.to_pylist() if previous is not None else [])}
+    want = [
+        r
+        for r in rows
+        if (o := before.get(r["id"])) is not None
+        and o["outcome"] == "failed"
+        and (o["reason"] in reasons if reasons else is_retryable(o["reason"]))
+    ]
+    return want, before
+
+
 @dg.asset(
     partitions_def=shard_partitions,
     deps=[pd12m_metadata],
@@ -99,28 +136,45 @@ def pd12m_metadata(
     description="The shard's images: downloaded, short side 256, centre-cropped 256x256, encoded (JPEG q95); failures recorded with reasons.",
 )
 def images_256(
-    context: dg.AssetExecutionContext, flowmatch: FlowmatchResource
+    context: dg.AssetExecutionContext, config: ImagesConfig, flowmatch: FlowmatchResource
 ) -> dg.MaterializeResult:
+    """Fetch and encode the partition's images. A run that stores fewer than
+    ``ingest.min_stored_fraction`` of the kept rows fails and replaces nothing (the previous
+    shard and its catalog records stay; its failures go to ``rejected_attempts``). With
+    ``retry`` only the failed rows are fetched again and merged into the shard, in order."""
     t0 = time.perf_counter()
     part = context.partition_key
     root, layout = flowmatch.data_root, flowmatch.layout
-    catalog.clear_partition(root, "images_256", part)
+    out = layout.asset_path("images_256", part)
+    if remove_stale_temps(out):
+        context.log.warning(f"{part}: removed the temp files of an earlier, killed run")
     rows = pq.read_table(layout.asset_path("pd12m_metadata", part)).to_pylist()
-    step = max(1, len(rows) // 10)
+    by_id = {r["id"]: r for r in rows}
+    fetch, before = rows, {}
+    if config.retry:
+        if not out.exists():
+            raise dg.Failure(
+                f"{part} has no images_256 shard to retry into; materialize images_256 first"
+            )
+        fetch, before = _retry_rows(
+            rows, catalog.read_rows(root, "images_256", part), config.reasons
+        )
+        context.log.info(f"{part}: retrying {len(fetch)} failed rows")
+    step = max(1, len(fetch) // 10)
 
     def progress(done: int, total: int) -> None:
         if done % step == 0 or done == total:
             rate = done / max(time.perf_counter() - t0, 1e-9)
             context.log.info(f"{part}: {done}/{total} images ({rate:.1f}/s)")
 
-    results = ingest_rows(rows, flowmatch.ingest, progress=progress)
-    by_id = {r["id"]: r for r in rows}
-    stored = [
-        {
+    results = ingest_rows(fetch, flowmatch.ingest, progress=progress)
+    fmt = flowmatch.ingest.image_format
+    new = {
+        r.id: {
             "id": r.id,
             "caption": by_id[r.id]["caption"],
             "image": r.image,
-            "format": flowmatch.ingest.image_format,
+            "format": fmt,
             "orig_width": r.orig_width,
             "orig_height": r.orig_height,
             "md5": r.md5,
@@ -128,24 +182,60 @@ def images_256(
         }
         for r in results
         if r.outcome == "stored"
-    ]
-    out = layout.asset_path("images_256", part)
-    if remove_stale_temps(out):
-        context.log.warning(f"{part}: removed the temp files of an earlier, killed run")
+    }
+    outcomes = {r.id: RowOutcome(r.id, r.url, r.outcome, r.reason, r.detail) for r in results}
+    downloaded = sum(r.bytes_downloaded for r in results)
+    if config.retry:
+        kept = {r["id"]: r for r in pq.read_table(out).to_pylist()}
+        merged = {**kept, **new}
+        stored = [merged[r["id"]] for r in rows if r["id"] in merged]  # metadata order
+        for i, o in before.items():
+            if i not in outcomes:
+                outcomes[i] = RowOutcome(i, o["url"], o["outcome"], o["reason"], o["detail"])
+    else:
+        stored = [new[r["id"]] for r in rows if r["id"] in new]
+        floor = flowmatch.ingest.min_stored_fraction
+        if rows and len(stored) < floor * len(rows):
+            catalog.record_attempt(root, "images_256", part, list(outcomes.values()))
+            kept_note = (
+                f"the previous shard ({out.name}) and its catalog records are unchanged"
+                if out.exists()
+                else "no shard written"
+            )
+            raise dg.Failure(
+                f"{part}: stored {len(stored)}/{len(rows)} images, below "
+                f"ingest.min_stored_fraction={floor:g}; top failure reasons: "
+                f"{top_reasons(results)}; {kept_note}. The failures are in the catalog view "
+                "rejected_attempts; fix the cause (e.g. FLOWMATCH_FILE_ROOT after moving a data "
+                "root) and re-run, or lower ingest.min_stored_fraction.",
+                metadata={
+                    "stored": len(stored),
+                    "input_rows": len(rows),
+                    "failed_by_reason": dg.MetadataValue.json(
+                        dict(Counter(r.reason for r in results if r.outcome == "failed"))
+                    ),
+                },
+            )
     size = write_image_shard(out, stored)
-    catalog.record_rows(
-        root,
-        "images_256",
-        part,
-        [RowOutcome(r.id, r.url, r.outcome, r.reason, r.detail) for r in results],
-    )
-    failed = dict(Counter(r.reason for r in results if r.outcome == "failed"))
+    all_outcomes = [outcomes[r["id"]] for r in rows if r["id"] in outcomes]
+    catalog.record_rows(root, "images_256", part, all_outcomes)
+    catalog.clear_attempt(root, "images_256", part)
+    failed = dict(Counter(o.reason for o in all_outcomes if o.outcome == "failed"))
     seconds = time.perf_counter() - t0
     side = flowmatch.ingest.size
     raw = len(stored) * side * side * 3
-    downloaded = sum(getattr(r, "bytes_downloaded", 0) or 0 for r in results)
     grid = make_grid([decode(s["image"]) for s in stored[:64]], cell=96)
     preview = save_png(grid, layout.preview_path("images_256", part))
+    extra: dict = {"failed": failed, "downloaded_bytes": downloaded}
+    record_seconds = seconds
+    if config.retry:
+        # the shard's images cost the first run's seconds plus this one's: throughput (and the
+        # budget's images/s) stays samples / all the seconds spent on them
+        prev = catalog.read_materialization(root, "images_256", part) or {}
+        record_seconds += float(prev.get("seconds") or 0.0)
+        prev_extra = json.loads(prev.get("extra") or "{}")
+        extra["downloaded_bytes"] = downloaded + int(prev_extra.get("downloaded_bytes") or 0)
+        extra["retry"] = {"fetched": len(fetch), "recovered": len(new), "seconds": seconds}
     catalog.record_materialization(
         root,
         MaterializationRecord(
@@ -155,32 +245,38 @@ def images_256(
             input_rows=len(rows),
             raw_bytes=raw,
             stored_bytes=size,
-            seconds=seconds,
-            codec=flowmatch.ingest.image_format,
+            seconds=record_seconds,
+            codec=fmt,
             device="cpu",
             run_id=_run_id(context),
-            extra={"failed": failed, "downloaded_bytes": downloaded},
+            extra=extra,
         ),
     )
-    context.log.info(f"{part}: stored {len(stored)}/{len(rows)}, failed {failed}, {seconds:.1f}s")
-    return dg.MaterializeResult(
-        metadata={
-            "input_rows": len(rows),
-            "stored": len(stored),
-            "failed": len(rows) - len(stored),
-            "failed_by_reason": dg.MetadataValue.json(failed),
-            "downloaded_bytes": downloaded,
-            "stored_bytes": size,
-            "images_per_s": round(len(rows) / seconds, 2) if seconds else 0.0,
-            "path": dg.MetadataValue.path(str(out)),
-            "preview_png": dg.MetadataValue.path(str(preview)),
-            "preview": dg.MetadataValue.md(markdown_image(grid, f"images_256 {part}")),
-        }
+    what = f"retried {len(fetch)}, recovered {len(new)}; " if config.retry else ""
+    context.log.info(
+        f"{part}: {what}stored {len(stored)}/{len(rows)}, failed {failed}, {seconds:.1f}s"
     )
+    md = {
+        "input_rows": len(rows),
+        "stored": len(stored),
+        "failed": len(rows) - len(stored),
+        "failed_by_reason": dg.MetadataValue.json(failed),
+        "downloaded_bytes": downloaded,  # this run's (the catalog: the shard's, all runs)
+        "stored_bytes": size,
+        "images_per_s": round(len(fetch) / seconds, 1) if seconds else 0.0,
+        "path": dg.MetadataValue.path(str(out)),
+        "preview_png": dg.MetadataValue.path(str(preview)),
+        "preview": dg.MetadataValue.md(markdown_image(grid, f"images_256 {part}")),
+    }
+    if config.retry:
+        md["retried"] = len(fetch)
+        md["recovered"] = len(new)
+    return dg.MaterializeResult(metadata=md)
 
 
 @dg.asset_check(
     asset=images_256,
+    blocking=True,
     description="Every kept metadata row has exactly one outcome; stored images are 256x256 RGB.",
 )
 def images_256_complete(
@@ -196,6 +292,9 @@ def images_256_complete(
             .to_pylist()
         )
         rows_file = layout.catalog_dir / "rows" / "images_256" / f"{p}.parquet"
+        if not layout.asset_path("images_256", p).exists():
+            problems.append(f"{p}: no images_256 shard")
+            continue
         if not rows_file.exists():
             problems.append(f"{p}: no outcome records")
             continue

@@ -13,6 +13,7 @@ from flowmatch_assets.data_assets import images_256, images_256_complete, pd12m_
 from flowmatch_assets.embedding_assets import EMBEDDING_CHECKS, encode_embeddings
 from flowmatch_assets.partitions import pd12m_partition_sensor
 from flowmatch_assets.resources import FlowmatchResource, resource_from_env
+from flowmatch_assets.state import build_verify_sensor
 from flowmatch_assets.training_assets import evaluation, flow_model, samples
 
 ASSETS = [
@@ -87,7 +88,7 @@ def build_definitions(
     return dg.Definitions(
         assets=with_automation(ASSETS, mode),
         asset_checks=CHECKS,
-        sensors=[pd12m_partition_sensor],
+        sensors=[pd12m_partition_sensor, build_verify_sensor()],
         jobs=[ingest_job, embed_job, train_job],
         resources=resources_for(resource_from_env()),
         executor=executor or local_executor,

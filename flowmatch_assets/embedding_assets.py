@@ -77,8 +77,12 @@ def encode_embeddings(context: dg.AssetExecutionContext, flowmatch: FlowmatchRes
         )
     meta = read_image_meta(src)
     ids = meta.column("id").to_pylist()
-    for name in selected:
-        catalog.clear_partition(flowmatch.data_root, name, part)
+    if not ids:  # an empty shard never replaces a good one (nor is written at all)
+        raise dg.Failure(
+            f"partition {part}: images_256 has 0 images, nothing to encode; the existing "
+            f"{', '.join(selected)} shards (if any) are unchanged. Re-materialize images_256 "
+            "(see `flowmatch catalog failures`) first."
+        )
 
     from flowmatch_models.encoders import Encoders, EncoderSpec  # torch: only where it runs
 
@@ -276,6 +280,7 @@ def _make_check(asset: str):
     @dg.asset_check(
         asset=asset,
         name=f"{asset}_valid",
+        blocking=True,
         description=f"{asset}: shapes and dtypes, finite values, checksums, ids aligned with images_256.",
     )
     def _check(

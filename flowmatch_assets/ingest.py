@@ -10,7 +10,8 @@ A bad row never raises: it becomes a ``failed`` result whose ``reason`` is one o
     The server answered a non-2xx status (after retries for 5xx), e.g. ``http_404``,
     ``http_503``; also an unfollowable 3xx (no ``Location``, ``304``).
 ``timeout``
-    Connect or read timeout, on every attempt.
+    Connect or read timeout on every attempt, or the row's total ``deadline_s`` (retries and
+    redirects included) ran out, e.g. a server that trickles a byte every few seconds.
 ``connection_error``
     Refused/reset connection, DNS failure, TLS error or a body shorter than its
     ``Content-Length``, on every attempt.
@@ -31,6 +32,8 @@ A bad row never raises: it becomes a ``failed`` result whose ``reason`` is one o
     ``max_redirects`` redirects.
 ``file_not_allowed``
     A ``file://`` URL while ``file_root`` is unset, or one that resolves outside ``file_root``.
+    A relative file URL (``file:images/a.jpg``, as the sample writes) is resolved against
+    ``file_root``, so a data root can be moved or copied.
 ``not_found``
     A ``file://`` URL naming a missing file (HTTP 404 is ``http_404``).
 ``bad_url``
@@ -50,17 +53,20 @@ path for JPEG is draft mode (1/2, 1/4, 1/8 scaling). Only the centre-crop box of
 image is resampled (``Image.resize(box=...)``, antialiased BICUBIC: after DCT scaling the
 remaining factor is below 2, where it matches LANCZOS to within JPEG noise at 3/4 of the cost).
 The EXIF orientation is applied to the small output (a lossless transpose that commutes with
-the centred crop) instead of to the full decoded image. A body with a Content-Length is read in
-one call (no chunk list, no join copy). Decode, resize, encode and md5 release the GIL, so a
+the centred crop) instead of to the full decoded image. The body is read with ``read1`` (one
+socket read per call) so the row's total deadline is checked between reads. Decode, resize, encode and md5 release the GIL, so a
 thread pool scales over cores.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import heapq
 import io
 import math
 import socket
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -82,6 +88,7 @@ from flowmatch_assets.config import IngestConfig
 
 __all__ = [
     "REASONS",
+    "RETRYABLE",
     "IngestError",
     "IngestResult",
     "count_reasons",
@@ -109,6 +116,24 @@ REASONS: frozenset[str] = frozenset(
         "internal",
     }
 )
+
+#: Reasons a later attempt may fix (the server or network was at fault): `flowmatch retry`
+#: re-fetches these by default; every other reason is permanent for the same bytes and config.
+#: HTTP 5xx, 408 and 429 are retryable too (see :func:`is_retryable`).
+RETRYABLE: frozenset[str] = frozenset({"timeout", "connection_error", "internal"})
+
+
+def is_retryable(reason: str | None) -> bool:
+    """Whether a failure ``reason`` may succeed on a later attempt (timeouts, 5xx, connection
+    errors, 408/429); 4xx, corrupt, not_image, too_small, bombs, too_large and refused
+    redirects are permanent."""
+    if not reason:
+        return False
+    if reason.startswith("http_"):
+        code = reason[5:]
+        return code.isdigit() and (code.startswith("5") or code in ("408", "429"))
+    return reason in RETRYABLE
+
 
 _REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 _CHUNK = 1 << 20
@@ -148,6 +173,7 @@ class IngestResult:
     orig_width: int | None = None  # decoded size after EXIF orientation
     orig_height: int | None = None
     md5: str | None = None  # md5 hex of the downloaded bytes
+    bytes_downloaded: int = 0  # body bytes fetched (0 for a failed download)
 
 
 # --------------------------------------------------------------------------------------------
@@ -174,7 +200,8 @@ def _read_file(url: str, cfg: IngestConfig) -> bytes:
             "file_not_allowed", "file:// URLs are refused; set ingest.file_root to allow a folder"
         )
     root = Path(cfg.file_root).resolve()
-    path = Path(unquote(parts.path)).resolve()
+    raw = Path(unquote(parts.path))
+    path = (raw if raw.is_absolute() else root / raw).resolve()
     if not path.is_relative_to(root):
         raise IngestError("file_not_allowed", f"{path} is outside file_root {root}")
     try:
@@ -204,20 +231,48 @@ def _discard(resp: urllib3.BaseHTTPResponse) -> None:
         resp.release_conn()
 
 
-def _read_body(resp: urllib3.BaseHTTPResponse, max_bytes: int) -> bytes:
+def _remaining(deadline: float) -> float:
+    return deadline - time.monotonic()
+
+
+def _deadline_error(cfg: IngestConfig, what: str) -> IngestError:
+    return IngestError("timeout", f"download deadline {cfg.deadline_s:g}s exceeded ({what})")
+
+
+def _set_sock_timeout(resp: urllib3.BaseHTTPResponse, seconds: float) -> None:
+    """Bound the next socket read by ``seconds`` (the time left to the deadline)."""
+    conn = getattr(resp, "_connection", None)
+    sock = getattr(conn, "sock", None)
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.settimeout(max(seconds, 0.001))
+
+
+def _read_body(resp: urllib3.BaseHTTPResponse, cfg: IngestConfig, deadline: float) -> bytes:
+    """The body, at most ``cfg.max_bytes``, read before ``deadline`` (time.monotonic()).
+
+    With a Content-Length (and no content encoding) the body is read in one call, and a
+    watchdog timer shuts the socket down at the deadline, so a server that trickles bytes
+    cannot hold the row longer. Otherwise it is read with ``read1`` (one socket read per call)
+    and the time left is checked between reads and bounds each socket read.
+    """
+    max_bytes = cfg.max_bytes
     length = resp.headers.get("Content-Length")
     encoded = resp.headers.get("Content-Encoding", "identity").lower() not in ("", "identity")
     if length is not None and length.strip().isdigit():
         if int(length) > max_bytes:
             raise IngestError("too_large", f"Content-Length {int(length)} > max_bytes {max_bytes}")
         if not encoded:
-            # One read of exactly Content-Length bytes: no chunk list, no join copy. A short
-            # body raises urllib3's ProtocolError (IncompleteRead) -> connection_error.
-            return resp.read()
+            return _read_sized(resp, cfg, deadline)
     chunks: list[bytes] = []
     total = 0
     while True:
-        chunk = resp.read(_CHUNK)
+        left = _remaining(deadline)
+        if left <= 0:
+            raise _deadline_error(cfg, f"{total} body bytes received")
+        if left < cfg.read_timeout_s:  # near the deadline: bound each socket read by it
+            _set_sock_timeout(resp, left)
+        chunk = resp.read1(_CHUNK)
         if not chunk:
             break
         total += len(chunk)
@@ -227,8 +282,92 @@ def _read_body(resp: urllib3.BaseHTTPResponse, max_bytes: int) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def _get_once(url: str, cfg: IngestConfig, pool: urllib3.PoolManager) -> tuple[int, str, bytes]:
+class _Watchdog:
+    """One daemon thread that calls ``fn`` at time ``when`` unless disarmed first: the deadline
+    of every in-flight body read, without a thread per download (starting one costs ms)."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._live: set[int] = set()
+        self._next = 0
+        self._thread: threading.Thread | None = None
+
+    def arm(self, when: float, fn: Callable[[], None]) -> int:
+        with self._cv:
+            self._next += 1
+            token = self._next
+            heapq.heappush(self._heap, (when, token, fn))
+            self._live.add(token)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="ingest-deadline", daemon=True
+                )
+                self._thread.start()
+            self._cv.notify()
+        return token
+
+    def disarm(self, token: int) -> None:
+        with self._cv:
+            self._live.discard(token)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while self._heap and self._heap[0][1] not in self._live:
+                    heapq.heappop(self._heap)
+                if not self._heap:
+                    self._cv.wait(timeout=60)
+                    continue
+                when, token, fn = self._heap[0]
+                wait = when - time.monotonic()
+                if wait > 0:
+                    self._cv.wait(timeout=wait)
+                    continue
+                heapq.heappop(self._heap)
+                self._live.discard(token)
+            with contextlib.suppress(Exception):
+                fn()
+
+
+_WATCHDOG = _Watchdog()
+
+
+def _read_sized(resp: urllib3.BaseHTTPResponse, cfg: IngestConfig, deadline: float) -> bytes:
+    """One read of exactly Content-Length bytes (no chunk list, no join copy), cut off at the
+    deadline by the watchdog, which shuts the socket down. A short body raises urllib3's
+    ProtocolError (IncompleteRead) -> connection_error."""
+    if _remaining(deadline) <= 0:
+        raise _deadline_error(cfg, "before the body")
+    fired = threading.Event()
+
+    def cut() -> None:
+        fired.set()
+        sock = getattr(getattr(resp, "_connection", None), "sock", None)
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    token = _WATCHDOG.arm(deadline, cut)
+    try:
+        return resp.read()
+    except Exception:
+        if fired.is_set():
+            raise _deadline_error(cfg, "body incomplete") from None
+        raise
+    finally:
+        _WATCHDOG.disarm(token)
+        if fired.is_set():  # the socket was shut down even if read() returned: never reuse it
+            resp.close()
+
+
+def _get_once(
+    url: str, cfg: IngestConfig, pool: urllib3.PoolManager, deadline: float
+) -> tuple[int, str, bytes]:
     """One GET without redirects. Returns (status, location, body); body only for 2xx."""
+    left = _remaining(deadline)
+    if left <= 0:
+        raise _deadline_error(cfg, "before the request")
     try:
         resp = pool.request(
             "GET",
@@ -236,7 +375,9 @@ def _get_once(url: str, cfg: IngestConfig, pool: urllib3.PoolManager) -> tuple[i
             redirect=False,
             retries=False,
             preload_content=False,
-            timeout=urllib3.Timeout(connect=cfg.connect_timeout_s, read=cfg.read_timeout_s),
+            timeout=urllib3.Timeout(
+                connect=min(cfg.connect_timeout_s, left), read=min(cfg.read_timeout_s, left)
+            ),
         )
     except u3e.LocationValueError as e:
         raise IngestError("bad_url", str(e)) from None
@@ -247,7 +388,7 @@ def _get_once(url: str, cfg: IngestConfig, pool: urllib3.PoolManager) -> tuple[i
         return status, location, b""
     done = False
     try:
-        body = _read_body(resp, cfg.max_bytes)
+        body = _read_body(resp, cfg, deadline)
         done = True
         return status, "", body
     finally:
@@ -267,13 +408,14 @@ def _retryable(e: BaseException) -> IngestError | None:
     return None
 
 
-def _http_get(url: str, cfg: IngestConfig, pool: urllib3.PoolManager) -> bytes:
-    """GET with retries (5xx, timeouts, connection errors) at the current hop."""
+def _http_get(url: str, cfg: IngestConfig, pool: urllib3.PoolManager, deadline: float) -> bytes:
+    """GET with retries (5xx, timeouts, connection errors) at the current hop, all before
+    ``deadline``; a retry that would start after it fails the row as ``timeout``."""
     attempts = max(0, cfg.retries) + 1
     for attempt in range(attempts):
         last = attempt == attempts - 1
         try:
-            status, location, body = _get_once(url, cfg, pool)
+            status, location, body = _get_once(url, cfg, pool, deadline)
         except IngestError:
             raise
         except Exception as e:  # noqa: BLE001 - mapped below, re-raised if unknown
@@ -289,7 +431,14 @@ def _http_get(url: str, cfg: IngestConfig, pool: urllib3.PoolManager) -> bytes:
                 raise _Redirect(status, location)
             if status < 500 or last:
                 raise IngestError(f"http_{status}", f"GET {url} -> {status}")
-        time.sleep(cfg.backoff_s * (2**attempt))
+            err = IngestError(f"http_{status}", f"GET {url} -> {status}")
+        left = _remaining(deadline)
+        pause = cfg.backoff_s * (2**attempt)
+        if pause >= left:  # no time for another attempt: report what the last one got
+            if err.reason == "timeout":
+                raise _deadline_error(cfg, f"{attempt + 1} attempts; last: {err.detail}")
+            raise err
+        time.sleep(pause)
     raise AssertionError("unreachable")
 
 
@@ -306,8 +455,10 @@ def fetch_bytes(url: str, cfg: IngestConfig, pool: urllib3.PoolManager | None = 
     """Return the body of ``url`` (http, https, or file under ``cfg.file_root``).
 
     Redirects are followed by hand, at most ``cfg.max_redirects``, and only to http/https.
+    The whole download (every hop, attempt and backoff) ends within ``cfg.deadline_s``.
     Raises ``IngestError`` with a reason code from the module docstring.
     """
+    deadline = time.monotonic() + cfg.deadline_s
     if not isinstance(url, str) or not url.strip():
         raise IngestError("bad_url", f"no URL ({url!r})")
     url = url.strip()
@@ -322,7 +473,7 @@ def fetch_bytes(url: str, cfg: IngestConfig, pool: urllib3.PoolManager | None = 
     current = url
     for _ in range(cfg.max_redirects + 1):
         try:
-            return _http_get(current, cfg, pool)
+            return _http_get(current, cfg, pool, deadline)
         except _Redirect as r:
             if not r.location:
                 raise IngestError(f"http_{r.status}", "redirect without Location") from None
@@ -581,15 +732,19 @@ def _ingest_one(row: Mapping, cfg: IngestConfig, pool: urllib3.PoolManager) -> I
     rid = str(row.get("id", ""))
     url = row.get("url")
     url_s = url if isinstance(url, str) else ""
+    n = 0
     try:
         data = fetch_bytes(url, cfg, pool)  # type: ignore[arg-type]  # bad types -> bad_url
+        n = len(data)
         md5 = hashlib.md5(data).hexdigest()
         image, ow, oh = process_image(data, cfg)
     except IngestError as e:
-        return IngestResult(rid, url_s, "failed", e.reason, e.detail or None)
+        return IngestResult(rid, url_s, "failed", e.reason, e.detail or None, bytes_downloaded=n)
     except Exception as e:  # noqa: BLE001 - a bad row must never crash the shard
-        return IngestResult(rid, url_s, "failed", "internal", f"{type(e).__name__}: {e}")
-    return IngestResult(rid, url_s, "stored", None, None, image, ow, oh, md5)
+        return IngestResult(
+            rid, url_s, "failed", "internal", f"{type(e).__name__}: {e}", bytes_downloaded=n
+        )
+    return IngestResult(rid, url_s, "stored", None, None, image, ow, oh, md5, n)
 
 
 def ingest_rows(

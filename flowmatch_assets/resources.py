@@ -41,7 +41,9 @@ def resource_from_env() -> FlowmatchResource:
     FLOWMATCH_FILE_ROOT (folder under which file:// image URLs are allowed; default
     ``<data root>/sample``), FLOWMATCH_VAE / FLOWMATCH_DINO / FLOWMATCH_TEXT (encoder hub ids or
     folders; default the real models, or the demo's random-weight zoo when ``<data root>/zoo``
-    exists, as it does after `flowmatch demo`), FLOWMATCH_DEVICE (default auto).
+    exists, as it does after `flowmatch demo`), FLOWMATCH_DEVICE (default auto),
+    FLOWMATCH_MIN_STORED_FRACTION (ingest.min_stored_fraction, default 0.5),
+    FLOWMATCH_DEADLINE_S (ingest.deadline_s, default 60).
     """
     root = _abs(os.environ.get("FLOWMATCH_DATA_ROOT", "data"))
     source = _abs(os.environ.get("FLOWMATCH_METADATA", os.path.join(root, "sample", "metadata")))
@@ -49,10 +51,35 @@ def resource_from_env() -> FlowmatchResource:
     return FlowmatchResource(
         data_root=root,
         metadata_source=source,
-        shard_size=int(os.environ.get("FLOWMATCH_SHARD_SIZE", "10000")),
-        ingest=IngestConfig(file_root=_abs(file_root) if file_root else None),
+        shard_size=_int_env("FLOWMATCH_SHARD_SIZE", 10_000),
+        ingest=IngestConfig(file_root=_abs(file_root) if file_root else None, **_ingest_env()),
         encoders=EncoderConfig(**_encoder_env(Path(root))),
     )
+
+
+class SettingError(ValueError):
+    """A FLOWMATCH_* environment variable holds a value that cannot be used."""
+
+
+def _int_env(var: str, default: int) -> int:
+    raw = os.environ.get(var)
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise SettingError(f"{var}={raw!r} is not a whole number") from None
+
+
+def _ingest_env() -> dict:
+    out = {}
+    for field, var in (
+        ("min_stored_fraction", "FLOWMATCH_MIN_STORED_FRACTION"),
+        ("deadline_s", "FLOWMATCH_DEADLINE_S"),
+    ):
+        if os.environ.get(var):
+            out[field] = os.environ[var]  # pydantic validates (a bad value names the field)
+    return out
 
 
 def _encoder_env(root: Path) -> dict:

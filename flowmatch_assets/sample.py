@@ -8,7 +8,8 @@ failure path: a missing file (404-like), a truncated JPEG, an HTML page saved as
 file, a tiny image whose metadata claims a large size, plus rows the metadata filters drop (a
 small original, an extreme aspect ratio, an empty caption, a duplicate hash).
 
-Images are served as ``file://`` URLs under the sample folder (the ingest's allowed root).
+Images are served as relative ``file:images/<id>.jpg`` URLs, resolved against the ingest's
+allowed root (FLOWMATCH_FILE_ROOT, by default ``<data root>/sample``), so a data root can be moved.
 No downloaded data: everything is drawn here, deterministically from a seed.
 """
 
@@ -176,7 +177,7 @@ def write_sample(dest: str | Path, spec: SampleSpec | None = None) -> dict:
             rows.append(
                 {
                     "id": rid,
-                    "url": path.as_uri(),
+                    "url": _rel_url(path, img_dir.parent),
                     "caption": caption,
                     "width": img.size[0],
                     "height": img.size[1],
@@ -204,6 +205,11 @@ def write_sample(dest: str | Path, spec: SampleSpec | None = None) -> dict:
     return summary
 
 
+def _rel_url(path: Path, root: Path) -> str:
+    """``file:<path relative to root>``: resolved against the ingest's file_root when fetched."""
+    return "file:" + path.relative_to(root).as_posix()
+
+
 def _bad_rows(img_dir: Path, rng: np.random.Generator, expected: dict, seed: int) -> list[dict]:
     """Deliberately bad rows; ``expected`` gets each one's outcome as ``failed:<reason>``."""
     out = []
@@ -213,7 +219,7 @@ def _bad_rows(img_dir: Path, rng: np.random.Generator, expected: dict, seed: int
         out.append(
             {
                 "id": rid,
-                "url": path.as_uri(),
+                "url": _rel_url(path, img_dir.parent),
                 "caption": caption,
                 "width": w,
                 "height": h,

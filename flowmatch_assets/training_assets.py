@@ -2,6 +2,7 @@
 Pipes, so DDP/torchrun work and metrics stream back) and a sample grid from it."""
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ import dagster as dg
 from pydantic import Field
 
 from flowmatch_assets import catalog
+from flowmatch_assets.budget import logged_rates, steady_rate
 from flowmatch_assets.catalog import MaterializationRecord
 from flowmatch_assets.deploy import TRAIN_TAGS
 from flowmatch_assets.partitions import SHARDS
@@ -50,6 +52,20 @@ def _preset(summary: dict) -> str | None:
     """The model preset of a finished run (from its EMA export's flowmatch.json)."""
     meta = Path(summary.get("export_dir") or "/nonexistent") / "flowmatch.json"
     return json.loads(meta.read_text()).get("preset") if meta.exists() else None
+
+
+def round_meta(v, digits: int = 4):
+    """Floats (raw or as FloatMetadataValue) to ``digits`` significant digits, for the UI."""
+    raw = v.value if isinstance(v, dg.FloatMetadataValue) else v
+    if isinstance(raw, float) and math.isfinite(raw) and raw != 0:
+        return float(f"{raw:.{digits}g}")
+    return v
+
+
+def _session_rates(out: Path) -> list[float]:
+    """This session's logged samples/s windows (the newest ``logs/seg*/metrics.csv``)."""
+    segs = sorted((out / "logs").glob("seg*/metrics.csv"))
+    return logged_rates(segs[-1]) if segs else []
 
 
 def run_dir(flowmatch: FlowmatchResource, name: str) -> Path:
@@ -135,6 +151,13 @@ def flow_model(
         command=cmd, context=context, env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=str(REPO)
     ).get_materialize_result()
     summary = json.loads(summary_path.read_text())
+    # one training speed everywhere (catalog throughput, this metadata, the budget): the median
+    # over this session's steady logged windows, not the last window (which holds the final
+    # checkpoint and sample grid)
+    windows = _session_rates(out)
+    rate = steady_rate(windows)
+    if rate is None:
+        rate = summary.get("samples_per_s")
     catalog.record_materialization(
         flowmatch.data_root,
         MaterializationRecord(
@@ -152,17 +175,22 @@ def flow_model(
                 "partitions": parts,
                 "trained_counts": summary.get("trained_counts"),
                 "samples_total": seen(summary),
-                "samples_per_s": summary.get("samples_per_s"),
+                "samples_per_s": rate,
+                "samples_per_s_last_window": summary.get("samples_per_s"),
+                "rate_windows": len(windows),
                 "loss": summary.get("loss"),
                 "preset": _preset(summary),
             },
+            rate=rate,
         ),
     )
-    md = dict(result.metadata or {})
+    md = {k: round_meta(v) for k, v in (result.metadata or {}).items()}
     md.update(
         {
+            "samples_per_s": round_meta(rate) if rate is not None else 0.0,
+            "samples_per_s_note": "median over steady logged windows (the budget's rate)",
             "partitions_used": dg.MetadataValue.json(parts),
-            "coverage": round(frac, 4),
+            "coverage": round(frac, 3),
             "run_dir": dg.MetadataValue.path(str(out)),
         }
     )

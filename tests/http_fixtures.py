@@ -18,7 +18,6 @@ import collections
 import http.server
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -31,7 +30,9 @@ class Reply:
 
     ``delay_s`` sleeps before the status line; ``body_delay_s`` sleeps after the headers and the
     first half of the body (a stalled transfer). ``content_length`` overrides the header
-    (None: the body's length; -1: no header, body ends at connection close).
+    (None: the body's length; -1: no header, body ends at connection close). ``trickle_s`` > 0
+    sends the body and then one more byte every ``trickle_s`` seconds, forever (until the client
+    hangs up or the server stops). Sleeps end early when the server stops.
     """
 
     status: int = 200
@@ -40,6 +41,7 @@ class Reply:
     delay_s: float = 0.0
     body_delay_s: float = 0.0
     content_length: int | None = None
+    trickle_s: float = 0.0
 
 
 Route = Reply | Callable[[int], Reply]
@@ -60,8 +62,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             reply = Reply(status=404, body=b"not found", headers={"Content-Type": "text/plain"})
         else:
             reply = route(attempt) if callable(route) else route
-        if reply.delay_s:
-            time.sleep(reply.delay_s)
+        if reply.delay_s and owner.stopping.wait(reply.delay_s):
+            self.close_connection = True
+            return
         try:
             self.send_response(reply.status)
             for k, v in reply.headers.items():
@@ -77,10 +80,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 half = len(reply.body) // 2
                 self.wfile.write(reply.body[:half])
                 self.wfile.flush()
-                time.sleep(reply.body_delay_s)
+                owner.stopping.wait(reply.body_delay_s)
                 self.wfile.write(reply.body[half:])
             else:
                 self.wfile.write(reply.body)
+            while reply.trickle_s and not owner.stopping.is_set():
+                self.wfile.flush()
+                owner.stopping.wait(reply.trickle_s)
+                self.wfile.write(b"\x00")
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
 
@@ -108,6 +115,7 @@ class LoopbackHTTPServer:
         self._hits: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
         self._httpd: _Server | None = None
+        self.stopping = threading.Event()
         self._thread: threading.Thread | None = None
 
     def add(self, path: str, route: Route) -> str:
@@ -138,6 +146,7 @@ class LoopbackHTTPServer:
         return f"http://127.0.0.1:{self.port}{path}"
 
     def start(self) -> LoopbackHTTPServer:
+        self.stopping.clear()
         self._httpd = _Server(("127.0.0.1", 0), _Handler)
         self._httpd.owner = self
         self._thread = threading.Thread(
@@ -147,6 +156,7 @@ class LoopbackHTTPServer:
         return self
 
     def stop(self) -> None:
+        self.stopping.set()
         if self._httpd is not None:
             self._httpd.shutdown()
             self._httpd.server_close()

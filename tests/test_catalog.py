@@ -58,7 +58,13 @@ def test_records_replace_and_reports(tmp_path):
     assert comp["projected_pd12m_gb"] == 100 / 8 * 12_400_000 / 1e9  # bytes/sample x 12.4M
     assert cat.throughput()[0]["samples_per_s"] == 4.0
     assert cat.failures_by_reason() == [
-        {"asset": "images_256", "outcome": "failed", "reason": "http_404", "rows": 1}
+        {
+            "asset": "images_256",
+            "outcome": "failed",
+            "reason": "http_404",
+            "retryable": False,
+            "rows": 1,
+        }
     ]
     assert cat.query("SELECT count(*) AS n FROM rows")[0]["n"] == 9
 

@@ -121,7 +121,7 @@ def _browse(url: str, log) -> list[Path]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_dagster_dev_backfill_catalog_and_ui(tmp_path, small_sample, zoo):
+def test_dagster_dev_backfill_catalog_and_ui(tmp_path, small_sample, zoo, monkeypatch):
     t0 = time.monotonic()
     timings: dict[str, float] = {}
 
@@ -150,7 +150,9 @@ def test_dagster_dev_backfill_catalog_and_ui(tmp_path, small_sample, zoo):
         timings["startup"] = time.monotonic() - t0
         log(f"dagster dev ready on {dev.url}")
 
-        assert backfill.missing_partitions(dev.url, ASSETS) == keys, dev.fail_msg("missing")
+        assert backfill.missing_partitions(dev.url, ASSETS, str(data)) == keys, dev.fail_msg(
+            "missing"
+        )
         bid = backfill.launch_backfill(dev.url, keys, ASSETS, title="e2e test")
         log(f"launched backfill {bid}")
         t1 = time.monotonic()
@@ -170,9 +172,12 @@ def test_dagster_dev_backfill_catalog_and_ui(tmp_path, small_sample, zoo):
             assert st["assets"][a]["materialized"] == len(keys), dev.fail_msg(str(st))
 
         # nothing is missing any more, seen from the webserver and from the instance
-        assert backfill.missing_partitions(dev.url, ASSETS) == [], dev.fail_msg("still missing")
+        assert backfill.missing_partitions(dev.url, ASSETS, str(data)) == [], dev.fail_msg(
+            "still missing"
+        )
         with dg.DagsterInstance.from_config(str(home)) as instance:
-            assert backfill.missing_partitions(instance, ASSETS) == []
+            assert backfill.missing_partitions(instance, ASSETS, str(data)) == []
+        monkeypatch.setenv("FLOWMATCH_DATA_ROOT", str(data))  # the CLI reads it from env
         assert backfill.main(["--missing", "--assets", ",".join(ASSETS), "--url", dev.url]) == 0
 
         # the catalog: every good row covered, every bad row listed with its reason

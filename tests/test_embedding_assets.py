@@ -39,8 +39,8 @@ def _checks(res, key, instance):
         resources=resources_for(res),
     )
     result = d.resolve_job_def("checks").execute_in_process(
-        instance=instance, tags={"dagster/partition": key}
-    )
+        instance=instance, tags={"dagster/partition": key}, raise_on_error=False
+    )  # the checks are blocking: a failed one fails the run
     return {
         e.asset_check_evaluation_data.check_name: e.asset_check_evaluation_data
         for e in result.all_events

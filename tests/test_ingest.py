@@ -473,3 +473,39 @@ def test_header_checks_run_before_the_fast_decode(monkeypatch) -> None:
     with pytest.raises(IngestError) as e:
         process_image(_enc(_scene(1000, 800), "JPEG"), _cfg(max_pixels=500_000))
     assert e.value.reason == "decompression_bomb" and not calls
+
+
+def test_total_deadline_bounds_trickling_and_stalled_servers(images) -> None:
+    """A server that trickles a byte every 0.2 s forever, or stalls before its headers, holds a
+    row at most ``deadline_s`` (retries included); the other rows of the shard are unaffected."""
+    import time
+
+    cfg = _cfg(deadline_s=2.0, read_timeout_s=1.0, retries=3)
+    with LoopbackHTTPServer() as srv:
+        rows = [
+            {"id": "trickle", "url": srv.add(
+                "/t", Reply(body=b"\xff\xd8\xff", trickle_s=0.2, content_length=-1))},
+            {"id": "trickle_len", "url": srv.add(
+                "/tl", Reply(body=b"\xff\xd8\xff", trickle_s=0.2, content_length=1000))},
+            {"id": "stall", "url": srv.add("/s", Reply(body=images["jpeg"], delay_s=30))},
+            {"id": "good", "url": srv.add("/g", Reply(body=images["jpeg"], headers=IMG))},
+        ]  # fmt: skip
+        t0 = time.monotonic()
+        results = ingest_rows(rows, cfg)
+        wall = time.monotonic() - t0
+    by_id = {r.id: r for r in results}
+    assert [by_id[k].reason for k in ("trickle", "trickle_len", "stall")] == ["timeout"] * 3
+    assert "deadline 2s" in by_id["trickle"].detail
+    assert by_id["good"].outcome == "stored"
+    assert by_id["good"].bytes_downloaded == len(images["jpeg"])
+    assert wall < 2.0 + 0.7, wall  # the deadline, plus one socket read at most
+
+
+def test_relative_file_url_resolves_against_file_root(tmp_path: Path, images) -> None:
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images" / "a.jpg").write_bytes(images["jpeg"])
+    cfg = _cfg(file_root=str(tmp_path))
+    assert fetch_bytes("file:images/a.jpg", cfg) == images["jpeg"]
+    with pytest.raises(IngestError) as e:
+        fetch_bytes("file:../a.jpg", cfg)
+    assert e.value.reason == "file_not_allowed"

@@ -26,7 +26,7 @@ def test_kill_9_mid_partition_then_rerun(tmp_path, small_sample):
     with LoopbackHTTPServer() as srv:
         urls = []
         for r in src.to_pylist():
-            body = Path(r["url"].removeprefix("file://")).read_bytes()
+            body = (Path(small_sample["dest"]) / r["url"].removeprefix("file:")).read_bytes()
             path = f"/img/{r['id']}.jpg"
             srv.add(
                 path,
