@@ -16,6 +16,9 @@ import sys
 import time
 from pathlib import Path
 
+#: The demo's VAE: a tiny AutoencoderDC trained on the procedural sample (scripts/train_demo_vae.py).
+DEMO_VAE = Path(__file__).resolve().parent / "demo_vae"
+
 
 def _instance():
     import dagster as dg
@@ -385,21 +388,25 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
         print(f"creating the tiny offline model zoo (RANDOM weights, same classes) in {zoo} ...")
         create_zoo(zoo)
-    for var, sub in (
-        ("FLOWMATCH_VAE", "vae"),
-        ("FLOWMATCH_DINO", "dino"),
-        ("FLOWMATCH_TEXT", "text"),
-    ):
+    # the VAE: the committed demo VAE, trained on this synthetic sample (not the real DC-AE), so
+    # that samples are pictures; DINOv2 and Gemma3 stay random zoo models (labelled as such)
+    os.environ.setdefault("FLOWMATCH_VAE", str(DEMO_VAE))
+    for var, sub in (("FLOWMATCH_DINO", "dino"), ("FLOWMATCH_TEXT", "text")):
         os.environ.setdefault(var, str(zoo / sub))
     print(
         "encoders: "
         + ", ".join(os.environ[v] for v in ("FLOWMATCH_VAE", "FLOWMATCH_DINO", "FLOWMATCH_TEXT"))
     )
     results = materialize(raise_on_error=False)
-    trained = True
-    if a.train_steps > 0:
-        print(f"\ntraining the tiny DiT for {a.train_steps} steps on the covered partitions ...")
+    trained = evaluated = True
+    train_on = a.train_steps is None or a.train_steps > 0
+    if train_on:
+        steps = a.train_steps or "configs/tiny.yaml's"
+        print(f"\ntraining the tiny DiT for {steps} steps on the covered partitions ...")
         trained = train(steps=a.train_steps, run_name="demo")
+        if trained:
+            print("\nevaluating caption following of every checkpoint (48 prompts each) ...")
+            evaluated = evaluate(run_name="demo", which="all")
     budget_ok = materialize_budget()
     print_reports(str(root))
     layout = _resource().layout
@@ -407,7 +414,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
     print(
         f"\ndemo finished in {time.perf_counter() - t0:.0f}s; "
         f"{sum(results.values())}/{len(results)} partitions succeeded"
-        + ("" if a.train_steps <= 0 else f"; training {'ok' if trained else 'FAILED'}")
+        + (f"; training {'ok' if trained else 'FAILED'}" if train_on else "")
     )
     print(f"  data root:        {root}")
     print(f"  catalog (DuckDB): {layout.catalog_db}")
@@ -417,14 +424,26 @@ def cmd_demo(a: argparse.Namespace) -> int:
     run = root / "runs" / "demo"
     if (run / "loss_curve.png").exists():
         print(f"  loss curve:       {run / 'loss_curve.png'}")
-        print(f"  sample grid:      {root / 'samples' / 'demo.png'}  (random-weight zoo encoders)")
+        print(f"  sample grid:      {root / 'samples' / 'demo.png'}  (decoded by the demo VAE)")
         print(f"  checkpoint:       {run / 'checkpoints'}   wandb (offline): {run / 'wandb'}")
+    figs = sorted((run / "evaluation").glob("step*.png"))
+    if figs:
+        from flowmatch_assets.catalog import Catalog, format_table
+
+        print(f"  evaluation:       {figs[-1]}  (generated images beside their prompts)")
+        rows = Catalog(root).query(
+            "SELECT step, attribute, round(accuracy, 2) AS accuracy, round(chance, 3) AS chance "
+            "FROM evaluations WHERE run = 'demo' AND attribute IN ('colour', 'shape', 'size', "
+            "'position') ORDER BY attribute, step"
+        )
+        print("\ncaption following (fraction of generated images that show what the prompt says):")
+        print(format_table(rows))
     if budget_ok:
         print(f"  budget report:    {root / 'reports' / 'budget.md'}")
     print(
         "  UI:               DAGSTER_HOME=$PWD/dagster_home .venv/bin/dagster dev -w workspace.yaml"
     )
-    return 0 if all(results.values()) and trained and budget_ok else 1
+    return 0 if all(results.values()) and trained and evaluated and budget_ok else 1
 
 
 def materialize_budget() -> bool:
@@ -556,7 +575,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--files", type=int, default=3)
     s.add_argument("--rows-per-file", type=int, default=96)
     s.add_argument("--regenerate", action="store_true")
-    s.add_argument("--train-steps", type=int, default=300, help="tiny DiT steps (0: no training)")
+    s.add_argument(
+        "--train-steps",
+        type=int,
+        default=None,
+        help="tiny DiT steps (default: configs/tiny.yaml's; 0: no training)",
+    )
     s.set_defaults(func=cmd_demo)
 
     s = sub.add_parser("catalog", help="reports from the DuckDB catalog, or raw SQL")

@@ -101,3 +101,31 @@ def test_coverage_rule_then_train_resume_and_sample(tmp_path, small_sample, zoo)
         assert result.success
         grid = Image.open(tmp_path / "data" / "samples" / "t.png")
         assert grid.size[0] > 256 and grid.mode == "RGB"
+
+        # evaluation: caption following of every saved checkpoint, into the catalog
+        result = _materialize(
+            res,
+            instance,
+            ["evaluation"],
+            {"ops": {"evaluation": {"config": {"run_name": "t", "n_prompts": 6, "steps": 2}}}},
+        )
+        assert result.success
+        rows = cat.query("SELECT * FROM evaluations WHERE run = 't' ORDER BY attribute")
+        by_attr = {r["attribute"]: r for r in rows}
+        assert set(by_attr) == {"colour", "shape", "size", "position", "background", "all_four"}
+        assert all(r["step"] == 7 and r["n"] == 6 for r in rows)
+        assert by_attr["colour"]["chance"] == pytest.approx(1 / 8)
+        assert by_attr["all_four"]["chance"] == pytest.approx(1 / 8 * 1 / 6 * 1 / 2 * 1 / 3)
+        # the recorded scores are exactly what the evaluation computes (deterministic)
+        from flowmatch_assets.evaluation import evaluate_checkpoint
+
+        direct = evaluate_checkpoint(
+            tmp_path / "data" / "runs" / "t" / "checkpoints" / "last.ckpt",
+            zoo["text"], zoo["vae"], n_prompts=6, steps=2,
+        )  # fmt: skip
+        for a, r in by_attr.items():
+            assert r["accuracy"] == pytest.approx(direct["accuracy"][a])
+        md = instance.fetch_materializations(dg.AssetKey("evaluation"), limit=1).records[0]
+        md = md.asset_materialization.metadata
+        assert md["colour_accuracy"].value == round(direct["accuracy"]["colour"], 3)
+        assert (tmp_path / "data" / "runs" / "t" / "evaluation" / "step0000007.png").is_file()

@@ -2,7 +2,7 @@
 positional embedding do for it, on the user's own (demo) data?
 
 For each variant of {REPA on, off} x {PE on, off} it trains the demo's DiT from scratch with the
-same data, seed and schedule (``configs/demo.yaml``), saves a checkpoint every ``--eval-every``
+same data, seed and schedule (``configs/tiny.yaml``, the demo's), saves a checkpoint every ``--eval-every``
 steps and scores each with the caption-following evaluation (flowmatch_assets.evaluation):
 colour / shape / size / position accuracy of generated images against the chance level.
 
@@ -43,6 +43,7 @@ def run_variant(
     encoders: dict[str, str],
     n_prompts: int,
     config: Path,
+    extra: list[str] = (),
 ) -> list[dict]:
     """Train one variant from scratch and score every saved checkpoint."""
     from flowmatch_models.train import run_training
@@ -59,7 +60,8 @@ def run_variant(
         "logging.wandb": False,
     }
     t0 = time.perf_counter()
-    run_training(config, resume="none", overrides=[f"{k}={json.dumps(v)}" for k, v in sets.items()])
+    overrides = [f"{k}={json.dumps(v)}" for k, v in sets.items()] + list(extra)
+    run_training(config, resume="none", overrides=overrides)
     train_s = time.perf_counter() - t0
     curve = []
     for step, path in checkpoints(run, "all"):
@@ -132,20 +134,25 @@ def plot(results: dict[str, list[dict]], chance: dict[str, float], out_png: Path
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="flowmatch bench learning", description=__doc__)
     p.add_argument("--data-root", default=os.environ.get("FLOWMATCH_DATA_ROOT", "data"))
-    p.add_argument("--config", default=str(REPO / "configs" / "demo.yaml"))
+    p.add_argument("--config", default=str(REPO / "configs" / "tiny.yaml"))
     p.add_argument("--steps", type=int, default=None, help="default: the config's max_steps")
     p.add_argument("--eval-every", type=int, default=None, help="default: steps / 4")
     p.add_argument("--prompts", type=int, default=48)
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
     p.add_argument("--out", default=".bench/learning")
-    p.add_argument("--toy-steps", type=int, default=400, help="steps of the positional toy")
+    p.add_argument(
+        "--toy-steps", type=int, default=400, help="steps of the positional toy (0: skip it)"
+    )
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="for all")
     a = p.parse_args(argv)
-    toy = {
-        "pe": {k: round(v, 4) for k, v in toy_position(True, a.toy_steps).items()},
-        "no_pe": {k: round(v, 4) for k, v in toy_position(False, a.toy_steps).items()},
-        "sigma2": 0.09,
-    }
-    print(f"positional toy (sample-to-class-mean MSE; perfect: mse 0.09, mean_mse 0): {toy}")
+    toy = {}
+    if a.toy_steps:
+        toy = {
+            "pe": {k: round(v, 4) for k, v in toy_position(True, a.toy_steps).items()},
+            "no_pe": {k: round(v, 4) for k, v in toy_position(False, a.toy_steps).items()},
+            "sigma2": 0.09,
+        }
+        print(f"positional toy (sample-to-class-mean MSE; perfect: mse 0.09, mean_mse 0): {toy}")
     from flowmatch_assets import caption_eval
     from flowmatch_models.layout import DataLayout
 
@@ -169,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
         print(f"{name}: {steps} steps, evaluating every {every} ...", flush=True)
         results[name] = run_variant(
-            name, root, out, steps, every, encoders, a.prompts, Path(a.config)
+            name, root, out, steps, every, encoders, a.prompts, Path(a.config), a.set
         )
     chance = dict(caption_eval.CHANCE)
     chance["all_four"] = chance["colour"] * chance["shape"] * chance["size"] * chance["position"]
