@@ -16,9 +16,10 @@ catalog or Dagster says it was made), ``corrupt`` (unreadable file), ``no_record
 (off by default) ``verify_sensor`` all use :func:`partition_states`.
 
 :func:`verify` makes the three agree where a file is gone or corrupt: the corrupt file is moved
-aside (hidden ``.corrupt-*``), the catalog records are removed, Dagster's materialization of the
-partition is wiped (so the UI's "Missing" filter and a "missing only" backfill pick it up) and a
-failed asset-check evaluation says why.
+aside (hidden ``.corrupt-*``), the catalog records are removed, a failed materialization of the
+partition is recorded in Dagster (open-source Dagster cannot wipe one partition, so the UI shows
+it as failed; "missing and failed" backfills and ``--missing`` pick it up) and a failed
+asset-check evaluation says why.
 """
 
 from __future__ import annotations
