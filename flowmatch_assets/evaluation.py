@@ -140,3 +140,37 @@ def rows_for_catalog(result: dict, run: str, checkpoint: str) -> list[dict]:
         }
         for a, acc in result["accuracy"].items()
     ]
+
+
+def log_to_wandb(run_dir: str | Path, scored: list[tuple[int, dict, Path]], project: str) -> str:
+    """Log evaluation scores (and figures) into the training run's wandb run (same id, from
+    ``<run>/wandb_run_id.txt``), against their own x-axis ``eval/step`` so that checkpoints
+    scored after training still land (wandb drops history below the run's current step).
+    Offline unless ``WANDB_API_KEY`` is set, like training. Returns the local run folder, or ""
+    when the run logged no wandb (no id file)."""
+    import os
+
+    id_file = Path(run_dir) / "wandb_run_id.txt"
+    if not id_file.is_file():
+        return ""
+    import wandb
+
+    run = wandb.init(
+        project=project,
+        id=id_file.read_text().strip(),
+        resume="allow",
+        dir=str(run_dir),
+        mode="online" if os.environ.get("WANDB_API_KEY") else "offline",
+        settings=wandb.Settings(silent=True),
+    )
+    run.define_metric("eval/step")
+    run.define_metric("eval/*", step_metric="eval/step")
+    for step, result, figure in scored:
+        row = {f"eval/{a}": float(v) for a, v in result["accuracy"].items()}
+        row.update({f"eval/{a}_chance": float(v) for a, v in result["chance"].items()})
+        row["eval/step"] = int(step)
+        row["eval/figure"] = wandb.Image(str(figure), caption=f"step {step}")
+        run.log(row)
+    local = str(Path(run.dir).parent)
+    run.finish()
+    return local

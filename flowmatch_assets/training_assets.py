@@ -273,6 +273,7 @@ class EvaluationConfig(dg.Config):
     seed: int = Field(default=0, description="Prompt and noise seed (fixed: scores compare).")
     steps: int = Field(default=20, description="Euler steps.")
     cfg_scale: float = Field(default=4.0, description="Classifier-free guidance scale.")
+    wandb_project: str = Field(default="flowmatch", description="The training run's W&B project.")
 
 
 @dg.asset(
@@ -291,6 +292,7 @@ def evaluation(
         checkpoints,
         evaluate_checkpoint,
         evaluation_figure,
+        log_to_wandb,
         rows_for_catalog,
         summary_line,
     )
@@ -302,6 +304,7 @@ def evaluation(
         raise dg.Failure(f"no checkpoint under {out / 'checkpoints'}; materialize flow_model first")
     enc = flowmatch.encoders
     md: dict = {}
+    scored = []
     for step, path in found:
         result = evaluate_checkpoint(
             path, enc.text, enc.vae, config.n_prompts, config.seed, config.steps, config.cfg_scale
@@ -314,6 +317,7 @@ def evaluation(
         )
         fig = evaluation_figure(result, out / "evaluation" / f"step{step:07d}.png")
         context.log.info(f"{config.run_name} step {step}: {summary_line(result)}")
+        scored.append((step, result, fig))
         md = {
             "step": step,
             **{f"{a}_accuracy": round(v, 3) for a, v in result["accuracy"].items()},
@@ -323,5 +327,8 @@ def evaluation(
             "figure": dg.MetadataValue.md(markdown_image(Image.open(fig), "evaluation", 800)),
         }
     md["checkpoints_evaluated"] = dg.MetadataValue.json([s for s, _ in found])
+    wandb_dir = log_to_wandb(out, scored, config.wandb_project)
+    if wandb_dir:
+        md["wandb_dir"] = dg.MetadataValue.path(wandb_dir)
     md["vae"] = enc.vae
     return dg.MaterializeResult(metadata=md)

@@ -4,6 +4,7 @@ subprocess (metrics reported back), resume with extra steps, and the sample grid
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import dagster as dg
 import pytest
@@ -14,6 +15,7 @@ from flowmatch_assets.config import EncoderConfig
 from flowmatch_assets.definitions import defs, resources_for
 from flowmatch_assets.partitions import register_partitions
 from tests.conftest import make_resource
+from tests.wandb_records import history
 
 EMB = ["vae_latents", "dino_features", "text_embeddings"]
 
@@ -129,3 +131,11 @@ def test_coverage_rule_then_train_resume_and_sample(tmp_path, small_sample, zoo)
         md = md.asset_materialization.metadata
         assert md["colour_accuracy"].value == round(direct["accuracy"]["colour"], 3)
         assert (tmp_path / "data" / "runs" / "t" / "evaluation" / "step0000007.png").is_file()
+        # and into the training run's W&B run (same id; offline here), on their own x-axis
+        run = tmp_path / "data" / "runs" / "t"
+        run_id = (run / "wandb_run_id.txt").read_text().strip()
+        files = sorted(Path(md["wandb_dir"].value).glob(f"run-{run_id}.wandb"))
+        rows = [r for r in history(files[0]) if "eval/colour" in r]
+        assert [r["eval/step"] for r in rows] == [7]
+        assert rows[0]["eval/colour"] == pytest.approx(direct["accuracy"]["colour"])
+        assert rows[0]["eval/colour_chance"] == pytest.approx(1 / 8)
