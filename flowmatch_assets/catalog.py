@@ -153,19 +153,20 @@ def record_rows(
     data_root: str | Path, asset: str, partition: str, rows: Iterable[RowOutcome]
 ) -> Path:
     """Write (replace) the per-row outcomes of one asset partition, atomically."""
-    layout = DataLayout(data_root)
-    path = layout.catalog_dir / "rows" / asset / f"{partition}.parquet"
-    data = [{"asset": asset, "partition": partition, **asdict(r)} for r in rows]
-    _write_parquet(path, pa.Table.from_pylist(data, schema=ROW_SCHEMA))
-    return path
+    return _write_rows(data_root, "rows", asset, partition, rows)
 
 
 def record_attempt(
     data_root: str | Path, asset: str, partition: str, rows: Iterable[RowOutcome]
 ) -> Path:
     """Record the row outcomes of a rejected attempt, leaving the partition's records alone."""
-    layout = DataLayout(data_root)
-    path = layout.catalog_dir / "attempts" / asset / f"{partition}.parquet"
+    return _write_rows(data_root, "attempts", asset, partition, rows)
+
+
+def _write_rows(
+    data_root: str | Path, kind: str, asset: str, partition: str, rows: Iterable[RowOutcome]
+) -> Path:
+    path = DataLayout(data_root).catalog_dir / kind / asset / f"{partition}.parquet"
     data = [{"asset": asset, "partition": partition, **asdict(r)} for r in rows]
     _write_parquet(path, pa.Table.from_pylist(data, schema=ROW_SCHEMA))
     return path
