@@ -314,10 +314,12 @@ def plot_loss_curve(metrics_csv: Path, out_png: Path) -> Path:
     with open(metrics_csv, newline="") as f:
         rows = list(csv.DictReader(f))
     fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
-    for key in ("train/loss", "train/fm"):
+    # the flow-matching term on a log axis; the total (fm + lambda * -cos) goes negative with
+    # REPA, so it is drawn only when it stays positive (REPA off: it equals fm)
+    for key in ("train/fm", "train/loss"):
         pts = [(int(r["step"]), float(r[key])) for r in rows if r.get(key)]
-        if pts:
-            ax[0].plot(*zip(*pts), label=key.split("/")[1])
+        if pts and (key == "train/fm" or min(v for _, v in pts) > 0):
+            ax[0].plot(*zip(*pts), label="flow matching" if key == "train/fm" else "total")
     pts = [(int(r["step"]), float(r["train/repa"])) for r in rows if r.get("train/repa")]
     if pts:
         ax[1].plot(*zip(*pts), label="repa (-cos)", color="C2")
