@@ -14,6 +14,8 @@ No Dagster here: the ``evaluation`` asset and ``flowmatch bench learning`` call 
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 from pathlib import Path
 
@@ -29,8 +31,6 @@ ATTRIBUTES = ("colour", "shape", "size", "position")  # what captions ask of the
 def checkpoints(run_dir: str | Path, which: str = "latest") -> list[tuple[int, Path]]:
     """``(step, path)`` of a run's checkpoints: ``latest`` (last.ckpt) or ``all`` (every
     ``step*.ckpt`` plus last.ckpt if it is newer), ordered by step."""
-    import torch
-
     ckpt_dir = Path(run_dir) / "checkpoints"
     last = ckpt_dir / "last.ckpt"
     found: dict[int, Path] = {}
@@ -42,9 +42,20 @@ def checkpoints(run_dir: str | Path, which: str = "latest") -> list[tuple[int, P
     elif which != "latest":
         raise ValueError(f"checkpoints {which!r}: use 'latest' or 'all'")
     if last.is_file():
-        step = int(torch.load(last, map_location="cpu", weights_only=True)["global_step"])
-        found.setdefault(step, last)
+        found.setdefault(_last_step(ckpt_dir), last)
     return sorted(found.items())
+
+
+def _last_step(ckpt_dir: Path) -> int:
+    """The step of ``last.ckpt`` without loading it: ``trained_counts.json`` is rewritten by
+    every checkpoint save and the newest save is always ``last.ckpt``; else a full load."""
+    counts = ckpt_dir / "trained_counts.json"
+    if counts.is_file():
+        return int(json.loads(counts.read_text())["step"])
+    import torch
+
+    last = torch.load(ckpt_dir / "last.ckpt", map_location="cpu", weights_only=True)
+    return int(last["global_step"])
 
 
 def evaluate_checkpoint(
@@ -63,14 +74,14 @@ def evaluate_checkpoint(
     """
     import torch
 
-    from flowmatch_models.sample import generate, load_model, load_vae, prompt_embeddings
+    from flowmatch_models.sample import generate, load_model
 
     model, meta = load_model(checkpoint=checkpoint)
     prompts = caption_eval.prompts(n_prompts, seed)
-    text, mask, _ = prompt_embeddings(prompts, text_encoder)
+    text, mask = _prompt_embeddings(tuple(prompts), text_encoder)
     with torch.inference_mode():
         images = generate(
-            model, text, mask, float(meta["scaling_factor"]), load_vae(vae), steps, cfg_scale,
+            model, text, mask, float(meta["scaling_factor"]), _vae(vae), steps, cfg_scale,
             seed, float(meta.get("flow_shift", 1.0)), meta.get("null_text"),
         )  # fmt: skip
     result = caption_eval.score(prompts, images)
@@ -81,6 +92,23 @@ def evaluate_checkpoint(
     result["step"] = int(meta.get("step", -1))
     result["settings"] = {"n_prompts": n_prompts, "seed": seed, "steps": steps, "cfg": cfg_scale}
     return result
+
+
+@functools.lru_cache(maxsize=2)
+def _prompt_embeddings(prompts: tuple[str, ...], text_encoder: str):
+    """The prompts' text embeddings, encoded once per process for all checkpoints."""
+    from flowmatch_models.sample import prompt_embeddings
+
+    text, mask, _ = prompt_embeddings(list(prompts), text_encoder)
+    return text, mask
+
+
+@functools.lru_cache(maxsize=1)
+def _vae(path: str):
+    """The decoder, loaded once per process for all checkpoints."""
+    from flowmatch_models.sample import load_vae
+
+    return load_vae(path)
 
 
 def summary_line(result: dict) -> str:
