@@ -42,15 +42,9 @@ class TrainRunConfig(dg.Config):
     overrides: list[str] = Field(default_factory=list, description="Extra `--set key=value` items.")
 
 
-def _default_device() -> str:
-    import torch
-
-    return f"cuda ({torch.cuda.get_device_name(0)})" if torch.cuda.is_available() else "cpu"
-
-
-def _preset(summary: dict) -> str | None:
-    """The model preset of a finished run (from its EMA export's flowmatch.json)."""
-    meta = Path(summary.get("export_dir") or "/nonexistent") / "flowmatch.json"
+def _preset(export_dir: str | None) -> str | None:
+    """The model preset of a finished run (from its export's transformer/flowmatch.json)."""
+    meta = Path(export_dir or "/nonexistent") / "transformer" / "flowmatch.json"
     return json.loads(meta.read_text()).get("preset") if meta.exists() else None
 
 
@@ -116,86 +110,81 @@ def flow_model(
     flowmatch: FlowmatchResource,
     pipes_subprocess_client: dg.PipesSubprocessClient,
 ) -> dg.MaterializeResult:
+    """Decides the partitions once, sends a TrainRequest through Pipes, records the TrainResult."""
+    from flowmatch_models.train import TrainRequest, TrainResult
+
     known = list(context.instance.get_dynamic_partitions(SHARDS))
     parts, frac = coverage_or_fail(flowmatch, known, config.min_coverage)
-    out = run_dir(flowmatch, config.run_name)
-    summary_path = out / "summary.json"
-
-    def seen(summary: dict) -> int:
-        return int(sum((summary.get("trained_counts") or {}).values()))
-
-    before = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    max_steps = config.max_steps
-    if config.extra_steps is not None:
-        done = json.loads(summary_path.read_text()).get("step", 0) if summary_path.exists() else 0
-        max_steps = done + config.extra_steps
     enc = flowmatch.encoders
-    cmd = [
-        sys.executable, "-m", "flowmatch_models.train",
-        "--config", config.config_file,
-        "--resume", config.resume,
-        "--summary-json", str(summary_path),
-        "--set", f"data.root={flowmatch.data_root}",
-        "--set", f"data.partitions={json.dumps(parts)}",
-        "--set", f"run.out_dir={out}",
-        "--set", f"run.name={config.run_name}",
-        "--set", f"encoders.vae={enc.vae}",
-        "--set", f"encoders.text={enc.text}",
-    ]  # fmt: skip
-    if max_steps is not None:
-        cmd += ["--max-steps", str(max_steps)]
-    for o in config.overrides:
-        cmd += ["--set", o]
-    context.log.info(f"training on {len(parts)} partitions ({frac:.0%} coverage): {' '.join(cmd)}")
-    result = pipes_subprocess_client.run(
-        command=cmd, context=context, env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=str(REPO)
-    ).get_materialize_result()
-    summary = json.loads(summary_path.read_text())
+    request = TrainRequest(
+        config=config.config_file,
+        overrides=[
+            f"data.root={flowmatch.data_root}", f"run.name={config.run_name}",
+            f"encoders.vae={enc.vae}", f"encoders.text={enc.text}", *config.overrides,
+        ],
+        partitions=parts,
+        max_steps=config.max_steps,
+        extra_steps=config.extra_steps,
+        resume=config.resume,
+        coverage={"partitions_known": len(set(known) | set(parts)), "coverage": round(frac, 4)},
+    )  # fmt: skip
+    context.log.info(f"training {config.run_name} on {len(parts)} partitions ({frac:.0%} coverage)")
+    invocation = pipes_subprocess_client.run(
+        command=[sys.executable, "-m", "flowmatch_models.train", "--pipes-request"],
+        context=context,
+        extras={"train_request": request.to_dict()},
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        cwd=str(REPO),
+    )
+    results = [m["train_result"] for m in invocation.get_custom_messages() if "train_result" in m]
+    if not results:
+        raise dg.Failure("the training process ended without reporting a TrainResult")
+    result = TrainResult.from_dict(results[-1])
+    out = Path(result.run_dir)
     # one training speed everywhere (catalog throughput, this metadata, the budget): the median
     # over this session's steady logged windows, not the last window (which holds the final
     # checkpoint and sample grid)
     windows = _session_rates(out)
     rate = steady_rate(windows)
     if rate is None:
-        rate = summary.get("samples_per_s")
+        rate = result.metrics.get("samples_per_s")
     catalog.record_materialization(
         flowmatch.data_root,
         MaterializationRecord(
             asset="flow_model",
             partition=config.run_name,
-            # this session's samples (a resumed run's counts include earlier sessions)
-            samples=seen(summary) - seen(before)
-            if seen(summary) >= seen(before)
-            else seen(summary),
-            seconds=float(summary.get("wall_s") or 0.0),
-            device=str(summary.get("device") or _default_device()),
+            samples=result.samples_session,
+            seconds=result.wall_s,
+            device=result.device,
             run_id=context.run.run_id,
             extra={
-                "step": summary.get("step"),
-                "partitions": parts,
-                "trained_counts": summary.get("trained_counts"),
-                "samples_total": seen(summary),
+                "step": result.step,
+                "partitions": result.partitions,
+                "trained_counts": result.trained_counts,
+                "samples_total": result.samples_total,
                 "samples_per_s": rate,
-                "samples_per_s_last_window": summary.get("samples_per_s"),
+                "samples_per_s_last_window": result.metrics.get("samples_per_s"),
                 "rate_windows": len(windows),
-                "loss": summary.get("loss"),
-                "preset": _preset(summary),
+                "loss": result.metrics.get("loss"),
+                "preset": _preset(result.export_dir),
             },
             rate=rate,
         ),
     )
-    md = {k: round_meta(v) for k, v in (result.metadata or {}).items()}
+    md = {k: round_meta(v) for k, v in (invocation.get_materialize_result().metadata or {}).items()}
     md.update(
         {
             "samples_per_s": round_meta(rate) if rate is not None else 0.0,
             "samples_per_s_note": "median over steady logged windows (the budget's rate)",
-            "partitions_used": dg.MetadataValue.json(parts),
+            "partitions_used": dg.MetadataValue.json(result.partitions),
             "coverage": round(frac, 3),
             "run_dir": dg.MetadataValue.path(str(out)),
         }
     )
+    if result.export_dir:
+        md["pipeline"] = dg.MetadataValue.path(result.export_dir)
     for key, label in (("loss_curve", "loss curve"), ("sample_grid", "samples")):
-        p = summary.get(key)
+        p = getattr(result, key)
         if p and Path(p).exists():
             from PIL import Image
 
@@ -238,7 +227,7 @@ def samples(
     from flowmatch_models.grid import markdown_image
     from flowmatch_models.sample import load_model, load_vae, prompt_embeddings, sample_grid
 
-    export = run_dir(flowmatch, config.run_name) / "transformer_ema"
+    export = run_dir(flowmatch, config.run_name) / "pipeline"
     if not export.exists():
         raise dg.Failure(f"no trained model at {export}; materialize flow_model first")
     model, meta = load_model(model_dir=export)

@@ -349,9 +349,13 @@ class Encoders:
 
     # ----------------------------------------------------------------------------------- text
     def tokenize(self, captions: Sequence[str]) -> list[list[int]]:
-        """Token ids per caption, exactly as :meth:`encode_text` feeds them (truncated, BOS)."""
+        """Token ids per caption, exactly as :meth:`encode_text` feeds them (truncated, BOS).
+
+        Captions are lower-cased and stripped as ``SanaPipeline`` does to prompts
+        (``_text_preprocessing`` without ``clean_caption``), so an exported pipeline encodes a
+        prompt exactly as training encoded the captions."""
         enc = self.tokenizer(
-            [_clean_caption(c) for c in captions],
+            [_clean_caption(c).lower() for c in captions],
             truncation=True,
             max_length=self.spec.max_tokens,
             add_special_tokens=True,

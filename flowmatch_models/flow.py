@@ -154,7 +154,8 @@ def sample(
     ``null_cond`` is ``(text [B, L0, D], mask [B, L0])`` (see :func:`null_caption`; pass the
     encoded empty prompt the model was trained with); default one all-zero token.
     ``cfg_scale = 1`` disables guidance (one forward per step). ``shift`` spaces the time grid
-    like training (SD3 shift). Returns scaled latents.
+    like training (SD3 shift); the grid is :func:`sampling_sigmas`, the exported pipeline's
+    scheduler's, so this sampler and ``SanaPipeline`` take the same steps. Returns scaled latents.
     """
     b, device = cond.shape[0], cond.device
     cfg = model.transformer.config if isinstance(model, FlowDiT) else model.config
@@ -170,7 +171,7 @@ def sample(
         width = max(cond.shape[1], null_text.shape[1])
         text = torch.cat([_pad_to(cond, width), _pad_to(null_text, width)])
         tmask = torch.cat([_pad_to(mask, width), _pad_to(null_mask, width)])
-    ts = shift_t(torch.linspace(1.0, 0.0, steps + 1, device=device), shift)
+    ts = sampling_sigmas(steps, shift).to(device)
     for i in range(steps):
         t, dt = ts[i], ts[i + 1] - ts[i]
         if cfg_scale == 1.0:
@@ -181,6 +182,16 @@ def sample(
             v = v_u + cfg_scale * (v_c - v_u)
         x = x + dt * v
     return x
+
+
+def sampling_sigmas(steps: int, shift: float = 1.0) -> torch.Tensor:
+    """The ``steps + 1`` times (1 -> 0) of diffusers' ``FlowMatchEulerDiscreteScheduler(shift=
+    shift)`` after ``set_timesteps(steps)``: the scheduler the export ships (one definition)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
+    scheduler.set_timesteps(steps)
+    return scheduler.sigmas.float()
 
 
 def _velocity(model, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor, mask: torch.Tensor):

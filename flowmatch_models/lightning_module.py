@@ -1,6 +1,6 @@
 """Lightning module: flow matching + REPA on a :class:`FlowDiT`, AdamW + warmup, EMA, logging.
 
-Hyperparameters come from the run's YAML each time the module is built and are never frozen
+Hyperparameters (a :class:`~flowmatch_models.config.TrainConfig`) come from the run's YAML each time the module is built and are never frozen
 into the checkpoint: on resume, :meth:`on_load_checkpoint` rewrites the restored optimizer and
 scheduler learning rates, weight decay and betas with the current config, so an edited YAML
 takes effect. Checkpoints hold only tensors and primitive containers (``weights_only=True``).
@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from flowmatch_models.atomic import atomic_write_text
+from flowmatch_models.config import TrainConfig
 from flowmatch_models.dit import FlowDiT, build_model
 from flowmatch_models.flow import FlowMatching
 
@@ -46,22 +47,22 @@ def lr_factor(step: int, warmup_steps: int, schedule: str, max_steps: int, min_r
 class FlowMatchModule(L.LightningModule):
     """Trains a :class:`FlowDiT` with :class:`FlowMatching`; keeps an EMA of the transformer."""
 
-    def __init__(self, config: dict, model: FlowDiT | None = None):
+    def __init__(self, config: TrainConfig, model: FlowDiT | None = None):
         super().__init__()
         self.config = config
-        m = config["model"]
+        m = config.model
         self.model = model or build_model(
-            m["preset"],
-            repa_encoder_depth=m.get("repa_encoder_depth"),
-            projector_hidden=m.get("projector_hidden"),
-            repa=float(config["flow"]["repa_lambda"]) > 0,  # no unused REPA head (DDP)
-            pos_embed=bool(m.get("pos_embed", True)),
-            init=m.get("init", "sana"),
+            m.preset,
+            repa_encoder_depth=m.repa_encoder_depth,
+            projector_hidden=m.projector_hidden,
+            repa=config.flow.repa_lambda > 0,  # no unused REPA head (DDP)
+            pos_embed=m.pos_embed,
+            init=m.init,
         )
-        if m.get("gradient_checkpointing"):
+        if m.gradient_checkpointing:
             self.model.transformer.enable_gradient_checkpointing()
         self.ema = copy.deepcopy(self.model.transformer).requires_grad_(False).eval()
-        self.flow = FlowMatching(**config["flow"])
+        self.flow = FlowMatching(**config.flow.model_dump())
         self._ema_step = -1
         self._t_last: float | None = None
         self._grad_norm: torch.Tensor | None = None
@@ -69,39 +70,29 @@ class FlowMatchModule(L.LightningModule):
     # ---------------------------------------------------------------------------- optimisation
 
     def configure_optimizers(self):
-        o, t = self.config["optim"], self.config["trainer"]
+        o, max_steps = self.config.optim, self.config.trainer.max_steps
         opt = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=float(o["lr"]),
-            betas=tuple(o.get("betas", (0.9, 0.999))),
-            weight_decay=float(o.get("weight_decay", 0.0)),
+            self.model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay
         )
-        warmup, schedule = int(o.get("warmup_steps", 0)), o.get("schedule", "constant")
-        max_steps, min_ratio = int(t["max_steps"]), float(o.get("min_lr_ratio", 0.0))
         sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: lr_factor(s, warmup, schedule, max_steps, min_ratio)
+            opt, lambda s: lr_factor(s, o.warmup_steps, o.schedule, max_steps, o.min_lr_ratio)
         )
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """Let the current YAML win over the optimizer/scheduler hyperparameters restored."""
-        o, t = self.config["optim"], self.config["trainer"]
-        lr = float(o["lr"])
+        o, lr = self.config.optim, self.config.optim.lr
         scheds = checkpoint.get("lr_schedulers", [])
         last = int(scheds[0]["last_epoch"]) if scheds else int(checkpoint.get("global_step", 0))
         factor = lr_factor(
-            last,
-            int(o.get("warmup_steps", 0)),
-            o.get("schedule", "constant"),
-            int(t["max_steps"]),
-            float(o.get("min_lr_ratio", 0.0)),
+            last, o.warmup_steps, o.schedule, self.config.trainer.max_steps, o.min_lr_ratio
         )
         for state in checkpoint.get("optimizer_states", []):
             for group in state["param_groups"]:
                 group["initial_lr"] = lr
                 group["lr"] = lr * factor  # the first resumed step already uses the new value
-                group["weight_decay"] = float(o.get("weight_decay", 0.0))
-                group["betas"] = tuple(o.get("betas", (0.9, 0.999)))
+                group["weight_decay"] = o.weight_decay
+                group["betas"] = tuple(o.betas)
         for state in checkpoint.get("lr_schedulers", []):
             state["base_lrs"] = [lr for _ in state["base_lrs"]]
 
@@ -115,7 +106,7 @@ class FlowMatchModule(L.LightningModule):
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         epoch, pos = int(batch["epoch"]), int(batch["position"])
-        seed = _step_seed(self.config["run"].get("seed", 0), epoch, pos, self.global_rank)
+        seed = _step_seed(self.config.run.seed, epoch, pos, self.global_rank)
         gen = torch.Generator(device=self.device).manual_seed(seed)
         x = batch["latents"].float()
         text = batch["text"].float()
@@ -125,8 +116,7 @@ class FlowMatchModule(L.LightningModule):
         self.log("train/loss", out["loss"], prog_bar=True, batch_size=b)
         self.log("train/fm", out["fm"], batch_size=b)
         self.log("train/repa", out["repa"], batch_size=b)
-        every = int(self.config["trainer"].get("log_every", 10))
-        if self.global_step % every == 0:
+        if self.global_step % self.config.trainer.log_every == 0:
             for i, (v, c) in enumerate(zip(out["bin_loss"].tolist(), out["bin_count"].tolist())):
                 if c > 0:
                     self.log(f"train_t/bin{i}", v, batch_size=int(c))
@@ -157,8 +147,7 @@ class FlowMatchModule(L.LightningModule):
     @torch.no_grad()
     def update_ema(self) -> None:
         """``ema = d ema + (1 - d) w`` with ``d = min(decay, (1 + step) / (10 + step))``."""
-        decay = float(self.config["optim"].get("ema_decay", 0.9999))
-        d = min(decay, (1 + self.global_step) / (10 + self.global_step))
+        d = min(self.config.optim.ema_decay, (1 + self.global_step) / (10 + self.global_step))
         ema = list(self.ema.parameters())
         src = list(self.model.transformer.parameters())
         torch._foreach_lerp_(ema, [p.detach() for p in src], 1 - d)
@@ -168,9 +157,10 @@ class FlowMatchModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         dm = getattr(self.trainer, "datamodule", None)
         info = {
-            "preset": self.config["model"]["preset"],
+            "preset": self.config.model.preset,
             "step": int(self.global_step),
-            "flow_shift": float(self.config["flow"]["shift"]),
+            "flow_shift": self.config.flow.shift,
+            "encoders": {"vae": self.config.encoders.vae, "text": self.config.encoders.text},
         }
         cfg = self.model.transformer.config
         info["transformer_config"] = {k: v for k, v in cfg.items() if not k.startswith("_")}
@@ -181,7 +171,7 @@ class FlowMatchModule(L.LightningModule):
             state = dm.state_dict()
             info["trained_counts"] = state["trained_counts"]
             if self.trainer.is_global_zero:
-                ckpt_dir = Path(self.config["run"]["out_dir"]) / "checkpoints"
+                ckpt_dir = self.config.run_dir() / "checkpoints"
                 atomic_write_text(
                     ckpt_dir / "trained_counts.json",
                     json.dumps({"step": int(self.global_step), **state}, indent=1, sort_keys=True),

@@ -1,6 +1,6 @@
 """Sample a grid of images from a trained model: fixed prompts -> Euler/CFG -> DC-AE -> PNG.
 
-    python -m flowmatch_models.sample --model runs/x/transformer_ema --text-encoder TEXT \\
+    python -m flowmatch_models.sample --model runs/x/pipeline --text-encoder TEXT \\
         --vae VAE --prompts "a red car" "a cat" --out grid.png
     python -m flowmatch_models.sample --checkpoint runs/x/checkpoints/last.ckpt ...
 
@@ -20,6 +20,7 @@ import torch
 from diffusers import SanaTransformer2DModel
 
 from flowmatch_models.dit import transformer_config
+from flowmatch_models.export import META_FILE, NULL_FILE
 from flowmatch_models.flow import null_caption, sample
 from flowmatch_models.grid import make_grid, save_png
 
@@ -28,19 +29,21 @@ def load_model(
     checkpoint: str | Path | None = None, model_dir: str | Path | None = None
 ) -> tuple[SanaTransformer2DModel, dict]:
     """The EMA transformer and its metadata (``scaling_factor``, ``preset``, ``null_text`` when
-    stored) from either a training checkpoint (``weights_only`` load) or an exported
-    ``transformer_ema`` folder."""
+    stored) from either a training checkpoint (``weights_only`` load) or an export (the
+    ``pipeline`` folder of a run, or its ``transformer`` subfolder)."""
     if (checkpoint is None) == (model_dir is None):
         raise ValueError("pass exactly one of checkpoint= (a .ckpt) or model_dir= (an export)")
     if model_dir is not None:
         model_dir = Path(model_dir)
+        if (model_dir / "transformer" / "config.json").is_file():
+            model_dir = model_dir / "transformer"
         model = SanaTransformer2DModel.from_pretrained(model_dir)
-        meta_path = model_dir / "flowmatch.json"
+        meta_path = model_dir / META_FILE
         meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
-        if (model_dir / "null_caption.safetensors").is_file():
+        if (model_dir / NULL_FILE).is_file():
             from safetensors.torch import load_file
 
-            meta["null_text"] = load_file(model_dir / "null_caption.safetensors")["null_text"]
+            meta["null_text"] = load_file(model_dir / NULL_FILE)["null_text"]
         return model.eval(), meta
     ckpt = torch.load(checkpoint, map_location="cpu", weights_only=True)
     meta = ckpt.get("flowmatch", {})
@@ -155,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m flowmatch_models.sample", description=__doc__)
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="training checkpoint (.ckpt); uses its EMA weights")
-    src.add_argument("--model", help="exported folder (run_dir/transformer_ema)")
+    src.add_argument("--model", help="exported folder (run_dir/pipeline)")
     ap.add_argument("--prompts", nargs="+", required=True)
     ap.add_argument("--text-encoder", required=True, help="Gemma3 folder or hub id")
     ap.add_argument("--vae", default=None, help="DC-AE folder or hub id (omit: show latents)")

@@ -18,7 +18,7 @@ import yaml
 from flowmatch_models.data import BatchStream, EmbeddingDataModule, ShardSource
 from flowmatch_models.layout import DataLayout
 from flowmatch_models.store import write_shard
-from flowmatch_models.train import ConfigError, main, run_training
+from flowmatch_models.train import ConfigError, TrainRequest, TrainResult, main, train
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = {"000-00": 24, "000-01": 20, "000-02": 28, "001-00": 24}
@@ -92,6 +92,10 @@ def tiny_config(root: Path, out: Path, **over) -> dict:
         section, leaf = key.split("__")
         cfg[section][leaf] = value
     return cfg
+
+
+def run_training(cfg: dict, resume: str = "auto") -> TrainResult:
+    return train(TrainRequest(config=cfg, resume=resume))
 
 
 def _csv(path: Path) -> list[dict]:
@@ -182,7 +186,7 @@ def test_resume_is_exact_and_edited_yaml_wins(store: Path, tmp_path: Path, worke
         return tiny_config(store, out, **{"data__num_workers": workers, **kw})
 
     full = run_training(config(tmp_path / "full"), resume="none")
-    assert full["step"] == 8
+    assert full.step == 8
     a = read_records(tmp_path / "full")
 
     split = tmp_path / "split"
@@ -190,7 +194,7 @@ def test_resume_is_exact_and_edited_yaml_wins(store: Path, tmp_path: Path, worke
     first = run_training(
         config(split, trainer__max_steps=3, data__num_workers=2 - workers), resume="none"
     )
-    assert first["step"] == 3
+    assert first.step == 3
     ckpt = split / "checkpoints" / "last.ckpt"
     state = torch.load(ckpt, weights_only=True)  # only tensors and primitive containers
     assert state["EmbeddingDataModule"]["position"] == 3 * 2 * 8
@@ -200,20 +204,20 @@ def test_resume_is_exact_and_edited_yaml_wins(store: Path, tmp_path: Path, worke
     shutil.copytree(split, tmp_path / "edited")
 
     second = run_training(config(split), resume="auto")
-    assert second["resumed_from"] == str(ckpt) and second["step"] == 8
+    assert second.resumed_from == str(ckpt) and second.step == 8
     b = read_records(split)
     assert [r["ids"] for r in b] == [r["ids"] for r in a]
     assert [r["step"] for r in b] == [r["step"] for r in a]
     np.testing.assert_allclose([r["loss"] for r in b], [r["loss"] for r in a], rtol=0, atol=1e-6)
-    assert second["trained_counts"] == full["trained_counts"]
-    assert sum(full["trained_counts"].values()) == 16 * 8
+    assert second.trained_counts == full.trained_counts
+    assert sum(full.trained_counts.values()) == 16 * 8
 
     # resume with an edited YAML: new lr and batch size take effect, data continues in place
     edited = tmp_path / "edited"
     (edited / "sample_ids" / "rank0.jsonl").unlink()
     cfg = config(edited, trainer__max_steps=5, optim__lr=5e-3, data__batch_size=4)
     out = run_training(cfg, resume="auto")
-    assert out["lr"] == pytest.approx(5e-3)
+    assert out.metrics["lr"] == pytest.approx(5e-3)
     assert not list((edited / "checkpoints").glob("last-v*.ckpt"))  # last.ckpt overwritten
     assert torch.load(edited / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 5
     lrs = [r["train/lr"] for r in _csv(edited / "metrics.csv") if r.get("train/lr")]
@@ -250,7 +254,7 @@ def test_ddp_cli_run_writes_everything(store: Path, tmp_path: Path) -> None:
     env.update(PYTHONPATH=str(REPO), WANDB_SILENT="true", OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "flowmatch_models.train", "--config", str(path),
-         "--summary-json", str(tmp_path / "summary.json")],
+         "--result-json", str(tmp_path / "summary.json")],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -272,7 +276,7 @@ def test_ddp_cli_run_writes_everything(store: Path, tmp_path: Path) -> None:
 
     from diffusers import SanaTransformer2DModel
 
-    model = SanaTransformer2DModel.from_pretrained(out / "transformer_ema")
+    model = SanaTransformer2DModel.from_pretrained(out / "pipeline" / "transformer")
     ema = {k[4:]: v for k, v in ckpt["state_dict"].items() if k.startswith("ema.")}
     for k, v in model.state_dict().items():
         torch.testing.assert_close(v, ema[k])
@@ -330,9 +334,9 @@ def test_sample_grids_from_checkpoint_and_export_with_zoo_encoders(
     cfg["encoders"] = {"vae": str(zoo["vae"]), "text": str(zoo["text"])}
     cfg["sample"].update(prompts=["a red car", "a cat on a mat", "a map"], steps=3)
     summary = run_training(cfg, resume="none")
-    assert Image.open(summary["sample_grid"]).size == (262, 262)  # 3 prompts, 2x2 cells
+    assert Image.open(summary.sample_grid).size == (262, 262)  # 3 prompts, 2x2 cells
     grids = []
-    for src in (["--checkpoint", summary["checkpoint"]], ["--model", summary["export_dir"]]):
+    for src in (["--checkpoint", summary.checkpoint], ["--model", summary.export_dir]):
         out = tmp_path / f"grid{len(grids)}.png"
         args = ["--prompts", "a red car", "a cat", "--steps", "3", "--out", str(out)]
         args += ["--text-encoder", str(zoo["text"]), "--vae", str(zoo["vae"])]
@@ -346,11 +350,11 @@ def test_configs_load_and_base_is_effective_batch_1024() -> None:
     from flowmatch_models.train import load_config
 
     tiny = load_config(REPO / "configs" / "tiny.yaml", ["optim.lr=0.01", "data.partitions=[a, b]"])
-    assert tiny["optim"]["lr"] == 0.01 and tiny["data"]["partitions"] == ["a", "b"]
+    assert tiny.optim.lr == 0.01 and tiny.data.partitions == ["a", "b"]
     base = load_config(REPO / "configs" / "base.yaml", max_steps=7)
-    t = base["trainer"]
-    assert base["data"]["batch_size"] * t["accumulate_grad_batches"] * t["devices"] == 1024
-    assert t["max_steps"] == 7 and base["model"]["preset"] == "base"
+    t = base.trainer
+    assert base.data.batch_size * t.accumulate_grad_batches * t.devices == 1024
+    assert t.max_steps == 7 and base.model.preset == "base"
     with pytest.raises(ConfigError, match="unknown config key 'optim.lrr'"):
         load_config({"optim": {"lrr": 1}})
 
@@ -369,7 +373,7 @@ def test_resume_that_changes_the_order_stops_and_names_the_setting(
         tiny_config(store, out, trainer__max_steps=3, data__shuffle_window=2,
                     data__allow_order_change=True),
     )  # fmt: skip
-    assert res["step"] == 3 and res["data_position"]["epoch"] == 1
+    assert res.step == 3 and res.data_position["epoch"] == 1
 
 
 def test_ddp_with_repa_off(store: Path, tmp_path: Path) -> None:

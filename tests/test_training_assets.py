@@ -15,9 +15,11 @@ from flowmatch_assets.config import EncoderConfig
 from flowmatch_assets.definitions import defs, resources_for
 from flowmatch_assets.partitions import register_partitions
 from tests.conftest import make_resource
+from tests.wandb_records import config as wandb_config
 from tests.wandb_records import history
 
 EMB = ["vae_latents", "dino_features", "text_embeddings"]
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _materialize(res, instance, selection, run_config=None, partition_key=None):
@@ -30,6 +32,32 @@ def _materialize(res, instance, selection, run_config=None, partition_key=None):
         run_config=run_config or {},
         raise_on_error=False,
     )
+
+
+def _step(run: Path) -> int:
+    import torch
+
+    return torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
+
+
+def _direct(tmp_path: Path, name: str, zoo: dict, *flags: str) -> None:
+    """``python -m flowmatch_models.train`` as a user types it, from another folder, with the
+    data root from FLOWMATCH_DATA_ROOT and the launchpad's overrides as ``--set``."""
+    import os
+    import subprocess
+    import sys
+
+    cwd = tmp_path / "cwd"
+    cwd.mkdir(exist_ok=True)
+    sets = ["run.name=" + name, *_train_cfg()["ops"]["flow_model"]["config"]["overrides"]]
+    sets += [f"encoders.vae={zoo['vae']}", f"encoders.text={zoo['text']}"]
+    cmd = [sys.executable, "-m", "flowmatch_models.train", "--config", str(REPO / "configs" / "tiny.yaml")]
+    for s in sets:
+        cmd += ["--set", s]
+    env = {**os.environ, "FLOWMATCH_DATA_ROOT": str(tmp_path / "data"), "PYTHONPATH": str(REPO)}
+    env.pop("DAGSTER_PIPES_CONTEXT", None)
+    proc = subprocess.run([*cmd, *flags], cwd=cwd, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
 def _train_cfg(**kw):
@@ -77,6 +105,7 @@ def test_coverage_rule_then_train_resume_and_sample(tmp_path, small_sample, zoo)
             .asset_materialization.metadata
         )
         assert md["step"].value == 4  # reported by the training process through Pipes
+        assert md["device"].value == "cpu, 32-true"  # what the trainer ran on, not a guess
         assert md["partitions_used"].value == ["000-00"]
         assert "data:image/jpeg;base64" in md["loss_curve"].value
 
@@ -85,14 +114,28 @@ def test_coverage_rule_then_train_resume_and_sample(tmp_path, small_sample, zoo)
             res, instance, ["flow_model"], _train_cfg(extra_steps=3, min_coverage=0.5)
         )
         assert result.success
-        summary = json.loads((tmp_path / "data" / "runs" / "t" / "summary.json").read_text())
-        assert summary["step"] == 7 and summary["resumed_from"]
-        assert summary["trained_counts"] == {"000-00": 7 * 4}
         cat = Catalog(res.data_root)
-        row = cat.query("SELECT samples, extra FROM materializations WHERE asset='flow_model'")[0]
+        row = cat.query(
+            "SELECT samples, device, extra FROM materializations WHERE asset='flow_model'"
+        )[0]
+        extra = json.loads(row["extra"])
+        assert extra["step"] == 7 and extra["trained_counts"] == {"000-00": 7 * 4}
         # the record is this session's: 3 resumed steps x 4 samples; the total is kept beside it
-        assert row["samples"] == 12 and json.loads(row["extra"])["samples_total"] == 28
-        assert json.loads(row["extra"])["partitions"] == ["000-00"]
+        assert row["samples"] == 12 and extra["samples_total"] == 28
+        assert extra["partitions"] == ["000-00"] and row["device"] == "cpu, 32-true"
+        run = tmp_path / "data" / "runs" / "t"
+        request = json.loads((run / "request.json").read_text())  # decided once, by Dagster
+        assert request["partitions"] == ["000-00"] and request["max_steps"] == 7
+
+        # the same run folder from the command line: resume the UI's run directly ...
+        _direct(tmp_path, "t", zoo, "--extra-steps", "2")
+        assert _step(run) == 9 and not (tmp_path / "cwd" / "runs").exists()
+        # ... and a run started directly resumes through Dagster
+        _direct(tmp_path, "u", zoo, "--max-steps", "2")
+        cfg = _train_cfg(extra_steps=1, min_coverage=0.5)
+        cfg["ops"]["flow_model"]["config"]["run_name"] = "u"
+        assert _materialize(res, instance, ["flow_model"], cfg).success
+        assert _step(tmp_path / "data" / "runs" / "u") == 3
 
         result = _materialize(
             res,
@@ -115,7 +158,7 @@ def test_coverage_rule_then_train_resume_and_sample(tmp_path, small_sample, zoo)
         rows = cat.query("SELECT * FROM evaluations WHERE run = 't' ORDER BY attribute")
         by_attr = {r["attribute"]: r for r in rows}
         assert set(by_attr) == {"colour", "shape", "size", "position", "background", "all_four"}
-        assert all(r["step"] == 7 and r["n"] == 6 for r in rows)
+        assert all(r["step"] == 9 and r["n"] == 6 for r in rows)
         assert by_attr["colour"]["chance"] == pytest.approx(1 / 8)
         assert by_attr["all_four"]["chance"] == pytest.approx(1 / 8 * 1 / 6 * 1 / 2 * 1 / 3)
         # the recorded scores are exactly what the evaluation computes (deterministic)
@@ -130,12 +173,59 @@ def test_coverage_rule_then_train_resume_and_sample(tmp_path, small_sample, zoo)
         md = instance.fetch_materializations(dg.AssetKey("evaluation"), limit=1).records[0]
         md = md.asset_materialization.metadata
         assert md["colour_accuracy"].value == round(direct["accuracy"]["colour"], 3)
-        assert (tmp_path / "data" / "runs" / "t" / "evaluation" / "step0000007.png").is_file()
+        assert (tmp_path / "data" / "runs" / "t" / "evaluation" / "step0000009.png").is_file()
         # and into the training run's W&B run (same id; offline here), on their own x-axis
-        run = tmp_path / "data" / "runs" / "t"
         run_id = (run / "wandb_run_id.txt").read_text().strip()
         files = sorted(Path(md["wandb_dir"].value).glob(f"run-{run_id}.wandb"))
         rows = [r for r in history(files[0]) if "eval/colour" in r]
-        assert [r["eval/step"] for r in rows] == [7]
+        assert [r["eval/step"] for r in rows] == [9]
         assert rows[0]["eval/colour"] == pytest.approx(direct["accuracy"]["colour"])
         assert rows[0]["eval/colour_chance"] == pytest.approx(1 / 8)
+
+        # wandb: the resolved config, the run's data coverage and the images are in the run
+        first = sorted((run / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))[0]
+        logged = wandb_config(first)
+        assert logged["optim"]["lr"] == pytest.approx(2e-3) and logged["run"]["name"] == "t"
+        assert logged["data"]["batch_size"] == 4 and logged["model"]["preset"] == "tiny"
+        assert logged["coverage"]["partitions"] == 1 and logged["coverage"]["samples"] > 0
+        assert logged["coverage"]["partitions_known"] == 2
+        images = [r for r in history(first) if "samples/_type" in r]
+        assert [r["trainer/global_step"] for r in images] == [4]  # the end of the first session
+        assert images[0]["samples/_type"] == images[0]["loss_curve/_type"] == "image-file"
+
+        # the exported SanaPipeline, loaded by plain diffusers in another process with the
+        # README's lines, draws what the project's sampler draws (same noise, steps and CFG)
+        _pipeline_matches_sampler(run / "pipeline", tmp_path, zoo)
+
+
+def _pipeline_matches_sampler(pipeline: Path, tmp_path: Path, zoo: dict) -> None:
+    import os
+    import re
+    import subprocess
+    import sys
+
+    import numpy as np
+    import torch
+
+    from flowmatch_models.sample import generate, load_model, load_vae, prompt_embeddings
+
+    block = (REPO / "README.md").read_text().split("<!-- use-the-model -->")[1]
+    code = re.search(r"```python\n(.*?)```", block, re.S).group(1)
+    prompt = re.search(r'pipe\("([^"]+)"', code).group(1)
+    code = code.replace("data/runs/demo/pipeline", str(pipeline))
+    env = {**os.environ, "PYTHONPATH": ""}  # plain diffusers: no flowmatch on the path
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    theirs = np.asarray(Image.open(tmp_path / "red_circle.png").convert("RGB")).astype(int)
+
+    torch.set_num_threads(1)
+    model, meta = load_model(model_dir=pipeline)
+    text, mask, _ = prompt_embeddings([prompt], zoo["text"])
+    ours = generate(
+        model, text, mask, meta["scaling_factor"], load_vae(zoo["vae"]), steps=20,
+        cfg_scale=4.5, seed=0, shift=meta["flow_shift"], null_text=meta["null_text"],
+    )[0].astype(int)  # fmt: skip
+    diff = np.abs(ours - theirs)
+    assert ours.shape == theirs.shape == (256, 256, 3) and ours.std() > 5
+    assert diff.mean() <= 1.0 and diff.max() <= 1, (diff.mean(), diff.max())

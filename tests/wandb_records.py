@@ -48,3 +48,19 @@ def history(path: str | Path) -> list[dict]:
         for r in records(path)
         if r.HasField("history")
     ]
+
+
+def config(path: str | Path) -> dict:
+    """The run config (``wandb.config``) recorded in one run file, merged in order."""
+    out: dict = {}
+    for r in records(path):
+        if r.HasField("run"):
+            items = r.run.config.update
+        elif r.HasField("config"):
+            items = r.config.update
+        else:
+            continue
+        for i in items:
+            key = i.key or "/".join(i.nested_key)
+            out[key] = json.loads(i.value_json)
+    return out
