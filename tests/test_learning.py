@@ -20,7 +20,7 @@ from flowmatch_assets.sample_256 import images_256
 from flowmatch_models.encoders import Encoders, EncoderSpec
 from flowmatch_models.layout import DataLayout
 from flowmatch_models.store import write_shard
-from flowmatch_models.train import run_training
+from flowmatch_models.train import TrainRequest, train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -55,8 +55,8 @@ def test_tiny_dit_learns_to_follow_captions(tmp_path: Path, zoo: dict) -> None:
         cfg["data"]["root"] = str(tmp_path / "data")
         cfg["trainer"].update(max_steps=1000, checkpoint_every=1000, sample_every=0)
         cfg["logging"]["wandb"] = False
-        summary = run_training(cfg, resume="none")
-        assert summary["step"] == 1000
+        result = train(TrainRequest(config=cfg, resume="none"))
+        assert result.step == 1000 and result.device == "cpu, 32-true"
         r = evaluate_checkpoint(
             tmp_path / "run" / "checkpoints" / "last.ckpt", zoo["text"], str(DEMO_VAE), 48
         )

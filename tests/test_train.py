@@ -411,3 +411,30 @@ def test_training_cli_mistakes_are_one_line(store: Path, tmp_path: Path, capsys)
     assert main(["--config", str(path), "--resume", "none"]) == 0
     assert main(["--config", str(path), "--set", "data.shuffle_window=3", "--max-steps", "2"]) == 2
     assert "data.shuffle_window: checkpoint 4 -> now 3" in capsys.readouterr().err
+
+
+def test_config_is_typed_with_one_set_of_defaults(tmp_path: Path, monkeypatch) -> None:
+    from flowmatch_models.config import load_config
+    from flowmatch_models.lightning_module import FlowMatchModule
+
+    with pytest.raises(ConfigError, match=r"^optim\.lr: Input should be a valid number.*'fast'"):
+        load_config({"optim": {"lr": "fast"}})
+    with pytest.raises(ConfigError, match=r"^--set optim.schedule: Input should be 'constant' or"):
+        load_config({}, ["optim.schedule=linear"])
+    with pytest.raises(ConfigError, match=r"^--set data.batch_size: Input should be greater"):
+        load_config({}, ["data.batch_size=0"])
+    with pytest.raises(ConfigError, match=r"^--set optim.lr.x: 'lr' is a value, not a section"):
+        load_config({}, ["optim.lr.x=1"])
+    # the defaults live in TrainConfig alone: the module reads them, it has no fallbacks
+    cfg = load_config({"optim": {"lr": 1e-3}})
+    assert cfg.optim.warmup_steps == 1000 and cfg.optim.ema_decay == 0.9999
+    sched = FlowMatchModule(cfg).configure_optimizers()["lr_scheduler"]["scheduler"]
+    assert sched.get_last_lr()[0] == pytest.approx(1e-3 / 1000)  # warmup from the one default
+    # one run folder: <data root>/runs/<run.name>, data root from FLOWMATCH_DATA_ROOT
+    monkeypatch.setenv("FLOWMATCH_DATA_ROOT", str(tmp_path / "root"))
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(REPO / "configs" / "tiny.yaml", ["run.name=r1"])
+    assert cfg.run_dir() == tmp_path / "root" / "runs" / "r1"
+    assert load_config({"run": {"out_dir": "elsewhere"}}).run_dir() == tmp_path / "elsewhere"
+    monkeypatch.delenv("FLOWMATCH_DATA_ROOT")
+    assert load_config({}).run_dir() == tmp_path / "data" / "runs" / "default"

@@ -46,7 +46,7 @@ def run_variant(
     extra: list[str] = (),
 ) -> list[dict]:
     """Train one variant from scratch and score every saved checkpoint."""
-    from flowmatch_models.train import run_training
+    from flowmatch_models.train import TrainRequest, train
 
     run = out / name
     sets = {
@@ -61,7 +61,7 @@ def run_variant(
     }
     t0 = time.perf_counter()
     overrides = [f"{k}={json.dumps(v)}" for k, v in sets.items()] + list(extra)
-    run_training(config, resume="none", overrides=overrides)
+    train(TrainRequest(config=str(config), overrides=overrides, resume="none"))
     train_s = time.perf_counter() - t0
     curve = []
     for step, path in checkpoints(run, "all"):
