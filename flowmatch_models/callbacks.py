@@ -80,7 +80,7 @@ class SampleGridCallback(Callback):
         self.cfg, self.dm, self.every = cfg, datamodule, cfg.trainer.sample_every
         self._prompts = None
         self._vae = None
-        self._last = -1
+        self.last_step = -1
         self.last_path: Path | None = None
 
     def _prepare(self):
@@ -107,13 +107,15 @@ class SampleGridCallback(Callback):
             steps=s.steps, cfg_scale=s.cfg_scale, seed=s.seed, shift=self.cfg.flow.shift,
             labels=labels, null_text=pl_module.flow.null_text,
         )  # fmt: skip
+        self.last_step = trainer.global_step
         return self.last_path
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
-        if not trainer.is_global_zero or self.every <= 0 or step % self.every or step == self._last:
+        if not trainer.is_global_zero or self.every <= 0 or step % self.every:
             return
-        self._last = step
+        if step == self.last_step:
+            return
         grid = self.render(trainer, pl_module)
         curve = loss_curve_now(self.cfg.run_dir(), trainer)
         log_images(trainer, step, samples=grid, loss_curve=curve)

@@ -40,6 +40,7 @@ from flowmatch_models.callbacks import (
     ProgressPrinter,
     SampleGridCallback,
     SampleIdRecorder,
+    log_images,
 )
 from flowmatch_models.config import ConfigError, TrainConfig, load_config
 from flowmatch_models.curves import merge_metrics, plot_loss_curve
@@ -280,11 +281,11 @@ def _finish_outputs(result, cfg, trainer, module, dm, grid_cb, loggers) -> None:
     if metrics:
         result.loss_curve = str(plot_loss_curve(metrics, run_dir / "loss_curve.png"))
     if cfg.trainer.sample_every > 0:
-        result.sample_grid = str(grid_cb.render(trainer, module))
-        from flowmatch_models.callbacks import log_images
-
-        log_images(trainer, result.step, samples=Path(result.sample_grid),
-                   loss_curve=Path(result.loss_curve) if result.loss_curve else None)  # fmt: skip
+        if grid_cb.last_step != result.step:  # the end is off the cadence: one more grid
+            grid_cb.render(trainer, module)
+            curve = Path(result.loss_curve) if result.loss_curve else None
+            log_images(trainer, result.step, samples=grid_cb.last_path, loss_curve=curve)
+        result.sample_grid = str(grid_cb.last_path)
     result.export_dir = str(
         export_pipeline(
             module.ema, run_dir / "pipeline", scaling_factor=dm.scaling_factor,

@@ -268,7 +268,15 @@ def test_ddp_cli_run_writes_everything(store: Path, tmp_path: Path) -> None:
     ckpt = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["global_step"] == 4 and any(k.startswith("ema.") for k in ckpt["state_dict"])
     assert (out / "checkpoints" / "step0000002.ckpt").is_file()
-    assert list((out / "wandb").glob("offline-run-*"))
+    # wandb: the sample grid and the loss curve as images at the sample cadence, the config
+    from tests.wandb_records import config as wandb_config
+    from tests.wandb_records import history
+
+    (run_file,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
+    images = [r for r in history(run_file) if "samples/_type" in r]
+    assert [r["trainer/global_step"] for r in images] == [2, 4]  # the cadence (4 is also the end)
+    assert all(r["loss_curve/_type"] == "image-file" for r in images)
+    assert wandb_config(run_file)["trainer"]["devices"] == 2
     rows = (out / "metrics.csv").read_text().splitlines()
     assert "train/loss" in rows[0] and "train/lr" in rows[0] and len(rows) > 4
     for png in ("loss_curve.png", "samples/step0000002.png", "samples/step0000004.png"):
@@ -277,6 +285,7 @@ def test_ddp_cli_run_writes_everything(store: Path, tmp_path: Path) -> None:
     from diffusers import SanaTransformer2DModel
 
     model = SanaTransformer2DModel.from_pretrained(out / "pipeline" / "transformer")
+    assert not (out / "pipeline" / "model_index.json").exists()  # no encoders: not a pipeline
     ema = {k[4:]: v for k, v in ckpt["state_dict"].items() if k.startswith("ema.")}
     for k, v in model.state_dict().items():
         torch.testing.assert_close(v, ema[k])
