@@ -87,6 +87,11 @@ class DataConfig(_Section):
     allow_order_change: bool = Field(
         False, description="Resume although run.seed/shuffle_window changed (next epoch)."
     )
+    grow: bool = Field(
+        True,
+        description="Unless partitions are listed: each epoch uses every partition complete at "
+        "its start (a run started at low coverage picks up new partitions).",
+    )
 
     @field_validator("partitions", mode="before")
     @classmethod

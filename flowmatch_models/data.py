@@ -174,7 +174,9 @@ def epoch_order(sizes: np.ndarray, epoch: int, seed: int, window: int) -> np.nda
 
 
 class BatchStream(IterableDataset):
-    """Endless stream of this rank's batches from ``(start_epoch, start_sample)`` onwards."""
+    """This rank's batches from ``(start_epoch, start_sample)`` on: endless, or to the end of
+    ``end_epoch`` (the data module streams one epoch per loader, so that the next epoch's
+    partition set can be decided at the boundary)."""
 
     def __init__(
         self,
@@ -186,8 +188,10 @@ class BatchStream(IterableDataset):
         world_size: int = 1,
         start_epoch: int = 0,
         start_sample: int = 0,
+        end_epoch: int | None = None,
     ):
         self.source, self.batch_size, self.seed = source, batch_size, seed
+        self.end_epoch = end_epoch
         self.window, self.rank, self.world_size = shuffle_window, rank, world_size
         self.start_epoch, self.start_sample = start_epoch, start_sample
         self.global_batch = batch_size * world_size
@@ -208,7 +212,7 @@ class BatchStream(IterableDataset):
         """
         epoch, pos = self.start_epoch, self.start_sample
         n_total = int(self.starts[-1])
-        while True:
+        while self.end_epoch is None or epoch <= self.end_epoch:
             while pos + self.global_batch <= n_total:
                 yield epoch, pos
                 pos += self.global_batch
@@ -239,8 +243,15 @@ class BatchStream(IterableDataset):
 class EmbeddingDataModule(L.LightningDataModule):
     """Lightning data module over the complete partitions (or an explicit list) of a data root.
 
-    ``state_dict`` holds the data position ``(epoch, position)``, the partition list it refers
-    to and the per-partition count of samples trained so far (over all ranks).
+    One loader per epoch: at each epoch start the epoch's partition set is decided (rank 0,
+    broadcast to every rank): the explicit list, or with ``grow`` every partition complete at
+    that moment, so a run started at low coverage picks up partitions completed since, at epoch
+    boundaries, without a restart. ``state_dict`` holds the data position ``(epoch, position)``,
+    the current epoch's partition set (a resume finishes the epoch with it), the per-partition
+    count of samples trained so far (over all ranks) and the ledger: one segment per (epoch,
+    session) -- partition set, shard sizes, seed, shuffle window, global batch, accumulation,
+    consumed positions and the optimizer step at their start -- from which every trained sample
+    id and its steps are reconstructed (:func:`ledger_samples`).
     """
 
     def __init__(
@@ -254,23 +265,34 @@ class EmbeddingDataModule(L.LightningDataModule):
         text_max_len: int = 128,
         load_dino: bool = True,
         allow_order_change: bool = False,
+        grow: bool = False,
+        accumulate: int = 1,
     ):
         super().__init__()
         self.allow_order_change = allow_order_change
         self.root = Path(root)
-        self.partitions = list(partitions) if partitions else DataLayout(root).complete_partitions()
+        self.fixed = list(partitions) if partitions else None
+        self.grow = grow
+        self.partitions = self.fixed or DataLayout(root).complete_partitions()
+        self._initial = list(self.partitions)
         self.batch_size, self.num_workers, self.seed = batch_size, num_workers, seed
         self.shuffle_window, self.text_max_len, self.load_dino = (
             shuffle_window,
             text_max_len,
             load_dino,
         )
-        self.source = ShardSource(
-            root, self.partitions, text_max_len, load_dino, shuffle_window + 1
-        )
+        self.accumulate = accumulate
+        self.source = self._open(self.partitions)
         self.epoch, self.position = 0, 0
         self.trained_counts: dict[str, int] = {p: 0 for p in self.partitions}
+        self.ledger: list[dict] = []
+        self._decided_epoch: int | None = None
         self._orders: dict[int, np.ndarray] = {}
+
+    def _open(self, partitions: list[str]) -> ShardSource:
+        return ShardSource(
+            self.root, partitions, self.text_max_len, self.load_dino, self.shuffle_window + 1
+        )
 
     @property
     def scaling_factor(self) -> float:
@@ -282,7 +304,32 @@ class EmbeddingDataModule(L.LightningDataModule):
             return 0, 1
         return trainer.global_rank, trainer.world_size
 
+    def _decide_epoch(self) -> None:
+        """At an epoch's start: its partition set (rank 0 decides, every rank gets it)."""
+        if self.position != 0 or self._decided_epoch == self.epoch:
+            return
+        self._decided_epoch = self.epoch
+        if self.grow:
+            found = DataLayout(self.root).complete_partitions()
+            trainer = getattr(self, "trainer", None)
+            if trainer is not None and trainer.world_size > 1:
+                found = trainer.strategy.broadcast(found, src=0)
+        else:
+            found = self.fixed or self._initial
+        if found and found != self.partitions:
+            new = sorted(set(found) - set(self.partitions))
+            gone = sorted(set(self.partitions) - set(found))
+            log.warning(
+                "epoch %d: %d partitions (%s%s)", self.epoch, len(found),
+                f"+{len(new)} new: {', '.join(new[:5])}" if new else "",
+                f" -{len(gone)} gone: {', '.join(gone[:5])}" if gone else "",
+            )  # fmt: skip
+            self.partitions, self.source, self._orders = list(found), self._open(found), {}
+            for p in found:
+                self.trained_counts.setdefault(p, 0)
+
     def train_dataloader(self) -> DataLoader:
+        self._decide_epoch()
         rank, world = self._rank_world()
         stream = BatchStream(
             self.source,
@@ -293,7 +340,24 @@ class EmbeddingDataModule(L.LightningDataModule):
             world,
             self.epoch,
             self.position,
+            end_epoch=self.epoch,
         )
+        trainer = getattr(self, "trainer", None)
+        self.ledger.append(
+            {
+                "epoch": self.epoch,
+                "partitions": list(self.partitions),
+                "sizes": [int(n) for n in self.source.sizes],
+                "seed": self.seed,
+                "shuffle_window": self.shuffle_window,
+                "global_batch": stream.global_batch,
+                "accumulate": self.accumulate,
+                "pos_from": self.position,
+                "pos_to": self.position,
+                "step_from": int(trainer.global_step) if trainer is not None else 0,
+            }
+        )
+        self._log_coverage(trainer)
         return DataLoader(
             stream,
             batch_size=None,
@@ -302,6 +366,18 @@ class EmbeddingDataModule(L.LightningDataModule):
             prefetch_factor=4 if self.num_workers > 0 else None,
             persistent_workers=False,
         )
+
+    def _log_coverage(self, trainer) -> None:
+        """The epoch's coverage (partitions and samples used) into the run's loggers."""
+        if trainer is None or not trainer.is_global_zero:
+            return
+        row = {
+            "coverage/epoch": float(self.epoch),
+            "coverage/partitions": float(len(self.partitions)),
+            "coverage/samples": float(self.source.sizes.sum()),
+        }
+        for logger in trainer.loggers:
+            logger.log_metrics(row, step=trainer.global_step)
 
     def mark_consumed(self, epoch: int, position: int, global_batch: int) -> None:
         """Record that the global batch at ``(epoch, position)`` was trained on (all ranks)."""
@@ -314,6 +390,8 @@ class EmbeddingDataModule(L.LightningDataModule):
         for s, c in zip(*np.unique(shard, return_counts=True)):
             p = self.partitions[int(s)]
             self.trained_counts[p] = self.trained_counts.get(p, 0) + int(c)
+        if self.ledger and self.ledger[-1]["epoch"] == epoch:
+            self.ledger[-1]["pos_to"] = position + global_batch
         self.epoch, self.position = epoch, position + global_batch
         if self.position + global_batch > int(self.source.sizes.sum()):
             self.epoch, self.position = epoch + 1, 0
@@ -326,11 +404,13 @@ class EmbeddingDataModule(L.LightningDataModule):
             "shuffle_window": self.shuffle_window,
             "partitions": list(self.partitions),
             "trained_counts": dict(self.trained_counts),
+            "ledger": [dict(s) for s in self.ledger if s["pos_to"] > s["pos_from"]],
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.trained_counts = {p: 0 for p in self.partitions}
         self.trained_counts.update({k: int(v) for k, v in state["trained_counts"].items()})
+        self.ledger = [dict(s) for s in state.get("ledger", [])]
         ours = {"seed": self.seed, "shuffle_window": self.shuffle_window}
         changed = {k: (state[k], v) for k, v in ours.items() if k in state and state[k] != v}
         if changed and not self.allow_order_change:
@@ -342,15 +422,22 @@ class EmbeddingDataModule(L.LightningDataModule):
                 f"resume would change the data order ({what}); set it back, or pass "
                 "--set data.allow_order_change=true to continue with a new order from the next epoch"
             )
-        if list(state["partitions"]) == self.partitions and not changed:
-            self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        epoch, position, theirs = int(state["epoch"]), int(state["position"]), list(state["partitions"])
+        complete = set(DataLayout(self.root).complete_partitions())
+        if not changed and position > 0 and set(theirs) <= complete:
+            # mid-epoch: finish the epoch on its recorded partition set, exactly
+            if theirs != self.partitions:
+                self.partitions, self.source, self._orders = theirs, self._open(theirs), {}
+            self.epoch, self.position = epoch, position
+            self._decided_epoch = epoch
             return
-        self.epoch, self.position = int(state["epoch"]) + 1, 0
+        if not changed and position == 0:
+            self.epoch, self.position = epoch, 0  # a boundary: the new epoch decides anew
+            return
+        self.epoch, self.position = epoch + 1, 0
         log.warning(
-            "%s changed since the checkpoint (%d -> %d partitions); resuming at the start of "
-            "epoch %d",
-            ", ".join(changed) or "the partitions",
-            len(state["partitions"]),
-            len(self.partitions),
+            "%s changed since the checkpoint; resuming at the start of epoch %d",
+            ", ".join(changed) or "partitions of the current epoch are gone:"
+            + ", ".join(sorted(set(theirs) - complete)),
             self.epoch,
         )

@@ -145,6 +145,7 @@ def decide(request: TrainRequest) -> tuple[TrainRequest, TrainConfig]:
     if request.extra_steps is not None:
         cfg.trainer.max_steps = (_checkpoint_step(resume) if resume else 0) + request.extra_steps
     partitions = request.partitions or cfg.data.partitions
+    cfg.data.grow = cfg.data.grow and not (request.partitions is None and cfg.data.partitions)
     if not partitions:
         partitions = DataLayout(cfg.data.root).complete_partitions()
     cfg.data.partitions = list(partitions)
@@ -190,6 +191,7 @@ def _fit(request: TrainRequest, cfg: TrainConfig, pipes) -> TrainResult:
         cfg.data.root, request.partitions, batch_size=d.batch_size, num_workers=d.num_workers,
         seed=cfg.run.seed, shuffle_window=d.shuffle_window, text_max_len=d.text_max_len,
         load_dino=cfg.flow.repa_lambda > 0, allow_order_change=d.allow_order_change,
+        grow=d.grow, accumulate=t.accumulate_grad_batches,
     )  # fmt: skip
     module = FlowMatchModule(cfg)
     module.flow.null_text = dm.source.null_text
@@ -228,6 +230,7 @@ def _fit(request: TrainRequest, cfg: TrainConfig, pipes) -> TrainResult:
         logger=loggers, callbacks=callbacks, plugins=[AtomicCheckpointIO()],
         use_distributed_sampler=False, enable_progress_bar=t.progress_bar,
         enable_model_summary=False, num_sanity_val_steps=0,
+        reload_dataloaders_every_n_epochs=1,  # one loader per epoch: its partitions decided at its start
     )  # fmt: skip
     samples_before = _samples_in(ckpt_path)
     t0 = time.perf_counter()
