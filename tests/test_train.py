@@ -211,6 +211,9 @@ def test_resume_is_exact_and_edited_yaml_wins(store: Path, tmp_path: Path, worke
     np.testing.assert_allclose([r["loss"] for r in b], [r["loss"] for r in a], rtol=0, atol=1e-6)
     assert second.trained_counts == full.trained_counts
     assert sum(full.trained_counts.values()) == 16 * 8
+    # the ledger of the resumed run's checkpoint (two sessions, an epoch boundary, gradient
+    # accumulation 2) reconstructs exactly the samples the loader yielded, and their steps
+    _ledger_matches_records(store, torch.load(ckpt, weights_only=True), a, accumulate=2)
 
     # resume with an edited YAML: new lr and batch size take effect, data continues in place
     edited = tmp_path / "edited"
@@ -226,6 +229,26 @@ def test_resume_is_exact_and_edited_yaml_wins(store: Path, tmp_path: Path, worke
     assert [len(r["ids"]) for r in recs] == [4] * 4
     assert recs[0]["position"] == 48  # exactly where the 3-step run stopped
     assert [i for r in recs for i in r["ids"]] == [i for r in a[6:8] for i in r["ids"]]
+
+
+def _ledger_matches_records(store: Path, ckpt: dict, records: list[dict], accumulate: int) -> None:
+    from flowmatch_models.ledger import expand
+    from flowmatch_models.store import read_shard
+
+    layout = DataLayout(store)
+    got = expand(
+        ckpt["EmbeddingDataModule"]["ledger"],
+        lambda p: read_shard(layout.asset_path("vae_latents", p)).ids,
+    )
+    want: dict[str, list[int]] = {}
+    for i, r in enumerate(records):  # the optimizer step that used batch i
+        for sid in r["ids"]:
+            want.setdefault(sid, []).append(i // accumulate + 1)
+    assert sorted(got["sample_id"]) == sorted(want)
+    for sid, p, n, lo, hi in zip(got["sample_id"], got["partition"], got["times_seen"],
+                                 got["first_step"], got["last_step"]):  # fmt: skip
+        assert (n, lo, hi) == (len(want[sid]), min(want[sid]), max(want[sid])), sid
+        assert sid.startswith(p + "/")
 
 
 # --------------------------------------------------------------------------------------------

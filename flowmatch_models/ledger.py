@@ -1,0 +1,76 @@
+"""The ledger of trained samples: which samples a checkpoint has seen, how often, and when.
+
+A checkpoint's data state holds one compact segment per (epoch, session) -- the epoch's
+partition set and shard sizes, the order seed and shuffle window, the global batch ``G`` and
+the gradient accumulation ``A``, the consumed positions ``[pos_from, pos_to)`` and the optimizer
+step at ``pos_from``. The epoch's order is a pure function of those (:func:`epoch_order`), so
+every trained sample, and the optimizer step that used it, is reconstructed exactly:
+position ``p`` of the segment was in global batch ``k = (p - pos_from) // G`` and updated the
+weights at step ``step_from + k // A + 1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from flowmatch_models.data import epoch_order
+
+
+def segment_samples(seg: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(shard index into seg['partitions'], row in that shard, step)`` of every sample the
+    segment trained, in training order."""
+    sizes = np.asarray(seg["sizes"], np.int64)
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    order = epoch_order(sizes, int(seg["epoch"]), int(seg["seed"]), int(seg["shuffle_window"]))
+    idx = order[int(seg["pos_from"]) : int(seg["pos_to"])]
+    k = np.arange(len(idx)) // int(seg["global_batch"])
+    steps = int(seg["step_from"]) + k // int(seg["accumulate"]) + 1
+    shard = np.searchsorted(starts, idx, side="right") - 1
+    return shard, idx - starts[shard], steps
+
+
+def expand(
+    segments: Sequence[dict], ids_of: Callable[[str], Sequence[str]]
+) -> dict[str, np.ndarray]:
+    """Per trained sample: ``sample_id, partition, times_seen, first_step, last_step`` (and
+    ``partition_size``), from a checkpoint's ledger segments; ``ids_of(partition)`` gives a
+    partition's sample ids in shard order."""
+    names: list[str] = []
+    index: dict[str, int] = {}
+    sizes: dict[str, int] = {}
+    keys, steps = [], []
+    offsets: dict[str, int] = {}
+    for seg in segments:
+        shard, row, step = segment_samples(seg)
+        for p, n in zip(seg["partitions"], seg["sizes"]):
+            if p not in index:
+                index[p], offsets[p] = len(names), sum(sizes.values())
+                names.append(p)
+                sizes[p] = int(n)
+        off = np.array([offsets[p] for p in seg["partitions"]], np.int64)
+        keys.append(off[shard] + row)
+        steps.append(step)
+    if not keys:
+        empty = np.zeros(0, np.int64)
+        return {"sample_id": np.zeros(0, object), "partition": np.zeros(0, object),
+                "times_seen": empty, "first_step": empty, "last_step": empty,
+                "partition_size": empty}  # fmt: skip
+    key, step = np.concatenate(keys), np.concatenate(steps)
+    order = np.argsort(key, kind="stable")
+    key, step = key[order], step[order]
+    first = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+    uniq = key[first]
+    bounds = np.array([offsets[p] for p in names] + [sum(sizes.values())], np.int64)
+    part = np.searchsorted(bounds, uniq, side="right") - 1
+    row = uniq - bounds[part]
+    ids = {p: list(ids_of(p)) for p in names}
+    return {
+        "sample_id": np.array([ids[names[q]][r] for q, r in zip(part, row)], object),
+        "partition": np.array([names[q] for q in part], object),
+        "times_seen": np.diff(np.r_[first, len(key)]),
+        "first_step": np.minimum.reduceat(step, first),
+        "last_step": np.maximum.reduceat(step, first),
+        "partition_size": np.array([sizes[names[q]] for q in part], np.int64),
+    }
