@@ -183,7 +183,8 @@ def flow_model(
     )
     if result.export_dir:
         md["pipeline"] = dg.MetadataValue.path(result.export_dir)
-    for key, label in (("loss_curve", "loss curve"), ("sample_grid", "samples")):
+    for key, label in (("loss_curve", "loss curve"), ("coverage_curve", "coverage per epoch"),
+                       ("sample_grid", "samples")):  # fmt: skip
         p = getattr(result, key)
         if p and Path(p).exists():
             from PIL import Image

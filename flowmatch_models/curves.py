@@ -69,3 +69,36 @@ def loss_curve_now(out_dir: Path, trainer) -> Path | None:
             lg.save()
     merged = merge_metrics(out_dir)
     return plot_loss_curve(merged, out_dir / "loss_curve.png") if merged else None
+
+
+def plot_coverage(ledger: list[dict], out_png: Path) -> Path | None:
+    """Per epoch, partitions and samples available (complete at the epoch's start) vs used,
+    from the data state's ledger segments (the first segment of each epoch)."""
+    per_epoch: dict[int, dict] = {}
+    for seg in ledger:
+        per_epoch.setdefault(int(seg["epoch"]), seg)
+    if not per_epoch:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epochs = sorted(per_epoch)
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.2))
+    for a, what in zip(ax, ("partitions", "samples")):
+        used = [len(per_epoch[e]["partitions"]) if what == "partitions"
+                else sum(per_epoch[e]["sizes"]) for e in epochs]  # fmt: skip
+        avail = [per_epoch[e].get(f"available_{what}", u) for e, u in zip(epochs, used)]
+        a.step(epochs, avail, where="post", label="available", color="C7")
+        a.step(epochs, used, where="post", label="used", color="C0")
+        a.set_xlabel("epoch")
+        a.set_ylabel(what)
+        a.set_ylim(bottom=0)
+        a.legend()
+    fig.suptitle("training coverage per epoch")
+    fig.tight_layout()
+    with atomic_path(out_png, suffix=".png") as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
+    plt.close(fig)
+    return out_png

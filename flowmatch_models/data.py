@@ -287,6 +287,7 @@ class EmbeddingDataModule(L.LightningDataModule):
         self.trained_counts: dict[str, int] = {p: 0 for p in self.partitions}
         self.ledger: list[dict] = []
         self._decided_epoch: int | None = None
+        self._available: list[str] | None = None  # complete partitions at the epoch's start
         self._orders: dict[int, np.ndarray] = {}
 
     def _open(self, partitions: list[str]) -> ShardSource:
@@ -309,13 +310,12 @@ class EmbeddingDataModule(L.LightningDataModule):
         if self.position != 0 or self._decided_epoch == self.epoch:
             return
         self._decided_epoch = self.epoch
-        if self.grow:
-            found = DataLayout(self.root).complete_partitions()
-            trainer = getattr(self, "trainer", None)
-            if trainer is not None and trainer.world_size > 1:
-                found = trainer.strategy.broadcast(found, src=0)
-        else:
-            found = self.fixed or self._initial
+        complete = DataLayout(self.root).complete_partitions()
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None and trainer.world_size > 1:
+            complete = trainer.strategy.broadcast(complete, src=0)
+        found = complete if self.grow else (self.fixed or self._initial)
+        self._available = complete
         if found and found != self.partitions:
             new = sorted(set(found) - set(self.partitions))
             gone = sorted(set(self.partitions) - set(found))
@@ -355,6 +355,7 @@ class EmbeddingDataModule(L.LightningDataModule):
                 "pos_from": self.position,
                 "pos_to": self.position,
                 "step_from": int(trainer.global_step) if trainer is not None else 0,
+                **self._available_counts(),
             }
         )
         self._log_coverage(trainer)
@@ -367,14 +368,27 @@ class EmbeddingDataModule(L.LightningDataModule):
             persistent_workers=False,
         )
 
+    def _available_counts(self) -> dict:
+        """Partitions and samples complete at the epoch's start (beside those used)."""
+        avail = self._available if self._available is not None else self.partitions
+        if set(avail) == set(self.partitions):
+            samples = int(self.source.sizes.sum())
+        else:
+            layout = DataLayout(self.root)
+            samples = sum(len(read_shard(layout.asset_path("vae_latents", p))) for p in avail)
+        return {"available_partitions": len(avail), "available_samples": samples}
+
     def _log_coverage(self, trainer) -> None:
         """The epoch's coverage (partitions and samples used) into the run's loggers."""
         if trainer is None or not trainer.is_global_zero:
             return
+        seg = self.ledger[-1]
         row = {
             "coverage/epoch": float(self.epoch),
-            "coverage/partitions": float(len(self.partitions)),
-            "coverage/samples": float(self.source.sizes.sum()),
+            "coverage/partitions_used": float(len(self.partitions)),
+            "coverage/samples_used": float(self.source.sizes.sum()),
+            "coverage/partitions_available": float(seg["available_partitions"]),
+            "coverage/samples_available": float(seg["available_samples"]),
         }
         for logger in trainer.loggers:
             logger.log_metrics(row, step=trainer.global_step)

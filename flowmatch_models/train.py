@@ -13,6 +13,7 @@ Hyperparameters are a :class:`~flowmatch_models.config.TrainConfig` (``configs/t
     logs/segNNN/metrics.csv, metrics.csv      one CSV per (re)start, merged into metrics.csv
     wandb/offline-run-*                       W&B (online iff WANDB_API_KEY is set)
     loss_curve.png, samples/step*.png         pictures (also in wandb at the sample cadence)
+    coverage.png                              partitions/samples available vs used per epoch
     pipeline/                                 ``SanaPipeline.from_pretrained`` (EMA transformer)
 """
 
@@ -43,7 +44,7 @@ from flowmatch_models.callbacks import (
     log_images,
 )
 from flowmatch_models.config import ConfigError, TrainConfig, load_config
-from flowmatch_models.curves import merge_metrics, plot_loss_curve
+from flowmatch_models.curves import merge_metrics, plot_coverage, plot_loss_curve
 from flowmatch_models.data import EmbeddingDataModule, OrderChangedError
 from flowmatch_models.export import export_pipeline
 from flowmatch_models.layout import DataLayout
@@ -99,6 +100,7 @@ class TrainResult:
     export_dir: str | None = None  # the SanaPipeline folder
     metrics_csv: str | None = None
     loss_curve: str | None = None
+    coverage_curve: str | None = None  # partitions/samples available vs used per epoch
     sample_grid: str | None = None
     wandb_dir: str | None = None
 
@@ -283,6 +285,8 @@ def _finish_outputs(result, cfg, trainer, module, dm, grid_cb, loggers) -> None:
     result.metrics_csv = str(metrics) if metrics else None
     if metrics:
         result.loss_curve = str(plot_loss_curve(metrics, run_dir / "loss_curve.png"))
+    coverage = plot_coverage(dm.state_dict()["ledger"], run_dir / "coverage.png")
+    result.coverage_curve = str(coverage) if coverage else None
     if cfg.trainer.sample_every > 0:
         if grid_cb.last_step != result.step:  # the end is off the cadence: one more grid
             grid_cb.render(trainer, module)

@@ -537,3 +537,88 @@ def test_elastic_resume_keeps_the_global_sample_order(store: Path, tmp_path: Pat
     _cli_run(tmp_path, cfg(tmp_path / "b", 1, 6), "b1")  # 6 x 8 = 48
     _cli_run(tmp_path, cfg(tmp_path / "b", 2, 10), "b2")  # + 4 x 16 = 112
     assert _flat(tmp_path / "b", [(1, 6), (2, 4)]) == ref
+
+
+@pytest.mark.slow
+def test_training_grows_with_coverage_and_resumes_exactly_after_a_kill(tmp_path: Path) -> None:
+    """Start on one partition; two more complete while it runs (their shards appear by atomic
+    rename, as the embedding assets write them); they are used from the next epoch on; a kill
+    and a resume continue the exact sample sequence, on each epoch's recorded partition set."""
+    import signal
+    import time
+
+    root, staged = tmp_path / "data", tmp_path / "staged"
+    make_store(root, {"000-00": 24})
+    make_store(staged, {"001-00": 16, "002-00": 24}, seed=1)
+    out = tmp_path / "run"
+    cfg = tiny_config(root, out, trainer__max_steps=100000, trainer__accumulate_grad_batches=1,
+                      trainer__checkpoint_every=4)  # fmt: skip
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = {k: v for k, v in os.environ.items() if k not in ("WANDB_API_KEY", "LOCAL_RANK")}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "flowmatch_models.train", "--config", str(path)]
+    ids_file = out / "sample_ids" / "rank0.jsonl"
+
+    def records() -> list[dict]:
+        if not ids_file.exists():
+            return []
+        lines = ids_file.read_text().split("\n")[:-1]  # a killed writer's last line is partial
+        return [json.loads(x) for x in lines]
+
+    def wait_for(pred, timeout=120) -> list[dict]:
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            recs = records()
+            if pred(recs):
+                return recs
+            time.sleep(0.05)
+        raise AssertionError(f"timed out; {len(records())} records")
+
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        wait_for(lambda r: len(r) >= 6)  # two epochs of 3 batches on 000-00
+        for p in ("001-00", "002-00"):
+            for asset in ("vae_latents", "dino_features", "text_embeddings"):
+                src = DataLayout(staged).asset_path(asset, p)
+                dst = DataLayout(root).asset_path(asset, p)
+                os.replace(src, dst)
+        recs = wait_for(lambda r: any(not i.startswith("000-00") for x in r for i in x["ids"]))
+        first_new = next(k for k, x in enumerate(recs) if any(not i.startswith("000") for i in x["ids"]))
+        assert recs[first_new]["position"] == 0  # from an epoch's start, not mid-epoch
+        grown_epoch = recs[first_new]["epoch"]
+        assert all(i.startswith("000-00") for x in recs[:first_new] for i in x["ids"])
+        # kill once a few batches of the grown epochs have trained, mid-epoch after a checkpoint
+        wait_for(lambda r: len(r) >= first_new + 13 and r[-1]["position"] > 0)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    killed = records()
+    ids_file.write_text("".join(json.dumps(x) + "\n" for x in killed))  # drop a partial line
+    ckpt = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)
+    step = ckpt["global_step"]
+    assert step > killed[first_new]["step"]
+    state = ckpt["EmbeddingDataModule"]
+    assert state["partitions"] == ["000-00", "001-00", "002-00"]
+    epochs = {s["epoch"]: s["partitions"] for s in state["ledger"]}
+    assert epochs[grown_epoch - 1] == ["000-00"] and epochs[grown_epoch] == state["partitions"]
+
+    # resume: the steps after the checkpoint are trained again on exactly the same samples
+    cfg["trainer"]["max_steps"] = killed[-1]["step"] + 4
+    path.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = records()[len(killed):]
+    redo = [x for x in killed if x["step"] > step]
+    assert redo and [x["ids"] for x in resumed[: len(redo)]] == [x["ids"] for x in redo]
+    assert [x["step"] for x in resumed[: len(redo)]] == [x["step"] for x in redo]
+    assert resumed[-1]["step"] == killed[-1]["step"] + 4
+    # the coverage per epoch: available vs used, in the ledger and as a picture
+    final = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["EmbeddingDataModule"]
+    firsts = {s["epoch"]: s for s in reversed(final["ledger"])}
+    assert [firsts[e]["available_partitions"] for e in (0, grown_epoch)] == [1, 3]
+    assert [firsts[e]["available_samples"] for e in (0, grown_epoch)] == [24, 64]
+    assert (out / "coverage.png").stat().st_size > 5000
