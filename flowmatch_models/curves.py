@@ -90,8 +90,8 @@ def plot_coverage(ledger: list[dict], out_png: Path) -> Path | None:
         used = [len(per_epoch[e]["partitions"]) if what == "partitions"
                 else sum(per_epoch[e]["sizes"]) for e in epochs]  # fmt: skip
         avail = [per_epoch[e].get(f"available_{what}", u) for e, u in zip(epochs, used)]
-        a.step(epochs, avail, where="post", label="available", color="C7")
-        a.step(epochs, used, where="post", label="used", color="C0")
+        a.step(epochs, used, where="post", label="used", color="C0", lw=3)
+        a.step(epochs, avail, where="post", label="available (complete)", color="C1", ls="--")
         a.set_xlabel("epoch")
         a.set_ylabel(what)
         a.set_ylim(bottom=0)
