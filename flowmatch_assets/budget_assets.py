@@ -15,7 +15,6 @@ from flowmatch_assets.catalog import Catalog
 from flowmatch_assets.resources import FlowmatchResource, dagster_config
 from flowmatch_models.atomic import atomic_write_text
 
-
 BudgetSettings = dagster_config(BudgetConfig)
 
 

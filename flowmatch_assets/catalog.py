@@ -451,4 +451,3 @@ def format_table(rows: list[dict], floatfmt: str = "{:.3g}") -> str:
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in rows]
     return "\n".join(lines)
-

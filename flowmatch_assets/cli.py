@@ -371,7 +371,7 @@ def print_reports(data_root: str) -> None:
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
-    from flowmatch_assets.sample import SampleSpec, write_sample
+    from flowmatch_assets.demo_dataset import SampleSpec, write_sample
 
     root = Path(os.environ.setdefault("FLOWMATCH_DATA_ROOT", str(Path(a.data_root).resolve())))
     sample_dir = root / "sample"
@@ -470,7 +470,7 @@ def materialize_budget() -> bool:
 
 
 def cmd_sample(a: argparse.Namespace, rest: list[str]) -> int:
-    from flowmatch_assets.sample import main
+    from flowmatch_assets.demo_dataset import main
 
     main(rest)
     return 0
@@ -484,9 +484,9 @@ def cmd_zoo(a: argparse.Namespace, rest: list[str]) -> int:
 
 BENCHES = {
     "images": "flowmatch_assets.bench.images",
-    "store": "flowmatch_models.bench_store",
-    "precalc": "flowmatch_models.bench_precalc",
-    "train": "flowmatch_models.bench_train",
+    "store": "flowmatch_assets.bench.store",
+    "precalc": "flowmatch_assets.bench.precalc",
+    "train": "flowmatch_assets.bench.train",
     "orchestration": "flowmatch_assets.bench.orchestration",
     "learning": "flowmatch_assets.bench.learning",
 }

@@ -34,6 +34,7 @@ def checks() -> list:
     """Every asset check, the embedding kinds' as registered now."""
     return [images_256_complete, *build_embedding_checks(list(KINDS.values()))]
 
+
 ingest_job = dg.define_asset_job(
     "ingest_images",
     selection=dg.AssetSelection.assets(pd12m_metadata, images_256),

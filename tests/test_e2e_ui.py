@@ -40,14 +40,16 @@ def test_graphql_documents_match_the_installed_schema():
     from dagster_graphql.schema import create_schema
     from graphql import parse, validate
 
+    from flowmatch_assets.bench import orchestration
+
     schema = create_schema().graphql_schema
     for doc in (
         backfill.LAUNCH,
         backfill.STATUS,
         backfill.PARTITIONS,
-        backfill.REPOS,
-        backfill.LAUNCH_RUN,
-        backfill.RUN_STATUS,
+        orchestration.REPOS,
+        orchestration.LAUNCH_RUN,
+        orchestration.RUN_STATUS,
     ):
         assert validate(schema, parse(doc)) == [], doc
 

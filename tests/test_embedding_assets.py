@@ -9,9 +9,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from flowmatch_assets.catalog import Catalog
-from flowmatch_assets.config import EncoderConfig, FilterConfig
 from flowmatch_assets.definitions import defs, resources_for
+from flowmatch_assets.metadata import FilterConfig
 from flowmatch_assets.partitions import register_partitions
+from flowmatch_models.embeddings import EncoderSpec
 from flowmatch_models.image_shard import read_image_meta
 from flowmatch_models.store import read_shard
 from tests.conftest import make_resource
@@ -51,9 +52,7 @@ def _checks(res, key, instance):
 def test_three_embedding_assets_align_by_id_rerun_is_idempotent_and_checks_pass(
     tmp_path, small_sample, zoo
 ):
-    res = make_resource(
-        tmp_path / "data", small_sample, encoders=EncoderConfig(**zoo, batch_size=8)
-    )
+    res = make_resource(tmp_path / "data", small_sample, encoders=EncoderSpec(**zoo, batch_size=8))
     with dg.instance_for_test() as instance:
         register_partitions(instance, res)
         assert _run(res, "000-00", instance, ["pd12m_metadata", "images_256", *EMB]).success
@@ -119,7 +118,7 @@ def test_bad_captions_are_embedded_not_crashed(tmp_path, small_sample, zoo):
         tmp_path / "data",
         sample,
         filters=FilterConfig(min_caption_chars=0, max_caption_chars=20_000),
-        encoders=EncoderConfig(**zoo, max_tokens=16),
+        encoders=EncoderSpec(**zoo, max_tokens=16),
     )
     with dg.instance_for_test() as instance:
         register_partitions(instance, res)

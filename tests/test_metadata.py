@@ -6,9 +6,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from flowmatch_assets.config import FilterConfig
 from flowmatch_assets.metadata import (
     PD12M_COLUMNS,
+    FilterConfig,
     MetadataError,
     discover_shards,
     filter_rows,
