@@ -19,8 +19,11 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 
-#: The data assets of one partition, in lineage order (the default of ``--assets``).
-DEFAULT_ASSETS = ("pd12m_metadata", "images_256", "vae_latents", "dino_features", "text_embeddings")
+from flowmatch_models.layout import PARTITIONED_ASSETS
+
+#: The data assets of one partition, in lineage order (the default of ``--assets``; read live,
+#: so every registered embedding kind is in it).
+DEFAULT_ASSETS = PARTITIONED_ASSETS
 DEFAULT_URL = "http://127.0.0.1:3000"
 #: BulkActionStatus values after which a backfill does nothing more.
 TERMINAL = {"COMPLETED", "COMPLETED_SUCCESS", "COMPLETED_FAILED", "FAILED", "CANCELED"}
@@ -261,13 +264,14 @@ def _missing_from_instance(instance, asset_keys: Sequence[str], data_root=None) 
 
 
 def missing_partitions(
-    source, asset_keys: Sequence[str] = DEFAULT_ASSETS, data_root: str | None = None
+    source, asset_keys: Sequence[str] | None = None, data_root: str | None = None
 ) -> list[str]:
     """Registered partitions that at least one of ``asset_keys`` is missing, by the one
     definition in flowmatch_assets.state (file valid, catalog record, Dagster materialization;
     failed partitions count as missing; on a webserver, ones materializing now do not).
     ``source`` is a webserver URL or a DagsterInstance; the files are those of ``data_root``
     (default: FLOWMATCH_DATA_ROOT)."""
+    asset_keys = list(DEFAULT_ASSETS) if asset_keys is None else asset_keys
     if isinstance(source, str):
         return _missing_from_url(source, asset_keys, data_root)
     return _missing_from_instance(source, asset_keys, data_root)

@@ -35,6 +35,11 @@ def checks() -> list:
     return [images_256_complete, *build_embedding_checks(list(KINDS.values()))]
 
 
+def all_assets_and_checks() -> list:
+    """What an in-process ``dg.materialize`` gets: every asset and check (the CLI, tests)."""
+    return [*assets(), *checks()]
+
+
 ingest_job = dg.define_asset_job(
     "ingest_images",
     selection=dg.AssetSelection.assets(pd12m_metadata, images_256),
