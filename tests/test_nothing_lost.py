@@ -19,7 +19,7 @@ from flowmatch_assets import backfill, cli
 from flowmatch_assets.budget import steady_rate
 from flowmatch_assets.budget_assets import rounded
 from flowmatch_assets.catalog import Catalog
-from flowmatch_assets.definitions import CHECKS, defs, resources_for
+from flowmatch_assets.definitions import all_assets_and_checks, defs, resources_for
 from flowmatch_assets.demo_dataset import SampleSpec, write_sample
 from flowmatch_assets.ingest import IngestConfig, is_retryable
 from flowmatch_assets.partitions import SHARDS, register_partitions
@@ -45,7 +45,7 @@ def _res(root: Path, sample: dict, **ingest) -> FlowmatchResource:
 
 def _mat(res, key, instance, selection=DATA, run_config=None):
     return dg.materialize(
-        [*defs.assets, *CHECKS],
+        all_assets_and_checks(),
         selection=selection,
         partition_key=key,
         instance=instance,
