@@ -3,6 +3,8 @@ checks, bad captions, and a corrupted shard detected with a clear error."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import dagster as dg
 import numpy as np
 import pyarrow as pa
@@ -15,14 +17,7 @@ from flowmatch_assets.definitions import build_definitions, defs, resources_for
 from flowmatch_assets.metadata import FilterConfig
 from flowmatch_assets.partitions import register_partitions
 from flowmatch_assets.training_assets import coverage_or_fail
-from flowmatch_models.embeddings import (
-    KINDS,
-    ArraySpec,
-    EmbeddingKind,
-    EncoderSpec,
-    padded_text_bytes,
-    registered,
-)
+from flowmatch_models.embeddings import KINDS, EncoderSpec, registered
 from flowmatch_models.image_shard import read_image_meta
 from flowmatch_models.store import read_shard
 from tests.conftest import make_resource
@@ -146,18 +141,13 @@ def test_bad_captions_are_embedded_not_crashed(tmp_path, small_sample, zoo):
 def test_a_new_embedding_kind_is_one_registry_entry(tmp_path, small_sample, zoo):
     """A second text encoder registered in one place gets its asset, checks, catalog rows,
     budget share and a place in training's coverage, with no other file edited."""
-    second = EmbeddingKind(
+    # the arrays, seed reference and lossy options of the Gemma3 kind; its own name and model
+    second = dataclasses.replace(
+        KINDS["text_embeddings"],
         name="caption_states",
         description="A second text encoder's caption states (here the zoo's Gemma3 again).",
-        encoder="text",
         model=zoo["text"],
-        arrays=(
-            ArraySpec("tokens", (640,), rows="token"),
-            ArraySpec("lengths", (), "int32"),
-            ArraySpec("null_tokens", (640,), rows="once"),
-        ),
-        seed_bytes=padded_text_bytes(640),
-        lossy=("tokens",),
+        warnings=(),
     )
     res = make_resource(
         tmp_path / "data",
