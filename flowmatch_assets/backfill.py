@@ -19,8 +19,11 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 
-#: The data assets of one partition, in lineage order (the default of ``--assets``).
-DEFAULT_ASSETS = ("pd12m_metadata", "images_256", "vae_latents", "dino_features", "text_embeddings")
+from flowmatch_models.layout import PARTITIONED_ASSETS
+
+#: The data assets of one partition, in lineage order (the default of ``--assets``; read live,
+#: so every registered embedding kind is in it).
+DEFAULT_ASSETS = PARTITIONED_ASSETS
 DEFAULT_URL = "http://127.0.0.1:3000"
 #: BulkActionStatus values after which a backfill does nothing more.
 TERMINAL = {"COMPLETED", "COMPLETED_SUCCESS", "COMPLETED_FAILED", "FAILED", "CANCELED"}
@@ -113,7 +116,7 @@ def graphql(url: str, query: str, variables: dict | None = None, timeout: float 
     return payload["data"]
 
 
-def _key_input(asset: str) -> dict:
+def key_input(asset: str) -> dict:
     return {"path": asset.split("/")}
 
 
@@ -130,7 +133,7 @@ def launch_backfill(
         raise ValueError("launch_backfill needs at least one partition key and one asset key")
     params: dict = {
         "partitionNames": list(partition_keys),
-        "assetSelection": [_key_input(a) for a in asset_keys],
+        "assetSelection": [key_input(a) for a in asset_keys],
         "tags": [
             {"key": k, "value": v} for k, v in {"flowmatch/cli": "backfill", **(tags or {})}.items()
         ],
@@ -216,88 +219,8 @@ def wait_backfill(
         time.sleep(poll)
 
 
-REPOS = """
-query Repos {
-  repositoriesOrError {
-    __typename
-    ... on RepositoryConnection { nodes { name location { name } } }
-    ... on PythonError { message }
-  }
-}
-"""
-
-LAUNCH_RUN = """
-mutation LaunchRun($params: ExecutionParams!) {
-  launchRun(executionParams: $params) {
-    __typename
-    ... on LaunchRunSuccess { run { runId status } }
-    ... on RunConfigValidationInvalid { errors { message } }
-    ... on PythonError { message }
-    ... on Error { message }
-  }
-}
-"""
-
-RUN_STATUS = """
-query RunStatus($runId: ID!) {
-  runOrError(runId: $runId) {
-    __typename
-    ... on Run { runId status }
-    ... on PythonError { message }
-  }
-}
-"""
-
-RUN_DONE = {"SUCCESS", "FAILURE", "CANCELED"}
-
-
-def launch_run(
-    url: str, asset_keys: Sequence[str], run_config: dict | None = None, tags: dict | None = None
-) -> str:
-    """Launch one run materializing ``asset_keys`` (unpartitioned, e.g. flow_model) with
-    launchpad ``run_config``, through the webserver's GraphQL ``launchRun``; returns the run id."""
-    repos = graphql(url, REPOS)["repositoriesOrError"]
-    if repos["__typename"] != "RepositoryConnection" or not repos["nodes"]:
-        raise BackfillError(f"no code location loaded at {url}: {repos}")
-    repo = repos["nodes"][0]
-    params = {
-        "selector": {
-            "repositoryLocationName": repo["location"]["name"],
-            "repositoryName": repo["name"],
-            "jobName": "__ASSET_JOB",
-            "assetSelection": [_key_input(a) for a in asset_keys],
-        },
-        "runConfigData": run_config or {},
-        "mode": "default",
-        "executionMetadata": {
-            "tags": [{"key": k, "value": v} for k, v in (tags or {"flowmatch/cli": "run"}).items()]
-        },
-    }
-    res = graphql(url, LAUNCH_RUN, {"params": params})["launchRun"]
-    if res["__typename"] != "LaunchRunSuccess":
-        detail = res.get("message") or "; ".join(e["message"] for e in res.get("errors", []))
-        raise BackfillError(f"launchRun failed ({res['__typename']}): {detail}")
-    return res["run"]["runId"]
-
-
-def wait_run(url: str, run_id: str, timeout: float = 3600, poll: float = 3.0) -> str:
-    """Poll a run until it ends; returns its final status (SUCCESS, FAILURE or CANCELED)."""
-    deadline = time.monotonic() + timeout
-    status = "UNKNOWN"
-    while time.monotonic() < deadline:
-        try:
-            r = graphql(url, RUN_STATUS, {"runId": run_id})["runOrError"]
-            status = r.get("status", r["__typename"])
-        except BackfillError:
-            pass  # a busy webserver; try again
-        if status in RUN_DONE:
-            return status
-        time.sleep(poll)
-    raise TimeoutError(f"run {run_id} still {status} after {timeout:.0f}s")
-
-
 def _missing_from_url(url: str, asset_keys: Sequence[str], data_root=None) -> list[str]:
-    nodes = graphql(url, PARTITIONS, {"keys": [_key_input(a) for a in asset_keys]})["assetNodes"]
+    nodes = graphql(url, PARTITIONS, {"keys": [key_input(a) for a in asset_keys]})["assetNodes"]
     found = {"/".join(n["assetKey"]["path"]): n for n in nodes}
     unknown = [a for a in asset_keys if a not in found]
     if unknown:
@@ -341,13 +264,14 @@ def _missing_from_instance(instance, asset_keys: Sequence[str], data_root=None) 
 
 
 def missing_partitions(
-    source, asset_keys: Sequence[str] = DEFAULT_ASSETS, data_root: str | None = None
+    source, asset_keys: Sequence[str] | None = None, data_root: str | None = None
 ) -> list[str]:
     """Registered partitions that at least one of ``asset_keys`` is missing, by the one
     definition in flowmatch_assets.state (file valid, catalog record, Dagster materialization;
     failed partitions count as missing; on a webserver, ones materializing now do not).
     ``source`` is a webserver URL or a DagsterInstance; the files are those of ``data_root``
     (default: FLOWMATCH_DATA_ROOT)."""
+    asset_keys = list(DEFAULT_ASSETS) if asset_keys is None else asset_keys
     if isinstance(source, str):
         return _missing_from_url(source, asset_keys, data_root)
     return _missing_from_instance(source, asset_keys, data_root)

@@ -1,4 +1,4 @@
-"""The seeds' cost arithmetic, automated (pure: no Dagster run, no I/O beyond catalog reads).
+"""The seeds' cost arithmetic, automated (no Dagster; the only I/O is reading the catalog).
 
 From throughput measured in the DuckDB catalog, project what the whole PD12M (12.4M pairs) and
 N gradient updates at effective batch B cost in hours, cloud dollars, owned-box energy and disk,
@@ -11,11 +11,12 @@ Honesty rules, enforced here:
   measurement), ``gpus`` only multiplies the *price* of a GPU-hour.
 * Rates are grouped by the device they ran on, never averaged across devices: a CPU rate on a
   shared dev box is not a GPU rate, and each row names its device.
-* Precalc pairs/s: the three embedding assets (``vae_latents``, ``dino_features``,
-  ``text_embeddings``) are produced by one step that runs the encoders one after the other on one
-  leased device, and each records only its own encoder time. So a pair costs the *sum* of the
-  three assets' seconds; ``max`` would pretend they ran in parallel. Only partitions that have all
-  three are counted; shard read/write time is not in these seconds.
+* Precalc pairs/s: the embedding kinds (flowmatch_models.embeddings: ``vae_latents``,
+  ``dino_features``, ``text_embeddings`` and any registered since) are produced by one step that
+  runs the encoders one after the other on one device, and each records only its own encoder
+  time. So a pair costs the *sum* of the kinds' seconds; ``max`` would pretend they ran in
+  parallel. Only partitions that have every kind are counted; shard read/write time is not in
+  these seconds.
 * Training samples/s: a resumed run's ``flow_model`` record carries the run's *cumulative*
   samples but only the last session's wall seconds, so samples/seconds can be wildly high. The
   run's steady rate (``extra.samples_per_s``: the median of the samples/s windows the Lightning
@@ -30,8 +31,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import dagster as dg
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from flowmatch_assets.catalog import PD12M_PAIRS, Catalog, format_table
 from flowmatch_models.layout import EMBEDDING_ASSETS
@@ -51,7 +51,7 @@ REPA_QUOTE = "seed: ~164 GPU-h, ~$440 a run (400k updates at $2.76)"
 STAGES = ("images", "precalc", "training")
 
 
-class BudgetConfig(dg.Config):
+class BudgetConfig(BaseModel):
     """Targets and prices of the projection (all editable in the launchpad and on the CLI)."""
 
     dataset_pairs: int = Field(default=PD12M_PAIRS, description="Pairs to prepare (PD12M 12.4M).")
@@ -130,7 +130,7 @@ def _precalc(catalog: Catalog) -> list[Rate]:
     )
     out = []
     for r in rows:
-        note = "sum of the 3 encoders' seconds"
+        note = f"sum of the {len(EMBEDDING_ASSETS)} encoders' seconds"
         if r["zoo"]:
             note += "; RANDOM-WEIGHT zoo encoders, not the real models' cost"
         out.append(

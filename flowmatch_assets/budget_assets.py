@@ -12,8 +12,10 @@ import dagster as dg
 
 from flowmatch_assets.budget import BudgetConfig, budget
 from flowmatch_assets.catalog import Catalog
-from flowmatch_assets.resources import FlowmatchResource
+from flowmatch_assets.resources import FlowmatchResource, dagster_config
 from flowmatch_models.atomic import atomic_write_text
+
+BudgetSettings = dagster_config(BudgetConfig)
 
 
 def rounded(v, digits: int = 4):
@@ -41,7 +43,7 @@ def report_path(data_root: str | Path) -> Path:
     ),
 )
 def budget_report(
-    context: dg.AssetExecutionContext, config: BudgetConfig, flowmatch: FlowmatchResource
+    context: dg.AssetExecutionContext, config: BudgetSettings, flowmatch: FlowmatchResource
 ) -> dg.MaterializeResult:
     """Project from the catalog, write ``reports/budget.md`` atomically, show it as markdown."""
     md, data = budget(Catalog(flowmatch.data_root), config)

@@ -14,7 +14,7 @@ the old records stay visible until then): no duplicate rows, and a partition nev
 the catalog during a re-run. An attempt that is rejected (too few rows stored) leaves both files
 as they were and records its failures under ``attempts/`` (the ``rejected_attempts`` view).
 The views are rebuilt when the data root moves (the file records its root), so a data root can
-be copied or moved.
+be copied or moved, and when an embedding kind is registered (it records the asset list).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
-import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,7 +33,7 @@ import pyarrow.parquet as pq
 from flowmatch_models.atomic import atomic_path
 from flowmatch_models.layout import PARTITIONED_ASSETS, DataLayout
 
-CATALOG_VERSION = 7
+CATALOG_VERSION = 8
 
 OUTCOMES = ("stored", "filtered", "failed")
 
@@ -245,6 +244,11 @@ def _sql_str(s: str | Path) -> str:
 PD12M_PAIRS = 12_400_000
 
 
+def _assets_key() -> str:
+    """The partitioned assets the views were built for (a newly registered kind rebuilds them)."""
+    return ",".join(PARTITIONED_ASSETS)
+
+
 def _view_sql(layout: DataLayout) -> list[str]:
     c = layout.catalog_dir
     mat = _sql_str(c / "materializations" / "*" / "*.parquet")
@@ -351,8 +355,8 @@ class Catalog:
             return False
         try:
             with duckdb.connect(str(self.path), read_only=True) as con:
-                row = con.execute("SELECT version, root FROM catalog_meta").fetchone()
-            return row == (CATALOG_VERSION, str(self.layout.root))
+                row = con.execute("SELECT version, root, assets FROM catalog_meta").fetchone()
+            return row == (CATALOG_VERSION, str(self.layout.root), _assets_key())
         except duckdb.Error:
             return False
 
@@ -369,10 +373,12 @@ class Catalog:
                 with duckdb.connect(str(tmp)) as con:
                     for sql in _view_sql(self.layout):
                         con.execute(sql)
-                    con.execute("CREATE TABLE catalog_meta(version INTEGER, root VARCHAR)")
                     con.execute(
-                        "INSERT INTO catalog_meta VALUES (?, ?)",
-                        [CATALOG_VERSION, str(self.layout.root)],
+                        "CREATE TABLE catalog_meta(version INTEGER, root VARCHAR, assets VARCHAR)"
+                    )
+                    con.execute(
+                        "INSERT INTO catalog_meta VALUES (?, ?, ?)",
+                        [CATALOG_VERSION, str(self.layout.root), _assets_key()],
                     )
                     con.execute("CHECKPOINT")
                 wal = tmp.with_name(tmp.name + ".wal")
@@ -445,7 +451,3 @@ def format_table(rows: list[dict], floatfmt: str = "{:.3g}") -> str:
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in rows]
     return "\n".join(lines)
-
-
-def elapsed_since(t0: float) -> float:
-    return time.perf_counter() - t0

@@ -1,6 +1,9 @@
-"""`flowmatch`: the command line of the pipeline (sample, partitions, materialize, retry, verify, demo, catalog, bench).
+"""`flowmatch`: the command line of the pipeline (sample, partitions, materialize, retry, verify, demo, catalog, bench, ...).
 
-Settings come from the same FLOWMATCH_* environment variables as `dagster dev`
+One table, :data:`COMMANDS`: a verb -> the function that runs it and its arguments; the function
+takes them as typed keyword arguments. Adding a verb is one entry and one function. Verbs whose
+module has its own parser (sample, zoo, budget, backfill, bench) take the rest of the line as
+``argv``. Settings come from the same FLOWMATCH_* environment variables as `dagster dev`
 (resources.resource_from_env), and runs are recorded in the Dagster instance at DAGSTER_HOME, so
 what the CLI materializes shows up in the UI. A usage mistake (unknown partition or asset, bad
 setting, no metadata, ...) is one line naming the problem and the fix, exit code 2; `--debug`
@@ -14,6 +17,8 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 #: The demo's VAE: a tiny AutoencoderDC trained on the procedural sample (scripts/train_demo_vae.py).
@@ -21,19 +26,18 @@ DEMO_VAE = Path(__file__).resolve().parent / "demo_vae"
 
 
 def _instance():
+    """The Dagster instance at DAGSTER_HOME (default ./dagster_home)."""
     import dagster as dg
 
-    if not os.environ.get("DAGSTER_HOME"):
-        home = Path("dagster_home").resolve()
-        home.mkdir(exist_ok=True)
-        os.environ["DAGSTER_HOME"] = str(home)
-    return dg.DagsterInstance.get()
+    home = Path(os.environ.get("DAGSTER_HOME") or "dagster_home").resolve()
+    home.mkdir(exist_ok=True)
+    return dg.DagsterInstance.from_config(str(home))
 
 
-def _resource():
+def _resource(overrides: dict | None = None):
     from flowmatch_assets.resources import resource_from_env
 
-    return resource_from_env()  # bad settings: see _one_line
+    return resource_from_env(overrides=overrides)  # bad settings: see _one_line
 
 
 class CliError(Exception):
@@ -47,22 +51,14 @@ def _setting_message(e: Exception) -> str:
     if isinstance(e, ValidationError):
         err = e.errors()[0]
         field = str(err["loc"][-1]) if err["loc"] else "?"
+        from flowmatch_assets.resources import ENV_OF
+
         var = ENV_OF.get(field, "the FLOWMATCH_* variable that sets it")
         return (
             f"bad setting {var}={err.get('input')!r} ({field}: {err['msg']}); fix that "
             "environment variable"
         )
     return f"bad setting {e}; fix that environment variable"
-
-
-#: The environment variable behind each setting resource_from_env reads.
-ENV_OF = {
-    "min_stored_fraction": "FLOWMATCH_MIN_STORED_FRACTION",
-    "deadline_s": "FLOWMATCH_DEADLINE_S",
-    "shard_size": "FLOWMATCH_SHARD_SIZE",
-    "device": "FLOWMATCH_DEVICE",
-    "file_root": "FLOWMATCH_FILE_ROOT",
-}
 
 
 def _check_partitions(keys: list[str], known: list[str]) -> None:
@@ -98,11 +94,11 @@ def _check_assets(names: list[str], valid: list[str]) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def cmd_partitions(a: argparse.Namespace) -> int:
+def cmd_partitions(action: str) -> int:
     from flowmatch_assets.partitions import SHARDS, discover, register_partitions
 
     res = _resource()
-    if a.action == "register":
+    if action == "register":
         new = register_partitions(_instance(), res)
         print(f"registered {len(new)} new partitions" + (f": {', '.join(new[:10])}" if new else ""))
     else:
@@ -119,21 +115,22 @@ def materialize(
     missing_only: bool = False,
     raise_on_error: bool = False,
     run_config: dict | None = None,
+    res=None,
 ) -> dict[str, bool]:
     """Materialize ``assets`` (default: the whole data lineage) for ``partitions`` (default: all
-    registered) in-process, recorded in the DAGSTER_HOME instance, with the assets' checks.
-    Returns partition -> success."""
+    registered) in-process, recorded in the DAGSTER_HOME instance, with the assets' checks;
+    ``res``: the FlowmatchResource (default: from the environment). Returns partition -> success."""
     import dagster as dg
 
     run_config = dict(run_config or {})
 
-    from flowmatch_assets.definitions import CHECKS, defs, resources_for
+    from flowmatch_assets.definitions import all_assets_and_checks, resources_for
     from flowmatch_assets.partitions import SHARDS, register_partitions
     from flowmatch_assets.state import partition_states
     from flowmatch_models.layout import PARTITIONED_ASSETS
 
     instance = _instance()
-    res = _resource()
+    res = res or _resource()
     register_partitions(instance, res)
     known = sorted(instance.get_dynamic_partitions(SHARDS))
     _check_partitions(list(partitions or []), known)
@@ -141,7 +138,7 @@ def materialize(
     _check_assets(names, list(PARTITIONED_ASSETS))
     keys = partitions or known
     # the asset checks run in the same run (blocking ones stop downstream assets on failure)
-    all_assets = [*(defs.assets or []), *CHECKS]
+    all_assets = all_assets_and_checks()
     layout = res.layout
     out: dict[str, bool] = {}
     for i, key in enumerate(keys):
@@ -187,11 +184,12 @@ def train(
     config_file: str | None = None,
     extra: list[str] | None = None,
     with_samples: bool = True,
+    res=None,
 ) -> bool:
     """Materialize flow_model (and samples) in-process; training itself runs as a Pipes subprocess."""
     import dagster as dg
 
-    from flowmatch_assets.definitions import defs, resources_for
+    from flowmatch_assets.definitions import all_assets_and_checks, resources_for
 
     run_cfg: dict = {"run_name": run_name, "overrides": list(extra or [])}
     if steps is not None:
@@ -203,10 +201,10 @@ def train(
         ops["samples"] = {"config": {"run_name": run_name}}
     t0 = time.perf_counter()
     result = dg.materialize(
-        list(defs.assets),
+        all_assets_and_checks(),
         selection=list(ops),
         instance=_instance(),
-        resources=resources_for(_resource()),
+        resources=resources_for(res or _resource()),
         run_config={"ops": ops, "loggers": {"console": {"config": {"log_level": "INFO"}}}},
         raise_on_error=False,
     )
@@ -214,43 +212,47 @@ def train(
     return result.success
 
 
-def evaluate(run_name: str = "default", which: str = "latest", n_prompts: int = 48) -> bool:
+def evaluate(
+    run_name: str = "default", which: str = "latest", n_prompts: int = 48, res=None
+) -> bool:
     """Materialize ``evaluation`` in-process: caption following of the run's checkpoint(s)."""
     import dagster as dg
 
-    from flowmatch_assets.definitions import defs, resources_for
+    from flowmatch_assets.definitions import all_assets_and_checks, resources_for
 
     cfg = {"run_name": run_name, "checkpoints": which, "n_prompts": n_prompts}
     result = dg.materialize(
-        list(defs.assets),
+        all_assets_and_checks(),
         selection=["evaluation"],
         instance=_instance(),
-        resources=resources_for(_resource()),
+        resources=resources_for(res or _resource()),
         run_config={"ops": {"evaluation": {"config": cfg}}},
         raise_on_error=False,
     )
     return result.success
 
 
-def cmd_evaluate(a: argparse.Namespace) -> int:
+def cmd_evaluate(run_name: str, checkpoints: str, prompts: int) -> int:
     from flowmatch_assets.catalog import Catalog, format_table
 
-    ok = evaluate(a.run_name, a.checkpoints, a.prompts)
+    ok = evaluate(run_name, checkpoints, prompts)
     rows = Catalog(_resource().data_root).query(
         "SELECT step, attribute, round(accuracy, 3) AS accuracy, round(chance, 3) AS chance, "
         "round(x_chance, 1) AS x_chance FROM evaluations WHERE run = ? ORDER BY step, attribute",
-        [a.run_name],
+        [run_name],
     )
     print(format_table(rows))
     return 0 if ok else 1
 
 
-def cmd_train(a: argparse.Namespace) -> int:
-    return 0 if train(a.steps, a.run_name, a.config, a.set, not a.no_samples) else 1
+def cmd_train(
+    steps: int | None, run_name: str, config: str | None, overrides: list[str], no_samples: bool
+) -> int:
+    return 0 if train(steps, run_name, config, overrides, not no_samples) else 1
 
 
-def cmd_materialize(a: argparse.Namespace) -> int:
-    res = materialize(a.partition or None, a.asset or None, missing_only=a.missing)
+def cmd_materialize(partition: list[str], asset: list[str], missing: bool) -> int:
+    res = materialize(partition or None, asset or None, missing_only=missing)
     return 0 if all(res.values()) else 1
 
 
@@ -281,24 +283,24 @@ def retry(partitions: list[str] | None = None, reasons: list[str] | None = None)
     return materialize(keys, ["images_256"], run_config={"ops": {"images_256": {"config": cfg}}})
 
 
-def cmd_retry(a: argparse.Namespace) -> int:
-    if a.partition:
+def cmd_retry(partition: list[str], reason: list[str]) -> int:
+    if partition:
         from flowmatch_assets.partitions import SHARDS
 
-        _check_partitions(a.partition, sorted(_instance().get_dynamic_partitions(SHARDS)))
-    res = retry(a.partition or None, a.reason or None)
+        _check_partitions(partition, sorted(_instance().get_dynamic_partitions(SHARDS)))
+    res = retry(partition or None, reason or None)
     return 0 if all(res.values()) else 1
 
 
-def cmd_verify(a: argparse.Namespace) -> int:
+def cmd_verify(partition: list[str], quick: bool) -> int:
     from flowmatch_assets.partitions import SHARDS
     from flowmatch_assets.state import verify
 
     res = _resource()
     instance = _instance()
     known = sorted(instance.get_dynamic_partitions(SHARDS))
-    _check_partitions(list(a.partition or []), known)
-    bad = verify(res.layout, a.partition or known, instance, deep=not a.quick)
+    _check_partitions(partition, known)
+    bad = verify(res.layout, partition or known, instance, deep=not quick)
     for s in bad:
         print(f"{s.partition}  {s.asset}  {s.state}  {s.detail}")
     fixed = sum(s.state in ("gone", "corrupt") for s in bad)
@@ -315,22 +317,22 @@ def cmd_verify(a: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def cmd_catalog(a: argparse.Namespace) -> int:
+def cmd_catalog(report: str, sql: str | None, as_json: bool) -> int:
     from flowmatch_assets.catalog import Catalog, format_table
 
     cat = Catalog(_resource().data_root)
-    if a.report == "path":
+    if report == "path":
         print(cat.ensure())
         return 0
-    if a.report == "sql":
-        if not a.sql:
+    if report == "sql":
+        if not sql:
             raise CliError(
                 'catalog sql needs the SQL: flowmatch catalog sql "SELECT * FROM coverage"'
             )
         import duckdb
 
         try:
-            rows = cat.query(a.sql)
+            rows = cat.query(sql)
         except duckdb.Error as e:
             first = str(e).strip().splitlines()[0]
             raise CliError(
@@ -344,8 +346,8 @@ def cmd_catalog(a: argparse.Namespace) -> int:
             "failures": cat.failures_by_reason,
             "compression": cat.compression,
             "throughput": cat.throughput,
-        }[a.report]()
-    if a.json:
+        }[report]()
+    if as_json:
         print(json.dumps(rows, default=str, indent=1))
     else:
         print(format_table(rows))
@@ -370,46 +372,50 @@ def print_reports(data_root: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def cmd_demo(a: argparse.Namespace) -> int:
-    from flowmatch_assets.sample import SampleSpec, write_sample
+def cmd_demo(
+    data_root: str, files: int, rows_per_file: int, regenerate: bool, train_steps: int | None
+) -> int:
+    from flowmatch_assets.demo_dataset import SampleSpec, write_sample
+    from flowmatch_assets.resources import resource_from_env
 
-    root = Path(os.environ.setdefault("FLOWMATCH_DATA_ROOT", str(Path(a.data_root).resolve())))
-    sample_dir = root / "sample"
-    os.environ.setdefault("FLOWMATCH_METADATA", str(sample_dir / "metadata"))
-    os.environ.setdefault("FLOWMATCH_FILE_ROOT", str(sample_dir))
+    root = Path(os.environ.get("FLOWMATCH_DATA_ROOT") or data_root).resolve()
+    sample_dir, zoo = root / "sample", root / "zoo"
     t0 = time.perf_counter()
-    if not (sample_dir / "expected.json").exists() or a.regenerate:
-        print(f"writing the embedded sample to {sample_dir} ...")
-        s = write_sample(sample_dir, SampleSpec(files=a.files, rows_per_file=a.rows_per_file))
+    if not (sample_dir / "expected.json").exists() or regenerate:
+        print(f"writing the demo dataset to {sample_dir} ...")
+        s = write_sample(sample_dir, SampleSpec(files=files, rows_per_file=rows_per_file))
         print(f"  {s['rows']} rows in {s['files']} metadata files")
-    zoo = root / "zoo"
     if not (zoo / "text" / "config.json").exists():
         from flowmatch_models.zoo import create_zoo
 
         print(f"creating the tiny offline model zoo (RANDOM weights, same classes) in {zoo} ...")
         create_zoo(zoo)
     # the VAE: the committed demo VAE, trained on this synthetic sample (not the real DC-AE), so
-    # that samples are pictures; DINOv2 and Gemma3 stay random zoo models (labelled as such)
-    os.environ.setdefault("FLOWMATCH_VAE", str(DEMO_VAE))
-    for var, sub in (("FLOWMATCH_DINO", "dino"), ("FLOWMATCH_TEXT", "text")):
-        os.environ.setdefault(var, str(zoo / sub))
-    print(
-        "encoders: "
-        + ", ".join(os.environ[v] for v in ("FLOWMATCH_VAE", "FLOWMATCH_DINO", "FLOWMATCH_TEXT"))
-    )
-    results = materialize(raise_on_error=False)
+    # that samples are pictures; DINOv2 and Gemma3 stay random zoo models (labelled as such).
+    # FLOWMATCH_* variables the user set win over these.
+    demo = {
+        "FLOWMATCH_DATA_ROOT": str(root),
+        "FLOWMATCH_METADATA": str(sample_dir / "metadata"),
+        "FLOWMATCH_FILE_ROOT": str(sample_dir),
+        "FLOWMATCH_VAE": str(DEMO_VAE),
+        "FLOWMATCH_DINO": str(zoo / "dino"),
+        "FLOWMATCH_TEXT": str(zoo / "text"),
+    }
+    res = resource_from_env({**demo, **os.environ})
+    print(f"encoders: {res.encoders.vae}, {res.encoders.dino}, {res.encoders.text}")
+    results = materialize(raise_on_error=False, res=res)
     trained = evaluated = True
-    train_on = a.train_steps is None or a.train_steps > 0
+    train_on = train_steps is None or train_steps > 0
     if train_on:
-        steps = a.train_steps or "configs/tiny.yaml's"
+        steps = train_steps or "configs/tiny.yaml's"
         print(f"\ntraining the tiny DiT for {steps} steps on the covered partitions ...")
-        trained = train(steps=a.train_steps, run_name="demo")
+        trained = train(steps=train_steps, run_name="demo", res=res)
         if trained:
             print("\nevaluating caption following of every checkpoint (48 prompts each) ...")
-            evaluated = evaluate(run_name="demo", which="all")
-    budget_ok = materialize_budget()
+            evaluated = evaluate(run_name="demo", which="all", res=res)
+    budget_ok = materialize_budget(res)
     print_reports(str(root))
-    layout = _resource().layout
+    layout = res.layout
     previews = sorted((layout.root / "previews").rglob("*.png"))
     print(
         f"\ndemo finished in {time.perf_counter() - t0:.0f}s; "
@@ -446,17 +452,17 @@ def cmd_demo(a: argparse.Namespace) -> int:
     return 0 if all(results.values()) and trained and evaluated and budget_ok else 1
 
 
-def materialize_budget() -> bool:
+def materialize_budget(res=None) -> bool:
     """Materialize budget_report (the projection from what the catalog measured)."""
     import dagster as dg
 
-    from flowmatch_assets.definitions import defs, resources_for
+    from flowmatch_assets.definitions import all_assets_and_checks, resources_for
 
     result = dg.materialize(
-        list(defs.assets),
+        all_assets_and_checks(),
         selection=["budget_report"],
         instance=_instance(),
-        resources=resources_for(_resource()),
+        resources=resources_for(res or _resource()),
         raise_on_error=False,
         tags={"flowmatch/cli": "demo"},
     )
@@ -465,180 +471,218 @@ def materialize_budget() -> bool:
 
 
 # --------------------------------------------------------------------------------------------
-# delegating commands
+# verbs whose module has its own parser: they take the rest of the line
 # --------------------------------------------------------------------------------------------
 
 
-def cmd_sample(a: argparse.Namespace, rest: list[str]) -> int:
-    from flowmatch_assets.sample import main
+def cmd_sample(argv: list[str]) -> int:
+    from flowmatch_assets.demo_dataset import main
 
-    main(rest)
+    main(argv)
     return 0
 
 
-def cmd_zoo(a: argparse.Namespace, rest: list[str]) -> int:
+def cmd_zoo(argv: list[str]) -> int:
     from flowmatch_models.zoo import main
 
-    return int(main(rest) or 0)
+    return int(main(argv) or 0)
 
 
-BENCHES = {
-    "images": "flowmatch_assets.bench.images",
-    "store": "flowmatch_models.bench_store",
-    "precalc": "flowmatch_models.bench_precalc",
-    "train": "flowmatch_models.bench_train",
-    "orchestration": "flowmatch_assets.bench.orchestration",
-    "learning": "flowmatch_assets.bench.learning",
-}
+def cmd_budget(argv: list[str]) -> int:
+    from flowmatch_assets.budget_cli import main
+
+    return main(argv)
 
 
-def cmd_bench(a: argparse.Namespace, rest: list[str]) -> int:
+def cmd_backfill(argv: list[str]) -> int:
+    from flowmatch_assets.backfill import main
+
+    return main(argv)
+
+
+def cmd_bench(which: str | None, argv: list[str]) -> int:
+    """`flowmatch bench NAME [options]`: runs flowmatch_assets.bench.NAME (see its --help)."""
     import importlib
 
-    if a.which in ("-h", "--help"):
+    from flowmatch_assets.bench import BENCHES
+
+    if which in (None, "-h", "--help"):
         print("usage: flowmatch bench {" + ",".join(sorted(BENCHES)) + "} [options]")
         print("  flowmatch bench <name> --help   shows that benchmark's options")
         return 0
-    if a.which not in BENCHES:
-        raise CliError(f"unknown benchmark {a.which!r}; choose one of {', '.join(sorted(BENCHES))}")
-    mod = importlib.import_module(BENCHES[a.which])
-    mod.main(rest)
+    if which not in BENCHES:
+        raise CliError(f"unknown benchmark {which!r}; choose one of {', '.join(sorted(BENCHES))}")
+    importlib.import_module(BENCHES[which]).main(argv)
     return 0
+
+
+# --------------------------------------------------------------------------------------------
+# the table: verb -> function and its arguments
+# --------------------------------------------------------------------------------------------
+
+
+def arg(*flags: str, **kw) -> tuple[tuple[str, ...], dict]:
+    """One argument of a verb, as ``argparse.add_argument`` takes it."""
+    return flags, kw
+
+
+@dataclass(frozen=True)
+class Command:
+    """A verb: the function that runs it (called with the parsed arguments by name), its help,
+    its arguments, and whether the rest of the line goes to the function as ``argv``."""
+
+    run: Callable[..., int]
+    help: str
+    args: list[tuple[tuple[str, ...], dict]] = field(default_factory=list)
+    rest: bool = False
+
+
+PARTITION = arg("--partition", "-p", action="append", default=[], help="partition key (repeatable)")
+
+COMMANDS: dict[str, Command] = {
+    "sample": Command(cmd_sample, "write the demo dataset (PD12M format)", rest=True),
+    "partitions": Command(
+        cmd_partitions,
+        "list or register the partitions of the metadata source",
+        [arg("action", choices=["list", "register"], nargs="?", default="list")],
+    ),
+    "materialize": Command(
+        cmd_materialize,
+        "materialize assets for partitions, in-process",
+        [
+            PARTITION,
+            arg(
+                "--asset",
+                "-a",
+                action="append",
+                default=[],
+                help="asset name (repeatable; default all partitioned)",
+            ),
+            arg(
+                "--missing",
+                action="store_true",
+                help="only asset partitions that are missing (file gone or corrupt, no catalog "
+                "record, or not materialized in Dagster)",
+            ),
+        ],  # fmt: skip
+    ),
+    "retry": Command(
+        cmd_retry,
+        "re-fetch retryable failed images and merge them into their shards",
+        [
+            PARTITION,
+            arg(
+                "--reason",
+                "-r",
+                action="append",
+                default=[],
+                help="failure reason to re-fetch (repeatable; default: every retryable one)",
+            ),
+        ],  # fmt: skip
+    ),
+    "verify": Command(
+        cmd_verify,
+        "find shards that are gone or corrupt; make the catalog and Dagster say missing",
+        [PARTITION, arg("--quick", action="store_true", help="headers only, no checksums")],
+    ),
+    "train": Command(
+        cmd_train,
+        "materialize flow_model (+ samples): start or resume training",
+        [
+            arg("--steps", type=int, default=None, help="total steps (default: the YAML's)"),
+            arg("--run-name", default="default"),
+            arg("--config", default=None, help="training YAML (default configs/tiny.yaml)"),
+            arg("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE"),
+            arg("--no-samples", action="store_true"),
+        ],
+    ),
+    "evaluate": Command(
+        cmd_evaluate,
+        "score caption following of a run's checkpoints (evaluation asset)",
+        [
+            arg("--run-name", default="default"),
+            arg("--checkpoints", choices=["latest", "all"], default="latest"),
+            arg("--prompts", type=int, default=48, help="prompts from the caption grammar"),
+        ],
+    ),
+    "demo": Command(
+        cmd_demo,
+        "write the demo dataset and materialize every partition end to end",
+        [
+            arg("--data-root", default="data"),
+            arg("--files", type=int, default=3),
+            arg("--rows-per-file", type=int, default=96),
+            arg("--regenerate", action="store_true"),
+            arg(
+                "--train-steps",
+                type=int,
+                default=None,
+                help="tiny DiT steps (default: configs/tiny.yaml's; 0: no training)",
+            ),
+        ],  # fmt: skip
+    ),
+    "catalog": Command(
+        cmd_catalog,
+        "reports from the DuckDB catalog, or raw SQL",
+        [
+            arg(
+                "report",
+                choices=[
+                    "coverage",
+                    "summary",
+                    "failures",
+                    "compression",
+                    "throughput",
+                    "sql",
+                    "path",
+                ],
+            ),
+            arg(
+                "sql",
+                nargs="?",
+                help="SQL for `catalog sql` (views: materializations, rows, "
+                "partitions, coverage, failures, rejected_attempts, compression, throughput)",
+            ),
+            arg("--json", dest="as_json", action="store_true"),
+        ],  # fmt: skip
+    ),
+    "zoo": Command(cmd_zoo, "create the tiny offline model zoo (random weights)", rest=True),
+    "budget": Command(cmd_budget, "time, cost, energy and disk for PD12M and N updates", rest=True),
+    "backfill": Command(
+        cmd_backfill,
+        "launch a backfill (--missing) through the running webserver's GraphQL",
+        rest=True,
+    ),
+    "bench": Command(
+        cmd_bench,
+        "benchmarks: images, store, precalc, train, orchestration, learning",
+        [arg("which", nargs="?", help="the benchmark (flowmatch bench --help lists them)")],
+        rest=True,
+    ),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flowmatch", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-
-    s = sub.add_parser(
-        "sample", help="write the embedded sample dataset (PD12M format)", add_help=False
-    )
-    s.set_defaults(func=cmd_sample, passthrough=True)
-
-    s = sub.add_parser("partitions", help="list or register the partitions of the metadata source")
-    s.add_argument("action", choices=["list", "register"], nargs="?", default="list")
-    s.set_defaults(func=cmd_partitions)
-
-    s = sub.add_parser("materialize", help="materialize assets for partitions, in-process")
-    s.add_argument(
-        "--partition", "-p", action="append", help="partition key (repeatable; default all)"
-    )
-    s.add_argument(
-        "--asset", "-a", action="append", help="asset name (repeatable; default all partitioned)"
-    )
-    s.add_argument(
-        "--missing",
-        action="store_true",
-        help="only asset partitions that are missing (file gone or corrupt, no catalog record, "
-        "or not materialized in Dagster)",
-    )
-    s.set_defaults(func=cmd_materialize)
-
-    s = sub.add_parser(
-        "retry", help="re-fetch retryable failed images and merge them into their shards"
-    )
-    s.add_argument("--partition", "-p", action="append", help="partition key (repeatable)")
-    s.add_argument(
-        "--reason",
-        "-r",
-        action="append",
-        help="failure reason to re-fetch (repeatable; default: every retryable one)",
-    )
-    s.set_defaults(func=cmd_retry)
-
-    s = sub.add_parser(
-        "verify",
-        help="find shards that are gone or corrupt; make the catalog and Dagster say missing",
-    )
-    s.add_argument("--partition", "-p", action="append", help="partition key (default all)")
-    s.add_argument("--quick", action="store_true", help="headers only, no checksums")
-    s.set_defaults(func=cmd_verify)
-
-    s = sub.add_parser("train", help="materialize flow_model (+ samples): start or resume training")
-    s.add_argument("--steps", type=int, default=None, help="total steps (default: the YAML's)")
-    s.add_argument("--run-name", default="default")
-    s.add_argument("--config", default=None, help="training YAML (default configs/tiny.yaml)")
-    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    s.add_argument("--no-samples", action="store_true")
-    s.set_defaults(func=cmd_train)
-
-    s = sub.add_parser(
-        "evaluate", help="score caption following of a run's checkpoints (evaluation asset)"
-    )
-    s.add_argument("--run-name", default="default")
-    s.add_argument("--checkpoints", choices=["latest", "all"], default="latest")
-    s.add_argument("--prompts", type=int, default=48, help="prompts from the caption grammar")
-    s.set_defaults(func=cmd_evaluate)
-
-    s = sub.add_parser("demo", help="write the sample and materialize every partition end to end")
-    s.add_argument("--data-root", default="data")
-    s.add_argument("--files", type=int, default=3)
-    s.add_argument("--rows-per-file", type=int, default=96)
-    s.add_argument("--regenerate", action="store_true")
-    s.add_argument(
-        "--train-steps",
-        type=int,
-        default=None,
-        help="tiny DiT steps (default: configs/tiny.yaml's; 0: no training)",
-    )
-    s.set_defaults(func=cmd_demo)
-
-    s = sub.add_parser("catalog", help="reports from the DuckDB catalog, or raw SQL")
-    s.add_argument(
-        "report",
-        choices=["coverage", "summary", "failures", "compression", "throughput", "sql", "path"],
-    )
-    s.add_argument(
-        "sql",
-        nargs="?",
-        help="SQL for `catalog sql` (views: materializations, rows, "
-        "partitions, coverage, failures, rejected_attempts, compression, throughput)",
-    )
-    s.add_argument("--json", action="store_true")
-    s.set_defaults(func=cmd_catalog)
-
-    s = sub.add_parser(
-        "zoo", help="create the tiny offline model zoo (random weights)", add_help=False
-    )
-    s.set_defaults(func=cmd_zoo, passthrough=True)
-
-    s = sub.add_parser(
-        "budget", help="time, cost, energy and disk for PD12M and N updates", add_help=False
-    )
-    s.set_defaults(func=None)
-
-    s = sub.add_parser(
-        "backfill",
-        help="launch a backfill (--missing) through the running webserver's GraphQL",
-        add_help=False,
-    )
-    s.set_defaults(func=None)
-
-    s = sub.add_parser("bench", help="benchmarks: images, store, precalc, train, orchestration")
-    s.add_argument("which", choices=sorted(BENCHES))
-    s.set_defaults(func=cmd_bench, passthrough=True)
+    for name, c in COMMANDS.items():
+        # a verb that hands on the rest of the line leaves --help to its module
+        s = sub.add_parser(name, help=c.help, add_help=not c.rest)
+        for flags, kw in c.args:
+            s.add_argument(*flags, **kw)
     return p
 
 
 def _main(argv: list[str]) -> int:
     p = build_parser()
-    # passthrough commands hand the rest of the line to their module's own parser
-    if argv[:1] == ["budget"]:
-        from flowmatch_assets.budget_cli import main as budget_main
-
-        return budget_main(argv[1:])
-    if argv[:1] == ["backfill"]:
-        from flowmatch_assets.backfill import main as backfill_main
-
-        return backfill_main(argv[1:])
-    if argv and argv[0] in ("sample", "zoo"):
-        a = argparse.Namespace(cmd=argv[0])
-        return {"sample": cmd_sample, "zoo": cmd_zoo}[argv[0]](a, argv[1:])
-    if len(argv) >= 2 and argv[0] == "bench":
-        a = argparse.Namespace(cmd="bench", which=argv[1])
-        return cmd_bench(a, argv[2:])
-    a = p.parse_args(argv)
-    return int(a.func(a) or 0)
+    ns, rest = p.parse_known_args(argv)
+    kwargs = vars(ns)
+    c = COMMANDS[kwargs.pop("cmd")]
+    if c.rest:
+        kwargs["argv"] = rest
+    elif rest:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
+    return int(c.run(**kwargs) or 0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,24 +10,18 @@ import pyarrow.parquet as pq
 from pydantic import Field
 
 from flowmatch_assets import catalog
-from flowmatch_assets.catalog import MaterializationRecord, RowOutcome
+from flowmatch_assets.catalog import RowOutcome
 from flowmatch_assets.deploy import IMAGE_TAGS
 from flowmatch_assets.ingest import IngestResult, ingest_rows, is_retryable
-from flowmatch_assets.metadata import filter_rows, ids_as_strings, read_shard
+from flowmatch_assets.metadata import filter_rows, ids_as_strings, read_metadata_shard
 from flowmatch_assets.partitions import shard_partitions
 from flowmatch_assets.resources import FlowmatchResource
-from flowmatch_models.atomic import atomic_path, remove_stale_temps
+from flowmatch_assets.routine import PartitionOutput, run_partitions
+from flowmatch_models.atomic import atomic_path
 from flowmatch_models.grid import make_grid, markdown_image, save_png
 from flowmatch_models.image_shard import decode, write_image_shard
 
 GROUP = "data"
-
-
-def _run_id(context: dg.AssetExecutionContext) -> str | None:
-    try:
-        return context.run.run_id
-    except Exception:  # noqa: BLE001 - direct invocation has no run
-        return None
 
 
 @dg.asset(
@@ -39,47 +33,39 @@ def _run_id(context: dg.AssetExecutionContext) -> str | None:
 def pd12m_metadata(
     context: dg.AssetExecutionContext, flowmatch: FlowmatchResource
 ) -> dg.MaterializeResult:
+    """Read the partition's rows of its metadata file, filter them, store the kept ones."""
     t0 = time.perf_counter()
-    part = context.partition_key
-    root = flowmatch.data_root
-    table, spec = read_shard(flowmatch.metadata_source, part, flowmatch.shard_size)
+    out = PartitionOutput(context, flowmatch, "pd12m_metadata")
+    table, spec = read_metadata_shard(
+        flowmatch.metadata_source, out.partition, flowmatch.shard_size
+    )
     table = ids_as_strings(table)
     kept, filtered = filter_rows(table, flowmatch.filters)
-    out = flowmatch.layout.asset_path("pd12m_metadata", part)
-    remove_stale_temps(out)
-    with atomic_path(out) as tmp:
+    with atomic_path(out.path) as tmp:
         pq.write_table(kept, tmp)
-    kept_ids = kept.column("id").to_pylist()
-    kept_urls = kept.column("url").to_pylist()
-    outcomes = [RowOutcome(i, u, "stored") for i, u in zip(kept_ids, kept_urls)]
+    outcomes = [
+        RowOutcome(i, u, "stored")
+        for i, u in zip(kept.column("id").to_pylist(), kept.column("url").to_pylist())
+    ]
     outcomes += [
         RowOutcome(f["id"], f["url"], "filtered", f["reason"], f["detail"]) for f in filtered
     ]
-    catalog.record_rows(root, "pd12m_metadata", part, outcomes)
     by_reason = dict(Counter(f["reason"] for f in filtered))
-    seconds = time.perf_counter() - t0
-    size = out.stat().st_size
-    catalog.record_materialization(
-        root,
-        MaterializationRecord(
-            asset="pd12m_metadata",
-            partition=part,
-            samples=kept.num_rows,
-            input_rows=table.num_rows,
-            raw_bytes=kept.nbytes,
-            stored_bytes=size,
-            seconds=seconds,
-            run_id=_run_id(context),
-            extra={
-                "source_file": spec.path,
-                "row_start": spec.row_start,
-                "row_end": spec.row_end,
-                "filtered": by_reason,
-            },
-        ),
+    context.log.info(
+        f"{out.partition}: {table.num_rows} rows, kept {kept.num_rows}, filtered {by_reason}"
     )
-    context.log.info(f"{part}: {table.num_rows} rows, kept {kept.num_rows}, filtered {by_reason}")
-    return dg.MaterializeResult(
+    return out.publish(
+        samples=kept.num_rows,
+        rows=outcomes,
+        seconds=time.perf_counter() - t0,
+        input_rows=table.num_rows,
+        raw_bytes=kept.nbytes,
+        extra={
+            "source_file": spec.path,
+            "row_start": spec.row_start,
+            "row_end": spec.row_end,
+            "filtered": by_reason,
+        },
         metadata={
             "input_rows": table.num_rows,
             "kept_rows": kept.num_rows,
@@ -87,8 +73,7 @@ def pd12m_metadata(
             "filtered_by_reason": dg.MetadataValue.json(by_reason),
             "source_file": spec.path,
             "row_range": f"[{spec.row_start}, {spec.row_end})",
-            "path": dg.MetadataValue.path(str(out)),
-        }
+        },
     )
 
 
@@ -143,16 +128,12 @@ def images_256(
     shard and its catalog records stay; its failures go to ``rejected_attempts``). With
     ``retry`` only the failed rows are fetched again and merged into the shard, in order."""
     t0 = time.perf_counter()
-    part = context.partition_key
-    root, layout = flowmatch.data_root, flowmatch.layout
-    out = layout.asset_path("images_256", part)
-    if remove_stale_temps(out):
-        context.log.warning(f"{part}: removed the temp files of an earlier, killed run")
-    rows = pq.read_table(layout.asset_path("pd12m_metadata", part)).to_pylist()
-    by_id = {r["id"]: r for r in rows}
+    out = PartitionOutput(context, flowmatch, "images_256")
+    part, root = out.partition, flowmatch.data_root
+    rows = pq.read_table(flowmatch.layout.asset_path("pd12m_metadata", part)).to_pylist()
     fetch, before = rows, {}
     if config.retry:
-        if not out.exists():
+        if not out.path.exists():
             raise dg.Failure(
                 f"{part} has no images_256 shard to retry into; materialize images_256 first"
             )
@@ -168,25 +149,11 @@ def images_256(
             context.log.info(f"{part}: {done}/{total} images ({rate:.1f}/s)")
 
     results = ingest_rows(fetch, flowmatch.ingest, progress=progress)
-    fmt = flowmatch.ingest.image_format
-    new = {
-        r.id: {
-            "id": r.id,
-            "caption": by_id[r.id]["caption"],
-            "image": r.image,
-            "format": fmt,
-            "orig_width": r.orig_width,
-            "orig_height": r.orig_height,
-            "md5": r.md5,
-            "url": r.url,
-        }
-        for r in results
-        if r.outcome == "stored"
-    }
+    new = _shard_rows(results, rows, flowmatch.ingest.image_format)
     outcomes = {r.id: RowOutcome(r.id, r.url, r.outcome, r.reason, r.detail) for r in results}
     downloaded = sum(r.bytes_downloaded for r in results)
     if config.retry:
-        kept = {r["id"]: r for r in pq.read_table(out).to_pylist()}
+        kept = {r["id"]: r for r in pq.read_table(out.path).to_pylist()}
         merged = {**kept, **new}
         stored = [merged[r["id"]] for r in rows if r["id"] in merged]  # metadata order
         for i, o in before.items():
@@ -194,38 +161,13 @@ def images_256(
                 outcomes[i] = RowOutcome(i, o["url"], o["outcome"], o["reason"], o["detail"])
     else:
         stored = [new[r["id"]] for r in rows if r["id"] in new]
-        floor = flowmatch.ingest.min_stored_fraction
-        if rows and len(stored) < floor * len(rows):
-            catalog.record_attempt(root, "images_256", part, list(outcomes.values()))
-            kept_note = (
-                f"the previous shard ({out.name}) and its catalog records are unchanged"
-                if out.exists()
-                else "no shard written"
-            )
-            raise dg.Failure(
-                f"{part}: stored {len(stored)}/{len(rows)} images, below "
-                f"ingest.min_stored_fraction={floor:g}; top failure reasons: "
-                f"{top_reasons(results)}; {kept_note}. The failures are in the catalog view "
-                "rejected_attempts; fix the cause (e.g. FLOWMATCH_FILE_ROOT after moving a data "
-                "root) and re-run, or lower ingest.min_stored_fraction.",
-                metadata={
-                    "stored": len(stored),
-                    "input_rows": len(rows),
-                    "failed_by_reason": dg.MetadataValue.json(
-                        dict(Counter(r.reason for r in results if r.outcome == "failed"))
-                    ),
-                },
-            )
-    size = write_image_shard(out, stored)
+        _refuse_if_too_few(out, stored, rows, results, flowmatch.ingest.min_stored_fraction)
+    write_image_shard(out.path, stored)
     all_outcomes = [outcomes[r["id"]] for r in rows if r["id"] in outcomes]
-    catalog.record_rows(root, "images_256", part, all_outcomes)
-    catalog.clear_attempt(root, "images_256", part)
     failed = dict(Counter(o.reason for o in all_outcomes if o.outcome == "failed"))
     seconds = time.perf_counter() - t0
-    side = flowmatch.ingest.size
-    raw = len(stored) * side * side * 3
     grid = make_grid([decode(s["image"]) for s in stored[:64]], cell=96)
-    preview = save_png(grid, layout.preview_path("images_256", part))
+    preview = save_png(grid, flowmatch.layout.preview_path("images_256", part))
     extra: dict = {"failed": failed, "downloaded_bytes": downloaded}
     record_seconds = seconds
     if config.retry:
@@ -236,42 +178,85 @@ def images_256(
         prev_extra = json.loads(prev.get("extra") or "{}")
         extra["downloaded_bytes"] = downloaded + int(prev_extra.get("downloaded_bytes") or 0)
         extra["retry"] = {"fetched": len(fetch), "recovered": len(new), "seconds": seconds}
-    catalog.record_materialization(
-        root,
-        MaterializationRecord(
-            asset="images_256",
-            partition=part,
-            samples=len(stored),
-            input_rows=len(rows),
-            raw_bytes=raw,
-            stored_bytes=size,
-            seconds=record_seconds,
-            codec=fmt,
-            device="cpu",
-            run_id=_run_id(context),
-            extra=extra,
-        ),
-    )
     what = f"retried {len(fetch)}, recovered {len(new)}; " if config.retry else ""
     context.log.info(
         f"{part}: {what}stored {len(stored)}/{len(rows)}, failed {failed}, {seconds:.1f}s"
     )
-    md = {
-        "input_rows": len(rows),
-        "stored": len(stored),
-        "failed": len(rows) - len(stored),
-        "failed_by_reason": dg.MetadataValue.json(failed),
-        "downloaded_bytes": downloaded,  # this run's (the catalog: the shard's, all runs)
-        "stored_bytes": size,
-        "images_per_s": round(len(fetch) / seconds, 1) if seconds else 0.0,
-        "path": dg.MetadataValue.path(str(out)),
-        "preview_png": dg.MetadataValue.path(str(preview)),
-        "preview": dg.MetadataValue.md(markdown_image(grid, f"images_256 {part}")),
+    retried = {"retried": len(fetch), "recovered": len(new)} if config.retry else {}
+    return out.publish(
+        samples=len(stored),
+        rows=all_outcomes,
+        seconds=record_seconds,
+        input_rows=len(rows),
+        raw_bytes=len(stored) * flowmatch.ingest.size**2 * 3,
+        codec=flowmatch.ingest.image_format,
+        device="cpu",
+        extra=extra,
+        metadata={
+            "input_rows": len(rows),
+            "stored": len(stored),
+            "failed": len(rows) - len(stored),
+            "failed_by_reason": dg.MetadataValue.json(failed),
+            "downloaded_bytes": downloaded,  # this run's (the catalog: the shard's, all runs)
+            "stored_bytes": out.path.stat().st_size,
+            "images_per_s": round(len(fetch) / seconds, 1) if seconds else 0.0,
+            "preview_png": dg.MetadataValue.path(str(preview)),
+            "preview": dg.MetadataValue.md(markdown_image(grid, f"images_256 {part}")),
+            **retried,
+        },
+    )
+
+
+def _shard_rows(results: list[IngestResult], rows: list[dict], fmt: str) -> dict[str, dict]:
+    """The images_256 rows of the stored results, by id (caption from the metadata row)."""
+    caption = {r["id"]: r["caption"] for r in rows}
+    return {
+        r.id: {
+            "id": r.id,
+            "caption": caption[r.id],
+            "image": r.image,
+            "format": fmt,
+            "orig_width": r.orig_width,
+            "orig_height": r.orig_height,
+            "md5": r.md5,
+            "url": r.url,
+        }
+        for r in results
+        if r.outcome == "stored"
     }
-    if config.retry:
-        md["retried"] = len(fetch)
-        md["recovered"] = len(new)
-    return dg.MaterializeResult(metadata=md)
+
+
+def _refuse_if_too_few(
+    out: PartitionOutput,
+    stored: list[dict],
+    rows: list[dict],
+    results: list[IngestResult],
+    floor: float,
+) -> None:
+    """Fail (recording the attempt, replacing nothing) when fewer than ``floor`` of the rows
+    were stored."""
+    if not rows or len(stored) >= floor * len(rows):
+        return
+    out.reject(RowOutcome(r.id, r.url, r.outcome, r.reason, r.detail) for r in results)
+    kept_note = (
+        f"the previous shard ({out.path.name}) and its catalog records are unchanged"
+        if out.path.exists()
+        else "no shard written"
+    )
+    raise dg.Failure(
+        f"{out.partition}: stored {len(stored)}/{len(rows)} images, below "
+        f"ingest.min_stored_fraction={floor:g}; top failure reasons: "
+        f"{top_reasons(results)}; {kept_note}. The failures are in the catalog view "
+        "rejected_attempts; fix the cause (e.g. FLOWMATCH_FILE_ROOT after moving a data "
+        "root) and re-run, or lower ingest.min_stored_fraction.",
+        metadata={
+            "stored": len(stored),
+            "input_rows": len(rows),
+            "failed_by_reason": dg.MetadataValue.json(
+                dict(Counter(r.reason for r in results if r.outcome == "failed"))
+            ),
+        },
+    )
 
 
 @dg.asset_check(
@@ -313,11 +298,3 @@ def images_256_complete(
             "problems": dg.MetadataValue.json(problems[:20]),
         },
     )
-
-
-def run_partitions(context: dg.AssetCheckExecutionContext) -> list[str]:
-    """The partition(s) of the run the check executes in (empty: check every partition)."""
-    tags = context.run.tags if context.run else {}
-    if "dagster/partition" in tags:
-        return [tags["dagster/partition"]]
-    return []

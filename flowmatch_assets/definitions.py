@@ -1,7 +1,9 @@
 """The code location: every asset, check, sensor and resource of flowmatch.
 
 Loaded by `dagster dev` through workspace.yaml (``python_module: flowmatch_assets.definitions``).
-Settings come from FLOWMATCH_* environment variables (see resources.resource_from_env).
+Settings come from FLOWMATCH_* environment variables, read when a run's resources are built
+(resources.flowmatch_from_env). The embedding assets and their checks are built from the
+registry of embedding kinds (flowmatch_models.embeddings) each time definitions are built.
 """
 
 import os
@@ -10,22 +12,33 @@ import dagster as dg
 
 from flowmatch_assets.budget_assets import budget_report
 from flowmatch_assets.data_assets import images_256, images_256_complete, pd12m_metadata
-from flowmatch_assets.embedding_assets import EMBEDDING_CHECKS, encode_embeddings
+from flowmatch_assets.embedding_assets import build_embedding_checks, build_encode_embeddings
 from flowmatch_assets.partitions import pd12m_partition_sensor
-from flowmatch_assets.resources import FlowmatchResource, resource_from_env
+from flowmatch_assets.resources import FlowmatchResource, flowmatch_from_env
 from flowmatch_assets.state import build_verify_sensor
 from flowmatch_assets.training_assets import evaluation, flow_model, samples
+from flowmatch_models.embeddings import KINDS, TRAINING_INPUTS
 
-ASSETS = [
-    pd12m_metadata,
-    images_256,
-    encode_embeddings,
-    flow_model,
-    samples,
-    evaluation,
-    budget_report,
-]
-CHECKS = [images_256_complete, *EMBEDDING_CHECKS]
+
+def assets() -> list:
+    """Every asset, the embedding kinds as registered now; flow_model depends on every
+    training input."""
+    encode = build_encode_embeddings(list(KINDS.values()))
+    train = flow_model.map_asset_specs(
+        lambda spec: spec.replace_attributes(deps=list(TRAINING_INPUTS))
+    )
+    return [pd12m_metadata, images_256, encode, train, samples, evaluation, budget_report]
+
+
+def checks() -> list:
+    """Every asset check, the embedding kinds' as registered now."""
+    return [images_256_complete, *build_embedding_checks(list(KINDS.values()))]
+
+
+def all_assets_and_checks() -> list:
+    """What an in-process ``dg.materialize`` gets: every asset and check (the CLI, tests)."""
+    return [*assets(), *checks()]
+
 
 ingest_job = dg.define_asset_job(
     "ingest_images",
@@ -39,13 +52,14 @@ train_job = dg.define_asset_job(
 )
 embed_job = dg.define_asset_job(
     "encode_embeddings_job",
-    selection=dg.AssetSelection.assets(encode_embeddings),
+    selection=dg.AssetSelection.groups("embeddings"),
     description="DC-AE latents, DINOv2 features and Gemma3 caption embeddings of the chosen partition(s).",
 )
 
 
-def resources_for(flowmatch: FlowmatchResource) -> dict:
-    """Every resource the assets need, around one FlowmatchResource."""
+def resources_for(flowmatch: FlowmatchResource | dg.ResourceDefinition) -> dict:
+    """Every resource the assets need, around one FlowmatchResource (default for the code
+    location: built from the environment when a run starts)."""
     return {"flowmatch": flowmatch, "pipes_subprocess_client": dg.PipesSubprocessClient()}
 
 
@@ -72,11 +86,11 @@ def with_automation(assets: list, mode: str) -> list:
     )
 
 
-#: Steps fork from a server that has already imported this module (and dagster, pyarrow, ...),
-#: so a partition's step starts in a fraction of a second instead of re-importing everything.
-local_executor = dg.multiprocess_executor.configured(
-    {"start_method": {"forkserver": {"preload_modules": ["flowmatch_assets.definitions"]}}}
-)
+#: A run's steps execute in the run's own process, one after the other: a partition's run is
+#: a chain of steps anyway, and parallel partitions are parallel runs (the run queue's
+#: max_concurrent_runs; the gpu pool still bounds encoder and training steps). No step process
+#: to start and no second import of the definitions: BENCHMARKS.md "Orchestration".
+local_executor = dg.in_process_executor
 
 
 def build_definitions(
@@ -86,11 +100,11 @@ def build_definitions(
     ``automation`` (default: FLOWMATCH_AUTOMATION or "off") see :func:`with_automation`."""
     mode = automation or os.environ.get("FLOWMATCH_AUTOMATION", "off")
     return dg.Definitions(
-        assets=with_automation(ASSETS, mode),
-        asset_checks=CHECKS,
+        assets=with_automation(assets(), mode),
+        asset_checks=checks(),
         sensors=[pd12m_partition_sensor, build_verify_sensor()],
         jobs=[ingest_job, embed_job, train_job],
-        resources=resources_for(resource_from_env()),
+        resources=resources_for(flowmatch_from_env),
         executor=executor or local_executor,
     )
 

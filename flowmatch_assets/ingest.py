@@ -84,9 +84,10 @@ try:  # libjpeg-turbo with M/8 DCT scaling; without it every JPEG takes the Pill
 except ImportError:  # pragma: no cover - simplejpeg is a declared dependency
     simplejpeg = None
 
-from flowmatch_assets.config import IngestConfig
+from pydantic import BaseModel, Field
 
 __all__ = [
+    "IngestConfig",
     "REASONS",
     "RETRYABLE",
     "IngestError",
@@ -98,6 +99,53 @@ __all__ = [
     "process_image",
     "sniff_format",
 ]
+
+
+class IngestConfig(BaseModel):
+    """Download, decode, resize and encode settings of the images_256 stage."""
+
+    size: int = Field(
+        default=256, description="Output side: short side resized to this, centre crop."
+    )
+    threads: int = Field(default=16, description="Concurrent downloads+decodes per process.")
+    connect_timeout_s: float = Field(default=5.0, description="TCP connect timeout (seconds).")
+    read_timeout_s: float = Field(default=15.0, description="Read timeout (seconds).")
+    retries: int = Field(
+        default=3, description="Retries on 5xx, timeouts and connection errors (never on 4xx)."
+    )
+    backoff_s: float = Field(default=0.25, description="First retry delay; doubles each retry.")
+    deadline_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="Total time one download may take, retries and redirects included; past it "
+        "the row fails as timeout (a trickling or stalled server never holds a thread longer).",
+    )
+    max_bytes: int = Field(default=40_000_000, description="Largest body accepted (bytes).")
+    max_redirects: int = Field(default=5, description="Most http(s) redirects followed.")
+    max_pixels: int = Field(
+        default=100_000_000, description="Decompression-bomb limit: refuse images above w*h."
+    )
+    min_side: int = Field(
+        default=64, description="Decoded images with a shorter side fail as too_small."
+    )
+    file_root: str | None = Field(
+        default=None,
+        description="file:// URLs are allowed only under this folder (None: file:// refused).",
+    )
+    min_stored_fraction: float = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        description="An attempt that stores fewer than this fraction of the shard's kept rows "
+        "fails and keeps the previous shard and its catalog records (its failures are recorded "
+        "in the rejected_attempts view).",
+    )
+    image_format: str = Field(default="jpeg", description="jpeg, webp or png.")
+    quality: int = Field(default=95, description="JPEG/WebP quality.")
+    user_agent: str = Field(
+        default="flowmatch/0.1 (+PD12M research)", description="HTTP User-Agent."
+    )
+
 
 #: Every failure reason code except the ``http_<status>`` family.
 REASONS: frozenset[str] = frozenset(

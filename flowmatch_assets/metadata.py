@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import math
 import re
-from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 
 import fsspec
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-
-from flowmatch_assets.config import FilterConfig
+from pydantic import BaseModel, Field
 
 #: The PD12M metadata columns and the arrow type family each must have.
 PD12M_COLUMNS: dict[str, str] = {
@@ -36,20 +33,32 @@ PD12M_COLUMNS: dict[str, str] = {
 
 FILE_RE = re.compile(r"(\d+)\.parquet$")
 
-#: Filter reasons, in the order they are checked (a row gets the first that applies).
-FILTER_REASONS = (
-    "missing_url",
-    "small_original",
-    "aspect_ratio",
-    "caption_too_short",
-    "caption_too_long",
-    "license",
-    "duplicate_hash",
-)
-
 
 class MetadataError(ValueError):
     """The metadata source or one of its files is unusable; the message says which and why."""
+
+
+class FilterConfig(BaseModel):
+    """Row filters applied to PD12M metadata before any image is fetched (counted by reason)."""
+
+    min_width: int = Field(default=256, description="Minimum original width in pixels.")
+    min_height: int = Field(default=256, description="Minimum original height in pixels.")
+    max_aspect_ratio: float = Field(
+        default=3.0, description="Maximum long/short side ratio of the original image."
+    )
+    min_caption_chars: int = Field(
+        default=1, description="Minimum caption length (characters, stripped)."
+    )
+    max_caption_chars: int = Field(
+        default=4000, description="Maximum caption length (characters, stripped)."
+    )
+    licenses: list[str] | None = Field(
+        default=None,
+        description="License allow-list (exact strings); None keeps every license.",
+    )
+    drop_duplicate_hash: bool = Field(
+        default=True, description="Keep only the first row of each md5 `hash` within a shard."
+    )
 
 
 @dataclass(frozen=True)
@@ -147,7 +156,7 @@ def discover_shards(source: str, shard_size: int) -> list[ShardSpec]:
     return specs
 
 
-def read_shard(source: str, key: str, shard_size: int) -> tuple[pa.Table, ShardSpec]:
+def read_metadata_shard(source: str, key: str, shard_size: int) -> tuple[pa.Table, ShardSpec]:
     """Read the rows of partition ``key`` (with a ``row_index`` column: position in the file)."""
     file_number, shard_index = parse_shard_key(key)
     files = list_metadata_files(source)
@@ -225,17 +234,9 @@ def filter_rows(table: pa.Table, cfg: FilterConfig) -> tuple[pa.Table, list[dict
     return kept, filtered
 
 
-def count_reasons(filtered: list[dict]) -> dict[str, int]:
-    return dict(Counter(f["reason"] for f in filtered))
-
-
 def ids_as_strings(table: pa.Table) -> pa.Table:
     """PD12M ids are strings; cast other id types so downstream joins are uniform."""
     i = table.schema.get_field_index("id")
     if not pa.types.is_string(table.schema.field(i).type):
         table = table.set_column(i, "id", pc.cast(table.column(i), pa.string()))
     return table
-
-
-def local_path(path: str) -> Path | None:
-    return None if "://" in path else Path(path)

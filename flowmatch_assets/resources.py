@@ -1,15 +1,39 @@
-"""Dagster resources: one typed object holding every data-pipeline knob."""
+"""The Dagster resource: one typed object holding every data-pipeline knob.
+
+The knobs themselves are plain pydantic models that live with the code that uses them
+(``FilterConfig`` in metadata.py, ``IngestConfig`` in ingest.py, ``EncoderSpec`` in
+flowmatch_models/embeddings.py); :func:`dagster_config` makes each a ``dg.Config`` so that the
+resource can nest it and the launchpad can edit it. The FLOWMATCH_* environment is read when the
+resource is built (:func:`resource_from_env`: in a run, when its resources initialise), never
+when a module is imported.
+"""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
-from pydantic import Field
+from pydantic import BaseModel, Field, field_validator
 
-from flowmatch_assets.config import EncoderConfig, FilterConfig, IngestConfig
+from flowmatch_assets.ingest import IngestConfig
+from flowmatch_assets.metadata import FilterConfig
+from flowmatch_models.embeddings import EncoderSpec
 from flowmatch_models.layout import DataLayout
+
+
+def dagster_config(model: type[BaseModel]) -> type:
+    """``model`` as a ``dg.Config`` (same fields, defaults and descriptions; still an instance
+    of ``model``, so plain code takes it as is)."""
+    return type(
+        model.__name__, (model, dg.Config), {"__doc__": model.__doc__, "__module__": __name__}
+    )
+
+
+FilterSettings = dagster_config(FilterConfig)
+IngestSettings = dagster_config(IngestConfig)
+EncoderSettings = dagster_config(EncoderSpec)
 
 
 class FlowmatchResource(dg.ConfigurableResource):
@@ -20,9 +44,15 @@ class FlowmatchResource(dg.ConfigurableResource):
         description="Folder or fsspec URL of PD12M metadata files pd12m.NNN.parquet."
     )
     shard_size: int = Field(default=10_000, description="Rows per partition (shard).")
-    filters: FilterConfig = Field(default_factory=FilterConfig)
-    ingest: IngestConfig = Field(default_factory=IngestConfig)
-    encoders: EncoderConfig = Field(default_factory=EncoderConfig)
+    filters: FilterSettings = Field(default_factory=FilterSettings)
+    ingest: IngestSettings = Field(default_factory=IngestSettings)
+    encoders: EncoderSettings = Field(default_factory=EncoderSettings)
+
+    @field_validator("filters", "ingest", "encoders", mode="before")
+    @classmethod
+    def _plain(cls, v: Any) -> Any:
+        """Plain ``FilterConfig``/``IngestConfig``/``EncoderSpec`` objects are taken as they are."""
+        return v.model_dump(exclude_unset=True) if isinstance(v, BaseModel) else v
 
     @property
     def layout(self) -> DataLayout:
@@ -33,7 +63,28 @@ def _abs(p: str) -> str:
     return p if "://" in p else str(Path(p).expanduser().resolve())
 
 
-def resource_from_env() -> FlowmatchResource:
+class SettingError(ValueError):
+    """A FLOWMATCH_* environment variable holds a value that cannot be used."""
+
+
+#: The environment variable behind each setting resource_from_env reads (for error messages).
+ENV_OF = {
+    "data_root": "FLOWMATCH_DATA_ROOT",
+    "metadata_source": "FLOWMATCH_METADATA",
+    "shard_size": "FLOWMATCH_SHARD_SIZE",
+    "file_root": "FLOWMATCH_FILE_ROOT",
+    "min_stored_fraction": "FLOWMATCH_MIN_STORED_FRACTION",
+    "deadline_s": "FLOWMATCH_DEADLINE_S",
+    "vae": "FLOWMATCH_VAE",
+    "dino": "FLOWMATCH_DINO",
+    "text": "FLOWMATCH_TEXT",
+    "device": "FLOWMATCH_DEVICE",
+}
+
+
+def resource_from_env(
+    environ: dict[str, str] | None = None, overrides: dict | None = None
+) -> FlowmatchResource:
     """The resource as `dagster dev` and the CLI build it from the environment.
 
     FLOWMATCH_DATA_ROOT (default ``data``), FLOWMATCH_METADATA (default
@@ -43,26 +94,42 @@ def resource_from_env() -> FlowmatchResource:
     folders; default the real models, or the demo's random-weight zoo when ``<data root>/zoo``
     exists, as it does after `flowmatch demo`), FLOWMATCH_DEVICE (default auto),
     FLOWMATCH_MIN_STORED_FRACTION (ingest.min_stored_fraction, default 0.5),
-    FLOWMATCH_DEADLINE_S (ingest.deadline_s, default 60).
+    FLOWMATCH_DEADLINE_S (ingest.deadline_s, default 60). ``overrides`` (same shape as the
+    resource's fields, nested settings merged field by field) win over the environment.
     """
-    root = _abs(os.environ.get("FLOWMATCH_DATA_ROOT", "data"))
-    source = _abs(os.environ.get("FLOWMATCH_METADATA", os.path.join(root, "sample", "metadata")))
-    file_root = os.environ.get("FLOWMATCH_FILE_ROOT", os.path.join(root, "sample"))
+    env = os.environ if environ is None else environ
+    over = dict(overrides or {})
+    root = _abs(over.pop("data_root", None) or env.get("FLOWMATCH_DATA_ROOT", "data"))
+    source = over.pop("metadata_source", None) or env.get(
+        "FLOWMATCH_METADATA", os.path.join(root, "sample", "metadata")
+    )
+    file_root = env.get("FLOWMATCH_FILE_ROOT", os.path.join(root, "sample"))
+    ingest = {"file_root": _abs(file_root) if file_root else None}
+    for field, var in (
+        ("min_stored_fraction", "FLOWMATCH_MIN_STORED_FRACTION"),
+        ("deadline_s", "FLOWMATCH_DEADLINE_S"),
+    ):
+        if env.get(var):
+            ingest[field] = env[var]  # pydantic validates (a bad value names the field)
+    encoders: dict[str, Any] = {}
+    for field in ("vae", "dino", "text", "device"):
+        if env.get(ENV_OF[field]):
+            encoders[field] = env[ENV_OF[field]]
+        elif field != "device" and (Path(root) / "zoo" / field / "config.json").exists():
+            encoders[field] = str(Path(root) / "zoo" / field)  # the demo's zoo: labelled random
     return FlowmatchResource(
         data_root=root,
-        metadata_source=source,
-        shard_size=_int_env("FLOWMATCH_SHARD_SIZE", 10_000),
-        ingest=IngestConfig(file_root=_abs(file_root) if file_root else None, **_ingest_env()),
-        encoders=EncoderConfig(**_encoder_env(Path(root))),
+        metadata_source=_abs(source),
+        shard_size=over.pop("shard_size", None) or _int_env(env, "FLOWMATCH_SHARD_SIZE", 10_000),
+        filters=over.pop("filters", {}),
+        ingest={**ingest, **over.pop("ingest", {})},
+        encoders={**encoders, **over.pop("encoders", {})},
+        **over,
     )
 
 
-class SettingError(ValueError):
-    """A FLOWMATCH_* environment variable holds a value that cannot be used."""
-
-
-def _int_env(var: str, default: int) -> int:
-    raw = os.environ.get(var)
+def _int_env(env: Any, var: str, default: int) -> int:
+    raw = env.get(var)
     if not raw:
         return default
     try:
@@ -71,28 +138,12 @@ def _int_env(var: str, default: int) -> int:
         raise SettingError(f"{var}={raw!r} is not a whole number") from None
 
 
-def _ingest_env() -> dict:
-    out = {}
-    for field, var in (
-        ("min_stored_fraction", "FLOWMATCH_MIN_STORED_FRACTION"),
-        ("deadline_s", "FLOWMATCH_DEADLINE_S"),
-    ):
-        if os.environ.get(var):
-            out[field] = os.environ[var]  # pydantic validates (a bad value names the field)
-    return out
-
-
-def _encoder_env(root: Path) -> dict:
-    out = {}
-    for field, var in (
-        ("vae", "FLOWMATCH_VAE"),
-        ("dino", "FLOWMATCH_DINO"),
-        ("text", "FLOWMATCH_TEXT"),
-    ):
-        if os.environ.get(var):
-            out[field] = os.environ[var]
-        elif (root / "zoo" / field / "config.json").exists():
-            out[field] = str(root / "zoo" / field)  # the demo's zoo: labelled random wherever used
-    if os.environ.get("FLOWMATCH_DEVICE"):
-        out["device"] = os.environ["FLOWMATCH_DEVICE"]
-    return out
+@dg.resource(
+    config_schema=dg.Field(dg.Permissive(), is_required=False, default_value={}),
+    description="flowmatch's settings, read from the FLOWMATCH_* environment when a run starts; "
+    "launchpad config overrides fields of FlowmatchResource (data_root, metadata_source, "
+    "shard_size, filters, ingest, encoders), nested ones field by field.",
+)
+def flowmatch_from_env(init_context: dg.InitResourceContext) -> FlowmatchResource:
+    """The code location's resource: built from the environment when a run (or sensor) needs it."""
+    return resource_from_env(overrides=init_context.resource_config)

@@ -33,14 +33,14 @@ import pyarrow.parquet as pq
 from flowmatch_models.layout import PARTITIONED_ASSETS, DataLayout
 
 PRESENT = "present"
-#: The check whose failure `verify` reports per asset (None: the asset has no check).
-CHECK_OF = {
-    "pd12m_metadata": None,
-    "images_256": "images_256_complete",
-    "vae_latents": "vae_latents_valid",
-    "dino_features": "dino_features_valid",
-    "text_embeddings": "text_embeddings_valid",
-}
+#: The check whose failure `verify` reports per asset (None: the asset has no check); every
+#: embedding kind has ``<kind>_valid`` (flowmatch_assets/embedding_assets.py).
+DATA_CHECKS = {"pd12m_metadata": None, "images_256": "images_256_complete"}
+
+
+def check_of(asset: str) -> str | None:
+    """The validity check of ``asset`` (None: it has none)."""
+    return DATA_CHECKS[asset] if asset in DATA_CHECKS else f"{asset}_valid"
 
 
 @dataclass(frozen=True)
@@ -161,7 +161,7 @@ def verify(
         key = dg.AssetKey(s.asset)
         if s.partition in dagster_materialized(instance, s.asset):
             _record_failed_attempt(instance, s)
-        check = CHECK_OF.get(s.asset)
+        check = check_of(s.asset)
         if check:
             instance.report_runless_asset_event(
                 dg.AssetCheckEvaluation(

@@ -16,7 +16,7 @@ from flowmatch_assets.catalog import MaterializationRecord
 from flowmatch_assets.deploy import TRAIN_TAGS
 from flowmatch_assets.partitions import SHARDS
 from flowmatch_assets.resources import FlowmatchResource
-from flowmatch_models.layout import EMBEDDING_ASSETS
+from flowmatch_models.layout import TRAINING_INPUTS as EMBEDDING_ASSETS
 
 GROUP = "training"
 REPO = Path(__file__).resolve().parents[1]

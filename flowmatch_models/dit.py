@@ -69,7 +69,7 @@ def DiT_small() -> dict:
 
 
 def DiT_base() -> dict:
-    """20 layers, width 768 (~190M): the budget run of ARCHITECTURE.md."""
+    """20 layers, width 768 (~190M): the real 256 px run (configs/base.yaml; cost in BENCHMARKS.md)."""
     return _sana_config(layers=20, heads=24, head_dim=32, cross_heads=12)
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from flowmatch_models.embeddings import EncoderSpec
 from flowmatch_models.zoo import is_random_weights
+
+__all__ = ["EncoderSpec", "Encoders", "MissingWeightsError", "decode_latents", "load_pretrained"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -43,26 +45,6 @@ FP16_MAX = 65504.0
 
 class MissingWeightsError(RuntimeError):
     """An encoder's weights are neither a local folder nor in the Hugging Face cache."""
-
-
-@dataclass
-class EncoderSpec:
-    """Which encoders to load and how to run them (one typed config object, with defaults)."""
-
-    vae: str = "mit-han-lab/dc-ae-f32c32-sana-1.0-diffusers"  # hub id or local folder
-    dino: str = "facebook/dinov2-small"
-    text: str = "google/gemma-3-270m"
-    device: str = "auto"  # "auto" = cuda if available, else cpu
-    dtype: str = "auto"  # "auto" = bf16 on cuda, fp32 on cpu; or "fp32" / "bf16" / "fp16"
-    text_dtype: str = (
-        "auto"  # text encoder compute: "auto" (bf16 on cuda, fp32 on cpu) / bf16 / fp32
-    )
-    max_tokens: int = 128  # caption truncation (tokens, BOS included)
-    dino_size: int = 224  # DINOv2 input size for dino_pool="avg2x2"
-    dino_pool: str = "avg2x2"  # or "resize112" (run DINOv2 at 112 px -> 8x8 patches)
-    batch_size: int = 64
-    channels_last: bool = True  # conv memory format for the VAE on CUDA
-    compile: bool = False  # torch.compile the VAE encoder and DINOv2 (CUDA only)
 
 
 def _resolve_device(device: str) -> torch.device:

@@ -5,9 +5,8 @@ rename), so "the file exists" means "the partition is materialized".
 
     <root>/metadata/<partition>.parquet        pd12m_metadata: the shard's kept rows
     <root>/images_256/<partition>.parquet      images_256: encoded 256x256 images + metadata
-    <root>/vae_latents/<partition>.fms         DC-AE latents        (flowmatch_models.store)
-    <root>/dino_features/<partition>.fms       DINOv2 features      (flowmatch_models.store)
-    <root>/text_embeddings/<partition>.fms     Gemma3 hidden states (flowmatch_models.store)
+    <root>/<kind>/<partition>.fms              each embedding kind (flowmatch_models.embeddings:
+                                                vae_latents, dino_features, text_embeddings, ...)
     <root>/catalog/...                          per-partition catalog records (parquet)
     <root>/catalog.duckdb                       DuckDB views over the records
     <root>/previews/<asset>/<partition>.png     preview grids
@@ -15,19 +14,37 @@ rename), so "the file exists" means "the partition is materialized".
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-#: Partitioned assets in lineage order, with the file suffix of their per-partition files.
-PARTITIONED_ASSETS: dict[str, str] = {
-    "pd12m_metadata": ".parquet",
-    "images_256": ".parquet",
-    "vae_latents": ".fms",
-    "dino_features": ".fms",
-    "text_embeddings": ".fms",
-}
-EMBEDDING_ASSETS = ("vae_latents", "dino_features", "text_embeddings")
+from flowmatch_models.embeddings import EMBEDDING_ASSETS, KINDS, TRAINING_INPUTS
+
+__all__ = ["EMBEDDING_ASSETS", "PARTITIONED_ASSETS", "TRAINING_INPUTS", "DataLayout"]
+
+#: The data assets before the embeddings, with the suffix of their per-partition files.
+DATA_ASSETS: dict[str, str] = {"pd12m_metadata": ".parquet", "images_256": ".parquet"}
 _DIRS = {"pd12m_metadata": "metadata"}
+
+
+class _PartitionedAssets(Mapping[str, str]):
+    """Partitioned assets in lineage order -> file suffix: the data assets, then every
+    registered embedding kind (flowmatch_models.embeddings, read live)."""
+
+    def _all(self) -> dict[str, str]:
+        return {**DATA_ASSETS, **dict.fromkeys(KINDS, ".fms")}
+
+    def __getitem__(self, asset: str) -> str:
+        return self._all()[asset]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+
+PARTITIONED_ASSETS: Mapping[str, str] = _PartitionedAssets()
 
 
 @dataclass(frozen=True)
@@ -60,8 +77,8 @@ class DataLayout:
             if p.name.endswith(suffix) and not p.name.startswith(".")
         )
 
-    def complete_partitions(self, assets: tuple[str, ...] = EMBEDDING_ASSETS) -> list[str]:
-        """Partitions that have every asset in ``assets``."""
+    def complete_partitions(self, assets: Sequence[str] = TRAINING_INPUTS) -> list[str]:
+        """Partitions that have every asset in ``assets`` (default: every training input)."""
         sets = [set(self.partitions_with(a)) for a in assets]
         return sorted(set.intersection(*sets)) if sets else []
 

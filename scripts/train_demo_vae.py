@@ -3,7 +3,7 @@
 The demo's zoo VAE is randomly initialised, so everything decoded through it is noise. This
 script trains a small diffusers ``AutoencoderDC`` (the real class, 5 down-sampling stages like
 DC-AE f32c32: 256 px -> 32 x 8 x 8 latents) on images made exactly as the ``images_256`` stage
-makes them from ``flowmatch_assets.sample.draw_image`` (``flowmatch_assets.sample_256.images_256``), on
+makes them from ``flowmatch_assets.demo_dataset.draw_image`` (``flowmatch_assets.demo_images.images_256``), on
 the CPU, with a fixed seed. It writes
 
     flowmatch_assets/demo_vae/                 save_pretrained folder (config.json, fp16 weights)
@@ -34,7 +34,7 @@ from diffusers import AutoencoderDC
 from PIL import Image
 
 from flowmatch_assets.caption_eval import score
-from flowmatch_assets.sample_256 import images_256
+from flowmatch_assets.demo_images import images_256
 from flowmatch_models.zoo import DCAE_F32C32_SANA_1_0
 
 MARKER = "FLOWMATCH_DEMO_VAE"
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
     info = {
         "what": (
             "a tiny diffusers AutoencoderDC trained on the synthetic procedural sample "
-            "(flowmatch_assets/sample.py), NOT the real DC-AE: it reconstructs coloured shapes "
+            "(flowmatch_assets/demo_dataset.py), NOT the real DC-AE: it reconstructs coloured shapes "
             "on textured backgrounds at 256 px (-> 32x8x8 latents) and nothing else"
         ),
         "seed": a.seed,

@@ -22,8 +22,8 @@ from flowmatch_assets.caption_eval import (
     prompts,
     score,
 )
-from flowmatch_assets.sample import BACKGROUNDS, COLOURS, SHAPES
-from flowmatch_assets.sample_256 import images_256
+from flowmatch_assets.demo_dataset import BACKGROUNDS, COLOURS, SHAPES
+from flowmatch_assets.demo_images import images_256
 
 DEMO_VAE = Path(__file__).resolve().parents[1] / "flowmatch_assets" / "demo_vae"
 

@@ -31,11 +31,11 @@ def test_k8s_definitions_use_the_k8s_executor_and_gpu_requests():
     assert "nvidia.com/gpu" not in img["resources"]["requests"]
 
 
-def test_local_definitions_keep_the_multiprocess_executor():
+def test_local_definitions_run_a_runs_steps_in_its_process():
     from flowmatch_assets.definitions import defs
 
     job = defs.resolve_implicit_global_asset_job_def()
-    assert job.executor_def.name == "multiprocess"  # forkserver with preloaded definitions
+    assert job.executor_def.name == "in_process"  # parallel partitions are parallel runs
 
 
 def test_eager_automation_is_opt_in():

@@ -13,6 +13,7 @@ import dagster as dg
 import pytest
 
 from flowmatch_assets import backfill
+from flowmatch_assets.bench import orchestration
 from flowmatch_assets.catalog import Catalog
 from flowmatch_assets.devserver import REPO, dagster_dev, make_dagster_home
 from flowmatch_assets.partitions import register_partitions
@@ -45,9 +46,9 @@ def test_graphql_documents_match_the_installed_schema():
         backfill.LAUNCH,
         backfill.STATUS,
         backfill.PARTITIONS,
-        backfill.REPOS,
-        backfill.LAUNCH_RUN,
-        backfill.RUN_STATUS,
+        orchestration.REPOS,
+        orchestration.LAUNCH_RUN,
+        orchestration.RUN_STATUS,
     ):
         assert validate(schema, parse(doc)) == [], doc
 
@@ -222,10 +223,10 @@ def test_dagster_dev_backfill_catalog_and_ui(tmp_path, small_sample, zoo, monkey
                 "samples": {"config": {"run_name": "e2e", "steps": 2}},
             }
         }
-        run_id = backfill.launch_run(dev.url, ["flow_model", "samples"], run_config)
+        run_id = orchestration.launch_run(dev.url, ["flow_model", "samples"], run_config)
         log(f"launched training run {run_id}")
         try:
-            status = backfill.wait_run(dev.url, run_id, timeout=400)
+            status = orchestration.wait_run(dev.url, run_id, timeout=400)
         except TimeoutError as e:
             pytest.fail(dev.fail_msg(str(e)))
         assert status == "SUCCESS", dev.fail_msg(f"training run ended {status}")

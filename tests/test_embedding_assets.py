@@ -3,15 +3,21 @@ checks, bad captions, and a corrupted shard detected with a clear error."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import dagster as dg
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
+from flowmatch_assets.budget import measure
 from flowmatch_assets.catalog import Catalog
-from flowmatch_assets.config import EncoderConfig, FilterConfig
-from flowmatch_assets.definitions import defs, resources_for
+from flowmatch_assets.definitions import build_definitions, defs, resources_for
+from flowmatch_assets.metadata import FilterConfig
 from flowmatch_assets.partitions import register_partitions
+from flowmatch_assets.training_assets import coverage_or_fail
+from flowmatch_models.embeddings import KINDS, EncoderSpec, registered
 from flowmatch_models.image_shard import read_image_meta
 from flowmatch_models.store import read_shard
 from tests.conftest import make_resource
@@ -51,9 +57,7 @@ def _checks(res, key, instance):
 def test_three_embedding_assets_align_by_id_rerun_is_idempotent_and_checks_pass(
     tmp_path, small_sample, zoo
 ):
-    res = make_resource(
-        tmp_path / "data", small_sample, encoders=EncoderConfig(**zoo, batch_size=8)
-    )
+    res = make_resource(tmp_path / "data", small_sample, encoders=EncoderSpec(**zoo, batch_size=8))
     with dg.instance_for_test() as instance:
         register_partitions(instance, res)
         assert _run(res, "000-00", instance, ["pd12m_metadata", "images_256", *EMB]).success
@@ -119,7 +123,7 @@ def test_bad_captions_are_embedded_not_crashed(tmp_path, small_sample, zoo):
         tmp_path / "data",
         sample,
         filters=FilterConfig(min_caption_chars=0, max_caption_chars=20_000),
-        encoders=EncoderConfig(**zoo, max_tokens=16),
+        encoders=EncoderSpec(**zoo, max_tokens=16),
     )
     with dg.instance_for_test() as instance:
         register_partitions(instance, res)
@@ -132,3 +136,71 @@ def test_bad_captions_are_embedded_not_crashed(tmp_path, small_sample, zoo):
     assert (lengths >= 1).all() and (lengths <= 16).all()
     assert lengths[2] == 16  # the 10,000-character caption is truncated
     assert np.isfinite(shard["tokens"]).all()
+
+
+def test_a_new_embedding_kind_is_one_registry_entry(tmp_path, small_sample, zoo):
+    """A second text encoder registered in one place gets its asset, checks, catalog rows,
+    budget share and a place in training's coverage, with no other file edited."""
+    # the arrays, seed reference and lossy options of the Gemma3 kind; its own name and model
+    second = dataclasses.replace(
+        KINDS["text_embeddings"],
+        name="caption_states",
+        description="A second text encoder's caption states (here the zoo's Gemma3 again).",
+        model=zoo["text"],
+        warnings=(),
+    )
+    res = make_resource(
+        tmp_path / "data",
+        small_sample,
+        encoders=EncoderSpec(**zoo, batch_size=8, lossy={"caption_states": "int8"}),
+    )
+    with registered(second), dg.instance_for_test() as instance:
+        d = build_definitions()
+        graph = d.resolve_asset_graph()
+        assert dg.AssetKey("caption_states") in graph.get_all_asset_keys()
+        deps = graph.get(dg.AssetKey("flow_model")).parent_keys
+        assert dg.AssetKey("caption_states") in deps
+        register_partitions(instance, res)
+        assets = [*d.assets, *d.asset_checks]
+
+        def run(selection):
+            return dg.materialize(
+                assets, selection=selection, partition_key="000-00", instance=instance,
+                resources=resources_for(res), raise_on_error=False,
+            )  # fmt: skip
+
+        assert run(["pd12m_metadata", "images_256", *EMB]).success
+        # training needs every training input: without the new kind the partition is not covered
+        assert res.layout.complete_partitions() == []
+        with pytest.raises(dg.Failure, match="missing caption_states"):
+            coverage_or_fail(res, ["000-00"], 1.0)
+        result = run(["caption_states"])
+        assert result.success
+        evals = {
+            e.asset_check_evaluation_data.check_name: e.asset_check_evaluation_data.passed
+            for e in result.all_events
+            if e.event_type_value == "ASSET_CHECK_EVALUATION"
+        }
+        assert evals == {"caption_states_valid": True}
+        assert res.layout.complete_partitions() == ["000-00"]
+        assert coverage_or_fail(res, ["000-00"], 1.0)[0] == ["000-00"]
+
+        shard = read_shard(res.layout.asset_path("caption_states", "000-00"), verify=True)
+        assert shard.attrs["model"] == zoo["text"] and shard.attrs["random_weights"] is True
+        assert shard["tokens"].shape == (int(shard["lengths"].sum()), 640)
+        cat = Catalog(res.data_root)
+        cov = {r["partition"]: r for r in cat.coverage()}["000-00"]
+        assert cov["caption_states"] == len(shard.ids)
+        comp = {r["asset"]: r for r in cat.compression()}["caption_states"]
+        assert comp["codec"] == "zstd+int8" and comp["lossy_min_cosine"] > 0.99
+        stored = cat.query(
+            "SELECT count(*) AS n FROM rows WHERE asset = 'caption_states' AND outcome = 'stored'"
+        )
+        assert stored[0]["n"] == len(shard.ids)
+        (precalc,) = measure(cat)["precalc"]
+        assert precalc.samples == len(shard.ids) and "sum of the 4 encoders'" in precalc.note
+    # the registry is back to the three kinds, and so is everything built from it
+    assert list(KINDS) == EMB
+    assert "caption_states" not in [
+        s.name for c in build_definitions().asset_checks for s in c.check_specs
+    ]

@@ -14,8 +14,8 @@ import pytest
 from PIL import Image, ImageDraw, ImageFile, ImageOps
 
 from flowmatch_assets import ingest
-from flowmatch_assets.config import IngestConfig
 from flowmatch_assets.ingest import (
+    IngestConfig,
     IngestError,
     count_reasons,
     fetch_bytes,

@@ -6,13 +6,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from flowmatch_assets.config import FilterConfig
 from flowmatch_assets.metadata import (
     PD12M_COLUMNS,
+    FilterConfig,
     MetadataError,
     discover_shards,
     filter_rows,
-    read_shard,
+    read_metadata_shard,
 )
 
 
@@ -51,10 +51,10 @@ def test_one_file_becomes_several_stable_sorted_shards(tmp_path):
     specs = discover_shards(str(tmp_path), shard_size=10)
     assert [s.key for s in specs] == ["000-00", "000-01", "000-02", "007-00"]
     assert [(s.row_start, s.row_end) for s in specs] == [(0, 10), (10, 20), (20, 25), (0, 10)]
-    table, spec = read_shard(str(tmp_path), "000-01", 10)
+    table, spec = read_metadata_shard(str(tmp_path), "000-01", 10)
     assert table.column("id").to_pylist() == [f"id-{i}" for i in range(10, 20)]
     assert table.column("row_index").to_pylist() == list(range(10, 20))
-    last, _ = read_shard(str(tmp_path), "000-02", 10)
+    last, _ = read_metadata_shard(str(tmp_path), "000-02", 10)
     assert last.num_rows == 5
 
 
@@ -73,11 +73,11 @@ def test_wrong_type_and_bad_key_and_out_of_range(tmp_path):
         discover_shards(str(tmp_path), 10)
     _write(tmp_path, 0, _rows(3))
     with pytest.raises(MetadataError, match="NNN-KK"):
-        read_shard(str(tmp_path), "zero", 10)
+        read_metadata_shard(str(tmp_path), "zero", 10)
     with pytest.raises(MetadataError, match="shard_size"):
-        read_shard(str(tmp_path), "000-05", 10)
+        read_metadata_shard(str(tmp_path), "000-05", 10)
     with pytest.raises(MetadataError, match="no metadata file number 3"):
-        read_shard(str(tmp_path), "003-00", 10)
+        read_metadata_shard(str(tmp_path), "003-00", 10)
     with pytest.raises(MetadataError, match="does not exist"):
         discover_shards(str(tmp_path / "nope"), 10)
 

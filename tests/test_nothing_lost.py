@@ -19,14 +19,14 @@ from flowmatch_assets import backfill, cli
 from flowmatch_assets.budget import steady_rate
 from flowmatch_assets.budget_assets import rounded
 from flowmatch_assets.catalog import Catalog
-from flowmatch_assets.config import EncoderConfig, IngestConfig
-from flowmatch_assets.definitions import CHECKS, defs, resources_for
-from flowmatch_assets.ingest import is_retryable
+from flowmatch_assets.definitions import all_assets_and_checks, defs, resources_for
+from flowmatch_assets.demo_dataset import SampleSpec, write_sample
+from flowmatch_assets.ingest import IngestConfig, is_retryable
 from flowmatch_assets.partitions import SHARDS, register_partitions
 from flowmatch_assets.resources import FlowmatchResource
-from flowmatch_assets.sample import SampleSpec, write_sample
 from flowmatch_assets.state import dagster_materialized, partition_states
 from flowmatch_assets.training_assets import round_meta
+from flowmatch_models.embeddings import EncoderSpec
 from flowmatch_models.layout import PARTITIONED_ASSETS
 from tests.conftest import make_resource
 from tests.http_fixtures import LoopbackHTTPServer, Reply
@@ -45,7 +45,7 @@ def _res(root: Path, sample: dict, **ingest) -> FlowmatchResource:
 
 def _mat(res, key, instance, selection=DATA, run_config=None):
     return dg.materialize(
-        [*defs.assets, *CHECKS],
+        all_assets_and_checks(),
         selection=selection,
         partition_key=key,
         instance=instance,
@@ -138,7 +138,7 @@ def test_a_data_root_moves(tmp_path, zoo):
     a data root moved elsewhere re-materializes, answers queries and trains from its new place."""
     old = tmp_path / "old"
     sample = write_sample(old / "sample", SampleSpec(files=1, rows_per_file=6, seed=3))
-    enc = EncoderConfig(**zoo, batch_size=8)
+    enc = EncoderSpec(**zoo, batch_size=8)
     res = make_resource(old, sample, encoders=enc)
     with dg.instance_for_test() as instance:
         register_partitions(instance, res)

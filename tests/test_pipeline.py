@@ -112,7 +112,7 @@ def test_sensor_registers_new_metadata_files(resource, small_sample):
 @pytest.mark.slow
 def test_parallel_partitions_in_separate_processes_with_sqlite_home(tmp_path, small_sample):
     """Three partitions materialize at once, each in its own `dagster asset materialize`
-    process with the multiprocess executor, against one sqlite DAGSTER_HOME and one data root:
+    process, against one sqlite DAGSTER_HOME and one data root:
     no DuckDB or sqlite lock errors, and the catalog is consistent afterwards."""
     home = tmp_path / "dagster_home"
     home.mkdir()

@@ -318,7 +318,7 @@ def test_bench_counts_grouped_conv_backward_like_the_forward() -> None:
     """torch's built-in formula prices depthwise-conv weight grads as dense; ours does not."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from flowmatch_models.bench_train import FLOP_FORMULAS
+    from flowmatch_assets.bench.train import FLOP_FORMULAS
 
     for groups in (1, 64):
         conv = torch.nn.Conv2d(64, 64, 3, padding=1, groups=groups)

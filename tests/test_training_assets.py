@@ -11,9 +11,9 @@ import pytest
 from PIL import Image
 
 from flowmatch_assets.catalog import Catalog
-from flowmatch_assets.config import EncoderConfig
 from flowmatch_assets.definitions import defs, resources_for
 from flowmatch_assets.partitions import register_partitions
+from flowmatch_models.embeddings import EncoderSpec
 from tests.conftest import make_resource
 from tests.wandb_records import config as wandb_config
 from tests.wandb_records import history
@@ -77,9 +77,7 @@ def _train_cfg(**kw):
 
 @pytest.mark.slow
 def test_coverage_rule_then_train_resume_and_sample(tmp_path, small_sample, zoo):
-    res = make_resource(
-        tmp_path / "data", small_sample, encoders=EncoderConfig(**zoo, batch_size=8)
-    )
+    res = make_resource(tmp_path / "data", small_sample, encoders=EncoderSpec(**zoo, batch_size=8))
     with dg.instance_for_test() as instance:
         register_partitions(instance, res)
         assert _materialize(

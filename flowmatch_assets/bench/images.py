@@ -33,8 +33,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
-from flowmatch_assets.config import IngestConfig
-from flowmatch_assets.ingest import count_reasons, ingest_rows
+from flowmatch_assets.ingest import IngestConfig, count_reasons, ingest_rows
 from flowmatch_models.atomic import atomic_write_bytes
 
 CORPUS_VERSION = 1

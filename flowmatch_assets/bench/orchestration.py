@@ -22,6 +22,7 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import dagster as dg
@@ -31,10 +32,10 @@ import pyarrow.parquet as pq
 
 from flowmatch_assets import backfill
 from flowmatch_assets.catalog import Catalog
+from flowmatch_assets.demo_dataset import draw_image
 from flowmatch_assets.devserver import dagster_dev, make_dagster_home
 from flowmatch_assets.partitions import register_partitions
 from flowmatch_assets.resources import FlowmatchResource
-from flowmatch_assets.sample import draw_image
 
 CANCEL = """
 mutation Cancel($id: String!) {
@@ -46,6 +47,86 @@ query RunTimes($runId: ID!) {
   runOrError(runId: $runId) { ... on Run { status creationTime startTime endTime } }
 }
 """
+
+
+REPOS = """
+query Repos {
+  repositoriesOrError {
+    __typename
+    ... on RepositoryConnection { nodes { name location { name } } }
+    ... on PythonError { message }
+  }
+}
+"""
+
+LAUNCH_RUN = """
+mutation LaunchRun($params: ExecutionParams!) {
+  launchRun(executionParams: $params) {
+    __typename
+    ... on LaunchRunSuccess { run { runId status } }
+    ... on RunConfigValidationInvalid { errors { message } }
+    ... on PythonError { message }
+    ... on Error { message }
+  }
+}
+"""
+
+RUN_STATUS = """
+query RunStatus($runId: ID!) {
+  runOrError(runId: $runId) {
+    __typename
+    ... on Run { runId status }
+    ... on PythonError { message }
+  }
+}
+"""
+
+RUN_DONE = {"SUCCESS", "FAILURE", "CANCELED"}
+
+
+def launch_run(
+    url: str, asset_keys: Sequence[str], run_config: dict | None = None, tags: dict | None = None
+) -> str:
+    """Launch one run materializing ``asset_keys`` (unpartitioned, e.g. flow_model) with
+    launchpad ``run_config``, through the webserver's GraphQL ``launchRun``; returns the run id."""
+    repos = backfill.graphql(url, REPOS)["repositoriesOrError"]
+    if repos["__typename"] != "RepositoryConnection" or not repos["nodes"]:
+        raise backfill.BackfillError(f"no code location loaded at {url}: {repos}")
+    repo = repos["nodes"][0]
+    params = {
+        "selector": {
+            "repositoryLocationName": repo["location"]["name"],
+            "repositoryName": repo["name"],
+            "jobName": "__ASSET_JOB",
+            "assetSelection": [backfill.key_input(a) for a in asset_keys],
+        },
+        "runConfigData": run_config or {},
+        "mode": "default",
+        "executionMetadata": {
+            "tags": [{"key": k, "value": v} for k, v in (tags or {"flowmatch/cli": "run"}).items()]
+        },
+    }
+    res = backfill.graphql(url, LAUNCH_RUN, {"params": params})["launchRun"]
+    if res["__typename"] != "LaunchRunSuccess":
+        detail = res.get("message") or "; ".join(e["message"] for e in res.get("errors", []))
+        raise backfill.BackfillError(f"launchRun failed ({res['__typename']}): {detail}")
+    return res["run"]["runId"]
+
+
+def wait_run(url: str, run_id: str, timeout: float = 3600, poll: float = 3.0) -> str:
+    """Poll a run until it ends; returns its final status (SUCCESS, FAILURE or CANCELED)."""
+    deadline = time.monotonic() + timeout
+    status = "UNKNOWN"
+    while time.monotonic() < deadline:
+        try:
+            r = backfill.graphql(url, RUN_STATUS, {"runId": run_id})["runOrError"]
+            status = r.get("status", r["__typename"])
+        except backfill.BackfillError:
+            pass  # a busy webserver; try again
+        if status in RUN_DONE:
+            return status
+        time.sleep(poll)
+    raise TimeoutError(f"run {run_id} still {status} after {timeout:.0f}s")
 
 
 def write_metadata(root: Path, partitions: int, rows_per_file: int = 10) -> tuple[Path, Path]:
@@ -121,9 +202,9 @@ def main(argv: list[str] | None = None) -> dict:
 
             # one tiny partition's run through the daemon: overhead = wall - compute
             key = keys[0]
-            run_id = backfill.launch_run(dev.url, ["pd12m_metadata", "images_256"], {},
+            run_id = launch_run(dev.url, ["pd12m_metadata", "images_256"], {},
                                          tags={"dagster/partition": key})  # fmt: skip
-            status = backfill.wait_run(dev.url, run_id, timeout=600, poll=0.5)
+            status = wait_run(dev.url, run_id, timeout=600, poll=0.5)
             t = backfill.graphql(dev.url, RUN_TIMES, {"runId": run_id})["runOrError"]
             compute = sum(r["seconds"] for r in Catalog(data).query(
                 "SELECT seconds FROM materializations WHERE partition = ?", [key]))  # fmt: skip

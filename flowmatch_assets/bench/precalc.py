@@ -22,15 +22,14 @@ throughput is timed end to end over ``--iters`` batches after a warm-up batch, i
 channels_last (+ ``--compile``) on CUDA, fp32 on CPU. Ends with one JSON line
 ``{"bench": "precalc", ...}``.
 
-Run: ``python -m flowmatch_models.bench_precalc --quick`` (CPU, < 2 min) or
-``python -m flowmatch_models.bench_precalc --device cuda --batch 256 --compile``.
+Run: ``flowmatch bench precalc --quick`` (CPU, < 2 min) or
+``flowmatch bench precalc --device cuda --batch 256 --compile``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -197,9 +196,9 @@ def run(
     return result
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> dict:
     """CLI entry point: prints one JSON line."""
-    parser = argparse.ArgumentParser(prog="python -m flowmatch_models.bench_precalc")
+    parser = argparse.ArgumentParser(prog="flowmatch bench precalc")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     parser.add_argument("--batch", type=int, default=None, help="pairs per batch")
     parser.add_argument("--iters", type=int, default=None, help="timed batches")
@@ -215,8 +214,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     peak = args.peak_tflops if args.peak_tflops is not None else (790.0 if on_cuda else None)
     r = run(args.device, args.batch, args.iters, args.quick, args.compile, peak)
     print(json.dumps(r))
-    return 0
+    return r
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

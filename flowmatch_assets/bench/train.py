@@ -1,6 +1,6 @@
 """Training-step benchmark: steps/s, samples/s, FLOPs per step and MFU against a measured peak.
 
-    python -m flowmatch_models.bench_train --preset base --batch 256 --device cuda
+    flowmatch bench train --preset base --batch 256 --device cuda
 
 One step = flow-matching + REPA forward, backward and AdamW update on random inputs of the
 real shapes (latents 32x8x8, 128 caption tokens of width 640, DINOv2 patches 64x384). FLOPs are
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from collections.abc import Sequence
 
@@ -204,9 +203,9 @@ def bench_loader(
             "samples_per_s": round(n / dt, 1)}  # fmt: skip
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> dict:
     """CLI."""
-    ap = argparse.ArgumentParser(prog="python -m flowmatch_models.bench_train", description=__doc__)
+    ap = argparse.ArgumentParser(prog="flowmatch bench train", description=__doc__)
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
@@ -220,15 +219,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--codec", default="none", help="--loader: codec of the synthetic store")
     args = ap.parse_args(argv)
     if args.loader:
-        print(json.dumps(bench_loader(args.root, args.batch, codec=args.codec)), flush=True)
-        return 0
+        out = bench_loader(args.root, args.batch, codec=args.codec)
+        print(json.dumps(out), flush=True)
+        return out
     out = bench(
         args.preset, args.batch, args.device, args.steps, args.warmup, args.text_len,
         args.compile, args.gradient_checkpointing,
     )  # fmt: skip
     print(json.dumps(out), flush=True)
-    return 0
+    return out
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

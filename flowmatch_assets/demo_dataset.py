@@ -1,4 +1,4 @@
-"""The embedded sample: a small dataset in the exact PD12M metadata format, made procedurally.
+"""The demo dataset: a small dataset in the exact PD12M metadata format, made procedurally.
 
 Each good image is a coloured shape (circle, square, triangle, ...) on a textured background at a
 PD12M-like size (long side 1,000-3,000 px); its caption names the shape, its colour, its size and

@@ -15,7 +15,7 @@ codecs ``zstd`` / ``none`` and lossy int8/fp8 on dino + text. Reports bytes per 
 samples/s per core (decode = arrays in memory, text padded per 256-sample batch for ours), the
 ratios against the seed, and ends with one JSON line ``{"bench": "store", ...}``.
 
-Run: ``python -m flowmatch_models.bench_store [--n 256]``.
+Run: ``flowmatch bench store [--n 256]``.
 """
 
 from __future__ import annotations
@@ -281,9 +281,9 @@ def run(n: int = 256, repeat: int = 3, workdir: Path | None = None) -> dict:
     return result
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> dict:
     """CLI entry point; prints a short table and then one JSON line."""
-    parser = argparse.ArgumentParser(prog="python -m flowmatch_models.bench_store")
+    parser = argparse.ArgumentParser(prog="flowmatch bench store")
     parser.add_argument("--n", type=int, default=256, help="samples (seed xz9 encode is slow)")
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args(argv)
@@ -303,8 +303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
     print(json.dumps(r))
-    return 0
+    return r
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

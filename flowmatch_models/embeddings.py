@@ -1,0 +1,422 @@
+"""Embedding kinds: one record per kind of embedding the pipeline computes, stores and trains on.
+
+An :class:`EmbeddingKind` says everything the rest of the code needs about one kind: its name
+(the Dagster asset and the store folder), what it is, which encoder computes it from what (images
+or captions), its arrays with shapes and dtypes, which arrays may be stored in 1 byte, what the
+seed's format would have stored for it (the compression report's reference), the attrs that
+count problems (warning checks), and whether training needs it. :data:`KINDS` is the registry:
+the Dagster multi-asset and its checks (``flowmatch_assets/embedding_assets.py``), the catalog's
+coverage, the budget and training's coverage read it, and nothing else lists the kinds.
+
+:func:`encode_partition` is the whole precalc of one partition as a plain function (no Dagster,
+no catalog): one pass over the images_256 shard for every image kind, one over its captions
+for every caption kind. Torch is imported only when it runs.
+
+Add a kind (README "Add an encoder")::
+
+    register(EmbeddingKind(
+        name="t5_text", description="T5 encoder states of each caption (valid tokens only).",
+        encoder="text", model="google/t5-v1_1-base",
+        arrays=(ArraySpec("tokens", (768,), rows="token"), ArraySpec("lengths", (), "int32"),
+                ArraySpec("null_tokens", (768,), rows="once")),
+        seed_bytes=padded_text_bytes(768), lossy=("tokens",)))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from pydantic import BaseModel, Field
+
+if TYPE_CHECKING:
+    from flowmatch_models.encoders import Encoders
+    from flowmatch_models.store import Shard
+
+FP16 = 2
+ROWS = ("sample", "token", "once")
+
+
+class EncoderSpec(BaseModel):
+    """Which pretrained encoders compute the embeddings, where, and how they are stored.
+
+    ``vae``/``dino``/``text`` are the models of the three encoder roles (a kind with its own
+    ``model`` uses that instead; ``models`` overrides any kind's model by name). The Dagster
+    resource nests this object (editable in the launchpad); notebooks build it directly.
+    """
+
+    vae: str = Field(
+        default="mit-han-lab/dc-ae-f32c32-sana-1.0-diffusers",
+        description="DC-AE f32c32: hub id or local folder (diffusers AutoencoderDC).",
+    )
+    dino: str = Field(
+        default="facebook/dinov2-small", description="DINOv2: hub id or local folder."
+    )
+    text: str = Field(
+        default="google/gemma-3-270m",
+        description="Gemma3-270M: hub id (gated: `huggingface-cli login`) or local folder.",
+    )
+    models: dict[str, str] = Field(
+        default_factory=dict, description="Per embedding kind: its model (hub id or folder)."
+    )
+    device: str = Field(
+        default="auto", description="auto (a free GPU, else cpu), cpu, cuda or cuda:K."
+    )
+    dtype: str = Field(
+        default="auto",
+        description="VAE/DINO compute: auto (bf16 on GPU, fp32 on CPU), fp32, bf16, fp16.",
+    )
+    text_dtype: str = Field(
+        default="auto",
+        description="Text encoder compute: auto (bf16 on GPU, fp32 on CPU), bf16 or fp32; fp16 "
+        "is refused (Gemma3 overflows it). Stored as fp16, saturated values counted.",
+    )
+    batch_size: int = Field(default=64, description="Images or captions per encoder forward.")
+    max_tokens: int = Field(default=128, description="Caption truncation in tokens (BOS included).")
+    dino_size: int = Field(default=224, description="DINOv2 input size for dino_pool=avg2x2.")
+    dino_pool: str = Field(
+        default="avg2x2",
+        description="avg2x2 (DINOv2 at 224 px, 16x16 patches 2x2-averaged to 8x8) or resize112.",
+    )
+    channels_last: bool = Field(default=True, description="VAE conv memory format on CUDA.")
+    compile: bool = Field(default=False, description="torch.compile VAE and DINOv2 (CUDA only).")
+    codec: str = Field(
+        default="zstd", description="Store codec: none (mmap), zstd (byte-shuffled) or xz."
+    )
+    lossy: dict[str, str] = Field(
+        default_factory=dict,
+        description="Per embedding kind: int8 or fp8 for its lossy-capable arrays (1 byte, "
+        "error recorded); absent: lossless.",
+    )
+
+    def model_of(self, kind: EmbeddingKind) -> str:
+        """The model (hub id or folder) that computes ``kind``."""
+        return self.models.get(kind.name) or kind.model or getattr(self, kind.encoder)
+
+    def for_kind(self, kind: EmbeddingKind) -> EncoderSpec:
+        """This spec with the kind's model in its encoder role (what :class:`Encoders` loads)."""
+        return self.model_copy(update={kind.encoder: self.model_of(kind)})
+
+
+# ------------------------------------------------------------------------------- the record
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """One array of a kind's shard: name, shape after the first axis, dtype and what its rows
+    are: ``sample`` (one per sample), ``token`` (ragged: counted by the ``lengths`` array) or
+    ``once`` (per shard, e.g. the null caption). ``None`` in ``shape``: any size."""
+
+    name: str
+    shape: tuple[int | None, ...]
+    dtype: str = "float16"
+    rows: str = "sample"
+
+    def __post_init__(self) -> None:
+        if self.rows not in ROWS:
+            raise ValueError(f"{self.name}: rows must be one of {ROWS}, got {self.rows!r}")
+
+    def empty(self) -> np.ndarray:
+        """A well-formed array with no rows (``once`` arrays: one zero row)."""
+        n = 1 if self.rows == "once" else 0
+        return np.zeros((n, *(s or 1 for s in self.shape)), self.dtype)
+
+
+@dataclass(frozen=True)
+class WarnRule:
+    """A shard attr that counts a problem worth a warning (a non-blocking check)."""
+
+    name: str  # the check is named ``<kind>_<name>``
+    attr: str
+    description: str
+    fix: str
+
+
+@dataclass(frozen=True)
+class Role:
+    """How an encoder role computes arrays: from ``images`` (uint8 [N, 256, 256, 3]) or
+    ``captions`` (strings), batch by batch, plus what it adds once per shard (arrays, attrs)."""
+
+    input: str
+    encode: Callable[[Encoders, Any], dict[str, np.ndarray]]
+    finish: Callable[[Encoders], tuple[dict[str, np.ndarray], dict]]
+
+
+@dataclass(frozen=True)
+class EmbeddingKind:
+    """Everything the pipeline needs to know about one kind of embedding."""
+
+    name: str
+    description: str
+    encoder: str  # role: "vae", "dino" or "text" (see ROLES)
+    arrays: tuple[ArraySpec, ...]
+    #: bytes the seed's format (dense fp16 per sample, text padded) would take for n samples
+    seed_bytes: Callable[[int, EncoderSpec], int]
+    model: str | None = None  # None: EncoderSpec's model of the role
+    lossy: tuple[str, ...] = ()  # arrays that may be stored in 1 byte (EncoderSpec.lossy)
+    warnings: tuple[WarnRule, ...] = ()
+    tags: frozenset[str] = field(default_factory=lambda: frozenset({"pytorch"}))
+    training_input: bool = True  # training needs it for every partition it uses
+
+    def __post_init__(self) -> None:
+        if self.encoder not in ROLES:
+            raise ValueError(f"{self.name}: encoder must be one of {sorted(ROLES)}")
+
+    @property
+    def role(self) -> Role:
+        return ROLES[self.encoder]
+
+    def array(self, name: str) -> ArraySpec:
+        return next(a for a in self.arrays if a.name == name)
+
+
+# ----------------------------------------------------------------------------- the roles
+
+
+def _vae(enc: Encoders, images: np.ndarray) -> dict[str, np.ndarray]:
+    return {"latents": enc.encode_vae(images)}
+
+
+def _dino(enc: Encoders, images: np.ndarray) -> dict[str, np.ndarray]:
+    patch, cls = enc.encode_dino(images)
+    return {"patch": patch, "cls": cls}
+
+
+def _text(enc: Encoders, captions: list[str]) -> dict[str, np.ndarray]:
+    tokens, lengths = enc.encode_text(captions)
+    return {"tokens": tokens, "lengths": lengths}
+
+
+def _text_finish(enc: Encoders) -> tuple[dict[str, np.ndarray], dict]:
+    attrs = {
+        "max_tokens": enc.spec.max_tokens,
+        "text_dtype": str(enc.text_dtype),
+        "fp16_saturated": enc.text_saturated,  # before the null caption (not a sample)
+    }
+    return {"null_tokens": enc.encode_null()}, attrs
+
+
+ROLES: dict[str, Role] = {
+    "vae": Role("images", _vae, lambda enc: ({}, {"scaling_factor": enc.scaling_factor})),
+    "dino": Role("images", _dino, lambda enc: ({}, {"dino_pool": enc.spec.dino_pool})),
+    "text": Role("captions", _text, _text_finish),
+}
+
+
+def padded_text_bytes(width: int) -> Callable[[int, EncoderSpec], int]:
+    """The seed's text bytes: every caption padded to max_tokens, fp16, plus a 1-byte mask."""
+    return lambda n, spec: n * (spec.max_tokens * width * FP16 + spec.max_tokens)
+
+
+def dense_bytes(*shapes: tuple[int, ...]) -> Callable[[int, EncoderSpec], int]:
+    """The seed's bytes for dense fp16 per-sample arrays of these shapes."""
+    per = sum(int(np.prod(s)) for s in shapes) * FP16
+    return lambda n, spec: n * per
+
+
+# ---------------------------------------------------------------------------- the registry
+
+KINDS: dict[str, EmbeddingKind] = {}
+
+
+def register(kind: EmbeddingKind) -> EmbeddingKind:
+    """Add (or replace) a kind; every part of the pipeline sees it from then on."""
+    KINDS[kind.name] = kind
+    return kind
+
+
+@contextlib.contextmanager
+def registered(*kinds: EmbeddingKind) -> Iterator[None]:
+    """Kinds registered for the duration of a block (tests, notebooks)."""
+    before = dict(KINDS)
+    for k in kinds:
+        register(k)
+    try:
+        yield
+    finally:
+        KINDS.clear()
+        KINDS.update(before)
+
+
+class KindNames(Sequence[str]):
+    """The names of the registered kinds (those ``training_input`` when asked), read live."""
+
+    def __init__(self, training_only: bool = False):
+        self.training_only = training_only
+
+    def _names(self) -> tuple[str, ...]:
+        return tuple(n for n, k in KINDS.items() if k.training_input or not self.training_only)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self._names()[i]
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __repr__(self) -> str:
+        return repr(self._names())
+
+
+#: Every embedding kind, and those training needs (live views of the registry).
+EMBEDDING_ASSETS = KindNames()
+TRAINING_INPUTS = KindNames(training_only=True)
+
+register(
+    EmbeddingKind(
+        name="vae_latents",
+        description="DC-AE f32c32 latents (32x8x8, unscaled fp16; the scaling factor is in the shard attrs).",
+        encoder="vae",
+        arrays=(ArraySpec("latents", (32, 8, 8)),),
+        seed_bytes=dense_bytes((32, 8, 8)),
+        tags=frozenset({"pytorch", "diffusers"}),
+    )
+)
+register(
+    EmbeddingKind(
+        name="dino_features",
+        description="DINOv2 patch features pooled to the 8x8 latent grid (64x384) plus CLS: the REPA target.",
+        encoder="dino",
+        arrays=(ArraySpec("patch", (64, 384)), ArraySpec("cls", (384,))),
+        seed_bytes=dense_bytes((64, 384), (384,)),
+        lossy=("patch",),
+        tags=frozenset({"pytorch", "transformers"}),
+    )
+)
+register(
+    EmbeddingKind(
+        name="text_embeddings",
+        description="Gemma3 last hidden states of each caption: only the valid tokens (<=128) plus lengths.",
+        encoder="text",
+        arrays=(
+            ArraySpec("tokens", (640,), rows="token"),
+            ArraySpec("lengths", (), "int32"),
+            ArraySpec("null_tokens", (640,), rows="once"),
+        ),
+        seed_bytes=padded_text_bytes(640),
+        lossy=("tokens",),
+        warnings=(
+            WarnRule(
+                "fp16_saturation",
+                "fp16_saturated",
+                "Caption hidden-state values clamped to the fp16 range when stored (warns above 0).",
+                "compute the text encoder in fp32, or check the captions of the listed partitions",
+            ),
+        ),
+        tags=frozenset({"pytorch", "transformers"}),
+    )
+)
+
+
+# --------------------------------------------------------------------------- the precalc
+
+
+@dataclass
+class Encoded:
+    """One kind's arrays and attrs for one partition, and the encoder seconds they took."""
+
+    kind: EmbeddingKind
+    arrays: dict[str, np.ndarray]
+    attrs: dict
+    seconds: float
+
+
+def encode_partition(
+    images_path: str | Path,
+    kinds: Sequence[EmbeddingKind],
+    spec: EncoderSpec,
+    device: str,
+    log: Callable[[str], None] = print,
+) -> dict[str, Encoded]:
+    """Compute ``kinds`` for the images_256 shard at ``images_path`` on ``device``: one pass
+    over the images for every image kind, one over the captions for every caption kind.
+    Arrays in the shard's row order, attrs with the model, its weights label and the device."""
+    from flowmatch_models.encoders import Encoders
+    from flowmatch_models.image_shard import iter_image_batches, read_image_meta
+    from flowmatch_models.zoo import weights_label
+
+    meta = read_image_meta(images_path)
+    n = meta.num_rows
+    encs = {k.name: Encoders(spec.for_kind(k).model_copy(update={"device": device})) for k in kinds}
+    parts: dict[str, dict[str, list[np.ndarray]]] = {k.name: {} for k in kinds}
+    secs = dict.fromkeys(parts, 0.0)
+
+    def run(kind: EmbeddingKind, batch: Any) -> None:
+        t0 = time.perf_counter()
+        for key, arr in kind.role.encode(encs[kind.name], batch).items():
+            parts[kind.name].setdefault(key, []).append(arr)
+        secs[kind.name] += time.perf_counter() - t0
+
+    image_kinds = [k for k in kinds if k.role.input == "images"]
+    if image_kinds:
+        done = 0
+        for _, _, imgs in iter_image_batches(images_path, batch_size=spec.batch_size):
+            for k in image_kinds:
+                run(k, imgs)
+            done += len(imgs)
+            log(f"images {done}/{n}")
+    captions = meta.column("caption").to_pylist()
+    for k in (k for k in kinds if k.role.input == "captions"):
+        for i in range(0, len(captions), spec.batch_size):
+            run(k, captions[i : i + spec.batch_size])
+
+    out = {}
+    for k in kinds:
+        enc, model = encs[k.name], spec.model_of(k)
+        t0 = time.perf_counter()
+        extra_arrays, extra_attrs = k.role.finish(enc)
+        secs[k.name] += time.perf_counter() - t0
+        arrays = {a.name: a.empty() for a in k.arrays}  # an empty shard is still well-formed
+        arrays.update({key: np.concatenate(v) for key, v in parts[k.name].items()})
+        arrays.update(extra_arrays)
+        local = Path(model).expanduser().is_dir()
+        attrs = {
+            "model": model,
+            "weights": weights_label(model) if local else "",
+            "random_weights": enc.random_weights[k.encoder],
+            "device": device,
+            "dtype": str(enc.dtype),
+            "source": f"images_256/{Path(images_path).stem}",
+            **extra_attrs,
+        }
+        out[k.name] = Encoded(k, arrays, attrs, secs[k.name])
+    return out
+
+
+# ------------------------------------------------------------------------------- the rules
+
+
+def shard_problems(kind: EmbeddingKind, shard: Shard, ids: Sequence[str]) -> list[str]:
+    """What is wrong with one of ``kind``'s shards against the images_256 ids it was made from:
+    ids, every array's shape and dtype, finite values, rows per sample and ragged lengths."""
+    problems = []
+    if list(shard.ids) != list(ids):
+        problems.append(f"{len(shard.ids)} ids do not match images_256's {len(ids)}")
+    n = len(shard.ids)
+    for spec in kind.arrays:
+        if spec.name not in shard:
+            problems.append(f"no array {spec.name}")
+            continue
+        a = shard[spec.name]
+        tail_ok = len(a.shape) == len(spec.shape) + 1 and all(
+            want is None or got == want for got, want in zip(a.shape[1:], spec.shape)
+        )
+        if not tail_ok or a.dtype != np.dtype(spec.dtype):
+            problems.append(
+                f"{spec.name} has shape {a.shape} dtype {a.dtype}, expected "
+                f"(N, *{spec.shape}) {spec.dtype}"
+            )
+            continue
+        if a.dtype.kind == "f" and not np.isfinite(a).all():
+            problems.append(f"{spec.name} has non-finite values")
+        if spec.rows == "sample" and a.shape[0] != n:
+            problems.append(f"{spec.name}: {a.shape[0]} rows != {n} ids")
+        if spec.rows == "token" and "lengths" in shard:
+            lengths = shard["lengths"]
+            if len(lengths) != n or int(lengths.sum()) != a.shape[0] or (lengths < 1).any():
+                problems.append(f"lengths do not add up to the {spec.name}")
+    return problems
