@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || bash scripts/install.sh
-exec .venv/bin/python -m flowmatch_models.bench_gpu "$@"
+exec .venv/bin/flowmatch bench gpu "$@"

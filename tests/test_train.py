@@ -475,14 +475,14 @@ def test_config_is_typed_with_one_set_of_defaults(tmp_path: Path, monkeypatch) -
 def test_gpu_check_says_it_needs_a_gpu_and_runs_every_phase_in_smoke(tmp_path, capsys) -> None:
     """scripts/gpu_check.sh: on a CPU machine one line and exit 0; --smoke runs every phase on
     the CPU at toy sizes so the GPU run is not the first run of the script."""
-    from flowmatch_models.bench_gpu import TARGETS
-    from flowmatch_models.bench_gpu import main as gpu_main
+    from flowmatch_assets.bench.gpu import TARGETS
+    from flowmatch_assets.bench.gpu import main as gpu_main
 
     if not torch.cuda.is_available():
-        assert gpu_main(["--out", str(tmp_path / "none.json")]) == 0
+        assert gpu_main(["--out", str(tmp_path / "none.json")])["skipped"] == "no CUDA GPU"
         assert "needs a CUDA GPU" in capsys.readouterr().out
         assert not (tmp_path / "none.json").exists()
-    assert gpu_main(["--smoke", "--out", str(tmp_path / "g.json")]) == 0
+    assert gpu_main(["--smoke", "--out", str(tmp_path / "g.json")])["bench"] == "gpu"
     r = json.loads((tmp_path / "g.json").read_text())
     pre, tr, a = r["precalc"][0], r["train"][0], r["achieved"]
     assert pre["bench"] == "precalc" and pre["pairs_per_s"] > 0 and pre["gflops_per_pair_total"] > 300

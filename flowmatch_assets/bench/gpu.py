@@ -1,16 +1,16 @@
 """One command for the GPU: precalc, the ``base`` training step and the loader, in one JSON.
 
-    bash scripts/gpu_check.sh [--out gpu_check.json]      (= python -m flowmatch_models.bench_gpu)
+    bash scripts/gpu_check.sh [--out gpu_check.json]      (= flowmatch bench gpu)
 
 On a CUDA machine, within ``--budget-s`` (default 540 s; a phase that would start past it is
 recorded as skipped), it measures:
 
 - ``matmul``: the achieved bf16 matmul FLOP/s (8192^3), the peak MFU is measured against;
 - ``precalc``: pairs/s of the three full-size random encoders (DC-AE f32c32, DINOv2-small,
-  Gemma3-270M; :mod:`flowmatch_models.bench_precalc`) over a batch sweep with compile off, then
+  Gemma3-270M; :mod:`flowmatch_assets.bench.precalc`) over a batch sweep with compile off, then
   compile on at the best batch; bf16, channels_last;
 - ``train``: the ``base`` preset's training step (flow matching + REPA, AdamW, bf16 autocast;
-  :mod:`flowmatch_models.bench_train`) over a batch sweep with compile off, then compile on at
+  :mod:`flowmatch_assets.bench.train`) over a batch sweep with compile off, then compile on at
   the best batch: samples/s and MFU;
 - ``loader``: samples/s of the training loader over a synthetic store (page cache);
 
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -73,13 +72,14 @@ def _best(runs: list[dict], key: str) -> dict | None:
 
 def gpu_check(budget_s: float = 540.0, smoke: bool = False) -> dict:
     """Every measurement of the module docstring; returns the result dict."""
-    from flowmatch_models import bench_precalc, bench_train
+    from flowmatch_assets.bench import precalc as bench_precalc
+    from flowmatch_assets.bench import train as bench_train
 
     cuda = torch.cuda.is_available() and not smoke
     budget = Budget(budget_s)
     dev = torch.device("cuda" if cuda else "cpu")
     result: dict = {
-        "bench": "gpu_check",
+        "bench": "gpu",
         "device": torch.cuda.get_device_name(0) if cuda else "cpu (smoke)",
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
@@ -132,9 +132,9 @@ def gpu_check(budget_s: float = 540.0, smoke: bool = False) -> dict:
     return result
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """CLI."""
-    ap = argparse.ArgumentParser(prog="python -m flowmatch_models.bench_gpu", description=__doc__,
+def main(argv: Sequence[str] | None = None) -> dict:
+    """CLI: the result dict, printed last as one JSON line (``{"bench": "gpu", ...}``)."""
+    ap = argparse.ArgumentParser(prog="flowmatch bench gpu", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--out", default="gpu_check.json", help="where the JSON goes")
     ap.add_argument("--budget-s", type=float, default=540.0, help="wall-clock budget")
@@ -143,15 +143,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.smoke and not torch.cuda.is_available():
         print(f"gpu check: needs a CUDA GPU; none here (torch {torch.__version__}, "
               f"cuda available: False). Nothing measured.")  # fmt: skip
-        return 0
+        result = {"bench": "gpu", "skipped": "no CUDA GPU"}
+        print(json.dumps(result), flush=True)
+        return result
     result = gpu_check(args.budget_s, args.smoke)
     atomic_write_text(args.out, json.dumps(result, indent=1))
     a = result["achieved"]
     print(f"gpu check: {result['device']}: precalc {a['precalc_pairs_per_s']} pairs/s "
           f"({a['precalc_fraction_of_target']} of 1,100), train MFU {a['train_mfu']} "
           f"({a['train_fraction_of_target']} of 0.40); {args.out}")  # fmt: skip
-    return 0
+    print(json.dumps(result), flush=True)
+    return result
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
