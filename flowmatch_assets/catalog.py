@@ -27,13 +27,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from flowmatch_models.atomic import atomic_path
 from flowmatch_models.layout import PARTITIONED_ASSETS, DataLayout
 
-CATALOG_VERSION = 8
+CATALOG_VERSION = 9
 
 OUTCOMES = ("stored", "filtered", "failed")
 
@@ -200,6 +201,65 @@ EVALUATION_SCHEMA = pa.schema(
 )
 
 
+LEDGER_SAMPLE_SCHEMA = pa.schema(
+    [
+        ("run", pa.string()),
+        ("checkpoint_step", pa.int64()),
+        ("sample_id", pa.string()),
+        ("partition", pa.string()),
+        ("times_seen", pa.int64()),
+        ("first_step", pa.int64()),
+        ("last_step", pa.int64()),
+        ("partition_size", pa.int64()),
+    ]
+)
+LEDGER_EPOCH_SCHEMA = pa.schema(
+    [
+        ("run", pa.string()),
+        ("checkpoint_step", pa.int64()),
+        ("epoch", pa.int64()),
+        ("partitions", pa.list_(pa.string())),
+        ("sizes", pa.list_(pa.int64())),
+        ("seed", pa.int64()),
+        ("shuffle_window", pa.int64()),
+        ("global_batch", pa.int64()),
+        ("accumulate", pa.int64()),
+        ("pos_from", pa.int64()),
+        ("pos_to", pa.int64()),
+        ("step_from", pa.int64()),
+        ("available_partitions", pa.int64()),
+        ("available_samples", pa.int64()),
+    ]
+)
+
+
+def ledger_path(data_root: str | Path, run: str, step: int, what: str = "ledger") -> Path:
+    return DataLayout(data_root).catalog_dir / what / run / f"step{step:07d}.parquet"
+
+
+def record_ledger(
+    data_root: str | Path, run: str, step: int, samples: dict, segments: Sequence[dict]
+) -> Path:
+    """Write (replace) checkpoint ``step``'s ledger: its compact segments (``ledger_epochs``)
+    and the per-sample expansion (``ledger_samples``; :func:`flowmatch_models.ledger.expand`)."""
+    seg_rows = [
+        {**{k: seg.get(k) for k in LEDGER_EPOCH_SCHEMA.names}, "run": run, "checkpoint_step": step}
+        for seg in segments
+    ]
+    _write_parquet(ledger_path(data_root, run, step, "ledger_epochs"),
+                   pa.Table.from_pylist(seg_rows, schema=LEDGER_EPOCH_SCHEMA))  # fmt: skip
+    n = len(samples["sample_id"])
+    cols = {
+        "run": pa.repeat(pa.scalar(run, pa.string()), n),
+        "checkpoint_step": pa.array(np.full(n, step, np.int64)),
+        **{k: samples[k] for k in LEDGER_SAMPLE_SCHEMA.names[2:]},
+    }
+    table = pa.Table.from_pydict(cols).cast(LEDGER_SAMPLE_SCHEMA)
+    path = ledger_path(data_root, run, step)
+    _write_parquet(path, table)
+    return path
+
+
 def record_evaluation(data_root: str | Path, run: str, step: int, rows: Sequence[dict]) -> Path:
     """Write (replace) the caption-following scores of one checkpoint (one row per attribute)."""
     layout = DataLayout(data_root)
@@ -256,6 +316,8 @@ def _view_sql(layout: DataLayout) -> list[str]:
     attempts = _sql_str(c / "attempts" / "*" / "*.parquet")
     parts = _sql_str(c / "partitions.parquet")
     evals = _sql_str(c / "evaluations" / "*" / "*.parquet")
+    ledger = _sql_str(c / "ledger" / "*" / "*.parquet")
+    ledger_epochs = _sql_str(c / "ledger_epochs" / "*" / "*.parquet")
     assets = ", ".join(f"({_sql_str(a)}, {i})" for i, a in enumerate(PARTITIONED_ASSETS))
     return [
         f"CREATE OR REPLACE VIEW materializations AS SELECT * FROM read_parquet({mat}, union_by_name=true) WHERE asset IS NOT NULL",
@@ -263,6 +325,16 @@ def _view_sql(layout: DataLayout) -> list[str]:
         f"CREATE OR REPLACE VIEW partitions AS SELECT * FROM read_parquet({parts}) WHERE partition IS NOT NULL",
         # caption following per run, checkpoint step and attribute, beside the chance level
         f"CREATE OR REPLACE VIEW evaluations AS SELECT *, accuracy / nullif(chance, 0) AS x_chance FROM read_parquet({evals}, union_by_name=true) WHERE run IS NOT NULL",
+        # the ledger: per run checkpoint, every trained sample (times seen, first and last
+        # optimizer step), the compact per-epoch segments it was expanded from, per partition
+        f"CREATE OR REPLACE VIEW ledger_samples AS SELECT * FROM read_parquet({ledger}) WHERE run IS NOT NULL",
+        f"CREATE OR REPLACE VIEW ledger_epochs AS SELECT *, pos_to - pos_from AS samples FROM read_parquet({ledger_epochs}) WHERE run IS NOT NULL",
+        """CREATE OR REPLACE VIEW ledger_partitions AS
+           SELECT run, checkpoint_step, partition, count(*) AS samples_seen,
+                  sum(times_seen) AS samples_trained, any_value(partition_size) AS partition_size,
+                  sum(times_seen) / any_value(partition_size) AS epochs,
+                  min(first_step) AS first_step, max(last_step) AS last_step
+           FROM ledger_samples GROUP BY run, checkpoint_step, partition""",
         f"CREATE OR REPLACE TABLE assets AS SELECT * FROM (VALUES {assets}) t(asset, lineage_order)",
         # every (partition, asset) pair with whether it is materialized; partitions known either
         # from registration or from a materialization
@@ -323,6 +395,8 @@ def _ensure_placeholders(layout: DataLayout) -> None:
         ("rows", ROW_SCHEMA),
         ("evaluations", EVALUATION_SCHEMA),
         ("attempts", ROW_SCHEMA),
+        ("ledger", LEDGER_SAMPLE_SCHEMA),
+        ("ledger_epochs", LEDGER_EPOCH_SCHEMA),
     ):
         p = c / kind / "_empty" / "_empty.parquet"
         if not p.exists():

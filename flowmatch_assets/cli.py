@@ -245,6 +245,46 @@ def cmd_evaluate(run_name: str, checkpoints: str, prompts: int) -> int:
     return 0 if ok else 1
 
 
+def _run_dir(run: str) -> Path:
+    """A run name (under <data root>/runs) or a run folder."""
+    p = Path(run)
+    return p if (p / "checkpoints").is_dir() else Path(_resource().data_root) / "runs" / run
+
+
+def cmd_export(run: str, out: str, checkpoint: str | None, vae: str | None, text: str | None) -> int:
+    """`flowmatch export RUN OUT`: a checkpoint's EMA weights as a SanaPipeline folder."""
+    from flowmatch_models.export import export_checkpoint
+
+    ckpt = Path(checkpoint) if checkpoint else _run_dir(run) / "checkpoints" / "last.ckpt"
+    if not ckpt.is_file():
+        raise CliError(f"no checkpoint {ckpt}; train first (flowmatch train --run-name {run}) "
+                       "or pass --checkpoint PATH")  # fmt: skip
+    enc = _resource().encoders
+    folder = export_checkpoint(ckpt, out, vae, text, default_vae=enc.vae, default_text=enc.text)
+    print(f"exported {ckpt} -> {folder}; SanaPipeline.from_pretrained({str(folder)!r}) "
+          "(README: Use the model)")  # fmt: skip
+    return 0
+
+
+def cmd_ledger(run: str) -> int:
+    """`flowmatch ledger RUN`: the catalog ledger of every checkpoint of a run (per sample)."""
+    from flowmatch_assets.catalog import Catalog, format_table
+    from flowmatch_assets.training_assets import write_ledgers
+
+    res = _resource()
+    name = Path(run).name
+    steps = write_ledgers(res.data_root, name, _run_dir(run))
+    rows = Catalog(res.data_root).query(
+        "SELECT checkpoint_step, partition, samples_seen, samples_trained, partition_size, "
+        "round(epochs, 2) AS epochs, first_step, last_step FROM ledger_partitions WHERE run = ? "
+        "ORDER BY checkpoint_step, partition",
+        [name],
+    )
+    print(f"ledger of {name}: {len(steps)} checkpoint(s) written")
+    print(format_table(rows))
+    return 0
+
+
 def cmd_train(
     steps: int | None, run_name: str, config: str | None, overrides: list[str], no_samples: bool
 ) -> int:
@@ -596,6 +636,22 @@ COMMANDS: dict[str, Command] = {
             arg("--no-samples", action="store_true"),
         ],
     ),
+    "export": Command(
+        cmd_export,
+        "a run's EMA weights as a diffusers SanaPipeline folder",
+        [
+            arg("run", help="run name (under <data root>/runs) or run folder"),
+            arg("out", help="the pipeline folder to write"),
+            arg("--checkpoint", default=None, help="a .ckpt (default: the run's last.ckpt)"),
+            arg("--vae", default=None, help="VAE folder/hub id (default: the run's)"),
+            arg("--text", default=None, help="text encoder folder/hub id (default: the run's)"),
+        ],
+    ),
+    "ledger": Command(
+        cmd_ledger,
+        "which samples each checkpoint of a run trained (catalog: ledger_samples, ...)",
+        [arg("run", help="run name (under <data root>/runs) or run folder")],
+    ),
     "evaluate": Command(
         cmd_evaluate,
         "score caption following of a run's checkpoints (evaluation asset)",
@@ -641,7 +697,8 @@ COMMANDS: dict[str, Command] = {
                 "sql",
                 nargs="?",
                 help="SQL for `catalog sql` (views: materializations, rows, "
-                "partitions, coverage, failures, rejected_attempts, compression, throughput)",
+                "partitions, coverage, failures, rejected_attempts, compression, throughput, "
+                "evaluations, ledger_samples, ledger_epochs, ledger_partitions)",
             ),
             arg("--json", dest="as_json", action="store_true"),
         ],  # fmt: skip

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 import dagster as dg
@@ -17,6 +18,7 @@ from flowmatch_assets.deploy import TRAIN_TAGS
 from flowmatch_assets.partitions import SHARDS
 from flowmatch_assets.resources import FlowmatchResource
 from flowmatch_models.layout import TRAINING_INPUTS as EMBEDDING_ASSETS
+from flowmatch_models.layout import DataLayout
 
 GROUP = "training"
 REPO = Path(__file__).resolve().parents[1]
@@ -60,6 +62,35 @@ def _session_rates(out: Path) -> list[float]:
     """This session's logged samples/s windows (the newest ``logs/seg*/metrics.csv``)."""
     segs = sorted((out / "logs").glob("seg*/metrics.csv"))
     return logged_rates(segs[-1]) if segs else []
+
+
+def write_ledgers(data_root: str | Path, run_name: str, run: Path) -> list[int]:
+    """The catalog's ledger of every checkpoint of a run that has none yet (or an older one):
+    the samples each checkpoint has trained, expanded from its data state. Returns the steps."""
+    import torch
+
+    from flowmatch_models.ledger import expand
+    from flowmatch_models.store import read_shard
+
+    layout = DataLayout(data_root)
+    ids: dict[str, list[str]] = {}
+
+    def ids_of(p: str) -> list[str]:
+        if p not in ids:
+            ids[p] = read_shard(layout.asset_path("vae_latents", p)).ids
+        return ids[p]
+
+    done = []
+    for ckpt in sorted((run / "checkpoints").glob("*.ckpt")):
+        state = torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True)
+        step = int(state["global_step"])
+        target = catalog.ledger_path(data_root, run_name, step)
+        if step in done or (target.exists() and target.stat().st_mtime >= ckpt.stat().st_mtime):
+            continue
+        segments = (state.get("EmbeddingDataModule") or {}).get("ledger") or []
+        catalog.record_ledger(data_root, run_name, step, expand(segments, ids_of), segments)
+        done.append(step)
+    return done
 
 
 def run_dir(flowmatch: FlowmatchResource, name: str) -> Path:
@@ -171,6 +202,10 @@ def flow_model(
             rate=rate,
         ),
     )
+    t0 = time.perf_counter()
+    ledgers = write_ledgers(flowmatch.data_root, config.run_name, out)
+    ledger_s = time.perf_counter() - t0
+    context.log.info(f"ledger of checkpoints {ledgers} in {ledger_s:.1f}s")
     md = {k: round_meta(v) for k, v in (invocation.get_materialize_result().metadata or {}).items()}
     md.update(
         {
@@ -179,6 +214,8 @@ def flow_model(
             "partitions_used": dg.MetadataValue.json(result.partitions),
             "coverage": round(frac, 3),
             "run_dir": dg.MetadataValue.path(str(out)),
+            "ledger_checkpoints": dg.MetadataValue.json(ledgers),
+            "ledger_s": round(ledger_s, 2),
         }
     )
     if result.export_dir:

@@ -114,9 +114,11 @@ def export_checkpoint(
     out: str | Path,
     vae: str | None = None,
     text_encoder: str | None = None,
+    default_vae: str | None = None,
+    default_text: str | None = None,
 ) -> Path:
-    """The pipeline folder of a training checkpoint's EMA weights; the VAE and text encoder
-    default to those the run was trained with (recorded in the checkpoint)."""
+    """The pipeline folder of a training checkpoint's EMA weights; the VAE and text encoder:
+    given, else those the run was trained with (recorded in the checkpoint), else the defaults."""
     from flowmatch_models.sample import load_model
 
     model, meta = load_model(checkpoint=checkpoint)
@@ -124,5 +126,6 @@ def export_checkpoint(
     return export_pipeline(
         model, out, scaling_factor=float(meta["scaling_factor"]), preset=meta["preset"],
         shift=float(meta.get("flow_shift", 1.0)), null_text=meta.get("null_text"),
-        vae=vae or used.get("vae"), text_encoder=text_encoder or used.get("text"),
+        vae=vae or used.get("vae") or default_vae,
+        text_encoder=text_encoder or used.get("text") or default_text,
     )  # fmt: skip

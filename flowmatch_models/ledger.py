@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import numpy as np
+import pyarrow as pa
 
 from flowmatch_models.data import epoch_order
 
@@ -34,9 +35,9 @@ def segment_samples(seg: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def expand(
     segments: Sequence[dict], ids_of: Callable[[str], Sequence[str]]
 ) -> dict[str, np.ndarray]:
-    """Per trained sample: ``sample_id, partition, times_seen, first_step, last_step`` (and
-    ``partition_size``), from a checkpoint's ledger segments; ``ids_of(partition)`` gives a
-    partition's sample ids in shard order."""
+    """Per trained sample: ``sample_id, partition`` (arrow arrays), ``times_seen, first_step,
+    last_step, partition_size`` (numpy), from a checkpoint's ledger segments;
+    ``ids_of(partition)`` gives a partition's sample ids in shard order."""
     names: list[str] = []
     index: dict[str, int] = {}
     sizes: dict[str, int] = {}
@@ -53,24 +54,21 @@ def expand(
         keys.append(off[shard] + row)
         steps.append(step)
     if not keys:
-        empty = np.zeros(0, np.int64)
-        return {"sample_id": np.zeros(0, object), "partition": np.zeros(0, object),
-                "times_seen": empty, "first_step": empty, "last_step": empty,
-                "partition_size": empty}  # fmt: skip
-    key, step = np.concatenate(keys), np.concatenate(steps)
+        key, step = np.zeros(0, np.int64), np.zeros(0, np.int64)
+    else:
+        key, step = np.concatenate(keys), np.concatenate(steps)
     order = np.argsort(key, kind="stable")
     key, step = key[order], step[order]
-    first = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+    first = np.flatnonzero(np.r_[True, key[1:] != key[:-1]]) if len(key) else key
     uniq = key[first]
     bounds = np.array([offsets[p] for p in names] + [sum(sizes.values())], np.int64)
-    part = np.searchsorted(bounds, uniq, side="right") - 1
-    row = uniq - bounds[part]
-    ids = {p: list(ids_of(p)) for p in names}
+    part = (np.searchsorted(bounds, uniq, side="right") - 1).astype(np.int32)
+    all_ids = pa.array([i for p in names for i in ids_of(p)], pa.string())
     return {
-        "sample_id": np.array([ids[names[q]][r] for q, r in zip(part, row)], object),
-        "partition": np.array([names[q] for q in part], object),
-        "times_seen": np.diff(np.r_[first, len(key)]),
-        "first_step": np.minimum.reduceat(step, first),
-        "last_step": np.maximum.reduceat(step, first),
-        "partition_size": np.array([sizes[names[q]] for q in part], np.int64),
+        "sample_id": all_ids.take(pa.array(uniq)),
+        "partition": pa.DictionaryArray.from_arrays(part, pa.array(names, pa.string())),
+        "times_seen": np.diff(np.r_[first, len(key)]).astype(np.int64),
+        "first_step": np.minimum.reduceat(step, first) if len(key) else step,
+        "last_step": np.maximum.reduceat(step, first) if len(key) else step,
+        "partition_size": np.array([sizes[p] for p in names], np.int64)[part],
     }

@@ -244,8 +244,9 @@ def _ledger_matches_records(store: Path, ckpt: dict, records: list[dict], accumu
     for i, r in enumerate(records):  # the optimizer step that used batch i
         for sid in r["ids"]:
             want.setdefault(sid, []).append(i // accumulate + 1)
-    assert sorted(got["sample_id"]) == sorted(want)
-    for sid, p, n, lo, hi in zip(got["sample_id"], got["partition"], got["times_seen"],
+    got_ids, got_parts = got["sample_id"].to_pylist(), got["partition"].to_pylist()
+    assert sorted(got_ids) == sorted(want)
+    for sid, p, n, lo, hi in zip(got_ids, got_parts, got["times_seen"],
                                  got["first_step"], got["last_step"]):  # fmt: skip
         assert (n, lo, hi) == (len(want[sid]), min(want[sid]), max(want[sid])), sid
         assert sid.startswith(p + "/")

@@ -11,6 +11,7 @@ import pytest
 from PIL import Image
 
 from flowmatch_assets.catalog import Catalog
+from flowmatch_assets.cli import main as cli_main
 from flowmatch_assets.definitions import defs, resources_for
 from flowmatch_assets.partitions import register_partitions
 from flowmatch_models.embeddings import EncoderSpec
@@ -69,6 +70,7 @@ def _train_cfg(**kw):
             "trainer.sample_every=1000",
             "trainer.checkpoint_every=1000",
             "sample.steps=2",
+            "logging.record_sample_ids=true",
         ],
         **kw,
     }
@@ -76,7 +78,7 @@ def _train_cfg(**kw):
 
 
 @pytest.mark.slow
-def test_coverage_rule_then_train_resume_and_sample(tmp_path, small_sample, zoo):
+def test_coverage_rule_then_train_resume_and_sample(tmp_path, small_sample, zoo, monkeypatch):
     res = make_resource(tmp_path / "data", small_sample, encoders=EncoderSpec(**zoo, batch_size=8))
     with dg.instance_for_test() as instance:
         register_partitions(instance, res)
@@ -128,6 +130,34 @@ def test_coverage_rule_then_train_resume_and_sample(tmp_path, small_sample, zoo)
         # the same run folder from the command line: resume the UI's run directly ...
         _direct(tmp_path, "t", zoo, "--extra-steps", "2")
         assert _step(run) == 9 and not (tmp_path / "cwd" / "runs").exists()
+        # the ledger: every checkpoint's trained samples, in the catalog, equal to what the
+        # loader yielded (the run's sample_ids records, over its three sessions)
+        monkeypatch.setenv("FLOWMATCH_DATA_ROOT", str(tmp_path / "data"))
+        assert cli_main(["ledger", "t"]) == 0  # the direct session's checkpoint (step 9)
+        seen: dict[str, list[int]] = {}
+        for line in (run / "sample_ids" / "rank0.jsonl").read_text().splitlines():
+            rec = json.loads(line)
+            for sid in rec["ids"]:
+                seen.setdefault(sid, []).append(rec["step"])
+        rows = cat.query("SELECT sample_id, times_seen, first_step, last_step FROM ledger_samples "
+                         "WHERE run = 't' AND checkpoint_step = 9")  # fmt: skip
+        assert {r["sample_id"]: r["times_seen"] for r in rows} == {k: len(v) for k, v in seen.items()}
+        assert all((r["first_step"], r["last_step"]) == (min(seen[r["sample_id"]]), max(seen[r["sample_id"]])) for r in rows)
+        parts = cat.query("SELECT checkpoint_step, samples_trained, epochs, partition_size "
+                          "FROM ledger_partitions WHERE run = 't' ORDER BY checkpoint_step")  # fmt: skip
+        assert [(p["checkpoint_step"], p["samples_trained"]) for p in parts] == [(4, 16), (7, 28), (9, 36)]
+        assert parts[-1]["epochs"] == pytest.approx(36 / parts[-1]["partition_size"])
+        assert cat.query("SELECT count(*) AS n FROM ledger_epochs WHERE run = 't' AND checkpoint_step = 9")[0]["n"] >= 3
+        # flowmatch export: the same pipeline folder from the checkpoint, encoders as trained
+        assert cli_main(["export", "t", str(tmp_path / "exported")]) == 0
+        from safetensors.torch import load_file
+
+        for sub in ("transformer", "vae", "text_encoder"):
+            (a,) = (tmp_path / "exported" / sub).glob("*.safetensors")
+            (b,) = (run / "pipeline" / sub).glob("*.safetensors")
+            assert load_file(a).keys() == load_file(b).keys()
+            assert all((load_file(a)[k] == load_file(b)[k]).all() for k in load_file(a))
+        assert (tmp_path / "exported" / "model_index.json").is_file()
         # ... and a run started directly resumes through Dagster
         _direct(tmp_path, "u", zoo, "--max-steps", "2")
         cfg = _train_cfg(extra_steps=1, min_coverage=0.5)
