@@ -153,8 +153,8 @@ def test_coverage_rule_then_train_resume_and_sample(tmp_path, small_sample, zoo,
         from safetensors.torch import load_file
 
         for sub in ("transformer", "vae", "text_encoder"):
-            (a,) = (tmp_path / "exported" / sub).glob("*.safetensors")
-            (b,) = (run / "pipeline" / sub).glob("*.safetensors")
+            (a,) = (tmp_path / "exported" / sub).glob("*model.safetensors")
+            (b,) = (run / "pipeline" / sub).glob("*model.safetensors")
             assert load_file(a).keys() == load_file(b).keys()
             assert all((load_file(a)[k] == load_file(b)[k]).all() for k in load_file(a))
         assert (tmp_path / "exported" / "model_index.json").is_file()
