@@ -233,15 +233,39 @@ LEDGER_EPOCH_SCHEMA = pa.schema(
 )
 
 
+LEDGER_CHAIN_SCHEMA = pa.schema(
+    [("run", pa.string()), ("checkpoint_step", pa.int64()), ("delta_step", pa.int64())]
+)
+
+
 def ledger_path(data_root: str | Path, run: str, step: int, what: str = "ledger") -> Path:
     return DataLayout(data_root).catalog_dir / what / run / f"step{step:07d}.parquet"
 
 
+def read_ledger_segments(data_root: str | Path, run: str, step: int) -> tuple[list[dict], list[int]]:
+    """A recorded checkpoint's segments and its delta chain (``[], []`` if none)."""
+    p = ledger_path(data_root, run, step, "ledger_epochs")
+    c = ledger_path(data_root, run, step, "ledger_chain")
+    if not (p.exists() and c.exists()):
+        return [], []
+    segs = [{k: v for k, v in r.items() if k not in ("run", "checkpoint_step")}
+            for r in pq.read_table(p).to_pylist()]  # fmt: skip
+    return segs, [r["delta_step"] for r in pq.read_table(c).to_pylist()]
+
+
 def record_ledger(
-    data_root: str | Path, run: str, step: int, samples: dict, segments: Sequence[dict]
+    data_root: str | Path,
+    run: str,
+    step: int,
+    samples: dict,
+    segments: Sequence[dict],
+    chain: Sequence[int],
 ) -> Path:
-    """Write (replace) checkpoint ``step``'s ledger: its compact segments (``ledger_epochs``)
-    and the per-sample expansion (``ledger_samples``; :func:`flowmatch_models.ledger.expand`)."""
+    """Write (replace) checkpoint ``step``'s ledger: its compact segments (``ledger_epochs``),
+    the samples trained since its base checkpoint (``samples``: a delta, from
+    :func:`flowmatch_models.ledger.expand`) and its chain of deltas (``chain``: the base's chain
+    plus ``step``), which the ``ledger_samples`` view sums. The chain is written last: a
+    checkpoint counts as recorded only once it is there."""
     seg_rows = [
         {**{k: seg.get(k) for k in LEDGER_EPOCH_SCHEMA.names}, "run": run, "checkpoint_step": step}
         for seg in segments
@@ -257,6 +281,9 @@ def record_ledger(
     table = pa.Table.from_pydict(cols).cast(LEDGER_SAMPLE_SCHEMA)
     path = ledger_path(data_root, run, step)
     _write_parquet(path, table)
+    chain_rows = [{"run": run, "checkpoint_step": step, "delta_step": d} for d in chain]
+    _write_parquet(ledger_path(data_root, run, step, "ledger_chain"),
+                   pa.Table.from_pylist(chain_rows, schema=LEDGER_CHAIN_SCHEMA))  # fmt: skip
     return path
 
 
@@ -318,6 +345,7 @@ def _view_sql(layout: DataLayout) -> list[str]:
     evals = _sql_str(c / "evaluations" / "*" / "*.parquet")
     ledger = _sql_str(c / "ledger" / "*" / "*.parquet")
     ledger_epochs = _sql_str(c / "ledger_epochs" / "*" / "*.parquet")
+    ledger_chain = _sql_str(c / "ledger_chain" / "*" / "*.parquet")
     assets = ", ".join(f"({_sql_str(a)}, {i})" for i, a in enumerate(PARTITIONED_ASSETS))
     return [
         f"CREATE OR REPLACE VIEW materializations AS SELECT * FROM read_parquet({mat}, union_by_name=true) WHERE asset IS NOT NULL",
@@ -327,7 +355,15 @@ def _view_sql(layout: DataLayout) -> list[str]:
         f"CREATE OR REPLACE VIEW evaluations AS SELECT *, accuracy / nullif(chance, 0) AS x_chance FROM read_parquet({evals}, union_by_name=true) WHERE run IS NOT NULL",
         # the ledger: per run checkpoint, every trained sample (times seen, first and last
         # optimizer step), the compact per-epoch segments it was expanded from, per partition
-        f"CREATE OR REPLACE VIEW ledger_samples AS SELECT * FROM read_parquet({ledger}) WHERE run IS NOT NULL",
+        f"CREATE OR REPLACE VIEW ledger_deltas AS SELECT * FROM read_parquet({ledger}) WHERE run IS NOT NULL",
+        f"CREATE OR REPLACE VIEW ledger_chain AS SELECT * FROM read_parquet({ledger_chain}) WHERE run IS NOT NULL",
+        """CREATE OR REPLACE VIEW ledger_samples AS
+           SELECT ch.run, ch.checkpoint_step, d.sample_id, any_value(d.partition) AS partition,
+                  sum(d.times_seen) AS times_seen, min(d.first_step) AS first_step,
+                  max(d.last_step) AS last_step, any_value(d.partition_size) AS partition_size
+           FROM ledger_chain ch JOIN ledger_deltas d
+             ON d.run = ch.run AND d.checkpoint_step = ch.delta_step
+           GROUP BY ch.run, ch.checkpoint_step, d.sample_id""",
         f"CREATE OR REPLACE VIEW ledger_epochs AS SELECT *, pos_to - pos_from AS samples FROM read_parquet({ledger_epochs}) WHERE run IS NOT NULL",
         """CREATE OR REPLACE VIEW ledger_partitions AS
            SELECT run, checkpoint_step, partition, count(*) AS samples_seen,
@@ -397,6 +433,7 @@ def _ensure_placeholders(layout: DataLayout) -> None:
         ("attempts", ROW_SCHEMA),
         ("ledger", LEDGER_SAMPLE_SCHEMA),
         ("ledger_epochs", LEDGER_EPOCH_SCHEMA),
+        ("ledger_chain", LEDGER_CHAIN_SCHEMA),
     ):
         p = c / kind / "_empty" / "_empty.parquet"
         if not p.exists():

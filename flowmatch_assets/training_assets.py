@@ -65,11 +65,15 @@ def _session_rates(out: Path) -> list[float]:
 
 
 def write_ledgers(data_root: str | Path, run_name: str, run: Path) -> list[int]:
-    """The catalog's ledger of every checkpoint of a run that has none yet (or an older one):
-    the samples each checkpoint has trained, expanded from its data state. Returns the steps."""
+    """The catalog's ledger of every checkpoint of a run that has none yet (or an older one).
+
+    Each checkpoint records only the samples trained since its base -- the latest recorded
+    checkpoint its ledger continues (an earlier checkpoint of the same lineage) -- so the cost
+    is one expansion per trained sample, however many checkpoints; ``ledger_samples`` sums a
+    checkpoint's chain of deltas. Returns the steps written."""
     import torch
 
-    from flowmatch_models.ledger import expand
+    from flowmatch_models import ledger
     from flowmatch_models.store import read_shard
 
     layout = DataLayout(data_root)
@@ -80,15 +84,27 @@ def write_ledgers(data_root: str | Path, run_name: str, run: Path) -> list[int]:
             ids[p] = read_shard(layout.asset_path("vae_latents", p)).ids
         return ids[p]
 
-    done = []
-    for ckpt in sorted((run / "checkpoints").glob("*.ckpt")):
+    recorded: dict[int, tuple[list[dict], list[int]]] = {}
+    for f in (layout.catalog_dir / "ledger_chain" / run_name).glob("step*.parquet"):
+        step = int(f.stem[4:])
+        recorded[step] = catalog.read_ledger_segments(data_root, run_name, step)
+    ckpts = []
+    for ckpt in (run / "checkpoints").glob("*.ckpt"):
         state = torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True)
-        step = int(state["global_step"])
-        target = catalog.ledger_path(data_root, run_name, step)
+        ckpts.append((int(state["global_step"]), ckpt, state))
+    done = []
+    for step, ckpt, state in sorted(ckpts, key=lambda c: c[0]):
+        target = catalog.ledger_path(data_root, run_name, step, "ledger_chain")
         if step in done or (target.exists() and target.stat().st_mtime >= ckpt.stat().st_mtime):
             continue
-        segments = (state.get("EmbeddingDataModule") or {}).get("ledger") or []
-        catalog.record_ledger(data_root, run_name, step, expand(segments, ids_of), segments)
+        segs = (state.get("EmbeddingDataModule") or {}).get("ledger") or []
+        bases = [b for b in sorted(recorded, reverse=True)
+                 if b < step and ledger.is_prefix(recorded[b][0], segs)]  # fmt: skip
+        base_segs, base_chain = recorded[bases[0]] if bases else ([], [])
+        rows = ledger.expand(ledger.delta(base_segs, segs), ids_of)
+        chain = [*base_chain, step]
+        catalog.record_ledger(data_root, run_name, step, rows, segs, chain)
+        recorded[step] = (segs, chain)
         done.append(step)
     return done
 

@@ -25,18 +25,41 @@ def segment_samples(seg: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     sizes = np.asarray(seg["sizes"], np.int64)
     starts = np.concatenate([[0], np.cumsum(sizes)])
     order = epoch_order(sizes, int(seg["epoch"]), int(seg["seed"]), int(seg["shuffle_window"]))
-    idx = order[int(seg["pos_from"]) : int(seg["pos_to"])]
-    k = np.arange(len(idx)) // int(seg["global_batch"])
+    start = int(seg.get("emit_from", seg["pos_from"]))  # a delta: only positions from here
+    idx = order[start : int(seg["pos_to"])]
+    k = (np.arange(len(idx)) + start - int(seg["pos_from"])) // int(seg["global_batch"])
     steps = int(seg["step_from"]) + k // int(seg["accumulate"]) + 1
     shard = np.searchsorted(starts, idx, side="right") - 1
     return shard, idx - starts[shard], steps
+
+
+def is_prefix(base: Sequence[dict], segs: Sequence[dict]) -> bool:
+    """True when the ledger ``segs`` continues ``base`` (a later checkpoint of the same lineage:
+    the same segments, the last one possibly extended, more appended)."""
+    if not base or len(base) > len(segs):
+        return not base
+    last = len(base) - 1
+    same = all(dict(base[i]) == dict(segs[i]) for i in range(last))
+    b, s = dict(base[last]), dict(segs[last])
+    b_to, s_to = b.pop("pos_to"), s.pop("pos_to")
+    return same and b == s and b_to <= s_to
+
+
+def delta(base: Sequence[dict], segs: Sequence[dict]) -> list[dict]:
+    """The segments of ``segs`` not already in ``base`` (``is_prefix(base, segs)``): the
+    extension of base's last segment (``emit_from`` = where base stopped) and the new ones."""
+    if not base:
+        return [dict(s) for s in segs]
+    last = len(base) - 1
+    out = [{**segs[last], "emit_from": int(base[last]["pos_to"])}]
+    return out + [dict(s) for s in segs[last + 1 :]]
 
 
 def expand(
     segments: Sequence[dict], ids_of: Callable[[str], Sequence[str]]
 ) -> dict[str, np.ndarray]:
     """Per trained sample: ``sample_id, partition`` (arrow arrays), ``times_seen, first_step,
-    last_step, partition_size`` (numpy), from a checkpoint's ledger segments;
+    last_step, partition_size`` (numpy), from ledger segments (whole, or a :func:`delta`);
     ``ids_of(partition)`` gives a partition's sample ids in shard order."""
     names: list[str] = []
     index: dict[str, int] = {}

@@ -17,7 +17,7 @@ import yaml
 
 from flowmatch_models.data import BatchStream, EmbeddingDataModule, ShardSource
 from flowmatch_models.layout import DataLayout
-from flowmatch_models.store import write_shard
+from flowmatch_models.store import read_shard, write_shard
 from flowmatch_models.train import ConfigError, TrainRequest, TrainResult, main, train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -214,6 +214,20 @@ def test_resume_is_exact_and_edited_yaml_wins(store: Path, tmp_path: Path, worke
     # the ledger of the resumed run's checkpoint (two sessions, an epoch boundary, gradient
     # accumulation 2) reconstructs exactly the samples the loader yielded, and their steps
     _ledger_matches_records(store, torch.load(ckpt, weights_only=True), a, accumulate=2)
+    # a later checkpoint's ledger is its base checkpoint's plus a delta (what the catalog stores)
+    from flowmatch_models.ledger import delta, expand, is_prefix
+
+    base = torch.load(tmp_path / "edited" / "checkpoints" / "last.ckpt", weights_only=True)
+    base = base["EmbeddingDataModule"]["ledger"]
+    final = torch.load(ckpt, weights_only=True)["EmbeddingDataModule"]["ledger"]
+    assert is_prefix(base, final) and not is_prefix(final, base)
+    ids_of = lambda p: read_shard(DataLayout(store).asset_path("vae_latents", p)).ids  # noqa: E731
+    count: dict[str, int] = {}
+    for rows in (expand(base, ids_of), expand(delta(base, final), ids_of)):
+        for sid, n in zip(rows["sample_id"].to_pylist(), rows["times_seen"]):
+            count[sid] = count.get(sid, 0) + int(n)
+    whole = expand(final, ids_of)
+    assert count == dict(zip(whole["sample_id"].to_pylist(), whole["times_seen"].tolist()))
 
     # resume with an edited YAML: new lr and batch size take effect, data continues in place
     edited = tmp_path / "edited"
