@@ -180,9 +180,67 @@ def clear_attempt(data_root: str | Path, asset: str, partition: str) -> None:
 def clear_partition(data_root: str | Path, asset: str, partition: str) -> None:
     """Remove the catalog records of one asset partition (`flowmatch verify`: its file is gone)."""
     layout = DataLayout(data_root)
-    for kind in ("materializations", "rows"):
+    for kind in ("materializations", "rows", "duplicates", "content"):
         p = layout.catalog_dir / kind / asset / f"{partition}.parquet"
         p.unlink(missing_ok=True)
+
+
+DUPLICATE_SCHEMA = pa.schema(
+    [
+        ("asset", pa.string()),
+        ("partition", pa.string()),
+        ("id", pa.string()),
+        ("kind", pa.string()),  # "hash" (metadata, before download) or "content" (bytes' md5)
+        ("hash", pa.string()),  # the metadata hash (kind hash) or the bytes' md5 (kind content)
+        ("kept_partition", pa.string()),
+        ("kept_id", pa.string()),
+    ]
+)
+
+CONTENT_SCHEMA = pa.schema(
+    [
+        ("asset", pa.string()),
+        ("partition", pa.string()),
+        ("id", pa.string()),
+        ("position", pa.int64()),  # the row's index in its metadata file: dataset order
+        ("md5", pa.string()),
+    ]
+)
+
+
+def record_duplicates(
+    data_root: str | Path, asset: str, partition: str, kind: str, rows: Sequence[dict]
+) -> Path:
+    """Write (replace) the rows ``asset`` dropped as duplicates (``{id, hash, kept_partition,
+    kept_id}``) in one partition: ``catalog/duplicates/<asset>/<partition>.parquet``."""
+    path = DataLayout(data_root).catalog_dir / "duplicates" / asset / f"{partition}.parquet"
+    data = [
+        {
+            "asset": asset,
+            "partition": partition,
+            "kind": kind,
+            **{k: r.get(k) for k in ("id", "hash", "kept_partition", "kept_id")},
+        }
+        for r in rows
+    ]
+    _write_parquet(path, pa.Table.from_pylist(data, schema=DUPLICATE_SCHEMA))
+    return path
+
+
+def record_content(data_root: str | Path, partition: str, rows: Sequence[dict]) -> Path:
+    """Write (replace) the md5 of the bytes of every row stored in one images_256 shard
+    (``{id, position, md5}``): what content dedupe and the ``content_duplicates`` view read."""
+    path = DataLayout(data_root).catalog_dir / "content" / "images_256" / f"{partition}.parquet"
+    data = [
+        {
+            "asset": "images_256",
+            "partition": partition,
+            **{k: r[k] for k in ("id", "position", "md5")},
+        }
+        for r in rows
+    ]
+    _write_parquet(path, pa.Table.from_pylist(data, schema=CONTENT_SCHEMA))
+    return path
 
 
 EVALUATION_SCHEMA = pa.schema(
@@ -323,6 +381,8 @@ def _ensure_placeholders(layout: DataLayout) -> None:
         ("rows", ROW_SCHEMA),
         ("evaluations", EVALUATION_SCHEMA),
         ("attempts", ROW_SCHEMA),
+        ("duplicates", DUPLICATE_SCHEMA),
+        ("content", CONTENT_SCHEMA),
     ):
         p = c / kind / "_empty" / "_empty.parquet"
         if not p.exists():
