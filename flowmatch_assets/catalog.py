@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 from flowmatch_models.atomic import atomic_path
 from flowmatch_models.layout import PARTITIONED_ASSETS, DataLayout
 
-CATALOG_VERSION = 8
+CATALOG_VERSION = 9
 
 OUTCOMES = ("stored", "filtered", "failed")
 
@@ -359,7 +359,70 @@ def _view_sql(layout: DataLayout) -> list[str]:
                   CASE WHEN asset = 'flow_model' THEN arg_max(samples_per_s, written_at)
                        ELSE sum(samples) / nullif(sum(seconds), 0) END AS samples_per_s
            FROM materializations GROUP BY asset""",
+        *_dedupe_views(layout),
+        *_data_card_views(layout),
     ]
+
+
+def _dedupe_views(layout: DataLayout) -> list[str]:
+    """Duplicates (flowmatch_assets/dedupe.py) and every input row's final outcome."""
+    c = layout.catalog_dir
+    dups = _sql_str(c / "duplicates" / "*" / "*.parquet")
+    content = _sql_str(c / "content" / "*" / "*.parquet")
+    return [
+        f"CREATE OR REPLACE VIEW duplicate_records AS SELECT * FROM read_parquet({dups}, union_by_name=true) WHERE asset IS NOT NULL",
+        # md5 of the bytes of every row stored in a (materialized) images_256 shard
+        f"""CREATE OR REPLACE VIEW content_md5 AS
+           SELECT partition, id, position, md5 FROM read_parquet({content}, union_by_name=true)
+           WHERE asset IS NOT NULL AND md5 IS NOT NULL AND partition IN
+                 (SELECT partition FROM materializations WHERE asset = 'images_256')""",
+        """CREATE OR REPLACE VIEW content_first AS
+           SELECT md5, partition AS kept_partition, id AS kept_id FROM (
+               SELECT *, row_number() OVER (PARTITION BY md5 ORDER BY partition, position) AS k
+               FROM content_md5) WHERE k = 1""",
+        # stored rows whose bytes an earlier row (dataset order) also stored: the later ones
+        # lose (their partition ran before the winner's, or at the same time)
+        """CREATE OR REPLACE VIEW content_duplicates AS
+           SELECT m.partition, m.id, m.md5, f.kept_partition, f.kept_id FROM content_md5 m
+           JOIN content_first f ON f.md5 = m.md5
+           WHERE (m.partition, m.id) <> (f.kept_partition, f.kept_id)""",
+        """CREATE OR REPLACE VIEW duplicates AS
+           SELECT partition, id, 'hash' AS kind, hash, kept_partition, kept_id,
+                  false AS still_stored
+           FROM duplicate_records WHERE kind = 'hash'
+           UNION ALL
+           SELECT d.partition, d.id, 'content', d.hash,
+                  coalesce(f.kept_partition, d.kept_partition), coalesce(f.kept_id, d.kept_id), false
+           FROM duplicate_records d LEFT JOIN content_first f ON f.md5 = d.hash
+           WHERE d.kind = 'content'
+           UNION ALL
+           SELECT partition, id, 'content', md5, kept_partition, kept_id, true
+           FROM content_duplicates""",
+        # every input row's final outcome: filtered by the metadata filters, else the image
+        # stage's outcome (pending before it ran), a content duplicate counted as filtered
+        """CREATE OR REPLACE VIEW dataset_rows AS
+           SELECT m.partition, m.id, m.url,
+                  CASE WHEN m.outcome = 'filtered' THEN 'metadata'
+                       WHEN i.id IS NOT NULL THEN 'images' END AS stage,
+                  CASE WHEN m.outcome = 'filtered' THEN 'filtered'
+                       WHEN i.id IS NULL THEN 'pending'
+                       WHEN c.id IS NOT NULL THEN 'filtered'
+                       ELSE i.outcome END AS outcome,
+                  CASE WHEN m.outcome = 'filtered' THEN m.reason
+                       WHEN c.id IS NOT NULL THEN 'duplicate_content'
+                       ELSE i.reason END AS reason,
+                  d.kept_partition, d.kept_id
+           FROM rows m
+           LEFT JOIN rows i ON i.asset = 'images_256' AND i.partition = m.partition AND i.id = m.id
+           LEFT JOIN content_duplicates c ON c.partition = m.partition AND c.id = m.id
+           LEFT JOIN duplicates d ON d.partition = m.partition AND d.id = m.id
+           WHERE m.asset = 'pd12m_metadata'""",
+    ]
+
+
+def _data_card_views(layout: DataLayout) -> list[str]:
+    """Placeholder until the data card lands."""
+    return []
 
 
 def _retryable_sql(col: str) -> str:
