@@ -243,6 +243,48 @@ def record_content(data_root: str | Path, partition: str, rows: Sequence[dict]) 
     return path
 
 
+CARD_SCHEMA = pa.schema(
+    [
+        ("asset", pa.string()),
+        ("partition", pa.string()),
+        ("id", pa.string()),
+        ("caption_chars", pa.int32()),
+        ("caption_tokens", pa.int32()),  # the text encoder's tokens, before truncation
+        ("max_tokens", pa.int32()),
+        ("width", pa.int64()),  # claimed by the metadata
+        ("height", pa.int64()),
+        ("orig_width", pa.int32()),  # decoded (stored rows)
+        ("orig_height", pa.int32()),
+        ("license", pa.string()),
+        ("source", pa.string()),
+    ]
+)
+
+
+#: The data card's sections, in the order the card shows them.
+CARD_SECTIONS = (
+    "rows",
+    "outcome",
+    "license",
+    "source",
+    "aspect",
+    "caption_chars",
+    "caption_tokens",
+    "orig_long_side",
+    "orig_short_side",
+    "text",
+)
+
+
+def record_card_rows(data_root: str | Path, partition: str, rows: Sequence[dict]) -> Path:
+    """Write (replace) the data card's per-row record of one partition
+    (flowmatch_assets/data_card.py)."""
+    path = DataLayout(data_root).catalog_dir / "cards" / "data_card" / f"{partition}.parquet"
+    data = [{"asset": "data_card", "partition": partition, **r} for r in rows]
+    _write_parquet(path, pa.Table.from_pylist(data, schema=CARD_SCHEMA))
+    return path
+
+
 EVALUATION_SCHEMA = pa.schema(
     [
         ("run", pa.string()),
@@ -420,9 +462,86 @@ def _dedupe_views(layout: DataLayout) -> list[str]:
     ]
 
 
+def _card_counts(section: str, expr: str, src: str) -> str:
+    """A count section of the data card: one item per value of ``expr``, per scope."""
+    return f"""SELECT CASE WHEN grouping(partition) = 1 THEN 'dataset' ELSE partition END AS scope,
+               '{section}' AS section, coalesce(CAST(k AS VARCHAR), '(none)') AS item,
+               count(*)::DOUBLE AS value, NULL::DOUBLE AS share
+               FROM (SELECT partition, {expr} AS k FROM {src})
+               GROUP BY GROUPING SETS ((partition, k), (k))"""
+
+
+def _card_stats(section: str, col: str, src: str) -> str:
+    """A distribution section of the data card: p10 / p50 / p90 / mean / max, per scope."""
+    return f"""SELECT CASE WHEN grouping(partition) = 1 THEN 'dataset' ELSE partition END AS scope,
+               '{section}' AS section, unnest(['p10', 'p50', 'p90', 'mean', 'max']) AS item,
+               unnest([quantile_cont({col}, 0.1), quantile_cont({col}, 0.5),
+                       quantile_cont({col}, 0.9), avg({col}), max({col})])::DOUBLE AS value,
+               NULL::DOUBLE AS share
+               FROM {src} WHERE {col} IS NOT NULL GROUP BY GROUPING SETS ((partition), ())"""
+
+
 def _data_card_views(layout: DataLayout) -> list[str]:
-    """Placeholder until the data card lands."""
-    return []
+    """The data card (flowmatch_assets/data_card.py): per partition and whole dataset."""
+    cards = _sql_str(layout.catalog_dir / "cards" / "*" / "*.parquet")
+    stored = "(SELECT * FROM data_card_rows WHERE outcome = 'stored')"
+    aspect = """CASE WHEN orig_width IS NULL THEN NULL
+                     ELSE greatest(orig_width, orig_height) / least(orig_width, orig_height) END"""
+    bucket = f"""CASE WHEN {aspect} IS NULL THEN NULL WHEN {aspect} < 1.25 THEN '1-1.25'
+                      WHEN {aspect} < 1.5 THEN '1.25-1.5' WHEN {aspect} < 2 THEN '1.5-2'
+                      WHEN {aspect} < 3 THEN '2-3' ELSE '>=3' END"""
+    order = ", ".join(f"('{s}', {i})" for i, s in enumerate(CARD_SECTIONS))
+    shared = ("outcome", "license", "source", "aspect")
+    return [
+        f"""CREATE OR REPLACE VIEW data_card_rows AS
+            SELECT c.* EXCLUDE (asset), d.outcome, d.reason, d.kept_id
+            FROM read_parquet({cards}, union_by_name=true) c
+            JOIN dataset_rows d ON d.partition = c.partition AND d.id = c.id
+            WHERE c.asset IS NOT NULL""",
+        f"""CREATE OR REPLACE VIEW data_card AS
+            WITH parts AS (
+              SELECT CASE WHEN grouping(partition) = 1 THEN 'dataset' ELSE partition END AS scope,
+                     'rows' AS section,
+                     unnest(['input', 'stored', 'filtered', 'failed', 'pending']) AS item,
+                     unnest([count(*), count(*) FILTER (outcome = 'stored'),
+                             count(*) FILTER (outcome = 'filtered'),
+                             count(*) FILTER (outcome = 'failed'),
+                             count(*) FILTER (outcome = 'pending')])::DOUBLE AS value,
+                     unnest([1.0, count(*) FILTER (outcome = 'stored') / count(*),
+                             count(*) FILTER (outcome = 'filtered') / count(*),
+                             count(*) FILTER (outcome = 'failed') / count(*),
+                             count(*) FILTER (outcome = 'pending') / count(*)]) AS share
+              FROM data_card_rows GROUP BY GROUPING SETS ((partition), ())
+              UNION ALL {_card_counts("outcome", "outcome || coalesce(':' || reason, '')", "data_card_rows")}
+              UNION ALL {_card_counts("license", "license", stored)}
+              UNION ALL {_card_counts("source", "source", stored)}
+              UNION ALL {_card_counts("aspect", bucket, f"(SELECT * FROM {stored} WHERE orig_width IS NOT NULL)")}
+              UNION ALL {_card_stats("caption_chars", "caption_chars", stored)}
+              UNION ALL {_card_stats("caption_tokens", "caption_tokens", stored)}
+              UNION ALL {_card_stats("orig_long_side", "greatest(orig_width, orig_height)", stored)}
+              UNION ALL {_card_stats("orig_short_side", "least(orig_width, orig_height)", stored)}
+              UNION ALL
+              SELECT CASE WHEN grouping(partition) = 1 THEN 'dataset' ELSE partition END,
+                     'text', 'captions_over_max_tokens',
+                     count(*) FILTER (caption_tokens > max_tokens)::DOUBLE,
+                     count(*) FILTER (caption_tokens > max_tokens) / nullif(count(caption_tokens), 0)
+              FROM {stored} GROUP BY GROUPING SETS ((partition), ())
+              UNION ALL
+              SELECT CASE WHEN grouping(partition) = 1 THEN 'dataset' ELSE partition END,
+                     'text', 'fp16_saturated_values',
+                     sum(CAST(extra->>'$.fp16_saturated' AS BIGINT))::DOUBLE, NULL
+              FROM materializations
+              WHERE extra->>'$.fp16_saturated' IS NOT NULL
+                AND partition IN (SELECT partition FROM data_card_rows)
+              GROUP BY GROUPING SETS ((partition), ())
+            )
+            SELECT p.scope, p.section, p.item, p.value,
+                   CASE WHEN p.section IN {shared}
+                        THEN p.value / sum(p.value) OVER (PARTITION BY p.scope, p.section)
+                        ELSE p.share END AS share,
+                   o.section_order
+            FROM parts p JOIN (VALUES {order}) o(section, section_order) USING (section)""",
+    ]
 
 
 def _retryable_sql(col: str) -> str:
@@ -446,6 +565,7 @@ def _ensure_placeholders(layout: DataLayout) -> None:
         ("attempts", ROW_SCHEMA),
         ("duplicates", DUPLICATE_SCHEMA),
         ("content", CONTENT_SCHEMA),
+        ("cards", CARD_SCHEMA),
     ):
         p = c / kind / "_empty" / "_empty.parquet"
         if not p.exists():

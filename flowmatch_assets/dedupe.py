@@ -259,17 +259,21 @@ def _build_global(base, final, files, ident, cfg, log) -> None:
 # --------------------------------------------------------------------------- content dedupe
 
 
-def stored_before(root: str | Path, partition: str) -> dict[str, tuple[str, str]]:
+def stored_before(root: str | Path, partition: str, md5s: list[str]) -> dict[str, tuple[str, str]]:
     """md5 -> (partition, id) of its first stored row in the partitions before ``partition``
-    (those materialized now)."""
+    (those materialized now), for the ``md5s`` asked about (vectorised: each earlier content
+    record's md5 column is matched against them, no dataset-wide dict is built)."""
     d = DataLayout(root).catalog_dir / "content" / "images_256"
     files = sorted(p for p in d.glob("*.parquet") if p.stem < partition) if d.is_dir() else []
+    wanted = pa.array(sorted({m for m in md5s if m}), pa.string())
     out: dict[str, tuple[str, str]] = {}
+    if not len(wanted):
+        return out
     for p in files:  # partition order, rows in dataset order: the first one seen wins
         t = pq.read_table(p, columns=["id", "md5"])
-        for i, m in zip(t.column("id").to_pylist(), t.column("md5").to_pylist()):
-            if m:
-                out.setdefault(m, (p.stem, i))
+        hit = t.filter(pc.is_in(t.column("md5"), value_set=wanted))
+        for i, m in zip(hit.column("id").to_pylist(), hit.column("md5").to_pylist()):
+            out.setdefault(m, (p.stem, i))
     return out
 
 
