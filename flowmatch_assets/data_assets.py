@@ -248,9 +248,8 @@ def _drop_content_duplicates(
     outcome into ``filtered: duplicate_content``; returns (kept rows, dropped records)."""
     if not flowmatch.filters.drop_duplicate_content:
         return stored, []
-    stored, dropped = drop_content_duplicates(
-        stored, stored_before(flowmatch.data_root, part), part
-    )
+    earlier = stored_before(flowmatch.data_root, part, [r["md5"] for r in stored])
+    stored, dropped = drop_content_duplicates(stored, earlier, part)
     for d in dropped:
         detail = f"same bytes (md5 {d['hash']}) as {d['kept_partition']}, id {d['kept_id']}"
         outcomes[d["id"]] = RowOutcome(d["id"], d["url"], "filtered", "duplicate_content", detail)
