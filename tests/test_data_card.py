@@ -94,8 +94,12 @@ def test_data_card_counts_what_was_injected_per_partition_and_for_the_dataset(
     whole = _card(cat, "dataset")
     assert {i: int(r["value"]) for (s, i), r in whole.items() if s == "outcome"} == dict(totals)
     assert (data / "reports" / "data_card.png").exists()
+    page = cat.query("SELECT * FROM data_card WHERE scope = 'dataset' ORDER BY section_order")
+    assert [r["section"] for r in page][0] == "rows" and page[-1]["section"] == "text"
 
     for k, v in {
+        "DAGSTER_HOME": str(tmp_path),
+        "FLOWMATCH_TEXT": zoo["text"],
         "FLOWMATCH_DATA_ROOT": str(data),
         "FLOWMATCH_METADATA": small_sample["metadata"],
     }.items():
@@ -104,3 +108,6 @@ def test_data_card_counts_what_was_injected_per_partition_and_for_the_dataset(
     assert cli.main(["data-card", "--no-refresh"]) == 0
     out = capsys.readouterr().out
     assert "## Data card: the whole dataset" in out and "failed:not_image" in out
+    assert cli.main(["data-card", "-p", "001-00"]) == 0  # re-draws one partition, then the whole
+    out = capsys.readouterr().out
+    assert "data_card 001-00: ok" in out and "dataset_card: ok" in out

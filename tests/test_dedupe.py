@@ -149,6 +149,11 @@ def test_duplicates_are_dropped_the_same_way_in_forward_and_reverse_order(tmp_pa
             ),
             {"kind": "hash", "still_stored": False, "n": 4},
         ]
+    # README's queries
+    cat = Catalog(tmp_path / "rev")
+    assert cat.query("SELECT kind, still_stored, count(*) FROM duplicates GROUP BY ALL")
+    readme = "SELECT partition, id, outcome, reason, kept_id FROM dataset_rows WHERE reason LIKE 'duplicate%'"
+    assert len(cat.query(readme)) == 8
     # in reverse order the chain's later copies (001-00, 002-00 of a2; 002-00 of b4) are stored
     rev = Catalog(tmp_path / "rev").query("SELECT id, kept_id FROM content_duplicates ORDER BY id")
     assert [r["id"] for r in rev] == ["dup-b-bytes-a2", "dup-c-bytes-a2", "dup-c-bytes-b4"]
