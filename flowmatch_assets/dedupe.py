@@ -30,14 +30,12 @@ as ``duplicate_content``, so the kept set the catalog reports is the same in any
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +45,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from flowmatch_assets.catalog import _file_lock
 from flowmatch_assets.metadata import (
     FilterConfig,
     HashWinners,
@@ -119,17 +118,6 @@ def file_identity(path: str) -> str:
     return hashlib.sha256(f"{info.get('size')}|{stamp}".encode()).hexdigest()[:12]
 
 
-@contextlib.contextmanager
-def _lock(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
-
-
 def file_index(path: str, cfg: FilterConfig) -> tuple[np.ndarray, np.ndarray]:
     """(distinct keys sorted, first eligible row of each) of one metadata file."""
     with fsspec.open(path, "rb") as f:
@@ -190,7 +178,7 @@ def build_hash_index(
     digest = hashlib.sha256(json.dumps(sorted(ident.items())).encode()).hexdigest()[:16]
     final = base / f"global-{digest}"
     if not (final / "row.npy").exists():
-        with _lock(base / ".build.lock"):  # saves duplicate work only; the writes are atomic
+        with _file_lock(base / ".build.lock"):  # saves duplicate work only; the writes are atomic
             if not (final / "row.npy").exists():
                 _build_global(base, final, files, ident, cfg, log)
     keys, file_, row = (np.load(final / f"{a}.npy", mmap_mode="r") for a in ("keys", "file", "row"))

@@ -51,13 +51,7 @@ def _direct(tmp_path: Path, name: str, zoo: dict, *flags: str) -> None:
     cwd.mkdir(exist_ok=True)
     sets = ["run.name=" + name, *_train_cfg()["ops"]["flow_model"]["config"]["overrides"]]
     sets += [f"encoders.vae={zoo['vae']}", f"encoders.text={zoo['text']}"]
-    cmd = [
-        sys.executable,
-        "-m",
-        "flowmatch_models.train",
-        "--config",
-        str(REPO / "configs" / "tiny.yaml"),
-    ]
+    cmd = [sys.executable, "-m", "flowmatch_models.train", "--config", str(REPO / "configs" / "tiny.yaml")]
     for s in sets:
         cmd += ["--set", s]
     env = {**os.environ, "FLOWMATCH_DATA_ROOT": str(tmp_path / "data"), "PYTHONPATH": str(REPO)}
