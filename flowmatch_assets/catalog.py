@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 from flowmatch_models.atomic import atomic_path
 from flowmatch_models.layout import PARTITIONED_ASSETS, DataLayout
 
-CATALOG_VERSION = 9
+CATALOG_VERSION = 10
 
 OUTCOMES = ("stored", "filtered", "failed")
 
@@ -181,9 +181,109 @@ def clear_attempt(data_root: str | Path, asset: str, partition: str) -> None:
 def clear_partition(data_root: str | Path, asset: str, partition: str) -> None:
     """Remove the catalog records of one asset partition (`flowmatch verify`: its file is gone)."""
     layout = DataLayout(data_root)
-    for kind in ("materializations", "rows"):
+    for kind in ("materializations", "rows", "duplicates", "content"):
         p = layout.catalog_dir / kind / asset / f"{partition}.parquet"
         p.unlink(missing_ok=True)
+
+
+DUPLICATE_SCHEMA = pa.schema(
+    [
+        ("asset", pa.string()),
+        ("partition", pa.string()),
+        ("id", pa.string()),
+        ("kind", pa.string()),  # "hash" (metadata, before download) or "content" (bytes' md5)
+        ("hash", pa.string()),  # the metadata hash (kind hash) or the bytes' md5 (kind content)
+        ("kept_partition", pa.string()),
+        ("kept_id", pa.string()),
+    ]
+)
+
+CONTENT_SCHEMA = pa.schema(
+    [
+        ("asset", pa.string()),
+        ("partition", pa.string()),
+        ("id", pa.string()),
+        ("position", pa.int64()),  # the row's index in its metadata file: dataset order
+        ("md5", pa.string()),
+    ]
+)
+
+
+def record_duplicates(
+    data_root: str | Path, asset: str, partition: str, kind: str, rows: Sequence[dict]
+) -> Path:
+    """Write (replace) the rows ``asset`` dropped as duplicates (``{id, hash, kept_partition,
+    kept_id}``) in one partition: ``catalog/duplicates/<asset>/<partition>.parquet``."""
+    path = DataLayout(data_root).catalog_dir / "duplicates" / asset / f"{partition}.parquet"
+    data = [
+        {
+            "asset": asset,
+            "partition": partition,
+            "kind": kind,
+            **{k: r.get(k) for k in ("id", "hash", "kept_partition", "kept_id")},
+        }
+        for r in rows
+    ]
+    _write_parquet(path, pa.Table.from_pylist(data, schema=DUPLICATE_SCHEMA))
+    return path
+
+
+def record_content(data_root: str | Path, partition: str, rows: Sequence[dict]) -> Path:
+    """Write (replace) the md5 of the bytes of every row stored in one images_256 shard
+    (``{id, position, md5}``): what content dedupe and the ``content_duplicates`` view read."""
+    path = DataLayout(data_root).catalog_dir / "content" / "images_256" / f"{partition}.parquet"
+    data = [
+        {
+            "asset": "images_256",
+            "partition": partition,
+            **{k: r[k] for k in ("id", "position", "md5")},
+        }
+        for r in rows
+    ]
+    _write_parquet(path, pa.Table.from_pylist(data, schema=CONTENT_SCHEMA))
+    return path
+
+
+CARD_SCHEMA = pa.schema(
+    [
+        ("asset", pa.string()),
+        ("partition", pa.string()),
+        ("id", pa.string()),
+        ("caption_chars", pa.int32()),
+        ("caption_tokens", pa.int32()),  # the text encoder's tokens, before truncation
+        ("max_tokens", pa.int32()),
+        ("width", pa.int64()),  # claimed by the metadata
+        ("height", pa.int64()),
+        ("orig_width", pa.int32()),  # decoded (stored rows)
+        ("orig_height", pa.int32()),
+        ("license", pa.string()),
+        ("source", pa.string()),
+    ]
+)
+
+
+#: The data card's sections, in the order the card shows them.
+CARD_SECTIONS = (
+    "rows",
+    "outcome",
+    "license",
+    "source",
+    "aspect",
+    "caption_chars",
+    "caption_tokens",
+    "orig_long_side",
+    "orig_short_side",
+    "text",
+)
+
+
+def record_card_rows(data_root: str | Path, partition: str, rows: Sequence[dict]) -> Path:
+    """Write (replace) the data card's per-row record of one partition
+    (flowmatch_assets/data_card.py)."""
+    path = DataLayout(data_root).catalog_dir / "cards" / "data_card" / f"{partition}.parquet"
+    data = [{"asset": "data_card", "partition": partition, **r} for r in rows]
+    _write_parquet(path, pa.Table.from_pylist(data, schema=CARD_SCHEMA))
+    return path
 
 
 EVALUATION_SCHEMA = pa.schema(
@@ -409,6 +509,146 @@ def _view_sql(layout: DataLayout) -> list[str]:
                   CASE WHEN asset = 'flow_model' THEN arg_max(samples_per_s, written_at)
                        ELSE sum(samples) / nullif(sum(seconds), 0) END AS samples_per_s
            FROM materializations GROUP BY asset""",
+        *_dedupe_views(layout),
+        *_data_card_views(layout),
+    ]
+
+
+def _dedupe_views(layout: DataLayout) -> list[str]:
+    """Duplicates (flowmatch_assets/dedupe.py) and every input row's final outcome."""
+    c = layout.catalog_dir
+    dups = _sql_str(c / "duplicates" / "*" / "*.parquet")
+    content = _sql_str(c / "content" / "*" / "*.parquet")
+    return [
+        f"CREATE OR REPLACE VIEW duplicate_records AS SELECT * FROM read_parquet({dups}, union_by_name=true) WHERE asset IS NOT NULL",
+        # md5 of the bytes of every row stored in a (materialized) images_256 shard
+        f"""CREATE OR REPLACE VIEW content_md5 AS
+           SELECT partition, id, position, md5 FROM read_parquet({content}, union_by_name=true)
+           WHERE asset IS NOT NULL AND md5 IS NOT NULL AND partition IN
+                 (SELECT partition FROM materializations WHERE asset = 'images_256')""",
+        """CREATE OR REPLACE VIEW content_first AS
+           SELECT md5, partition AS kept_partition, id AS kept_id FROM (
+               SELECT *, row_number() OVER (PARTITION BY md5 ORDER BY partition, position) AS k
+               FROM content_md5) WHERE k = 1""",
+        # stored rows whose bytes an earlier row (dataset order) also stored: the later ones
+        # lose (their partition ran before the winner's, or at the same time)
+        """CREATE OR REPLACE VIEW content_duplicates AS
+           SELECT m.partition, m.id, m.md5, f.kept_partition, f.kept_id FROM content_md5 m
+           JOIN content_first f ON f.md5 = m.md5
+           WHERE (m.partition, m.id) <> (f.kept_partition, f.kept_id)""",
+        """CREATE OR REPLACE VIEW duplicates AS
+           SELECT partition, id, 'hash' AS kind, hash, kept_partition, kept_id,
+                  false AS still_stored
+           FROM duplicate_records WHERE kind = 'hash'
+           UNION ALL
+           SELECT d.partition, d.id, 'content', d.hash,
+                  coalesce(f.kept_partition, d.kept_partition), coalesce(f.kept_id, d.kept_id), false
+           FROM duplicate_records d LEFT JOIN content_first f ON f.md5 = d.hash
+           WHERE d.kind = 'content'
+           UNION ALL
+           SELECT partition, id, 'content', md5, kept_partition, kept_id, true
+           FROM content_duplicates""",
+        # every input row's final outcome: filtered by the metadata filters, else the image
+        # stage's outcome (pending before it ran), a content duplicate counted as filtered
+        """CREATE OR REPLACE VIEW dataset_rows AS
+           SELECT m.partition, m.id, m.url,
+                  CASE WHEN m.outcome = 'filtered' THEN 'metadata'
+                       WHEN i.id IS NOT NULL THEN 'images' END AS stage,
+                  CASE WHEN m.outcome = 'filtered' THEN 'filtered'
+                       WHEN i.id IS NULL THEN 'pending'
+                       WHEN c.id IS NOT NULL THEN 'filtered'
+                       ELSE i.outcome END AS outcome,
+                  CASE WHEN m.outcome = 'filtered' THEN m.reason
+                       WHEN c.id IS NOT NULL THEN 'duplicate_content'
+                       ELSE i.reason END AS reason,
+                  d.kept_partition, d.kept_id
+           FROM rows m
+           LEFT JOIN rows i ON i.asset = 'images_256' AND i.partition = m.partition AND i.id = m.id
+           LEFT JOIN content_duplicates c ON c.partition = m.partition AND c.id = m.id
+           LEFT JOIN duplicates d ON d.partition = m.partition AND d.id = m.id
+           WHERE m.asset = 'pd12m_metadata'""",
+    ]
+
+
+def _card_counts(section: str, expr: str, src: str) -> str:
+    """A count section of the data card: one item per value of ``expr``, per scope."""
+    return f"""SELECT CASE WHEN grouping(partition) = 1 THEN 'dataset' ELSE partition END AS scope,
+               '{section}' AS section, coalesce(CAST(k AS VARCHAR), '(none)') AS item,
+               count(*)::DOUBLE AS value, NULL::DOUBLE AS share
+               FROM (SELECT partition, {expr} AS k FROM {src})
+               GROUP BY GROUPING SETS ((partition, k), (k))"""
+
+
+def _card_stats(section: str, col: str, src: str) -> str:
+    """A distribution section of the data card: p10 / p50 / p90 / mean / max, per scope."""
+    return f"""SELECT CASE WHEN grouping(partition) = 1 THEN 'dataset' ELSE partition END AS scope,
+               '{section}' AS section, unnest(['p10', 'p50', 'p90', 'mean', 'max']) AS item,
+               unnest([quantile_cont({col}, 0.1), quantile_cont({col}, 0.5),
+                       quantile_cont({col}, 0.9), avg({col}), max({col})])::DOUBLE AS value,
+               NULL::DOUBLE AS share
+               FROM {src} WHERE {col} IS NOT NULL GROUP BY GROUPING SETS ((partition), ())"""
+
+
+def _data_card_views(layout: DataLayout) -> list[str]:
+    """The data card (flowmatch_assets/data_card.py): per partition and whole dataset."""
+    cards = _sql_str(layout.catalog_dir / "cards" / "*" / "*.parquet")
+    stored = "(SELECT * FROM data_card_rows WHERE outcome = 'stored')"
+    aspect = """CASE WHEN orig_width IS NULL THEN NULL
+                     ELSE greatest(orig_width, orig_height) / least(orig_width, orig_height) END"""
+    bucket = f"""CASE WHEN {aspect} IS NULL THEN NULL WHEN {aspect} < 1.25 THEN '1-1.25'
+                      WHEN {aspect} < 1.5 THEN '1.25-1.5' WHEN {aspect} < 2 THEN '1.5-2'
+                      WHEN {aspect} < 3 THEN '2-3' ELSE '>=3' END"""
+    order = ", ".join(f"('{s}', {i})" for i, s in enumerate(CARD_SECTIONS))
+    shared = ("outcome", "license", "source", "aspect")
+    return [
+        f"""CREATE OR REPLACE VIEW data_card_rows AS
+            SELECT c.* EXCLUDE (asset), d.outcome, d.reason, d.kept_id
+            FROM read_parquet({cards}, union_by_name=true) c
+            JOIN dataset_rows d ON d.partition = c.partition AND d.id = c.id
+            WHERE c.asset IS NOT NULL""",
+        f"""CREATE OR REPLACE VIEW data_card AS
+            WITH parts AS (
+              SELECT CASE WHEN grouping(partition) = 1 THEN 'dataset' ELSE partition END AS scope,
+                     'rows' AS section,
+                     unnest(['input', 'stored', 'filtered', 'failed', 'pending']) AS item,
+                     unnest([count(*), count(*) FILTER (outcome = 'stored'),
+                             count(*) FILTER (outcome = 'filtered'),
+                             count(*) FILTER (outcome = 'failed'),
+                             count(*) FILTER (outcome = 'pending')])::DOUBLE AS value,
+                     unnest([1.0, count(*) FILTER (outcome = 'stored') / count(*),
+                             count(*) FILTER (outcome = 'filtered') / count(*),
+                             count(*) FILTER (outcome = 'failed') / count(*),
+                             count(*) FILTER (outcome = 'pending') / count(*)]) AS share
+              FROM data_card_rows GROUP BY GROUPING SETS ((partition), ())
+              UNION ALL {_card_counts("outcome", "outcome || coalesce(':' || reason, '')", "data_card_rows")}
+              UNION ALL {_card_counts("license", "license", stored)}
+              UNION ALL {_card_counts("source", "source", stored)}
+              UNION ALL {_card_counts("aspect", bucket, f"(SELECT * FROM {stored} WHERE orig_width IS NOT NULL)")}
+              UNION ALL {_card_stats("caption_chars", "caption_chars", stored)}
+              UNION ALL {_card_stats("caption_tokens", "caption_tokens", stored)}
+              UNION ALL {_card_stats("orig_long_side", "greatest(orig_width, orig_height)", stored)}
+              UNION ALL {_card_stats("orig_short_side", "least(orig_width, orig_height)", stored)}
+              UNION ALL
+              SELECT CASE WHEN grouping(partition) = 1 THEN 'dataset' ELSE partition END,
+                     'text', 'captions_over_max_tokens',
+                     count(*) FILTER (caption_tokens > max_tokens)::DOUBLE,
+                     count(*) FILTER (caption_tokens > max_tokens) / nullif(count(caption_tokens), 0)
+              FROM {stored} GROUP BY GROUPING SETS ((partition), ())
+              UNION ALL
+              SELECT CASE WHEN grouping(partition) = 1 THEN 'dataset' ELSE partition END,
+                     'text', 'fp16_saturated_values',
+                     sum(CAST(extra->>'$.fp16_saturated' AS BIGINT))::DOUBLE, NULL
+              FROM materializations
+              WHERE extra->>'$.fp16_saturated' IS NOT NULL
+                AND partition IN (SELECT partition FROM data_card_rows)
+              GROUP BY GROUPING SETS ((partition), ())
+            )
+            SELECT p.scope, p.section, p.item, p.value,
+                   CASE WHEN p.section IN {shared}
+                        THEN p.value / sum(p.value) OVER (PARTITION BY p.scope, p.section)
+                        ELSE p.share END AS share,
+                   o.section_order
+            FROM parts p JOIN (VALUES {order}) o(section, section_order) USING (section)""",
     ]
 
 
@@ -434,6 +674,9 @@ def _ensure_placeholders(layout: DataLayout) -> None:
         ("ledger", LEDGER_SAMPLE_SCHEMA),
         ("ledger_epochs", LEDGER_EPOCH_SCHEMA),
         ("ledger_chain", LEDGER_CHAIN_SCHEMA),
+        ("duplicates", DUPLICATE_SCHEMA),
+        ("content", CONTENT_SCHEMA),
+        ("cards", CARD_SCHEMA),
     ):
         p = c / kind / "_empty" / "_empty.parquet"
         if not p.exists():

@@ -510,6 +510,51 @@ def materialize_budget(res=None) -> bool:
     return result.success
 
 
+def cmd_data_card(partition: list[str], refresh: bool, as_json: bool) -> int:
+    """Materialize ``data_card`` for ``partition`` (default: every partition with metadata)
+    and ``dataset_card``; print the whole dataset's card (``--no-refresh``: from the records)."""
+    import dagster as dg
+
+    from flowmatch_assets.data_card_assets import write_dataset_card
+    from flowmatch_assets.definitions import all_assets_and_checks, resources_for
+
+    res = _resource()
+    if refresh:
+        instance = _instance()
+        from flowmatch_assets.partitions import register_partitions
+
+        register_partitions(instance, res)
+        have = res.layout.partitions_with("pd12m_metadata")
+        _check_partitions(list(partition or []), have)
+        for key in partition or have:
+            result = dg.materialize(
+                all_assets_and_checks(),
+                selection=["data_card"],
+                partition_key=key,
+                instance=instance,
+                resources=resources_for(res),
+                raise_on_error=False,
+                tags={"flowmatch/cli": "data-card"},
+            )
+            print(f"data_card {key}: {'ok' if result.success else 'FAILED'}")
+        ok = dg.materialize(
+            all_assets_and_checks(),
+            selection=["dataset_card"],
+            instance=instance,
+            resources=resources_for(res),
+            raise_on_error=False,
+            tags={"flowmatch/cli": "data-card"},
+        ).success
+        print(f"dataset_card: {'ok' if ok else 'FAILED'}")
+    md_path, png_path, _, view = write_dataset_card(res.data_root)
+    if as_json:
+        print(json.dumps(view, default=str, indent=1))
+    else:
+        print(Path(md_path).read_text())
+    print(f"card: {md_path} and {png_path}")
+    return 0
+
+
 # --------------------------------------------------------------------------------------------
 # verbs whose module has its own parser: they take the rest of the line
 # --------------------------------------------------------------------------------------------
@@ -699,6 +744,20 @@ COMMANDS: dict[str, Command] = {
                 help="SQL for `catalog sql` (views: materializations, rows, "
                 "partitions, coverage, failures, rejected_attempts, compression, throughput, "
                 "evaluations, ledger_samples, ledger_epochs, ledger_partitions)",
+            ),
+            arg("--json", dest="as_json", action="store_true"),
+        ],  # fmt: skip
+    ),
+    "data-card": Command(
+        cmd_data_card,
+        "the data card: caption lengths, sizes, licenses, outcomes, text saturation",
+        [
+            arg("-p", "--partition", action="append", default=[], help="only these (repeatable)"),
+            arg(
+                "--no-refresh",
+                dest="refresh",
+                action="store_false",
+                help="print from the records as they are (materialize nothing)",
             ),
             arg("--json", dest="as_json", action="store_true"),
         ],  # fmt: skip

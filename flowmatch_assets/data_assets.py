@@ -11,9 +11,20 @@ from pydantic import Field
 
 from flowmatch_assets import catalog
 from flowmatch_assets.catalog import RowOutcome
+from flowmatch_assets.dedupe import (
+    build_hash_index,
+    drop_content_duplicates,
+    hash_winners,
+    stored_before,
+)
 from flowmatch_assets.deploy import IMAGE_TAGS
 from flowmatch_assets.ingest import IngestResult, ingest_rows, is_retryable
-from flowmatch_assets.metadata import filter_rows, ids_as_strings, read_metadata_shard
+from flowmatch_assets.metadata import (
+    filter_rows,
+    ids_as_strings,
+    parse_shard_key,
+    read_metadata_shard,
+)
 from flowmatch_assets.partitions import shard_partitions
 from flowmatch_assets.resources import FlowmatchResource
 from flowmatch_assets.routine import PartitionOutput, run_partitions
@@ -40,7 +51,17 @@ def pd12m_metadata(
         flowmatch.metadata_source, out.partition, flowmatch.shard_size
     )
     table = ids_as_strings(table)
-    kept, filtered = filter_rows(table, flowmatch.filters)
+    winners = None
+    if flowmatch.filters.drop_duplicate_hash:  # across the whole dataset: dedupe.py
+        index = build_hash_index(
+            flowmatch.data_root,
+            flowmatch.metadata_source,
+            flowmatch.filters,
+            flowmatch.shard_size,
+            log=context.log.info,
+        )
+        winners = hash_winners(index, parse_shard_key(out.partition)[0])
+    kept, filtered = filter_rows(table, flowmatch.filters, winners)
     with atomic_path(out.path) as tmp:
         pq.write_table(kept, tmp)
     outcomes = [
@@ -51,6 +72,8 @@ def pd12m_metadata(
         RowOutcome(f["id"], f["url"], "filtered", f["reason"], f["detail"]) for f in filtered
     ]
     by_reason = dict(Counter(f["reason"] for f in filtered))
+    dups = [f for f in filtered if f["reason"] == "duplicate_hash"]
+    catalog.record_duplicates(flowmatch.data_root, "pd12m_metadata", out.partition, "hash", dups)
     context.log.info(
         f"{out.partition}: {table.num_rows} rows, kept {kept.num_rows}, filtered {by_reason}"
     )
@@ -162,9 +185,19 @@ def images_256(
     else:
         stored = [new[r["id"]] for r in rows if r["id"] in new]
         _refuse_if_too_few(out, stored, rows, results, flowmatch.ingest.min_stored_fraction)
+    stored, dropped = _drop_content_duplicates(flowmatch, part, stored, outcomes)
     write_image_shard(out.path, stored)
     all_outcomes = [outcomes[r["id"]] for r in rows if r["id"] in outcomes]
     failed = dict(Counter(o.reason for o in all_outcomes if o.outcome == "failed"))
+    position = {r["id"]: r["row_index"] for r in rows}
+    catalog.record_content(
+        root,
+        part,
+        [{"id": s["id"], "position": position[s["id"]], "md5": s["md5"]} for s in stored],
+    )
+    if config.retry:  # the rows dropped by the first run stay dropped (they were not fetched)
+        dropped += _earlier_drops(root, part, {o.id for o in all_outcomes}, dropped)
+    catalog.record_duplicates(root, "images_256", part, "content", dropped)
     seconds = time.perf_counter() - t0
     grid = make_grid([decode(s["image"]) for s in stored[:64]], cell=96)
     preview = save_png(grid, flowmatch.layout.preview_path("images_256", part))
@@ -197,6 +230,7 @@ def images_256(
             "stored": len(stored),
             "failed": len(rows) - len(stored),
             "failed_by_reason": dg.MetadataValue.json(failed),
+            "duplicate_content": len(dropped),
             "downloaded_bytes": downloaded,  # this run's (the catalog: the shard's, all runs)
             "stored_bytes": out.path.stat().st_size,
             "images_per_s": round(len(fetch) / seconds, 1) if seconds else 0.0,
@@ -205,6 +239,29 @@ def images_256(
             **retried,
         },
     )
+
+
+def _drop_content_duplicates(
+    flowmatch: FlowmatchResource, part: str, stored: list[dict], outcomes: dict[str, RowOutcome]
+) -> tuple[list[dict], list[dict]]:
+    """Drop the rows whose bytes an earlier row already stored (dedupe.py), turning their
+    outcome into ``filtered: duplicate_content``; returns (kept rows, dropped records)."""
+    if not flowmatch.filters.drop_duplicate_content:
+        return stored, []
+    earlier = stored_before(flowmatch.data_root, part, [r["md5"] for r in stored])
+    stored, dropped = drop_content_duplicates(stored, earlier, part)
+    for d in dropped:
+        detail = f"same bytes (md5 {d['hash']}) as {d['kept_partition']}, id {d['kept_id']}"
+        outcomes[d["id"]] = RowOutcome(d["id"], d["url"], "filtered", "duplicate_content", detail)
+    return stored, dropped
+
+
+def _earlier_drops(root, part: str, ids: set[str], dropped: list[dict]) -> list[dict]:
+    """The content-duplicate records of the shard's previous run that this run did not redo."""
+    p = catalog.DataLayout(root).catalog_dir / "duplicates" / "images_256" / f"{part}.parquet"
+    redone = {d["id"] for d in dropped}
+    prev = pq.read_table(p).to_pylist() if p.exists() else []
+    return [d for d in prev if d["id"] in ids and d["id"] not in redone]
 
 
 def _shard_rows(results: list[IngestResult], rows: list[dict], fmt: str) -> dict[str, dict]:

@@ -12,6 +12,7 @@ import dagster as dg
 
 from flowmatch_assets.budget_assets import budget_report
 from flowmatch_assets.data_assets import images_256, images_256_complete, pd12m_metadata
+from flowmatch_assets.data_card_assets import data_card, dataset_card
 from flowmatch_assets.embedding_assets import build_embedding_checks, build_encode_embeddings
 from flowmatch_assets.partitions import pd12m_partition_sensor
 from flowmatch_assets.resources import FlowmatchResource, flowmatch_from_env
@@ -27,7 +28,21 @@ def assets() -> list:
     train = flow_model.map_asset_specs(
         lambda spec: spec.replace_attributes(deps=list(TRAINING_INPUTS))
     )
-    return [pd12m_metadata, images_256, encode, train, samples, evaluation, budget_report]
+    text_kinds = [k.name for k in KINDS.values() if k.encoder == "text"]
+    card = data_card.map_asset_specs(
+        lambda spec: spec.replace_attributes(deps=[*spec.deps, *text_kinds])
+    )
+    return [
+        pd12m_metadata,
+        images_256,
+        encode,
+        train,
+        samples,
+        evaluation,
+        budget_report,
+        card,
+        dataset_card,
+    ]
 
 
 def checks() -> list:

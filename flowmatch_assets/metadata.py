@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import fsspec
@@ -57,7 +58,14 @@ class FilterConfig(BaseModel):
         description="License allow-list (exact strings); None keeps every license.",
     )
     drop_duplicate_hash: bool = Field(
-        default=True, description="Keep only the first row of each md5 `hash` within a shard."
+        default=True,
+        description="Keep only the first row of each md5 `hash` in the whole dataset (dataset "
+        "order: metadata file, then row; among rows the other filters keep).",
+    )
+    drop_duplicate_content: bool = Field(
+        default=True,
+        description="After download, drop a row whose bytes (md5) an earlier row in dataset "
+        "order already stored (a wrong metadata hash); see flowmatch_assets/dedupe.py.",
     )
 
 
@@ -193,43 +201,77 @@ def read_metadata_shard(source: str, key: str, shard_size: int) -> tuple[pa.Tabl
     return table, ShardSpec(key, path, start, end)
 
 
-def filter_rows(table: pa.Table, cfg: FilterConfig) -> tuple[pa.Table, list[dict]]:
-    """Apply the row filters. Returns the kept rows and one ``{id, url, reason, detail}`` per
-    filtered row; every row is either kept or filtered with exactly one reason."""
+#: ``winners(table, eligible)``: for the rows ``eligible`` (indices into ``table``, each kept by
+#: every other filter and carrying a hash), ``{index: (kept_partition, kept_id)}`` of those that
+#: are not their hash's first occurrence (flowmatch_assets.dedupe: across the whole dataset).
+HashWinners = Callable[[pa.Table, list[int]], dict[int, tuple[str, str]]]
+
+
+def _first_in_table(table: pa.Table, eligible: list[int]) -> dict[int, tuple[str, str]]:
+    """Within ``table`` only: every row but the first of each hash."""
+    hashes, ids = table.column("hash").to_pylist(), table.column("id").to_pylist()
+    first: dict[str, int] = {}
+    out = {}
+    for i in eligible:
+        j = first.setdefault(hashes[i], i)
+        if j != i:
+            out[i] = ("", str(ids[j]))
+    return out
+
+
+def _row_reason(r: dict, cfg: FilterConfig, allowed: set | None) -> tuple[str, str] | None:
+    """The first row-local filter that drops ``r`` (reason, detail), or None."""
+    w, h = r.get("width"), r.get("height")
+    caption = (r.get("caption") or "").strip()
+    if not (r.get("url") or "").strip():
+        return "missing_url", "empty url"
+    if w is not None and h is not None and (w < cfg.min_width or h < cfg.min_height):
+        return "small_original", f"{w}x{h} < {cfg.min_width}x{cfg.min_height}"
+    if w and h and max(w, h) / min(w, h) > cfg.max_aspect_ratio:
+        return "aspect_ratio", f"{w}x{h}: {max(w, h) / min(w, h):.2f} > {cfg.max_aspect_ratio}"
+    if len(caption) < cfg.min_caption_chars:
+        return "caption_too_short", f"{len(caption)} chars < {cfg.min_caption_chars}"
+    if len(caption) > cfg.max_caption_chars:
+        return "caption_too_long", f"{len(caption)} chars > {cfg.max_caption_chars}"
+    if allowed is not None and r.get("license") not in allowed:
+        return "license", f"license {r.get('license')!r} not allowed"
+    return None
+
+
+def filter_rows(
+    table: pa.Table, cfg: FilterConfig, winners: HashWinners | None = None
+) -> tuple[pa.Table, list[dict]]:
+    """Apply the row filters. Returns the kept rows and one ``{id, url, reason, detail,
+    kept_id, kept_partition}`` per filtered row; every row is either kept or filtered with
+    exactly one reason. Duplicate hashes: among the rows every other filter keeps, only each
+    hash's first occurrence stays (``winners``: across the dataset; default: within ``table``)."""
     rows = table.to_pylist()
+    allowed = set(cfg.licenses) if cfg.licenses is not None else None
+    reasons: list[tuple | None] = [_row_reason(r, cfg, allowed) for r in rows]
+    if cfg.drop_duplicate_hash:
+        eligible = [i for i, x in enumerate(reasons) if x is None and rows[i].get("hash")]
+        for i, (kp, kid) in (winners or _first_in_table)(table, eligible).items():
+            where = f"{kp}, " if kp else ""
+            detail = f"hash {rows[i]['hash']} first kept as {where}id {kid}"
+            reasons[i] = ("duplicate_hash", detail, kid, kp or None)
     keep_idx: list[int] = []
     filtered: list[dict] = []
-    seen_hash: set[str] = set()
-    allowed = set(cfg.licenses) if cfg.licenses is not None else None
-    for i, r in enumerate(rows):
-        reason = detail = None
-        w, h = r.get("width"), r.get("height")
-        caption = (r.get("caption") or "").strip()
-        if not (r.get("url") or "").strip():
-            reason, detail = "missing_url", "empty url"
-        elif w is not None and h is not None and (w < cfg.min_width or h < cfg.min_height):
-            reason, detail = "small_original", f"{w}x{h} < {cfg.min_width}x{cfg.min_height}"
-        elif w and h and max(w, h) / min(w, h) > cfg.max_aspect_ratio:
-            reason, detail = (
-                "aspect_ratio",
-                f"{w}x{h}: {max(w, h) / min(w, h):.2f} > {cfg.max_aspect_ratio}",
-            )
-        elif len(caption) < cfg.min_caption_chars:
-            reason, detail = "caption_too_short", f"{len(caption)} chars < {cfg.min_caption_chars}"
-        elif len(caption) > cfg.max_caption_chars:
-            reason, detail = "caption_too_long", f"{len(caption)} chars > {cfg.max_caption_chars}"
-        elif allowed is not None and r.get("license") not in allowed:
-            reason, detail = "license", f"license {r.get('license')!r} not allowed"
-        elif cfg.drop_duplicate_hash and r.get("hash"):
-            if r["hash"] in seen_hash:
-                reason, detail = "duplicate_hash", f"hash {r['hash']} seen earlier in the shard"
-            seen_hash.add(r["hash"])
-        if reason is None:
+    for i, (r, x) in enumerate(zip(rows, reasons)):
+        if x is None:
             keep_idx.append(i)
-        else:
-            filtered.append(
-                {"id": str(r.get("id")), "url": r.get("url"), "reason": reason, "detail": detail}
-            )
+            continue
+        reason, detail, kept_id, kept_partition = (*x, None, None)[:4]
+        filtered.append(
+            {
+                "id": str(r.get("id")),
+                "url": r.get("url"),
+                "reason": reason,
+                "detail": detail,
+                "kept_id": kept_id,
+                "kept_partition": kept_partition,
+                "hash": r.get("hash"),
+            }
+        )
     kept = table.take(pa.array(keep_idx, pa.int64())) if keep_idx else table.slice(0, 0)
     return kept, filtered
 

@@ -347,6 +347,12 @@ class Encoders:
         # every sample keeps >= 1 token: tokenizers that add no BOS get one for empty captions
         return [x if x else [bos if bos is not None else self.tokenizer.pad_token_id] for x in ids]
 
+    def token_counts(self, captions: Sequence[str]) -> np.ndarray:
+        """Tokens per caption as :meth:`tokenize` sees it, *before* truncation (a count above
+        ``max_tokens`` is a caption the text embeddings cut short)."""
+        enc = self.tokenizer([_clean_caption(c).lower() for c in captions], add_special_tokens=True)
+        return np.array([max(1, len(x)) for x in enc["input_ids"]], dtype=np.int32)
+
     @torch.inference_mode()
     def encode_text(self, captions: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """Last hidden states of the valid caption tokens: ``(tokens [T, D], lengths [N] int32)``.
