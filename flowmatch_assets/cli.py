@@ -707,11 +707,19 @@ COMMANDS: dict[str, Command] = {
         "stale asset partitions and training runs, with the settings that changed",
         [
             PARTITION,
-            arg("--asset", "-a", action="append", default=[],
-                help="asset name (repeatable; default every partitioned asset and flow_model)"),
+            arg(
+                "--asset",
+                "-a",
+                action="append",
+                default=[],
+                help="asset name (repeatable; default every partitioned asset and flow_model)",
+            ),
             arg("--json", dest="as_json", action="store_true"),
-            arg("--no-report", action="store_true",
-                help="do not report the <asset>_fresh check results to Dagster"),
+            arg(
+                "--no-report",
+                action="store_true",
+                help="do not report the <asset>_fresh check results to Dagster",
+            ),
         ],  # fmt: skip
     ),
     "zoo": Command(cmd_zoo, "create the tiny offline model zoo (random weights)", rest=True),

@@ -19,7 +19,6 @@ re-made, so the UI shows ours: the per-partition ``<asset>_fresh`` check (run wi
 materialization, and reported by ``flowmatch stale``) fails naming the changed fields.
 """
 
-
 import hashlib
 import json
 import warnings
@@ -266,9 +265,7 @@ def model_staleness(res: FlowmatchResource, runs: Sequence[str] | None = None) -
                         f"{len(bad)} {kind} partitions it trained on are stale "
                         f"({', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}: {first.reason})"
                     )
-                remade = [
-                    p for p in parts if p not in bad and hash_of(now.get((kind, p))) != h
-                ]
+                remade = [p for p in parts if p not in bad and hash_of(now.get((kind, p))) != h]
                 if remade and h != UNKNOWN:
                     reasons.append(
                         f"{len(remade)} {kind} partitions were re-made since training "
