@@ -352,13 +352,16 @@ def report(
     assets: Sequence[str],
 ) -> int:
     """Make the ``<asset>_fresh`` checks in ``instance`` agree with ``found`` for every
-    materialized (asset, partition) asked about: an evaluation is reported (runless) where
-    the latest one says otherwise. Returns how many were reported."""
+    materialized (asset, partition) asked about: an evaluation is recorded where the latest one
+    says otherwise, all in one run tagged ``flowmatch/cli=stale``. Returns how many.
+
+    (Why a run and not ``report_runless_asset_event``: Dagster 1.13 keys check executions by
+    (check, run id, partition), so a second runless evaluation of one partition's check fails
+    its UNIQUE constraint.)"""
     bad = {(s.asset, s.partition): s for s in found}
     recs = _records(res, list(assets), list(partitions))
-    n = 0
+    evaluations = []
     for a in assets:
-        key = dg.AssetCheckKey(dg.AssetKey(a), fresh_check_name(a))
         latest = fresh_status(instance, a)
         for p in partitions:
             if (a, p) not in recs:
@@ -367,18 +370,42 @@ def report(
             if latest.get(p) == ("FAILED" if s else "SUCCEEDED"):
                 continue
             r = fresh_result(p, s, recs[(a, p)])
-            instance.report_runless_asset_event(
+            evaluations.append(
                 dg.AssetCheckEvaluation(
-                    asset_key=key.asset_key,
-                    check_name=key.name,
+                    asset_key=dg.AssetKey(a),
+                    check_name=fresh_check_name(a),
                     passed=r.passed,
                     partition=p,
                     metadata=r.metadata,
                     description=r.description,
                 )
             )
-            n += 1
-    return n
+    if evaluations:
+        _report_in_a_run(instance, evaluations)
+    return len(evaluations)
+
+
+def _report_in_a_run(instance: dg.DagsterInstance, evaluations: list) -> None:
+    from dagster._core.events import DagsterEvent, DagsterEventType
+
+    @dg.op(name="report_fresh_checks")
+    def _report(context: dg.OpExecutionContext) -> None:
+        for ev in evaluations:
+            context.instance.report_dagster_event(
+                DagsterEvent(
+                    event_type_value=DagsterEventType.ASSET_CHECK_EVALUATION.value,
+                    job_name=context.job_name,
+                    event_specific_data=ev,
+                ),
+                run_id=context.run_id,
+            )
+        context.log.info(f"{len(evaluations)} <asset>_fresh check results reported")
+
+    @dg.job(name="flowmatch_stale_report", description="`flowmatch stale` reporting its checks.")
+    def _job() -> None:
+        _report()
+
+    _job.execute_in_process(instance=instance, tags={"flowmatch/cli": "stale"})
 
 
 def fresh_status(instance: dg.DagsterInstance, asset: str) -> dict[str, str]:
