@@ -185,7 +185,8 @@ def test_a_new_embedding_kind_is_one_registry_entry(tmp_path, small_sample, zoo)
             if e.event_type_value == "ASSET_CHECK_EVALUATION"
         }
         assert evals == {"caption_states_valid": True, "caption_states_fresh": True}
-        assert shard_fp(res, "caption_states", "000-00").fields["max_tokens"] == 128  # its role's settings
+        fp = shard_fp(res, "caption_states", "000-00")
+        assert fp.fields["max_tokens"] == 128  # its fingerprint: its role's settings
         assert res.layout.complete_partitions() == ["000-00"]
         assert coverage_or_fail(res, ["000-00"], 1.0)[0] == ["000-00"]
 
