@@ -40,7 +40,7 @@ def checks() -> list:
     return [
         images_256_complete,
         *build_embedding_checks(list(KINDS.values())),
-        *build_fresh_checks(shard_partitions),
+        build_fresh_checks(shard_partitions),
         flow_model_fresh,
     ]
 

@@ -288,31 +288,41 @@ def fresh_check_name(asset: str) -> str:
     return f"{asset}_fresh"
 
 
-def build_fresh_check(asset: str, partitions_def) -> dg.AssetChecksDefinition:
-    """``<asset>_fresh``: per partition, fails naming the fingerprint fields that changed (or
-    the stale upstream) against the run's settings."""
-
+def build_fresh_checks(partitions_def) -> dg.AssetChecksDefinition:
+    """``<asset>_fresh`` for every partitioned asset (the kinds as registered now): per
+    partition, fails naming the fingerprint fields that changed (or the stale upstream) against
+    the run's settings. One step evaluates the checks of every asset the run selected (a step
+    per check would cost more than the fingerprints themselves: BENCHMARKS.md)."""
     with warnings.catch_warnings():  # partitioned checks are "preview" in Dagster 1.13
         warnings.simplefilter("ignore", dg.PreviewWarning)
-        return _fresh_check(asset, partitions_def)
+        specs = [
+            dg.AssetCheckSpec(
+                fresh_check_name(a),
+                asset=a,
+                partitions_def=partitions_def,
+                description=f"{a}: made with the current settings (fingerprint), from a fresh "
+                "upstream partition; fails naming what changed. `flowmatch stale` lists them all.",
+            )
+            for a in PARTITIONED_ASSETS
+        ]
 
+        @dg.multi_asset_check(specs=specs, can_subset=True, name="fingerprints_fresh")
+        def _checks(context: dg.AssetCheckExecutionContext, flowmatch: FlowmatchResource):
+            part = context.partition_key
+            keys = sorted(context.selected_asset_check_keys, key=lambda k: k.name)
+            assets = [k.asset_key.to_user_string() for k in keys]
+            found = {s.asset: s for s in staleness(flowmatch, [part], assets)}
+            for key, a in zip(keys, assets):
+                r = fresh_result(part, found.get(a), stored(flowmatch, a, part))
+                yield dg.AssetCheckResult(
+                    asset_key=key.asset_key,
+                    check_name=key.name,
+                    passed=r.passed,
+                    description=r.description,
+                    metadata=r.metadata,
+                )
 
-def _fresh_check(asset: str, partitions_def) -> dg.AssetChecksDefinition:
-    @dg.asset_check(
-        asset=asset,
-        name=fresh_check_name(asset),
-        partitions_def=partitions_def,
-        description=f"{asset}: made with the current settings (fingerprint), from a fresh "
-        "upstream partition; fails naming what changed. `flowmatch stale` lists them all.",
-    )
-    def _check(
-        context: dg.AssetCheckExecutionContext, flowmatch: FlowmatchResource
-    ) -> dg.AssetCheckResult:
-        part = context.partition_key
-        found = staleness(flowmatch, [part], [asset])
-        return fresh_result(part, found[0] if found else None, stored(flowmatch, asset, part))
-
-    return _check
+    return _checks
 
 
 def fresh_result(
@@ -327,11 +337,6 @@ def fresh_result(
             "changed": dg.MetadataValue.json(list(stale.reasons) if stale else []),
         },
     )
-
-
-def build_fresh_checks(partitions_def) -> list[dg.AssetChecksDefinition]:
-    """One ``<asset>_fresh`` check per partitioned asset (the kinds as registered now)."""
-    return [build_fresh_check(a, partitions_def) for a in PARTITIONED_ASSETS]
 
 
 @dg.asset_check(

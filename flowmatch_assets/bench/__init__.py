@@ -10,5 +10,14 @@ them are recorded in BENCHMARKS.md. The store, precalc and train benchmarks impo
 #: name -> module, for `flowmatch bench`
 BENCHES = {
     name: f"flowmatch_assets.bench.{name}"
-    for name in ("images", "store", "precalc", "train", "orchestration", "learning", "gpu")
+    for name in (
+        "images",
+        "store",
+        "precalc",
+        "train",
+        "orchestration",
+        "learning",
+        "gpu",
+        "fingerprint",
+    )
 }
