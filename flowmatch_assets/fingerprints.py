@@ -40,12 +40,15 @@ NO_FINGERPRINT = "no fingerprint recorded (made before fingerprints): unknown"
 
 
 def code_version(asset: str) -> str:
-    return CODE_VERSIONS[asset] if asset in CODE_VERSIONS else KINDS[asset].code_version
+    return KINDS[asset].code_version if asset in KINDS else CODE_VERSIONS.get(asset, "1")
 
 
 def upstream_of(asset: str) -> str | None:
-    """The partitioned asset one partition of ``asset`` is made from."""
-    return {"pd12m_metadata": None, "images_256": "pd12m_metadata"}.get(asset, "images_256")
+    """The partitioned asset one partition of ``asset`` is made from (every embedding kind:
+    images_256; an asset this module does not know: none)."""
+    if asset in KINDS:
+        return "images_256"
+    return {"images_256": "pd12m_metadata"}.get(asset)
 
 
 def expected_fields(res: FlowmatchResource, asset: str) -> dict:
@@ -67,6 +70,8 @@ def expected_fields(res: FlowmatchResource, asset: str) -> dict:
             "min_side": ing.min_side,
             "max_pixels": ing.max_pixels,
         }
+    if asset not in KINDS:  # another asset publishing through the routine: its code only
+        return {"code_version": code_version(asset)}
     cache = weights_cache_file(res.data_root)
     return kind_fingerprint(KINDS[asset], res.encoders, weights_cache=cache).fields
 

@@ -444,7 +444,9 @@ def test_cli_mistakes_are_one_line_and_exit_2(tmp_path, small_sample, monkeypatc
     # --help is help, not an error
     capsys.readouterr()
     assert cli.main(["bench", "--help"]) == 0
-    assert "flowmatch bench {images," in capsys.readouterr().out
+    from flowmatch_assets.bench import BENCHES
+
+    assert f"flowmatch bench {{{','.join(sorted(BENCHES))}}}" in capsys.readouterr().out
     # --debug: the traceback
     with pytest.raises(cli.CliError):
         cli.main(["catalog", "sql", "--debug"])
