@@ -7,6 +7,11 @@ that ``dagster dev`` starts), ``partitionBackfillOrError`` for its status, and `
 (``partitionKeysByDimension`` / ``assetPartitionStatuses``) for the partitions still missing.
 
     flowmatch backfill --missing [--assets a,b] [--url http://127.0.0.1:3000] [--wait]
+    flowmatch backfill --stale [--assets a,b] [--wait]
+
+``--stale`` re-runs exactly the stale asset partitions (flowmatch_assets.fingerprints: made
+with other settings, or from a stale or re-made upstream; their downstream partitions are stale
+too): partitions with the same set of stale assets go into one backfill.
 """
 
 from __future__ import annotations
@@ -287,6 +292,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="backfill every registered partition that one of the assets has not materialized",
     )
+    p.add_argument(
+        "--stale",
+        action="store_true",
+        help="backfill exactly the stale asset partitions (`flowmatch stale`), one backfill per "
+        "set of stale assets",
+    )
     p.add_argument("--partitions", default="", help="comma-separated partition keys to backfill")
     p.add_argument("--assets", default=",".join(DEFAULT_ASSETS), help="comma-separated asset keys")
     p.add_argument("--url", default=DEFAULT_URL, help="webserver URL (default %(default)s)")
@@ -296,8 +307,10 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     assets = [s.strip() for s in a.assets.split(",") if s.strip()]
     keys = [s.strip() for s in a.partitions.split(",") if s.strip()]
-    if not a.missing and not keys:
-        p.error("give --missing or --partitions")
+    if not a.missing and not a.stale and not keys:
+        p.error("give --missing, --stale or --partitions")
+    if a.stale and (a.missing or keys):
+        p.error("--stale picks its own partitions and assets: give it alone (with --assets)")
     unknown = [x for x in assets if x not in DEFAULT_ASSETS]
     if unknown:
         print(
@@ -307,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     try:
+        if a.stale:
+            return _backfill_stale(a, assets)
         if a.missing:
             missing = missing_partitions(a.url, assets)
             keys = sorted(set(keys) | set(missing))
@@ -343,6 +358,40 @@ def main(argv: list[str] | None = None) -> int:
     if st["error"]:
         print(f"error: {st['error']}", file=sys.stderr)
     return 0 if st["ok"] else 1
+
+
+def stale_backfills(assets: Sequence[str], data_root: str | None = None) -> list[tuple]:
+    """``(assets, partitions)`` of the backfills that re-make exactly the stale asset
+    partitions of ``assets`` (settings and files: FLOWMATCH_*, or ``data_root``)."""
+    from flowmatch_assets.fingerprints import stale_groups, staleness
+    from flowmatch_assets.resources import resource_from_env
+
+    res = resource_from_env(overrides={"data_root": data_root} if data_root else None)
+    return stale_groups(staleness(res, assets=list(assets)))
+
+
+def _backfill_stale(a: argparse.Namespace, assets: Sequence[str]) -> int:
+    groups = stale_backfills(assets)
+    if not groups:
+        print("nothing stale")
+        return 0
+    ids = []
+    for names, keys in groups:
+        shown = ", ".join(keys[:10]) + (" ..." if len(keys) > 10 else "")
+        bid = launch_backfill(a.url, keys, names, title="flowmatch backfill --stale")
+        ids.append(bid)
+        print(f"launched backfill {bid}: {', '.join(names)} on {len(keys)} partitions ({shown})")
+        print(f"  {a.url.rstrip('/')}/runs/b/{bid}", flush=True)
+    if not a.wait:
+        return 0
+    ok = True
+    for bid in ids:
+        st = wait_backfill(
+            a.url, bid, timeout=a.timeout, poll=a.poll,
+            progress_cb=lambda s: print(format_status(s), flush=True),
+        )  # fmt: skip
+        ok = ok and st["ok"]
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

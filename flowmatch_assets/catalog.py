@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 from flowmatch_models.atomic import atomic_path
 from flowmatch_models.layout import PARTITIONED_ASSETS, DataLayout
 
-CATALOG_VERSION = 10
+CATALOG_VERSION = 11
 
 OUTCOMES = ("stored", "filtered", "failed")
 
@@ -509,6 +509,15 @@ def _view_sql(layout: DataLayout) -> list[str]:
                   CASE WHEN asset = 'flow_model' THEN arg_max(samples_per_s, written_at)
                        ELSE sum(samples) / nullif(sum(seconds), 0) END AS samples_per_s
            FROM materializations GROUP BY asset""",
+        # what made each asset partition (flowmatch_assets/fingerprints.py); NULL: made before
+        # fingerprints. `flowmatch stale` compares these with the current settings.
+        """CREATE OR REPLACE VIEW fingerprints AS
+           SELECT asset, partition, json_extract_string(extra, '$.fingerprint.hash') AS fingerprint,
+                  json_extract(extra, '$.fingerprint.fields') AS fields,
+                  json_extract(extra, '$.fingerprint.inputs') AS inputs,
+                  CAST(json_extract(extra, '$.fingerprint') AS VARCHAR) AS fingerprint_json,
+                  written_at
+           FROM materializations WHERE asset != 'flow_model'""",
         *_dedupe_views(layout),
         *_data_card_views(layout),
     ]

@@ -116,10 +116,13 @@ def materialize(
     raise_on_error: bool = False,
     run_config: dict | None = None,
     res=None,
+    stale_only: bool = False,
 ) -> dict[str, bool]:
     """Materialize ``assets`` (default: the whole data lineage) for ``partitions`` (default: all
     registered) in-process, recorded in the DAGSTER_HOME instance, with the assets' checks;
-    ``res``: the FlowmatchResource (default: from the environment). Returns partition -> success."""
+    ``res``: the FlowmatchResource (default: from the environment); ``stale_only``: only the
+    stale asset partitions (flowmatch_assets.fingerprints; with ``missing_only``: both).
+    Returns partition -> success."""
     import dagster as dg
 
     run_config = dict(run_config or {})
@@ -141,13 +144,22 @@ def materialize(
     all_assets = all_assets_and_checks()
     layout = res.layout
     out: dict[str, bool] = {}
+    stale: set[tuple[str, str]] = set()
+    if stale_only:
+        from flowmatch_assets.fingerprints import staleness
+
+        stale = {(s.asset, s.partition) for s in staleness(res, keys, names)}
     for i, key in enumerate(keys):
-        todo = names
+        todo = names if not (missing_only or stale_only) else []
         if missing_only:  # one definition of missing: flowmatch_assets.state
             states = partition_states(layout, [key], names, instance)
             todo = [s.asset for s in states if s.missing]
+        if stale_only:
+            todo = [a for a in names if a in todo or (a, key) in stale]
         if not todo:
-            print(f"[{i + 1}/{len(keys)}] {key}: all of {names} present, skipped")
+            flags = (("present", missing_only), ("fresh", stale_only))
+            state = " and ".join(w for w, on in flags if on) or "present"
+            print(f"[{i + 1}/{len(keys)}] {key}: all of {names} {state}, skipped")
             continue
         t0 = time.perf_counter()
         result = dg.materialize(
@@ -291,8 +303,8 @@ def cmd_train(
     return 0 if train(steps, run_name, config, overrides, not no_samples) else 1
 
 
-def cmd_materialize(partition: list[str], asset: list[str], missing: bool) -> int:
-    res = materialize(partition or None, asset or None, missing_only=missing)
+def cmd_materialize(partition: list[str], asset: list[str], missing: bool, stale: bool) -> int:
+    res = materialize(partition or None, asset or None, missing_only=missing, stale_only=stale)
     return 0 if all(res.values()) else 1
 
 
@@ -350,6 +362,44 @@ def cmd_verify(partition: list[str], quick: bool) -> int:
         + ("; re-create them with `flowmatch materialize --missing`" if bad else "")
     )
     return 1 if bad else 0
+
+
+def cmd_stale(partition: list[str], asset: list[str], as_json: bool, no_report: bool) -> int:
+    """List stale asset partitions and training runs with the fingerprint fields that changed;
+    report them to Dagster as the per-partition ``<asset>_fresh`` checks (unless --no-report)."""
+    from flowmatch_assets.catalog import format_table
+    from flowmatch_assets.fingerprints import model_staleness, report, staleness
+    from flowmatch_assets.partitions import SHARDS
+    from flowmatch_models.layout import PARTITIONED_ASSETS
+
+    res, instance = _resource(), _instance()
+    known = sorted(instance.get_dynamic_partitions(SHARDS))
+    _check_partitions(partition, known)
+    _check_assets(asset, [*PARTITIONED_ASSETS, "flow_model"])
+    assets = [a for a in (asset or PARTITIONED_ASSETS) if a != "flow_model"]
+    found = staleness(res, partition or None, assets) if assets else []
+    models = model_staleness(res) if not asset or "flow_model" in asset else []
+    rows = [{"asset": s.asset, "partition": s.partition, "reason": s.reason} for s in found]
+    rows += [{"asset": "flow_model", "partition": f"run {s.partition}", "reason": s.reason}
+             for s in models]  # fmt: skip
+    if not no_report and assets:
+        n = report(instance, res, found, partition or known, assets)
+        note = f"{n} `<asset>_fresh` check results reported to Dagster" if n else ""
+    else:
+        note = ""
+    if as_json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print(format_table(rows) if rows else "nothing stale")
+        parts = sorted({s.partition for s in found})
+        print(
+            f"{len(found)} stale asset partitions in {len(parts)} partitions"
+            + (f", {len(models)} stale training runs" if models else "")
+            + (f"; {note}" if note else "")
+            + ("; re-make them with `flowmatch backfill --stale` (or `flowmatch materialize "
+               "--stale`)" if found else "")
+        )  # fmt: skip
+    return 1 if rows else 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -649,6 +699,12 @@ COMMANDS: dict[str, Command] = {
                 help="only asset partitions that are missing (file gone or corrupt, no catalog "
                 "record, or not materialized in Dagster)",
             ),
+            arg(
+                "--stale",
+                action="store_true",
+                help="only asset partitions that are stale (`flowmatch stale`): made with "
+                "other settings than the current ones, or from a stale or re-made upstream",
+            ),
         ],  # fmt: skip
     ),
     "retry": Command(
@@ -760,6 +816,26 @@ COMMANDS: dict[str, Command] = {
                 help="print from the records as they are (materialize nothing)",
             ),
             arg("--json", dest="as_json", action="store_true"),
+        ],  # fmt: skip
+    ),
+    "stale": Command(
+        cmd_stale,
+        "stale asset partitions and training runs, with the settings that changed",
+        [
+            PARTITION,
+            arg(
+                "--asset",
+                "-a",
+                action="append",
+                default=[],
+                help="asset name (repeatable; default every partitioned asset and flow_model)",
+            ),
+            arg("--json", dest="as_json", action="store_true"),
+            arg(
+                "--no-report",
+                action="store_true",
+                help="do not report the <asset>_fresh check results to Dagster",
+            ),
         ],  # fmt: skip
     ),
     "zoo": Command(cmd_zoo, "create the tiny offline model zoo (random weights)", rest=True),

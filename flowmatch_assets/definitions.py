@@ -14,7 +14,8 @@ from flowmatch_assets.budget_assets import budget_report
 from flowmatch_assets.data_assets import images_256, images_256_complete, pd12m_metadata
 from flowmatch_assets.data_card_assets import data_card, dataset_card
 from flowmatch_assets.embedding_assets import build_embedding_checks, build_encode_embeddings
-from flowmatch_assets.partitions import pd12m_partition_sensor
+from flowmatch_assets.fingerprints import build_fresh_checks, code_version, flow_model_fresh
+from flowmatch_assets.partitions import pd12m_partition_sensor, shard_partitions
 from flowmatch_assets.resources import FlowmatchResource, flowmatch_from_env
 from flowmatch_assets.state import build_verify_sensor
 from flowmatch_assets.training_assets import evaluation, flow_model, samples
@@ -32,22 +33,21 @@ def assets() -> list:
     card = data_card.map_asset_specs(
         lambda spec: spec.replace_attributes(deps=[*spec.deps, *text_kinds])
     )
-    return [
-        pd12m_metadata,
-        images_256,
-        encode,
-        train,
-        samples,
-        evaluation,
-        budget_report,
-        card,
-        dataset_card,
-    ]
+    data = dg.map_asset_specs(  # their code version is a fingerprint field too
+        lambda spec: spec.replace_attributes(code_version=code_version(spec.key.to_user_string())),
+        [pd12m_metadata, images_256],
+    )
+    return [*data, encode, train, samples, evaluation, budget_report, card, dataset_card]
 
 
 def checks() -> list:
     """Every asset check, the embedding kinds' as registered now."""
-    return [images_256_complete, *build_embedding_checks(list(KINDS.values()))]
+    return [
+        images_256_complete,
+        *build_embedding_checks(list(KINDS.values())),
+        build_fresh_checks(shard_partitions),
+        flow_model_fresh,
+    ]
 
 
 def all_assets_and_checks() -> list:

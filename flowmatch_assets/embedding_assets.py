@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import dagster as dg
 
+from flowmatch_assets import fingerprints
 from flowmatch_assets.catalog import RowOutcome
 from flowmatch_assets.data_assets import images_256
 from flowmatch_assets.deploy import ENCODER_TAGS
@@ -20,6 +21,8 @@ from flowmatch_assets.resources import FlowmatchResource
 from flowmatch_assets.routine import PartitionOutput, run_partitions
 from flowmatch_models.devices import lease_device
 from flowmatch_models.embeddings import KINDS, EmbeddingKind, encode_partition, shard_problems
+from flowmatch_models.fingerprint import ATTR as FINGERPRINT_ATTR
+from flowmatch_models.fingerprint import Fingerprint, weights_cache_file
 from flowmatch_models.image_shard import read_image_meta
 from flowmatch_models.store import read_shard, write_shard
 
@@ -38,6 +41,7 @@ def build_encode_embeddings(kinds: Sequence[EmbeddingKind]) -> dg.AssetsDefiniti
                 group_name=GROUP,
                 kinds=set(k.tags),
                 skippable=True,
+                code_version=k.code_version,
             )
             for k in kinds
         ],
@@ -66,7 +70,13 @@ def build_encode_embeddings(kinds: Sequence[EmbeddingKind]) -> dg.AssetsDefiniti
         with lease_device(spec.device) as device:
             context.log.info(f"{part}: encoding {len(ids)} samples on {device}")
             encoded = encode_partition(
-                src, selected, spec, device, log=lambda m: context.log.info(f"{part}: {m}")
+                src,
+                selected,
+                spec,
+                device,
+                log=lambda m: context.log.info(f"{part}: {m}"),
+                inputs=fingerprints.inputs_of(flowmatch, selected[0].name, part),
+                weights_cache=weights_cache_file(flowmatch.data_root),
             )
         for e in encoded.values():
             yield _store(context, flowmatch, e, ids)
@@ -94,6 +104,7 @@ def _store(context, flowmatch: FlowmatchResource, e, ids: list[str]) -> dg.Mater
         seconds=e.seconds,
         raw_bytes=seed,
         stored_bytes=stats.stored_bytes,
+        fingerprint=Fingerprint.from_json(e.attrs[FINGERPRINT_ATTR]),
         codec=spec.codec + (f"+{'/'.join(sorted({x['mode'] for x in errs}))}" if errs else ""),
         device=e.attrs["device"],
         lossy_min_cosine=min((x["min_cosine"] for x in errs), default=None),

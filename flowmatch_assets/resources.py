@@ -79,6 +79,7 @@ ENV_OF = {
     "dino": "FLOWMATCH_DINO",
     "text": "FLOWMATCH_TEXT",
     "device": "FLOWMATCH_DEVICE",
+    "settings": "FLOWMATCH_SETTINGS",
 }
 
 
@@ -94,11 +95,13 @@ def resource_from_env(
     folders; default the real models, or the demo's random-weight zoo when ``<data root>/zoo``
     exists, as it does after `flowmatch demo`), FLOWMATCH_DEVICE (default auto),
     FLOWMATCH_MIN_STORED_FRACTION (ingest.min_stored_fraction, default 0.5),
-    FLOWMATCH_DEADLINE_S (ingest.deadline_s, default 60). ``overrides`` (same shape as the
+    FLOWMATCH_DEADLINE_S (ingest.deadline_s, default 60), FLOWMATCH_SETTINGS (a YAML or JSON
+    file of standing overrides, same shape as the launchpad's: ``{encoders: {max_tokens: 64}}``;
+    what `flowmatch stale` compares shards against). ``overrides`` (same shape as the
     resource's fields, nested settings merged field by field) win over the environment.
     """
     env = os.environ if environ is None else environ
-    over = dict(overrides or {})
+    over = _merged(_settings_file(env.get("FLOWMATCH_SETTINGS")), overrides or {})
     root = _abs(over.pop("data_root", None) or env.get("FLOWMATCH_DATA_ROOT", "data"))
     source = over.pop("metadata_source", None) or env.get(
         "FLOWMATCH_METADATA", os.path.join(root, "sample", "metadata")
@@ -126,6 +129,29 @@ def resource_from_env(
         encoders={**encoders, **over.pop("encoders", {})},
         **over,
     )
+
+
+def _settings_file(path: str | None) -> dict:
+    """The overrides in the FLOWMATCH_SETTINGS file (YAML or JSON), or {}."""
+    if not path:
+        return {}
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).expanduser().read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise SettingError(f"FLOWMATCH_SETTINGS={path!r} cannot be read: {e}") from None
+    if not isinstance(data, dict):
+        raise SettingError(f"FLOWMATCH_SETTINGS={path!r} must hold a mapping of settings")
+    return data
+
+
+def _merged(base: dict, over: dict) -> dict:
+    """``over`` on top of ``base``; the nested settings (filters, ingest, encoders) per field."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = {**out[k], **v} if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 def _int_env(env: Any, var: str, default: int) -> int:

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import dagster as dg
 
-from flowmatch_assets import catalog
+from flowmatch_assets import catalog, fingerprints
 from flowmatch_assets.catalog import MaterializationRecord, RowOutcome
 from flowmatch_assets.resources import FlowmatchResource
 from flowmatch_models.atomic import remove_stale_temps
+from flowmatch_models.fingerprint import Fingerprint
 
 
 def run_id(context: dg.AssetExecutionContext) -> str | None:
@@ -70,10 +71,15 @@ class PartitionOutput:
         seconds: float,
         raw_bytes: int = 0,
         stored_bytes: int | None = None,
+        fingerprint: Fingerprint | None = None,
         **record: object,
     ) -> dg.MaterializeResult:
         """Record rows and the materialization (``record``: the other MaterializationRecord
-        fields) in the catalog and return the result with ``metadata`` and the path."""
+        fields) in the catalog and return the result with ``metadata`` and the path; with the
+        ``fingerprint`` of what made it (default: the asset's current one,
+        flowmatch_assets/fingerprints.py) in the record, the metadata and the data version."""
+        fp = fingerprint or fingerprints.current(self.flowmatch, self.asset, self.partition)
+        extra = {**dict(record.pop("extra", None) or {}), "fingerprint": fp.to_json()}  # type: ignore[call-overload]
         root = self.flowmatch.data_root
         size = self.path.stat().st_size if stored_bytes is None else stored_bytes
         catalog.record_rows(root, self.asset, self.partition, rows)
@@ -88,10 +94,16 @@ class PartitionOutput:
                 stored_bytes=size,
                 seconds=seconds,
                 run_id=run_id(self.context),
+                extra=extra,
                 **record,  # type: ignore[arg-type]
             ),
         )
         return dg.MaterializeResult(
             asset_key=self.asset,
-            metadata={**metadata, "path": dg.MetadataValue.path(str(self.path))},
+            metadata={
+                **metadata,
+                **fingerprints.metadata(fp),
+                "path": dg.MetadataValue.path(str(self.path)),
+            },
+            data_version=fingerprints.data_version(fp, self.path),
         )

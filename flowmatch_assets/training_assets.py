@@ -15,6 +15,7 @@ from flowmatch_assets import catalog
 from flowmatch_assets.budget import logged_rates, steady_rate
 from flowmatch_assets.catalog import MaterializationRecord
 from flowmatch_assets.deploy import TRAIN_TAGS
+from flowmatch_assets.fingerprints import trained_on
 from flowmatch_assets.partitions import SHARDS
 from flowmatch_assets.resources import FlowmatchResource
 from flowmatch_models.layout import TRAINING_INPUTS as EMBEDDING_ASSETS
@@ -214,6 +215,8 @@ def flow_model(
                 "rate_windows": len(windows),
                 "loss": result.metrics.get("loss"),
                 "preset": _preset(result.export_dir),
+                # what it trained on: {kind: {fingerprint hash: [partitions]}} (`flowmatch stale`)
+                "input_fingerprints": trained_on(flowmatch, result.partitions),
             },
             rate=rate,
         ),

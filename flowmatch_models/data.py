@@ -28,14 +28,29 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from flowmatch_models.fingerprint import ATTR as FINGERPRINT_ATTR
+from flowmatch_models.fingerprint import Fingerprint, diff, disagreement, hash_of
 from flowmatch_models.layout import DataLayout
-from flowmatch_models.store import Shard, pad_ragged, ragged_offsets, read_shard
+from flowmatch_models.store import Shard, StoreError, pad_ragged, ragged_offsets, read_shard
 
 log = logging.getLogger(__name__)
 
 
 class OrderChangedError(ValueError):
     """A resume whose order-defining settings differ from the checkpoint's."""
+
+
+class FingerprintMismatchError(ValueError):
+    """Partitions of one embedding kind made by different settings (fingerprints)."""
+
+
+def shard_fingerprint(layout: DataLayout, kind: str, partition: str) -> Fingerprint | None:
+    """The fingerprint in a shard's attrs (None: made before fingerprints, or unreadable)."""
+    try:
+        attrs = read_shard(layout.asset_path(kind, partition)).attrs
+    except (OSError, StoreError):
+        return None
+    return Fingerprint.from_json(attrs.get(FINGERPRINT_ATTR))
 
 
 class ShardSource:
@@ -60,6 +75,8 @@ class ShardSource:
         self.load_dino = load_dino
         self.cache_shards = max(1, cache_shards)
         self._open: OrderedDict[int, dict] = OrderedDict()
+        #: kind -> the fingerprint hash every partition of this source shares
+        self.fingerprints = self._agreed_fingerprints()
         self.sizes = np.array(
             [len(self._shard("vae_latents", p)) for p in self.partitions], dtype=np.int64
         )
@@ -79,6 +96,40 @@ class ShardSource:
                 "zero token; re-materialize text_embeddings to store it",
                 text0.path,
             )
+
+    @property
+    def kinds(self) -> list[str]:
+        return ["vae_latents", "text_embeddings", *(["dino_features"] if self.load_dino else [])]
+
+    def _agreed_fingerprints(self) -> dict[str, str]:
+        """Per kind, the one fingerprint hash of every partition; refuses a mix, naming the
+        partitions that disagree and the fields they disagree on. Shards without a fingerprint
+        (made before them) are ``unknown``: trainable together, never with known ones."""
+        out, self.fingerprint_of = {}, {}
+        for kind in self.kinds:
+            fps = {p: shard_fingerprint(self.layout, kind, p) for p in self.partitions}
+            why = disagreement(fps)
+            if why:
+                raise FingerprintMismatchError(
+                    f"{kind}: partitions made with different settings: {why}. Training never "
+                    "mixes fingerprints within one kind: re-make the stale ones (`flowmatch "
+                    "stale` lists them, `flowmatch backfill --stale` re-runs them) or train on "
+                    "partitions that agree"
+                )
+            self.fingerprint_of[kind] = next(iter(fps.values()))
+            out[kind] = hash_of(self.fingerprint_of[kind])
+        return out
+
+    def mismatch(self, kind: str, fp: Fingerprint | None) -> str | None:
+        """Why a shard of ``kind`` with fingerprint ``fp`` does not belong with this source."""
+        if hash_of(fp) == self.fingerprints[kind]:
+            return None
+        ours = self.fingerprint_of[kind]
+        if fp is None or ours is None:
+            return f"{kind}: fingerprint {hash_of(fp)} vs this run's {hash_of(ours)}"
+        return f"{kind}: " + (
+            "; ".join(diff(ours.fields, fp.fields)) or f"inputs {ours.inputs} -> {fp.inputs}"
+        )
 
     @property
     def null_text(self) -> torch.Tensor | None:
@@ -103,6 +154,14 @@ class ShardSource:
             dino = self._shard("dino_features", p)
             shards.append(dino)
             out["patch"] = dino["patch"]
+        for kind, s in zip(self.kinds, shards):
+            why = self.mismatch(kind, Fingerprint.from_json(s.attrs.get(FINGERPRINT_ATTR)))
+            if why:  # re-made while this run trains on it
+                raise FingerprintMismatchError(
+                    f"partition {p!r} was re-made with other settings during training ({why}); "
+                    "training never mixes fingerprints within one kind: resume to start the "
+                    "next epoch (data.grow skips it) or re-make every partition alike"
+                )
         for s in shards[1:]:
             if s.ids != vae.ids:
                 raise ValueError(
@@ -288,6 +347,8 @@ class EmbeddingDataModule(L.LightningDataModule):
         self.ledger: list[dict] = []
         self._decided_epoch: int | None = None
         self._available: list[str] | None = None  # complete partitions at the epoch's start
+        self._skipped: dict[str, str] = {}  # grow: complete but made with other settings
+        self._fp_cache: dict[tuple, Fingerprint | None] = {}
         self._orders: dict[int, np.ndarray] = {}
 
     def _open(self, partitions: list[str]) -> ShardSource:
@@ -316,6 +377,14 @@ class EmbeddingDataModule(L.LightningDataModule):
             complete = trainer.strategy.broadcast(complete, src=0)
         found = complete if self.grow else (self.fixed or self._initial)
         self._available = complete
+        self._skipped = self._other_fingerprints(found) if self.grow else {}
+        if self._skipped:
+            found = [p for p in found if p not in self._skipped]
+            log.warning(
+                "epoch %d: skipping %d partitions made with other settings than this run's "
+                "(training never mixes fingerprints within one kind): %s", self.epoch,
+                len(self._skipped), "; ".join(f"{p} ({w})" for p, w in list(self._skipped.items())[:5]),
+            )  # fmt: skip
         if found and found != self.partitions:
             new = sorted(set(found) - set(self.partitions))
             gone = sorted(set(self.partitions) - set(found))
@@ -327,6 +396,25 @@ class EmbeddingDataModule(L.LightningDataModule):
             self.partitions, self.source, self._orders = list(found), self._open(found), {}
             for p in found:
                 self.trained_counts.setdefault(p, 0)
+
+    def _other_fingerprints(self, partitions: list[str]) -> dict[str, str]:
+        """Partitions whose shards were made with another fingerprint than this run's, and why
+        (headers read once per file version)."""
+        out = {}
+        for p in partitions:
+            for kind in self.source.kinds:
+                path = self.source.layout.asset_path(kind, p)
+                try:
+                    key = (kind, p, path.stat().st_mtime_ns)
+                except OSError:
+                    continue
+                if key not in self._fp_cache:
+                    self._fp_cache[key] = shard_fingerprint(self.source.layout, kind, p)
+                why = self.source.mismatch(kind, self._fp_cache[key])
+                if why:
+                    out[p] = why
+                    break
+        return out
 
     def train_dataloader(self) -> DataLoader:
         self._decide_epoch()
@@ -356,6 +444,7 @@ class EmbeddingDataModule(L.LightningDataModule):
                 "pos_to": self.position,
                 "step_from": int(trainer.global_step) if trainer is not None else 0,
                 **self._available_counts(),
+                **({"skipped": dict(self._skipped)} if self._skipped else {}),
             }
         )
         self._log_coverage(trainer)

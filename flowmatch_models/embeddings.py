@@ -34,6 +34,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from pydantic import BaseModel, Field
 
+from flowmatch_models.fingerprint import ATTR as FINGERPRINT_ATTR
+from flowmatch_models.fingerprint import Fingerprint, weights_identity
+
 if TYPE_CHECKING:
     from flowmatch_models.encoders import Encoders
     from flowmatch_models.store import Shard
@@ -145,6 +148,10 @@ class Role:
     input: str
     encode: Callable[[Encoders, Any], dict[str, np.ndarray]]
     finish: Callable[[Encoders], tuple[dict[str, np.ndarray], dict]]
+    #: the EncoderSpec settings that change this role's values (its fingerprint fields)
+    settings: Callable[[EncoderSpec], dict] = lambda spec: {}
+    #: which EncoderSpec field is its compute dtype
+    dtype_field: str = "dtype"
 
 
 @dataclass(frozen=True)
@@ -162,6 +169,9 @@ class EmbeddingKind:
     warnings: tuple[WarnRule, ...] = ()
     tags: frozenset[str] = field(default_factory=lambda: frozenset({"pytorch"}))
     training_input: bool = True  # training needs it for every partition it uses
+    #: bump when the kind's code changes its values (a fingerprint field: shards made by an
+    #: older version turn stale)
+    code_version: str = "1"
 
     def __post_init__(self) -> None:
         if self.encoder not in ROLES:
@@ -201,10 +211,28 @@ def _text_finish(enc: Encoders) -> tuple[dict[str, np.ndarray], dict]:
     return {"null_tokens": enc.encode_null()}, attrs
 
 
+def _dino_settings(spec: EncoderSpec) -> dict:
+    size = spec.dino_size if spec.dino_pool == "avg2x2" else 112
+    return {"pooling": spec.dino_pool, "image_size": size, "normalisation": "imagenet"}
+
+
 ROLES: dict[str, Role] = {
-    "vae": Role("images", _vae, lambda enc: ({}, {"scaling_factor": enc.scaling_factor})),
-    "dino": Role("images", _dino, lambda enc: ({}, {"dino_pool": enc.spec.dino_pool})),
-    "text": Role("captions", _text, _text_finish),
+    "vae": Role(
+        "images",
+        _vae,
+        lambda enc: ({}, {"scaling_factor": enc.scaling_factor}),
+        lambda spec: {"image_size": 256, "normalisation": "[-1, 1]"},
+    ),
+    "dino": Role(
+        "images", _dino, lambda enc: ({}, {"dino_pool": enc.spec.dino_pool}), _dino_settings
+    ),
+    "text": Role(
+        "captions",
+        _text,
+        _text_finish,
+        lambda spec: {"max_tokens": spec.max_tokens, "lowercase": True, "pooling": "none"},
+        dtype_field="text_dtype",
+    ),
 }
 
 
@@ -312,6 +340,35 @@ register(
 )
 
 
+# ------------------------------------------------------------------------ the fingerprint
+
+
+def kind_fingerprint(
+    kind: EmbeddingKind,
+    spec: EncoderSpec,
+    inputs: dict[str, str | None] | None = None,
+    weights_cache: str | Path | None = None,
+) -> Fingerprint:
+    """What makes ``kind``'s values under ``spec``: model and weights identity, the role's
+    preprocessing settings, compute and storage dtype, codec and the kind's code version;
+    ``inputs``: the fingerprint hash of the images_256 partition it is made from. Weights are
+    hashed once per process (flowmatch_models.fingerprint.folder_sha256)."""
+    model = spec.model_of(kind)
+    lossy = spec.lossy.get(kind.name) if kind.lossy else None
+    fields = {
+        "kind": kind.name,
+        "code_version": kind.code_version,
+        "model": model,
+        **weights_identity(model, weights_cache),
+        **kind.role.settings(spec),
+        "compute_dtype": getattr(spec, kind.role.dtype_field),
+        "storage_dtype": lossy or "float16",
+        "lossy": bool(lossy),
+        "codec": spec.codec,
+    }
+    return Fingerprint(fields, dict(inputs or {}))
+
+
 # --------------------------------------------------------------------------- the precalc
 
 
@@ -331,10 +388,14 @@ def encode_partition(
     spec: EncoderSpec,
     device: str,
     log: Callable[[str], None] = print,
+    inputs: dict[str, str | None] | None = None,
+    weights_cache: str | Path | None = None,
 ) -> dict[str, Encoded]:
     """Compute ``kinds`` for the images_256 shard at ``images_path`` on ``device``: one pass
     over the images for every image kind, one over the captions for every caption kind.
-    Arrays in the shard's row order, attrs with the model, its weights label and the device."""
+    Arrays in the shard's row order, attrs with the model, its weights label, the device and
+    the fingerprint (:func:`kind_fingerprint`; ``inputs``: the images_256 partition's
+    fingerprint hash, which the caller knows)."""
     from flowmatch_models.encoders import Encoders
     from flowmatch_models.image_shard import iter_image_batches, read_image_meta
     from flowmatch_models.zoo import weights_label
@@ -382,6 +443,7 @@ def encode_partition(
             "dtype": str(enc.dtype),
             "source": f"images_256/{Path(images_path).stem}",
             **extra_attrs,
+            FINGERPRINT_ATTR: kind_fingerprint(k, spec, inputs, weights_cache).to_json(),
         }
         out[k.name] = Encoded(k, arrays, attrs, secs[k.name])
     return out

@@ -33,16 +33,25 @@ def segment_samples(seg: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return shard, idx - starts[shard], steps
 
 
+#: What places a segment's samples (its other fields are reports: available, skipped).
+ORDER_KEYS = ("epoch", "partitions", "sizes", "seed", "shuffle_window", "global_batch",
+              "accumulate", "pos_from", "step_from")  # fmt: skip
+
+
 def is_prefix(base: Sequence[dict], segs: Sequence[dict]) -> bool:
     """True when the ledger ``segs`` continues ``base`` (a later checkpoint of the same lineage:
     the same segments, the last one possibly extended, more appended)."""
     if not base or len(base) > len(segs):
         return not base
     last = len(base) - 1
-    same = all(dict(base[i]) == dict(segs[i]) for i in range(last))
-    b, s = dict(base[last]), dict(segs[last])
-    b_to, s_to = b.pop("pos_to"), s.pop("pos_to")
-    return same and b == s and b_to <= s_to
+
+    def key(seg: dict, with_end: bool = True) -> tuple:
+        return tuple(seg.get(k) for k in ORDER_KEYS) + ((seg["pos_to"],) if with_end else ())
+
+    same = all(key(base[i]) == key(segs[i]) for i in range(last))
+    return same and key(base[last], False) == key(segs[last], False) and (
+        base[last]["pos_to"] <= segs[last]["pos_to"]
+    )
 
 
 def delta(base: Sequence[dict], segs: Sequence[dict]) -> list[dict]:

@@ -141,7 +141,9 @@ def test_dagster_dev_backfill_catalog_and_ui(tmp_path, small_sample, zoo, monkey
         "FLOWMATCH_TEXT": zoo["text"],
         "FLOWMATCH_DEVICE": "cpu",
         "WANDB_MODE": "offline",
+        "FLOWMATCH_SETTINGS": str(tmp_path / "settings.yaml"),  # standing settings, read per run
     }
+    (tmp_path / "settings.yaml").write_text("{}\n")
     # register the partitions directly (the sensor would too, on its first daemon tick)
     with dg.DagsterInstance.from_config(str(home)) as instance:
         keys = sorted(register_partitions(instance, make_resource(data, small_sample)))
@@ -180,6 +182,21 @@ def test_dagster_dev_backfill_catalog_and_ui(tmp_path, small_sample, zoo, monkey
             assert backfill.missing_partitions(instance, ASSETS, str(data)) == []
         monkeypatch.setenv("FLOWMATCH_DATA_ROOT", str(data))  # the CLI reads it from env
         assert backfill.main(["--missing", "--assets", ",".join(ASSETS), "--url", dev.url]) == 0
+
+        # a standing setting changes: `backfill --stale` re-makes exactly text_embeddings
+        for k in ("FLOWMATCH_SETTINGS", "FLOWMATCH_METADATA", "FLOWMATCH_VAE", "FLOWMATCH_DINO",
+                  "FLOWMATCH_TEXT", "FLOWMATCH_FILE_ROOT"):  # fmt: skip
+            monkeypatch.setenv(k, env[k])
+        (tmp_path / "settings.yaml").write_text("encoders: {max_tokens: 16}\n")
+        assert backfill.stale_backfills(ASSETS) == [(["text_embeddings"], keys)]
+        t1 = time.monotonic()
+        assert backfill.main(["--stale", "--url", dev.url, "--wait", "--poll", "3"]) == 0
+        timings["backfill --stale"] = time.monotonic() - t1
+        assert backfill.stale_backfills(ASSETS) == [], dev.fail_msg("still stale")
+        with dg.DagsterInstance.from_config(str(home)) as instance:
+            for a in ASSETS:  # one more materialization of text_embeddings only
+                n = len(instance.fetch_materializations(dg.AssetKey(a), limit=10).records)
+                assert n == len(keys) * (2 if a == "text_embeddings" else 1), (a, n)
 
         # the catalog: every good row covered, every bad row listed with its reason
         expected = small_sample["expected_outcomes"]

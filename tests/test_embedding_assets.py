@@ -14,6 +14,7 @@ import pytest
 from flowmatch_assets.budget import measure
 from flowmatch_assets.catalog import Catalog
 from flowmatch_assets.definitions import build_definitions, defs, resources_for
+from flowmatch_assets.fingerprints import stored as shard_fp
 from flowmatch_assets.metadata import FilterConfig
 from flowmatch_assets.partitions import register_partitions
 from flowmatch_assets.training_assets import coverage_or_fail
@@ -95,6 +96,8 @@ def test_three_embedding_assets_align_by_id_rerun_is_idempotent_and_checks_pass(
             "dino_features_valid": True,
             "text_embeddings_valid": True,
             "text_embeddings_fp16_saturation": True,  # the zoo's states stay within fp16
+            # made with the current settings (flowmatch_assets/fingerprints.py)
+            **{f"{a}_fresh": True for a in ["pd12m_metadata", "images_256", *EMB, "flow_model"]},
         }
         text = read_shard(res.layout.asset_path("text_embeddings", "000-00"))
         assert text.attrs["fp16_saturated"] == 0 and text.attrs["text_dtype"] == "torch.float32"
@@ -181,7 +184,9 @@ def test_a_new_embedding_kind_is_one_registry_entry(tmp_path, small_sample, zoo)
             for e in result.all_events
             if e.event_type_value == "ASSET_CHECK_EVALUATION"
         }
-        assert evals == {"caption_states_valid": True}
+        assert evals == {"caption_states_valid": True, "caption_states_fresh": True}
+        fp = shard_fp(res, "caption_states", "000-00")
+        assert fp.fields["max_tokens"] == 128  # its fingerprint: its role's settings
         assert res.layout.complete_partitions() == ["000-00"]
         assert coverage_or_fail(res, ["000-00"], 1.0)[0] == ["000-00"]
 

@@ -13,6 +13,7 @@ from PIL import Image
 from flowmatch_assets.catalog import Catalog
 from flowmatch_assets.cli import main as cli_main
 from flowmatch_assets.definitions import defs, resources_for
+from flowmatch_assets.fingerprints import model_staleness
 from flowmatch_assets.partitions import register_partitions
 from flowmatch_models.embeddings import EncoderSpec
 from tests.conftest import make_resource
@@ -123,6 +124,22 @@ def test_coverage_rule_then_train_resume_and_sample(tmp_path, small_sample, zoo,
         # the record is this session's: 3 resumed steps x 4 samples; the total is kept beside it
         assert row["samples"] == 12 and extra["samples_total"] == 28
         assert extra["partitions"] == ["000-00"] and row["device"] == "cpu, 32-true"
+        # what it trained on, by fingerprint: fresh now; another text max_tokens makes it stale
+        assert set(extra["input_fingerprints"]) == set(EMB)
+        assert [list(g.values()) for g in extra["input_fingerprints"].values()] == [
+            [["000-00"]]
+        ] * 3
+        assert model_staleness(res) == []
+        changed = make_resource(
+            tmp_path / "data",
+            small_sample,
+            encoders=EncoderSpec(**zoo, batch_size=8, max_tokens=16),
+        )
+        (stale,) = model_staleness(changed, ["t"])
+        assert (
+            "1 text_embeddings partitions it trained on are stale (000-00: max_tokens: 128 -> 16)"
+            in stale.reason
+        )
         run = tmp_path / "data" / "runs" / "t"
         request = json.loads((run / "request.json").read_text())  # decided once, by Dagster
         assert request["partitions"] == ["000-00"] and request["max_steps"] == 7

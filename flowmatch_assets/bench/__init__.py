@@ -20,5 +20,6 @@ BENCHES = {
         "gpu",
         "dedupe",
         "ledger",
+        "fingerprint",
     )
 }
