@@ -522,6 +522,11 @@ def cmd_demo(
         print(f"  loss curve:       {run / 'loss_curve.png'}")
         print(f"  sample grid:      {root / 'samples' / 'demo.png'}  (decoded by the demo VAE)")
         print(f"  checkpoint:       {run / 'checkpoints'}   wandb (offline): {run / 'wandb'}")
+        print(f"  coverage:         {run / 'coverage.png'}  (partitions/samples per epoch)")
+        if (run / "pipeline" / "model_index.json").exists():
+            print(f"  diffusers:        {run / 'pipeline'}  (SanaPipeline.from_pretrained; "
+                  "README: Use the model)")  # fmt: skip
+        print("  ledger:           flowmatch ledger demo  (which samples each checkpoint trained)")
     figs = sorted((run / "evaluation").glob("step*.png"))
     if figs:
         from flowmatch_assets.catalog import Catalog, format_table
