@@ -21,8 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-#: The demo's VAE: a tiny AutoencoderDC trained on the procedural sample (scripts/train_demo_vae.py).
-DEMO_VAE = Path(__file__).resolve().parent / "demo_vae"
+from flowmatch_assets.resources import DEMO_VAE  # the demo's VAE (re-exported: tests, bench)
 
 
 def _instance():

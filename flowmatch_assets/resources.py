@@ -36,6 +36,11 @@ IngestSettings = dagster_config(IngestConfig)
 EncoderSettings = dagster_config(EncoderSpec)
 
 
+#: The committed demo VAE (an AutoencoderDC trained on the synthetic sample only, not the real
+#: DC-AE; `scripts/train_demo_vae.py`): the VAE of the demo's data root.
+DEMO_VAE = Path(__file__).resolve().parent / "demo_vae"
+
+
 class FlowmatchResource(dg.ConfigurableResource):
     """Where the data lives and how each stage behaves (defaults come from FLOWMATCH_* env vars)."""
 
@@ -92,8 +97,9 @@ def resource_from_env(
     ``<data root>/sample/metadata``), FLOWMATCH_SHARD_SIZE (default 10000) and
     FLOWMATCH_FILE_ROOT (folder under which file:// image URLs are allowed; default
     ``<data root>/sample``), FLOWMATCH_VAE / FLOWMATCH_DINO / FLOWMATCH_TEXT (encoder hub ids or
-    folders; default the real models, or the demo's random-weight zoo when ``<data root>/zoo``
-    exists, as it does after `flowmatch demo`), FLOWMATCH_DEVICE (default auto),
+    folders; default the real models, or, when ``<data root>/zoo`` exists as it does after
+    `flowmatch demo`, the demo's: the committed demo VAE and the random-weight zoo's DINOv2 and
+    Gemma3), FLOWMATCH_DEVICE (default auto),
     FLOWMATCH_MIN_STORED_FRACTION (ingest.min_stored_fraction, default 0.5),
     FLOWMATCH_DEADLINE_S (ingest.deadline_s, default 60), FLOWMATCH_SETTINGS (a YAML or JSON
     file of standing overrides, same shape as the launchpad's: ``{encoders: {max_tokens: 64}}``;
@@ -119,7 +125,9 @@ def resource_from_env(
         if env.get(ENV_OF[field]):
             encoders[field] = env[ENV_OF[field]]
         elif field != "device" and (Path(root) / "zoo" / field / "config.json").exists():
-            encoders[field] = str(Path(root) / "zoo" / field)  # the demo's zoo: labelled random
+            # a demo data root: the encoders `flowmatch demo` used (so that the UI, `stale` and
+            # backfills after the demo agree with it): the committed demo VAE, the zoo's others
+            encoders[field] = str(DEMO_VAE if field == "vae" else Path(root) / "zoo" / field)
     return FlowmatchResource(
         data_root=root,
         metadata_source=_abs(source),
