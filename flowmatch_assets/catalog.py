@@ -342,7 +342,9 @@ def ledger_path(data_root: str | Path, run: str, step: int, what: str = "ledger"
     return DataLayout(data_root).catalog_dir / what / run / f"step{step:07d}.parquet"
 
 
-def read_ledger_segments(data_root: str | Path, run: str, step: int) -> tuple[list[dict], list[int]]:
+def read_ledger_segments(
+    data_root: str | Path, run: str, step: int
+) -> tuple[list[dict], list[int]]:
     """A recorded checkpoint's segments and its delta chain (``[], []`` if none)."""
     p = ledger_path(data_root, run, step, "ledger_epochs")
     c = ledger_path(data_root, run, step, "ledger_chain")

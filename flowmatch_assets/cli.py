@@ -262,7 +262,9 @@ def _run_dir(run: str) -> Path:
     return p if (p / "checkpoints").is_dir() else Path(_resource().data_root) / "runs" / run
 
 
-def cmd_export(run: str, out: str, checkpoint: str | None, vae: str | None, text: str | None) -> int:
+def cmd_export(
+    run: str, out: str, checkpoint: str | None, vae: str | None, text: str | None
+) -> int:
     """`flowmatch export RUN OUT`: a checkpoint's EMA weights as a SanaPipeline folder."""
     from flowmatch_models.export import export_checkpoint
 

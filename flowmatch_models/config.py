@@ -154,7 +154,9 @@ class TrainConfig(_Section):
     encoders: EncodersConfig = Field(default_factory=EncodersConfig)
 
     def data_root(self) -> Path:
-        return Path(self.data.root).expanduser().resolve() if self.data.root else default_data_root()
+        return (
+            Path(self.data.root).expanduser().resolve() if self.data.root else default_data_root()
+        )
 
     def run_dir(self) -> Path:
         """``run.out_dir``, else ``<data root>/runs/<run.name>`` (absolute)."""

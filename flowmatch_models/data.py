@@ -525,7 +525,11 @@ class EmbeddingDataModule(L.LightningDataModule):
                 f"resume would change the data order ({what}); set it back, or pass "
                 "--set data.allow_order_change=true to continue with a new order from the next epoch"
             )
-        epoch, position, theirs = int(state["epoch"]), int(state["position"]), list(state["partitions"])
+        epoch, position, theirs = (
+            int(state["epoch"]),
+            int(state["position"]),
+            list(state["partitions"]),
+        )
         complete = set(DataLayout(self.root).complete_partitions())
         if not changed and position > 0 and set(theirs) <= complete:
             # mid-epoch: finish the epoch on its recorded partition set, exactly
@@ -540,7 +544,8 @@ class EmbeddingDataModule(L.LightningDataModule):
         self.epoch, self.position = epoch + 1, 0
         log.warning(
             "%s changed since the checkpoint; resuming at the start of epoch %d",
-            ", ".join(changed) or "partitions of the current epoch are gone:"
+            ", ".join(changed)
+            or "partitions of the current epoch are gone:"
             + ", ".join(sorted(set(theirs) - complete)),
             self.epoch,
         )

@@ -49,8 +49,10 @@ def is_prefix(base: Sequence[dict], segs: Sequence[dict]) -> bool:
         return tuple(seg.get(k) for k in ORDER_KEYS) + ((seg["pos_to"],) if with_end else ())
 
     same = all(key(base[i]) == key(segs[i]) for i in range(last))
-    return same and key(base[last], False) == key(segs[last], False) and (
-        base[last]["pos_to"] <= segs[last]["pos_to"]
+    return (
+        same
+        and key(base[last], False) == key(segs[last], False)
+        and (base[last]["pos_to"] <= segs[last]["pos_to"])
     )
 
 

@@ -16,7 +16,6 @@ import copy
 import json
 import math
 import time
-from pathlib import Path
 
 import lightning as L
 import numpy as np

@@ -29,7 +29,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import lightning as L
 import torch
@@ -207,7 +206,9 @@ def _fit(request: TrainRequest, cfg: TrainConfig, pipes) -> TrainResult:
         "samples": int(dm.source.sizes.sum()),
     }
     loggers: list = [
-        L.pytorch.loggers.CSVLogger(run_dir / "logs", name="", version=f"seg{request.log_segment:03d}")
+        L.pytorch.loggers.CSVLogger(
+            run_dir / "logs", name="", version=f"seg{request.log_segment:03d}"
+        )
     ]
     if cfg.logging.wandb:
         loggers.append(wandb_run.make_logger(cfg, run_dir, distributed.is_launcher(), coverage))

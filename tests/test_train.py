@@ -500,10 +500,14 @@ def test_gpu_check_says_it_needs_a_gpu_and_runs_every_phase_in_smoke(tmp_path, c
     assert gpu_main(["--smoke", "--out", str(tmp_path / "g.json")])["bench"] == "gpu"
     r = json.loads((tmp_path / "g.json").read_text())
     pre, tr, a = r["precalc"][0], r["train"][0], r["achieved"]
-    assert pre["bench"] == "precalc" and pre["pairs_per_s"] > 0 and pre["gflops_per_pair_total"] > 300
+    assert (
+        pre["bench"] == "precalc" and pre["pairs_per_s"] > 0 and pre["gflops_per_pair_total"] > 300
+    )
     assert tr["bench"] == "train" and 0 < tr["mfu"] < 1.5 and tr["samples_per_s"] > 0
     assert r["loader"]["samples_per_s"] > 0 and r["loader"]["samples"] == 64
-    assert a["precalc_fraction_of_target"] == round(pre["pairs_per_s"] / TARGETS["precalc_pairs_per_s"], 3)
+    assert a["precalc_fraction_of_target"] == round(
+        pre["pairs_per_s"] / TARGETS["precalc_pairs_per_s"], 3
+    )
     assert a["train_fraction_of_target"] == round(tr["mfu"] / TARGETS["train_mfu"], 3)
 
 
@@ -522,7 +526,9 @@ def _cli_run(tmp_path: Path, cfg: dict, name: str) -> None:
 def _flat(out: Path, sessions: list[tuple[int, int]]) -> list[str]:
     """The global sample sequence of a run: per step, rank 0's ids then rank 1's; ``sessions``
     is ``(world size, steps)`` in order."""
-    ranks = {r: read_records(out, r) for r in (0, 1) if (out / "sample_ids" / f"rank{r}.jsonl").exists()}
+    ranks = {
+        r: read_records(out, r) for r in (0, 1) if (out / "sample_ids" / f"rank{r}.jsonl").exists()
+    }
     seq, used = [], {0: 0, 1: 0}
     for world, steps in sessions:
         for _ in range(steps):
@@ -600,7 +606,9 @@ def test_training_grows_with_coverage_and_resumes_exactly_after_a_kill(tmp_path:
                 dst = DataLayout(root).asset_path(asset, p)
                 os.replace(src, dst)
         recs = wait_for(lambda r: any(not i.startswith("000-00") for x in r for i in x["ids"]))
-        first_new = next(k for k, x in enumerate(recs) if any(not i.startswith("000") for i in x["ids"]))
+        first_new = next(
+            k for k, x in enumerate(recs) if any(not i.startswith("000") for i in x["ids"])
+        )
         assert recs[first_new]["position"] == 0  # from an epoch's start, not mid-epoch
         grown_epoch = recs[first_new]["epoch"]
         assert all(i.startswith("000-00") for x in recs[:first_new] for i in x["ids"])
@@ -626,7 +634,7 @@ def test_training_grows_with_coverage_and_resumes_exactly_after_a_kill(tmp_path:
     path.write_text(yaml.safe_dump(cfg))
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    resumed = records()[len(killed):]
+    resumed = records()[len(killed) :]
     redo = [x for x in killed if x["step"] > step]
     assert redo and [x["ids"] for x in resumed[: len(redo)]] == [x["ids"] for x in redo]
     assert [x["step"] for x in resumed[: len(redo)]] == [x["step"] for x in redo]

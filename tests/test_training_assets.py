@@ -53,7 +53,13 @@ def _direct(tmp_path: Path, name: str, zoo: dict, *flags: str) -> None:
     cwd.mkdir(exist_ok=True)
     sets = ["run.name=" + name, *_train_cfg()["ops"]["flow_model"]["config"]["overrides"]]
     sets += [f"encoders.vae={zoo['vae']}", f"encoders.text={zoo['text']}"]
-    cmd = [sys.executable, "-m", "flowmatch_models.train", "--config", str(REPO / "configs" / "tiny.yaml")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flowmatch_models.train",
+        "--config",
+        str(REPO / "configs" / "tiny.yaml"),
+    ]
     for s in sets:
         cmd += ["--set", s]
     env = {**os.environ, "FLOWMATCH_DATA_ROOT": str(tmp_path / "data"), "PYTHONPATH": str(REPO)}
@@ -158,13 +164,28 @@ def test_coverage_rule_then_train_resume_and_sample(tmp_path, small_sample, zoo,
                 seen.setdefault(sid, []).append(rec["step"])
         rows = cat.query("SELECT sample_id, times_seen, first_step, last_step FROM ledger_samples "
                          "WHERE run = 't' AND checkpoint_step = 9")  # fmt: skip
-        assert {r["sample_id"]: r["times_seen"] for r in rows} == {k: len(v) for k, v in seen.items()}
-        assert all((r["first_step"], r["last_step"]) == (min(seen[r["sample_id"]]), max(seen[r["sample_id"]])) for r in rows)
+        assert {r["sample_id"]: r["times_seen"] for r in rows} == {
+            k: len(v) for k, v in seen.items()
+        }
+        assert all(
+            (r["first_step"], r["last_step"])
+            == (min(seen[r["sample_id"]]), max(seen[r["sample_id"]]))
+            for r in rows
+        )
         parts = cat.query("SELECT checkpoint_step, samples_trained, epochs, partition_size "
                           "FROM ledger_partitions WHERE run = 't' ORDER BY checkpoint_step")  # fmt: skip
-        assert [(p["checkpoint_step"], p["samples_trained"]) for p in parts] == [(4, 16), (7, 28), (9, 36)]
+        assert [(p["checkpoint_step"], p["samples_trained"]) for p in parts] == [
+            (4, 16),
+            (7, 28),
+            (9, 36),
+        ]
         assert parts[-1]["epochs"] == pytest.approx(36 / parts[-1]["partition_size"])
-        assert cat.query("SELECT count(*) AS n FROM ledger_epochs WHERE run = 't' AND checkpoint_step = 9")[0]["n"] >= 3
+        assert (
+            cat.query(
+                "SELECT count(*) AS n FROM ledger_epochs WHERE run = 't' AND checkpoint_step = 9"
+            )[0]["n"]
+            >= 3
+        )
         # flowmatch export: the same pipeline folder from the checkpoint, encoders as trained
         assert cli_main(["export", "t", str(tmp_path / "exported")]) == 0
         from safetensors.torch import load_file

@@ -19,7 +19,6 @@ import time
 from collections.abc import Sequence
 
 
-
 def run(partitions: int, per_partition: int, checkpoint_every: int, global_batch: int,
         train_rate: float) -> dict:  # fmt: skip
     """One checkpoint's ledger (the samples of ``checkpoint_every`` steps, mid-epoch, as a delta
