@@ -431,15 +431,7 @@ def test_ddp_with_repa_off(store: Path, tmp_path: Path) -> None:
         store, out, trainer__devices=2, trainer__strategy="ddp", trainer__accelerator="cpu",
         trainer__max_steps=3, trainer__accumulate_grad_batches=1, flow__repa_lambda=0.0,
     )  # fmt: skip
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    env = {k: v for k, v in os.environ.items() if k not in ("WANDB_API_KEY", "LOCAL_RANK")}
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "flowmatch_models.train", "--config", str(path)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _cli_run(tmp_path, cfg, "run")
     ckpt = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["global_step"] == 3
     assert not any(k.startswith("model.projector") for k in ckpt["state_dict"])
