@@ -30,15 +30,16 @@ ATTRIBUTES = ("colour", "shape", "size", "position")  # what captions ask of the
 
 def checkpoints(run_dir: str | Path, which: str = "latest") -> list[tuple[int, Path]]:
     """``(step, path)`` of a run's checkpoints: ``latest`` (last.ckpt) or ``all`` (every
-    ``step*.ckpt`` plus last.ckpt if it is newer), ordered by step."""
+    saved step: its EMA-only snapshot ``stepN-ema.ckpt``, else its full ``stepN.ckpt``; plus
+    last.ckpt if it is newer), ordered by step."""
     ckpt_dir = Path(run_dir) / "checkpoints"
     last = ckpt_dir / "last.ckpt"
     found: dict[int, Path] = {}
     if which == "all":
-        for p in ckpt_dir.glob("step*.ckpt"):
-            m = re.fullmatch(r"step(\d+)\.ckpt", p.name)
-            if m:
-                found[int(m.group(1))] = p
+        for p in sorted(ckpt_dir.glob("step*.ckpt")):
+            m = re.fullmatch(r"step(\d+)(-ema)?\.ckpt", p.name)
+            if m and (m.group(2) or int(m.group(1)) not in found):
+                found[int(m.group(1))] = p  # the EMA snapshot: a quarter of the bytes to read
     elif which != "latest":
         raise ValueError(f"checkpoints {which!r}: use 'latest' or 'all'")
     if last.is_file():

@@ -51,8 +51,18 @@ class ModelConfig(_Section):
     projector_hidden: int | None = Field(None, ge=1, description="REPA MLP width; null = preset.")
     pos_embed: bool = Field(True, description="Sin-cos positional embedding on the 8x8 grid.")
     init: Literal["sana", "default"] = Field("sana", description="Sana init or PyTorch default.")
+    qk_norm: bool = Field(
+        True, description="RMSNorm on queries/keys across heads (SANA 256 px/Sana 1.5 qk_norm)."
+    )
+    fp32_attention: bool = Field(
+        True, description="Linear-attention matmuls in fp32, autocast off (SANA: against NaN)."
+    )
     gradient_checkpointing: bool = False
-    compile: bool = Field(False, description="torch.compile the transformer.")
+    compile: bool = Field(
+        False,
+        description="torch.compile the model's forward (captions padded to data.text_max_len "
+        "so shapes never change).",
+    )
 
 
 class FlowConfig(_Section):
@@ -108,8 +118,19 @@ class TrainerConfig(_Section):
     strategy: str = "auto"
     num_nodes: int = Field(1, ge=1)
     log_every: int = Field(10, ge=1)
-    checkpoint_every: int = Field(500, ge=1)
-    keep_checkpoints: bool = Field(True, description="Keep every stepN.ckpt, not just last.")
+    checkpoint_every: int = Field(
+        500, ge=1, description="EMA-only snapshot stepN-ema.ckpt (evaluation, export) cadence."
+    )
+    full_every: int | None = Field(
+        None, ge=1,
+        description="Full resumable state stepN.ckpt (weights, Adam, EMA) cadence; null = "
+        "checkpoint_every. Also at the end of every session.",
+    )  # fmt: skip
+    keep_full: int = Field(2, ge=1, description="Newest full states kept (last.ckpt links one).")
+    keep_ema: int = Field(0, ge=0, description="Newest EMA snapshots kept; 0 = all.")
+    max_skipped_steps: int = Field(
+        20, ge=1, description="Stop after this many consecutive non-finite (skipped) steps."
+    )
     sample_every: int = Field(500, ge=0, description="Sample grid (and wandb images); 0 = off.")
     progress_bar: bool = False
 

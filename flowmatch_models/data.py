@@ -63,8 +63,10 @@ class ShardSource:
         text_max_len: int = 128,
         load_dino: bool = True,
         cache_shards: int = 4,
+        fixed_text_len: bool = False,
     ):
         self.layout = DataLayout(root)
+        self.fixed_text_len = fixed_text_len  # pad every batch to text_max_len (torch.compile)
         self.partitions = list(partitions)
         if not self.partitions:
             raise ValueError(
@@ -186,11 +188,12 @@ class ShardSource:
         return out
 
     def gather(self, shard_idx: np.ndarray, rows: np.ndarray) -> dict:
-        """Batch of samples ``(shard_idx[j], rows[j])`` in that order; text padded per batch."""
+        """Batch of samples ``(shard_idx[j], rows[j])`` in that order; text padded to the
+        batch's longest caption, or to ``text_max_len`` with ``fixed_text_len``."""
         by_shard = {int(s): np.nonzero(shard_idx == s)[0] for s in np.unique(shard_idx)}
         arrays = {s: self._arrays(s) for s in by_shard}
         width = max(int(arrays[s]["lengths"][rows[j]].max()) for s, j in by_shard.items())
-        width = max(1, min(width, self.text_max_len))
+        width = self.text_max_len if self.fixed_text_len else max(1, min(width, self.text_max_len))
         b, first = len(rows), next(iter(arrays.values()))
         latents = np.empty((b, *first["latents"].shape[1:]), np.float32)
         text = np.zeros((b, width, first["tokens"].shape[-1]), first["tokens"].dtype)
@@ -293,9 +296,11 @@ class BatchStream(IterableDataset):
             idx = order[lo : lo + self.batch_size]
             shard = np.searchsorted(self.starts, idx, side="right") - 1
             batch = self.source.gather(shard, idx - self.starts[shard])
-            batch["epoch"] = torch.tensor(epoch)
-            batch["position"] = torch.tensor(g0)
-            batch["global_batch"] = torch.tensor(self.global_batch)
+            # bookkeeping as host values beside the tensors: the module takes it off the batch
+            # before the transfer, so reading it never waits on the device
+            batch["meta"] = {"epoch": int(epoch), "position": int(g0),
+                             "global_batch": int(self.global_batch), "ids": batch.pop("ids"),
+                             "shard": batch.pop("shard")}  # fmt: skip
             yield batch
 
 
@@ -326,8 +331,10 @@ class EmbeddingDataModule(L.LightningDataModule):
         allow_order_change: bool = False,
         grow: bool = False,
         accumulate: int = 1,
+        fixed_text_len: bool = False,
     ):
         super().__init__()
+        self.fixed_text_len = fixed_text_len
         self.allow_order_change = allow_order_change
         self.root = Path(root)
         self.fixed = list(partitions) if partitions else None
@@ -353,8 +360,9 @@ class EmbeddingDataModule(L.LightningDataModule):
 
     def _open(self, partitions: list[str]) -> ShardSource:
         return ShardSource(
-            self.root, partitions, self.text_max_len, self.load_dino, self.shuffle_window + 1
-        )
+            self.root, partitions, self.text_max_len, self.load_dino, self.shuffle_window + 1,
+            fixed_text_len=self.fixed_text_len,
+        )  # fmt: skip
 
     @property
     def scaling_factor(self) -> float:

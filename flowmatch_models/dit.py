@@ -7,9 +7,16 @@ states ``[B, L, 640]``. Weights are initialised as Sana does (:func:`sana_init_`
 
 REPA (Yu et al. 2024) aligns the output of block ``encoder_depth`` (counted from 1, as REPA's
 ``--encoder-depth``: index ``encoder_depth - 1``) with frozen DINOv2 patch features through a
-small MLP; SANA does not return intermediate states, so a forward hook captures them (also under
-gradient checkpointing). With REPA off no hook and no projector exist (DDP requires every
-registered parameter to get a gradient).
+small MLP. SANA's forward returns no intermediate states, so :meth:`FlowDiT.forward` runs the
+transformer's own modules in the same order as ``SanaTransformer2DModel.forward`` and returns
+block ``k``'s output explicitly (no hook writing to the module from inside a compiled region:
+``torch.compile`` traces it without graph breaks). With REPA off no projector exists (DDP
+requires every registered parameter to get a gradient).
+
+Stability at 256 px as SANA's config: ``qk_norm`` (RMSNorm of queries and keys across heads,
+Sana 1.5's ``rms_norm_across_heads``) and the linear attention's two matmuls in fp32 with
+autocast off (:class:`FP32LinearAttnProcessor`, SANA's ``LiteLA.attn_matmul``: "necessary for
+NAN loss"; the diffusers processor's ``.float()`` is re-cast to bf16 by autocast).
 
 Presets are plain ``name -> factory`` entries (DiT-style), each returning the
 ``SanaTransformer2DModel`` config for that size.
@@ -20,13 +27,21 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from diffusers import SanaTransformer2DModel
+from diffusers.models.attention_processor import SanaLinearAttnProcessor2_0
 from torch import nn
 
 LATENT_CHANNELS = 32
 LATENT_SIZE = 8
 TEXT_DIM = 640  # Gemma3-270M hidden size
 DINO_DIM = 384  # DINOv2-small
+SANA_TIMESTEP_SCALE = 1000.0  # SanaTransformer2DModel takes t on a 0-1000 scale
+
+
+def sana_timestep(t: torch.Tensor) -> torch.Tensor:
+    """Flow time ``t`` in [0, 1] as the ``timestep`` SANA expects (0-1000)."""
+    return t * SANA_TIMESTEP_SCALE
 
 
 # --------------------------------------------------------------------------------------------
@@ -117,12 +132,46 @@ class REPAProjector(nn.Module):
         return self.net(h)
 
 
+class FP32LinearAttnProcessor(SanaLinearAttnProcessor2_0):
+    """SANA's linear self-attention with its two matmuls in fp32 and autocast off (SANA's
+    ``LiteLA.attn_matmul``); projections stay in the autocast dtype. Same maths as diffusers'
+    ``SanaLinearAttnProcessor2_0``, which only casts to fp32 (undone by autocast)."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None):
+        dtype = hidden_states.dtype
+        kv = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+        query, key, value = attn.to_q(hidden_states), attn.to_k(kv), attn.to_v(kv)
+        if attn.norm_q is not None:
+            query = attn.norm_q(query)
+        if attn.norm_k is not None:
+            key = attn.norm_k(key)
+        query = F.relu(query.transpose(1, 2).unflatten(1, (attn.heads, -1)))
+        key = F.relu(key.transpose(1, 2).unflatten(1, (attn.heads, -1)).transpose(2, 3))
+        value = value.transpose(1, 2).unflatten(1, (attn.heads, -1))
+        with torch.autocast(device_type=hidden_states.device.type, enabled=False):
+            value = F.pad(value.float(), (0, 0, 0, 1), mode="constant", value=1.0)
+            out = torch.matmul(torch.matmul(value, key.float()), query.float())
+            out = out[:, :, :-1] / (out[:, :, -1:] + 1e-15)
+        out = out.flatten(1, 2).transpose(1, 2).to(dtype)
+        out = attn.to_out[1](attn.to_out[0](out))
+        if dtype == torch.float16:
+            out = out.clip(-65504, 65504)
+        return out
+
+
+def use_fp32_attention(transformer: SanaTransformer2DModel) -> None:
+    """Every block's linear self-attention through :class:`FP32LinearAttnProcessor`."""
+    for block in transformer.transformer_blocks:
+        block.attn1.set_processor(FP32LinearAttnProcessor())
+
+
 class FlowDiT(nn.Module):
     """``SanaTransformer2DModel`` + REPA projector on the output of block ``encoder_depth``.
 
     ``forward(x_t, t, text, mask)`` takes ``t`` in [0, 1] (SANA wants 0-1000) and returns the
     predicted velocity and, when ``return_repa`` is set, the projected block tokens
-    ``[B, 64, 384]``. ``encoder_depth=None`` builds no REPA head at all.
+    ``[B, 64, 384]``. ``encoder_depth=None`` builds no REPA head at all. The velocity equals
+    ``transformer(...)``'s exactly (tested): the forward is SANA's, block by block.
     """
 
     def __init__(
@@ -136,7 +185,6 @@ class FlowDiT(nn.Module):
         depth = len(transformer.transformer_blocks)
         self.encoder_depth = encoder_depth
         self.projector: REPAProjector | None = None
-        self._captured: torch.Tensor | None = None
         if encoder_depth is None:
             return
         if not 1 <= int(encoder_depth) <= depth:
@@ -146,10 +194,6 @@ class FlowDiT(nn.Module):
             )
         width = transformer.config.num_attention_heads * transformer.config.attention_head_dim
         self.projector = REPAProjector(width, projector_hidden)
-        transformer.transformer_blocks[int(encoder_depth) - 1].register_forward_hook(self._capture)
-
-    def _capture(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-        self._captured = output
 
     def forward(
         self,
@@ -161,17 +205,27 @@ class FlowDiT(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if return_repa and self.projector is None:
             raise ValueError("this model was built without a REPA head (repa_encoder_depth null)")
-        self._captured = None
-        v = self.transformer(
-            hidden_states=x_t,
-            encoder_hidden_states=text,
-            timestep=t * 1000.0,
-            encoder_attention_mask=mask,
-            return_dict=False,
-        )[0]
-        h = self._captured
-        self._captured = None
-        return v, (self.projector(h) if return_repa else None)
+        tr = self.transformer
+        b, _, height, width = x_t.shape
+        p = tr.config.patch_size
+        hp, wp = height // p, width // p
+        bias = None
+        if mask is not None:  # keep = 0, pad = -10000, as SANA's forward
+            bias = ((1 - mask.to(x_t.dtype)) * -10000.0).unsqueeze(1)
+        h = tr.patch_embed(x_t)
+        temb, embedded_t = tr.time_embed(sana_timestep(t), batch_size=b, hidden_dtype=h.dtype)
+        cap = tr.caption_norm(tr.caption_projection(text).view(b, -1, h.shape[-1]))
+        checkpointing = torch.is_grad_enabled() and tr.gradient_checkpointing
+        repa_h = None
+        for i, block in enumerate(tr.transformer_blocks):
+            args = (h, None, cap, bias, temb, hp, wp)
+            h = tr._gradient_checkpointing_func(block, *args) if checkpointing else block(*args)
+            if i + 1 == self.encoder_depth:
+                repa_h = h
+        h = tr.proj_out(tr.norm_out(h, embedded_t, tr.scale_shift_table))
+        h = h.reshape(b, hp, wp, p, p, -1).permute(0, 5, 1, 3, 2, 4)
+        v = h.reshape(b, -1, hp * p, wp * p)
+        return v, (self.projector(repa_h) if return_repa else None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -214,17 +268,25 @@ def build_model(
     repa: bool = True,
     pos_embed: bool = True,
     init: str = "sana",
+    qk_norm: bool = False,
+    fp32_attention: bool = False,
     **overrides,
 ) -> FlowDiT:
     """A freshly initialised :class:`FlowDiT` of the named preset.
 
     ``repa=False`` builds no REPA head; ``repa_encoder_depth`` defaults to the preset's
     (:data:`REPA_ENCODER_DEPTH`). ``pos_embed=False`` drops the sin-cos PE. ``init`` is
-    ``"sana"`` (:func:`sana_init_`) or ``"default"`` (PyTorch's layer defaults).
+    ``"sana"`` (:func:`sana_init_`) or ``"default"`` (PyTorch's layer defaults). ``qk_norm``
+    adds RMSNorm on queries and keys (across heads, Sana 1.5); ``fp32_attention`` runs the
+    linear attention's matmuls in fp32 with autocast off (:class:`FP32LinearAttnProcessor`).
     """
     if not pos_embed:
         overrides = {**overrides, "interpolation_scale": None}
+    if qk_norm:
+        overrides = {**overrides, "qk_norm": "rms_norm_across_heads"}
     transformer = SanaTransformer2DModel(**transformer_config(preset, **overrides))
+    if fp32_attention:
+        use_fp32_attention(transformer)
     if init == "sana":
         sana_init_(transformer)
     elif init != "default":

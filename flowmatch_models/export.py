@@ -78,28 +78,32 @@ def export_pipeline(
     tmp = out.parent / f".tmp-{out.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    scheduler = FlowMatchEulerDiscreteScheduler(shift=float(shift))
-    if vae and text_encoder:
-        from diffusers import SanaPipeline
+    try:  # a failed build (e.g. a full disk) leaves the old folder and no temp behind
+        scheduler = FlowMatchEulerDiscreteScheduler(shift=float(shift))
+        if vae and text_encoder:
+            from diffusers import SanaPipeline
 
-        from flowmatch_models.encoders import Encoders, EncoderSpec
+            from flowmatch_models.encoders import Encoders, EncoderSpec
 
-        enc = Encoders(EncoderSpec(vae=vae, text=text_encoder, device="cpu", dtype="fp32"))
-        ae = enc.vae
-        ae.register_to_config(scaling_factor=float(scaling_factor))
-        pipe = SanaPipeline(
-            tokenizer=enc.tokenizer,
-            text_encoder=enc.text_model,
-            vae=ae,
-            transformer=ema,
-            scheduler=scheduler,
-        )
-        pipe.save_pretrained(tmp)
-        info = {**call_kwargs(enc.spec.max_tokens), "vae": vae, "text_encoder": text_encoder}
-        atomic_write_text(tmp / "flowmatch_call.json", json.dumps(info, indent=1))
-    else:
-        scheduler.save_pretrained(tmp / "scheduler")
-    write_transformer(ema, tmp / "transformer", scaling_factor, preset, shift, null_text)
+            enc = Encoders(EncoderSpec(vae=vae, text=text_encoder, device="cpu", dtype="fp32"))
+            ae = enc.vae
+            ae.register_to_config(scaling_factor=float(scaling_factor))
+            pipe = SanaPipeline(
+                tokenizer=enc.tokenizer,
+                text_encoder=enc.text_model,
+                vae=ae,
+                transformer=ema,
+                scheduler=scheduler,
+            )
+            pipe.save_pretrained(tmp)
+            info = {**call_kwargs(enc.spec.max_tokens), "vae": vae, "text_encoder": text_encoder}
+            atomic_write_text(tmp / "flowmatch_call.json", json.dumps(info, indent=1))
+        else:
+            scheduler.save_pretrained(tmp / "scheduler")
+        write_transformer(ema, tmp / "transformer", scaling_factor, preset, shift, null_text)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     old = out.parent / f".old-{out.name}"
     shutil.rmtree(old, ignore_errors=True)
     if out.exists():

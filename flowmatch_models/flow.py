@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from diffusers import SanaTransformer2DModel
 
-from flowmatch_models.dit import TEXT_DIM, FlowDiT
+from flowmatch_models.dit import TEXT_DIM, FlowDiT, sana_timestep
 
 
 def null_caption(
@@ -201,7 +201,7 @@ def _velocity(model, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor, mask:
     return model(
         hidden_states=x,
         encoder_hidden_states=text,
-        timestep=t * 1000.0,
+        timestep=sana_timestep(t),
         encoder_attention_mask=mask,
         return_dict=False,
     )[0]

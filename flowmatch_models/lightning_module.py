@@ -8,6 +8,18 @@ takes effect. Checkpoints hold only tensors and primitive containers (``weights_
 Randomness of a training step (t, noise, caption dropout) is drawn from a generator seeded by
 ``(seed, epoch, data position, rank)``: a resumed run draws exactly what the uninterrupted
 run drew, independent of Lightning's RNG handling.
+
+A non-finite step never reaches the weights: the gradient norm is computed once on the device
+(it also clips), and a non-finite one sets the fused AdamW's ``found_inf`` (the mechanism
+``GradScaler`` uses), so the update, the Adam moments and their step count are left untouched
+on the device, and the EMA update of that step is weighted by zero. Under DDP the gradients
+are all-reduced before this check, so every rank skips together. Skipped steps are counted on
+the device and read at the logging cadence (no host sync per step); after
+``trainer.max_skipped_steps`` consecutive ones the run stops with :class:`NonFiniteStepsError`.
+
+The training step never waits on the device: the batch's bookkeeping (epoch, position, ids) is
+taken off the batch before it is moved (:meth:`on_before_batch_transfer`), and the per-t-bin
+losses are summed on the device over every micro-batch and read at the logging cadence.
 """
 
 from __future__ import annotations
@@ -25,6 +37,10 @@ from flowmatch_models.atomic import atomic_write_text
 from flowmatch_models.config import TrainConfig
 from flowmatch_models.dit import FlowDiT, build_model
 from flowmatch_models.flow import FlowMatching
+
+
+class NonFiniteStepsError(RuntimeError):
+    """``trainer.max_skipped_steps`` consecutive optimizer steps had non-finite gradients."""
 
 
 def _step_seed(*parts: int) -> int:
@@ -57,6 +73,8 @@ class FlowMatchModule(L.LightningModule):
             repa=config.flow.repa_lambda > 0,  # no unused REPA head (DDP)
             pos_embed=m.pos_embed,
             init=m.init,
+            qk_norm=m.qk_norm,
+            fp32_attention=m.fp32_attention,
         )
         if m.gradient_checkpointing:
             self.model.transformer.enable_gradient_checkpointing()
@@ -65,14 +83,25 @@ class FlowMatchModule(L.LightningModule):
         self._ema_step = -1
         self._t_last: float | None = None
         self._grad_norm: torch.Tensor | None = None
+        self.batch_meta: dict = {}  # host-side bookkeeping of the current batch
+        # device-side counters (read at the logging cadence): skipped steps, the current streak
+        self._bad: torch.Tensor | None = None
+        self._skipped: torch.Tensor | None = None
+        self._streak: torch.Tensor | None = None
+        self._streak_max: torch.Tensor | None = None
+        self._streak_start: torch.Tensor | None = None
+        self._skipped_before = 0  # restored from the checkpoint
+        self._bin_sum: torch.Tensor | None = None
+        self._bin_cnt: torch.Tensor | None = None
 
     # ---------------------------------------------------------------------------- optimisation
 
     def configure_optimizers(self):
         o, max_steps = self.config.optim, self.config.trainer.max_steps
         opt = torch.optim.AdamW(
-            self.model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay
-        )
+            self.model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay,
+            fused=True,  # honours found_inf: a non-finite step is skipped on the device
+        )  # fmt: skip
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda s: lr_factor(s, o.warmup_steps, o.schedule, max_steps, o.min_lr_ratio)
         )
@@ -94,17 +123,70 @@ class FlowMatchModule(L.LightningModule):
                 group["betas"] = tuple(o.betas)
         for state in checkpoint.get("lr_schedulers", []):
             state["base_lrs"] = [lr for _ in state["base_lrs"]]
+        self._skipped_before = int(checkpoint.get("flowmatch", {}).get("skipped_steps", 0))
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        grads = [
-            p.grad.detach().float().norm() for p in self.model.parameters() if p.grad is not None
-        ]
-        self._grad_norm = torch.stack(grads).norm() if grads else None
+        """Gradient norm, clip and the skip decision, all on the device (no host sync)."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if not grads:
+            return
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)).float())
+        bad = ~torch.isfinite(norm)
+        clip = self.config.optim.grad_clip
+        if clip > 0:
+            scale = (clip / (norm + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_(grads, torch.where(bad, torch.ones_like(scale), scale))
+        getattr(optimizer, "_optimizer", optimizer).found_inf = bad.float()
+        self._grad_norm, self._bad = norm, bad
+        self._count_skip(bad)
+
+    def _count_skip(self, bad: torch.Tensor) -> None:
+        if self._skipped is None:
+            zero = torch.zeros((), dtype=torch.long, device=bad.device)
+            self._skipped, self._streak, self._streak_max = zero.clone(), zero.clone(), zero.clone()
+            self._streak_start = zero.clone()
+        b = bad.long()
+        self._skipped += b
+        self._streak = (self._streak + 1) * b
+        self._streak_start = torch.where(
+            self._streak == 1, torch.full_like(self._streak, self.global_step + 1),
+            self._streak_start,
+        )  # fmt: skip
+        self._streak_max = torch.maximum(self._streak_max, self._streak)
+
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped since the run began (a host sync: at the logging cadence)."""
+        return self._skipped_before + (int(self._skipped) if self._skipped is not None else 0)
+
+    def _check_skips(self) -> None:
+        """Stop after ``max_skipped_steps`` consecutive skipped steps (one sync per call)."""
+        if self._streak_max is None:
+            return
+        limit = self.config.trainer.max_skipped_steps
+        streak, start = int(self._streak_max), int(self._streak_start)
+        if streak < limit:
+            self._streak_max.zero_()
+            return
+        last = self.config.run_dir() / "checkpoints" / "last.ckpt"
+        raise NonFiniteStepsError(
+            f"step {self.global_step}: {streak} consecutive optimizer steps from step {start} had "
+            f"non-finite gradients and were skipped (trainer.max_skipped_steps {limit}); "
+            f"weights, Adam state and EMA are as at step {start - 1}; last good checkpoint: "
+            f"{last if last.is_file() else 'none yet'}. Look at the data of those steps "
+            "(logging.record_sample_ids) or lower optim.lr, then resume with --resume auto"
+        )
 
     # ---------------------------------------------------------------------------- training
 
+    def on_before_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
+        """Keep the bookkeeping on the host: only the model's tensors go to the device."""
+        if "meta" in batch:
+            self.batch_meta = batch.pop("meta")
+        return batch
+
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        epoch, pos = int(batch["epoch"]), int(batch["position"])
+        meta = self.batch_meta
+        epoch, pos = meta.get("epoch", 0), meta.get("position", batch_idx)
         seed = _step_seed(self.config.run.seed, epoch, pos, self.global_rank)
         gen = torch.Generator(device=self.device).manual_seed(seed)
         x = batch["latents"].float()
@@ -115,13 +197,14 @@ class FlowMatchModule(L.LightningModule):
         self.log("train/loss", out["loss"], prog_bar=True, batch_size=b)
         self.log("train/fm", out["fm"], batch_size=b)
         self.log("train/repa", out["repa"], batch_size=b)
-        if self.global_step % self.config.trainer.log_every == 0:
-            for i, (v, c) in enumerate(zip(out["bin_loss"].tolist(), out["bin_count"].tolist())):
-                if c > 0:
-                    self.log(f"train_t/bin{i}", v, batch_size=int(c))
+        sums = out["bin_loss"].nan_to_num(0.0) * out["bin_count"]  # every micro-batch, on device
+        if self._bin_sum is None:
+            self._bin_sum, self._bin_cnt = torch.zeros_like(sums), torch.zeros_like(sums)
+        self._bin_sum += sums
+        self._bin_cnt += out["bin_count"]
         dm = getattr(self.trainer, "datamodule", None)
-        if dm is not None and hasattr(dm, "mark_consumed"):
-            dm.mark_consumed(epoch, pos, int(batch["global_batch"]))
+        if dm is not None and hasattr(dm, "mark_consumed") and "global_batch" in meta:
+            dm.mark_consumed(epoch, pos, meta["global_batch"])
         return out["loss"]
 
     def optimizer_step(self, *args, **kwargs) -> None:
@@ -136,20 +219,33 @@ class FlowMatchModule(L.LightningModule):
         now = time.perf_counter()
         if self._t_last is not None:
             accum = self.trainer.accumulate_grad_batches
-            n = int(batch["global_batch"]) * accum
+            n = self.batch_meta.get("global_batch", 0) * accum
             self.log("train/samples_per_s", n / max(now - self._t_last, 1e-9), batch_size=1)
         self._t_last = now
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], batch_size=1)
         if self._grad_norm is not None:
             self.log("train/grad_norm", self._grad_norm, batch_size=1)
+        t = self.config.trainer
+        if step % t.log_every == 0 and self._bin_sum is not None:
+            for i, v in enumerate(self._bin_sum / self._bin_cnt):  # NaN: no sample in the bin
+                self.log(f"train_t/bin{i}", v, batch_size=1)
+            self._bin_sum.zero_(), self._bin_cnt.zero_()
+        if step % t.log_every == 0 or step % t.max_skipped_steps == 0:
+            self.log("train/skipped_steps", float(self.skipped_steps()), batch_size=1)
+            self._check_skips()
 
     @torch.no_grad()
     def update_ema(self) -> None:
-        """``ema = d ema + (1 - d) w`` with ``d = min(decay, (1 + step) / (10 + step))``."""
+        """``ema = d ema + (1 - d) w`` with ``d = min(decay, (1 + step) / (10 + step))``;
+        a skipped step (non-finite gradients) weighs 0, on the device."""
         d = min(self.config.optim.ema_decay, (1 + self.global_step) / (10 + self.global_step))
         ema = list(self.ema.parameters())
-        src = list(self.model.transformer.parameters())
-        torch._foreach_lerp_(ema, [p.detach() for p in src], 1 - d)
+        src = [p.detach() for p in self.model.transformer.parameters()]
+        if self._bad is None:
+            torch._foreach_lerp_(ema, src, 1 - d)
+            return
+        w = (1 - d) * (~self._bad).to(ema[0].dtype)
+        torch._foreach_lerp_(ema, src, [w] * len(ema))
 
     # ---------------------------------------------------------------------------- checkpoints
 
@@ -159,6 +255,7 @@ class FlowMatchModule(L.LightningModule):
             "preset": self.config.model.preset,
             "step": int(self.global_step),
             "flow_shift": self.config.flow.shift,
+            "skipped_steps": self.skipped_steps(),
             "encoders": {"vae": self.config.encoders.vae, "text": self.config.encoders.text},
         }
         cfg = self.model.transformer.config

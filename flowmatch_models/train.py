@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import sys
@@ -37,7 +38,10 @@ from flowmatch_models import distributed, wandb_run
 from flowmatch_models.atomic import atomic_write_text
 from flowmatch_models.callbacks import (
     AtomicCheckpointIO,
+    CheckpointPolicy,
+    DiskFullError,
     ProgressPrinter,
+    disk_full_message,
     SampleGridCallback,
     SampleIdRecorder,
     log_images,
@@ -47,7 +51,7 @@ from flowmatch_models.curves import merge_metrics, plot_coverage, plot_loss_curv
 from flowmatch_models.data import EmbeddingDataModule, OrderChangedError
 from flowmatch_models.export import export_pipeline
 from flowmatch_models.layout import DataLayout
-from flowmatch_models.lightning_module import FlowMatchModule
+from flowmatch_models.lightning_module import FlowMatchModule, NonFiniteStepsError
 
 __all__ = ["ConfigError", "TrainRequest", "TrainResult", "load_config", "main", "train"]
 
@@ -102,6 +106,8 @@ class TrainResult:
     coverage_curve: str | None = None  # partitions/samples available vs used per epoch
     sample_grid: str | None = None
     wandb_dir: str | None = None
+    skipped_steps: int = 0  # optimizer steps skipped for non-finite gradients, since the run began
+    disk_bytes: int = 0  # the run folder on disk (checkpoints, exports, logs), hard links once
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -115,6 +121,7 @@ class TrainResult:
         keep = {"step": self.step, "device": self.device, "checkpoint": self.checkpoint,
                 "samples_session": self.samples_session, "samples_total": self.samples_total,
                 "wall_s": round(self.wall_s, 1), "export_dir": self.export_dir,
+                "skipped_steps": self.skipped_steps, "disk_bytes": self.disk_bytes,
                 "wandb_dir": self.wandb_dir, **self.metrics}  # fmt: skip
         return {k: v for k, v in keep.items() if v is not None}
 
@@ -192,12 +199,12 @@ def _fit(request: TrainRequest, cfg: TrainConfig, pipes) -> TrainResult:
         cfg.data.root, request.partitions, batch_size=d.batch_size, num_workers=d.num_workers,
         seed=cfg.run.seed, shuffle_window=d.shuffle_window, text_max_len=d.text_max_len,
         load_dino=cfg.flow.repa_lambda > 0, allow_order_change=d.allow_order_change,
-        grow=d.grow, accumulate=t.accumulate_grad_batches,
+        grow=d.grow, accumulate=t.accumulate_grad_batches, fixed_text_len=cfg.model.compile,
     )  # fmt: skip
     module = FlowMatchModule(cfg)
     module.flow.null_text = dm.source.null_text
-    if cfg.model.compile:
-        module.model.transformer.compile()
+    if cfg.model.compile:  # whole FlowDiT forward (REPA output included); fixed text width
+        module.model.compile()
     cuda = torch.cuda.is_available() and t.accelerator in ("auto", "gpu", "cuda")
     precision = t.precision if t.precision != "auto" else ("bf16-mixed" if cuda else "32-true")
     coverage = {
@@ -212,15 +219,11 @@ def _fit(request: TrainRequest, cfg: TrainConfig, pipes) -> TrainResult:
     ]
     if cfg.logging.wandb:
         loggers.append(wandb_run.make_logger(cfg, run_dir, distributed.is_launcher(), coverage))
-    ckpt_cb = L.pytorch.callbacks.ModelCheckpoint(
-        dirpath=run_dir / "checkpoints",
-        filename="step{step:07d}",
-        auto_insert_metric_name=False,
-        every_n_train_steps=t.checkpoint_every,
-        save_top_k=-1 if t.keep_checkpoints else 1,
-        save_last=True,  # also at the end of training, off the cadence
-        enable_version_counter=False,  # always overwrite last.ckpt (resume --auto reads it)
-    )
+    ckpt_io = AtomicCheckpointIO()
+    ckpt_cb = CheckpointPolicy(
+        run_dir / "checkpoints", ckpt_io, t.checkpoint_every, t.full_every or t.checkpoint_every,
+        t.keep_full, t.keep_ema,
+    )  # fmt: skip
     grid_cb = SampleGridCallback(cfg, dm)
     callbacks = [ckpt_cb, ProgressPrinter(t.log_every, pipes), grid_cb]
     if cfg.logging.record_sample_ids:
@@ -229,8 +232,8 @@ def _fit(request: TrainRequest, cfg: TrainConfig, pipes) -> TrainResult:
         accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes,
         strategy=t.strategy, precision=precision, max_steps=t.max_steps, max_epochs=-1,
         accumulate_grad_batches=t.accumulate_grad_batches,
-        gradient_clip_val=cfg.optim.grad_clip or None, log_every_n_steps=t.log_every,
-        logger=loggers, callbacks=callbacks, plugins=[AtomicCheckpointIO()],
+        log_every_n_steps=t.log_every,  # gradients clipped by the module (with the skip check)
+        logger=loggers, callbacks=callbacks, plugins=[ckpt_io], enable_checkpointing=False,
         use_distributed_sampler=False, enable_progress_bar=t.progress_bar,
         enable_model_summary=False, num_sanity_val_steps=0,
         reload_dataloaders_every_n_epochs=1,  # one loader per epoch: its partitions decided at its start
@@ -256,6 +259,7 @@ def _fit(request: TrainRequest, cfg: TrainConfig, pipes) -> TrainResult:
         },
         wall_s=time.perf_counter() - t0,
         resumed_from=ckpt_path,
+        skipped_steps=module.skipped_steps(),
     )
     if not trainer.is_global_zero:
         return result
@@ -266,6 +270,20 @@ def _fit(request: TrainRequest, cfg: TrainConfig, pipes) -> TrainResult:
         flush=True,
     )
     return result
+
+
+def folder_bytes(folder: Path) -> int:
+    """Bytes a folder takes on disk, each hard-linked file once (``last.ckpt`` is a link)."""
+    seen, total = set(), 0
+    for p in Path(folder).rglob("*"):
+        try:
+            st = p.lstat()
+        except OSError:
+            continue
+        if p.is_file() and (st.st_dev, st.st_ino) not in seen:
+            seen.add((st.st_dev, st.st_ino))
+            total += st.st_size
+    return total
 
 
 def _samples_in(ckpt_path: str | None) -> int:
@@ -294,13 +312,23 @@ def _finish_outputs(result, cfg, trainer, module, dm, grid_cb, loggers) -> None:
             curve = Path(result.loss_curve) if result.loss_curve else None
             log_images(trainer, result.step, samples=grid_cb.last_path, loss_curve=curve)
         result.sample_grid = str(grid_cb.last_path)
-    result.export_dir = str(
-        export_pipeline(
-            module.ema, run_dir / "pipeline", scaling_factor=dm.scaling_factor,
-            preset=cfg.model.preset, shift=cfg.flow.shift, null_text=module.flow.null_text,
-            vae=cfg.encoders.vae, text_encoder=cfg.encoders.text,
-        )
-    )  # fmt: skip
+    try:
+        result.export_dir = str(
+            export_pipeline(
+                module.ema, run_dir / "pipeline", scaling_factor=dm.scaling_factor,
+                preset=cfg.model.preset, shift=cfg.flow.shift, null_text=module.flow.null_text,
+                vae=cfg.encoders.vae, text_encoder=cfg.encoders.text,
+            )
+        )  # fmt: skip
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        need = sum(p.numel() * p.element_size() for p in module.ema.parameters())
+        raise DiskFullError(
+            e.errno, disk_full_message(run_dir / "pipeline", need, final)
+            .replace("nothing half-written was left", "the previous pipeline/ is unchanged"),
+        ) from None  # fmt: skip
+    result.disk_bytes = folder_bytes(run_dir)
     result.wandb_dir = wandb_run.finish(loggers)
 
 
@@ -344,6 +372,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (ConfigError, OrderChangedError, FileNotFoundError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        except (NonFiniteStepsError, DiskFullError) as e:  # the run stopped itself: one line
+            print(f"error: {e.strerror if isinstance(e, DiskFullError) else e}", file=sys.stderr)
+            return 3
         if pipes is not None and result.is_global_zero:
             pipes.report_custom_message({"train_result": result.to_dict()})
             pipes.report_asset_materialization(metadata=result.materialization_metadata())

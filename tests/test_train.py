@@ -122,7 +122,7 @@ def test_complete_partitions_and_batches(store: Path) -> None:
     width = batch["mask"].sum(1).max()
     assert batch["text"].shape == (8, width, 640)  # padded to the batch's longest caption
     assert not batch["text"][~batch["mask"]].any()
-    assert len({i.split("/")[0] for i in batch["ids"]}) > 1  # the shuffle window mixes shards
+    assert len({i.split("/")[0] for i in batch["meta"]["ids"]}) > 1  # the shuffle window mixes shards
 
 
 def test_ranks_and_workers_see_disjoint_exact_samples(store: Path) -> None:
@@ -131,7 +131,7 @@ def test_ranks_and_workers_see_disjoint_exact_samples(store: Path) -> None:
 
     def ids(stream: BatchStream, n: int, workers: int = 0) -> list[list[str]]:
         it = iter(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=workers))
-        return [next(it)["ids"] for _ in range(n)]
+        return [next(it)["meta"]["ids"] for _ in range(n)]
 
     per_rank = [ids(BatchStream(src, 8, seed=3, rank=r, world_size=2), n_batches) for r in (0, 1)]
     seen = [i for r in per_rank for b in r for i in b]
@@ -146,7 +146,7 @@ def test_ranks_and_workers_see_disjoint_exact_samples(store: Path) -> None:
 def _stream_ids(stream: BatchStream, n: int, workers: int) -> list[list[str]]:
     kw = {"num_workers": workers, "prefetch_factor": 2} if workers else {}
     it = iter(torch.utils.data.DataLoader(stream, batch_size=None, **kw))
-    return [next(it)["ids"] for _ in range(n)]
+    return [next(it)["meta"]["ids"] for _ in range(n)]
 
 
 def test_workers_follow_the_single_process_order_across_epochs(store: Path) -> None:

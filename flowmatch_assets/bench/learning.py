@@ -55,7 +55,7 @@ def run_variant(
         "data.root": str(data_root),
         "trainer.max_steps": steps,
         "trainer.checkpoint_every": eval_every,
-        "trainer.keep_checkpoints": True,
+        "trainer.keep_ema": 0,
         "trainer.sample_every": 0,
         "logging.wandb": False,
     }

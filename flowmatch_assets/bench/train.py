@@ -194,7 +194,7 @@ def bench_loader(
             next(it)
         t0, n = time.perf_counter(), 0
         for _ in range(batches):
-            n += len(next(it)["ids"])
+            n += len(next(it)["meta"]["ids"])
         dt = time.perf_counter() - t0
     finally:
         if tmp is not None:
