@@ -26,8 +26,15 @@ class DiskFullError(OSError):
     """No space left for a checkpoint or an export; the previous one is intact."""
 
 
-def _is_disk_full(e: BaseException) -> bool:
-    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+def _is_disk_full(e: BaseException, folder: Path | None = None, need: int = 0) -> bool:
+    """ENOSPC/EDQUOT, or -- ``torch.save`` on a full filesystem raises ``RuntimeError:
+    basic_ios::clear: iostream error`` (seen on a real tmpfs) -- a write error in a folder
+    with less free space than the write needed."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if isinstance(e, (OSError, RuntimeError)) and folder is not None and folder.exists():
+        return shutil.disk_usage(folder).free < need + (1 << 20)
+    return False
 
 
 def payload_bytes(obj) -> int:
@@ -67,10 +74,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         try:
             with atomic_path(path) as tmp:
                 torch.save(checkpoint, tmp)
-        except OSError as e:
-            if not _is_disk_full(e):
+        except (OSError, RuntimeError) as e:
+            need = payload_bytes(checkpoint)
+            if not _is_disk_full(e, Path(path).parent, need):
                 raise
-            self.disk_full = disk_full_message(Path(path), payload_bytes(checkpoint), None)
+            self.disk_full = disk_full_message(Path(path), need, None)
 
     def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict:
         return torch.load(path, map_location=map_location or "cpu", weights_only=True)
@@ -179,10 +187,11 @@ class CheckpointPolicy(Callback):
             try:
                 with atomic_path(path) as tmp:
                     torch.save(ckpt, tmp)
-            except OSError as e:
-                if not _is_disk_full(e):
+            except (OSError, RuntimeError) as e:
+                need = payload_bytes(ckpt)
+                if not _is_disk_full(e, path.parent, need):
                     raise
-                msg = disk_full_message(path, payload_bytes(ckpt), self.last if self.last.is_file() else None)
+                msg = disk_full_message(path, need, self.last if self.last.is_file() else None)
             else:
                 self._prune(full=False)
         self._raise_if_full(trainer, msg)
