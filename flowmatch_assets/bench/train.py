@@ -3,9 +3,12 @@
     flowmatch bench train --preset base --batch 256 --device cuda
 
 One step = flow-matching + REPA forward, backward and AdamW update on random inputs of the
-real shapes (latents 32x8x8, 128 caption tokens of width 640, DINOv2 patches 64x384). FLOPs are
+real shapes (latents 32x8x8, 128 caption tokens of width 640, DINOv2 patches 64x384), with the
+training's model settings (``ModelConfig`` defaults: qk_norm, fp32 linear attention). FLOPs are
 counted by ``torch.utils.flop_counter`` on a real forward+backward; the peak is a large matmul
-timed in the same dtype in the same process. Ends with one JSON line ``{"bench": "train", ...}``.
+timed in the same dtype in the same process. ``--compile`` times the eager model and then the
+same model under ``torch.compile`` (as training compiles it: the whole FlowDiT forward) on the
+same inputs and reports both and their ratio. Ends with one JSON line ``{"bench": "train", ...}``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from flowmatch_models.config import ModelConfig
 from flowmatch_models.dit import PRESETS, build_model, count_params
 from flowmatch_models.flow import FlowMatching
 
@@ -91,11 +95,10 @@ def bench(
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(0)
-    model = build_model(preset).to(dev)
+    m = ModelConfig()
+    model = build_model(preset, qk_norm=m.qk_norm, fp32_attention=m.fp32_attention).to(dev)
     if gradient_checkpointing:
         model.transformer.enable_gradient_checkpointing()
-    if compile:
-        model.transformer.compile()
     fm = FlowMatching(repa_lambda=0.5, caption_dropout=0.1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=amp)
     x = torch.randn(batch, 32, 8, 8, device=dev)
@@ -121,12 +124,28 @@ def bench(
         loss.backward()
     opt.zero_grad(set_to_none=True)
     flops = counter.get_total_flops()
-    _sync(dev)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    _sync(dev)
-    step_s = (time.perf_counter() - t0) / steps
+
+    def timed() -> float:
+        _sync(dev)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        _sync(dev)
+        return (time.perf_counter() - t0) / steps
+
+    step_s = eager_s = timed()
+    compiled: dict = {}
+    if compile:
+        model.compile()
+        t0 = time.perf_counter()
+        for _ in range(warmup):
+            step()
+        _sync(dev)
+        warm_s = time.perf_counter() - t0
+        step_s = timed()
+        compiled = {"eager_step_s": round(eager_s, 5), "compiled_step_s": round(step_s, 5),
+                    "compile_speedup": round(eager_s / step_s, 3),
+                    "compile_warmup_s": round(warm_s, 1)}  # fmt: skip
     peak = matmul_peak(dev, dtype)
     achieved = flops / step_s
     return {
@@ -148,6 +167,9 @@ def bench(
         "matmul_peak_tflops": round(peak / 1e12, 4),
         "mfu": round(achieved / peak, 4),
         "updates_per_s_at_1024": round(batch / step_s / 1024, 4),
+        "qk_norm": m.qk_norm,
+        "fp32_attention": m.fp32_attention,
+        **compiled,
     }
 
 
@@ -212,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--text-len", type=int, default=128)
-    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="eager, then compiled: both times")
     ap.add_argument("--gradient-checkpointing", action="store_true")
     ap.add_argument("--loader", action="store_true", help="benchmark the data loader instead")
     ap.add_argument("--root", default=None, help="--loader: data root (default: synthetic)")
