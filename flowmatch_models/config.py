@@ -94,6 +94,12 @@ class DataConfig(_Section):
     num_workers: int = Field(2, ge=0)
     shuffle_window: int = Field(4, ge=1, description="Shards mixed in one shuffle window.")
     text_max_len: int = Field(128, ge=1, description="Caption tokens kept per sample.")
+    heldout_fraction: float = Field(
+        0.005, ge=0, le=0.5,
+        description="Held out of every partition by id hash, never trained on (validation, "
+        "FD); 0 = none. Changing it changes the data order (like run.seed).",
+    )  # fmt: skip
+    heldout_max_per_partition: int = Field(50, ge=0, description="Cap on held-out per partition.")
     allow_order_change: bool = Field(
         False, description="Resume although run.seed/shuffle_window changed (next epoch)."
     )
@@ -128,6 +134,10 @@ class TrainerConfig(_Section):
     )  # fmt: skip
     keep_full: int = Field(2, ge=1, description="Newest full states kept (last.ckpt links one).")
     keep_ema: int = Field(0, ge=0, description="Newest EMA snapshots kept; 0 = all.")
+    val_every: int = Field(
+        0, ge=0, description="Validation flow loss (EMA, held-out, fixed noise and t grid); 0 = off."
+    )
+    val_max_samples: int = Field(256, ge=1, description="Held-out samples validation uses.")
     max_skipped_steps: int = Field(
         20, ge=1, description="Stop after this many consecutive non-finite (skipped) steps."
     )

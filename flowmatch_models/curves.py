@@ -32,7 +32,7 @@ def merge_metrics(out_dir: Path) -> Path | None:
 
 
 def plot_loss_curve(metrics_csv: Path, out_png: Path) -> Path:
-    """Loss / FM / REPA against step from a ``metrics.csv``."""
+    """Loss / FM / REPA (and the held-out validation loss) against step from a ``metrics.csv``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -47,6 +47,9 @@ def plot_loss_curve(metrics_csv: Path, out_png: Path) -> Path:
         pts = [(int(r["step"]), float(r[key])) for r in rows if r.get(key)]
         if pts and (key == "train/fm" or min(v for _, v in pts) > 0):
             ax[0].plot(*zip(*pts), label="flow matching" if key == "train/fm" else "total")
+    pts = [(int(r["step"]), float(r["val/loss"])) for r in rows if r.get("val/loss")]
+    if pts:  # held-out, EMA, fixed noise and t grid: the curve to judge a run by
+        ax[0].plot(*zip(*pts), "o-", label="validation (held-out, EMA)", color="C3")
     pts = [(int(r["step"]), float(r["train/repa"])) for r in rows if r.get("train/repa")]
     if pts:
         ax[1].plot(*zip(*pts), label="repa (-cos)", color="C2")

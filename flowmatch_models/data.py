@@ -26,6 +26,7 @@ from pathlib import Path
 import lightning as L
 import numpy as np
 import torch
+import xxhash
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from flowmatch_models.fingerprint import ATTR as FINGERPRINT_ATTR
@@ -53,8 +54,32 @@ def shard_fingerprint(layout: DataLayout, kind: str, partition: str) -> Fingerpr
     return Fingerprint.from_json(attrs.get(FINGERPRINT_ATTR))
 
 
+def heldout_rows(ids: Sequence[str], fraction: float, cap: int) -> np.ndarray:
+    """Rows of a partition never trained on: the ids whose xxh3_64 hash is below ``fraction``
+    of its range, at most ``cap`` of them (the smallest hashes), in row order. A pure function
+    of the ids: the same samples are held out by every run, rank, worker and resume."""
+    if fraction <= 0 or cap <= 0 or not len(ids):
+        return np.zeros(0, np.int64)
+    h = np.fromiter((xxhash.xxh3_64_intdigest(i.encode()) for i in ids), np.uint64, len(ids))
+    chosen = np.flatnonzero(h < np.uint64(min(fraction, 1.0) * float(2**64 - 1)))
+    if len(chosen) > cap:
+        chosen = np.sort(chosen[np.argsort(h[chosen], kind="stable")[:cap]])
+    return chosen.astype(np.int64)
+
+
+def train_rows(ids: Sequence[str], fraction: float, cap: int) -> np.ndarray:
+    """The rows of a partition that training uses: all but :func:`heldout_rows`."""
+    keep = np.ones(len(ids), bool)
+    keep[heldout_rows(ids, fraction, cap)] = False
+    return np.flatnonzero(keep).astype(np.int64)
+
+
 class ShardSource:
-    """The partitions' three aligned shards (latents, DINO, text), opened lazily and cached."""
+    """The partitions' three aligned shards (latents, DINO, text), opened lazily and cached.
+
+    ``heldout = (fraction, cap)`` holds out :func:`heldout_rows` of every partition: ``sizes``
+    count the trainable rows, :meth:`gather_train` maps a trainable index to its row and
+    :meth:`heldout_batch` serves the held-out ones (validation, FD)."""
 
     def __init__(
         self,
@@ -64,8 +89,10 @@ class ShardSource:
         load_dino: bool = True,
         cache_shards: int = 4,
         fixed_text_len: bool = False,
+        heldout: tuple[float, int] = (0.0, 0),
     ):
         self.layout = DataLayout(root)
+        self.heldout = (float(heldout[0]), int(heldout[1]))
         self.fixed_text_len = fixed_text_len  # pad every batch to text_max_len (torch.compile)
         self.partitions = list(partitions)
         if not self.partitions:
@@ -79,9 +106,10 @@ class ShardSource:
         self._open: OrderedDict[int, dict] = OrderedDict()
         #: kind -> the fingerprint hash every partition of this source shares
         self.fingerprints = self._agreed_fingerprints()
-        self.sizes = np.array(
-            [len(self._shard("vae_latents", p)) for p in self.partitions], dtype=np.int64
-        )
+        ids = [self._shard("vae_latents", p).ids for p in self.partitions]
+        self.train_rows = [train_rows(i, *self.heldout) for i in ids]
+        self.heldout_rows = [heldout_rows(i, *self.heldout) for i in ids]
+        self.sizes = np.array([len(r) for r in self.train_rows], dtype=np.int64)
         first = self._shard("vae_latents", self.partitions[0])
         if "scaling_factor" not in first.attrs:
             raise ValueError(
@@ -186,6 +214,25 @@ class ShardSource:
         while len(self._open) > self.cache_shards:
             self._open.popitem(last=False)
         return out
+
+    def gather_train(self, shard_idx: np.ndarray, local: np.ndarray) -> dict:
+        """:meth:`gather` of trainable samples: ``local[j]`` indexes partition
+        ``shard_idx[j]``'s trainable rows (all rows when nothing is held out)."""
+        if not self.heldout[0]:
+            return self.gather(shard_idx, local)
+        rows = np.empty_like(local)
+        for s in np.unique(shard_idx):
+            j = shard_idx == s
+            rows[j] = self.train_rows[int(s)][local[j]]
+        return self.gather(shard_idx, rows)
+
+    def heldout_batch(self, max_samples: int) -> dict | None:
+        """The held-out samples (partition order, at most ``max_samples``) as one batch."""
+        pairs = [(i, r) for i, rows in enumerate(self.heldout_rows) for r in rows][:max_samples]
+        if not pairs:
+            return None
+        shard, rows = (np.array(x, np.int64) for x in zip(*pairs))
+        return self.gather(shard, rows)
 
     def gather(self, shard_idx: np.ndarray, rows: np.ndarray) -> dict:
         """Batch of samples ``(shard_idx[j], rows[j])`` in that order; text padded to the
@@ -295,7 +342,7 @@ class BatchStream(IterableDataset):
             lo = g0 + self.rank * self.batch_size
             idx = order[lo : lo + self.batch_size]
             shard = np.searchsorted(self.starts, idx, side="right") - 1
-            batch = self.source.gather(shard, idx - self.starts[shard])
+            batch = self.source.gather_train(shard, idx - self.starts[shard])
             # bookkeeping as host values beside the tensors: the module takes it off the batch
             # before the transfer, so reading it never waits on the device
             batch["meta"] = {"epoch": int(epoch), "position": int(g0),
@@ -332,9 +379,11 @@ class EmbeddingDataModule(L.LightningDataModule):
         grow: bool = False,
         accumulate: int = 1,
         fixed_text_len: bool = False,
+        heldout: tuple[float, int] = (0.0, 0),
     ):
         super().__init__()
         self.fixed_text_len = fixed_text_len
+        self.heldout = (float(heldout[0]), int(heldout[1]))
         self.allow_order_change = allow_order_change
         self.root = Path(root)
         self.fixed = list(partitions) if partitions else None
@@ -361,7 +410,7 @@ class EmbeddingDataModule(L.LightningDataModule):
     def _open(self, partitions: list[str]) -> ShardSource:
         return ShardSource(
             self.root, partitions, self.text_max_len, self.load_dino, self.shuffle_window + 1,
-            fixed_text_len=self.fixed_text_len,
+            fixed_text_len=self.fixed_text_len, heldout=self.heldout,
         )  # fmt: skip
 
     @property
@@ -446,6 +495,7 @@ class EmbeddingDataModule(L.LightningDataModule):
                 "sizes": [int(n) for n in self.source.sizes],
                 "seed": self.seed,
                 "shuffle_window": self.shuffle_window,
+                "heldout": list(self.heldout),
                 "global_batch": stream.global_batch,
                 "accumulate": self.accumulate,
                 "pos_from": self.position,
@@ -513,6 +563,7 @@ class EmbeddingDataModule(L.LightningDataModule):
             "position": self.position,
             "seed": self.seed,
             "shuffle_window": self.shuffle_window,
+            "heldout": list(self.heldout),
             "partitions": list(self.partitions),
             "trained_counts": dict(self.trained_counts),
             "ledger": [dict(s) for s in self.ledger if s["pos_to"] > s["pos_from"]],
@@ -522,13 +573,16 @@ class EmbeddingDataModule(L.LightningDataModule):
         self.trained_counts = {p: 0 for p in self.partitions}
         self.trained_counts.update({k: int(v) for k, v in state["trained_counts"].items()})
         self.ledger = [dict(s) for s in state.get("ledger", [])]
-        ours = {"seed": self.seed, "shuffle_window": self.shuffle_window}
+        ours = {"seed": self.seed, "shuffle_window": self.shuffle_window,
+                "heldout": list(self.heldout)}  # fmt: skip
         changed = {k: (state[k], v) for k, v in ours.items() if k in state and state[k] != v}
         if changed and not self.allow_order_change:
             what = ", ".join(
                 f"data.{k}: checkpoint {a!r} -> now {b!r}" for k, (a, b) in changed.items()
             )
-            what = what.replace("data.seed", "run.seed")
+            what = what.replace("data.seed", "run.seed").replace(
+                "data.heldout", "data.heldout_fraction/heldout_max_per_partition"
+            )
             raise OrderChangedError(
                 f"resume would change the data order ({what}); set it back, or pass "
                 "--set data.allow_order_change=true to continue with a new order from the next epoch"

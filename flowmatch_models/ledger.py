@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pyarrow as pa
 
-from flowmatch_models.data import epoch_order
+from flowmatch_models.data import epoch_order, train_rows
 
 
 def segment_samples(seg: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -34,8 +34,8 @@ def segment_samples(seg: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 #: What places a segment's samples (its other fields are reports: available, skipped).
-ORDER_KEYS = ("epoch", "partitions", "sizes", "seed", "shuffle_window", "global_batch",
-              "accumulate", "pos_from", "step_from")  # fmt: skip
+ORDER_KEYS = ("epoch", "partitions", "sizes", "seed", "shuffle_window", "heldout",
+              "global_batch", "accumulate", "pos_from", "step_from")  # fmt: skip
 
 
 def is_prefix(base: Sequence[dict], segs: Sequence[dict]) -> bool:
@@ -66,6 +66,13 @@ def delta(base: Sequence[dict], segs: Sequence[dict]) -> list[dict]:
     return out + [dict(s) for s in segs[last + 1 :]]
 
 
+def _trained_ids(ids: Sequence[str], heldout: tuple) -> Sequence[str]:
+    """A partition's ids in the order the segment's rows index: the trainable ones."""
+    if not heldout or not heldout[0]:
+        return ids
+    return [ids[i] for i in train_rows(ids, float(heldout[0]), int(heldout[1]))]
+
+
 def expand(
     segments: Sequence[dict], ids_of: Callable[[str], Sequence[str]]
 ) -> dict[str, np.ndarray]:
@@ -77,6 +84,7 @@ def expand(
     sizes: dict[str, int] = {}
     keys, steps = [], []
     offsets: dict[str, int] = {}
+    heldout: dict[str, tuple] = {}  # per partition: the held-out rule its rows skip
     for seg in segments:
         shard, row, step = segment_samples(seg)
         for p, n in zip(seg["partitions"], seg["sizes"]):
@@ -84,6 +92,7 @@ def expand(
                 index[p], offsets[p] = len(names), sum(sizes.values())
                 names.append(p)
                 sizes[p] = int(n)
+                heldout[p] = tuple(seg.get("heldout") or (0.0, 0))
         off = np.array([offsets[p] for p in seg["partitions"]], np.int64)
         keys.append(off[shard] + row)
         steps.append(step)
@@ -97,7 +106,7 @@ def expand(
     uniq = key[first]
     bounds = np.array([offsets[p] for p in names] + [sum(sizes.values())], np.int64)
     part = (np.searchsorted(bounds, uniq, side="right") - 1).astype(np.int32)
-    all_ids = pa.array([i for p in names for i in ids_of(p)], pa.string())
+    all_ids = pa.array([i for p in names for i in _trained_ids(ids_of(p), heldout[p])], pa.string())
     return {
         "sample_id": all_ids.take(pa.array(uniq)),
         "partition": pa.DictionaryArray.from_arrays(part, pa.array(names, pa.string())),

@@ -230,9 +230,53 @@ class FlowMatchModule(L.LightningModule):
             for i, v in enumerate(self._bin_sum / self._bin_cnt):  # NaN: no sample in the bin
                 self.log(f"train_t/bin{i}", v, batch_size=1)
             self._bin_sum.zero_(), self._bin_cnt.zero_()
+        if t.val_every and step % t.val_every == 0 and self.trainer.is_global_zero:
+            vals = self.validation_losses()
+            for logger in self.trainer.loggers if vals else []:  # this step only (CSV, wandb)
+                logger.log_metrics(vals, step=step)
         if step % t.log_every == 0 or step % t.max_skipped_steps == 0:
             self.log("train/skipped_steps", float(self.skipped_steps()), batch_size=1)
             self._check_skips()
+
+    @torch.no_grad()
+    def validation_losses(self, chunk: int = 64) -> dict[str, float] | None:
+        """Flow loss of the EMA model on the held-out samples (never trained on) at a fixed t
+        grid (the centres of ``flow.n_bins`` bins, no shift) with fixed noise, without caption
+        dropout: ``val/loss`` (mean over the grid) and ``val/t{k}`` per bin. The same inputs at
+        every evaluation, so the curve moves only with the model. None without held-out data."""
+        dm = getattr(self.trainer, "datamodule", None)
+        source = getattr(dm, "source", None)
+        if source is None:
+            return None
+        key = (id(source), self.config.trainer.val_max_samples)
+        if getattr(self, "_val_key", None) != key:
+            self._val_key = key
+            self._val = source.heldout_batch(self.config.trainer.val_max_samples)
+        if self._val is None:
+            return None
+        from flowmatch_models.flow import _velocity
+
+        n_bins, dev = self.config.flow.n_bins, self.device
+        x = self._val["latents"].float()
+        gen = torch.Generator().manual_seed(20261203)  # the same noise at every evaluation
+        noise = torch.randn((n_bins, *x.shape), generator=gen)
+        was = self.ema.training
+        self.ema.eval()
+        out: dict[str, float] = {}
+        for k in range(n_bins):
+            t, total = (k + 0.5) / n_bins, 0.0
+            for i in range(0, len(x), chunk):
+                xb, e = x[i : i + chunk].to(dev), noise[k, i : i + chunk].to(dev)
+                text = self._val["text"][i : i + chunk].float().to(dev)
+                mask = self._val["mask"][i : i + chunk].to(dev)
+                tt = torch.full((len(xb),), t, device=dev)
+                v = _velocity(self.ema, (1 - t) * xb + t * e, tt, text, mask)
+                total += float(((v.float() - (e - xb)) ** 2).mean(dim=(1, 2, 3)).sum())
+            out[f"val/t{k}"] = total / len(x)
+        self.ema.train(was)
+        out["val/loss"] = sum(out.values()) / n_bins
+        out["val/samples"] = float(len(x))
+        return out
 
     @torch.no_grad()
     def update_ema(self) -> None:

@@ -406,3 +406,38 @@ def test_compiled_training_has_no_graph_break_or_recompile_and_matches_eager(sto
     assert len(losses[True]) == len(losses[False]) == 20
     np.testing.assert_allclose(losses[True], losses[False], rtol=1e-4)
     torch._dynamo.reset()
+
+
+# --------------------------------------------------------------------------------------------
+# held-out split and validation loss
+# --------------------------------------------------------------------------------------------
+
+
+def test_heldout_samples_are_never_trained_and_validation_is_fixed(store, tmp_path) -> None:
+    from flowmatch_models import ledger
+    from flowmatch_models.data import OrderChangedError, heldout_rows
+
+    out = tmp_path / "val"
+    over = dict(data__heldout_fraction=0.15, data__heldout_max_per_partition=3,
+                trainer__val_every=2, trainer__accumulate_grad_batches=1)  # fmt: skip
+    result = fit_with(tiny_config(store, out, trainer__max_steps=12, **over), [])
+    layout = DataLayout(store)
+    ids = {p: read_shard(layout.asset_path("vae_latents", p)).ids for p in sorted(SIZES)}
+    held = {ids[p][r] for p in ids for r in heldout_rows(ids[p], 0.15, 3)}
+    assert 4 <= len(held) <= 12  # a few per partition, at most the cap
+    trained = {i for rec in read_records(out) for i in rec["ids"]}
+    assert len(trained) > 60 and not trained & held  # 12 x 8 samples: every trainable seen
+    ckpt = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)
+    rows = ledger.expand(ckpt["EmbeddingDataModule"]["ledger"], lambda p: ids[p])
+    from_ledger = set(rows["sample_id"].to_pylist())
+    assert from_ledger == trained and not from_ledger & held  # the ledger proves it
+    val = [r for r in _metrics(out) if r.get("val/loss")]
+    assert [int(r["step"]) for r in val] == [2, 4, 6, 8, 10, 12]
+    assert all(float(r["val/samples"]) == len(held) for r in val)
+    assert all(np.isfinite(float(r["val/loss"])) for r in val)
+    assert {f"val/t{k}" for k in range(10)} <= set(val[0])
+    assert result.step == 12
+    # a changed held-out rule changes the order: the resume stops and names it
+    cfg = tiny_config(store, out, trainer__max_steps=14, **{**over, "data__heldout_fraction": 0.2})
+    with pytest.raises(OrderChangedError, match="data.heldout_fraction"):
+        fit_with(cfg, [])
