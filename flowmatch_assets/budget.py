@@ -320,6 +320,7 @@ def project_disk(measured: dict, cfg: BudgetConfig) -> list[dict]:
         note = f"{codecs}; from {samples:,} samples"
         out.append({"what": what, "bytes_per_sample": b, "gb": b * cfg.dataset_pairs / 1e9,
                     "note": note})  # fmt: skip
+    out.append(checkpoint_row(cfg))
     for what, gb in (
         ("seed: images 256 px", SEED_IMAGES_GB),
         ("seed: embeddings", SEED_EMBEDDINGS_GB),
@@ -327,6 +328,29 @@ def project_disk(measured: dict, cfg: BudgetConfig) -> list[dict]:
         out.append({"what": what, "bytes_per_sample": gb * 1e9 / PD12M_PAIRS,
                     "gb": gb * cfg.dataset_pairs / PD12M_PAIRS, "note": "seed, for PD12M, scaled"})  # fmt: skip
     return out
+
+
+def checkpoint_row(cfg: BudgetConfig) -> dict:
+    """Checkpoints of a run of ``updates`` steps with configs/base.yaml's retention (full
+    states + EMA snapshots, :func:`flowmatch_models.callbacks.checkpoint_disk_plan`), priced
+    with the base preset's real parameter counts."""
+    import torch
+
+    from flowmatch_models.callbacks import checkpoint_disk_plan
+    from flowmatch_models.config import load_config
+    from flowmatch_models.dit import build_model, count_params
+
+    base = load_config(Path(__file__).resolve().parents[1] / "configs" / "base.yaml")
+    base.trainer.max_steps = cfg.updates
+    with torch.device("meta"):
+        model = build_model(base.model.preset, projector_hidden=base.model.projector_hidden)
+    plan = checkpoint_disk_plan(base, count_params(model), count_params(model.transformer))
+    t = base.trainer
+    note = (f"base.yaml: {plan['ema_snapshots_kept']} EMA snapshots (every {t.checkpoint_every:,}) "
+            f"x {plan['ema_snapshot_bytes'] / 1e9:.2f} GB + {plan['full_states_kept']} full states "
+            f"x {plan['full_state_bytes'] / 1e9:.2f} GB; last.ckpt a link")  # fmt: skip
+    return {"what": f"checkpoints (SSD, {cfg.updates:,} updates)", "bytes_per_sample": None,
+            "gb": plan["total_bytes"] / 1e9, "note": note}  # fmt: skip
 
 
 def payback_hours(cfg: BudgetConfig) -> float | None:

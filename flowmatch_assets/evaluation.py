@@ -196,6 +196,8 @@ def log_to_wandb(run_dir: str | Path, scored: list[tuple[int, dict, Path]], proj
     run.define_metric("eval/*", step_metric="eval/step")
     for step, result, figure in scored:
         row = {f"eval/{a}": float(v) for a, v in result["accuracy"].items()}
+        if result.get("fd_dinov2") is not None:
+            row["eval/fd_dinov2"] = float(result["fd_dinov2"])
         row.update({f"eval/{a}_chance": float(v) for a, v in result["chance"].items()})
         row["eval/step"] = int(step)
         row["eval/figure"] = wandb.Image(str(figure), caption=f"step {step}")
@@ -203,3 +205,97 @@ def log_to_wandb(run_dir: str | Path, scored: list[tuple[int, dict, Path]], proj
     local = str(Path(run.dir).parent)
     run.finish()
     return local
+
+
+# --------------------------------------------------------------------------------------------
+# FD-DINOv2 on the held-out split
+# --------------------------------------------------------------------------------------------
+
+
+def frechet_distance(a: np.ndarray, b: np.ndarray) -> float:
+    """Frechet distance between Gaussians fitted to feature rows ``a [N, D]`` and ``b [M, D]``:
+    ``|mu_a - mu_b|^2 + tr(S_a) + tr(S_b) - 2 tr((S_a^1/2 S_b S_a^1/2)^1/2)`` in float64, the
+    matrix roots by symmetric eigendecomposition (exact for the PSD covariances; no scipy)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    mu = a.mean(0) - b.mean(0)
+    sa, sb = np.atleast_2d(np.cov(a, rowvar=False)), np.atleast_2d(np.cov(b, rowvar=False))
+    w, v = np.linalg.eigh(sa)
+    root = (v * np.sqrt(np.clip(w, 0, None))) @ v.T
+    m = root @ sb @ root
+    tr_sqrt = np.sqrt(np.clip(np.linalg.eigvalsh((m + m.T) / 2), 0, None)).sum()
+    return float(mu @ mu + np.trace(sa) + np.trace(sb) - 2 * tr_sqrt)
+
+
+def heldout_set(data_root: str | Path, checkpoint: str | Path, max_samples: int = 256) -> dict:
+    """The held-out samples of the run that wrote ``checkpoint`` (its data state names the
+    partitions and the held-out rule): caption embeddings ``text``/``mask`` (the prompts), the
+    stored DINOv2 CLS features ``cls [N, D]`` of the same images, and their ``ids``. Empty
+    (``n`` 0) when the run holds nothing out."""
+    import torch
+
+    from flowmatch_models.data import ShardSource
+    from flowmatch_models.layout import DataLayout
+    from flowmatch_models.store import read_shard
+
+    state = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)
+    data = state.get("EmbeddingDataModule") or {}
+    rule = tuple(data.get("heldout") or (0.0, 0))
+    if not rule[0] or not data.get("partitions"):
+        return {"n": 0, "rule": rule}
+    src = ShardSource(data_root, data["partitions"], load_dino=False, heldout=rule)
+    batch = src.heldout_batch(max_samples)
+    if batch is None:
+        return {"n": 0, "rule": rule}
+    layout, cls = DataLayout(data_root), []
+    left = max_samples
+    for p, rows in zip(src.partitions, src.heldout_rows):
+        if len(rows) and left > 0:
+            rows = rows[:left]
+            cls.append(np.asarray(read_shard(layout.asset_path("dino_features", p))["cls"])[rows])
+            left -= len(rows)
+    return {"n": len(batch["ids"]), "rule": rule, "ids": batch["ids"], "text": batch["text"].float(),
+            "mask": batch["mask"], "cls": np.concatenate(cls).astype(np.float32)}  # fmt: skip
+
+
+def fd_dinov2(
+    checkpoint: str | Path,
+    data_root: str | Path,
+    vae: str,
+    dino: str,
+    held: dict | None = None,
+    steps: int = 20,
+    cfg_scale: float = 4.0,
+    seed: int = 0,
+) -> dict:
+    """FD-DINOv2 of a checkpoint: the EMA model draws one image per held-out caption (fixed
+    noise), the VAE decodes them, DINOv2 gives their CLS features, and the Frechet distance to
+    the stored CLS features of the held-out images themselves is returned (no extra pass over
+    real images). ``fd_dinov2`` None (with ``reason``) when the run holds nothing out. The
+    label says whether the DINOv2 weights are real (:func:`flowmatch_models.zoo.weights_label`)."""
+    import torch
+
+    from flowmatch_models.sample import generate, load_model
+    from flowmatch_models.zoo import weights_label
+
+    held = held if held is not None else heldout_set(data_root, checkpoint)
+    label = weights_label(dino)
+    if held["n"] < 2:
+        return {"fd_dinov2": None, "n": held["n"], "dino": dino, "dino_weights": label,
+                "reason": "fewer than 2 held-out samples (data.heldout_fraction)"}  # fmt: skip
+    model, meta = load_model(checkpoint=checkpoint)
+    with torch.inference_mode():
+        images = generate(
+            model, held["text"], held["mask"], float(meta["scaling_factor"]), _vae(vae), steps,
+            cfg_scale, seed, float(meta.get("flow_shift", 1.0)), meta.get("null_text"),
+        )  # fmt: skip
+    _, cls = _dino(dino).encode_dino(images)
+    return {"fd_dinov2": frechet_distance(cls.astype(np.float32), held["cls"]), "n": held["n"],
+            "step": int(meta.get("step", -1)), "dino": dino, "dino_weights": label}  # fmt: skip
+
+
+@functools.lru_cache(maxsize=1)
+def _dino(path: str):
+    """The DINOv2 encoder, loaded once per process for all checkpoints."""
+    from flowmatch_models.encoders import Encoders, EncoderSpec
+
+    return Encoders(EncoderSpec(dino=path))

@@ -214,6 +214,9 @@ def flow_model(
                 "samples_per_s_last_window": result.metrics.get("samples_per_s"),
                 "rate_windows": len(windows),
                 "loss": result.metrics.get("loss"),
+                "val_loss": result.metrics.get("val_loss"),
+                "skipped_steps": result.skipped_steps,  # non-finite steps, since the run began
+                "disk_bytes": result.disk_bytes,  # the run folder (checkpoints, exports, logs)
                 "preset": _preset(result.export_dir),
                 # what it trained on: {kind: {fingerprint hash: [partitions]}} (`flowmatch stale`)
                 "input_fingerprints": trained_on(flowmatch, result.partitions),
@@ -319,6 +322,7 @@ class EvaluationConfig(dg.Config):
     seed: int = Field(default=0, description="Prompt and noise seed (fixed: scores compare).")
     steps: int = Field(default=20, description="Euler steps.")
     cfg_scale: float = Field(default=4.0, description="Classifier-free guidance scale.")
+    fd_samples: int = Field(default=256, description="Held-out samples FD-DINOv2 draws.")
     wandb_project: str = Field(default="flowmatch", description="The training run's W&B project.")
 
 
@@ -338,6 +342,8 @@ def evaluation(
         checkpoints,
         evaluate_checkpoint,
         evaluation_figure,
+        fd_dinov2,
+        heldout_set,
         log_to_wandb,
         rows_for_catalog,
         summary_line,
@@ -351,10 +357,14 @@ def evaluation(
     enc = flowmatch.encoders
     md: dict = {}
     scored = []
+    held = heldout_set(flowmatch.data_root, found[-1][1], config.fd_samples)  # one set for all
     for step, path in found:
         result = evaluate_checkpoint(
             path, enc.text, enc.vae, config.n_prompts, config.seed, config.steps, config.cfg_scale
         )
+        fd = fd_dinov2(path, flowmatch.data_root, enc.vae, enc.dino, held, config.steps,
+                       config.cfg_scale, config.seed)  # fmt: skip
+        result["fd_dinov2"], result["fd"] = fd["fd_dinov2"], fd
         catalog.record_evaluation(
             flowmatch.data_root,
             config.run_name,
@@ -362,13 +372,20 @@ def evaluation(
             rows_for_catalog(result, config.run_name, path),
         )
         fig = evaluation_figure(result, out / "evaluation" / f"step{step:07d}.png")
-        context.log.info(f"{config.run_name} step {step}: {summary_line(result)}")
+        fd_line = (f"FD-DINOv2 {fd['fd_dinov2']:.2f} on {fd['n']} held-out" if fd["fd_dinov2"]
+                   is not None else f"no FD-DINOv2 ({fd['reason']})")  # fmt: skip
+        if fd["dino_weights"]:
+            fd_line += f" [{fd['dino_weights']}]"
+        context.log.info(f"{config.run_name} step {step}: {summary_line(result)}; {fd_line}")
         scored.append((step, result, fig))
         md = {
             "step": step,
             **{f"{a}_accuracy": round(v, 3) for a, v in result["accuracy"].items()},
             **{f"{a}_chance": round(v, 3) for a, v in result["chance"].items()},
             "prompts": result["n"],
+            "fd_dinov2": fd["fd_dinov2"],
+            "fd_heldout_samples": fd["n"],
+            "fd_dino_weights": fd["dino_weights"] or "real",
             "figure_png": dg.MetadataValue.path(str(fig)),
             "figure": dg.MetadataValue.md(markdown_image(Image.open(fig), "evaluation", 800)),
         }

@@ -1,7 +1,8 @@
 """`flowmatch bench learning`: does the model learn to follow captions, and what do REPA and the
 positional embedding do for it, on the user's own (demo) data?
 
-For each variant of {REPA on, off} x {PE on, off} it trains the demo's DiT from scratch with the
+For each variant of {REPA on, off} x {PE on, off} (and ``repa+pe-nostab``: SANA's qk_norm and
+fp32 linear attention off) it trains the demo's DiT from scratch with the
 same data, seed and schedule (``configs/tiny.yaml``, the demo's), saves a checkpoint every ``--eval-every``
 steps and scores each with the caption-following evaluation (flowmatch_assets.evaluation):
 colour / shape / size / position accuracy of generated images against the chance level.
@@ -30,6 +31,9 @@ VARIANTS = {
     "repa": {"flow.repa_lambda": 0.5, "model.pos_embed": False},
     "pe": {"flow.repa_lambda": 0.0, "model.pos_embed": True},
     "none": {"flow.repa_lambda": 0.0, "model.pos_embed": False},
+    # SANA's stability settings (qk_norm, fp32 linear attention; defaults) off, REPA + PE on
+    "repa+pe-nostab": {"flow.repa_lambda": 0.5, "model.pos_embed": True,
+                       "model.qk_norm": False, "model.fp32_attention": False},  # fmt: skip
 }
 ATTRS = ("colour", "shape", "size", "position", "all_four")
 
