@@ -165,7 +165,7 @@ class CheckpointPolicy(Callback):
     def save_full(self, trainer) -> None:
         path = self.dir / self.full_name(trainer)
         self.io.disk_full = None
-        trainer.save_checkpoint(path)
+        trainer.save_checkpoint(path, weights_only=False)  # the full resumable state
         msg = self.io.disk_full
         if msg and self.last.is_file():
             msg = msg.replace("no earlier checkpoint", f"the previous checkpoint {self.last} is intact")
