@@ -5,7 +5,7 @@ An :class:`EmbeddingKind` says everything the rest of the code needs about one k
 or captions), its arrays with shapes and dtypes, which arrays may be stored in 1 byte, what the
 seed's format would have stored for it (the compression report's reference), the attrs that
 count problems (warning checks), and whether training needs it. :data:`KINDS` is the registry:
-the Dagster multi-asset and its checks (``flowmatch_assets/embedding_assets.py``), the catalog's
+the Dagster multi-asset and its checks (``flowmatch_assets/defs/embedding_assets.py``), the catalog's
 coverage, the budget and training's coverage read it, and nothing else lists the kinds.
 
 :func:`encode_partition` is the whole precalc of one partition as a plain function (no Dagster,

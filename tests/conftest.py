@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from flowmatch_assets.demo_dataset import SampleSpec, write_sample
-from flowmatch_assets.ingest import IngestConfig
-from flowmatch_assets.resources import FlowmatchResource
+from flowmatch_assets.defs.resources import FlowmatchResource
+from flowmatch_assets.demo.dataset import SampleSpec, write_sample
+from flowmatch_assets.ingest.images import IngestConfig
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("WANDB_MODE", "offline")

@@ -17,13 +17,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from flowmatch_assets.catalog import Catalog
-from flowmatch_assets.dedupe import build_hash_index
-from flowmatch_assets.definitions import defs, resources_for
-from flowmatch_assets.demo_dataset import SampleSpec, write_sample
-from flowmatch_assets.ingest import IngestConfig
-from flowmatch_assets.metadata import FilterConfig
-from flowmatch_assets.partitions import register_partitions
-from flowmatch_assets.resources import FlowmatchResource
+from flowmatch_assets.definitions import defs
+from flowmatch_assets.defs.definitions import resources_for
+from flowmatch_assets.defs.partitions import register_partitions
+from flowmatch_assets.defs.resources import FlowmatchResource
+from flowmatch_assets.demo.dataset import SampleSpec, write_sample
+from flowmatch_assets.ingest.dedupe import build_hash_index
+from flowmatch_assets.ingest.images import IngestConfig
+from flowmatch_assets.ingest.metadata import FilterConfig
 from tests.conftest import REPO
 from tests.http_fixtures import LoopbackHTTPServer, Reply
 

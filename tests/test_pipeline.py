@@ -12,9 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from flowmatch_assets.catalog import Catalog
-from flowmatch_assets.definitions import defs, resources_for
-from flowmatch_assets.partitions import SHARDS, register_partitions
-from flowmatch_assets.resources import FlowmatchResource
+from flowmatch_assets.definitions import defs
+from flowmatch_assets.defs.definitions import resources_for
+from flowmatch_assets.defs.partitions import SHARDS, register_partitions
+from flowmatch_assets.defs.resources import FlowmatchResource
 from flowmatch_models.image_shard import iter_image_batches
 from tests.conftest import REPO, make_resource
 
@@ -91,7 +92,7 @@ def test_partition_materializes_every_row_gets_one_outcome_and_rerun_is_idempote
 
 
 def test_sensor_registers_new_metadata_files(resource, small_sample):
-    from flowmatch_assets.partitions import pd12m_partition_sensor
+    from flowmatch_assets.defs.partitions import pd12m_partition_sensor
 
     with dg.instance_for_test() as instance:
         ctx = dg.build_sensor_context(instance=instance, resources={"flowmatch": resource})

@@ -1,9 +1,9 @@
 """Caption following of a trained model on the demo domain, scored against chance.
 
 ``evaluate_checkpoint`` draws prompts from the procedural sample's caption grammar
-(:func:`flowmatch_assets.caption_eval.prompts`), generates one image per prompt with the model's
+(:func:`flowmatch_assets.reports.caption_eval.prompts`), generates one image per prompt with the model's
 EMA weights (fixed noise, Euler + CFG with the stored null caption), decodes them with the VAE
-and scores them with the deterministic analyser (:func:`flowmatch_assets.caption_eval.score`):
+and scores them with the deterministic analyser (:func:`flowmatch_assets.reports.caption_eval.score`):
 per attribute (colour, shape, size, position, background) the fraction right and the chance
 level. ``evaluation_figure`` draws the images beside their prompts and the analyser's reading.
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from flowmatch_assets import caption_eval
+from flowmatch_assets.reports import caption_eval
 from flowmatch_models.grid import save_png
 
 ATTRIBUTES = ("colour", "shape", "size", "position")  # what captions ask of the object

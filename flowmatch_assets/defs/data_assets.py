@@ -11,26 +11,27 @@ from pydantic import Field
 
 from flowmatch_assets import catalog
 from flowmatch_assets.catalog import RowOutcome
-from flowmatch_assets.dedupe import (
+from flowmatch_assets.defs.deploy import IMAGE_TAGS
+from flowmatch_assets.defs.partitions import shard_partitions
+from flowmatch_assets.defs.resources import FlowmatchResource
+from flowmatch_assets.defs.routine import PartitionOutput, run_partitions
+from flowmatch_assets.ingest.dedupe import (
     build_hash_index,
     drop_content_duplicates,
     hash_winners,
     stored_before,
 )
-from flowmatch_assets.deploy import IMAGE_TAGS
-from flowmatch_assets.ingest import IngestResult, ingest_rows, is_retryable
-from flowmatch_assets.metadata import (
+from flowmatch_assets.ingest.images import IngestResult, ingest_rows, is_retryable
+from flowmatch_assets.ingest.metadata import (
     filter_rows,
     ids_as_strings,
     parse_shard_key,
     read_metadata_shard,
 )
-from flowmatch_assets.partitions import shard_partitions
-from flowmatch_assets.resources import FlowmatchResource
-from flowmatch_assets.routine import PartitionOutput, run_partitions
 from flowmatch_models.atomic import atomic_path
 from flowmatch_models.grid import make_grid, markdown_image, save_png
 from flowmatch_models.image_shard import decode, write_image_shard
+from flowmatch_models.layout import DataLayout
 
 GROUP = "data"
 
@@ -258,7 +259,7 @@ def _drop_content_duplicates(
 
 def _earlier_drops(root, part: str, ids: set[str], dropped: list[dict]) -> list[dict]:
     """The content-duplicate records of the shard's previous run that this run did not redo."""
-    p = catalog.DataLayout(root).catalog_dir / "duplicates" / "images_256" / f"{part}.parquet"
+    p = DataLayout(root).catalog_dir / "duplicates" / "images_256" / f"{part}.parquet"
     redone = {d["id"] for d in dropped}
     prev = pq.read_table(p).to_pylist() if p.exists() else []
     return [d for d in prev if d["id"] in ids and d["id"] not in redone]

@@ -1,8 +1,8 @@
 """The sample's images as the ``images_256`` stage stores them, made in memory (no files).
 
-``images_256(seed, n)`` draws ``n`` images with :func:`flowmatch_assets.demo_dataset.draw_image`
+``images_256(seed, n)`` draws ``n`` images with :func:`flowmatch_assets.demo.dataset.draw_image`
 (one seeded generator), encodes each as the sample writes most rows (JPEG, quality 90) and runs
-the bytes through the stage's own :func:`flowmatch_assets.ingest.process_image` (decode with DCT
+the bytes through the stage's own :func:`flowmatch_assets.ingest.images.process_image` (decode with DCT
 scaling, short side to 256, centre crop, JPEG q95), so the pixels are exactly what the pipeline
 would store. For the demo VAE's training data and the caption analyser's ground truth.
 """
@@ -14,8 +14,8 @@ import io
 import numpy as np
 from PIL import Image
 
-from flowmatch_assets.demo_dataset import draw_image
-from flowmatch_assets.ingest import IngestConfig, process_image
+from flowmatch_assets.demo.dataset import draw_image
+from flowmatch_assets.ingest.images import IngestConfig, process_image
 
 
 def images_256(

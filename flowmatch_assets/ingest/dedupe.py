@@ -45,8 +45,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from flowmatch_assets.catalog import _file_lock
-from flowmatch_assets.metadata import (
+from flowmatch_assets.catalog import file_lock
+from flowmatch_assets.ingest.metadata import (
     FilterConfig,
     HashWinners,
     MetadataError,
@@ -178,7 +178,7 @@ def build_hash_index(
     digest = hashlib.sha256(json.dumps(sorted(ident.items())).encode()).hexdigest()[:16]
     final = base / f"global-{digest}"
     if not (final / "row.npy").exists():
-        with _file_lock(base / ".build.lock"):  # saves duplicate work only; the writes are atomic
+        with file_lock(base / ".build.lock"):  # saves duplicate work only; the writes are atomic
             if not (final / "row.npy").exists():
                 _build_global(base, final, files, ident, cfg, log)
     keys, file_, row = (np.load(final / f"{a}.npy", mmap_mode="r") for a in ("keys", "file", "row"))

@@ -28,7 +28,7 @@ from pathlib import Path
 import dagster as dg
 
 from flowmatch_assets import catalog
-from flowmatch_assets.resources import FlowmatchResource
+from flowmatch_assets.defs.resources import FlowmatchResource
 from flowmatch_models.embeddings import KINDS, kind_fingerprint
 from flowmatch_models.fingerprint import UNKNOWN, Fingerprint, diff, hash_of, weights_cache_file
 from flowmatch_models.layout import PARTITIONED_ASSETS, TRAINING_INPUTS

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import dagster as dg
 
-from flowmatch_assets import catalog, fingerprints
+from flowmatch_assets import catalog
 from flowmatch_assets.catalog import MaterializationRecord, RowOutcome
-from flowmatch_assets.resources import FlowmatchResource
+from flowmatch_assets.defs.resources import FlowmatchResource
+from flowmatch_assets.freshness import fingerprints
 from flowmatch_models.atomic import remove_stale_temps
 from flowmatch_models.fingerprint import Fingerprint
 
@@ -77,7 +78,7 @@ class PartitionOutput:
         """Record rows and the materialization (``record``: the other MaterializationRecord
         fields) in the catalog and return the result with ``metadata`` and the path; with the
         ``fingerprint`` of what made it (default: the asset's current one,
-        flowmatch_assets/fingerprints.py) in the record, the metadata and the data version."""
+        flowmatch_assets/freshness/fingerprints.py) in the record, the metadata and the data version."""
         fp = fingerprint or fingerprints.current(self.flowmatch, self.asset, self.partition)
         extra = {**dict(record.pop("extra", None) or {}), "fingerprint": fp.to_json()}  # type: ignore[call-overload]
         root = self.flowmatch.data_root

@@ -9,7 +9,7 @@ that ``dagster dev`` starts), ``partitionBackfillOrError`` for its status, and `
     flowmatch backfill --missing [--assets a,b] [--url http://127.0.0.1:3000] [--wait]
     flowmatch backfill --stale [--assets a,b] [--wait]
 
-``--stale`` re-runs exactly the stale asset partitions (flowmatch_assets.fingerprints: made
+``--stale`` re-runs exactly the stale asset partitions (flowmatch_assets.freshness.fingerprints: made
 with other settings, or from a stale or re-made upstream; their downstream partitions are stale
 too): partitions with the same set of stale assets go into one backfill.
 """
@@ -251,9 +251,9 @@ def _missing_from_url(url: str, asset_keys: Sequence[str], data_root=None) -> li
 def _missing_on_disk(
     keys: Sequence[str], asset_keys: Sequence[str], instance=None, data_root=None
 ) -> list[str]:
-    from flowmatch_assets.resources import resource_from_env
-    from flowmatch_assets.state import missing_partitions as _missing
-    from flowmatch_assets.state import partition_states
+    from flowmatch_assets.defs.resources import resource_from_env
+    from flowmatch_assets.freshness.state import missing_partitions as _missing
+    from flowmatch_assets.freshness.state import partition_states
     from flowmatch_models.layout import DataLayout
 
     layout = DataLayout(data_root) if data_root else resource_from_env().layout
@@ -262,7 +262,7 @@ def _missing_on_disk(
 
 
 def _missing_from_instance(instance, asset_keys: Sequence[str], data_root=None) -> list[str]:
-    from flowmatch_assets.partitions import SHARDS
+    from flowmatch_assets.defs.partitions import SHARDS
 
     keys = sorted(instance.get_dynamic_partitions(SHARDS))
     return _missing_on_disk(keys, asset_keys, instance, data_root)
@@ -272,7 +272,7 @@ def missing_partitions(
     source, asset_keys: Sequence[str] | None = None, data_root: str | None = None
 ) -> list[str]:
     """Registered partitions that at least one of ``asset_keys`` is missing, by the one
-    definition in flowmatch_assets.state (file valid, catalog record, Dagster materialization;
+    definition in flowmatch_assets.freshness.state (file valid, catalog record, Dagster materialization;
     failed partitions count as missing; on a webserver, ones materializing now do not).
     ``source`` is a webserver URL or a DagsterInstance; the files are those of ``data_root``
     (default: FLOWMATCH_DATA_ROOT)."""
@@ -363,8 +363,8 @@ def main(argv: list[str] | None = None) -> int:
 def stale_backfills(assets: Sequence[str], data_root: str | None = None) -> list[tuple]:
     """``(assets, partitions)`` of the backfills that re-make exactly the stale asset
     partitions of ``assets`` (settings and files: FLOWMATCH_*, or ``data_root``)."""
-    from flowmatch_assets.fingerprints import stale_groups, staleness
-    from flowmatch_assets.resources import resource_from_env
+    from flowmatch_assets.defs.resources import resource_from_env
+    from flowmatch_assets.freshness.fingerprints import stale_groups, staleness
 
     res = resource_from_env(overrides={"data_root": data_root} if data_root else None)
     return stale_groups(staleness(res, assets=list(assets)))

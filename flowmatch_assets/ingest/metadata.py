@@ -65,7 +65,7 @@ class FilterConfig(BaseModel):
     drop_duplicate_content: bool = Field(
         default=True,
         description="After download, drop a row whose bytes (md5) an earlier row in dataset "
-        "order already stored (a wrong metadata hash); see flowmatch_assets/dedupe.py.",
+        "order already stored (a wrong metadata hash); see flowmatch_assets/ingest/dedupe.py.",
     )
 
 
@@ -203,7 +203,7 @@ def read_metadata_shard(source: str, key: str, shard_size: int) -> tuple[pa.Tabl
 
 #: ``winners(table, eligible)``: for the rows ``eligible`` (indices into ``table``, each kept by
 #: every other filter and carrying a hash), ``{index: (kept_partition, kept_id)}`` of those that
-#: are not their hash's first occurrence (flowmatch_assets.dedupe: across the whole dataset).
+#: are not their hash's first occurrence (flowmatch_assets.ingest.dedupe: across the whole dataset).
 HashWinners = Callable[[pa.Table, list[int]], dict[int, tuple[str, str]]]
 
 

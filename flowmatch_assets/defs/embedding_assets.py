@@ -12,13 +12,13 @@ from collections.abc import Sequence
 
 import dagster as dg
 
-from flowmatch_assets import fingerprints
 from flowmatch_assets.catalog import RowOutcome
-from flowmatch_assets.data_assets import images_256
-from flowmatch_assets.deploy import ENCODER_TAGS
-from flowmatch_assets.partitions import shard_partitions
-from flowmatch_assets.resources import FlowmatchResource
-from flowmatch_assets.routine import PartitionOutput, run_partitions
+from flowmatch_assets.defs.data_assets import images_256
+from flowmatch_assets.defs.deploy import ENCODER_TAGS
+from flowmatch_assets.defs.partitions import shard_partitions
+from flowmatch_assets.defs.resources import FlowmatchResource
+from flowmatch_assets.defs.routine import PartitionOutput, run_partitions
+from flowmatch_assets.freshness import fingerprints
 from flowmatch_models.devices import lease_device
 from flowmatch_models.embeddings import KINDS, EmbeddingKind, encode_partition, shard_problems
 from flowmatch_models.fingerprint import ATTR as FINGERPRINT_ATTR

@@ -12,17 +12,17 @@ import dagster as dg
 from pydantic import Field
 
 from flowmatch_assets import catalog
-from flowmatch_assets.budget import logged_rates, steady_rate
 from flowmatch_assets.catalog import MaterializationRecord
-from flowmatch_assets.deploy import TRAIN_TAGS
-from flowmatch_assets.fingerprints import trained_on
-from flowmatch_assets.partitions import SHARDS
-from flowmatch_assets.resources import FlowmatchResource
+from flowmatch_assets.defs.deploy import TRAIN_TAGS
+from flowmatch_assets.defs.partitions import SHARDS
+from flowmatch_assets.defs.resources import FlowmatchResource
+from flowmatch_assets.freshness.fingerprints import trained_on
+from flowmatch_assets.reports.budget import logged_rates, steady_rate
 from flowmatch_models.layout import TRAINING_INPUTS as EMBEDDING_ASSETS
 from flowmatch_models.layout import DataLayout
 
 GROUP = "training"
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 class TrainRunConfig(dg.Config):
@@ -334,7 +334,7 @@ def evaluation(
 ) -> dg.MaterializeResult:
     from PIL import Image
 
-    from flowmatch_assets.evaluation import (
+    from flowmatch_assets.reports.evaluation import (
         checkpoints,
         evaluate_checkpoint,
         evaluation_figure,

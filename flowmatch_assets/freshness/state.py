@@ -34,7 +34,7 @@ from flowmatch_models.layout import PARTITIONED_ASSETS, DataLayout
 
 PRESENT = "present"
 #: The check whose failure `verify` reports per asset (None: the asset has no check); every
-#: embedding kind has ``<kind>_valid`` (flowmatch_assets/embedding_assets.py).
+#: embedding kind has ``<kind>_valid`` (flowmatch_assets/defs/embedding_assets.py).
 DATA_CHECKS = {"pd12m_metadata": None, "images_256": "images_256_complete"}
 
 
@@ -181,7 +181,7 @@ def _record_failed_attempt(instance, s: PartitionState) -> None:
     The stand-in asset has the real key and partitions and does nothing but fail."""
     import dagster as dg
 
-    from flowmatch_assets.partitions import shard_partitions
+    from flowmatch_assets.defs.partitions import shard_partitions
 
     message = f"flowmatch verify: {s.asset} {s.partition} is {s.state} ({s.detail})"
 
@@ -201,7 +201,7 @@ def _record_failed_attempt(instance, s: PartitionState) -> None:
 def _verify_sensor_fn(context, flowmatch):
     import dagster as dg
 
-    from flowmatch_assets.partitions import SHARDS
+    from flowmatch_assets.defs.partitions import SHARDS
 
     keys = sorted(context.instance.get_dynamic_partitions(SHARDS))
     bad = verify(flowmatch.layout, keys, context.instance, deep=False)

@@ -17,8 +17,9 @@ from typing import Any
 import dagster as dg
 from pydantic import BaseModel, Field, field_validator
 
-from flowmatch_assets.ingest import IngestConfig
-from flowmatch_assets.metadata import FilterConfig
+from flowmatch_assets.demo import DEMO_VAE
+from flowmatch_assets.ingest.images import IngestConfig
+from flowmatch_assets.ingest.metadata import FilterConfig
 from flowmatch_models.embeddings import EncoderSpec
 from flowmatch_models.layout import DataLayout
 
@@ -34,11 +35,6 @@ def dagster_config(model: type[BaseModel]) -> type:
 FilterSettings = dagster_config(FilterConfig)
 IngestSettings = dagster_config(IngestConfig)
 EncoderSettings = dagster_config(EncoderSpec)
-
-
-#: The committed demo VAE (an AutoencoderDC trained on the synthetic sample only, not the real
-#: DC-AE; `scripts/train_demo_vae.py`): the VAE of the demo's data root.
-DEMO_VAE = Path(__file__).resolve().parent / "demo_vae"
 
 
 class FlowmatchResource(dg.ConfigurableResource):

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flowmatch_assets.resources import DEMO_VAE  # the demo's VAE (re-exported: tests, bench)
+from flowmatch_assets.demo import DEMO_VAE
 
 
 def _instance():
@@ -34,7 +34,7 @@ def _instance():
 
 
 def _resource(overrides: dict | None = None):
-    from flowmatch_assets.resources import resource_from_env
+    from flowmatch_assets.defs.resources import resource_from_env
 
     return resource_from_env(overrides=overrides)  # bad settings: see _one_line
 
@@ -50,7 +50,7 @@ def _setting_message(e: Exception) -> str:
     if isinstance(e, ValidationError):
         err = e.errors()[0]
         field = str(err["loc"][-1]) if err["loc"] else "?"
-        from flowmatch_assets.resources import ENV_OF
+        from flowmatch_assets.defs.resources import ENV_OF
 
         var = ENV_OF.get(field, "the FLOWMATCH_* variable that sets it")
         return (
@@ -94,7 +94,7 @@ def _check_assets(names: list[str], valid: list[str]) -> None:
 
 
 def cmd_partitions(action: str) -> int:
-    from flowmatch_assets.partitions import SHARDS, discover, register_partitions
+    from flowmatch_assets.defs.partitions import SHARDS, discover, register_partitions
 
     res = _resource()
     if action == "register":
@@ -120,15 +120,15 @@ def materialize(
     """Materialize ``assets`` (default: the whole data lineage) for ``partitions`` (default: all
     registered) in-process, recorded in the DAGSTER_HOME instance, with the assets' checks;
     ``res``: the FlowmatchResource (default: from the environment); ``stale_only``: only the
-    stale asset partitions (flowmatch_assets.fingerprints; with ``missing_only``: both).
+    stale asset partitions (flowmatch_assets.freshness.fingerprints; with ``missing_only``: both).
     Returns partition -> success."""
     import dagster as dg
 
     run_config = dict(run_config or {})
 
-    from flowmatch_assets.definitions import all_assets_and_checks, resources_for
-    from flowmatch_assets.partitions import SHARDS, register_partitions
-    from flowmatch_assets.state import partition_states
+    from flowmatch_assets.defs.definitions import all_assets_and_checks, resources_for
+    from flowmatch_assets.defs.partitions import SHARDS, register_partitions
+    from flowmatch_assets.freshness.state import partition_states
     from flowmatch_models.layout import PARTITIONED_ASSETS
 
     instance = _instance()
@@ -145,12 +145,12 @@ def materialize(
     out: dict[str, bool] = {}
     stale: set[tuple[str, str]] = set()
     if stale_only:
-        from flowmatch_assets.fingerprints import staleness
+        from flowmatch_assets.freshness.fingerprints import staleness
 
         stale = {(s.asset, s.partition) for s in staleness(res, keys, names)}
     for i, key in enumerate(keys):
         todo = names if not (missing_only or stale_only) else []
-        if missing_only:  # one definition of missing: flowmatch_assets.state
+        if missing_only:  # one definition of missing: flowmatch_assets.freshness.state
             states = partition_states(layout, [key], names, instance)
             todo = [s.asset for s in states if s.missing]
         if stale_only:
@@ -200,7 +200,7 @@ def train(
     """Materialize flow_model (and samples) in-process; training itself runs as a Pipes subprocess."""
     import dagster as dg
 
-    from flowmatch_assets.definitions import all_assets_and_checks, resources_for
+    from flowmatch_assets.defs.definitions import all_assets_and_checks, resources_for
 
     run_cfg: dict = {"run_name": run_name, "overrides": list(extra or [])}
     if steps is not None:
@@ -229,7 +229,7 @@ def evaluate(
     """Materialize ``evaluation`` in-process: caption following of the run's checkpoint(s)."""
     import dagster as dg
 
-    from flowmatch_assets.definitions import all_assets_and_checks, resources_for
+    from flowmatch_assets.defs.definitions import all_assets_and_checks, resources_for
 
     cfg = {"run_name": run_name, "checkpoints": which, "n_prompts": n_prompts}
     result = dg.materialize(
@@ -282,7 +282,7 @@ def cmd_export(
 def cmd_ledger(run: str) -> int:
     """`flowmatch ledger RUN`: the catalog ledger of every checkpoint of a run (per sample)."""
     from flowmatch_assets.catalog import Catalog, format_table
-    from flowmatch_assets.training_assets import write_ledgers
+    from flowmatch_assets.defs.training_assets import write_ledgers
 
     res = _resource()
     name = Path(run).name
@@ -338,7 +338,7 @@ def retry(partitions: list[str] | None = None, reasons: list[str] | None = None)
 
 def cmd_retry(partition: list[str], reason: list[str]) -> int:
     if partition:
-        from flowmatch_assets.partitions import SHARDS
+        from flowmatch_assets.defs.partitions import SHARDS
 
         _check_partitions(partition, sorted(_instance().get_dynamic_partitions(SHARDS)))
     res = retry(partition or None, reason or None)
@@ -346,8 +346,8 @@ def cmd_retry(partition: list[str], reason: list[str]) -> int:
 
 
 def cmd_verify(partition: list[str], quick: bool) -> int:
-    from flowmatch_assets.partitions import SHARDS
-    from flowmatch_assets.state import verify
+    from flowmatch_assets.defs.partitions import SHARDS
+    from flowmatch_assets.freshness.state import verify
 
     res = _resource()
     instance = _instance()
@@ -369,8 +369,8 @@ def cmd_stale(partition: list[str], asset: list[str], as_json: bool, no_report: 
     """List stale asset partitions and training runs with the fingerprint fields that changed;
     report them to Dagster as the per-partition ``<asset>_fresh`` checks (unless --no-report)."""
     from flowmatch_assets.catalog import format_table
-    from flowmatch_assets.fingerprints import model_staleness, report, staleness
-    from flowmatch_assets.partitions import SHARDS
+    from flowmatch_assets.defs.partitions import SHARDS
+    from flowmatch_assets.freshness.fingerprints import model_staleness, report, staleness
     from flowmatch_models.layout import PARTITIONED_ASSETS
 
     res, instance = _resource(), _instance()
@@ -466,8 +466,8 @@ def print_reports(data_root: str) -> None:
 def cmd_demo(
     data_root: str, files: int, rows_per_file: int, regenerate: bool, train_steps: int | None
 ) -> int:
-    from flowmatch_assets.demo_dataset import SampleSpec, write_sample
-    from flowmatch_assets.resources import resource_from_env
+    from flowmatch_assets.defs.resources import resource_from_env
+    from flowmatch_assets.demo.dataset import SampleSpec, write_sample
 
     root = Path(os.environ.get("FLOWMATCH_DATA_ROOT") or data_root).resolve()
     sample_dir, zoo = root / "sample", root / "zoo"
@@ -552,7 +552,7 @@ def materialize_budget(res=None) -> bool:
     """Materialize budget_report (the projection from what the catalog measured)."""
     import dagster as dg
 
-    from flowmatch_assets.definitions import all_assets_and_checks, resources_for
+    from flowmatch_assets.defs.definitions import all_assets_and_checks, resources_for
 
     result = dg.materialize(
         all_assets_and_checks(),
@@ -571,13 +571,13 @@ def cmd_data_card(partition: list[str], refresh: bool, as_json: bool) -> int:
     and ``dataset_card``; print the whole dataset's card (``--no-refresh``: from the records)."""
     import dagster as dg
 
-    from flowmatch_assets.data_card_assets import write_dataset_card
-    from flowmatch_assets.definitions import all_assets_and_checks, resources_for
+    from flowmatch_assets.defs.data_card_assets import write_dataset_card
+    from flowmatch_assets.defs.definitions import all_assets_and_checks, resources_for
 
     res = _resource()
     if refresh:
         instance = _instance()
-        from flowmatch_assets.partitions import register_partitions
+        from flowmatch_assets.defs.partitions import register_partitions
 
         register_partitions(instance, res)
         have = res.layout.partitions_with("pd12m_metadata")
@@ -617,7 +617,7 @@ def cmd_data_card(partition: list[str], refresh: bool, as_json: bool) -> int:
 
 
 def cmd_sample(argv: list[str]) -> int:
-    from flowmatch_assets.demo_dataset import main
+    from flowmatch_assets.demo.dataset import main
 
     main(argv)
     return 0
@@ -630,13 +630,13 @@ def cmd_zoo(argv: list[str]) -> int:
 
 
 def cmd_budget(argv: list[str]) -> int:
-    from flowmatch_assets.budget_cli import main
+    from flowmatch_assets.cli.budget import main
 
     return main(argv)
 
 
 def cmd_backfill(argv: list[str]) -> int:
-    from flowmatch_assets.backfill import main
+    from flowmatch_assets.freshness.backfill import main
 
     return main(argv)
 
@@ -903,8 +903,8 @@ def _one_line(e: BaseException) -> str | None:
     """The one-line message of a usage mistake, or None for a real bug (traceback)."""
     from pydantic import ValidationError
 
-    from flowmatch_assets.metadata import MetadataError
-    from flowmatch_assets.resources import SettingError
+    from flowmatch_assets.defs.resources import SettingError
+    from flowmatch_assets.ingest.metadata import MetadataError
 
     if isinstance(e, CliError | MetadataError):
         return str(e)  # MetadataError names the folder and FLOWMATCH_METADATA already

@@ -3,8 +3,8 @@
 import dagster as dg
 
 from flowmatch_assets.catalog import record_partitions
-from flowmatch_assets.metadata import MetadataError, ShardSpec, discover_shards
-from flowmatch_assets.resources import FlowmatchResource
+from flowmatch_assets.defs.resources import FlowmatchResource
+from flowmatch_assets.ingest.metadata import MetadataError, ShardSpec, discover_shards
 
 SHARDS = "pd12m_shards"
 shard_partitions = dg.DynamicPartitionsDefinition(name=SHARDS)

@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from flowmatch_assets.catalog import CARD_SECTIONS, Catalog, format_table
-from flowmatch_assets.metadata import ids_as_strings, read_metadata_shard
+from flowmatch_assets.ingest.metadata import ids_as_strings, read_metadata_shard
 from flowmatch_models.layout import DataLayout
 
 DATASET = "dataset"

@@ -1,6 +1,6 @@
 """Caption following on the procedural sample: does a 256 px image show what its caption says?
 
-The embedded sample (:mod:`flowmatch_assets.demo_dataset`) captions every image with one sentence,
+The embedded sample (:mod:`flowmatch_assets.demo.dataset`) captions every image with one sentence,
 
     "a {size} {colour} {shape} {where} of a textured {background} background"
 
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
-from flowmatch_assets.demo_dataset import BACKGROUNDS, COLOURS, SHAPES, _polygon
+from flowmatch_assets.demo.dataset import BACKGROUNDS, COLOURS, SHAPES, _polygon
 
 # --------------------------------------------------------------------------------------------
 # The caption grammar (sample.draw_image)
@@ -118,7 +118,7 @@ def parse_caption(caption: str) -> dict[str, str]:
     if m is None:
         raise ValueError(
             f"caption {caption!r} is not in the sample grammar "
-            f"{_TEMPLATE!r} (see flowmatch_assets.demo_dataset.draw_image)"
+            f"{_TEMPLATE!r} (see flowmatch_assets.demo.dataset.draw_image)"
         )
     g = m.groupdict()
     return {

@@ -1,4 +1,4 @@
-"""The data card assets (flowmatch_assets/data_card.py): a picture per partition and one for the
+"""The data card assets (flowmatch_assets/reports/data_card.py): a picture per partition and one for the
 whole dataset. (No ``from __future__ import annotations`` here: Dagster reads the annotations.)"""
 
 import time
@@ -7,10 +7,10 @@ import dagster as dg
 
 from flowmatch_assets import catalog
 from flowmatch_assets.catalog import Catalog
-from flowmatch_assets.data_assets import images_256, pd12m_metadata
-from flowmatch_assets.data_card import DATASET, card, card_rows, markdown, render
-from flowmatch_assets.partitions import shard_partitions
-from flowmatch_assets.resources import FlowmatchResource
+from flowmatch_assets.defs.data_assets import images_256, pd12m_metadata
+from flowmatch_assets.defs.partitions import shard_partitions
+from flowmatch_assets.defs.resources import FlowmatchResource
+from flowmatch_assets.reports.data_card import DATASET, card, card_rows, markdown, render
 from flowmatch_models.atomic import atomic_write_text
 from flowmatch_models.grid import markdown_image, save_png
 

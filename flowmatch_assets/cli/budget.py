@@ -8,8 +8,8 @@ import sys
 
 from pydantic import ValidationError
 
-from flowmatch_assets.budget import BudgetConfig, budget
 from flowmatch_assets.catalog import Catalog
+from flowmatch_assets.reports.budget import BudgetConfig, budget
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Print the report (markdown or ``--json``); 0 on success, 2 on invalid targets."""
-    from flowmatch_assets.resources import resource_from_env
+    from flowmatch_assets.defs.resources import resource_from_env
 
     a = build_parser().parse_args(argv)
     try:

@@ -1,4 +1,4 @@
-"""The ``budget_report`` asset: the budget projection (flowmatch_assets.budget) in the UI.
+"""The ``budget_report`` asset: the budget projection (flowmatch_assets.reports.budget) in the UI.
 
 Non-partitioned and without ``deps``: it only reads the catalog, so materializing it never forces
 any data asset to run; re-materialize it after new measurements to refresh the table.
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import dagster as dg
 
-from flowmatch_assets.budget import BudgetConfig, budget
 from flowmatch_assets.catalog import Catalog
-from flowmatch_assets.resources import FlowmatchResource, dagster_config
+from flowmatch_assets.defs.resources import FlowmatchResource, dagster_config
+from flowmatch_assets.reports.budget import BudgetConfig, budget
 from flowmatch_models.atomic import atomic_write_text
 
 BudgetSettings = dagster_config(BudgetConfig)
