@@ -76,6 +76,21 @@ def test_only_the_wiring_folders_import_dagster():
     assert not offenders, "Dagster imported outside the wiring folders:\n" + "\n".join(offenders)
 
 
+def test_private_dagster_apis_only_in_compat():
+    """``dagster._*`` and the instance's storages are reached only through compat.py (its
+    tests fail loudly on the Dagster version that changes them)."""
+    offenders = []
+    for module, path in _modules().items():
+        if module == "flowmatch_assets.compat":
+            continue
+        private = [m for m in _imports(path, module) if m.startswith("dagster._")]
+        if private or "_storage." in path.read_text():
+            offenders.append(f"{path.relative_to(REPO)}: {private or 'instance storage'}")
+    assert not offenders, "private Dagster API outside flowmatch_assets/compat.py:\n" + "\n".join(
+        offenders
+    )
+
+
 def _graph() -> dict[str, set[str]]:
     mods = _modules()
     graph: dict[str, set[str]] = {}

@@ -3,11 +3,14 @@
 One table, :data:`COMMANDS`: a verb -> the function that runs it and its arguments; the function
 takes them as typed keyword arguments. Adding a verb is one entry and one function. Verbs whose
 module has its own parser (sample, zoo, budget, backfill, bench) take the rest of the line as
-``argv``. Settings come from the same FLOWMATCH_* environment variables as `dagster dev`
-(resources.resource_from_env), and runs are recorded in the Dagster instance at DAGSTER_HOME, so
-what the CLI materializes shows up in the UI. A usage mistake (unknown partition or asset, bad
-setting, no metadata, ...) is one line naming the problem and the fix, exit code 2; `--debug`
-shows the traceback.
+``argv``. The verbs are thin: the work is a library function (:mod:`flowmatch_assets.runs` for
+what runs the asset graph, else the folder of the concern), which the tests and the demo call too.
+Settings come from the same FLOWMATCH_* environment variables as `dagster dev`
+(``defs.resources.resource_from_env``), and runs are recorded in the Dagster instance at
+DAGSTER_HOME, so what the CLI materializes shows up in the UI. A verb prints its answer and one
+progress line per step; `--verbose` adds Dagster's event log. A usage mistake (unknown partition
+or asset, bad setting, no metadata, ...) is one line naming the problem and the fix, exit code 2;
+`--debug` shows the traceback.
 """
 
 from __future__ import annotations
@@ -21,26 +24,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flowmatch_assets import runs
 from flowmatch_assets.demo import DEMO_VAE
+from flowmatch_assets.runs import UsageError, check_assets, check_partitions, known_partitions
+
+CliError = UsageError  # a usage mistake: one line, exit code 2 (the library raises it too)
 
 
 def _instance():
-    """The Dagster instance at DAGSTER_HOME (default ./dagster_home)."""
-    import dagster as dg
-
-    home = Path(os.environ.get("DAGSTER_HOME") or "dagster_home").resolve()
-    home.mkdir(exist_ok=True)
-    return dg.DagsterInstance.from_config(str(home))
+    return runs.instance()
 
 
 def _resource(overrides: dict | None = None):
-    from flowmatch_assets.defs.resources import resource_from_env
-
-    return resource_from_env(overrides=overrides)  # bad settings: see _one_line
-
-
-class CliError(Exception):
-    """A usage mistake: printed as one line (problem and fix), exit code 2."""
+    return runs.resource(overrides)  # bad settings: see _one_line
 
 
 def _setting_message(e: Exception) -> str:
@@ -58,34 +54,6 @@ def _setting_message(e: Exception) -> str:
             "environment variable"
         )
     return f"bad setting {e}; fix that environment variable"
-
-
-def _check_partitions(keys: list[str], known: list[str]) -> None:
-    import difflib
-
-    unknown = [k for k in keys if k not in known]
-    if not unknown:
-        return
-    if not known:
-        raise CliError(
-            f"unknown partition {unknown[0]!r}: no partitions are registered; run "
-            "`flowmatch partitions register` (or check FLOWMATCH_METADATA)"
-        )
-    near = difflib.get_close_matches(unknown[0], known, n=3, cutoff=0.3) or known[:3]
-    raise CliError(
-        f"unknown partition {unknown[0]!r}; nearest: {', '.join(near)} "
-        f"({len(known)} registered: `flowmatch partitions list`)"
-    )
-
-
-def _check_assets(names: list[str], valid: list[str]) -> None:
-    import difflib
-
-    for n in names:
-        if n not in valid:
-            near = difflib.get_close_matches(n, valid, n=1)
-            hint = f"did you mean {near[0]!r}? " if near else ""
-            raise CliError(f"unknown asset {n!r}; {hint}assets: {', '.join(valid)}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -108,145 +76,10 @@ def cmd_partitions(action: str) -> int:
     return 0
 
 
-def materialize(
-    partitions: list[str] | None = None,
-    assets: list[str] | None = None,
-    missing_only: bool = False,
-    raise_on_error: bool = False,
-    run_config: dict | None = None,
-    res=None,
-    stale_only: bool = False,
-) -> dict[str, bool]:
-    """Materialize ``assets`` (default: the whole data lineage) for ``partitions`` (default: all
-    registered) in-process, recorded in the DAGSTER_HOME instance, with the assets' checks;
-    ``res``: the FlowmatchResource (default: from the environment); ``stale_only``: only the
-    stale asset partitions (flowmatch_assets.freshness.fingerprints; with ``missing_only``: both).
-    Returns partition -> success."""
-    import dagster as dg
-
-    run_config = dict(run_config or {})
-
-    from flowmatch_assets.defs.definitions import all_assets_and_checks, resources_for
-    from flowmatch_assets.defs.partitions import SHARDS, register_partitions
-    from flowmatch_assets.freshness.state import partition_states
-    from flowmatch_models.layout import PARTITIONED_ASSETS
-
-    instance = _instance()
-    res = res or _resource()
-    register_partitions(instance, res)
-    known = sorted(instance.get_dynamic_partitions(SHARDS))
-    _check_partitions(list(partitions or []), known)
-    names = assets or list(PARTITIONED_ASSETS)
-    _check_assets(names, list(PARTITIONED_ASSETS))
-    keys = partitions or known
-    # the asset checks run in the same run (blocking ones stop downstream assets on failure)
-    all_assets = all_assets_and_checks()
-    layout = res.layout
-    out: dict[str, bool] = {}
-    stale: set[tuple[str, str]] = set()
-    if stale_only:
-        from flowmatch_assets.freshness.fingerprints import staleness
-
-        stale = {(s.asset, s.partition) for s in staleness(res, keys, names)}
-    for i, key in enumerate(keys):
-        todo = names if not (missing_only or stale_only) else []
-        if missing_only:  # one definition of missing: flowmatch_assets.freshness.state
-            states = partition_states(layout, [key], names, instance)
-            todo = [s.asset for s in states if s.missing]
-        if stale_only:
-            todo = [a for a in names if a in todo or (a, key) in stale]
-        if not todo:
-            flags = (("present", missing_only), ("fresh", stale_only))
-            state = " and ".join(w for w, on in flags if on) or "present"
-            print(f"[{i + 1}/{len(keys)}] {key}: all of {names} {state}, skipped")
-            continue
-        t0 = time.perf_counter()
-        result = dg.materialize(
-            all_assets,
-            selection=todo,
-            partition_key=key,
-            instance=instance,
-            resources=resources_for(res),
-            raise_on_error=raise_on_error,
-            tags={"flowmatch/cli": "materialize"},
-            run_config={"loggers": {"console": {"config": {"log_level": "INFO"}}}, **run_config},
-        )
-        out[key] = result.success
-        status = "ok" if result.success else "FAILED"
-        print(
-            f"[{i + 1}/{len(keys)}] {key}: {', '.join(todo)} {status} ({time.perf_counter() - t0:.1f}s)"
-        )
-        if not result.success:
-            for ev in result.all_events:
-                if ev.is_step_failure:
-                    data = ev.step_failure_data
-                    if data.user_failure_data and data.user_failure_data.description:
-                        msg = data.user_failure_data.description  # a dg.Failure: its message
-                    else:
-                        lines = (data.error.message if data.error else "").strip().splitlines()
-                        msg = lines[-1] if lines else "failed"
-                    print(f"    {ev.step_key}: {msg}")
-    return out
-
-
-def train(
-    steps: int | None = None,
-    run_name: str = "default",
-    config_file: str | None = None,
-    extra: list[str] | None = None,
-    with_samples: bool = True,
-    res=None,
-) -> bool:
-    """Materialize flow_model (and samples) in-process; training itself runs as a Pipes subprocess."""
-    import dagster as dg
-
-    from flowmatch_assets.defs.definitions import all_assets_and_checks, resources_for
-
-    run_cfg: dict = {"run_name": run_name, "overrides": list(extra or [])}
-    if steps is not None:
-        run_cfg["max_steps"] = steps
-    if config_file:
-        run_cfg["config_file"] = str(Path(config_file).resolve())
-    ops = {"flow_model": {"config": run_cfg}}
-    if with_samples:
-        ops["samples"] = {"config": {"run_name": run_name}}
-    t0 = time.perf_counter()
-    result = dg.materialize(
-        all_assets_and_checks(),
-        selection=list(ops),
-        instance=_instance(),
-        resources=resources_for(res or _resource()),
-        run_config={"ops": ops, "loggers": {"console": {"config": {"log_level": "INFO"}}}},
-        raise_on_error=False,
-    )
-    print(f"training {'ok' if result.success else 'FAILED'} ({time.perf_counter() - t0:.0f}s)")
-    return result.success
-
-
-def evaluate(
-    run_name: str = "default", which: str = "latest", n_prompts: int = 48, res=None
-) -> bool:
-    """Materialize ``evaluation`` in-process: caption following of the run's checkpoint(s)."""
-    import dagster as dg
-
-    from flowmatch_assets.defs.definitions import all_assets_and_checks, resources_for
-
-    cfg = {"run_name": run_name, "checkpoints": which, "n_prompts": n_prompts}
-    result = dg.materialize(
-        all_assets_and_checks(),
-        selection=["evaluation"],
-        instance=_instance(),
-        resources=resources_for(res or _resource()),
-        run_config={"ops": {"evaluation": {"config": cfg}}},
-        raise_on_error=False,
-    )
-    return result.success
-
-
 def cmd_evaluate(run_name: str, checkpoints: str, prompts: int) -> int:
     from flowmatch_assets.catalog import Catalog, format_table
 
-    ok = evaluate(run_name, checkpoints, prompts)
+    ok = runs.evaluate(run_name, checkpoints, prompts)
     rows = Catalog(_resource().data_root).query(
         "SELECT step, attribute, round(accuracy, 3) AS accuracy, round(chance, 3) AS chance, "
         "round(x_chance, 1) AS x_chance FROM evaluations WHERE run = ? ORDER BY step, attribute",
@@ -301,59 +134,31 @@ def cmd_ledger(run: str) -> int:
 def cmd_train(
     steps: int | None, run_name: str, config: str | None, overrides: list[str], no_samples: bool
 ) -> int:
-    return 0 if train(steps, run_name, config, overrides, not no_samples) else 1
+    return 0 if runs.train(steps, run_name, config, overrides, not no_samples) else 1
 
 
 def cmd_materialize(partition: list[str], asset: list[str], missing: bool, stale: bool) -> int:
-    res = materialize(partition or None, asset or None, missing_only=missing, stale_only=stale)
+    res = runs.materialize(partition or None, asset or None, missing_only=missing, stale_only=stale)
     return 0 if all(res.values()) else 1
-
-
-def retry(partitions: list[str] | None = None, reasons: list[str] | None = None) -> dict[str, bool]:
-    """Re-fetch the failed rows (retryable reasons, or ``reasons``) of ``partitions`` (default:
-    every partition with such rows) and merge them into their images_256 shards."""
-    from flowmatch_assets.catalog import Catalog
-
-    res = _resource()
-    cat = Catalog(res.data_root)
-    where = "reason IN (SELECT unnest(?))" if reasons else "retryable"
-    params = [list(reasons)] if reasons else []
-    rows = cat.query(
-        f"""SELECT partition, count(*) AS n FROM failures
-            WHERE asset = 'images_256' AND outcome = 'failed' AND {where}
-            GROUP BY partition ORDER BY partition""",
-        params,
-    )
-    todo = {r["partition"]: r["n"] for r in rows}
-    keys = [k for k in (partitions or sorted(todo)) if k in todo]
-    if not keys:
-        what = f"with reasons {reasons}" if reasons else "with a retryable reason"
-        print(f"no failed rows {what}" + (f" in {', '.join(partitions)}" if partitions else ""))
-        return {}
-    for k in keys:
-        print(f"{k}: retrying {todo[k]} failed rows")
-    cfg = {"retry": True, "reasons": list(reasons) if reasons else None}
-    return materialize(keys, ["images_256"], run_config={"ops": {"images_256": {"config": cfg}}})
 
 
 def cmd_retry(partition: list[str], reason: list[str]) -> int:
     if partition:
-        from flowmatch_assets.defs.partitions import SHARDS
-
-        _check_partitions(partition, sorted(_instance().get_dynamic_partitions(SHARDS)))
-    res = retry(partition or None, reason or None)
+        check_partitions(partition, known_partitions(_instance()))
+    res = runs.retry(partition or None, reason or None)
     return 0 if all(res.values()) else 1
 
 
 def cmd_verify(partition: list[str], quick: bool) -> int:
-    from flowmatch_assets.defs.partitions import SHARDS
     from flowmatch_assets.freshness.state import verify
 
     res = _resource()
     instance = _instance()
-    known = sorted(instance.get_dynamic_partitions(SHARDS))
-    _check_partitions(partition, known)
-    bad = verify(res.layout, partition or known, instance, deep=not quick)
+    known = known_partitions(instance)
+    check_partitions(partition, known)
+    bad = verify(
+        res.layout, partition or known, instance, deep=not quick, run_config=runs.log_config()
+    )
     for s in bad:
         print(f"{s.partition}  {s.asset}  {s.state}  {s.detail}")
     fixed = sum(s.state in ("gone", "corrupt") for s in bad)
@@ -369,14 +174,13 @@ def cmd_stale(partition: list[str], asset: list[str], as_json: bool, no_report: 
     """List stale asset partitions and training runs with the fingerprint fields that changed;
     report them to Dagster as the per-partition ``<asset>_fresh`` checks (unless --no-report)."""
     from flowmatch_assets.catalog import format_table
-    from flowmatch_assets.defs.partitions import SHARDS
     from flowmatch_assets.freshness.fingerprints import model_staleness, report, staleness
     from flowmatch_models.layout import PARTITIONED_ASSETS
 
     res, instance = _resource(), _instance()
-    known = sorted(instance.get_dynamic_partitions(SHARDS))
-    _check_partitions(partition, known)
-    _check_assets(asset, [*PARTITIONED_ASSETS, "flow_model"])
+    known = known_partitions(instance)
+    check_partitions(partition, known)
+    check_assets(asset, [*PARTITIONED_ASSETS, "flow_model"])
     assets = [a for a in (asset or PARTITIONED_ASSETS) if a != "flow_model"]
     found = staleness(res, partition or None, assets) if assets else []
     models = model_staleness(res) if not asset or "flow_model" in asset else []
@@ -384,7 +188,7 @@ def cmd_stale(partition: list[str], asset: list[str], as_json: bool, no_report: 
     rows += [{"asset": "flow_model", "partition": f"run {s.partition}", "reason": s.reason}
              for s in models]  # fmt: skip
     if not no_report and assets:
-        n = report(instance, res, found, partition or known, assets)
+        n = report(instance, res, found, partition or known, assets, runs.log_config())
         note = f"{n} `<asset>_fresh` check results reported to Dagster" if n else ""
     else:
         note = ""
@@ -494,17 +298,17 @@ def cmd_demo(
     }
     res = resource_from_env({**demo, **os.environ})
     print(f"encoders: {res.encoders.vae}, {res.encoders.dino}, {res.encoders.text}")
-    results = materialize(raise_on_error=False, res=res)
+    results = runs.materialize(raise_on_error=False, res=res)
     trained = evaluated = True
     train_on = train_steps is None or train_steps > 0
     if train_on:
         steps = train_steps or "configs/tiny.yaml's"
         print(f"\ntraining the tiny DiT for {steps} steps on the covered partitions ...")
-        trained = train(steps=train_steps, run_name="demo", res=res)
+        trained = runs.train(steps=train_steps, run_name="demo", res=res)
         if trained:
             print("\nevaluating caption following of every checkpoint (48 prompts each) ...")
-            evaluated = evaluate(run_name="demo", which="all", res=res)
-    budget_ok = materialize_budget(res)
+            evaluated = runs.evaluate(run_name="demo", which="all", res=res)
+    budget_ok = runs.materialize_budget(res)
     print_reports(str(root))
     layout = res.layout
     previews = sorted((layout.root / "previews").rglob("*.png"))
@@ -548,60 +352,14 @@ def cmd_demo(
     return 0 if all(results.values()) and trained and evaluated and budget_ok else 1
 
 
-def materialize_budget(res=None) -> bool:
-    """Materialize budget_report (the projection from what the catalog measured)."""
-    import dagster as dg
-
-    from flowmatch_assets.defs.definitions import all_assets_and_checks, resources_for
-
-    result = dg.materialize(
-        all_assets_and_checks(),
-        selection=["budget_report"],
-        instance=_instance(),
-        resources=resources_for(res or _resource()),
-        raise_on_error=False,
-        tags={"flowmatch/cli": "demo"},
-    )
-    print(f"budget_report {'ok' if result.success else 'FAILED'}")
-    return result.success
-
-
 def cmd_data_card(partition: list[str], refresh: bool, as_json: bool) -> int:
     """Materialize ``data_card`` for ``partition`` (default: every partition with metadata)
     and ``dataset_card``; print the whole dataset's card (``--no-refresh``: from the records)."""
-    import dagster as dg
-
     from flowmatch_assets.defs.data_card_assets import write_dataset_card
-    from flowmatch_assets.defs.definitions import all_assets_and_checks, resources_for
 
     res = _resource()
     if refresh:
-        instance = _instance()
-        from flowmatch_assets.defs.partitions import register_partitions
-
-        register_partitions(instance, res)
-        have = res.layout.partitions_with("pd12m_metadata")
-        _check_partitions(list(partition or []), have)
-        for key in partition or have:
-            result = dg.materialize(
-                all_assets_and_checks(),
-                selection=["data_card"],
-                partition_key=key,
-                instance=instance,
-                resources=resources_for(res),
-                raise_on_error=False,
-                tags={"flowmatch/cli": "data-card"},
-            )
-            print(f"data_card {key}: {'ok' if result.success else 'FAILED'}")
-        ok = dg.materialize(
-            all_assets_and_checks(),
-            selection=["dataset_card"],
-            instance=instance,
-            resources=resources_for(res),
-            raise_on_error=False,
-            tags={"flowmatch/cli": "data-card"},
-        ).success
-        print(f"dataset_card: {'ok' if ok else 'FAILED'}")
+        runs.materialize_data_cards(partition or None, res)
     md_path, png_path, _, view = write_dataset_card(res.data_root)
     if as_json:
         print(json.dumps(view, default=str, indent=1))
@@ -885,10 +643,12 @@ def _main(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command; a usage mistake is one line on stderr and exit code 2 (`--debug`:
-    the traceback too)."""
+    the traceback too). The runs a verb makes print one line per step; `--verbose` shows
+    Dagster's event log too."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
-    argv = [x for x in argv if x != "--debug"]
+    runs.VERBOSE = "--verbose" in argv  # Dagster's event log of the runs a verb makes
+    argv = [x for x in argv if x not in ("--debug", "--verbose")]
     try:
         return _main(argv)
     except Exception as e:  # noqa: BLE001 - mapped to one line below, or re-raised
@@ -910,11 +670,9 @@ def _one_line(e: BaseException) -> str | None:
         return str(e)  # MetadataError names the folder and FLOWMATCH_METADATA already
     if isinstance(e, ValidationError | SettingError):
         return _setting_message(e)
-    try:
-        from dagster._core.errors import DagsterError
-    except ImportError:  # pragma: no cover
-        return None
-    if isinstance(e, DagsterError):
+    from flowmatch_assets.compat import dagster_error_type
+
+    if isinstance(e, dagster_error_type()):
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return f"{type(e).__name__}: {first}"
     return None

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from flowmatch_assets import catalog
+from flowmatch_assets import catalog, compat
 from flowmatch_assets.defs.resources import FlowmatchResource
 from flowmatch_models.embeddings import KINDS, kind_fingerprint
 from flowmatch_models.fingerprint import UNKNOWN, Fingerprint, diff, hash_of, weights_cache_file
@@ -365,6 +365,7 @@ def report(
     found: Sequence[Stale],
     partitions: Sequence[str],
     assets: Sequence[str],
+    run_config: dict | None = None,
 ) -> int:
     """Make the ``<asset>_fresh`` checks in ``instance`` agree with ``found`` for every
     materialized (asset, partition) asked about: an evaluation is recorded where the latest one
@@ -396,40 +397,24 @@ def report(
                 )
             )
     if evaluations:
-        _report_in_a_run(instance, evaluations)
+        compat.report_check_evaluations(
+            instance,
+            evaluations,
+            (
+                "flowmatch_stale_report",
+                "`flowmatch stale` reporting its checks.",
+                "report_fresh_checks",
+            ),
+            tags={"flowmatch/cli": "stale"},
+            run_config=run_config,
+        )
     return len(evaluations)
-
-
-def _report_in_a_run(instance: dg.DagsterInstance, evaluations: list) -> None:
-    from dagster._core.events import DagsterEvent, DagsterEventType
-
-    @dg.op(name="report_fresh_checks")
-    def _report(context: dg.OpExecutionContext) -> None:
-        for ev in evaluations:
-            context.instance.report_dagster_event(
-                DagsterEvent(
-                    event_type_value=DagsterEventType.ASSET_CHECK_EVALUATION.value,
-                    job_name=context.job_name,
-                    event_specific_data=ev,
-                ),
-                run_id=context.run_id,
-            )
-        context.log.info(f"{len(evaluations)} <asset>_fresh check results reported")
-
-    @dg.job(name="flowmatch_stale_report", description="`flowmatch stale` reporting its checks.")
-    def _job() -> None:
-        _report()
-
-    _job.execute_in_process(instance=instance, tags={"flowmatch/cli": "stale"})
 
 
 def fresh_status(instance: dg.DagsterInstance, asset: str) -> dict[str, str]:
     """``{partition: SUCCEEDED | FAILED | ...}``: the latest ``<asset>_fresh`` evaluation."""
     key = dg.AssetCheckKey(dg.AssetKey(asset), fresh_check_name(asset))
-    return {
-        i.partition_key: i.latest_execution_status.value
-        for i in instance.event_log_storage.get_asset_check_partition_info([key])
-    }
+    return compat.check_partition_status(instance, key)
 
 
 def stale_groups(found: Sequence[Stale]) -> list[tuple[list[str], list[str]]]:

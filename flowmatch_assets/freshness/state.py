@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from flowmatch_assets import compat
 from flowmatch_models.layout import PARTITIONED_ASSETS, DataLayout
 
 PRESENT = "present"
@@ -114,11 +115,7 @@ def dagster_materialized(instance, asset: str) -> set[str]:
 
     key = dg.AssetKey(asset)
     ever = set(instance.get_materialized_partitions(key))
-    storage = instance.event_log_storage
-    attempts = storage.get_latest_asset_partition_materialization_attempts_without_materializations(
-        key
-    )
-    return ever - set(attempts)
+    return ever - compat.failed_latest_attempts(instance, asset)
 
 
 def missing_partitions(states: Iterable[PartitionState]) -> list[str]:
@@ -132,8 +129,10 @@ def verify(
     instance,
     assets: Sequence[str] = tuple(PARTITIONED_ASSETS),
     deep: bool = True,
+    run_config: dict | None = None,
 ) -> list[PartitionState]:
-    """Find shards that are gone or corrupt and make the catalog and Dagster say so too.
+    """Find shards that are gone or corrupt and make the catalog and Dagster say so too
+    (``run_config``: of the run that records a failed attempt, e.g. its loggers).
 
     Returns the states that are not present, except ``never`` (not made yet). For ``gone`` / ``corrupt``: the corrupt file is
     renamed to a hidden ``.corrupt-<name>`` beside it, the catalog records are removed, a run
@@ -160,7 +159,7 @@ def verify(
         catalog.clear_partition(layout.root, s.asset, s.partition)
         key = dg.AssetKey(s.asset)
         if s.partition in dagster_materialized(instance, s.asset):
-            _record_failed_attempt(instance, s)
+            _record_failed_attempt(instance, s, run_config)
         check = check_of(s.asset)
         if check:
             instance.report_runless_asset_event(
@@ -175,26 +174,20 @@ def verify(
     return bad
 
 
-def _record_failed_attempt(instance, s: PartitionState) -> None:
-    """A run that plans ``s.asset``'s partition and fails with what verify found, so Dagster's
-    latest attempt for it is a failure (the partition shows as Failed, no longer Materialized).
-    The stand-in asset has the real key and partitions and does nothing but fail."""
-    import dagster as dg
-
+def _record_failed_attempt(instance, s: PartitionState, run_config: dict | None = None) -> None:
+    """Dagster's latest attempt for ``s.asset``'s partition becomes a failure naming what
+    verify found (the partition shows as Failed, no longer Materialized)."""
     from flowmatch_assets.defs.partitions import shard_partitions
 
     message = f"flowmatch verify: {s.asset} {s.partition} is {s.state} ({s.detail})"
-
-    @dg.asset(key=s.asset, partitions_def=shard_partitions, name=None)
-    def _stand_in() -> None:
-        raise dg.Failure(message)
-
-    dg.materialize(
-        [_stand_in],
-        partition_key=s.partition,
-        instance=instance,
-        raise_on_error=False,
-        tags={"flowmatch/cli": "verify"},
+    compat.record_failed_materialization(
+        instance,
+        s.asset,
+        shard_partitions,
+        s.partition,
+        message,
+        {"flowmatch/cli": "verify"},
+        run_config,
     )
 
 
