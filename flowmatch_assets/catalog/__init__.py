@@ -34,9 +34,10 @@ from flowmatch_assets.catalog.records import (  # noqa: F401
     record_rows,
 )
 from flowmatch_assets.catalog.views import (  # noqa: F401
-    CATALOG_VERSION,
     PD12M_PAIRS,
     Catalog,
+    catalog_version,
     file_lock,
     format_table,
+    view_names,
 )

@@ -13,14 +13,16 @@ Re-materializing a partition replaces its two files when it succeeds (each by an
 the old records stay visible until then): no duplicate rows, and a partition never vanishes from
 the catalog during a re-run. An attempt that is rejected (too few rows stored) leaves both files
 as they were and records its failures under ``attempts/`` (the ``rejected_attempts`` view).
-The views are rebuilt when the data root moves (the file records its root), so a data root can
-be copied or moved, and when an embedding kind is registered (it records the asset list).
+The views are rebuilt whenever the SQL that builds them changes (:func:`catalog_version`, a
+hash of it): an edited view, a newly registered embedding kind, a moved or copied data root.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
+import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -43,8 +45,6 @@ from flowmatch_assets.catalog.records import (
 from flowmatch_models.atomic import atomic_path
 from flowmatch_models.layout import PARTITIONED_ASSETS, DataLayout
 
-CATALOG_VERSION = 11
-
 
 def _sql_str(s: str | Path) -> str:
     return "'" + str(s).replace("'", "''") + "'"
@@ -57,6 +57,21 @@ PD12M_PAIRS = 12_400_000
 def _assets_key() -> str:
     """The partitioned assets the views were built for (a newly registered kind rebuilds them)."""
     return ",".join(PARTITIONED_ASSETS)
+
+
+def catalog_version(layout: DataLayout) -> str:
+    """The version of ``catalog.duckdb``: a hash of the SQL that builds its views, so a view
+    whose SQL changes (an edit, a new embedding kind, a moved data root) rebuilds them all; no
+    number to bump by hand."""
+    return hashlib.sha256("\n;\n".join(_view_sql(layout)).encode()).hexdigest()[:16]
+
+
+_CREATED = re.compile(r"CREATE OR REPLACE VIEW (\w+) AS")
+
+
+def view_names() -> list[str]:
+    """Every view of the catalog, in the order they are built (read from their SQL)."""
+    return [m.group(1) for sql in _view_sql(DataLayout("/")) for m in [_CREATED.match(sql)] if m]
 
 
 def _view_sql(layout: DataLayout) -> list[str]:
@@ -342,7 +357,7 @@ class Catalog:
         try:
             with duckdb.connect(str(self.path), read_only=True) as con:
                 row = con.execute("SELECT version, root, assets FROM catalog_meta").fetchone()
-            return row == (CATALOG_VERSION, str(self.layout.root), _assets_key())
+            return row == (catalog_version(self.layout), str(self.layout.root), _assets_key())
         except duckdb.Error:
             return False
 
@@ -360,11 +375,11 @@ class Catalog:
                     for sql in _view_sql(self.layout):
                         con.execute(sql)
                     con.execute(
-                        "CREATE TABLE catalog_meta(version INTEGER, root VARCHAR, assets VARCHAR)"
+                        "CREATE TABLE catalog_meta(version VARCHAR, root VARCHAR, assets VARCHAR)"
                     )
                     con.execute(
                         "INSERT INTO catalog_meta VALUES (?, ?, ?)",
-                        [CATALOG_VERSION, str(self.layout.root), _assets_key()],
+                        [catalog_version(self.layout), str(self.layout.root), _assets_key()],
                     )
                     con.execute("CHECKPOINT")
                 wal = tmp.with_name(tmp.name + ".wal")

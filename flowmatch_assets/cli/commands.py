@@ -213,8 +213,11 @@ def cmd_stale(partition: list[str], asset: list[str], as_json: bool, no_report: 
 
 
 def cmd_catalog(report: str, sql: str | None, as_json: bool) -> int:
-    from flowmatch_assets.catalog import Catalog, format_table
+    from flowmatch_assets.catalog import Catalog, format_table, view_names
 
+    if report == "views":
+        print("\n".join(view_names()))
+        return 0
     cat = Catalog(_resource().data_root)
     if report == "path":
         print(cat.ensure())
@@ -231,8 +234,7 @@ def cmd_catalog(report: str, sql: str | None, as_json: bool) -> int:
         except duckdb.Error as e:
             first = str(e).strip().splitlines()[0]
             raise CliError(
-                f"the catalog rejected the SQL: {first}; views: materializations, rows, "
-                "partitions, coverage, failures, rejected_attempts, compression, throughput"
+                f"the catalog rejected the SQL: {first}; views: {', '.join(view_names())}"
             ) from e
     else:
         rows = {
@@ -556,14 +558,13 @@ COMMANDS: dict[str, Command] = {
                     "throughput",
                     "sql",
                     "path",
+                    "views",
                 ],
             ),
             arg(
                 "sql",
                 nargs="?",
-                help="SQL for `catalog sql` (views: materializations, rows, "
-                "partitions, coverage, failures, rejected_attempts, compression, throughput, "
-                "evaluations, ledger_samples, ledger_epochs, ledger_partitions)",
+                help="SQL for `catalog sql` (`flowmatch catalog views` lists the views)",
             ),
             arg("--json", dest="as_json", action="store_true"),
         ],  # fmt: skip
