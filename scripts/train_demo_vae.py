@@ -33,11 +33,11 @@ import torch
 from diffusers import AutoencoderDC
 from PIL import Image
 
+from flowmatch_assets.demo import DEMO_VAE
 from flowmatch_assets.demo.images import images_256
 from flowmatch_assets.reports.caption_eval import score
-from flowmatch_models.zoo import DCAE_F32C32_SANA_1_0
+from flowmatch_models.zoo import DCAE_F32C32_SANA_1_0, DEMO_WEIGHTS_MARKER
 
-MARKER = "FLOWMATCH_DEMO_VAE"
 REPO = Path(__file__).resolve().parent.parent
 
 # The real f32c32 block types and down-sampling; narrow, one layer per stage, and no layers at
@@ -103,7 +103,7 @@ def figure(orig: np.ndarray, recon: np.ndarray, path: Path, thumb: int = 160) ->
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=REPO / "flowmatch_assets/demo/vae")
+    p.add_argument("--out", type=Path, default=DEMO_VAE)
     p.add_argument("--figure", type=Path, default=REPO / "docs/demo_vae_reconstructions.png")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--train-images", type=int, default=1200)
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
         + shlex.join(argv if argv is not None else sys.argv[1:]),
         "torch": torch.__version__,
     }
-    (a.out / MARKER).write_text(json.dumps(info, indent=1) + "\n")
+    (a.out / DEMO_WEIGHTS_MARKER).write_text(json.dumps(info, indent=1) + "\n")
     print(json.dumps(info, indent=1))
     return info
 

@@ -41,6 +41,17 @@ def resource(tmp_path, small_sample) -> FlowmatchResource:
     return make_resource(tmp_path / "data", small_sample)
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op torch thread: the tiny models are overhead-bound and CI cores are shared."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def zoo(tmp_path_factory) -> dict:
     """The tiny random model zoo (same classes as the real encoders), built once per session."""

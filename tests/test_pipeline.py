@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from flowmatch_assets.catalog import Catalog
+from flowmatch_assets.cli.devserver import make_dagster_home
 from flowmatch_assets.definitions import defs
 from flowmatch_assets.defs.definitions import resources_for
 from flowmatch_assets.defs.partitions import SHARDS, register_partitions
@@ -115,9 +116,7 @@ def test_parallel_partitions_in_separate_processes_with_sqlite_home(tmp_path, sm
     """Three partitions materialize at once, each in its own `dagster asset materialize`
     process, against one sqlite DAGSTER_HOME and one data root:
     no DuckDB or sqlite lock errors, and the catalog is consistent afterwards."""
-    home = tmp_path / "dagster_home"
-    home.mkdir()
-    (home / "dagster.yaml").write_text((REPO / "dagster_home" / "dagster.yaml").read_text())
+    home = make_dagster_home(tmp_path / "dagster_home")
     data = tmp_path / "data"
     res = make_resource(data, small_sample, shard_size=5)
     env = {

@@ -14,7 +14,7 @@ from flowmatch_assets.catalog import RowOutcome
 from flowmatch_assets.defs.deploy import IMAGE_TAGS
 from flowmatch_assets.defs.partitions import shard_partitions
 from flowmatch_assets.defs.resources import FlowmatchResource
-from flowmatch_assets.defs.routine import PartitionOutput, run_partitions
+from flowmatch_assets.defs.routine import PartitionOutput, run_partitions, shards_check_result
 from flowmatch_assets.ingest.dedupe import (
     build_hash_index,
     drop_content_duplicates,
@@ -349,10 +349,4 @@ def images_256_complete(
             im = decode(t.column("image")[0].as_py())
             if im.shape != (flowmatch.ingest.size, flowmatch.ingest.size, 3):
                 problems.append(f"{p}: image shape {im.shape}")
-    return dg.AssetCheckResult(
-        passed=not problems,
-        metadata={
-            "partitions_checked": len(parts),
-            "problems": dg.MetadataValue.json(problems[:20]),
-        },
-    )
+    return shards_check_result(parts, problems)

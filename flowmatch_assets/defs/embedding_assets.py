@@ -17,7 +17,7 @@ from flowmatch_assets.defs.data_assets import images_256
 from flowmatch_assets.defs.deploy import ENCODER_TAGS
 from flowmatch_assets.defs.partitions import shard_partitions
 from flowmatch_assets.defs.resources import FlowmatchResource
-from flowmatch_assets.defs.routine import PartitionOutput, run_partitions
+from flowmatch_assets.defs.routine import PartitionOutput, run_partitions, shards_check_result
 from flowmatch_assets.freshness import fingerprints
 from flowmatch_models.devices import lease_device
 from flowmatch_models.embeddings import KINDS, EmbeddingKind, encode_partition, shard_problems
@@ -159,14 +159,7 @@ def _valid_check(kind: EmbeddingKind) -> dg.AssetChecksDefinition:
         context: dg.AssetCheckExecutionContext, flowmatch: FlowmatchResource
     ) -> dg.AssetCheckResult:
         parts = run_partitions(context) or flowmatch.layout.partitions_with(kind.name)
-        problems = check_shards(flowmatch, kind.name, parts)
-        return dg.AssetCheckResult(
-            passed=not problems,
-            metadata={
-                "partitions_checked": len(parts),
-                "problems": dg.MetadataValue.json(problems[:20]),
-            },
-        )
+        return shards_check_result(parts, check_shards(flowmatch, kind.name, parts))
 
     return _check
 
@@ -201,8 +194,3 @@ def _warn_check(kind: EmbeddingKind, rule) -> dg.AssetChecksDefinition:
 def build_embedding_checks(kinds: Sequence[EmbeddingKind]) -> list[dg.AssetChecksDefinition]:
     """Per kind: the blocking validity check, then one warning check per WarnRule."""
     return [c for k in kinds for c in (_valid_check(k), *(_warn_check(k, w) for w in k.warnings))]
-
-
-#: Built from the registry as it stands at import (definitions.build_definitions rebuilds both).
-encode_embeddings = build_encode_embeddings(list(KINDS.values()))
-EMBEDDING_CHECKS = build_embedding_checks(list(KINDS.values()))

@@ -41,6 +41,18 @@ def run_partitions(context: dg.AssetCheckExecutionContext) -> list[str]:
     return []
 
 
+def shards_check_result(parts: list[str], problems: list[str]) -> dg.AssetCheckResult:
+    """A blocking shard check's verdict: passed when no shard of ``parts`` has a problem; the
+    first 20 problems in its metadata."""
+    return dg.AssetCheckResult(
+        passed=not problems,
+        metadata={
+            "partitions_checked": len(parts),
+            "problems": dg.MetadataValue.json(problems[:20]),
+        },
+    )
+
+
 class PartitionOutput:
     """One asset partition's file and its catalog records: made, then published."""
 

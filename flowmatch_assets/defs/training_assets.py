@@ -18,7 +18,7 @@ from flowmatch_assets.defs.partitions import SHARDS
 from flowmatch_assets.defs.resources import FlowmatchResource
 from flowmatch_assets.freshness.fingerprints import trained_on
 from flowmatch_assets.reports.budget import logged_rates, steady_rate
-from flowmatch_models.layout import TRAINING_INPUTS as EMBEDDING_ASSETS
+from flowmatch_models.embeddings import TRAINING_INPUTS
 from flowmatch_models.layout import DataLayout
 
 GROUP = "training"
@@ -125,7 +125,7 @@ def coverage_or_fail(
     frac = len(complete) / len(known) if known else 0.0
     if not complete or frac < min_coverage:
         missing = {
-            p: [a for a in EMBEDDING_ASSETS if not layout.asset_path(a, p).exists()]
+            p: [a for a in TRAINING_INPUTS if not layout.asset_path(a, p).exists()]
             for p in known
             if p not in complete
         }
@@ -134,7 +134,7 @@ def coverage_or_fail(
         raise dg.Failure(
             description=(
                 f"training needs {min_coverage:.0%} of {len(known)} partitions with all of "
-                f"{', '.join(EMBEDDING_ASSETS)}; only {len(complete)} ({frac:.0%}) have them:\n"
+                f"{', '.join(TRAINING_INPUTS)}; only {len(complete)} ({frac:.0%}) have them:\n"
                 + "\n".join(lines)
                 + more
                 + "\nMaterialize the missing embeddings (backfill 'missing only') or lower min_coverage."
@@ -145,7 +145,7 @@ def coverage_or_fail(
 
 
 @dg.asset(
-    deps=list(EMBEDDING_ASSETS),
+    deps=list(TRAINING_INPUTS),
     group_name=GROUP,
     kinds={"pytorch", "lightning", "wandb"},
     pool="gpu",

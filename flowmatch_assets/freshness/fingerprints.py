@@ -29,9 +29,9 @@ import dagster as dg
 
 from flowmatch_assets import catalog, compat
 from flowmatch_assets.defs.resources import FlowmatchResource
-from flowmatch_models.embeddings import KINDS, kind_fingerprint
+from flowmatch_models.embeddings import KINDS, TRAINING_INPUTS, kind_fingerprint
 from flowmatch_models.fingerprint import UNKNOWN, Fingerprint, diff, hash_of, weights_cache_file
-from flowmatch_models.layout import PARTITIONED_ASSETS, TRAINING_INPUTS
+from flowmatch_models.layout import PARTITIONED_ASSETS
 
 #: Bump when the asset's code changes its output for the same settings (a fingerprint field).
 #: Embedding kinds carry theirs in the registry (EmbeddingKind.code_version).

@@ -34,7 +34,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from flowmatch_assets.catalog import PD12M_PAIRS, Catalog, format_table
-from flowmatch_models.layout import EMBEDDING_ASSETS
+from flowmatch_models.embeddings import EMBEDDING_ASSETS
 
 #: The seeds' published figures (shared/context/seed-flow-matching-on-a-budget.txt).
 SEED_PRECALC_PAIRS_S = 200.0  # 2x RTX 3090, both fully used
