@@ -12,18 +12,15 @@ import os
 import dagster as dg
 
 from flowmatch_assets.defs.budget_assets import budget_report
+from flowmatch_assets.defs.checks import build_fresh_checks, flow_model_fresh
 from flowmatch_assets.defs.data_assets import images_256, images_256_complete, pd12m_metadata
 from flowmatch_assets.defs.data_card_assets import data_card, dataset_card
 from flowmatch_assets.defs.embedding_assets import build_embedding_checks, build_encode_embeddings
 from flowmatch_assets.defs.partitions import pd12m_partition_sensor, shard_partitions
 from flowmatch_assets.defs.resources import FlowmatchResource, flowmatch_from_env
+from flowmatch_assets.defs.sensors import build_verify_sensor
 from flowmatch_assets.defs.training_assets import evaluation, flow_model, samples
-from flowmatch_assets.freshness.fingerprints import (
-    build_fresh_checks,
-    code_version,
-    flow_model_fresh,
-)
-from flowmatch_assets.freshness.state import build_verify_sensor
+from flowmatch_assets.freshness.fingerprints import code_version
 from flowmatch_models.embeddings import KINDS, TRAINING_INPUTS
 
 

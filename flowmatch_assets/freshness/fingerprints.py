@@ -20,7 +20,6 @@ materialization, and reported by ``flowmatch stale``) fails naming the changed f
 """
 
 import json
-import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -293,43 +292,6 @@ def fresh_check_name(asset: str) -> str:
     return f"{asset}_fresh"
 
 
-def build_fresh_checks(partitions_def) -> dg.AssetChecksDefinition:
-    """``<asset>_fresh`` for every partitioned asset (the kinds as registered now): per
-    partition, fails naming the fingerprint fields that changed (or the stale upstream) against
-    the run's settings. One step evaluates the checks of every asset the run selected (a step
-    per check would cost more than the fingerprints themselves: BENCHMARKS.md)."""
-    with warnings.catch_warnings():  # partitioned checks are "preview" in Dagster 1.13
-        warnings.simplefilter("ignore", dg.PreviewWarning)
-        specs = [
-            dg.AssetCheckSpec(
-                fresh_check_name(a),
-                asset=a,
-                partitions_def=partitions_def,
-                description=f"{a}: made with the current settings (fingerprint), from a fresh "
-                "upstream partition; fails naming what changed. `flowmatch stale` lists them all.",
-            )
-            for a in PARTITIONED_ASSETS
-        ]
-
-        @dg.multi_asset_check(specs=specs, can_subset=True, name="fingerprints_fresh")
-        def _checks(context: dg.AssetCheckExecutionContext, flowmatch: FlowmatchResource):
-            part = context.partition_key
-            keys = sorted(context.selected_asset_check_keys, key=lambda k: k.name)
-            assets = [k.asset_key.to_user_string() for k in keys]
-            found = {s.asset: s for s in staleness(flowmatch, [part], assets)}
-            for key, a in zip(keys, assets):
-                r = fresh_result(part, found.get(a), stored(flowmatch, a, part))
-                yield dg.AssetCheckResult(
-                    asset_key=key.asset_key,
-                    check_name=key.name,
-                    passed=r.passed,
-                    description=r.description,
-                    metadata=r.metadata,
-                )
-
-    return _checks
-
-
 def fresh_result(
     partition: str, stale: Stale | None, fp: Fingerprint | None
 ) -> dg.AssetCheckResult:
@@ -341,21 +303,6 @@ def fresh_result(
             "fingerprint_hash": hash_of(fp),
             "changed": dg.MetadataValue.json(list(stale.reasons) if stale else []),
         },
-    )
-
-
-@dg.asset_check(
-    asset="flow_model",
-    name="flow_model_fresh",
-    description="Every training run trained only on partitions that are fresh and unchanged "
-    "since; fails naming the runs, the stale partitions and why.",
-)
-def flow_model_fresh(flowmatch: FlowmatchResource) -> dg.AssetCheckResult:
-    found = model_staleness(flowmatch)
-    return dg.AssetCheckResult(
-        passed=not found,
-        description="; ".join(f"run {s.partition}: {s.reason}" for s in found)[:2000] or None,
-        metadata={"stale_runs": dg.MetadataValue.json({s.partition: s.reasons for s in found})},
     )
 
 
