@@ -1,5 +1,5 @@
 """The code location for a Kubernetes deployment: every step runs in its own pod
-(``k8s_job_executor``), with the CPU/GPU requests of flowmatch_assets.deploy on each asset.
+(``k8s_job_executor``), with the CPU/GPU requests of flowmatch_assets.defs.deploy on each asset.
 
 Load it in the Helm chart's user-code deployment with
 ``dagster api grpc -m flowmatch_assets.definitions_k8s`` (see README, "Scaling out").
@@ -7,6 +7,6 @@ Load it in the Helm chart's user-code deployment with
 
 from dagster_k8s import k8s_job_executor
 
-from flowmatch_assets.definitions import build_definitions
+from flowmatch_assets.defs.definitions import build_definitions
 
 defs = build_definitions(executor=k8s_job_executor.configured({"max_concurrent": 64}))

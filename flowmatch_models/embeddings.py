@@ -5,7 +5,7 @@ An :class:`EmbeddingKind` says everything the rest of the code needs about one k
 or captions), its arrays with shapes and dtypes, which arrays may be stored in 1 byte, what the
 seed's format would have stored for it (the compression report's reference), the attrs that
 count problems (warning checks), and whether training needs it. :data:`KINDS` is the registry:
-the Dagster multi-asset and its checks (``flowmatch_assets/embedding_assets.py``), the catalog's
+the Dagster multi-asset and its checks (``flowmatch_assets/defs/embedding_assets.py``), the catalog's
 coverage, the budget and training's coverage read it, and nothing else lists the kinds.
 
 :func:`encode_partition` is the whole precalc of one partition as a plain function (no Dagster,
@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from pydantic import BaseModel, Field
 
+from flowmatch_models.encoder_spec import EncoderSpec
 from flowmatch_models.fingerprint import ATTR as FINGERPRINT_ATTR
 from flowmatch_models.fingerprint import Fingerprint, weights_identity
 
@@ -43,67 +43,6 @@ if TYPE_CHECKING:
 
 FP16 = 2
 ROWS = ("sample", "token", "once")
-
-
-class EncoderSpec(BaseModel):
-    """Which pretrained encoders compute the embeddings, where, and how they are stored.
-
-    ``vae``/``dino``/``text`` are the models of the three encoder roles (a kind with its own
-    ``model`` uses that instead; ``models`` overrides any kind's model by name). The Dagster
-    resource nests this object (editable in the launchpad); notebooks build it directly.
-    """
-
-    vae: str = Field(
-        default="mit-han-lab/dc-ae-f32c32-sana-1.0-diffusers",
-        description="DC-AE f32c32: hub id or local folder (diffusers AutoencoderDC).",
-    )
-    dino: str = Field(
-        default="facebook/dinov2-small", description="DINOv2: hub id or local folder."
-    )
-    text: str = Field(
-        default="google/gemma-3-270m",
-        description="Gemma3-270M: hub id (gated: `huggingface-cli login`) or local folder.",
-    )
-    models: dict[str, str] = Field(
-        default_factory=dict, description="Per embedding kind: its model (hub id or folder)."
-    )
-    device: str = Field(
-        default="auto", description="auto (a free GPU, else cpu), cpu, cuda or cuda:K."
-    )
-    dtype: str = Field(
-        default="auto",
-        description="VAE/DINO compute: auto (bf16 on GPU, fp32 on CPU), fp32, bf16, fp16.",
-    )
-    text_dtype: str = Field(
-        default="auto",
-        description="Text encoder compute: auto (bf16 on GPU, fp32 on CPU), bf16 or fp32; fp16 "
-        "is refused (Gemma3 overflows it). Stored as fp16, saturated values counted.",
-    )
-    batch_size: int = Field(default=64, description="Images or captions per encoder forward.")
-    max_tokens: int = Field(default=128, description="Caption truncation in tokens (BOS included).")
-    dino_size: int = Field(default=224, description="DINOv2 input size for dino_pool=avg2x2.")
-    dino_pool: str = Field(
-        default="avg2x2",
-        description="avg2x2 (DINOv2 at 224 px, 16x16 patches 2x2-averaged to 8x8) or resize112.",
-    )
-    channels_last: bool = Field(default=True, description="VAE conv memory format on CUDA.")
-    compile: bool = Field(default=False, description="torch.compile VAE and DINOv2 (CUDA only).")
-    codec: str = Field(
-        default="zstd", description="Store codec: none (mmap), zstd (byte-shuffled) or xz."
-    )
-    lossy: dict[str, str] = Field(
-        default_factory=dict,
-        description="Per embedding kind: int8 or fp8 for its lossy-capable arrays (1 byte, "
-        "error recorded); absent: lossless.",
-    )
-
-    def model_of(self, kind: EmbeddingKind) -> str:
-        """The model (hub id or folder) that computes ``kind``."""
-        return self.models.get(kind.name) or kind.model or getattr(self, kind.encoder)
-
-    def for_kind(self, kind: EmbeddingKind) -> EncoderSpec:
-        """This spec with the kind's model in its encoder role (what :class:`Encoders` loads)."""
-        return self.model_copy(update={kind.encoder: self.model_of(kind)})
 
 
 # ------------------------------------------------------------------------------- the record

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from flowmatch_models.embeddings import EncoderSpec
+from flowmatch_models.encoder_spec import EncoderSpec
 from flowmatch_models.zoo import is_random_weights
 
 __all__ = ["EncoderSpec", "Encoders", "MissingWeightsError", "decode_latents", "load_pretrained"]

@@ -25,9 +25,7 @@ from pathlib import Path
 import torch
 
 from flowmatch_models.atomic import atomic_write_text
-
-NULL_FILE = "null_caption.safetensors"
-META_FILE = "flowmatch.json"
+from flowmatch_models.export_format import META_FILE, NULL_FILE
 
 
 def call_kwargs(max_tokens: int) -> dict:

@@ -18,9 +18,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from flowmatch_models.embeddings import EMBEDDING_ASSETS, KINDS, TRAINING_INPUTS
-
-__all__ = ["EMBEDDING_ASSETS", "PARTITIONED_ASSETS", "TRAINING_INPUTS", "DataLayout"]
+from flowmatch_models.embeddings import KINDS, TRAINING_INPUTS
 
 #: The data assets before the embeddings, with the suffix of their per-partition files.
 DATA_ASSETS: dict[str, str] = {"pd12m_metadata": ".parquet", "images_256": ".parquet"}

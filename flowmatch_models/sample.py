@@ -20,7 +20,7 @@ import torch
 from diffusers import SanaTransformer2DModel
 
 from flowmatch_models.dit import transformer_config
-from flowmatch_models.export import META_FILE, NULL_FILE
+from flowmatch_models.export_format import META_FILE, NULL_FILE
 from flowmatch_models.flow import null_caption, sample
 from flowmatch_models.grid import make_grid, save_png
 

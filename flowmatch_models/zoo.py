@@ -143,7 +143,7 @@ def is_random_weights(folder: str | Path) -> bool:
     return (Path(folder).expanduser() / RANDOM_WEIGHTS_MARKER).is_file()
 
 
-#: Marker of the demo VAE (flowmatch_assets/demo_vae): trained on the procedural sample only.
+#: Marker of the demo VAE (flowmatch_assets/demo/vae): trained on the procedural sample only.
 DEMO_WEIGHTS_MARKER = "FLOWMATCH_DEMO_VAE"
 
 

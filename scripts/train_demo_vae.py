@@ -3,11 +3,11 @@
 The demo's zoo VAE is randomly initialised, so everything decoded through it is noise. This
 script trains a small diffusers ``AutoencoderDC`` (the real class, 5 down-sampling stages like
 DC-AE f32c32: 256 px -> 32 x 8 x 8 latents) on images made exactly as the ``images_256`` stage
-makes them from ``flowmatch_assets.demo_dataset.draw_image`` (``flowmatch_assets.demo_images.images_256``), on
+makes them from ``flowmatch_assets.demo.dataset.draw_image`` (``flowmatch_assets.demo.images.images_256``), on
 the CPU, with a fixed seed. It writes
 
-    flowmatch_assets/demo_vae/                 save_pretrained folder (config.json, fp16 weights)
-    flowmatch_assets/demo_vae/FLOWMATCH_DEMO_VAE  what it is, seed, steps, PSNR, the command
+    flowmatch_assets/demo/vae/                 save_pretrained folder (config.json, fp16 weights)
+    flowmatch_assets/demo/vae/FLOWMATCH_DEMO_VAE  what it is, seed, steps, PSNR, the command
     docs/demo_vae_reconstructions.png          held-out originals (top) over reconstructions
 
 ``scaling_factor`` in the config is 1 / std of the latents over training images, so scaled
@@ -33,11 +33,11 @@ import torch
 from diffusers import AutoencoderDC
 from PIL import Image
 
-from flowmatch_assets.caption_eval import score
-from flowmatch_assets.demo_images import images_256
-from flowmatch_models.zoo import DCAE_F32C32_SANA_1_0
+from flowmatch_assets.demo import DEMO_VAE
+from flowmatch_assets.demo.images import images_256
+from flowmatch_assets.reports.caption_eval import score
+from flowmatch_models.zoo import DCAE_F32C32_SANA_1_0, DEMO_WEIGHTS_MARKER
 
-MARKER = "FLOWMATCH_DEMO_VAE"
 REPO = Path(__file__).resolve().parent.parent
 
 # The real f32c32 block types and down-sampling; narrow, one layer per stage, and no layers at
@@ -103,7 +103,7 @@ def figure(orig: np.ndarray, recon: np.ndarray, path: Path, thumb: int = 160) ->
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=REPO / "flowmatch_assets/demo_vae")
+    p.add_argument("--out", type=Path, default=DEMO_VAE)
     p.add_argument("--figure", type=Path, default=REPO / "docs/demo_vae_reconstructions.png")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--train-images", type=int, default=1200)
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
     info = {
         "what": (
             "a tiny diffusers AutoencoderDC trained on the synthetic procedural sample "
-            "(flowmatch_assets/demo_dataset.py), NOT the real DC-AE: it reconstructs coloured shapes "
+            "(flowmatch_assets/demo/dataset.py), NOT the real DC-AE: it reconstructs coloured shapes "
             "on textured backgrounds at 256 px (-> 32x8x8 latents) and nothing else"
         ),
         "seed": a.seed,
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
         + shlex.join(argv if argv is not None else sys.argv[1:]),
         "torch": torch.__version__,
     }
-    (a.out / MARKER).write_text(json.dumps(info, indent=1) + "\n")
+    (a.out / DEMO_WEIGHTS_MARKER).write_text(json.dumps(info, indent=1) + "\n")
     print(json.dumps(info, indent=1))
     return info
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from flowmatch_assets.demo_dataset import SampleSpec, write_sample
-from flowmatch_assets.ingest import IngestConfig
-from flowmatch_assets.resources import FlowmatchResource
+from flowmatch_assets.defs.resources import FlowmatchResource
+from flowmatch_assets.demo.dataset import SampleSpec, write_sample
+from flowmatch_assets.ingest.images import IngestConfig
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -39,6 +39,17 @@ def make_resource(
 @pytest.fixture
 def resource(tmp_path, small_sample) -> FlowmatchResource:
     return make_resource(tmp_path / "data", small_sample)
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op torch thread: the tiny models are overhead-bound and CI cores are shared."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="session")

@@ -10,11 +10,11 @@ import json
 import dagster as dg
 import pytest
 
-from flowmatch_assets.budget import BudgetConfig, budget, measure, payback_hours, project
-from flowmatch_assets.budget_assets import budget_report
-from flowmatch_assets.budget_cli import main
 from flowmatch_assets.catalog import Catalog, MaterializationRecord, record_materialization
-from flowmatch_assets.resources import FlowmatchResource
+from flowmatch_assets.cli.budget import main
+from flowmatch_assets.defs.budget_assets import budget_report
+from flowmatch_assets.defs.resources import FlowmatchResource
+from flowmatch_assets.reports.budget import BudgetConfig, budget, measure, payback_hours, project
 
 EMB = {"vae_latents": 2.0, "dino_features": 1.0, "text_embeddings": 1.0}
 

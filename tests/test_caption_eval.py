@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import itertools
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from flowmatch_assets.caption_eval import (
+from flowmatch_assets.demo import DEMO_VAE, DEMO_VAE_MARKER
+from flowmatch_assets.demo.dataset import BACKGROUNDS, COLOURS, SHAPES
+from flowmatch_assets.demo.images import images_256
+from flowmatch_assets.reports.caption_eval import (
     ATTRIBUTES,
     CHANCE,
     POSITION_PHRASES,
@@ -22,10 +24,6 @@ from flowmatch_assets.caption_eval import (
     prompts,
     score,
 )
-from flowmatch_assets.demo_dataset import BACKGROUNDS, COLOURS, SHAPES
-from flowmatch_assets.demo_images import images_256
-
-DEMO_VAE = Path(__file__).resolve().parents[1] / "flowmatch_assets" / "demo_vae"
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +103,7 @@ def test_demo_vae_reconstructs_what_captions_say(ground_truth):
     torch = pytest.importorskip("torch")
     from diffusers import AutoencoderDC
 
-    marker = json.loads((DEMO_VAE / "FLOWMATCH_DEMO_VAE").read_text())
+    marker = json.loads(DEMO_VAE_MARKER.read_text())
     assert "not the real dc-ae" in marker["what"].lower()
     vae = AutoencoderDC.from_pretrained(DEMO_VAE).float().eval()
     assert vae.config.scaling_factor == pytest.approx(marker["scaling_factor"])

@@ -13,8 +13,8 @@ from transformers import AutoTokenizer
 
 from flowmatch_assets import cli
 from flowmatch_assets.catalog import Catalog
-from flowmatch_assets.definitions import all_assets_and_checks, resources_for
-from flowmatch_assets.partitions import register_partitions
+from flowmatch_assets.defs.definitions import all_assets_and_checks, resources_for
+from flowmatch_assets.defs.partitions import register_partitions
 from flowmatch_models.embeddings import EncoderSpec
 from flowmatch_models.store import read_shard
 from tests.conftest import make_resource

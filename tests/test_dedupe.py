@@ -17,13 +17,15 @@ import pyarrow.parquet as pq
 import pytest
 
 from flowmatch_assets.catalog import Catalog
-from flowmatch_assets.dedupe import build_hash_index
-from flowmatch_assets.definitions import defs, resources_for
-from flowmatch_assets.demo_dataset import SampleSpec, write_sample
-from flowmatch_assets.ingest import IngestConfig
-from flowmatch_assets.metadata import FilterConfig
-from flowmatch_assets.partitions import register_partitions
-from flowmatch_assets.resources import FlowmatchResource
+from flowmatch_assets.cli.devserver import make_dagster_home
+from flowmatch_assets.definitions import defs
+from flowmatch_assets.defs.definitions import resources_for
+from flowmatch_assets.defs.partitions import register_partitions
+from flowmatch_assets.defs.resources import FlowmatchResource
+from flowmatch_assets.demo.dataset import SampleSpec, write_sample
+from flowmatch_assets.ingest.dedupe import build_hash_index
+from flowmatch_assets.ingest.images import IngestConfig
+from flowmatch_assets.ingest.metadata import FilterConfig
 from tests.conftest import REPO
 from tests.http_fixtures import LoopbackHTTPServer, Reply
 
@@ -172,9 +174,7 @@ def test_duplicates_are_dropped_the_same_way_when_partitions_run_in_parallel(tmp
     """Three `dagster asset materialize` processes at once, one per partition, one sqlite
     DAGSTER_HOME and one data root: the same final outcomes as one after the other."""
     md, expected = dup_dataset
-    home, data = tmp_path / "home", tmp_path / "data"
-    home.mkdir()
-    (home / "dagster.yaml").write_text((REPO / "dagster_home" / "dagster.yaml").read_text())
+    home, data = make_dagster_home(tmp_path / "home"), tmp_path / "data"
     env = {
         **os.environ,
         "DAGSTER_HOME": str(home),

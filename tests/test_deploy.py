@@ -6,7 +6,7 @@ import json
 
 import dagster as dg
 
-from flowmatch_assets.deploy import K8S_CONFIG
+from flowmatch_assets.defs.deploy import K8S_CONFIG
 
 
 def _k8s(defs: dg.Definitions, name: str) -> dict:
@@ -39,7 +39,7 @@ def test_local_definitions_run_a_runs_steps_in_its_process():
 
 
 def test_eager_automation_is_opt_in():
-    from flowmatch_assets.definitions import build_definitions
+    from flowmatch_assets.defs.definitions import build_definitions
 
     def conditions(defs):
         g = defs.get_repository_def().asset_graph

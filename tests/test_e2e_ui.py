@@ -1,5 +1,5 @@
 """End to end through the real UI stack: `dagster dev` (webserver + daemon), an asset backfill
-launched over GraphQL (flowmatch_assets.backfill), the DuckDB catalog afterwards, and the Dagster
+launched over GraphQL (flowmatch_assets.freshness.backfill), the DuckDB catalog afterwards, and the Dagster
 UI in a real headless Chromium (Playwright, system /usr/bin/chromium; screenshots in
 test-artifacts/)."""
 
@@ -12,11 +12,11 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from flowmatch_assets import backfill
 from flowmatch_assets.bench import orchestration
 from flowmatch_assets.catalog import Catalog
-from flowmatch_assets.devserver import REPO, dagster_dev, make_dagster_home
-from flowmatch_assets.partitions import register_partitions
+from flowmatch_assets.cli.devserver import REPO, dagster_dev, make_dagster_home
+from flowmatch_assets.defs.partitions import register_partitions
+from flowmatch_assets.freshness import backfill
 from tests.conftest import make_resource
 
 CHROMIUM = Path("/usr/bin/chromium")

@@ -11,13 +11,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from flowmatch_assets.budget import measure
 from flowmatch_assets.catalog import Catalog
-from flowmatch_assets.definitions import build_definitions, defs, resources_for
-from flowmatch_assets.fingerprints import stored as shard_fp
-from flowmatch_assets.metadata import FilterConfig
-from flowmatch_assets.partitions import register_partitions
-from flowmatch_assets.training_assets import coverage_or_fail
+from flowmatch_assets.definitions import defs
+from flowmatch_assets.defs.definitions import build_definitions, resources_for
+from flowmatch_assets.defs.partitions import register_partitions
+from flowmatch_assets.defs.training_assets import coverage_or_fail
+from flowmatch_assets.freshness.fingerprints import stored as shard_fp
+from flowmatch_assets.ingest.metadata import FilterConfig
+from flowmatch_assets.reports.budget import measure
 from flowmatch_models.embeddings import KINDS, EncoderSpec, registered
 from flowmatch_models.image_shard import read_image_meta
 from flowmatch_models.store import read_shard
@@ -96,7 +97,7 @@ def test_three_embedding_assets_align_by_id_rerun_is_idempotent_and_checks_pass(
             "dino_features_valid": True,
             "text_embeddings_valid": True,
             "text_embeddings_fp16_saturation": True,  # the zoo's states stay within fp16
-            # made with the current settings (flowmatch_assets/fingerprints.py)
+            # made with the current settings (flowmatch_assets/freshness/fingerprints.py)
             **{f"{a}_fresh": True for a in ["pd12m_metadata", "images_256", *EMB, "flow_model"]},
         }
         text = read_shard(res.layout.asset_path("text_embeddings", "000-00"))

@@ -17,8 +17,8 @@ import yaml
 from dagster._utils.test.data_versions import get_stale_status_resolver
 
 from flowmatch_assets import cli
-from flowmatch_assets.definitions import build_definitions
-from flowmatch_assets.fingerprints import fresh_status
+from flowmatch_assets.defs.definitions import build_definitions
+from flowmatch_assets.freshness.fingerprints import fresh_status
 from flowmatch_models.data import EmbeddingDataModule, FingerprintMismatchError
 from flowmatch_models.fingerprint import Fingerprint, diff, disagreement, folder_sha256
 

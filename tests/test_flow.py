@@ -8,14 +8,7 @@ import torch
 from flowmatch_models.dit import build_model
 from flowmatch_models.flow import FlowMatching, null_caption, sample
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: these tiny models are overhead-bound and CI cores are shared."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one intra-op thread
 
 
 @pytest.fixture()

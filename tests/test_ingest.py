@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw, ImageFile, ImageOps
 
-from flowmatch_assets import ingest
-from flowmatch_assets.ingest import (
+from flowmatch_assets.ingest import images as ingest
+from flowmatch_assets.ingest.images import (
     IngestConfig,
     IngestError,
     count_reasons,

@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from flowmatch_assets.catalog import Catalog
+from flowmatch_assets.cli.devserver import make_dagster_home
 from tests.conftest import REPO
 from tests.http_fixtures import LoopbackHTTPServer, Reply
 
@@ -39,9 +40,7 @@ def test_kill_9_mid_partition_then_rerun(tmp_path, small_sample):
         md_dir = tmp_path / "metadata"
         md_dir.mkdir()
         pq.write_table(table, md_dir / "pd12m.000.parquet")
-        home, data = tmp_path / "home", tmp_path / "data"
-        home.mkdir()
-        (home / "dagster.yaml").write_text((REPO / "dagster_home" / "dagster.yaml").read_text())
+        home, data = make_dagster_home(tmp_path / "home"), tmp_path / "data"
         env = {
             **os.environ,
             "DAGSTER_HOME": str(home),

@@ -13,10 +13,10 @@ import pytest
 import torch
 import yaml
 
-from flowmatch_assets.caption_eval import CHANCE
-from flowmatch_assets.cli import DEMO_VAE
-from flowmatch_assets.demo_images import images_256
-from flowmatch_assets.evaluation import evaluate_checkpoint
+from flowmatch_assets.demo import DEMO_VAE
+from flowmatch_assets.demo.images import images_256
+from flowmatch_assets.reports.caption_eval import CHANCE
+from flowmatch_assets.reports.evaluation import evaluate_checkpoint
 from flowmatch_models.encoders import Encoders, EncoderSpec
 from flowmatch_models.layout import DataLayout
 from flowmatch_models.store import write_shard

@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from flowmatch_assets.metadata import (
+from flowmatch_assets.ingest.metadata import (
     PD12M_COLUMNS,
     FilterConfig,
     MetadataError,

@@ -15,17 +15,19 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from flowmatch_assets import backfill, cli
-from flowmatch_assets.budget import steady_rate
-from flowmatch_assets.budget_assets import rounded
+from flowmatch_assets import cli
 from flowmatch_assets.catalog import Catalog
-from flowmatch_assets.definitions import all_assets_and_checks, defs, resources_for
-from flowmatch_assets.demo_dataset import SampleSpec, write_sample
-from flowmatch_assets.ingest import IngestConfig, is_retryable
-from flowmatch_assets.partitions import SHARDS, register_partitions
-from flowmatch_assets.resources import FlowmatchResource
-from flowmatch_assets.state import dagster_materialized, partition_states
-from flowmatch_assets.training_assets import round_meta
+from flowmatch_assets.definitions import defs
+from flowmatch_assets.defs.budget_assets import rounded
+from flowmatch_assets.defs.definitions import all_assets_and_checks, resources_for
+from flowmatch_assets.defs.partitions import SHARDS, register_partitions
+from flowmatch_assets.defs.resources import FlowmatchResource
+from flowmatch_assets.defs.training_assets import round_meta
+from flowmatch_assets.demo.dataset import SampleSpec, write_sample
+from flowmatch_assets.freshness import backfill
+from flowmatch_assets.freshness.state import dagster_materialized, partition_states
+from flowmatch_assets.ingest.images import IngestConfig, is_retryable
+from flowmatch_assets.reports.budget import steady_rate
 from flowmatch_models.embeddings import EncoderSpec
 from flowmatch_models.layout import PARTITIONED_ASSETS
 from tests.conftest import make_resource

@@ -12,9 +12,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from flowmatch_assets.catalog import Catalog
-from flowmatch_assets.definitions import defs, resources_for
-from flowmatch_assets.partitions import SHARDS, register_partitions
-from flowmatch_assets.resources import FlowmatchResource
+from flowmatch_assets.cli.devserver import make_dagster_home
+from flowmatch_assets.definitions import defs
+from flowmatch_assets.defs.definitions import resources_for
+from flowmatch_assets.defs.partitions import SHARDS, register_partitions
+from flowmatch_assets.defs.resources import FlowmatchResource
 from flowmatch_models.image_shard import iter_image_batches
 from tests.conftest import REPO, make_resource
 
@@ -91,7 +93,7 @@ def test_partition_materializes_every_row_gets_one_outcome_and_rerun_is_idempote
 
 
 def test_sensor_registers_new_metadata_files(resource, small_sample):
-    from flowmatch_assets.partitions import pd12m_partition_sensor
+    from flowmatch_assets.defs.partitions import pd12m_partition_sensor
 
     with dg.instance_for_test() as instance:
         ctx = dg.build_sensor_context(instance=instance, resources={"flowmatch": resource})
@@ -114,9 +116,7 @@ def test_parallel_partitions_in_separate_processes_with_sqlite_home(tmp_path, sm
     """Three partitions materialize at once, each in its own `dagster asset materialize`
     process, against one sqlite DAGSTER_HOME and one data root:
     no DuckDB or sqlite lock errors, and the catalog is consistent afterwards."""
-    home = tmp_path / "dagster_home"
-    home.mkdir()
-    (home / "dagster.yaml").write_text((REPO / "dagster_home" / "dagster.yaml").read_text())
+    home = make_dagster_home(tmp_path / "dagster_home")
     data = tmp_path / "data"
     res = make_resource(data, small_sample, shard_size=5)
     env = {

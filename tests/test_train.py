@@ -59,13 +59,7 @@ def make_store(root: Path, sizes: dict[str, int] = SIZES, seed: int = 0) -> Path
     return root
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: the tiny model is overhead-bound and CI cores are shared."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one intra-op thread
 
 
 @pytest.fixture(scope="module")

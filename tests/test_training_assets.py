@@ -12,9 +12,10 @@ from PIL import Image
 
 from flowmatch_assets.catalog import Catalog
 from flowmatch_assets.cli import main as cli_main
-from flowmatch_assets.definitions import defs, resources_for
-from flowmatch_assets.fingerprints import model_staleness
-from flowmatch_assets.partitions import register_partitions
+from flowmatch_assets.definitions import defs
+from flowmatch_assets.defs.definitions import resources_for
+from flowmatch_assets.defs.partitions import register_partitions
+from flowmatch_assets.freshness.fingerprints import model_staleness
 from flowmatch_models.embeddings import EncoderSpec
 from tests.conftest import make_resource
 from tests.wandb_records import config as wandb_config
@@ -228,7 +229,7 @@ def test_coverage_rule_then_train_resume_and_sample(tmp_path, small_sample, zoo,
         assert by_attr["colour"]["chance"] == pytest.approx(1 / 8)
         assert by_attr["all_four"]["chance"] == pytest.approx(1 / 8 * 1 / 6 * 1 / 2 * 1 / 3)
         # the recorded scores are exactly what the evaluation computes (deterministic)
-        from flowmatch_assets.evaluation import evaluate_checkpoint
+        from flowmatch_assets.reports.evaluation import evaluate_checkpoint
 
         direct = evaluate_checkpoint(
             tmp_path / "data" / "runs" / "t" / "checkpoints" / "last.ckpt",

@@ -28,13 +28,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from flowmatch_assets import catalog
-from flowmatch_assets.dedupe import (
+from flowmatch_assets.ingest.dedupe import (
     file_index,
     first_occurrences,
     hash_keys,
     stored_before,
 )
-from flowmatch_assets.metadata import FilterConfig
+from flowmatch_assets.ingest.metadata import FilterConfig
 
 _HEXCHARS = np.frombuffer(b"0123456789abcdef", np.uint8)
 

@@ -81,11 +81,13 @@ def _data_root(root: Path, n: int, rng: np.random.Generator) -> dict:
 def run(samples: int, hash_mb: int, repeat: int, images_per_core_s: float, pairs_s: float) -> dict:
     import dagster as dg
 
-    from flowmatch_assets import catalog, fingerprints
+    from flowmatch_assets import catalog
     from flowmatch_assets.catalog import MaterializationRecord
-    from flowmatch_assets.definitions import resources_for
-    from flowmatch_assets.partitions import shard_partitions
-    from flowmatch_assets.resources import FlowmatchResource
+    from flowmatch_assets.defs.checks import build_fresh_checks
+    from flowmatch_assets.defs.definitions import resources_for
+    from flowmatch_assets.defs.partitions import shard_partitions
+    from flowmatch_assets.defs.resources import FlowmatchResource
+    from flowmatch_assets.freshness import fingerprints
     from flowmatch_models import fingerprint as fpmod
     from flowmatch_models.embeddings import EncoderSpec
 
@@ -141,7 +143,7 @@ def run(samples: int, hash_mb: int, repeat: int, images_per_core_s: float, pairs
         body = {a: _timed(lambda a=a: fingerprints.staleness(res, ["000-00"], [a]), repeat)
                 for a in [*data, *kinds]}  # fmt: skip
         # the five checks as Dagster runs them (one in-process run), minus an empty run
-        checks = [fingerprints.build_fresh_checks(shard_partitions)]
+        checks = [build_fresh_checks(shard_partitions)]
         with dg.instance_for_test() as instance:
             instance.add_dynamic_partitions(shard_partitions.name, ["000-00"])
             defs = dg.Definitions(

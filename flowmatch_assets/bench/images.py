@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
-from flowmatch_assets.ingest import IngestConfig, count_reasons, ingest_rows
+from flowmatch_assets.ingest.images import IngestConfig, count_reasons, ingest_rows
 from flowmatch_models.atomic import atomic_write_bytes
 
 CORPUS_VERSION = 1

@@ -4,7 +4,7 @@ positional embedding do for it, on the user's own (demo) data?
 For each variant of {REPA on, off} x {PE on, off} (and ``repa+pe-nostab``: SANA's qk_norm and
 fp32 linear attention off) it trains the demo's DiT from scratch with the
 same data, seed and schedule (``configs/tiny.yaml``, the demo's), saves a checkpoint every ``--eval-every``
-steps and scores each with the caption-following evaluation (flowmatch_assets.evaluation):
+steps and scores each with the caption-following evaluation (flowmatch_assets.reports.evaluation):
 colour / shape / size / position accuracy of generated images against the chance level.
 
 Needs a data root whose partitions have all three embeddings, made with a VAE that reconstructs
@@ -22,7 +22,8 @@ from pathlib import Path
 
 import yaml
 
-from flowmatch_assets.evaluation import checkpoints, evaluate_checkpoint
+from flowmatch_assets.demo import DEMO_VAE
+from flowmatch_assets.reports.evaluation import checkpoints, evaluate_checkpoint
 from flowmatch_models.atomic import atomic_path, atomic_write_text
 
 REPO = Path(__file__).resolve().parents[2]
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
             "sigma2": 0.09,
         }
         print(f"positional toy (sample-to-class-mean MSE; perfect: mse 0.09, mean_mse 0): {toy}")
-    from flowmatch_assets import caption_eval
+    from flowmatch_assets.reports import caption_eval
     from flowmatch_models.layout import DataLayout
 
     root = Path(a.data_root).resolve()
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
     steps = a.steps or int(cfg["trainer"]["max_steps"])
     every = a.eval_every or max(1, steps // 4)
     encoders = {
-        "vae": os.environ.get("FLOWMATCH_VAE", str(REPO / "flowmatch_assets" / "demo_vae")),
+        "vae": os.environ.get("FLOWMATCH_VAE", str(DEMO_VAE)),
         "text": os.environ.get("FLOWMATCH_TEXT", str(root / "zoo" / "text")),
     }
     out = Path(a.out).resolve()

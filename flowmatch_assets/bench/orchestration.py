@@ -30,12 +30,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from flowmatch_assets import backfill
 from flowmatch_assets.catalog import Catalog
-from flowmatch_assets.demo_dataset import draw_image
-from flowmatch_assets.devserver import dagster_dev, make_dagster_home
-from flowmatch_assets.partitions import register_partitions
-from flowmatch_assets.resources import FlowmatchResource
+from flowmatch_assets.cli.devserver import dagster_dev, make_dagster_home
+from flowmatch_assets.defs.partitions import register_partitions
+from flowmatch_assets.defs.resources import FlowmatchResource
+from flowmatch_assets.demo.dataset import draw_image
+from flowmatch_assets.freshness import backfill
 
 CANCEL = """
 mutation Cancel($id: String!) {

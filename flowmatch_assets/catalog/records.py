@@ -1,0 +1,408 @@
+"""The catalog's records: what each materialization writes (never DuckDB).
+
+A materialization writes small parquet records of its own, atomically and per partition:
+
+    <root>/catalog/materializations/<asset>/<partition>.parquet   one row: counts, bytes, time
+    <root>/catalog/rows/<asset>/<partition>.parquet               one row per input row: outcome
+    <root>/catalog/attempts/<asset>/<partition>.parquet           failures of a rejected attempt
+
+plus duplicates, content hashes, data-card rows, evaluations and ledgers; the views over them
+are :mod:`flowmatch_assets.catalog.views`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from flowmatch_models.atomic import atomic_path
+from flowmatch_models.layout import DataLayout
+
+OUTCOMES = ("stored", "filtered", "failed")
+
+MATERIALIZATION_SCHEMA = pa.schema(
+    [
+        ("asset", pa.string()),
+        ("partition", pa.string()),
+        ("samples", pa.int64()),
+        ("input_rows", pa.int64()),
+        ("raw_bytes", pa.int64()),
+        ("stored_bytes", pa.int64()),
+        ("ratio", pa.float64()),
+        ("seconds", pa.float64()),
+        ("samples_per_s", pa.float64()),
+        ("codec", pa.string()),
+        ("device", pa.string()),
+        ("lossy_min_cosine", pa.float64()),
+        ("lossy_rel_rms", pa.float64()),
+        ("run_id", pa.string()),
+        ("written_at", pa.timestamp("us", tz="UTC")),
+        ("extra", pa.string()),
+    ]
+)
+
+ROW_SCHEMA = pa.schema(
+    [
+        ("asset", pa.string()),
+        ("partition", pa.string()),
+        ("id", pa.string()),
+        ("url", pa.string()),
+        ("outcome", pa.string()),
+        ("reason", pa.string()),
+        ("detail", pa.string()),
+    ]
+)
+
+PARTITION_SCHEMA = pa.schema(
+    [
+        ("partition", pa.string()),
+        ("source_file", pa.string()),
+        ("row_start", pa.int64()),
+        ("row_end", pa.int64()),
+    ]
+)
+
+
+@dataclass
+class MaterializationRecord:
+    """What one asset materialization of one partition produced."""
+
+    asset: str
+    partition: str
+    samples: int
+    raw_bytes: int = 0
+    stored_bytes: int = 0
+    seconds: float = 0.0
+    input_rows: int | None = None
+    codec: str | None = None
+    device: str | None = None
+    lossy_min_cosine: float | None = None
+    lossy_rel_rms: float | None = None
+    run_id: str | None = None
+    extra: dict = field(default_factory=dict)
+    #: samples/s when it is not samples / seconds (training: the median of its steady windows)
+    rate: float | None = None
+
+    def as_row(self) -> dict:
+        d = asdict(self)
+        d["input_rows"] = self.samples if self.input_rows is None else self.input_rows
+        d["ratio"] = (self.raw_bytes / self.stored_bytes) if self.stored_bytes else None
+        d.pop("rate")
+        if self.rate is not None:
+            d["samples_per_s"] = self.rate
+        else:
+            d["samples_per_s"] = (self.samples / self.seconds) if self.seconds > 0 else None
+        d["written_at"] = _now_utc()
+        d["extra"] = json.dumps(self.extra, sort_keys=True, default=str)
+        return d
+
+
+@dataclass
+class RowOutcome:
+    """The single outcome of one input row in one asset: stored, filtered or failed (+ reason)."""
+
+    id: str
+    url: str | None
+    outcome: str
+    reason: str | None = None
+    detail: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.outcome not in OUTCOMES:
+            raise ValueError(f"outcome must be one of {OUTCOMES}, got {self.outcome!r}")
+
+
+def _now_utc():
+    import datetime as _dt
+
+    return _dt.datetime.now(_dt.timezone.utc)
+
+
+def _write_parquet(path: Path, table: pa.Table) -> None:
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp)
+
+
+def record_materialization(data_root: str | Path, record: MaterializationRecord) -> Path:
+    """Write (replace) the materialization record of one asset partition, atomically."""
+    layout = DataLayout(data_root)
+    path = layout.catalog_dir / "materializations" / record.asset / f"{record.partition}.parquet"
+    _write_parquet(path, pa.Table.from_pylist([record.as_row()], schema=MATERIALIZATION_SCHEMA))
+    return path
+
+
+def record_rows(
+    data_root: str | Path, asset: str, partition: str, rows: Iterable[RowOutcome]
+) -> Path:
+    """Write (replace) the per-row outcomes of one asset partition, atomically."""
+    return _write_rows(data_root, "rows", asset, partition, rows)
+
+
+def record_attempt(
+    data_root: str | Path, asset: str, partition: str, rows: Iterable[RowOutcome]
+) -> Path:
+    """Record the row outcomes of a rejected attempt, leaving the partition's records alone."""
+    return _write_rows(data_root, "attempts", asset, partition, rows)
+
+
+def _write_rows(
+    data_root: str | Path, kind: str, asset: str, partition: str, rows: Iterable[RowOutcome]
+) -> Path:
+    path = DataLayout(data_root).catalog_dir / kind / asset / f"{partition}.parquet"
+    data = [{"asset": asset, "partition": partition, **asdict(r)} for r in rows]
+    _write_parquet(path, pa.Table.from_pylist(data, schema=ROW_SCHEMA))
+    return path
+
+
+def clear_attempt(data_root: str | Path, asset: str, partition: str) -> None:
+    """Forget a rejected attempt's failures (a later attempt succeeded)."""
+    p = DataLayout(data_root).catalog_dir / "attempts" / asset / f"{partition}.parquet"
+    p.unlink(missing_ok=True)
+
+
+def clear_partition(data_root: str | Path, asset: str, partition: str) -> None:
+    """Remove the catalog records of one asset partition (`flowmatch verify`: its file is gone)."""
+    layout = DataLayout(data_root)
+    for kind in ("materializations", "rows", "duplicates", "content"):
+        p = layout.catalog_dir / kind / asset / f"{partition}.parquet"
+        p.unlink(missing_ok=True)
+
+
+DUPLICATE_SCHEMA = pa.schema(
+    [
+        ("asset", pa.string()),
+        ("partition", pa.string()),
+        ("id", pa.string()),
+        ("kind", pa.string()),  # "hash" (metadata, before download) or "content" (bytes' md5)
+        ("hash", pa.string()),  # the metadata hash (kind hash) or the bytes' md5 (kind content)
+        ("kept_partition", pa.string()),
+        ("kept_id", pa.string()),
+    ]
+)
+
+CONTENT_SCHEMA = pa.schema(
+    [
+        ("asset", pa.string()),
+        ("partition", pa.string()),
+        ("id", pa.string()),
+        ("position", pa.int64()),  # the row's index in its metadata file: dataset order
+        ("md5", pa.string()),
+    ]
+)
+
+
+def record_duplicates(
+    data_root: str | Path, asset: str, partition: str, kind: str, rows: Sequence[dict]
+) -> Path:
+    """Write (replace) the rows ``asset`` dropped as duplicates (``{id, hash, kept_partition,
+    kept_id}``) in one partition: ``catalog/duplicates/<asset>/<partition>.parquet``."""
+    path = DataLayout(data_root).catalog_dir / "duplicates" / asset / f"{partition}.parquet"
+    data = [
+        {
+            "asset": asset,
+            "partition": partition,
+            "kind": kind,
+            **{k: r.get(k) for k in ("id", "hash", "kept_partition", "kept_id")},
+        }
+        for r in rows
+    ]
+    _write_parquet(path, pa.Table.from_pylist(data, schema=DUPLICATE_SCHEMA))
+    return path
+
+
+def record_content(data_root: str | Path, partition: str, rows: Sequence[dict]) -> Path:
+    """Write (replace) the md5 of the bytes of every row stored in one images_256 shard
+    (``{id, position, md5}``): what content dedupe and the ``content_duplicates`` view read."""
+    path = DataLayout(data_root).catalog_dir / "content" / "images_256" / f"{partition}.parquet"
+    data = [
+        {
+            "asset": "images_256",
+            "partition": partition,
+            **{k: r[k] for k in ("id", "position", "md5")},
+        }
+        for r in rows
+    ]
+    _write_parquet(path, pa.Table.from_pylist(data, schema=CONTENT_SCHEMA))
+    return path
+
+
+CARD_SCHEMA = pa.schema(
+    [
+        ("asset", pa.string()),
+        ("partition", pa.string()),
+        ("id", pa.string()),
+        ("caption_chars", pa.int32()),
+        ("caption_tokens", pa.int32()),  # the text encoder's tokens, before truncation
+        ("max_tokens", pa.int32()),
+        ("width", pa.int64()),  # claimed by the metadata
+        ("height", pa.int64()),
+        ("orig_width", pa.int32()),  # decoded (stored rows)
+        ("orig_height", pa.int32()),
+        ("license", pa.string()),
+        ("source", pa.string()),
+    ]
+)
+
+
+#: The data card's sections, in the order the card shows them.
+CARD_SECTIONS = (
+    "rows",
+    "outcome",
+    "license",
+    "source",
+    "aspect",
+    "caption_chars",
+    "caption_tokens",
+    "orig_long_side",
+    "orig_short_side",
+    "text",
+)
+
+
+def record_card_rows(data_root: str | Path, partition: str, rows: Sequence[dict]) -> Path:
+    """Write (replace) the data card's per-row record of one partition
+    (flowmatch_assets/reports/data_card.py)."""
+    path = DataLayout(data_root).catalog_dir / "cards" / "data_card" / f"{partition}.parquet"
+    data = [{"asset": "data_card", "partition": partition, **r} for r in rows]
+    _write_parquet(path, pa.Table.from_pylist(data, schema=CARD_SCHEMA))
+    return path
+
+
+EVALUATION_SCHEMA = pa.schema(
+    [
+        ("run", pa.string()),
+        ("step", pa.int64()),
+        ("checkpoint", pa.string()),
+        ("attribute", pa.string()),
+        ("accuracy", pa.float64()),
+        ("chance", pa.float64()),
+        ("n", pa.int64()),
+        ("unknown", pa.int64()),
+        ("evaluated_at", pa.timestamp("us", tz="UTC")),
+    ]
+)
+
+
+LEDGER_SAMPLE_SCHEMA = pa.schema(
+    [
+        ("run", pa.string()),
+        ("checkpoint_step", pa.int64()),
+        ("sample_id", pa.string()),
+        ("partition", pa.string()),
+        ("times_seen", pa.int64()),
+        ("first_step", pa.int64()),
+        ("last_step", pa.int64()),
+        ("partition_size", pa.int64()),
+    ]
+)
+LEDGER_EPOCH_SCHEMA = pa.schema(
+    [
+        ("run", pa.string()),
+        ("checkpoint_step", pa.int64()),
+        ("epoch", pa.int64()),
+        ("partitions", pa.list_(pa.string())),
+        ("sizes", pa.list_(pa.int64())),
+        ("seed", pa.int64()),
+        ("shuffle_window", pa.int64()),
+        ("global_batch", pa.int64()),
+        ("accumulate", pa.int64()),
+        ("pos_from", pa.int64()),
+        ("pos_to", pa.int64()),
+        ("step_from", pa.int64()),
+        ("available_partitions", pa.int64()),
+        ("available_samples", pa.int64()),
+    ]
+)
+
+
+LEDGER_CHAIN_SCHEMA = pa.schema(
+    [("run", pa.string()), ("checkpoint_step", pa.int64()), ("delta_step", pa.int64())]
+)
+
+
+def ledger_path(data_root: str | Path, run: str, step: int, what: str = "ledger") -> Path:
+    return DataLayout(data_root).catalog_dir / what / run / f"step{step:07d}.parquet"
+
+
+def read_ledger_segments(
+    data_root: str | Path, run: str, step: int
+) -> tuple[list[dict], list[int]]:
+    """A recorded checkpoint's segments and its delta chain (``[], []`` if none)."""
+    p = ledger_path(data_root, run, step, "ledger_epochs")
+    c = ledger_path(data_root, run, step, "ledger_chain")
+    if not (p.exists() and c.exists()):
+        return [], []
+    segs = [{k: v for k, v in r.items() if k not in ("run", "checkpoint_step")}
+            for r in pq.read_table(p).to_pylist()]  # fmt: skip
+    return segs, [r["delta_step"] for r in pq.read_table(c).to_pylist()]
+
+
+def record_ledger(
+    data_root: str | Path,
+    run: str,
+    step: int,
+    samples: dict,
+    segments: Sequence[dict],
+    chain: Sequence[int],
+) -> Path:
+    """Write (replace) checkpoint ``step``'s ledger: its compact segments (``ledger_epochs``),
+    the samples trained since its base checkpoint (``samples``: a delta, from
+    :func:`flowmatch_models.ledger.expand`) and its chain of deltas (``chain``: the base's chain
+    plus ``step``), which the ``ledger_samples`` view sums. The chain is written last: a
+    checkpoint counts as recorded only once it is there."""
+    seg_rows = [
+        {**{k: seg.get(k) for k in LEDGER_EPOCH_SCHEMA.names}, "run": run, "checkpoint_step": step}
+        for seg in segments
+    ]
+    _write_parquet(ledger_path(data_root, run, step, "ledger_epochs"),
+                   pa.Table.from_pylist(seg_rows, schema=LEDGER_EPOCH_SCHEMA))  # fmt: skip
+    n = len(samples["sample_id"])
+    cols = {
+        "run": pa.repeat(pa.scalar(run, pa.string()), n),
+        "checkpoint_step": pa.array(np.full(n, step, np.int64)),
+        **{k: samples[k] for k in LEDGER_SAMPLE_SCHEMA.names[2:]},
+    }
+    table = pa.Table.from_pydict(cols).cast(LEDGER_SAMPLE_SCHEMA)
+    path = ledger_path(data_root, run, step)
+    _write_parquet(path, table)
+    chain_rows = [{"run": run, "checkpoint_step": step, "delta_step": d} for d in chain]
+    _write_parquet(ledger_path(data_root, run, step, "ledger_chain"),
+                   pa.Table.from_pylist(chain_rows, schema=LEDGER_CHAIN_SCHEMA))  # fmt: skip
+    return path
+
+
+def record_evaluation(data_root: str | Path, run: str, step: int, rows: Sequence[dict]) -> Path:
+    """Write (replace) the caption-following scores of one checkpoint (one row per attribute)."""
+    layout = DataLayout(data_root)
+    path = layout.catalog_dir / "evaluations" / run / f"step{step:07d}.parquet"
+    now = _now_utc()
+    data = [{**r, "evaluated_at": now} for r in rows]
+    _write_parquet(path, pa.Table.from_pylist(data, schema=EVALUATION_SCHEMA))
+    return path
+
+
+def read_materialization(data_root: str | Path, asset: str, partition: str) -> dict | None:
+    """The materialization record of one asset partition, or None."""
+    p = DataLayout(data_root).catalog_dir / "materializations" / asset / f"{partition}.parquet"
+    rows = pq.read_table(p).to_pylist() if p.exists() else []
+    return rows[0] if rows else None
+
+
+def read_rows(data_root: str | Path, asset: str, partition: str) -> pa.Table | None:
+    """The per-row outcomes of one asset partition, or None if there are none."""
+    p = DataLayout(data_root).catalog_dir / "rows" / asset / f"{partition}.parquet"
+    return pq.read_table(p) if p.exists() else None
+
+
+def record_partitions(data_root: str | Path, partitions: Sequence[dict]) -> Path:
+    """Replace the list of known partitions (key, source file, row range)."""
+    layout = DataLayout(data_root)
+    path = layout.catalog_dir / "partitions.parquet"
+    _write_parquet(path, pa.Table.from_pylist(list(partitions), schema=PARTITION_SCHEMA))
+    return path

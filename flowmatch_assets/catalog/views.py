@@ -1,0 +1,454 @@
+"""The DuckDB catalog's views: coverage, sample counts, bytes, throughput and every row's outcome.
+
+Design (why parallel partitions never contend on a DuckDB lock): a materialization never opens
+DuckDB. It writes two small parquet records of its own, atomically and per partition:
+
+    <root>/catalog/materializations/<asset>/<partition>.parquet   one row: counts, bytes, time
+    <root>/catalog/rows/<asset>/<partition>.parquet               one row per input row: outcome
+    <root>/catalog/attempts/<asset>/<partition>.parquet           failures of a rejected attempt
+
+``catalog.duckdb`` holds only *views* over those files (plus the known partitions), so it is
+written once (under a file lock) and afterwards opened read-only by any number of processes.
+Re-materializing a partition replaces its two files when it succeeds (each by an atomic rename;
+the old records stay visible until then): no duplicate rows, and a partition never vanishes from
+the catalog during a re-run. An attempt that is rejected (too few rows stored) leaves both files
+as they were and records its failures under ``attempts/`` (the ``rejected_attempts`` view).
+The views are rebuilt whenever the SQL that builds them changes (:func:`catalog_version`, a
+hash of it): an edited view, a newly registered embedding kind, a moved or copied data root.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import re
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import duckdb
+
+from flowmatch_assets.catalog.records import (
+    CARD_SCHEMA,
+    CARD_SECTIONS,
+    CONTENT_SCHEMA,
+    DUPLICATE_SCHEMA,
+    EVALUATION_SCHEMA,
+    LEDGER_CHAIN_SCHEMA,
+    LEDGER_EPOCH_SCHEMA,
+    LEDGER_SAMPLE_SCHEMA,
+    MATERIALIZATION_SCHEMA,
+    PARTITION_SCHEMA,
+    ROW_SCHEMA,
+    _write_parquet,
+)
+from flowmatch_models.atomic import atomic_path
+from flowmatch_models.layout import PARTITIONED_ASSETS, DataLayout
+
+
+def _sql_str(s: str | Path) -> str:
+    return "'" + str(s).replace("'", "''") + "'"
+
+
+#: Pairs in the whole PD12M dataset (for projections).
+PD12M_PAIRS = 12_400_000
+
+
+def _assets_key() -> str:
+    """The partitioned assets the views were built for (a newly registered kind rebuilds them)."""
+    return ",".join(PARTITIONED_ASSETS)
+
+
+def catalog_version(layout: DataLayout) -> str:
+    """The version of ``catalog.duckdb``: a hash of the SQL that builds its views, so a view
+    whose SQL changes (an edit, a new embedding kind, a moved data root) rebuilds them all; no
+    number to bump by hand."""
+    return hashlib.sha256("\n;\n".join(_view_sql(layout)).encode()).hexdigest()[:16]
+
+
+_CREATED = re.compile(r"CREATE OR REPLACE VIEW (\w+) AS")
+
+
+def view_names() -> list[str]:
+    """Every view of the catalog, in the order they are built (read from their SQL)."""
+    return [m.group(1) for sql in _view_sql(DataLayout("/")) for m in [_CREATED.match(sql)] if m]
+
+
+def _view_sql(layout: DataLayout) -> list[str]:
+    c = layout.catalog_dir
+    mat = _sql_str(c / "materializations" / "*" / "*.parquet")
+    rows = _sql_str(c / "rows" / "*" / "*.parquet")
+    attempts = _sql_str(c / "attempts" / "*" / "*.parquet")
+    parts = _sql_str(c / "partitions.parquet")
+    evals = _sql_str(c / "evaluations" / "*" / "*.parquet")
+    ledger = _sql_str(c / "ledger" / "*" / "*.parquet")
+    ledger_epochs = _sql_str(c / "ledger_epochs" / "*" / "*.parquet")
+    ledger_chain = _sql_str(c / "ledger_chain" / "*" / "*.parquet")
+    assets = ", ".join(f"({_sql_str(a)}, {i})" for i, a in enumerate(PARTITIONED_ASSETS))
+    return [
+        f"CREATE OR REPLACE VIEW materializations AS SELECT * FROM read_parquet({mat}, union_by_name=true) WHERE asset IS NOT NULL",
+        f"CREATE OR REPLACE VIEW rows AS SELECT * FROM read_parquet({rows}, union_by_name=true) WHERE asset IS NOT NULL",
+        f"CREATE OR REPLACE VIEW partitions AS SELECT * FROM read_parquet({parts}) WHERE partition IS NOT NULL",
+        # caption following per run, checkpoint step and attribute, beside the chance level
+        f"CREATE OR REPLACE VIEW evaluations AS SELECT *, accuracy / nullif(chance, 0) AS x_chance FROM read_parquet({evals}, union_by_name=true) WHERE run IS NOT NULL",
+        # the ledger: per run checkpoint, every trained sample (times seen, first and last
+        # optimizer step), the compact per-epoch segments it was expanded from, per partition
+        f"CREATE OR REPLACE VIEW ledger_deltas AS SELECT * FROM read_parquet({ledger}) WHERE run IS NOT NULL",
+        f"CREATE OR REPLACE VIEW ledger_chain AS SELECT * FROM read_parquet({ledger_chain}) WHERE run IS NOT NULL",
+        """CREATE OR REPLACE VIEW ledger_samples AS
+           SELECT ch.run, ch.checkpoint_step, d.sample_id, any_value(d.partition) AS partition,
+                  sum(d.times_seen) AS times_seen, min(d.first_step) AS first_step,
+                  max(d.last_step) AS last_step, any_value(d.partition_size) AS partition_size
+           FROM ledger_chain ch JOIN ledger_deltas d
+             ON d.run = ch.run AND d.checkpoint_step = ch.delta_step
+           GROUP BY ch.run, ch.checkpoint_step, d.sample_id""",
+        f"CREATE OR REPLACE VIEW ledger_epochs AS SELECT *, pos_to - pos_from AS samples FROM read_parquet({ledger_epochs}) WHERE run IS NOT NULL",
+        """CREATE OR REPLACE VIEW ledger_partitions AS
+           SELECT run, checkpoint_step, partition, count(*) AS samples_seen,
+                  sum(times_seen) AS samples_trained, any_value(partition_size) AS partition_size,
+                  sum(times_seen) / any_value(partition_size) AS epochs,
+                  min(first_step) AS first_step, max(last_step) AS last_step
+           FROM ledger_samples GROUP BY run, checkpoint_step, partition""",
+        f"CREATE OR REPLACE TABLE assets AS SELECT * FROM (VALUES {assets}) t(asset, lineage_order)",
+        # every (partition, asset) pair with whether it is materialized; partitions known either
+        # from registration or from a materialization
+        """CREATE OR REPLACE VIEW coverage AS
+           WITH p AS (SELECT partition FROM partitions
+                      UNION SELECT partition FROM materializations
+                      WHERE asset IN (SELECT asset FROM assets))
+           SELECT p.partition, a.asset, a.lineage_order, m.samples, m.written_at,
+                  m.partition IS NOT NULL AS materialized
+           FROM p CROSS JOIN assets a
+           LEFT JOIN materializations m ON m.partition = p.partition AND m.asset = a.asset""",
+        f"CREATE OR REPLACE MACRO retryable(r) AS {_retryable_sql('r')}",
+        """CREATE OR REPLACE VIEW failures AS
+           SELECT asset, partition, id, url, outcome, reason, detail,
+                  outcome = 'failed' AND retryable(reason) AS retryable FROM rows
+           WHERE outcome IN ('failed', 'filtered')""",
+        f"""CREATE OR REPLACE VIEW rejected_attempts AS
+           SELECT asset, partition, id, url, outcome, reason, detail,
+                  outcome = 'failed' AND retryable(reason) AS retryable
+           FROM read_parquet({attempts}, union_by_name=true)
+           WHERE asset IS NOT NULL AND outcome = 'failed'""",
+        f"""CREATE OR REPLACE VIEW compression AS
+           SELECT asset, any_value(codec) AS codec, count(*) AS partitions, sum(samples) AS samples,
+                  sum(raw_bytes) AS raw_bytes, sum(stored_bytes) AS stored_bytes,
+                  sum(raw_bytes) / nullif(sum(stored_bytes), 0) AS ratio,
+                  sum(stored_bytes) / nullif(sum(samples), 0) AS stored_bytes_per_sample,
+                  sum(stored_bytes) / nullif(sum(samples), 0) * {PD12M_PAIRS} / 1e9
+                      AS projected_pd12m_gb,
+                  min(lossy_min_cosine) AS lossy_min_cosine, max(lossy_rel_rms) AS lossy_rel_rms
+           FROM materializations WHERE stored_bytes > 0 GROUP BY asset""",
+        # training's rate is its latest run's median steady-window rate (the budget's figure);
+        # every other asset's is samples / seconds over its partitions
+        """CREATE OR REPLACE VIEW throughput AS
+           SELECT asset, any_value(device) AS device, count(*) AS partitions,
+                  sum(samples) AS samples, sum(seconds) AS seconds,
+                  CASE WHEN asset = 'flow_model' THEN arg_max(samples_per_s, written_at)
+                       ELSE sum(samples) / nullif(sum(seconds), 0) END AS samples_per_s
+           FROM materializations GROUP BY asset""",
+        # what made each asset partition (flowmatch_assets/freshness/fingerprints.py); NULL: made before
+        # fingerprints. `flowmatch stale` compares these with the current settings.
+        """CREATE OR REPLACE VIEW fingerprints AS
+           SELECT asset, partition, json_extract_string(extra, '$.fingerprint.hash') AS fingerprint,
+                  json_extract(extra, '$.fingerprint.fields') AS fields,
+                  json_extract(extra, '$.fingerprint.inputs') AS inputs,
+                  CAST(json_extract(extra, '$.fingerprint') AS VARCHAR) AS fingerprint_json,
+                  written_at
+           FROM materializations WHERE asset != 'flow_model'""",
+        *_dedupe_views(layout),
+        *_data_card_views(layout),
+    ]
+
+
+def _dedupe_views(layout: DataLayout) -> list[str]:
+    """Duplicates (flowmatch_assets/ingest/dedupe.py) and every input row's final outcome."""
+    c = layout.catalog_dir
+    dups = _sql_str(c / "duplicates" / "*" / "*.parquet")
+    content = _sql_str(c / "content" / "*" / "*.parquet")
+    return [
+        f"CREATE OR REPLACE VIEW duplicate_records AS SELECT * FROM read_parquet({dups}, union_by_name=true) WHERE asset IS NOT NULL",
+        # md5 of the bytes of every row stored in a (materialized) images_256 shard
+        f"""CREATE OR REPLACE VIEW content_md5 AS
+           SELECT partition, id, position, md5 FROM read_parquet({content}, union_by_name=true)
+           WHERE asset IS NOT NULL AND md5 IS NOT NULL AND partition IN
+                 (SELECT partition FROM materializations WHERE asset = 'images_256')""",
+        """CREATE OR REPLACE VIEW content_first AS
+           SELECT md5, partition AS kept_partition, id AS kept_id FROM (
+               SELECT *, row_number() OVER (PARTITION BY md5 ORDER BY partition, position) AS k
+               FROM content_md5) WHERE k = 1""",
+        # stored rows whose bytes an earlier row (dataset order) also stored: the later ones
+        # lose (their partition ran before the winner's, or at the same time)
+        """CREATE OR REPLACE VIEW content_duplicates AS
+           SELECT m.partition, m.id, m.md5, f.kept_partition, f.kept_id FROM content_md5 m
+           JOIN content_first f ON f.md5 = m.md5
+           WHERE (m.partition, m.id) <> (f.kept_partition, f.kept_id)""",
+        """CREATE OR REPLACE VIEW duplicates AS
+           SELECT partition, id, 'hash' AS kind, hash, kept_partition, kept_id,
+                  false AS still_stored
+           FROM duplicate_records WHERE kind = 'hash'
+           UNION ALL
+           SELECT d.partition, d.id, 'content', d.hash,
+                  coalesce(f.kept_partition, d.kept_partition), coalesce(f.kept_id, d.kept_id), false
+           FROM duplicate_records d LEFT JOIN content_first f ON f.md5 = d.hash
+           WHERE d.kind = 'content'
+           UNION ALL
+           SELECT partition, id, 'content', md5, kept_partition, kept_id, true
+           FROM content_duplicates""",
+        # every input row's final outcome: filtered by the metadata filters, else the image
+        # stage's outcome (pending before it ran), a content duplicate counted as filtered
+        """CREATE OR REPLACE VIEW dataset_rows AS
+           SELECT m.partition, m.id, m.url,
+                  CASE WHEN m.outcome = 'filtered' THEN 'metadata'
+                       WHEN i.id IS NOT NULL THEN 'images' END AS stage,
+                  CASE WHEN m.outcome = 'filtered' THEN 'filtered'
+                       WHEN i.id IS NULL THEN 'pending'
+                       WHEN c.id IS NOT NULL THEN 'filtered'
+                       ELSE i.outcome END AS outcome,
+                  CASE WHEN m.outcome = 'filtered' THEN m.reason
+                       WHEN c.id IS NOT NULL THEN 'duplicate_content'
+                       ELSE i.reason END AS reason,
+                  d.kept_partition, d.kept_id
+           FROM rows m
+           LEFT JOIN rows i ON i.asset = 'images_256' AND i.partition = m.partition AND i.id = m.id
+           LEFT JOIN content_duplicates c ON c.partition = m.partition AND c.id = m.id
+           LEFT JOIN duplicates d ON d.partition = m.partition AND d.id = m.id
+           WHERE m.asset = 'pd12m_metadata'""",
+    ]
+
+
+def _card_counts(section: str, expr: str, src: str) -> str:
+    """A count section of the data card: one item per value of ``expr``, per scope."""
+    return f"""SELECT CASE WHEN grouping(partition) = 1 THEN 'dataset' ELSE partition END AS scope,
+               '{section}' AS section, coalesce(CAST(k AS VARCHAR), '(none)') AS item,
+               count(*)::DOUBLE AS value, NULL::DOUBLE AS share
+               FROM (SELECT partition, {expr} AS k FROM {src})
+               GROUP BY GROUPING SETS ((partition, k), (k))"""
+
+
+def _card_stats(section: str, col: str, src: str) -> str:
+    """A distribution section of the data card: p10 / p50 / p90 / mean / max, per scope."""
+    return f"""SELECT CASE WHEN grouping(partition) = 1 THEN 'dataset' ELSE partition END AS scope,
+               '{section}' AS section, unnest(['p10', 'p50', 'p90', 'mean', 'max']) AS item,
+               unnest([quantile_cont({col}, 0.1), quantile_cont({col}, 0.5),
+                       quantile_cont({col}, 0.9), avg({col}), max({col})])::DOUBLE AS value,
+               NULL::DOUBLE AS share
+               FROM {src} WHERE {col} IS NOT NULL GROUP BY GROUPING SETS ((partition), ())"""
+
+
+def _data_card_views(layout: DataLayout) -> list[str]:
+    """The data card (flowmatch_assets/reports/data_card.py): per partition and whole dataset."""
+    cards = _sql_str(layout.catalog_dir / "cards" / "*" / "*.parquet")
+    stored = "(SELECT * FROM data_card_rows WHERE outcome = 'stored')"
+    aspect = """CASE WHEN orig_width IS NULL THEN NULL
+                     ELSE greatest(orig_width, orig_height) / least(orig_width, orig_height) END"""
+    bucket = f"""CASE WHEN {aspect} IS NULL THEN NULL WHEN {aspect} < 1.25 THEN '1-1.25'
+                      WHEN {aspect} < 1.5 THEN '1.25-1.5' WHEN {aspect} < 2 THEN '1.5-2'
+                      WHEN {aspect} < 3 THEN '2-3' ELSE '>=3' END"""
+    order = ", ".join(f"('{s}', {i})" for i, s in enumerate(CARD_SECTIONS))
+    shared = ("outcome", "license", "source", "aspect")
+    return [
+        f"""CREATE OR REPLACE VIEW data_card_rows AS
+            SELECT c.* EXCLUDE (asset), d.outcome, d.reason, d.kept_id
+            FROM read_parquet({cards}, union_by_name=true) c
+            JOIN dataset_rows d ON d.partition = c.partition AND d.id = c.id
+            WHERE c.asset IS NOT NULL""",
+        f"""CREATE OR REPLACE VIEW data_card AS
+            WITH parts AS (
+              SELECT CASE WHEN grouping(partition) = 1 THEN 'dataset' ELSE partition END AS scope,
+                     'rows' AS section,
+                     unnest(['input', 'stored', 'filtered', 'failed', 'pending']) AS item,
+                     unnest([count(*), count(*) FILTER (outcome = 'stored'),
+                             count(*) FILTER (outcome = 'filtered'),
+                             count(*) FILTER (outcome = 'failed'),
+                             count(*) FILTER (outcome = 'pending')])::DOUBLE AS value,
+                     unnest([1.0, count(*) FILTER (outcome = 'stored') / count(*),
+                             count(*) FILTER (outcome = 'filtered') / count(*),
+                             count(*) FILTER (outcome = 'failed') / count(*),
+                             count(*) FILTER (outcome = 'pending') / count(*)]) AS share
+              FROM data_card_rows GROUP BY GROUPING SETS ((partition), ())
+              UNION ALL {_card_counts("outcome", "outcome || coalesce(':' || reason, '')", "data_card_rows")}
+              UNION ALL {_card_counts("license", "license", stored)}
+              UNION ALL {_card_counts("source", "source", stored)}
+              UNION ALL {_card_counts("aspect", bucket, f"(SELECT * FROM {stored} WHERE orig_width IS NOT NULL)")}
+              UNION ALL {_card_stats("caption_chars", "caption_chars", stored)}
+              UNION ALL {_card_stats("caption_tokens", "caption_tokens", stored)}
+              UNION ALL {_card_stats("orig_long_side", "greatest(orig_width, orig_height)", stored)}
+              UNION ALL {_card_stats("orig_short_side", "least(orig_width, orig_height)", stored)}
+              UNION ALL
+              SELECT CASE WHEN grouping(partition) = 1 THEN 'dataset' ELSE partition END,
+                     'text', 'captions_over_max_tokens',
+                     count(*) FILTER (caption_tokens > max_tokens)::DOUBLE,
+                     count(*) FILTER (caption_tokens > max_tokens) / nullif(count(caption_tokens), 0)
+              FROM {stored} GROUP BY GROUPING SETS ((partition), ())
+              UNION ALL
+              SELECT CASE WHEN grouping(partition) = 1 THEN 'dataset' ELSE partition END,
+                     'text', 'fp16_saturated_values',
+                     sum(CAST(extra->>'$.fp16_saturated' AS BIGINT))::DOUBLE, NULL
+              FROM materializations
+              WHERE extra->>'$.fp16_saturated' IS NOT NULL
+                AND partition IN (SELECT partition FROM data_card_rows)
+              GROUP BY GROUPING SETS ((partition), ())
+            )
+            SELECT p.scope, p.section, p.item, p.value,
+                   CASE WHEN p.section IN {shared}
+                        THEN p.value / sum(p.value) OVER (PARTITION BY p.scope, p.section)
+                        ELSE p.share END AS share,
+                   o.section_order
+            FROM parts p JOIN (VALUES {order}) o(section, section_order) USING (section)""",
+    ]
+
+
+def _retryable_sql(col: str) -> str:
+    """SQL twin of ingest.is_retryable (one list of reasons: ingest.RETRYABLE)."""
+    from flowmatch_assets.ingest.images import RETRYABLE
+
+    names = ", ".join(_sql_str(r) for r in sorted(RETRYABLE))
+    return (
+        f"coalesce({col} IN ({names}) OR regexp_full_match({col}, 'http_(5[0-9][0-9]|408|429)'),"
+        " false)"
+    )
+
+
+def _ensure_placeholders(layout: DataLayout) -> None:
+    """Empty, schema-carrying files so that the views' globs always match something."""
+    c = layout.catalog_dir
+    for kind, schema in (
+        ("materializations", MATERIALIZATION_SCHEMA),
+        ("rows", ROW_SCHEMA),
+        ("evaluations", EVALUATION_SCHEMA),
+        ("attempts", ROW_SCHEMA),
+        ("ledger", LEDGER_SAMPLE_SCHEMA),
+        ("ledger_epochs", LEDGER_EPOCH_SCHEMA),
+        ("ledger_chain", LEDGER_CHAIN_SCHEMA),
+        ("duplicates", DUPLICATE_SCHEMA),
+        ("content", CONTENT_SCHEMA),
+        ("cards", CARD_SCHEMA),
+    ):
+        p = c / kind / "_empty" / "_empty.parquet"
+        if not p.exists():
+            _write_parquet(p, schema.empty_table())
+    p = c / "partitions.parquet"
+    if not p.exists():
+        _write_parquet(p, PARTITION_SCHEMA.empty_table())
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+class Catalog:
+    """Read access to the catalog of one data root (``<root>/catalog.duckdb``)."""
+
+    def __init__(self, data_root: str | Path):
+        self.layout = DataLayout(data_root)
+        self.path = self.layout.catalog_db
+
+    def _is_current(self) -> bool:
+        if not self.path.exists():
+            return False
+        try:
+            with duckdb.connect(str(self.path), read_only=True) as con:
+                row = con.execute("SELECT version, root, assets FROM catalog_meta").fetchone()
+            return row == (catalog_version(self.layout), str(self.layout.root), _assets_key())
+        except duckdb.Error:
+            return False
+
+    def ensure(self) -> Path:
+        """Create or upgrade ``catalog.duckdb`` (views only); safe from many processes at once."""
+        _ensure_placeholders(self.layout)
+        if self._is_current():
+            return self.path
+        with file_lock(self.layout.catalog_dir / ".catalog.lock"):
+            if self._is_current():
+                return self.path
+            with atomic_path(self.path) as tmp:
+                tmp.unlink()  # duckdb wants to create the file itself
+                with duckdb.connect(str(tmp)) as con:
+                    for sql in _view_sql(self.layout):
+                        con.execute(sql)
+                    con.execute(
+                        "CREATE TABLE catalog_meta(version VARCHAR, root VARCHAR, assets VARCHAR)"
+                    )
+                    con.execute(
+                        "INSERT INTO catalog_meta VALUES (?, ?, ?)",
+                        [catalog_version(self.layout), str(self.layout.root), _assets_key()],
+                    )
+                    con.execute("CHECKPOINT")
+                wal = tmp.with_name(tmp.name + ".wal")
+                wal.unlink(missing_ok=True)
+        return self.path
+
+    @contextlib.contextmanager
+    def connect(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        """A read-only connection; many may be open at once, also while partitions run."""
+        self.ensure()
+        con = duckdb.connect(str(self.path), read_only=True)
+        try:
+            yield con
+        finally:
+            con.close()
+
+    def query(self, sql: str, params: Sequence | None = None) -> list[dict]:
+        """Run SQL against the catalog views; rows as dicts."""
+        with self.connect() as con:
+            cur = con.execute(sql, params or [])
+            cols = [d[0] for d in cur.description]
+            return [dict(zip(cols, r)) for r in cur.fetchall()]
+
+    # --- built-in reports -------------------------------------------------------------------
+
+    def coverage(self) -> list[dict]:
+        """One row per partition; one column per partitioned asset (samples, or None)."""
+        rows = self.query(
+            "SELECT partition, asset, samples, materialized FROM coverage ORDER BY partition, lineage_order"
+        )
+        out: dict[str, dict] = {}
+        for r in rows:
+            d = out.setdefault(r["partition"], {"partition": r["partition"]})
+            d[r["asset"]] = r["samples"] if r["materialized"] else None
+        return list(out.values())
+
+    def coverage_summary(self) -> list[dict]:
+        return self.query(
+            """SELECT asset, count(*) FILTER (WHERE materialized) AS materialized,
+                      count(*) AS partitions, sum(samples) AS samples
+               FROM coverage GROUP BY asset, lineage_order ORDER BY lineage_order"""
+        )
+
+    def failures_by_reason(self) -> list[dict]:
+        return self.query(
+            """SELECT asset, outcome, reason, retryable, count(*) AS rows FROM failures
+               GROUP BY ALL ORDER BY asset, outcome, rows DESC, reason"""
+        )
+
+    def compression(self) -> list[dict]:
+        return self.query("SELECT * FROM compression ORDER BY asset")
+
+    def throughput(self) -> list[dict]:
+        return self.query("SELECT * FROM throughput ORDER BY asset")
+
+
+def format_table(rows: list[dict], floatfmt: str = "{:.3g}") -> str:
+    """A plain markdown table of ``rows`` (for the CLI and the UI)."""
+    if not rows:
+        return "(no rows)"
+    cols = list(rows[0].keys())
+
+    def fmt(v) -> str:
+        if v is None:
+            return ""
+        if isinstance(v, float):
+            return floatfmt.format(v)
+        return str(v)
+
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)

@@ -1,0 +1,7 @@
+"""``python -m flowmatch_assets.cli``: the `flowmatch` command."""
+
+import sys
+
+from flowmatch_assets.cli.commands import main
+
+sys.exit(main())

@@ -1,0 +1,109 @@
+"""Every use of a Dagster API that is private or storage-level, in one place.
+
+Dagster is pinned (``dagster>=1.13,<1.14``); these are the calls an upgrade may break without a
+deprecation warning. Each has a test in ``tests/test_compat.py`` that exercises it against a
+real instance and fails loudly, naming the function here, on the version where it stops
+working. Nothing else in flowmatch imports ``dagster._*`` or reaches into ``instance.*_storage``.
+"""
+
+# (no ``from __future__ import annotations``: Dagster reads the op's context hint as a type)
+from collections.abc import Sequence
+
+import dagster as dg
+
+#: The Dagster minor version the functions below were written and tested against.
+TESTED_WITH = "1.13"
+
+
+def dagster_error_type() -> type[BaseException]:
+    """Dagster's base error class (``dagster._core.errors.DagsterError``): the CLI prints one
+    of these as one line instead of a traceback."""
+    from dagster._core.errors import DagsterError
+
+    return DagsterError
+
+
+def report_check_evaluations(
+    instance: dg.DagsterInstance,
+    evaluations: Sequence[dg.AssetCheckEvaluation],
+    job: tuple[str, str, str],
+    tags: dict,
+    run_config: dict | None = None,
+) -> None:
+    """Record ``evaluations`` (partitioned check evaluations) in one run of a one-op job,
+    ``job`` = (job name, its description, the op's name).
+
+    Why a run: Dagster 1.13 keys check executions by (check, run id, partition), so a second
+    runless evaluation (``report_runless_asset_event``) of one partition's check fails its
+    UNIQUE constraint. Private: ``dagster._core.events.DagsterEvent`` reported by hand."""
+    from dagster._core.events import DagsterEvent, DagsterEventType
+
+    job_name, description, op_name = job
+
+    @dg.op(name=op_name)
+    def _report(context: dg.OpExecutionContext) -> None:
+        for ev in evaluations:
+            context.instance.report_dagster_event(
+                DagsterEvent(
+                    event_type_value=DagsterEventType.ASSET_CHECK_EVALUATION.value,
+                    job_name=context.job_name,
+                    event_specific_data=ev,
+                ),
+                run_id=context.run_id,
+            )
+        context.log.info(f"{len(evaluations)} check results reported")
+
+    @dg.job(name=job_name, description=description)
+    def _job() -> None:
+        _report()
+
+    _job.execute_in_process(instance=instance, tags=tags, run_config=run_config)
+
+
+def record_failed_materialization(
+    instance: dg.DagsterInstance,
+    asset: str,
+    partitions_def: dg.PartitionsDefinition,
+    partition: str,
+    message: str,
+    tags: dict,
+    run_config: dict | None = None,
+) -> None:
+    """Make Dagster's latest attempt of ``asset``'s ``partition`` a failure (the UI shows it as
+    Failed, no longer Materialized), by materializing a stand-in asset with the real key and
+    partitions that only fails with ``message``. Open-source Dagster 1.13 cannot wipe one
+    partition (``wipe_asset_partitions`` raises NotImplementedError on its SQL storages); this
+    relies on the latest-attempt bookkeeping below."""
+
+    @dg.asset(key=asset, partitions_def=partitions_def, name=None)
+    def _stand_in() -> None:
+        raise dg.Failure(message)
+
+    dg.materialize(
+        [_stand_in],
+        partition_key=partition,
+        instance=instance,
+        raise_on_error=False,
+        tags=tags,
+        run_config=run_config or {},
+    )
+
+
+def failed_latest_attempts(instance: dg.DagsterInstance, asset: str) -> set[str]:
+    """Partitions of ``asset`` whose latest materialization attempt did not materialize it
+    (failed or still running). Storage-level: ``event_log_storage``."""
+    storage = instance.event_log_storage
+    return set(
+        storage.get_latest_asset_partition_materialization_attempts_without_materializations(
+            dg.AssetKey(asset)
+        )
+    )
+
+
+def check_partition_status(instance: dg.DagsterInstance, key: dg.AssetCheckKey) -> dict[str, str]:
+    """``{partition: SUCCEEDED | FAILED | ...}``: the latest evaluation of a partitioned check.
+    Storage-level: ``event_log_storage.get_asset_check_partition_info``."""
+    return {
+        i.partition_key: i.latest_execution_status.value
+        for i in instance.event_log_storage.get_asset_check_partition_info([key])
+    }

@@ -1,0 +1,234 @@
+"""Data assets: raw PD12M shards -> 256px images, publishing what ``ingest/`` makes
+(``metadata.py`` and ``dedupe.py`` for pd12m_metadata, ``shard.py`` for images_256)."""
+
+import time
+from collections import Counter
+
+import dagster as dg
+import pyarrow.parquet as pq
+from pydantic import Field
+
+from flowmatch_assets import catalog
+from flowmatch_assets.catalog import RowOutcome
+from flowmatch_assets.defs.deploy import IMAGE_TAGS
+from flowmatch_assets.defs.partitions import shard_partitions
+from flowmatch_assets.defs.resources import FlowmatchResource
+from flowmatch_assets.defs.routine import PartitionOutput, run_partitions, shards_check_result
+from flowmatch_assets.ingest.dedupe import (
+    build_hash_index,
+    hash_winners,
+)
+from flowmatch_assets.ingest.metadata import (
+    filter_rows,
+    ids_as_strings,
+    parse_shard_key,
+    read_metadata_shard,
+)
+from flowmatch_assets.ingest.shard import NothingToRetry, TooFewStored, make_image_shard
+from flowmatch_models.atomic import atomic_path
+from flowmatch_models.grid import make_grid, markdown_image, save_png
+from flowmatch_models.image_shard import decode, write_image_shard
+
+GROUP = "data"
+
+
+@dg.asset(
+    partitions_def=shard_partitions,
+    group_name=GROUP,
+    kinds={"parquet"},
+    description="One PD12M shard's metadata rows, validated and filtered (filtered rows counted by reason).",
+)
+def pd12m_metadata(
+    context: dg.AssetExecutionContext, flowmatch: FlowmatchResource
+) -> dg.MaterializeResult:
+    """Read the partition's rows of its metadata file, filter them, store the kept ones."""
+    t0 = time.perf_counter()
+    out = PartitionOutput(context, flowmatch, "pd12m_metadata")
+    table, spec = read_metadata_shard(
+        flowmatch.metadata_source, out.partition, flowmatch.shard_size
+    )
+    table = ids_as_strings(table)
+    winners = None
+    if flowmatch.filters.drop_duplicate_hash:  # across the whole dataset: dedupe.py
+        index = build_hash_index(
+            flowmatch.data_root,
+            flowmatch.metadata_source,
+            flowmatch.filters,
+            flowmatch.shard_size,
+            log=context.log.info,
+        )
+        winners = hash_winners(index, parse_shard_key(out.partition)[0])
+    kept, filtered = filter_rows(table, flowmatch.filters, winners)
+    with atomic_path(out.path) as tmp:
+        pq.write_table(kept, tmp)
+    outcomes = [
+        RowOutcome(i, u, "stored")
+        for i, u in zip(kept.column("id").to_pylist(), kept.column("url").to_pylist())
+    ]
+    outcomes += [
+        RowOutcome(f["id"], f["url"], "filtered", f["reason"], f["detail"]) for f in filtered
+    ]
+    by_reason = dict(Counter(f["reason"] for f in filtered))
+    dups = [f for f in filtered if f["reason"] == "duplicate_hash"]
+    catalog.record_duplicates(flowmatch.data_root, "pd12m_metadata", out.partition, "hash", dups)
+    context.log.info(
+        f"{out.partition}: {table.num_rows} rows, kept {kept.num_rows}, filtered {by_reason}"
+    )
+    return out.publish(
+        samples=kept.num_rows,
+        rows=outcomes,
+        seconds=time.perf_counter() - t0,
+        input_rows=table.num_rows,
+        raw_bytes=kept.nbytes,
+        extra={
+            "source_file": spec.path,
+            "row_start": spec.row_start,
+            "row_end": spec.row_end,
+            "filtered": by_reason,
+        },
+        metadata={
+            "input_rows": table.num_rows,
+            "kept_rows": kept.num_rows,
+            "filtered_rows": len(filtered),
+            "filtered_by_reason": dg.MetadataValue.json(by_reason),
+            "source_file": spec.path,
+            "row_range": f"[{spec.row_start}, {spec.row_end})",
+        },
+    )
+
+
+class ImagesConfig(dg.Config):
+    """How one images_256 materialization treats the partition's existing shard."""
+
+    retry: bool = Field(
+        default=False,
+        description="Re-fetch only the shard's failed rows (retryable reasons, or `reasons`) and "
+        "merge the new images into the existing shard; the other rows are not fetched again.",
+    )
+    reasons: list[str] | None = Field(
+        default=None,
+        description="With retry: the failure reasons to re-fetch (None: every retryable one).",
+    )
+
+
+@dg.asset(
+    partitions_def=shard_partitions,
+    deps=[pd12m_metadata],
+    group_name=GROUP,
+    kinds={"parquet", "pillow"},
+    op_tags=IMAGE_TAGS,
+    description="The shard's images: downloaded, short side 256, centre-cropped 256x256, encoded (JPEG q95); failures recorded with reasons.",
+)
+def images_256(
+    context: dg.AssetExecutionContext, config: ImagesConfig, flowmatch: FlowmatchResource
+) -> dg.MaterializeResult:
+    """Fetch and encode the partition's images (ingest/shard.py) and publish the shard. A run
+    that stores fewer than ``ingest.min_stored_fraction`` of the kept rows fails and replaces
+    nothing (the previous shard and its catalog records stay; its failures go to
+    ``rejected_attempts``). With ``retry`` only the failed rows are fetched again and merged
+    into the shard, in order."""
+    t0 = time.perf_counter()
+    out = PartitionOutput(context, flowmatch, "images_256")
+    part, root = out.partition, flowmatch.data_root
+    rows = pq.read_table(flowmatch.layout.asset_path("pd12m_metadata", part)).to_pylist()
+
+    def progress(done: int, total: int) -> None:
+        if done % max(1, total // 10) == 0 or done == total:
+            rate = done / max(time.perf_counter() - t0, 1e-9)
+            context.log.info(f"{part}: {done}/{total} images ({rate:.1f}/s)")
+
+    try:
+        shard = make_image_shard(
+            rows, root, part, out.path, flowmatch.ingest, flowmatch.filters,
+            retry=config.retry, reasons=config.reasons, progress=progress, log=context.log.info,
+        )  # fmt: skip
+    except NothingToRetry as e:
+        raise dg.Failure(str(e)) from e
+    except TooFewStored as e:
+        raise _rejected(out, e) from e
+    write_image_shard(out.path, shard.stored)
+    catalog.record_content(root, part, shard.content)
+    catalog.record_duplicates(root, "images_256", part, "content", shard.dropped)
+    seconds = time.perf_counter() - t0
+    grid = make_grid([decode(s["image"]) for s in shard.stored[:64]], cell=96)
+    preview = save_png(grid, flowmatch.layout.preview_path("images_256", part))
+    record_seconds, extra = shard.record(seconds)
+    context.log.info(f"{part}: {shard.summary(seconds)}")
+    return out.publish(
+        samples=len(shard.stored),
+        rows=shard.outcomes,
+        seconds=record_seconds,
+        input_rows=len(rows),
+        raw_bytes=len(shard.stored) * flowmatch.ingest.size**2 * 3,
+        codec=flowmatch.ingest.image_format,
+        device="cpu",
+        extra=extra,
+        metadata={
+            "input_rows": len(rows),
+            "stored": len(shard.stored),
+            "failed": len(rows) - len(shard.stored),
+            "failed_by_reason": dg.MetadataValue.json(shard.failed),
+            "duplicate_content": len(shard.dropped),
+            "downloaded_bytes": shard.downloaded_bytes,  # this run's (catalog: all runs')
+            "stored_bytes": out.path.stat().st_size,
+            "images_per_s": round(shard.fetched / seconds, 1) if seconds else 0.0,
+            "preview_png": dg.MetadataValue.path(str(preview)),
+            "preview": dg.MetadataValue.md(markdown_image(grid, f"images_256 {part}")),
+            **shard.run_metadata(),
+        },
+    )
+
+
+def _rejected(out: PartitionOutput, e: TooFewStored) -> dg.Failure:
+    """Record the rejected attempt (replacing nothing); the failure names why and the fix."""
+    out.reject(e.attempt)
+    kept_note = (
+        f"the previous shard ({out.path.name}) and its catalog records are unchanged"
+        if out.path.exists()
+        else "no shard written"
+    )
+    return dg.Failure(
+        f"{e}; {kept_note}. The failures are in the catalog view "
+        "rejected_attempts; fix the cause (e.g. FLOWMATCH_FILE_ROOT after moving a data "
+        "root) and re-run, or lower ingest.min_stored_fraction.",
+        metadata={
+            "stored": e.stored,
+            "input_rows": e.rows,
+            "failed_by_reason": dg.MetadataValue.json(e.failed),
+        },
+    )
+
+
+@dg.asset_check(
+    asset=images_256,
+    blocking=True,
+    description="Every kept metadata row has exactly one outcome; stored images are 256x256 RGB.",
+)
+def images_256_complete(
+    context: dg.AssetCheckExecutionContext, flowmatch: FlowmatchResource
+) -> dg.AssetCheckResult:
+    layout = flowmatch.layout
+    parts = run_partitions(context) or layout.partitions_with("images_256")
+    problems = []
+    for p in parts:
+        md_ids = set(
+            pq.read_table(layout.asset_path("pd12m_metadata", p), columns=["id"])
+            .column("id")
+            .to_pylist()
+        )
+        rows_file = layout.catalog_dir / "rows" / "images_256" / f"{p}.parquet"
+        if not layout.asset_path("images_256", p).exists():
+            problems.append(f"{p}: no images_256 shard")
+            continue
+        if not rows_file.exists():
+            problems.append(f"{p}: no outcome records")
+            continue
+        outcome_ids = pq.read_table(rows_file, columns=["id"]).column("id").to_pylist()
+        if sorted(outcome_ids) != sorted(md_ids):
+            problems.append(f"{p}: {len(outcome_ids)} outcomes for {len(md_ids)} rows")
+        t = pq.read_table(layout.asset_path("images_256", p), columns=["image"])
+        if t.num_rows:
+            im = decode(t.column("image")[0].as_py())
+            if im.shape != (flowmatch.ingest.size, flowmatch.ingest.size, 3):
+                problems.append(f"{p}: image shape {im.shape}")
+    return shards_check_result(parts, problems)

@@ -1,0 +1,126 @@
+"""Every asset, check, sensor, job and resource of flowmatch, put together.
+
+``flowmatch_assets.definitions`` (the code location workspace.yaml names) is
+``build_definitions()``; ``flowmatch_assets.definitions_k8s`` the same with the k8s executor.
+Settings come from FLOWMATCH_* environment variables, read when a run's resources are built
+(resources.flowmatch_from_env). The embedding assets and their checks are built from the
+registry of embedding kinds (flowmatch_models.embeddings) each time definitions are built.
+"""
+
+import os
+
+import dagster as dg
+
+from flowmatch_assets.defs.budget_assets import budget_report
+from flowmatch_assets.defs.checks import build_fresh_checks, flow_model_fresh
+from flowmatch_assets.defs.data_assets import images_256, images_256_complete, pd12m_metadata
+from flowmatch_assets.defs.data_card_assets import data_card, dataset_card
+from flowmatch_assets.defs.embedding_assets import build_embedding_checks, build_encode_embeddings
+from flowmatch_assets.defs.partitions import pd12m_partition_sensor, shard_partitions
+from flowmatch_assets.defs.resources import FlowmatchResource, flowmatch_from_env
+from flowmatch_assets.defs.sensors import build_verify_sensor
+from flowmatch_assets.defs.training_assets import evaluation, flow_model, samples
+from flowmatch_assets.freshness.fingerprints import code_version
+from flowmatch_models.embeddings import KINDS, TRAINING_INPUTS
+
+
+def assets() -> list:
+    """Every asset, the embedding kinds as registered now; flow_model depends on every
+    training input."""
+    encode = build_encode_embeddings(list(KINDS.values()))
+    train = flow_model.map_asset_specs(
+        lambda spec: spec.replace_attributes(deps=list(TRAINING_INPUTS))
+    )
+    text_kinds = [k.name for k in KINDS.values() if k.encoder == "text"]
+    card = data_card.map_asset_specs(
+        lambda spec: spec.replace_attributes(deps=[*spec.deps, *text_kinds])
+    )
+    data = dg.map_asset_specs(  # their code version is a fingerprint field too
+        lambda spec: spec.replace_attributes(code_version=code_version(spec.key.to_user_string())),
+        [pd12m_metadata, images_256],
+    )
+    return [*data, encode, train, samples, evaluation, budget_report, card, dataset_card]
+
+
+def checks() -> list:
+    """Every asset check, the embedding kinds' as registered now."""
+    return [
+        images_256_complete,
+        *build_embedding_checks(list(KINDS.values())),
+        build_fresh_checks(shard_partitions),
+        flow_model_fresh,
+    ]
+
+
+def all_assets_and_checks() -> list:
+    """What an in-process ``dg.materialize`` gets: every asset and check (the CLI, tests)."""
+    return [*assets(), *checks()]
+
+
+ingest_job = dg.define_asset_job(
+    "ingest_images",
+    selection=dg.AssetSelection.assets(pd12m_metadata, images_256),
+    description="Metadata and 256px images of the chosen partition(s).",
+)
+train_job = dg.define_asset_job(
+    "train_job",
+    selection=dg.AssetSelection.assets(flow_model, samples),
+    description="Start or resume training on the covered partitions, then render the sample grid.",
+)
+embed_job = dg.define_asset_job(
+    "encode_embeddings_job",
+    selection=dg.AssetSelection.groups("embeddings"),
+    description="DC-AE latents, DINOv2 features and Gemma3 caption embeddings of the chosen partition(s).",
+)
+
+
+def resources_for(flowmatch: FlowmatchResource | dg.ResourceDefinition) -> dict:
+    """Every resource the assets need, around one FlowmatchResource (default for the code
+    location: built from the environment when a run starts)."""
+    return {"flowmatch": flowmatch, "pipes_subprocess_client": dg.PipesSubprocessClient()}
+
+
+#: Assets that may follow their upstream automatically (FLOWMATCH_AUTOMATION=eager).
+AUTOMATABLE = {"images_256", "vae_latents", "dino_features", "text_embeddings"}
+
+
+def with_automation(assets: list, mode: str) -> list:
+    """``mode`` "eager": images and embeddings materialize as soon as their upstream partition
+    does (AutomationCondition.eager()); "off": nothing is automatic (the default)."""
+    if mode == "off":
+        return assets
+    if mode != "eager":
+        raise ValueError(f"FLOWMATCH_AUTOMATION={mode!r}: use off or eager")
+    return list(
+        dg.map_asset_specs(
+            lambda spec: (
+                spec.replace_attributes(automation_condition=dg.AutomationCondition.eager())
+                if spec.key.to_user_string() in AUTOMATABLE
+                else spec
+            ),
+            assets,
+        )
+    )
+
+
+#: A run's steps execute in the run's own process, one after the other: a partition's run is
+#: a chain of steps anyway, and parallel partitions are parallel runs (the run queue's
+#: max_concurrent_runs; the gpu pool still bounds encoder and training steps). No step process
+#: to start and no second import of the definitions: BENCHMARKS.md "Orchestration".
+local_executor = dg.in_process_executor
+
+
+def build_definitions(
+    executor: dg.ExecutorDefinition | None = None, automation: str | None = None
+) -> dg.Definitions:
+    """All definitions; ``executor`` replaces Dagster's default multiprocess executor;
+    ``automation`` (default: FLOWMATCH_AUTOMATION or "off") see :func:`with_automation`."""
+    mode = automation or os.environ.get("FLOWMATCH_AUTOMATION", "off")
+    return dg.Definitions(
+        assets=with_automation(assets(), mode),
+        asset_checks=checks(),
+        sensors=[pd12m_partition_sensor, build_verify_sensor()],
+        jobs=[ingest_job, embed_job, train_job],
+        resources=resources_for(flowmatch_from_env),
+        executor=executor or local_executor,
+    )

@@ -1,0 +1,196 @@
+"""Embedding assets: one step per partition computes every selected embedding kind
+(flowmatch_models.embeddings: DC-AE latents, DINOv2 features, Gemma3 caption embeddings and any
+kind registered since) from the partition's images_256 shard, each stored as one store file.
+
+Everything here is built from the registry: the multi-asset's specs, its validity checks and
+the warning checks. The step runs in Dagster's ``gpu`` pool (at most as many at once as the pool
+allows: set it to the GPU count) and takes a device lease (flowmatch_models.devices), so two
+partitions never share a GPU; without CUDA it runs on the CPU.
+"""
+
+from collections.abc import Sequence
+
+import dagster as dg
+
+from flowmatch_assets.catalog import RowOutcome
+from flowmatch_assets.defs.data_assets import images_256
+from flowmatch_assets.defs.deploy import ENCODER_TAGS
+from flowmatch_assets.defs.partitions import shard_partitions
+from flowmatch_assets.defs.resources import FlowmatchResource
+from flowmatch_assets.defs.routine import PartitionOutput, run_partitions, shards_check_result
+from flowmatch_assets.freshness import fingerprints
+from flowmatch_models.devices import lease_device
+from flowmatch_models.embeddings import KINDS, EmbeddingKind, encode_partition, shard_problems
+from flowmatch_models.fingerprint import ATTR as FINGERPRINT_ATTR
+from flowmatch_models.fingerprint import Fingerprint, weights_cache_file
+from flowmatch_models.image_shard import read_image_meta
+from flowmatch_models.store import read_shard, write_shard
+
+GROUP = "embeddings"
+
+
+def build_encode_embeddings(kinds: Sequence[EmbeddingKind]) -> dg.AssetsDefinition:
+    """The ``encode_embeddings`` multi-asset: one asset per kind, any subset selectable."""
+
+    @dg.multi_asset(
+        specs=[
+            dg.AssetSpec(
+                k.name,
+                deps=[images_256],
+                description=k.description,
+                group_name=GROUP,
+                kinds=set(k.tags),
+                skippable=True,
+                code_version=k.code_version,
+            )
+            for k in kinds
+        ],
+        partitions_def=shard_partitions,
+        can_subset=True,
+        pool="gpu",
+        op_tags=ENCODER_TAGS,
+        name="encode_embeddings",
+    )
+    def encode_embeddings(context: dg.AssetExecutionContext, flowmatch: FlowmatchResource):
+        """Encode one partition with the selected kinds; write each kind's shard atomically."""
+        part, spec = context.partition_key, flowmatch.encoders
+        selected = [KINDS[k.to_user_string()] for k in context.selected_asset_keys]
+        src = flowmatch.layout.asset_path("images_256", part)
+        if not src.exists():
+            raise dg.Failure(
+                f"partition {part} has no images_256 shard ({src}); materialize images_256 first"
+            )
+        ids = read_image_meta(src).column("id").to_pylist()
+        if not ids:  # an empty shard never replaces a good one (nor is written at all)
+            raise dg.Failure(
+                f"partition {part}: images_256 has 0 images, nothing to encode; the existing "
+                f"{', '.join(k.name for k in selected)} shards (if any) are unchanged. "
+                "Re-materialize images_256 (see `flowmatch catalog failures`) first."
+            )
+        with lease_device(spec.device) as device:
+            context.log.info(f"{part}: encoding {len(ids)} samples on {device}")
+            encoded = encode_partition(
+                src,
+                selected,
+                spec,
+                device,
+                log=lambda m: context.log.info(f"{part}: {m}"),
+                inputs=fingerprints.inputs_of(flowmatch, selected[0].name, part),
+                weights_cache=weights_cache_file(flowmatch.data_root),
+            )
+        for e in encoded.values():
+            yield _store(context, flowmatch, e, ids)
+
+    return encode_embeddings
+
+
+def _store(context, flowmatch: FlowmatchResource, e, ids: list[str]) -> dg.MaterializeResult:
+    """Write one kind's shard and publish it (catalog rows + record, metadata)."""
+    kind, spec = e.kind, flowmatch.encoders
+    out = PartitionOutput(context, flowmatch, kind.name)
+    mode = spec.lossy.get(kind.name)
+    lossy = dict.fromkeys(kind.lossy, mode) if mode else None
+    stats = write_shard(out.path, e.arrays, ids, codec=spec.codec, attrs=e.attrs, lossy=lossy)
+    errs = [a["lossy"] for a in stats.arrays.values() if "lossy" in a]
+    seed = kind.seed_bytes(len(ids), spec)
+    counts = {w.attr: e.attrs[w.attr] for w in kind.warnings}
+    label = f" ({e.attrs['weights']})" if e.attrs["weights"] else ""
+    context.log.info(
+        f"{out.partition}: {kind.name} {len(ids)} samples, {stats.stored_bytes} B{label}"
+    )
+    return out.publish(
+        samples=len(ids),
+        rows=[RowOutcome(i, None, "stored") for i in ids],
+        seconds=e.seconds,
+        raw_bytes=seed,
+        stored_bytes=stats.stored_bytes,
+        fingerprint=Fingerprint.from_json(e.attrs[FINGERPRINT_ATTR]),
+        codec=spec.codec + (f"+{'/'.join(sorted({x['mode'] for x in errs}))}" if errs else ""),
+        device=e.attrs["device"],
+        lossy_min_cosine=min((x["min_cosine"] for x in errs), default=None),
+        lossy_rel_rms=max((x["rel_rms"] for x in errs), default=None),
+        extra={
+            "model": e.attrs["model"],
+            "random_weights": e.attrs["random_weights"],
+            "array_bytes": stats.raw_bytes,
+            **counts,
+        },
+        metadata={
+            "samples": len(ids),
+            "raw_bytes_seed_equivalent": seed,
+            "array_bytes": stats.raw_bytes,
+            "stored_bytes": stats.stored_bytes,
+            "ratio_vs_seed": round(seed / stats.stored_bytes, 3) if stats.stored_bytes else 0.0,
+            "codec": spec.codec,
+            "lossy": dg.MetadataValue.json(errs),
+            "samples_per_s": round(len(ids) / e.seconds, 2) if e.seconds else 0.0,
+            "device": e.attrs["device"],
+            "model": e.attrs["model"] + label,
+            "random_weights": bool(e.attrs["random_weights"]),
+            **{f"{a}_values": v for a, v in counts.items()},
+        },
+    )
+
+
+def check_shards(flowmatch: FlowmatchResource, asset: str, parts: list[str]) -> list[str]:
+    """Problems of ``asset``'s shards: the kind's rules (shapes, dtypes, finiteness, rows,
+    ragged lengths), checksums, and ids aligned with images_256."""
+    layout, kind = flowmatch.layout, KINDS[asset]
+    problems = []
+    for p in parts:
+        try:
+            shard = read_shard(layout.asset_path(asset, p), verify=True)
+        except Exception as e:  # noqa: BLE001 - every problem is reported, not raised
+            problems.append(f"{p}: {e}")
+            continue
+        ids = read_image_meta(layout.asset_path("images_256", p)).column("id").to_pylist()
+        problems += [f"{p}: {x}" for x in shard_problems(kind, shard, ids)]
+    return problems
+
+
+def _valid_check(kind: EmbeddingKind) -> dg.AssetChecksDefinition:
+    @dg.asset_check(
+        asset=kind.name,
+        name=f"{kind.name}_valid",
+        blocking=True,
+        description=f"{kind.name}: shapes and dtypes, finite values, checksums, ids aligned with images_256.",
+    )
+    def _check(
+        context: dg.AssetCheckExecutionContext, flowmatch: FlowmatchResource
+    ) -> dg.AssetCheckResult:
+        parts = run_partitions(context) or flowmatch.layout.partitions_with(kind.name)
+        return shards_check_result(parts, check_shards(flowmatch, kind.name, parts))
+
+    return _check
+
+
+def _warn_check(kind: EmbeddingKind, rule) -> dg.AssetChecksDefinition:
+    @dg.asset_check(asset=kind.name, name=f"{kind.name}_{rule.name}", description=rule.description)
+    def _check(
+        context: dg.AssetCheckExecutionContext, flowmatch: FlowmatchResource
+    ) -> dg.AssetCheckResult:
+        layout = flowmatch.layout
+        per_part = {}
+        for p in run_partitions(context) or layout.partitions_with(kind.name):
+            try:
+                attrs = read_shard(layout.asset_path(kind.name, p)).attrs
+            except Exception:  # noqa: BLE001 - the validity check reports unreadable shards
+                continue
+            per_part[p] = int(attrs.get(rule.attr, 0))
+        total = sum(per_part.values())
+        return dg.AssetCheckResult(
+            passed=total == 0,
+            severity=dg.AssetCheckSeverity.WARN,
+            metadata={
+                f"{rule.attr}_values": total,
+                "partitions": dg.MetadataValue.json({k: v for k, v in per_part.items() if v}),
+            },
+            description=None if total == 0 else f"{total} {rule.attr} values: {rule.fix}",
+        )
+
+    return _check
+
+
+def build_embedding_checks(kinds: Sequence[EmbeddingKind]) -> list[dg.AssetChecksDefinition]:
+    """Per kind: the blocking validity check, then one warning check per WarnRule."""
+    return [c for k in kinds for c in (_valid_check(k), *(_warn_check(k, w) for w in k.warnings))]

@@ -1,0 +1,179 @@
+"""The Dagster resource: one typed object holding every data-pipeline knob.
+
+The knobs themselves are plain pydantic models that live with the code that uses them
+(``FilterConfig`` in metadata.py, ``IngestConfig`` in ingest.py, ``EncoderSpec`` in
+flowmatch_models/embeddings.py); :func:`dagster_config` makes each a ``dg.Config`` so that the
+resource can nest it and the launchpad can edit it. The FLOWMATCH_* environment is read when the
+resource is built (:func:`resource_from_env`: in a run, when its resources initialise), never
+when a module is imported.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+from pydantic import BaseModel, Field, field_validator
+
+from flowmatch_assets.demo import DEMO_VAE
+from flowmatch_assets.ingest.images import IngestConfig
+from flowmatch_assets.ingest.metadata import FilterConfig
+from flowmatch_models.embeddings import EncoderSpec
+from flowmatch_models.layout import DataLayout
+
+
+def dagster_config(model: type[BaseModel]) -> type:
+    """``model`` as a ``dg.Config`` (same fields, defaults and descriptions; still an instance
+    of ``model``, so plain code takes it as is)."""
+    return type(
+        model.__name__, (model, dg.Config), {"__doc__": model.__doc__, "__module__": __name__}
+    )
+
+
+FilterSettings = dagster_config(FilterConfig)
+IngestSettings = dagster_config(IngestConfig)
+EncoderSettings = dagster_config(EncoderSpec)
+
+
+class FlowmatchResource(dg.ConfigurableResource):
+    """Where the data lives and how each stage behaves (defaults come from FLOWMATCH_* env vars)."""
+
+    data_root: str = Field(description="Folder that holds every asset's per-partition files.")
+    metadata_source: str = Field(
+        description="Folder or fsspec URL of PD12M metadata files pd12m.NNN.parquet."
+    )
+    shard_size: int = Field(default=10_000, description="Rows per partition (shard).")
+    filters: FilterSettings = Field(default_factory=FilterSettings)
+    ingest: IngestSettings = Field(default_factory=IngestSettings)
+    encoders: EncoderSettings = Field(default_factory=EncoderSettings)
+
+    @field_validator("filters", "ingest", "encoders", mode="before")
+    @classmethod
+    def _plain(cls, v: Any) -> Any:
+        """Plain ``FilterConfig``/``IngestConfig``/``EncoderSpec`` objects are taken as they are."""
+        return v.model_dump(exclude_unset=True) if isinstance(v, BaseModel) else v
+
+    @property
+    def layout(self) -> DataLayout:
+        return DataLayout(self.data_root)
+
+
+def _abs(p: str) -> str:
+    return p if "://" in p else str(Path(p).expanduser().resolve())
+
+
+class SettingError(ValueError):
+    """A FLOWMATCH_* environment variable holds a value that cannot be used."""
+
+
+#: The environment variable behind each setting resource_from_env reads (for error messages).
+ENV_OF = {
+    "data_root": "FLOWMATCH_DATA_ROOT",
+    "metadata_source": "FLOWMATCH_METADATA",
+    "shard_size": "FLOWMATCH_SHARD_SIZE",
+    "file_root": "FLOWMATCH_FILE_ROOT",
+    "min_stored_fraction": "FLOWMATCH_MIN_STORED_FRACTION",
+    "deadline_s": "FLOWMATCH_DEADLINE_S",
+    "vae": "FLOWMATCH_VAE",
+    "dino": "FLOWMATCH_DINO",
+    "text": "FLOWMATCH_TEXT",
+    "device": "FLOWMATCH_DEVICE",
+    "settings": "FLOWMATCH_SETTINGS",
+}
+
+
+def resource_from_env(
+    environ: dict[str, str] | None = None, overrides: dict | None = None
+) -> FlowmatchResource:
+    """The resource as `dagster dev` and the CLI build it from the environment.
+
+    FLOWMATCH_DATA_ROOT (default ``data``), FLOWMATCH_METADATA (default
+    ``<data root>/sample/metadata``), FLOWMATCH_SHARD_SIZE (default 10000) and
+    FLOWMATCH_FILE_ROOT (folder under which file:// image URLs are allowed; default
+    ``<data root>/sample``), FLOWMATCH_VAE / FLOWMATCH_DINO / FLOWMATCH_TEXT (encoder hub ids or
+    folders; default the real models, or, when ``<data root>/zoo`` exists as it does after
+    `flowmatch demo`, the demo's: the committed demo VAE and the random-weight zoo's DINOv2 and
+    Gemma3), FLOWMATCH_DEVICE (default auto),
+    FLOWMATCH_MIN_STORED_FRACTION (ingest.min_stored_fraction, default 0.5),
+    FLOWMATCH_DEADLINE_S (ingest.deadline_s, default 60), FLOWMATCH_SETTINGS (a YAML or JSON
+    file of standing overrides, same shape as the launchpad's: ``{encoders: {max_tokens: 64}}``;
+    what `flowmatch stale` compares shards against). ``overrides`` (same shape as the
+    resource's fields, nested settings merged field by field) win over the environment.
+    """
+    env = os.environ if environ is None else environ
+    over = _merged(_settings_file(env.get("FLOWMATCH_SETTINGS")), overrides or {})
+    root = _abs(over.pop("data_root", None) or env.get("FLOWMATCH_DATA_ROOT", "data"))
+    source = over.pop("metadata_source", None) or env.get(
+        "FLOWMATCH_METADATA", os.path.join(root, "sample", "metadata")
+    )
+    file_root = env.get("FLOWMATCH_FILE_ROOT", os.path.join(root, "sample"))
+    ingest = {"file_root": _abs(file_root) if file_root else None}
+    for field, var in (
+        ("min_stored_fraction", "FLOWMATCH_MIN_STORED_FRACTION"),
+        ("deadline_s", "FLOWMATCH_DEADLINE_S"),
+    ):
+        if env.get(var):
+            ingest[field] = env[var]  # pydantic validates (a bad value names the field)
+    encoders: dict[str, Any] = {}
+    for field in ("vae", "dino", "text", "device"):
+        if env.get(ENV_OF[field]):
+            encoders[field] = env[ENV_OF[field]]
+        elif field != "device" and (Path(root) / "zoo" / field / "config.json").exists():
+            # a demo data root: the encoders `flowmatch demo` used (so that the UI, `stale` and
+            # backfills after the demo agree with it): the committed demo VAE, the zoo's others
+            encoders[field] = str(DEMO_VAE if field == "vae" else Path(root) / "zoo" / field)
+    return FlowmatchResource(
+        data_root=root,
+        metadata_source=_abs(source),
+        shard_size=over.pop("shard_size", None) or _int_env(env, "FLOWMATCH_SHARD_SIZE", 10_000),
+        filters=over.pop("filters", {}),
+        ingest={**ingest, **over.pop("ingest", {})},
+        encoders={**encoders, **over.pop("encoders", {})},
+        **over,
+    )
+
+
+def _settings_file(path: str | None) -> dict:
+    """The overrides in the FLOWMATCH_SETTINGS file (YAML or JSON), or {}."""
+    if not path:
+        return {}
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).expanduser().read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise SettingError(f"FLOWMATCH_SETTINGS={path!r} cannot be read: {e}") from None
+    if not isinstance(data, dict):
+        raise SettingError(f"FLOWMATCH_SETTINGS={path!r} must hold a mapping of settings")
+    return data
+
+
+def _merged(base: dict, over: dict) -> dict:
+    """``over`` on top of ``base``; the nested settings (filters, ingest, encoders) per field."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = {**out[k], **v} if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _int_env(env: Any, var: str, default: int) -> int:
+    raw = env.get(var)
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise SettingError(f"{var}={raw!r} is not a whole number") from None
+
+
+@dg.resource(
+    config_schema=dg.Field(dg.Permissive(), is_required=False, default_value={}),
+    description="flowmatch's settings, read from the FLOWMATCH_* environment when a run starts; "
+    "launchpad config overrides fields of FlowmatchResource (data_root, metadata_source, "
+    "shard_size, filters, ingest, encoders), nested ones field by field.",
+)
+def flowmatch_from_env(init_context: dg.InitResourceContext) -> FlowmatchResource:
+    """The code location's resource: built from the environment when a run (or sensor) needs it."""
+    return resource_from_env(overrides=init_context.resource_config)

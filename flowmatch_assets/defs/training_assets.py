@@ -1,0 +1,397 @@
+"""Training assets: the flow-matching DiT checkpoint (trained in a subprocess through Dagster
+Pipes, so DDP/torchrun work and metrics stream back) and a sample grid from it."""
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import dagster as dg
+from pydantic import Field
+
+from flowmatch_assets import catalog
+from flowmatch_assets.catalog import MaterializationRecord
+from flowmatch_assets.defs.deploy import TRAIN_TAGS
+from flowmatch_assets.defs.partitions import SHARDS
+from flowmatch_assets.defs.resources import FlowmatchResource
+from flowmatch_assets.freshness.fingerprints import trained_on
+from flowmatch_assets.reports.budget import logged_rates, steady_rate
+from flowmatch_models.embeddings import TRAINING_INPUTS
+from flowmatch_models.layout import DataLayout
+
+GROUP = "training"
+REPO = Path(__file__).resolve().parents[2]
+
+
+class TrainRunConfig(dg.Config):
+    """Launchpad config of a training run (hyperparameters live in the YAML, not here)."""
+
+    config_file: str = Field(
+        default=str(REPO / "configs" / "tiny.yaml"),
+        description="Training YAML (read anew on every resume; never frozen into checkpoints).",
+    )
+    run_name: str = Field(default="default", description="Run folder under <data root>/runs/.")
+    extra_steps: int | None = Field(
+        default=None, description="Train this many steps beyond the latest checkpoint (resume)."
+    )
+    max_steps: int | None = Field(default=None, description="Total steps (overrides the YAML).")
+    resume: str = Field(default="auto", description="auto (latest checkpoint), none, or a path.")
+    min_coverage: float = Field(
+        default=1.0,
+        description="Fraction of registered partitions that must have all three embeddings.",
+    )
+    overrides: list[str] = Field(default_factory=list, description="Extra `--set key=value` items.")
+
+
+def _preset(export_dir: str | None) -> str | None:
+    """The model preset of a finished run (from its export's transformer/flowmatch.json)."""
+    meta = Path(export_dir or "/nonexistent") / "transformer" / "flowmatch.json"
+    return json.loads(meta.read_text()).get("preset") if meta.exists() else None
+
+
+def round_meta(v, digits: int = 4):
+    """Floats (raw or as FloatMetadataValue) to ``digits`` significant digits, for the UI."""
+    raw = v.value if isinstance(v, dg.FloatMetadataValue) else v
+    if isinstance(raw, float) and math.isfinite(raw) and raw != 0:
+        return float(f"{raw:.{digits}g}")
+    return v
+
+
+def _session_rates(out: Path) -> list[float]:
+    """This session's logged samples/s windows (the newest ``logs/seg*/metrics.csv``)."""
+    segs = sorted((out / "logs").glob("seg*/metrics.csv"))
+    return logged_rates(segs[-1]) if segs else []
+
+
+def write_ledgers(data_root: str | Path, run_name: str, run: Path) -> list[int]:
+    """The catalog's ledger of every checkpoint of a run that has none yet (or an older one).
+
+    Each checkpoint records only the samples trained since its base -- the latest recorded
+    checkpoint its ledger continues (an earlier checkpoint of the same lineage) -- so the cost
+    is one expansion per trained sample, however many checkpoints; ``ledger_samples`` sums a
+    checkpoint's chain of deltas. Returns the steps written."""
+    import torch
+
+    from flowmatch_models import ledger
+    from flowmatch_models.store import read_shard
+
+    layout = DataLayout(data_root)
+    ids: dict[str, list[str]] = {}
+
+    def ids_of(p: str) -> list[str]:
+        if p not in ids:
+            ids[p] = read_shard(layout.asset_path("vae_latents", p)).ids
+        return ids[p]
+
+    recorded: dict[int, tuple[list[dict], list[int]]] = {}
+    for f in (layout.catalog_dir / "ledger_chain" / run_name).glob("step*.parquet"):
+        step = int(f.stem[4:])
+        recorded[step] = catalog.read_ledger_segments(data_root, run_name, step)
+    ckpts = []
+    for ckpt in (run / "checkpoints").glob("*.ckpt"):
+        state = torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True)
+        ckpts.append((int(state["global_step"]), ckpt, state))
+    done = []
+    for step, ckpt, state in sorted(ckpts, key=lambda c: c[0]):
+        target = catalog.ledger_path(data_root, run_name, step, "ledger_chain")
+        if step in done or (target.exists() and target.stat().st_mtime >= ckpt.stat().st_mtime):
+            continue
+        segs = (state.get("EmbeddingDataModule") or {}).get("ledger") or []
+        bases = [b for b in sorted(recorded, reverse=True)
+                 if b < step and ledger.is_prefix(recorded[b][0], segs)]  # fmt: skip
+        base_segs, base_chain = recorded[bases[0]] if bases else ([], [])
+        rows = ledger.expand(ledger.delta(base_segs, segs), ids_of)
+        chain = [*base_chain, step]
+        catalog.record_ledger(data_root, run_name, step, rows, segs, chain)
+        recorded[step] = (segs, chain)
+        done.append(step)
+    return done
+
+
+def run_dir(flowmatch: FlowmatchResource, name: str) -> Path:
+    return Path(flowmatch.data_root) / "runs" / name
+
+
+def coverage_or_fail(
+    flowmatch: FlowmatchResource, known: list[str], min_coverage: float
+) -> tuple[list[str], float]:
+    """Partitions with all three embeddings; raises dg.Failure naming what is missing when the
+    covered fraction of ``known`` partitions is below ``min_coverage``."""
+    layout = flowmatch.layout
+    complete = layout.complete_partitions()
+    known = sorted(set(known) | set(complete))
+    frac = len(complete) / len(known) if known else 0.0
+    if not complete or frac < min_coverage:
+        missing = {
+            p: [a for a in TRAINING_INPUTS if not layout.asset_path(a, p).exists()]
+            for p in known
+            if p not in complete
+        }
+        lines = [f"  {p}: missing {', '.join(a)}" for p, a in list(missing.items())[:20]]
+        more = f"\n  ... and {len(missing) - 20} more" if len(missing) > 20 else ""
+        raise dg.Failure(
+            description=(
+                f"training needs {min_coverage:.0%} of {len(known)} partitions with all of "
+                f"{', '.join(TRAINING_INPUTS)}; only {len(complete)} ({frac:.0%}) have them:\n"
+                + "\n".join(lines)
+                + more
+                + "\nMaterialize the missing embeddings (backfill 'missing only') or lower min_coverage."
+            ),
+            metadata={"missing": dg.MetadataValue.json(missing)},
+        )
+    return complete, frac
+
+
+@dg.asset(
+    deps=list(TRAINING_INPUTS),
+    group_name=GROUP,
+    kinds={"pytorch", "lightning", "wandb"},
+    pool="gpu",
+    op_tags=TRAIN_TAGS,
+    description="The flow-matching SANA DiT (+REPA) checkpoint, trained or resumed on every covered partition.",
+)
+def flow_model(
+    context: dg.AssetExecutionContext,
+    config: TrainRunConfig,
+    flowmatch: FlowmatchResource,
+    pipes_subprocess_client: dg.PipesSubprocessClient,
+) -> dg.MaterializeResult:
+    """Decides the partitions once, sends a TrainRequest through Pipes, records the TrainResult."""
+    from flowmatch_models.train import TrainRequest, TrainResult
+
+    known = list(context.instance.get_dynamic_partitions(SHARDS))
+    parts, frac = coverage_or_fail(flowmatch, known, config.min_coverage)
+    enc = flowmatch.encoders
+    request = TrainRequest(
+        config=config.config_file,
+        overrides=[
+            f"data.root={flowmatch.data_root}", f"run.name={config.run_name}",
+            f"encoders.vae={enc.vae}", f"encoders.text={enc.text}", *config.overrides,
+        ],
+        partitions=parts,
+        max_steps=config.max_steps,
+        extra_steps=config.extra_steps,
+        resume=config.resume,
+        coverage={"partitions_known": len(set(known) | set(parts)), "coverage": round(frac, 4)},
+    )  # fmt: skip
+    context.log.info(f"training {config.run_name} on {len(parts)} partitions ({frac:.0%} coverage)")
+    invocation = pipes_subprocess_client.run(
+        command=[sys.executable, "-m", "flowmatch_models.train", "--pipes-request"],
+        context=context,
+        extras={"train_request": request.to_dict()},
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        cwd=str(REPO),
+    )
+    results = [m["train_result"] for m in invocation.get_custom_messages() if "train_result" in m]
+    if not results:
+        raise dg.Failure("the training process ended without reporting a TrainResult")
+    result = TrainResult.from_dict(results[-1])
+    out = Path(result.run_dir)
+    # one training speed everywhere (catalog throughput, this metadata, the budget): the median
+    # over this session's steady logged windows, not the last window (which holds the final
+    # checkpoint and sample grid)
+    windows = _session_rates(out)
+    rate = steady_rate(windows)
+    if rate is None:
+        rate = result.metrics.get("samples_per_s")
+    catalog.record_materialization(
+        flowmatch.data_root,
+        MaterializationRecord(
+            asset="flow_model",
+            partition=config.run_name,
+            samples=result.samples_session,
+            seconds=result.wall_s,
+            device=result.device,
+            run_id=context.run.run_id,
+            extra={
+                "step": result.step,
+                "partitions": result.partitions,
+                "trained_counts": result.trained_counts,
+                "samples_total": result.samples_total,
+                "samples_per_s": rate,
+                "samples_per_s_last_window": result.metrics.get("samples_per_s"),
+                "rate_windows": len(windows),
+                "loss": result.metrics.get("loss"),
+                "val_loss": result.metrics.get("val_loss"),
+                "skipped_steps": result.skipped_steps,  # non-finite steps, since the run began
+                "disk_bytes": result.disk_bytes,  # the run folder (checkpoints, exports, logs)
+                "preset": _preset(result.export_dir),
+                # what it trained on: {kind: {fingerprint hash: [partitions]}} (`flowmatch stale`)
+                "input_fingerprints": trained_on(flowmatch, result.partitions),
+            },
+            rate=rate,
+        ),
+    )
+    t0 = time.perf_counter()
+    ledgers = write_ledgers(flowmatch.data_root, config.run_name, out)
+    ledger_s = time.perf_counter() - t0
+    context.log.info(f"ledger of checkpoints {ledgers} in {ledger_s:.1f}s")
+    md = {k: round_meta(v) for k, v in (invocation.get_materialize_result().metadata or {}).items()}
+    md.update(
+        {
+            "samples_per_s": round_meta(rate) if rate is not None else 0.0,
+            "samples_per_s_note": "median over steady logged windows (the budget's rate)",
+            "partitions_used": dg.MetadataValue.json(result.partitions),
+            "coverage": round(frac, 3),
+            "run_dir": dg.MetadataValue.path(str(out)),
+            "ledger_checkpoints": dg.MetadataValue.json(ledgers),
+            "ledger_s": round(ledger_s, 2),
+        }
+    )
+    if result.export_dir:
+        md["pipeline"] = dg.MetadataValue.path(result.export_dir)
+    for key, label in (("loss_curve", "loss curve"), ("coverage_curve", "coverage per epoch"),
+                       ("sample_grid", "samples")):  # fmt: skip
+        p = getattr(result, key)
+        if p and Path(p).exists():
+            from PIL import Image
+
+            from flowmatch_models.grid import markdown_image
+
+            md[f"{key}_png"] = dg.MetadataValue.path(p)
+            md[key] = dg.MetadataValue.md(markdown_image(Image.open(p), label, max_side=640))
+    return dg.MaterializeResult(metadata=md)
+
+
+class SamplesConfig(dg.Config):
+    """Fixed prompts rendered from the latest EMA export of a run."""
+
+    run_name: str = Field(default="default", description="Run folder under <data root>/runs/.")
+    prompts: list[str] = Field(
+        default_factory=lambda: [
+            "a large red circle in the centre of a textured sandy background",
+            "a small blue square on the left of a textured grey background",
+            "a large yellow star in the centre of a textured navy background",
+            "a small green triangle on the right of a textured pale pink background",
+        ],
+        description="Captions to render (one image each).",
+    )
+    steps: int = Field(default=30, description="Euler steps.")
+    cfg_scale: float = Field(default=4.0, description="Classifier-free guidance scale.")
+    seed: int = Field(default=0, description="Noise seed (fixed so grids compare across runs).")
+
+
+@dg.asset(
+    deps=[flow_model],
+    group_name=GROUP,
+    kinds={"pytorch", "png"},
+    description="A grid of images for fixed prompts from the latest flow_model (EMA weights).",
+)
+def samples(
+    context: dg.AssetExecutionContext, config: SamplesConfig, flowmatch: FlowmatchResource
+) -> dg.MaterializeResult:
+    from PIL import Image
+
+    from flowmatch_models.grid import markdown_image
+    from flowmatch_models.sample import load_model, load_vae, prompt_embeddings, sample_grid
+
+    export = run_dir(flowmatch, config.run_name) / "pipeline"
+    if not export.exists():
+        raise dg.Failure(f"no trained model at {export}; materialize flow_model first")
+    model, meta = load_model(model_dir=export)
+    enc = flowmatch.encoders
+    text, mask, labels = prompt_embeddings(config.prompts, enc.text)
+    out = Path(flowmatch.data_root) / "samples" / f"{config.run_name}.png"
+    sample_grid(
+        model, text, mask, out, scaling_factor=float(meta.get("scaling_factor", 1.0)),
+        vae=load_vae(enc.vae), steps=config.steps, cfg_scale=config.cfg_scale,
+        seed=config.seed, shift=float(meta.get("flow_shift", 1.0)), labels=labels,
+        null_text=meta.get("null_text"),
+    )  # fmt: skip
+    context.log.info(f"sample grid: {out}")
+    return dg.MaterializeResult(
+        metadata={
+            "grid_png": dg.MetadataValue.path(str(out)),
+            "grid": dg.MetadataValue.md(markdown_image(Image.open(out), "samples", max_side=640)),
+            "prompts": dg.MetadataValue.json(config.prompts),
+            "model": dg.MetadataValue.path(str(export)),
+        }
+    )
+
+
+class EvaluationConfig(dg.Config):
+    """Caption following of a run's checkpoints on prompts from the demo caption grammar."""
+
+    run_name: str = Field(default="default", description="Run folder under <data root>/runs/.")
+    checkpoints: str = Field(
+        default="latest", description="latest (last.ckpt) or all (every saved step*.ckpt)."
+    )
+    n_prompts: int = Field(default=48, description="Prompts drawn from the caption grammar.")
+    seed: int = Field(default=0, description="Prompt and noise seed (fixed: scores compare).")
+    steps: int = Field(default=20, description="Euler steps.")
+    cfg_scale: float = Field(default=4.0, description="Classifier-free guidance scale.")
+    fd_samples: int = Field(default=256, description="Held-out samples FD-DINOv2 draws.")
+    wandb_project: str = Field(default="flowmatch", description="The training run's W&B project.")
+
+
+@dg.asset(
+    deps=[flow_model],
+    group_name=GROUP,
+    kinds={"pytorch", "duckdb"},
+    description="Caption following (colour, shape, size, position vs chance) of a run's checkpoints, "
+    "scored by a deterministic image analyser; into the catalog's `evaluations` view.",
+)
+def evaluation(
+    context: dg.AssetExecutionContext, config: EvaluationConfig, flowmatch: FlowmatchResource
+) -> dg.MaterializeResult:
+    from PIL import Image
+
+    from flowmatch_assets.reports.evaluation import (
+        checkpoints,
+        evaluate_checkpoint,
+        evaluation_figure,
+        fd_dinov2,
+        heldout_set,
+        log_to_wandb,
+        rows_for_catalog,
+        summary_line,
+    )
+    from flowmatch_models.grid import markdown_image
+
+    out = run_dir(flowmatch, config.run_name)
+    found = checkpoints(out, config.checkpoints)
+    if not found:
+        raise dg.Failure(f"no checkpoint under {out / 'checkpoints'}; materialize flow_model first")
+    enc = flowmatch.encoders
+    md: dict = {}
+    scored = []
+    held = heldout_set(flowmatch.data_root, found[-1][1], config.fd_samples)  # one set for all
+    for step, path in found:
+        result = evaluate_checkpoint(
+            path, enc.text, enc.vae, config.n_prompts, config.seed, config.steps, config.cfg_scale
+        )
+        fd = fd_dinov2(path, flowmatch.data_root, enc.vae, enc.dino, held, config.steps,
+                       config.cfg_scale, config.seed)  # fmt: skip
+        result["fd_dinov2"], result["fd"] = fd["fd_dinov2"], fd
+        catalog.record_evaluation(
+            flowmatch.data_root,
+            config.run_name,
+            step,
+            rows_for_catalog(result, config.run_name, path),
+        )
+        fig = evaluation_figure(result, out / "evaluation" / f"step{step:07d}.png")
+        fd_line = (f"FD-DINOv2 {fd['fd_dinov2']:.2f} on {fd['n']} held-out" if fd["fd_dinov2"]
+                   is not None else f"no FD-DINOv2 ({fd['reason']})")  # fmt: skip
+        if fd["dino_weights"]:
+            fd_line += f" [{fd['dino_weights']}]"
+        context.log.info(f"{config.run_name} step {step}: {summary_line(result)}; {fd_line}")
+        scored.append((step, result, fig))
+        md = {
+            "step": step,
+            **{f"{a}_accuracy": round(v, 3) for a, v in result["accuracy"].items()},
+            **{f"{a}_chance": round(v, 3) for a, v in result["chance"].items()},
+            "prompts": result["n"],
+            "fd_dinov2": fd["fd_dinov2"],
+            "fd_heldout_samples": fd["n"],
+            "fd_dino_weights": fd["dino_weights"] or "real",
+            "figure_png": dg.MetadataValue.path(str(fig)),
+            "figure": dg.MetadataValue.md(markdown_image(Image.open(fig), "evaluation", 800)),
+        }
+    md["checkpoints_evaluated"] = dg.MetadataValue.json([s for s, _ in found])
+    wandb_dir = log_to_wandb(out, scored, config.wandb_project)
+    if wandb_dir:
+        md["wandb_dir"] = dg.MetadataValue.path(wandb_dir)
+    md["vae"] = enc.vae
+    return dg.MaterializeResult(metadata=md)

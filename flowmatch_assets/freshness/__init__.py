@@ -1,0 +1,1 @@
+"""What is stale, missing or gone: fingerprints, partition state, backfills."""

@@ -1,0 +1,378 @@
+"""Fingerprints and exact staleness of every asset partition, and what Dagster sees of them.
+
+Every partitioned asset records the fingerprint of what made it (flowmatch_models.fingerprint):
+the embedding kinds' comes from the registry (``kind_fingerprint``: model and weights, the
+role's preprocessing, dtypes, codec, code version), the data assets' from their settings below.
+Each also records the fingerprint hash of its upstream partition (``inputs``). It is stored in
+the catalog record (``extra.fingerprint``; the ``fingerprints`` view), in the embedding shard's
+attrs, in the materialization's metadata, and it is the Dagster data version
+(``<fingerprint hash>-<content id>``) under the asset's ``code_version``.
+
+**Stale** (:func:`staleness`): a materialized partition whose stored fields differ from the
+fields the current settings would record (the reason names each field: ``max_tokens: 128 ->
+64``), or whose upstream partition is stale, or was re-made with another fingerprint than the
+one it was made from; a partition without a fingerprint (made before them) is stale as
+``unknown``. ``flow_model`` (per run) is stale when a partition it trained on is stale or was
+re-made since. Dagster's own partition staleness misses code-version bumps on partitioned
+assets (its issues 22704, 22553, 18921) and cannot see a settings change before anything is
+re-made, so the UI shows ours: the per-partition ``<asset>_fresh`` check (run with every
+materialization, and reported by ``flowmatch stale``) fails naming the changed fields.
+"""
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import dagster as dg
+
+from flowmatch_assets import catalog, compat
+from flowmatch_assets.defs.resources import FlowmatchResource
+from flowmatch_models.embeddings import KINDS, TRAINING_INPUTS, kind_fingerprint
+from flowmatch_models.fingerprint import UNKNOWN, Fingerprint, diff, hash_of, weights_cache_file
+from flowmatch_models.layout import PARTITIONED_ASSETS
+
+#: Bump when the asset's code changes its output for the same settings (a fingerprint field).
+#: Embedding kinds carry theirs in the registry (EmbeddingKind.code_version).
+CODE_VERSIONS = {"pd12m_metadata": "1", "images_256": "1"}
+NO_FINGERPRINT = "no fingerprint recorded (made before fingerprints): unknown"
+
+
+def code_version(asset: str) -> str:
+    return KINDS[asset].code_version if asset in KINDS else CODE_VERSIONS.get(asset, "1")
+
+
+def upstream_of(asset: str) -> str | None:
+    """The partitioned asset one partition of ``asset`` is made from (every embedding kind:
+    images_256; an asset this module does not know: none)."""
+    if asset in KINDS:
+        return "images_256"
+    return {"images_256": "pd12m_metadata"}.get(asset)
+
+
+def expected_fields(res: FlowmatchResource, asset: str) -> dict:
+    """The fields a materialization of ``asset`` under ``res``'s settings records (a local
+    model folder is hashed once per process, and remembered in the data root)."""
+    if asset == "pd12m_metadata":
+        return {
+            "code_version": code_version(asset),
+            "shard_size": res.shard_size,
+            "filters": res.filters.model_dump(),
+        }
+    if asset == "images_256":
+        ing = res.ingest
+        return {
+            "code_version": code_version(asset),
+            "image_size": ing.size,
+            "image_format": ing.image_format,
+            "quality": ing.quality,
+            "min_side": ing.min_side,
+            "max_pixels": ing.max_pixels,
+        }
+    if asset not in KINDS:  # another asset publishing through the routine: its code only
+        return {"code_version": code_version(asset)}
+    cache = weights_cache_file(res.data_root)
+    return kind_fingerprint(KINDS[asset], res.encoders, weights_cache=cache).fields
+
+
+def stored(res: FlowmatchResource, asset: str, partition: str) -> Fingerprint | None:
+    """The fingerprint in the partition's catalog record (None: no record or none recorded)."""
+    rec = catalog.read_materialization(res.data_root, asset, partition)
+    return _from_record(rec) if rec else None
+
+
+def _from_record(rec: dict) -> Fingerprint | None:
+    return Fingerprint.from_json(json.loads(rec.get("extra") or "{}").get("fingerprint"))
+
+
+def inputs_of(res: FlowmatchResource, asset: str, partition: str) -> dict[str, str]:
+    """``{upstream: its stored fingerprint hash}`` for a materialization of ``asset`` now."""
+    up = upstream_of(asset)
+    return {up: hash_of(stored(res, up, partition))} if up else {}
+
+
+def current(res: FlowmatchResource, asset: str, partition: str) -> Fingerprint:
+    """The fingerprint a materialization of ``asset``'s ``partition`` records now."""
+    return Fingerprint(expected_fields(res, asset), inputs_of(res, asset, partition))
+
+
+def content_id(path: Path) -> str:
+    """A cheap identity of a partition file's content: the store footer's header hash (which
+    covers every array's checksum), or for parquet an xxh3 of its id, md5/hash, caption and
+    image columns (the images_256 shard is still in the page cache when it is published)."""
+    if path.suffix == ".fms":
+        with open(path, "rb") as f:
+            f.seek(-32, 2)
+            return f.read(32)[16:24].hex()
+    import pyarrow.parquet as pq
+    import xxhash
+
+    names = pq.read_schema(path).names
+    cols = [c for c in ("id", "md5", "hash", "caption", "image") if c in names]
+    t = pq.read_table(path, columns=cols)
+    h = xxhash.xxh3_64(str(t.num_rows).encode())
+    for c in cols:
+        for chunk in t.column(c).chunks:
+            for buf in chunk.buffers():
+                if buf is not None:
+                    h.update(memoryview(buf))
+    return h.hexdigest()
+
+
+def data_version(fp: Fingerprint, path: Path) -> dg.DataVersion:
+    """The Dagster data version of a partition: what made it, and a content id. A re-run that
+    changes the rows (a retry that recovers images) or the fingerprint makes the downstream
+    partitions stale in the UI; one that made exactly the same shard does not."""
+    return dg.DataVersion(f"{fp.hash}-{content_id(path)}")
+
+
+def metadata(fp: Fingerprint) -> dict:
+    """What the materialization shows of its fingerprint."""
+    return {
+        "fingerprint_hash": fp.hash,
+        "fingerprint": dg.MetadataValue.json(fp.to_json()),
+    }
+
+
+# ------------------------------------------------------------------------------ staleness
+
+
+@dataclass(frozen=True)
+class Stale:
+    """One stale asset partition (``flow_model``: its partition is the run name) and why."""
+
+    asset: str
+    partition: str
+    reasons: tuple[str, ...]
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(self.reasons)
+
+
+def _records(
+    res: FlowmatchResource, assets: Sequence[str], partitions: Sequence[str] | None
+) -> dict[tuple[str, str], Fingerprint | None]:
+    """``(asset, partition) -> stored fingerprint`` of every materialized one asked for (a few
+    partitions: their record files; otherwise one catalog query)."""
+    if partitions is not None and len(partitions) * len(assets) <= 64:
+        out = {}
+        for a in assets:
+            for p in partitions:
+                rec = catalog.read_materialization(res.data_root, a, p)
+                if rec is not None:
+                    out[(a, p)] = _from_record(rec)
+        return out
+    rows = catalog.Catalog(res.data_root).query(
+        "SELECT asset, partition, fingerprint_json FROM fingerprints "
+        "WHERE asset IN (SELECT unnest(?))",
+        [list(assets)],
+    )
+    want = set(partitions) if partitions is not None else None
+    return {
+        (r["asset"], r["partition"]): Fingerprint.from_json(r["fingerprint_json"])
+        for r in rows
+        if want is None or r["partition"] in want
+    }
+
+
+def staleness(
+    res: FlowmatchResource,
+    partitions: Sequence[str] | None = None,
+    assets: Sequence[str] | None = None,
+) -> list[Stale]:
+    """Stale partitions of ``assets`` (default: every partitioned asset) among ``partitions``
+    (default: every materialized one), in partition then lineage order. A partition that is not
+    materialized is missing, not stale (`--missing` handles it)."""
+    lineage = list(PARTITIONED_ASSETS)
+    wanted = set(assets or lineage)
+    # an asset's staleness needs its upstream chain's
+    need = [a for a in lineage if any(_feeds(a, w) for w in wanted)]
+    recs = _records(res, need, partitions)
+    expected: dict[str, dict] = {}
+    parts = sorted({p for _, p in recs}) if partitions is None else list(partitions)
+    out = []
+    for p in parts:
+        stale: dict[str, tuple[str, ...]] = {}
+        for a in need:
+            if (a, p) not in recs:
+                continue
+            fp = recs[(a, p)]
+            if fp is None:
+                reasons = [NO_FINGERPRINT]
+            else:
+                if a not in expected:
+                    expected[a] = expected_fields(res, a)
+                reasons = diff(fp.fields, expected[a])
+                up = upstream_of(a)
+                if up in stale:
+                    reasons.append(f"upstream {up} is stale ({stale[up][0]})")
+                elif up and (up, p) in recs and hash_of(recs[(up, p)]) != fp.inputs.get(up):
+                    reasons.append(
+                        f"{up} was re-made with another fingerprint since "
+                        f"({fp.inputs.get(up)} -> {hash_of(recs[(up, p)])})"
+                    )
+            if reasons:
+                stale[a] = tuple(reasons)
+                if a in wanted:
+                    out.append(Stale(a, p, tuple(reasons)))
+    return out
+
+
+def _feeds(a: str, b: str) -> bool:
+    """``a`` is ``b`` or upstream of it."""
+    while b is not None:
+        if a == b:
+            return True
+        b = upstream_of(b)
+    return False
+
+
+def trained_on(res: FlowmatchResource, partitions: Iterable[str]) -> dict[str, dict[str, list]]:
+    """``{kind: {fingerprint hash: [partitions]}}`` of the training inputs' shards now (what a
+    training run that used ``partitions`` records as its input fingerprints)."""
+    from flowmatch_models.store import read_shard
+
+    out: dict[str, dict[str, list]] = {}
+    for kind in TRAINING_INPUTS:
+        groups = out.setdefault(kind, {})
+        for p in partitions:
+            path = res.layout.asset_path(kind, p)
+            try:
+                fp = Fingerprint.from_json(read_shard(path).attrs.get("fingerprint"))
+            except Exception:  # noqa: BLE001 - gone or unreadable: no fingerprint to record
+                fp = None
+            groups.setdefault(hash_of(fp), []).append(p)
+    return out
+
+
+def model_staleness(res: FlowmatchResource, runs: Sequence[str] | None = None) -> list[Stale]:
+    """Training runs (``flow_model`` records) that trained on a partition that is stale now,
+    or whose shard was re-made with another fingerprint since."""
+    rows = catalog.Catalog(res.data_root).query(
+        "SELECT partition AS run, extra FROM materializations WHERE asset = 'flow_model' "
+        "ORDER BY partition"
+    )
+    rows = [r for r in rows if runs is None or r["run"] in runs]
+    if not rows:
+        return []
+    now = _records(res, list(TRAINING_INPUTS), None)
+    stale = {(s.asset, s.partition): s for s in staleness(res, assets=list(TRAINING_INPUTS))}
+    out = []
+    for r in rows:
+        used = json.loads(r["extra"] or "{}").get("input_fingerprints")
+        if not used:
+            out.append(Stale("flow_model", r["run"], ("no input fingerprints recorded: unknown",)))
+            continue
+        reasons = []
+        for kind, groups in sorted(used.items()):
+            for h, parts in sorted(groups.items()):
+                bad = [p for p in parts if (kind, p) in stale]
+                if bad:
+                    first = stale[(kind, bad[0])]
+                    reasons.append(
+                        f"{len(bad)} {kind} partitions it trained on are stale "
+                        f"({', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}: {first.reason})"
+                    )
+                remade = [p for p in parts if p not in bad and hash_of(now.get((kind, p))) != h]
+                if remade and h != UNKNOWN:
+                    reasons.append(
+                        f"{len(remade)} {kind} partitions were re-made since training "
+                        f"({', '.join(remade[:5])}: {h} -> {hash_of(now.get((kind, remade[0])))})"
+                    )
+        if reasons:
+            out.append(Stale("flow_model", r["run"], tuple(reasons)))
+    return out
+
+
+# --------------------------------------------------------------------------- Dagster view
+
+
+def fresh_check_name(asset: str) -> str:
+    return f"{asset}_fresh"
+
+
+def fresh_result(
+    partition: str, stale: Stale | None, fp: Fingerprint | None
+) -> dg.AssetCheckResult:
+    return dg.AssetCheckResult(
+        passed=stale is None,
+        description=f"{partition} stale: {stale.reason}" if stale else f"{partition} fresh",
+        metadata={
+            "partition": partition,
+            "fingerprint_hash": hash_of(fp),
+            "changed": dg.MetadataValue.json(list(stale.reasons) if stale else []),
+        },
+    )
+
+
+def report(
+    instance: dg.DagsterInstance,
+    res: FlowmatchResource,
+    found: Sequence[Stale],
+    partitions: Sequence[str],
+    assets: Sequence[str],
+    run_config: dict | None = None,
+) -> int:
+    """Make the ``<asset>_fresh`` checks in ``instance`` agree with ``found`` for every
+    materialized (asset, partition) asked about: an evaluation is recorded where the latest one
+    says otherwise, all in one run tagged ``flowmatch/cli=stale``. Returns how many.
+
+    (Why a run and not ``report_runless_asset_event``: Dagster 1.13 keys check executions by
+    (check, run id, partition), so a second runless evaluation of one partition's check fails
+    its UNIQUE constraint.)"""
+    bad = {(s.asset, s.partition): s for s in found}
+    recs = _records(res, list(assets), list(partitions))
+    evaluations = []
+    for a in assets:
+        latest = fresh_status(instance, a)
+        for p in partitions:
+            if (a, p) not in recs:
+                continue
+            s = bad.get((a, p))
+            if latest.get(p) == ("FAILED" if s else "SUCCEEDED"):
+                continue
+            r = fresh_result(p, s, recs[(a, p)])
+            evaluations.append(
+                dg.AssetCheckEvaluation(
+                    asset_key=dg.AssetKey(a),
+                    check_name=fresh_check_name(a),
+                    passed=r.passed,
+                    partition=p,
+                    metadata=r.metadata,
+                    description=r.description,
+                )
+            )
+    if evaluations:
+        compat.report_check_evaluations(
+            instance,
+            evaluations,
+            (
+                "flowmatch_stale_report",
+                "`flowmatch stale` reporting its checks.",
+                "report_fresh_checks",
+            ),
+            tags={"flowmatch/cli": "stale"},
+            run_config=run_config,
+        )
+    return len(evaluations)
+
+
+def fresh_status(instance: dg.DagsterInstance, asset: str) -> dict[str, str]:
+    """``{partition: SUCCEEDED | FAILED | ...}``: the latest ``<asset>_fresh`` evaluation."""
+    key = dg.AssetCheckKey(dg.AssetKey(asset), fresh_check_name(asset))
+    return compat.check_partition_status(instance, key)
+
+
+def stale_groups(found: Sequence[Stale]) -> list[tuple[list[str], list[str]]]:
+    """``found`` (partitioned assets only) as ``(assets in lineage order, partitions)`` groups:
+    each partition with exactly its stale assets, partitions with the same set together (one
+    backfill each: a backfill runs every selected asset on every selected partition)."""
+    per: dict[str, set[str]] = {}
+    for s in found:
+        if s.asset in PARTITIONED_ASSETS:
+            per.setdefault(s.partition, set()).add(s.asset)
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for p, assets in sorted(per.items()):
+        groups.setdefault(tuple(a for a in PARTITIONED_ASSETS if a in assets), []).append(p)
+    return [(list(a), parts) for a, parts in groups.items()]

@@ -1,0 +1,1 @@
+"""PD12M metadata, global dedupe and the image ingest: no Dagster."""

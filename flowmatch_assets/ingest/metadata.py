@@ -1,0 +1,284 @@
+"""PD12M metadata: discover the source files, cut them into shards, validate, filter.
+
+The real metadata is 125 parquet files ``pd12m.000.parquet`` ... ``pd12m.124.parquet`` of 100k
+rows each with columns ``id, url, caption, width, height, mime_type, hash, license, source``.
+One partition is one shard of ``shard_size`` rows of one file: key ``NNN-KK`` (file number,
+shard number within the file), so keys are stable and sort in dataset order.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import fsspec
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from pydantic import BaseModel, Field
+
+#: The PD12M metadata columns and the arrow type family each must have.
+PD12M_COLUMNS: dict[str, str] = {
+    "id": "string",
+    "url": "string",
+    "caption": "string",
+    "width": "integer",
+    "height": "integer",
+    "mime_type": "string",
+    "hash": "string",
+    "license": "string",
+    "source": "string",
+}
+
+FILE_RE = re.compile(r"(\d+)\.parquet$")
+
+
+class MetadataError(ValueError):
+    """The metadata source or one of its files is unusable; the message says which and why."""
+
+
+class FilterConfig(BaseModel):
+    """Row filters applied to PD12M metadata before any image is fetched (counted by reason)."""
+
+    min_width: int = Field(default=256, description="Minimum original width in pixels.")
+    min_height: int = Field(default=256, description="Minimum original height in pixels.")
+    max_aspect_ratio: float = Field(
+        default=3.0, description="Maximum long/short side ratio of the original image."
+    )
+    min_caption_chars: int = Field(
+        default=1, description="Minimum caption length (characters, stripped)."
+    )
+    max_caption_chars: int = Field(
+        default=4000, description="Maximum caption length (characters, stripped)."
+    )
+    licenses: list[str] | None = Field(
+        default=None,
+        description="License allow-list (exact strings); None keeps every license.",
+    )
+    drop_duplicate_hash: bool = Field(
+        default=True,
+        description="Keep only the first row of each md5 `hash` in the whole dataset (dataset "
+        "order: metadata file, then row; among rows the other filters keep).",
+    )
+    drop_duplicate_content: bool = Field(
+        default=True,
+        description="After download, drop a row whose bytes (md5) an earlier row in dataset "
+        "order already stored (a wrong metadata hash); see flowmatch_assets/ingest/dedupe.py.",
+    )
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """One partition: rows ``[row_start, row_end)`` of one metadata file."""
+
+    key: str
+    path: str
+    row_start: int
+    row_end: int
+
+    def as_dict(self) -> dict:
+        return {
+            "partition": self.key,
+            "source_file": self.path,
+            "row_start": self.row_start,
+            "row_end": self.row_end,
+        }
+
+
+def shard_key(file_number: int, shard_index: int) -> str:
+    return f"{file_number:03d}-{shard_index:02d}"
+
+
+def parse_shard_key(key: str) -> tuple[int, int]:
+    m = re.fullmatch(r"(\d{3,})-(\d{2,})", key)
+    if not m:
+        raise MetadataError(f"partition key {key!r} is not of the form NNN-KK (file-shard)")
+    return int(m.group(1)), int(m.group(2))
+
+
+def list_metadata_files(source: str) -> dict[int, str]:
+    """Map file number -> path/URL for every ``*NNN.parquet`` under ``source`` (local or fsspec)."""
+    fs, root = fsspec.core.url_to_fs(source)
+    if not fs.exists(root):
+        raise MetadataError(
+            f"metadata source {source!r} does not exist; point FLOWMATCH_METADATA (or the "
+            "resource's metadata_source) at the folder of pd12m.NNN.parquet files, or run "
+            "`flowmatch sample` to write the embedded sample"
+        )
+    out: dict[int, str] = {}
+    for p in sorted(fs.ls(root, detail=False)):
+        name = p.rsplit("/", 1)[-1]
+        m = FILE_RE.search(name)
+        if not m or name.startswith("."):
+            continue
+        n = int(m.group(1))
+        if n in out:
+            raise MetadataError(f"two metadata files share number {n}: {out[n]} and {p}")
+        out[n] = p if "://" not in source else fs.unstrip_protocol(p)
+    return out
+
+
+def _open(path: str):
+    return fsspec.open(path, "rb").open()
+
+
+def validate_schema(schema: pa.Schema, path: str) -> None:
+    """Raise MetadataError naming every missing or mistyped PD12M column."""
+    problems = []
+    for col, kind in PD12M_COLUMNS.items():
+        if col not in schema.names:
+            problems.append(f"missing column {col!r}")
+            continue
+        t = schema.field(col).type
+        ok = (
+            pa.types.is_integer(t) or pa.types.is_floating(t)
+            if kind == "integer"
+            else pa.types.is_string(t) or pa.types.is_large_string(t)
+        )
+        if not ok:
+            problems.append(f"column {col!r} has type {t}, expected {kind}")
+    if problems:
+        raise MetadataError(
+            f"{path}: not PD12M metadata: "
+            + "; ".join(problems)
+            + f" (expected columns: {', '.join(PD12M_COLUMNS)})"
+        )
+
+
+def discover_shards(source: str, shard_size: int) -> list[ShardSpec]:
+    """Every shard of every metadata file under ``source``, in key order."""
+    if shard_size <= 0:
+        raise MetadataError(f"shard_size must be positive, got {shard_size}")
+    specs: list[ShardSpec] = []
+    for n, path in list_metadata_files(source).items():
+        with _open(path) as f:
+            md = pq.ParquetFile(f).metadata
+            validate_schema(md.schema.to_arrow_schema(), path)
+            rows = md.num_rows
+        for k in range(max(1, math.ceil(rows / shard_size))):
+            specs.append(
+                ShardSpec(shard_key(n, k), path, k * shard_size, min(rows, (k + 1) * shard_size))
+            )
+    return specs
+
+
+def read_metadata_shard(source: str, key: str, shard_size: int) -> tuple[pa.Table, ShardSpec]:
+    """Read the rows of partition ``key`` (with a ``row_index`` column: position in the file)."""
+    file_number, shard_index = parse_shard_key(key)
+    files = list_metadata_files(source)
+    if file_number not in files:
+        raise MetadataError(
+            f"partition {key}: no metadata file number {file_number} under {source!r} "
+            f"(found {len(files)} files)"
+        )
+    path = files[file_number]
+    with _open(path) as f:
+        pf = pq.ParquetFile(f)
+        validate_schema(pf.schema_arrow, path)
+        rows = pf.metadata.num_rows
+        start, end = shard_index * shard_size, min(rows, (shard_index + 1) * shard_size)
+        if start >= rows and not (start == 0 and rows == 0):
+            raise MetadataError(
+                f"partition {key}: shard {shard_index} starts at row {start} but {path} has "
+                f"{rows} rows (was shard_size changed? it is {shard_size})"
+            )
+        # read only the row groups that overlap [start, end)
+        groups, offset, first = [], 0, None
+        for g in range(pf.metadata.num_row_groups):
+            n = pf.metadata.row_group(g).num_rows
+            if offset + n > start and offset < end:
+                groups.append(g)
+                first = offset if first is None else first
+            offset += n
+        table = pf.read_row_groups(groups, columns=list(PD12M_COLUMNS)) if groups else None
+    if table is None:
+        table = pa.table({c: pa.array([], pa.string()) for c in PD12M_COLUMNS})
+        first = start
+    table = table.slice(start - first, end - start)
+    table = table.append_column("row_index", pa.array(range(start, end), pa.int64()))
+    return table, ShardSpec(key, path, start, end)
+
+
+#: ``winners(table, eligible)``: for the rows ``eligible`` (indices into ``table``, each kept by
+#: every other filter and carrying a hash), ``{index: (kept_partition, kept_id)}`` of those that
+#: are not their hash's first occurrence (flowmatch_assets.ingest.dedupe: across the whole dataset).
+HashWinners = Callable[[pa.Table, list[int]], dict[int, tuple[str, str]]]
+
+
+def _first_in_table(table: pa.Table, eligible: list[int]) -> dict[int, tuple[str, str]]:
+    """Within ``table`` only: every row but the first of each hash."""
+    hashes, ids = table.column("hash").to_pylist(), table.column("id").to_pylist()
+    first: dict[str, int] = {}
+    out = {}
+    for i in eligible:
+        j = first.setdefault(hashes[i], i)
+        if j != i:
+            out[i] = ("", str(ids[j]))
+    return out
+
+
+def _row_reason(r: dict, cfg: FilterConfig, allowed: set | None) -> tuple[str, str] | None:
+    """The first row-local filter that drops ``r`` (reason, detail), or None."""
+    w, h = r.get("width"), r.get("height")
+    caption = (r.get("caption") or "").strip()
+    if not (r.get("url") or "").strip():
+        return "missing_url", "empty url"
+    if w is not None and h is not None and (w < cfg.min_width or h < cfg.min_height):
+        return "small_original", f"{w}x{h} < {cfg.min_width}x{cfg.min_height}"
+    if w and h and max(w, h) / min(w, h) > cfg.max_aspect_ratio:
+        return "aspect_ratio", f"{w}x{h}: {max(w, h) / min(w, h):.2f} > {cfg.max_aspect_ratio}"
+    if len(caption) < cfg.min_caption_chars:
+        return "caption_too_short", f"{len(caption)} chars < {cfg.min_caption_chars}"
+    if len(caption) > cfg.max_caption_chars:
+        return "caption_too_long", f"{len(caption)} chars > {cfg.max_caption_chars}"
+    if allowed is not None and r.get("license") not in allowed:
+        return "license", f"license {r.get('license')!r} not allowed"
+    return None
+
+
+def filter_rows(
+    table: pa.Table, cfg: FilterConfig, winners: HashWinners | None = None
+) -> tuple[pa.Table, list[dict]]:
+    """Apply the row filters. Returns the kept rows and one ``{id, url, reason, detail,
+    kept_id, kept_partition}`` per filtered row; every row is either kept or filtered with
+    exactly one reason. Duplicate hashes: among the rows every other filter keeps, only each
+    hash's first occurrence stays (``winners``: across the dataset; default: within ``table``)."""
+    rows = table.to_pylist()
+    allowed = set(cfg.licenses) if cfg.licenses is not None else None
+    reasons: list[tuple | None] = [_row_reason(r, cfg, allowed) for r in rows]
+    if cfg.drop_duplicate_hash:
+        eligible = [i for i, x in enumerate(reasons) if x is None and rows[i].get("hash")]
+        for i, (kp, kid) in (winners or _first_in_table)(table, eligible).items():
+            where = f"{kp}, " if kp else ""
+            detail = f"hash {rows[i]['hash']} first kept as {where}id {kid}"
+            reasons[i] = ("duplicate_hash", detail, kid, kp or None)
+    keep_idx: list[int] = []
+    filtered: list[dict] = []
+    for i, (r, x) in enumerate(zip(rows, reasons)):
+        if x is None:
+            keep_idx.append(i)
+            continue
+        reason, detail, kept_id, kept_partition = (*x, None, None)[:4]
+        filtered.append(
+            {
+                "id": str(r.get("id")),
+                "url": r.get("url"),
+                "reason": reason,
+                "detail": detail,
+                "kept_id": kept_id,
+                "kept_partition": kept_partition,
+                "hash": r.get("hash"),
+            }
+        )
+    kept = table.take(pa.array(keep_idx, pa.int64())) if keep_idx else table.slice(0, 0)
+    return kept, filtered
+
+
+def ids_as_strings(table: pa.Table) -> pa.Table:
+    """PD12M ids are strings; cast other id types so downstream joins are uniform."""
+    i = table.schema.get_field_index("id")
+    if not pa.types.is_string(table.schema.field(i).type):
+        table = table.set_column(i, "id", pc.cast(table.column(i), pa.string()))
+    return table

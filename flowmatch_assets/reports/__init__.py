@@ -1,0 +1,1 @@
+"""Budget, data card, caption-following evaluation and its analyser: no Dagster."""

@@ -1,0 +1,428 @@
+"""The seeds' cost arithmetic, automated (no Dagster; the only I/O is reading the catalog).
+
+From throughput measured in the DuckDB catalog, project what the whole PD12M (12.4M pairs) and
+N gradient updates at effective batch B cost in hours, cloud dollars, owned-box energy and disk,
+beside the seeds' published figures.
+
+Honesty rules, enforced here:
+
+* Nothing is invented. A stage without a measurement gets a row that says "not measured";
+  measured rates are never scaled by a GPU count (linear scaling is an assumption, not a
+  measurement), ``gpus`` only multiplies the *price* of a GPU-hour.
+* Rates are grouped by the device they ran on, never averaged across devices: a CPU rate on a
+  shared dev box is not a GPU rate, and each row names its device.
+* Precalc pairs/s: the embedding kinds (flowmatch_models.embeddings: ``vae_latents``,
+  ``dino_features``, ``text_embeddings`` and any registered since) are produced by one step that
+  runs the encoders one after the other on one device, and each records only its own encoder
+  time. So a pair costs the *sum* of the kinds' seconds; ``max`` would pretend they ran in
+  parallel. Only partitions that have every kind are counted; shard read/write time is not in
+  these seconds.
+* Training samples/s: a resumed run's ``flow_model`` record carries the run's *cumulative*
+  samples but only the last session's wall seconds, so samples/seconds can be wildly high. The
+  run's steady rate (``extra.samples_per_s``: the median of the samples/s windows the Lightning
+  module logged, without the first and last window, see :func:`steady_rate`; the same number
+  as the catalog's ``throughput`` and the asset's metadata) is used when present; otherwise
+  samples/seconds, labelled as such. Per (device, preset) the latest run counts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from flowmatch_assets.catalog import PD12M_PAIRS, Catalog, format_table
+from flowmatch_models.embeddings import EMBEDDING_ASSETS
+
+#: The seeds' published figures (shared/context/seed-flow-matching-on-a-budget.txt).
+SEED_PRECALC_PAIRS_S = 200.0  # 2x RTX 3090, both fully used
+SEED_UPDATES_S = 0.39  # 2x RTX 3090, effective batch 1024 (3.1 batches/s of 64 per GPU, accum 8)
+SEED_BATCH = 1024
+SEED_GPUS = 2
+SEED_BOX_WATTS = 1000.0  # "just under 700 W ... round up to 1 kW"
+SEED_IMAGES_GB = 650.0  # PD12M at 256 px
+SEED_EMBEDDINGS_GB = 700.0  # fp16 + xz, 128-token text
+REPA_UPDATES_S = 5.4  # REPA paper, 8x H100
+REPA_GPUS = 8
+REPA_QUOTE = "seed: ~164 GPU-h, ~$440 a run (400k updates at $2.76)"
+
+STAGES = ("images", "precalc", "training")
+
+
+class BudgetConfig(BaseModel):
+    """Targets and prices of the projection (all editable in the launchpad and on the CLI)."""
+
+    dataset_pairs: int = Field(default=PD12M_PAIRS, description="Pairs to prepare (PD12M 12.4M).")
+    updates: int = Field(default=300_000, description="Gradient updates (REPA needs 200-400k).")
+    effective_batch: int = Field(default=1024, description="Samples per gradient update.")
+    gpu_hour_usd: float = Field(
+        default=2.76, description="Cloud price of one GPU-hour (seed: Lambda H100 $2.76)."
+    )
+    gpus: int = Field(
+        default=1,
+        description="GPUs billed per hour for our GPU-measured rates (the rates are NOT scaled).",
+    )
+    cpu_hour_usd: float = Field(
+        default=0.10, description="Cloud price of a CPU box hour, for CPU-measured rates."
+    )
+    box_watts: float = Field(default=1000.0, description="Owned box draw at load (seed: ~1 kW).")
+    kwh_usd: float = Field(default=0.32, description="Electricity $/kWh (seed: ~0.25 GBP).")
+    hardware_usd: float | None = Field(
+        default=None, description="Owned box purchase price (seed: ~2500); None skips payback."
+    )
+
+    def validate_targets(self) -> None:
+        """Raise ValueError on targets that make no sense (zero batch, negative prices...)."""
+        for name in ("dataset_pairs", "updates", "effective_batch", "gpus"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"budget: {name} must be > 0, got {getattr(self, name)}")
+        for name in ("gpu_hour_usd", "cpu_hour_usd", "box_watts", "kwh_usd"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"budget: {name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class Rate:
+    """One measured rate: ``per_s`` samples (images, pairs, training samples) per second."""
+
+    stage: str
+    per_s: float
+    device: str
+    samples: int
+    seconds: float
+    count: int  # partitions (images, precalc) or runs (training)
+    note: str = ""
+
+
+def is_gpu(device: str) -> bool:
+    """Whether a device label names a GPU (``cuda``, ``cuda:0``, ``cuda (NVIDIA H200)``...)."""
+    d = device.lower()
+    return "cuda" in d or "gpu" in d or "rocm" in d
+
+
+def _images(catalog: Catalog) -> list[Rate]:
+    rows = catalog.query(
+        """SELECT coalesce(device, 'unknown device') AS d, sum(samples) AS n,
+                  sum(seconds) AS s, count(*) AS k
+           FROM materializations WHERE asset = 'images_256' AND seconds > 0
+           GROUP BY 1 HAVING sum(samples) > 0 ORDER BY 1"""
+    )
+    return [
+        Rate("images", r["n"] / r["s"], r["d"], int(r["n"]), float(r["s"]), int(r["k"]))
+        for r in rows
+    ]
+
+
+def _precalc(catalog: Catalog) -> list[Rate]:
+    emb = ", ".join(f"'{a}'" for a in EMBEDDING_ASSETS)
+    rows = catalog.query(
+        f"""WITH p AS (
+              SELECT partition, coalesce(any_value(device), 'unknown device') AS d,
+                     min(samples) AS n, sum(seconds) AS s, count(DISTINCT asset) AS k,
+                     bool_or(coalesce(TRY_CAST(json_extract(extra, '$.random_weights')
+                                               AS BOOLEAN), false)) AS zoo
+              FROM materializations WHERE asset IN ({emb}) GROUP BY partition)
+            SELECT d, sum(n) AS n, sum(s) AS s, count(*) AS k, bool_or(zoo) AS zoo
+            FROM p WHERE k = {len(EMBEDDING_ASSETS)} AND s > 0 AND n > 0
+            GROUP BY d ORDER BY d"""
+    )
+    out = []
+    for r in rows:
+        note = f"sum of the {len(EMBEDDING_ASSETS)} encoders' seconds"
+        if r["zoo"]:
+            note += "; RANDOM-WEIGHT zoo encoders, not the real models' cost"
+        out.append(
+            Rate("precalc", r["n"] / r["s"], r["d"], int(r["n"]), float(r["s"]), int(r["k"]), note)
+        )
+    return out
+
+
+def steady_rate(rates: list[float]) -> float | None:
+    """The median of a run's logged samples/s windows, without the first (start-up, compile,
+    first batches) and, from 3 windows on, the last (it often holds the final checkpoint and
+    sample grid): one slow window moves a median by at most one rank. None without windows."""
+    xs = [float(x) for x in rates if x is not None and float(x) > 0]
+    if len(xs) >= 3:
+        xs = xs[1:-1]
+    elif len(xs) == 2:
+        xs = xs[1:]
+    if not xs:
+        return None
+    xs.sort()
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def logged_rates(metrics_csv: str | Path) -> list[float]:
+    """The ``train/samples_per_s`` column of a Lightning CSVLogger ``metrics.csv``, in order."""
+    import csv
+
+    out = []
+    with open(metrics_csv, newline="") as f:
+        for r in csv.DictReader(f):
+            v = r.get("train/samples_per_s")
+            if v not in (None, ""):
+                out.append(float(v))
+    return out
+
+
+def _training(catalog: Catalog) -> list[Rate]:
+    rows = catalog.query(
+        """SELECT coalesce(device, 'unknown device') AS d,
+                  coalesce(json_extract_string(extra, '$.preset'), '?') AS preset,
+                  partition, samples, seconds,
+                  TRY_CAST(json_extract(extra, '$.samples_per_s') AS DOUBLE) AS sps, written_at
+           FROM materializations WHERE asset = 'flow_model' ORDER BY written_at"""
+    )
+    latest: dict[tuple[str, str], dict] = {}
+    runs: dict[tuple[str, str], int] = {}
+    for r in rows:
+        key = (r["d"], r["preset"])
+        runs[key] = runs.get(key, 0) + 1
+        latest[key] = r  # ordered by written_at: the last one wins
+    out = []
+    for (device, preset), r in sorted(latest.items()):
+        n, s = int(r["samples"] or 0), float(r["seconds"] or 0.0)
+        if r["sps"] and r["sps"] > 0:
+            per_s, how = float(r["sps"]), "median samples/s over the run's steady logged windows"
+        elif n > 0 and s > 0:
+            per_s, how = n / s, "samples / wall s (incl. startup; too high if resumed)"
+        else:
+            continue
+        note = f"run {r['partition']}, preset {preset}; {how}"
+        out.append(Rate("training", per_s, device, n, s, runs[(device, preset)], note))
+    return out
+
+
+def _bytes_per_sample(catalog: Catalog) -> dict[str, dict]:
+    rows = catalog.query(
+        "SELECT asset, codec, samples, stored_bytes_per_sample AS b FROM compression"
+    )
+    return {
+        r["asset"]: {"bytes": float(r["b"]), "codec": r["codec"], "samples": int(r["samples"])}
+        for r in rows
+        if r["b"]
+    }
+
+
+def measure(catalog: Catalog) -> dict:
+    """Everything measured: ``{"images"|"precalc"|"training": [Rate, ...], "bytes": {...}}``.
+
+    One Rate per device (training: per device and preset, latest run); an empty list where a
+    stage was never measured. ``bytes`` maps asset -> stored bytes per sample and codec.
+    """
+    return {
+        "images": _images(catalog),
+        "precalc": _precalc(catalog),
+        "training": _training(catalog),
+        "bytes": _bytes_per_sample(catalog),
+    }
+
+
+def _row(
+    stage: str,
+    source: str,
+    rate: str,
+    device: str,
+    hours: float | None,
+    cloud_per_h: float | None,
+    cfg: BudgetConfig,
+    watts: float | None = None,
+    note: str = "",
+) -> dict:
+    kwh = None if hours is None or watts is None else hours * watts / 1000
+    return {
+        "stage": stage,
+        "source": source,
+        "rate": rate,
+        "device": device,
+        "hours": hours,
+        "cloud_usd": None if hours is None or cloud_per_h is None else hours * cloud_per_h,
+        "box_kwh": kwh,
+        "box_usd": None if kwh is None else kwh * cfg.kwh_usd,
+        "note": note,
+    }
+
+
+def project(measured: dict, cfg: BudgetConfig) -> list[dict]:
+    """Rows per stage: ours (one per measured device) then the seeds' references.
+
+    Each row: stage, source, rate, device, hours, cloud_usd, box_kwh, box_usd, note (None where
+    there is nothing measured to project from).
+    """
+    cfg.validate_targets()
+    P, U, B = cfg.dataset_pairs, cfg.updates, cfg.effective_batch
+    label = {
+        "images": f"images_256: {P:,} images",
+        "precalc": f"precalc: {P:,} pairs",
+        "training": f"training: {U:,} updates x {B:,}",
+    }
+
+    def price(device: str) -> float:
+        return cfg.gpu_hour_usd * cfg.gpus if is_gpu(device) else cfg.cpu_hour_usd
+
+    rows: list[dict] = []
+    for stage in STAGES:
+        rates: list[Rate] = measured.get(stage) or []
+        if not rates:
+            rows.append(_row(label[stage], "ours", "not measured", "-", None, None, cfg))
+        for r in rates:
+            if stage == "training":
+                ups = r.per_s / B
+                hours, txt = U / ups / 3600, f"{ups:.4g} updates/s ({r.per_s:,.1f} samples/s)"
+            else:
+                unit = "images/s" if stage == "images" else "pairs/s"
+                hours, txt = P / r.per_s / 3600, f"{r.per_s:,.1f} {unit}"
+            what = "partition" if stage != "training" else "run"
+            what += "" if r.count == 1 else "s"
+            note = f"{r.samples:,} samples in {r.seconds:,.0f} s over {r.count} {what}"
+            note += f"; {r.note}" if r.note else ""
+            rows.append(
+                _row(label[stage], "ours", txt, r.device, hours, price(r.device), cfg,
+                     cfg.box_watts, note)
+            )  # fmt: skip
+    seed, seed_dev = "seed (2x RTX 3090)", "2x RTX 3090"
+    seed_ups = SEED_UPDATES_S * SEED_BATCH / B  # same samples/s, at our batch
+    rows.append(
+        _row(label["precalc"], seed, f"{SEED_PRECALC_PAIRS_S:g} pairs/s", seed_dev,
+             P / SEED_PRECALC_PAIRS_S / 3600, cfg.gpu_hour_usd * SEED_GPUS, cfg, SEED_BOX_WATTS,
+             "seed: ~17 h for PD12M")
+    )  # fmt: skip
+    rows.append(
+        _row(label["training"], seed, f"{seed_ups:.4g} updates/s", seed_dev,
+             U / seed_ups / 3600, cfg.gpu_hour_usd * SEED_GPUS, cfg, SEED_BOX_WATTS,
+             f"seed: {SEED_UPDATES_S} updates/s at batch {SEED_BATCH} (~33k/day)")
+    )  # fmt: skip
+    rows.append(
+        _row(label["training"], "REPA paper (8x H100)", f"{REPA_UPDATES_S:g} updates/s",
+             "8x H100", U / REPA_UPDATES_S / 3600, cfg.gpu_hour_usd * REPA_GPUS, cfg, None,
+             f"as quoted, at REPA's own batch; {REPA_QUOTE}")
+    )  # fmt: skip
+    return rows
+
+
+def project_disk(measured: dict, cfg: BudgetConfig) -> list[dict]:
+    """Disk for ``dataset_pairs``: stored bytes per sample (catalog ``compression``) x pairs,
+    images (HDD) and embeddings (SSD) separately, then the seed's figures."""
+    per = measured.get("bytes") or {}
+    out = []
+    for what, assets in (("images (HDD)", ("images_256",)), ("embeddings (SSD)", EMBEDDING_ASSETS)):
+        missing = [a for a in assets if a not in per]
+        if missing:
+            out.append({"what": what, "bytes_per_sample": None, "gb": None,
+                        "note": f"not measured: {', '.join(missing)}"})  # fmt: skip
+            continue
+        b = sum(per[a]["bytes"] for a in assets)
+        codecs = ", ".join(f"{a} {per[a]['codec'] or '?'}" for a in assets)
+        samples = min(per[a]["samples"] for a in assets)
+        note = f"{codecs}; from {samples:,} samples"
+        out.append({"what": what, "bytes_per_sample": b, "gb": b * cfg.dataset_pairs / 1e9,
+                    "note": note})  # fmt: skip
+    out.append(checkpoint_row(cfg))
+    for what, gb in (
+        ("seed: images 256 px", SEED_IMAGES_GB),
+        ("seed: embeddings", SEED_EMBEDDINGS_GB),
+    ):
+        out.append({"what": what, "bytes_per_sample": gb * 1e9 / PD12M_PAIRS,
+                    "gb": gb * cfg.dataset_pairs / PD12M_PAIRS, "note": "seed, for PD12M, scaled"})  # fmt: skip
+    return out
+
+
+def checkpoint_row(cfg: BudgetConfig) -> dict:
+    """Checkpoints of a run of ``updates`` steps with configs/base.yaml's retention (full
+    states + EMA snapshots, :func:`flowmatch_models.callbacks.checkpoint_disk_plan`), priced
+    with the base preset's real parameter counts."""
+    import torch
+
+    from flowmatch_models.callbacks import checkpoint_disk_plan
+    from flowmatch_models.config import load_config
+    from flowmatch_models.dit import build_model, count_params
+
+    base = load_config(Path(__file__).resolve().parents[1] / "configs" / "base.yaml")
+    base.trainer.max_steps = cfg.updates
+    with torch.device("meta"):
+        model = build_model(base.model.preset, projector_hidden=base.model.projector_hidden)
+    plan = checkpoint_disk_plan(base, count_params(model), count_params(model.transformer))
+    t = base.trainer
+    note = (f"base.yaml: {plan['ema_snapshots_kept']} EMA snapshots (every {t.checkpoint_every:,}) "
+            f"x {plan['ema_snapshot_bytes'] / 1e9:.2f} GB + {plan['full_states_kept']} full states "
+            f"x {plan['full_state_bytes'] / 1e9:.2f} GB; last.ckpt a link")  # fmt: skip
+    return {"what": f"checkpoints (SSD, {cfg.updates:,} updates)", "bytes_per_sample": None,
+            "gb": plan["total_bytes"] / 1e9, "note": note}  # fmt: skip
+
+
+def payback_hours(cfg: BudgetConfig) -> float | None:
+    """Hours of use after which an owned box (hardware + power) is cheaper than ``gpus`` cloud
+    GPUs; None without ``hardware_usd`` or if power costs as much as the cloud."""
+    if cfg.hardware_usd is None:
+        return None
+    saving = cfg.gpu_hour_usd * cfg.gpus - cfg.box_watts / 1000 * cfg.kwh_usd
+    return cfg.hardware_usd / saving if saving > 0 else None
+
+
+def _num(v: float | None, fmt: str) -> str | None:
+    return None if v is None else fmt.format(v)
+
+
+def render_markdown(rows: list[dict], disk_rows: list[dict], cfg: BudgetConfig) -> str:
+    """The report as markdown: targets and prices, the stage table, the disk table."""
+    table = [
+        {
+            "stage": r["stage"],
+            "source": r["source"],
+            "rate": r["rate"],
+            "measured on": r["device"],
+            "hours": _num(r["hours"], "{:,.1f}"),
+            "cloud $": _num(r["cloud_usd"], "${:,.0f}"),
+            "owned box kWh": _num(r["box_kwh"], "{:,.0f}"),
+            "owned box $": _num(r["box_usd"], "${:,.0f}"),
+            "note": r["note"],
+        }
+        for r in rows
+    ]
+    dtable = [
+        {
+            "storage": d["what"],
+            "bytes/sample": _num(d["bytes_per_sample"], "{:,.0f}"),
+            f"for {cfg.dataset_pairs:,} pairs": _num(d["gb"], "{:,.0f} GB"),
+            "note": d["note"],
+        }
+        for d in disk_rows
+    ]
+    head = (
+        f"# Budget: {cfg.dataset_pairs:,} pairs, {cfg.updates:,} updates at batch "
+        f"{cfg.effective_batch:,}\n\n"
+        f"Cloud: ${cfg.gpu_hour_usd:g}/GPU-hour x {cfg.gpus} GPU(s) for GPU-measured rates, "
+        f"${cfg.cpu_hour_usd:g}/hour for CPU-measured ones (one GPU price for every GPU model, "
+        f"also in the reference rows). Owned box: {cfg.box_watts:g} W at "
+        f"${cfg.kwh_usd:g}/kWh (seed rows: {SEED_BOX_WATTS:g} W). Our rates are measured by this "
+        "pipeline on the device named and are not scaled: a CPU rate is not a GPU rate.\n"
+    )
+    pb = payback_hours(cfg)
+    if cfg.hardware_usd is not None:
+        head += f"\nOwned box ${cfg.hardware_usd:,.0f}: " + (
+            f"cheaper than the cloud after {pb:,.0f} hours ({pb / 24:,.1f} days) of use.\n"
+            if pb is not None
+            else "never cheaper than the cloud at these prices.\n"
+        )
+    return head + "\n" + format_table(table) + "\n\n## Disk\n\n" + format_table(dtable) + "\n"
+
+
+def budget(catalog: Catalog, cfg: BudgetConfig) -> tuple[str, dict]:
+    """Measure, project and render: ``(markdown, json-able data)``."""
+    measured = measure(catalog)
+    rows, disk_rows = project(measured, cfg), project_disk(measured, cfg)
+    data = {
+        "config": cfg.model_dump(),
+        "measured": {
+            **{s: [asdict(r) for r in measured[s]] for s in STAGES},
+            "bytes": measured["bytes"],
+        },
+        "projection": rows,
+        "disk": disk_rows,
+        "payback_hours": payback_hours(cfg),
+    }
+    json.dumps(data)  # fail here, not in a caller, if something is not serialisable
+    return render_markdown(rows, disk_rows, cfg), data

@@ -1,0 +1,305 @@
+"""In-process runs of the asset graph: what the CLI verbs, the demo and the tests call.
+
+:func:`run_assets` is the one place that runs a selection of the code location's assets (with
+their checks) in this process, recorded in the Dagster instance at DAGSTER_HOME, so the UI shows
+it. It prints one line per step; Dagster's own event log is shown only with ``verbose`` (the
+CLI's ``--verbose``). :func:`materialize`, :func:`retry`, :func:`train`, :func:`evaluate`,
+:func:`materialize_budget` and :func:`materialize_data_cards` are the verbs' library functions
+over it. A usage mistake raises :class:`UsageError` (one line: the problem and the fix).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import dagster as dg
+
+#: Dagster's event log on the console (the CLI's ``--verbose``); off: one line per step.
+VERBOSE = False
+
+
+class UsageError(Exception):
+    """A usage mistake: printed by the CLI as one line (problem and fix), exit code 2."""
+
+
+def instance() -> dg.DagsterInstance:
+    """The Dagster instance at DAGSTER_HOME (default ./dagster_home)."""
+    home = Path(os.environ.get("DAGSTER_HOME") or "dagster_home").resolve()
+    home.mkdir(exist_ok=True)
+    return dg.DagsterInstance.from_config(str(home))
+
+
+def resource(overrides: dict | None = None):
+    """The FlowmatchResource of the FLOWMATCH_* environment (``overrides`` win)."""
+    from flowmatch_assets.defs.resources import resource_from_env
+
+    return resource_from_env(overrides=overrides)
+
+
+def log_config(verbose: bool | None = None) -> dict:
+    """Run config for Dagster's console logger: its event log with ``verbose``, else silent."""
+    level = "DEBUG" if (VERBOSE if verbose is None else verbose) else "CRITICAL"
+    return {"loggers": {"console": {"config": {"log_level": level}}}}
+
+
+def step_failures(result) -> list[tuple[str, str]]:
+    """``(step, message)`` of every failed step: a ``dg.Failure``'s description, else the last
+    line of the error."""
+    out = []
+    for ev in result.all_events:
+        if ev.is_step_failure:
+            data = ev.step_failure_data
+            if data.user_failure_data and data.user_failure_data.description:
+                msg = data.user_failure_data.description
+            else:
+                lines = (data.error.message if data.error else "").strip().splitlines()
+                msg = lines[-1] if lines else "failed"
+            out.append((ev.step_key, msg))
+    return out
+
+
+def _print_steps(result, prefix: str = "  ") -> None:
+    for ev in result.all_events:
+        if ev.is_step_success:
+            seconds = (ev.event_specific_data.duration_ms or 0) / 1000
+            print(f"{prefix}{ev.step_key}: ok ({seconds:.1f}s)", file=sys.stderr)
+    for step, msg in step_failures(result):
+        print(f"{prefix}{step}: FAILED: {msg}", file=sys.stderr)
+
+
+def run_assets(
+    selection: Sequence[str],
+    partition: str | None = None,
+    config: dict | None = None,
+    tags: dict | None = None,
+    *,
+    res=None,
+    dagster_instance: dg.DagsterInstance | None = None,
+    raise_on_error: bool = False,
+    steps: bool = True,
+):
+    """Materialize ``selection`` (asset names) of the whole graph, for ``partition`` (or none),
+    with ``config`` (run config: ``{"ops": ...}``) and ``tags``, in this process; the assets'
+    checks run in the same run (blocking ones stop downstream assets). ``res``: the
+    FlowmatchResource (default: from the environment). Prints one line per step (``steps``).
+    Returns Dagster's result (``.success``)."""
+    from flowmatch_assets.defs.definitions import all_assets_and_checks, resources_for
+
+    run_config = {**log_config(), **(config or {})}
+    result = dg.materialize(
+        all_assets_and_checks(),
+        selection=list(selection),
+        partition_key=partition,
+        instance=dagster_instance or instance(),
+        resources=resources_for(res or resource()),
+        raise_on_error=raise_on_error,
+        tags=tags,
+        run_config=run_config,
+    )
+    if steps:
+        _print_steps(result)
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# checks of what the user asked for
+# --------------------------------------------------------------------------------------------
+
+
+def check_partitions(keys: Sequence[str], known: Sequence[str]) -> None:
+    """Raise :class:`UsageError` naming the first unknown partition and the nearest known."""
+    unknown = [k for k in keys if k not in known]
+    if not unknown:
+        return
+    if not known:
+        raise UsageError(
+            f"unknown partition {unknown[0]!r}: no partitions are registered; run "
+            "`flowmatch partitions register` (or check FLOWMATCH_METADATA)"
+        )
+    near = difflib.get_close_matches(unknown[0], known, n=3, cutoff=0.3) or list(known[:3])
+    raise UsageError(
+        f"unknown partition {unknown[0]!r}; nearest: {', '.join(near)} "
+        f"({len(known)} registered: `flowmatch partitions list`)"
+    )
+
+
+def check_assets(names: Sequence[str], valid: Sequence[str]) -> None:
+    """Raise :class:`UsageError` for the first name not in ``valid`` (with a suggestion)."""
+    for n in names:
+        if n not in valid:
+            near = difflib.get_close_matches(n, valid, n=1)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            raise UsageError(f"unknown asset {n!r}; {hint}assets: {', '.join(valid)}")
+
+
+def known_partitions(inst: dg.DagsterInstance) -> list[str]:
+    """The registered partition keys, sorted."""
+    from flowmatch_assets.defs.partitions import SHARDS
+
+    return sorted(inst.get_dynamic_partitions(SHARDS))
+
+
+# --------------------------------------------------------------------------------------------
+# the verbs' library functions
+# --------------------------------------------------------------------------------------------
+
+
+def materialize(
+    partitions: list[str] | None = None,
+    assets: list[str] | None = None,
+    missing_only: bool = False,
+    raise_on_error: bool = False,
+    run_config: dict | None = None,
+    res=None,
+    stale_only: bool = False,
+) -> dict[str, bool]:
+    """Materialize ``assets`` (default: the whole data lineage) for ``partitions`` (default: all
+    registered), one run per partition, with the assets' checks; ``res``: the
+    FlowmatchResource (default: from the environment); ``missing_only``: only the missing
+    asset partitions (flowmatch_assets.freshness.state); ``stale_only``: only the stale ones
+    (flowmatch_assets.freshness.fingerprints; with ``missing_only``: both). Prints one line per
+    partition. Returns partition -> success."""
+    from flowmatch_assets.defs.partitions import register_partitions
+    from flowmatch_assets.freshness.state import partition_states
+    from flowmatch_models.layout import PARTITIONED_ASSETS
+
+    inst = instance()
+    res = res or resource()
+    register_partitions(inst, res)
+    known = known_partitions(inst)
+    check_partitions(list(partitions or []), known)
+    names = assets or list(PARTITIONED_ASSETS)
+    check_assets(names, list(PARTITIONED_ASSETS))
+    keys = partitions or known
+    out: dict[str, bool] = {}
+    stale: set[tuple[str, str]] = set()
+    if stale_only:
+        from flowmatch_assets.freshness.fingerprints import staleness
+
+        stale = {(s.asset, s.partition) for s in staleness(res, keys, names)}
+    for i, key in enumerate(keys):
+        todo = names if not (missing_only or stale_only) else []
+        if missing_only:
+            states = partition_states(res.layout, [key], names, inst)
+            todo = [s.asset for s in states if s.missing]
+        if stale_only:
+            todo = [a for a in names if a in todo or (a, key) in stale]
+        if not todo:
+            flags = (("present", missing_only), ("fresh", stale_only))
+            state = " and ".join(w for w, on in flags if on) or "present"
+            print(f"[{i + 1}/{len(keys)}] {key}: all of {names} {state}, skipped")
+            continue
+        t0 = time.perf_counter()
+        result = run_assets(
+            todo,
+            key,
+            run_config,
+            {"flowmatch/cli": "materialize"},
+            res=res,
+            dagster_instance=inst,
+            raise_on_error=raise_on_error,
+            steps=False,
+        )
+        out[key] = result.success
+        status = "ok" if result.success else "FAILED"
+        print(
+            f"[{i + 1}/{len(keys)}] {key}: {', '.join(todo)} {status} ({time.perf_counter() - t0:.1f}s)"
+        )
+        for step, msg in step_failures(result):
+            print(f"    {step}: {msg}")
+    return out
+
+
+def retry(
+    partitions: list[str] | None = None, reasons: list[str] | None = None, res=None
+) -> dict[str, bool]:
+    """Re-fetch the failed rows (retryable reasons, or ``reasons``) of ``partitions`` (default:
+    every partition with such rows) and merge them into their images_256 shards."""
+    from flowmatch_assets.catalog import Catalog
+
+    res = res or resource()
+    where = "reason IN (SELECT unnest(?))" if reasons else "retryable"
+    params = [list(reasons)] if reasons else []
+    rows = Catalog(res.data_root).query(
+        f"""SELECT partition, count(*) AS n FROM failures
+            WHERE asset = 'images_256' AND outcome = 'failed' AND {where}
+            GROUP BY partition ORDER BY partition""",
+        params,
+    )
+    todo = {r["partition"]: r["n"] for r in rows}
+    keys = [k for k in (partitions or sorted(todo)) if k in todo]
+    if not keys:
+        what = f"with reasons {reasons}" if reasons else "with a retryable reason"
+        print(f"no failed rows {what}" + (f" in {', '.join(partitions)}" if partitions else ""))
+        return {}
+    for k in keys:
+        print(f"{k}: retrying {todo[k]} failed rows")
+    cfg = {"retry": True, "reasons": list(reasons) if reasons else None}
+    return materialize(
+        keys, ["images_256"], run_config={"ops": {"images_256": {"config": cfg}}}, res=res
+    )
+
+
+def train(
+    steps: int | None = None,
+    run_name: str = "default",
+    config_file: str | None = None,
+    extra: list[str] | None = None,
+    with_samples: bool = True,
+    res=None,
+) -> bool:
+    """Materialize flow_model (and samples); training itself runs as a Pipes subprocess (its
+    progress lines go to this process's output)."""
+    run_cfg: dict = {"run_name": run_name, "overrides": list(extra or [])}
+    if steps is not None:
+        run_cfg["max_steps"] = steps
+    if config_file:
+        run_cfg["config_file"] = str(Path(config_file).resolve())
+    ops = {"flow_model": {"config": run_cfg}}
+    if with_samples:
+        ops["samples"] = {"config": {"run_name": run_name}}
+    t0 = time.perf_counter()
+    result = run_assets(list(ops), config={"ops": ops}, res=res)
+    print(f"training {'ok' if result.success else 'FAILED'} ({time.perf_counter() - t0:.0f}s)")
+    return result.success
+
+
+def evaluate(
+    run_name: str = "default", which: str = "latest", n_prompts: int = 48, res=None
+) -> bool:
+    """Materialize ``evaluation``: caption following of the run's checkpoint(s)."""
+    cfg = {"run_name": run_name, "checkpoints": which, "n_prompts": n_prompts}
+    return run_assets(
+        ["evaluation"], config={"ops": {"evaluation": {"config": cfg}}}, res=res
+    ).success
+
+
+def materialize_budget(res=None) -> bool:
+    """Materialize budget_report (the projection from what the catalog measured)."""
+    ok = run_assets(["budget_report"], tags={"flowmatch/cli": "demo"}, res=res).success
+    print(f"budget_report {'ok' if ok else 'FAILED'}")
+    return ok
+
+
+def materialize_data_cards(partitions: list[str] | None = None, res=None) -> bool:
+    """Materialize ``data_card`` for ``partitions`` (default: every partition with metadata),
+    then ``dataset_card``; prints one line each. True when dataset_card succeeded."""
+    from flowmatch_assets.defs.partitions import register_partitions
+
+    res = res or resource()
+    inst = instance()
+    register_partitions(inst, res)
+    have = res.layout.partitions_with("pd12m_metadata")
+    check_partitions(list(partitions or []), have)
+    tags = {"flowmatch/cli": "data-card"}
+    for key in partitions or have:
+        result = run_assets(["data_card"], key, tags=tags, res=res, dagster_instance=inst)
+        print(f"data_card {key}: {'ok' if result.success else 'FAILED'}")
+    ok = run_assets(["dataset_card"], tags=tags, res=res, dagster_instance=inst).success
+    print(f"dataset_card: {'ok' if ok else 'FAILED'}")
+    return ok

@@ -1,0 +1,83 @@
+"""The code location's asset graph is the recorded one (tests/asset_graph.json).
+
+`dagster dev` loads ``flowmatch_assets.definitions`` (workspace.yaml); a refactoring that moves
+code must leave its graph unchanged: the same asset keys with their groups, dependencies and
+partitions, the same checks, sensors and jobs. After a deliberate change (a new asset, a new
+embedding kind), rewrite the record with ``python tests/test_asset_graph.py`` and commit it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+RECORD = Path(__file__).with_name("asset_graph.json")
+
+
+def graph() -> dict:
+    """The graph of the code location ``workspace.yaml`` names, as plain JSON."""
+    import importlib
+
+    import yaml
+
+    workspace = yaml.safe_load((Path(__file__).resolve().parents[1] / "workspace.yaml").read_text())
+    module = workspace["load_from"][0]["python_module"]
+    defs = getattr(importlib.import_module(module["module_name"]), module["attribute"])
+    repo = defs.get_repository_def()
+    assets = {}
+    for key, node in (
+        (n.key, n) for n in sorted(repo.asset_graph.asset_nodes, key=lambda n: n.key)
+    ):
+        pdef = node.partitions_def
+        assets[key.to_user_string()] = {
+            "group": node.group_name,
+            "deps": sorted(k.to_user_string() for k in node.parent_keys),
+            "partitions": None
+            if pdef is None
+            else type(pdef).__name__ + ":" + (getattr(pdef, "name", None) or ""),
+            "checks": sorted(c.name for c in node.check_keys),
+            "code_version": node.code_version,
+            "pools": sorted(node.pools or []),
+            "kinds": sorted(node.kinds),
+            "op": node.assets_def.node_def.name,
+        }
+    check_ops = {
+        k.to_user_string(): d.node_def.name
+        for d in repo.asset_checks_defs_by_key.values()
+        for k in d.check_keys
+    }
+    check_ops.update(
+        {
+            k.to_user_string(): d.node_def.name
+            for d in repo.assets_defs_by_key.values()
+            for k in d.check_keys
+        }
+    )
+    return {
+        "assets": assets,
+        "checks": {
+            k.to_user_string(): {
+                "blocking": repo.asset_graph.get(k).blocking,
+                "op": check_ops[k.to_user_string()],
+            }
+            for k in sorted(repo.asset_graph.asset_check_keys)
+        },
+        "sensors": sorted(s.name for s in repo.sensor_defs),
+        "jobs": sorted(j.name for j in repo.get_all_jobs() if not j.name.startswith("__")),
+        "resources": sorted(repo.get_top_level_resources()),
+        "executor": repo.get_job(next(iter(sorted(repo.job_names)))).executor_def.name,
+    }
+
+
+def test_the_code_location_loads_the_recorded_asset_graph():
+    recorded = json.loads(RECORD.read_text())
+    now = graph()
+    assert now == recorded, (
+        "the asset graph changed; if deliberate, rewrite the record: python tests/test_asset_graph.py"
+    )
+
+
+if __name__ == "__main__":
+    RECORD.write_text(json.dumps(graph(), indent=1, sort_keys=True) + "\n")
+    print(f"wrote {RECORD}", file=sys.stderr)

@@ -1,0 +1,74 @@
+"""The private and storage-level Dagster APIs flowmatch uses (flowmatch_assets/compat.py), each
+against a real instance: a Dagster upgrade that changes one fails here, naming it, instead of
+breaking `flowmatch stale`, `verify` or the CLI's one-line errors silently."""
+
+from __future__ import annotations
+
+import dagster as dg
+import pytest
+
+from flowmatch_assets import compat
+
+PARTS = dg.DynamicPartitionsDefinition(name="compat_parts")
+
+
+def test_the_pinned_dagster_is_the_one_compat_was_tested_with():
+    major_minor = ".".join(dg.__version__.split(".")[:2])
+    assert major_minor == compat.TESTED_WITH, (
+        f"dagster {dg.__version__}: flowmatch_assets/compat.py was written for "
+        f"{compat.TESTED_WITH}; run tests/test_compat.py, fix what fails, then bump TESTED_WITH"
+    )
+
+
+def test_dagster_error_type_is_dagsters_base_error():
+    base = compat.dagster_error_type()
+    assert issubclass(dg.DagsterInvariantViolationError, base)
+    assert issubclass(dg.DagsterInvalidDefinitionError, base)
+    assert not issubclass(ValueError, base)
+
+
+def _eval(passed: bool, partition: str) -> dg.AssetCheckEvaluation:
+    return dg.AssetCheckEvaluation(
+        asset_key=dg.AssetKey("thing"),
+        check_name="thing_fresh",
+        passed=passed,
+        partition=partition,
+        description="why",
+    )
+
+
+def test_check_evaluations_reported_in_a_run_twice_per_partition():
+    """report_check_evaluations + check_partition_status: the second report of one
+    partition's check (the reason for a run) lands, and the latest status follows it."""
+    key = dg.AssetCheckKey(dg.AssetKey("thing"), "thing_fresh")
+    job = ("compat_report", "compat test", "compat_report_op")
+    with dg.instance_for_test() as instance:
+        compat.report_check_evaluations(instance, [_eval(False, "p1"), _eval(True, "p2")], job, {})
+        assert compat.check_partition_status(instance, key) == {"p1": "FAILED", "p2": "SUCCEEDED"}
+        compat.report_check_evaluations(instance, [_eval(True, "p1")], job, {"k": "v"})
+        assert compat.check_partition_status(instance, key)["p1"] == "SUCCEEDED"
+        runs = instance.get_runs(dg.RunsFilter(job_name="compat_report"))
+        assert len(runs) == 2 and runs[0].tags.get("k") == "v"
+
+
+@pytest.mark.parametrize("partition", ["p1"])
+def test_a_failed_stand_in_makes_the_latest_attempt_failed(partition):
+    """record_failed_materialization + failed_latest_attempts: a materialized partition's
+    latest attempt becomes a failure (what verify relies on), the others stay as they were."""
+
+    @dg.asset(key="thing", partitions_def=PARTS)
+    def thing() -> None:
+        return None
+
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(PARTS.name, ["p1", "p2"])
+        for p in ("p1", "p2"):
+            assert dg.materialize([thing], partition_key=p, instance=instance).success
+        assert compat.failed_latest_attempts(instance, "thing") == set()
+        compat.record_failed_materialization(
+            instance, "thing", PARTS, partition, "gone", {"flowmatch/cli": "verify"}
+        )
+        assert compat.failed_latest_attempts(instance, "thing") == {partition}
+        assert set(instance.get_materialized_partitions(dg.AssetKey("thing"))) == {"p1", "p2"}
+        run = instance.get_runs(dg.RunsFilter(tags={"flowmatch/cli": "verify"}))[0]
+        assert run.status == dg.DagsterRunStatus.FAILURE
