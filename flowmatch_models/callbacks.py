@@ -141,7 +141,10 @@ class CheckpointPolicy(Callback):
             self.save_full(trainer)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        if self._last_step == trainer.global_step and (self.dir / self.full_name(trainer)).is_file():
+        if (
+            self._last_step == trainer.global_step
+            and (self.dir / self.full_name(trainer)).is_file()
+        ):
             return
         self._last_step = trainer.global_step
         if not (self.dir / self.ema_name(trainer)).is_file():
@@ -168,7 +171,9 @@ class CheckpointPolicy(Callback):
         trainer.save_checkpoint(path, weights_only=False)  # the full resumable state
         msg = self.io.disk_full
         if msg and self.last.is_file():
-            msg = msg.replace("no earlier checkpoint", f"the previous checkpoint {self.last} is intact")
+            msg = msg.replace(
+                "no earlier checkpoint", f"the previous checkpoint {self.last} is intact"
+            )
         if trainer.is_global_zero and not msg:
             try:
                 _link_atomic(path, self.last)
@@ -217,7 +222,12 @@ def _link_atomic(src: Path, dst: Path) -> None:
     try:
         os.link(src, tmp)
     except OSError as e:
-        if _is_disk_full(e) or e.errno not in (errno.EPERM, errno.EXDEV, errno.EOPNOTSUPP, errno.EMLINK):
+        if _is_disk_full(e) or e.errno not in (
+            errno.EPERM,
+            errno.EXDEV,
+            errno.EOPNOTSUPP,
+            errno.EMLINK,
+        ):
             raise
         shutil.copyfile(src, tmp)
     os.replace(tmp, dst)

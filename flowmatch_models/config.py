@@ -135,7 +135,9 @@ class TrainerConfig(_Section):
     keep_full: int = Field(2, ge=1, description="Newest full states kept (last.ckpt links one).")
     keep_ema: int = Field(0, ge=0, description="Newest EMA snapshots kept; 0 = all.")
     val_every: int = Field(
-        0, ge=0, description="Validation flow loss (EMA, held-out, fixed noise and t grid); 0 = off."
+        0,
+        ge=0,
+        description="Validation flow loss (EMA, held-out, fixed noise and t grid); 0 = off.",
     )
     val_max_samples: int = Field(256, ge=1, description="Held-out samples validation uses.")
     max_skipped_steps: int = Field(

@@ -41,9 +41,9 @@ from flowmatch_models.callbacks import (
     CheckpointPolicy,
     DiskFullError,
     ProgressPrinter,
-    disk_full_message,
     SampleGridCallback,
     SampleIdRecorder,
+    disk_full_message,
     log_images,
 )
 from flowmatch_models.config import ConfigError, TrainConfig, load_config

@@ -16,7 +16,7 @@ import yaml
 from flowmatch_assets.demo import DEMO_VAE
 from flowmatch_assets.demo.images import images_256
 from flowmatch_assets.reports.caption_eval import CHANCE
-from flowmatch_assets.reports.evaluation import evaluate_checkpoint
+from flowmatch_assets.reports.evaluation import evaluate_checkpoint, fd_dinov2, heldout_set
 from flowmatch_models.encoders import Encoders, EncoderSpec
 from flowmatch_models.layout import DataLayout
 from flowmatch_models.store import write_shard
@@ -53,13 +53,16 @@ def test_tiny_dit_learns_to_follow_captions(tmp_path: Path, zoo: dict) -> None:
         cfg = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
         cfg["run"]["out_dir"] = str(tmp_path / "run")
         cfg["data"]["root"] = str(tmp_path / "data")
-        cfg["trainer"].update(max_steps=1000, checkpoint_every=1000, sample_every=0)
+        cfg["trainer"].update(max_steps=1000, checkpoint_every=250, full_every=1000,
+                              sample_every=0)  # fmt: skip
         cfg["logging"]["wandb"] = False
         result = train(TrainRequest(config=cfg, resume="none"))
         assert result.step == 1000 and result.device == "cpu, 32-true"
-        r = evaluate_checkpoint(
-            tmp_path / "run" / "checkpoints" / "last.ckpt", zoo["text"], str(DEMO_VAE), 48
-        )
+        ckpts = tmp_path / "run" / "checkpoints"
+        r = evaluate_checkpoint(ckpts / "last.ckpt", zoo["text"], str(DEMO_VAE), 48)
+        held = heldout_set(tmp_path / "data", ckpts / "last.ckpt")
+        fd = [fd_dinov2(ckpts / f"step{s:07d}-ema.ckpt", tmp_path / "data", str(DEMO_VAE),
+                        zoo["dino"], held) for s in (250, 1000)]  # fmt: skip
     finally:
         torch.set_num_threads(threads)
     acc = r["accuracy"]
@@ -71,3 +74,13 @@ def test_tiny_dit_learns_to_follow_captions(tmp_path: Path, zoo: dict) -> None:
     assert acc["size"] >= 1.2 * CHANCE["size"]
     all_four = CHANCE["colour"] * CHANCE["shape"] * CHANCE["size"] * CHANCE["position"]
     assert r["all_correct"] >= 10 * all_four  # all four right in one image
+    # the held-out signals (tiny.yaml holds out 10%): FD-DINOv2 and the validation loss fall
+    print("FD-DINOv2", [round(f["fd_dinov2"], 2) for f in fd], "on", held["n"])
+    assert 15 <= held["n"] <= 40 and fd[0]["dino_weights"].startswith("RANDOM WEIGHTS")
+    assert fd[1]["fd_dinov2"] < 0.8 * fd[0]["fd_dinov2"]
+    import csv
+
+    with open(tmp_path / "run" / "metrics.csv") as f:
+        val = [(int(x["step"]), float(x["val/loss"])) for x in csv.DictReader(f) if x.get("val/loss")]
+    assert [s for s, _ in val] == [250, 500, 750, 1000]
+    assert val[-1][1] < val[0][1]

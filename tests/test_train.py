@@ -116,7 +116,9 @@ def test_complete_partitions_and_batches(store: Path) -> None:
     width = batch["mask"].sum(1).max()
     assert batch["text"].shape == (8, width, 640)  # padded to the batch's longest caption
     assert not batch["text"][~batch["mask"]].any()
-    assert len({i.split("/")[0] for i in batch["meta"]["ids"]}) > 1  # the shuffle window mixes shards
+    assert (
+        len({i.split("/")[0] for i in batch["meta"]["ids"]}) > 1
+    )  # the shuffle window mixes shards
 
 
 def test_ranks_and_workers_see_disjoint_exact_samples(store: Path) -> None:

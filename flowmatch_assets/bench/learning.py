@@ -33,8 +33,12 @@ VARIANTS = {
     "pe": {"flow.repa_lambda": 0.0, "model.pos_embed": True},
     "none": {"flow.repa_lambda": 0.0, "model.pos_embed": False},
     # SANA's stability settings (qk_norm, fp32 linear attention; defaults) off, REPA + PE on
-    "repa+pe-nostab": {"flow.repa_lambda": 0.5, "model.pos_embed": True,
-                       "model.qk_norm": False, "model.fp32_attention": False},  # fmt: skip
+    "repa+pe-nostab": {
+        "flow.repa_lambda": 0.5,
+        "model.pos_embed": True,
+        "model.qk_norm": False,
+        "model.fp32_attention": False,
+    },  # fmt: skip
 }
 ATTRS = ("colour", "shape", "size", "position", "all_four")
 
