@@ -84,6 +84,7 @@ class FlowMatchModule(L.LightningModule):
         self._t_last: float | None = None
         self._grad_norm: torch.Tensor | None = None
         self.batch_meta: dict = {}  # host-side bookkeeping of the current batch
+        self.last_validation: dict[str, float] = {}  # the newest validation_losses()
         # device-side counters (read at the logging cadence): skipped steps, the current streak
         self._bad: torch.Tensor | None = None
         self._skipped: torch.Tensor | None = None
@@ -232,6 +233,7 @@ class FlowMatchModule(L.LightningModule):
             self._bin_sum.zero_(), self._bin_cnt.zero_()
         if t.val_every and step % t.val_every == 0 and self.trainer.is_global_zero:
             vals = self.validation_losses()
+            self.last_validation = vals or self.last_validation
             for logger in self.trainer.loggers if vals else []:  # this step only (CSV, wandb)
                 logger.log_metrics(vals, step=step)
         if step % t.log_every == 0 or step % t.max_skipped_steps == 0:

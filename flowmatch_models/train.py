@@ -262,6 +262,7 @@ def _fit(request: TrainRequest, cfg: TrainConfig, pipes) -> TrainResult:
         resumed_from=ckpt_path,
         skipped_steps=module.skipped_steps(),
     )
+    result.metrics["val_loss"] = module.last_validation.get("val/loss")
     if not trainer.is_global_zero:
         return result
     _finish_outputs(result, cfg, trainer, module, dm, grid_cb, loggers)

@@ -438,6 +438,16 @@ def test_heldout_samples_are_never_trained_and_validation_is_fixed(store, tmp_pa
     assert all(np.isfinite(float(r["val/loss"])) for r in val)
     assert {f"val/t{k}" for k in range(10)} <= set(val[0])
     assert result.step == 12
+    # into the catalog's `validation` view (a real DuckDB file), as flow_model records it
+    from flowmatch_assets import catalog
+    from flowmatch_assets.catalog import Catalog
+
+    catalog.record_validation(tmp_path / "cat", "val", catalog.validation_rows(out / "metrics.csv", "val"))
+    rows = Catalog(tmp_path / "cat").query(
+        "SELECT step, t_bin, loss, samples FROM validation WHERE run = 'val' ORDER BY step, t_bin"
+    )
+    assert len(rows) == 6 * 11 and rows[0]["t_bin"] == -1 and rows[0]["samples"] == len(held)
+    assert rows[0]["loss"] == pytest.approx(float(val[0]["val/loss"]))
     # a changed held-out rule changes the order: the resume stops and names it
     cfg = tiny_config(store, out, trainer__max_steps=14, **{**over, "data__heldout_fraction": 0.2})
     with pytest.raises(OrderChangedError, match="data.heldout_fraction"):
@@ -462,7 +472,7 @@ def test_base_yaml_keeps_a_400k_step_run_under_60_gb() -> None:
 
 def test_frechet_distance_is_exact_on_an_affine_pair() -> None:
     """b = 2a + 3: S_b = 4 S_a, so FD = |mu_a - mu_b|^2 + tr(S_a) + 4 tr(S_a) - 4 tr(S_a)."""
-    from flowmatch_assets.evaluation import frechet_distance
+    from flowmatch_assets.reports.evaluation import frechet_distance
 
     rng = np.random.default_rng(0)
     a = rng.standard_normal((400, 16)) @ rng.standard_normal((16, 16))

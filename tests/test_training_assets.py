@@ -77,6 +77,7 @@ def _train_cfg(**kw):
             "trainer.log_every=2",
             "trainer.sample_every=1000",
             "trainer.checkpoint_every=1000",
+            "trainer.val_every=2",
             "sample.steps=2",
             "logging.record_sample_ids=true",
         ],
@@ -241,6 +242,12 @@ def test_coverage_rule_then_train_resume_and_sample(tmp_path, small_sample, zoo,
         md = md.asset_materialization.metadata
         assert md["colour_accuracy"].value == round(direct["accuracy"]["colour"], 3)
         assert (tmp_path / "data" / "runs" / "t" / "evaluation" / "step0000009.png").is_file()
+        # 10 samples in the partition: tiny.yaml's 10% held-out rule picks none of these ids, so
+        # no FD and no validation rows -- said, not invented (tests/test_run_safety.py and
+        # test_learning.py cover the values)
+        assert md["fd_heldout_samples"].value == 0 and md["fd_dinov2"].value is None
+        assert cat.query("SELECT * FROM fd_dinov2 WHERE run = 't'") == []
+        assert cat.query("SELECT * FROM validation WHERE run = 't'") == []
         # and into the training run's W&B run (same id; offline here), on their own x-axis
         run_id = (run / "wandb_run_id.txt").read_text().strip()
         files = sorted(Path(md["wandb_dir"].value).glob(f"run-{run_id}.wandb"))

@@ -387,6 +387,68 @@ def record_evaluation(data_root: str | Path, run: str, step: int, rows: Sequence
     return path
 
 
+VALIDATION_SCHEMA = pa.schema(
+    [
+        ("run", pa.string()),
+        ("step", pa.int64()),
+        ("t_bin", pa.int64()),  # -1: the mean over the t grid (val/loss)
+        ("loss", pa.float64()),
+        ("samples", pa.int64()),
+        ("recorded_at", pa.timestamp("us", tz="UTC")),
+    ]
+)
+
+FD_SCHEMA = pa.schema(
+    [
+        ("run", pa.string()),
+        ("step", pa.int64()),
+        ("checkpoint", pa.string()),
+        ("fd_dinov2", pa.float64()),
+        ("n", pa.int64()),
+        ("dino", pa.string()),
+        ("dino_weights", pa.string()),  # "" = real weights; else what they are (random zoo)
+        ("evaluated_at", pa.timestamp("us", tz="UTC")),
+    ]
+)
+
+
+def validation_rows(metrics_csv: str | Path, run: str) -> list[dict]:
+    """The held-out validation losses of a run's merged ``metrics.csv`` (``val/loss`` and
+    ``val/t{k}`` columns, written every ``trainer.val_every`` steps), one row per step and bin."""
+    import csv
+
+    out = []
+    with open(metrics_csv, newline="") as f:
+        for r in csv.DictReader(f):
+            if not r.get("val/loss"):
+                continue
+            step, n = int(r["step"]), int(float(r.get("val/samples") or 0))
+            out.append({"run": run, "step": step, "t_bin": -1, "loss": float(r["val/loss"]),
+                        "samples": n})  # fmt: skip
+            for k, v in r.items():
+                if k.startswith("val/t") and v:
+                    out.append({"run": run, "step": step, "t_bin": int(k[5:]),
+                                "loss": float(v), "samples": n})  # fmt: skip
+    return out
+
+
+def record_validation(data_root: str | Path, run: str, rows: Sequence[dict]) -> Path:
+    """Write (replace) a run's validation losses (see :func:`validation_rows`)."""
+    path = DataLayout(data_root).catalog_dir / "validation" / f"{run}.parquet"
+    now = _now_utc()
+    data = [{**r, "recorded_at": now} for r in rows]
+    _write_parquet(path, pa.Table.from_pylist(data, schema=VALIDATION_SCHEMA))
+    return path
+
+
+def record_fd(data_root: str | Path, run: str, step: int, row: dict) -> Path:
+    """Write (replace) the FD-DINOv2 of one checkpoint."""
+    path = DataLayout(data_root).catalog_dir / "fd" / run / f"step{step:07d}.parquet"
+    data = [{"run": run, "step": step, **row, "evaluated_at": _now_utc()}]
+    _write_parquet(path, pa.Table.from_pylist(data, schema=FD_SCHEMA))
+    return path
+
+
 def read_materialization(data_root: str | Path, asset: str, partition: str) -> dict | None:
     """The materialization record of one asset partition, or None."""
     p = DataLayout(data_root).catalog_dir / "materializations" / asset / f"{partition}.parquet"

@@ -34,12 +34,14 @@ from flowmatch_assets.catalog.records import (
     CONTENT_SCHEMA,
     DUPLICATE_SCHEMA,
     EVALUATION_SCHEMA,
+    FD_SCHEMA,
     LEDGER_CHAIN_SCHEMA,
     LEDGER_EPOCH_SCHEMA,
     LEDGER_SAMPLE_SCHEMA,
     MATERIALIZATION_SCHEMA,
     PARTITION_SCHEMA,
     ROW_SCHEMA,
+    VALIDATION_SCHEMA,
     _write_parquet,
 )
 from flowmatch_models.atomic import atomic_path
@@ -81,6 +83,8 @@ def _view_sql(layout: DataLayout) -> list[str]:
     attempts = _sql_str(c / "attempts" / "*" / "*.parquet")
     parts = _sql_str(c / "partitions.parquet")
     evals = _sql_str(c / "evaluations" / "*" / "*.parquet")
+    val = _sql_str(c / "validation" / "*.parquet")
+    fd = _sql_str(c / "fd" / "*" / "*.parquet")
     ledger = _sql_str(c / "ledger" / "*" / "*.parquet")
     ledger_epochs = _sql_str(c / "ledger_epochs" / "*" / "*.parquet")
     ledger_chain = _sql_str(c / "ledger_chain" / "*" / "*.parquet")
@@ -91,6 +95,10 @@ def _view_sql(layout: DataLayout) -> list[str]:
         f"CREATE OR REPLACE VIEW partitions AS SELECT * FROM read_parquet({parts}) WHERE partition IS NOT NULL",
         # caption following per run, checkpoint step and attribute, beside the chance level
         f"CREATE OR REPLACE VIEW evaluations AS SELECT *, accuracy / nullif(chance, 0) AS x_chance FROM read_parquet({evals}, union_by_name=true) WHERE run IS NOT NULL",
+        # held-out flow loss of the EMA (t_bin -1: mean over the t grid) and FD-DINOv2 per
+        # checkpoint (dino_weights says when DINOv2 is the random zoo model)
+        f"CREATE OR REPLACE VIEW validation AS SELECT * FROM read_parquet({val}, union_by_name=true) WHERE run IS NOT NULL",
+        f"CREATE OR REPLACE VIEW fd_dinov2 AS SELECT * FROM read_parquet({fd}, union_by_name=true) WHERE run IS NOT NULL",
         # the ledger: per run checkpoint, every trained sample (times seen, first and last
         # optimizer step), the compact per-epoch segments it was expanded from, per partition
         f"CREATE OR REPLACE VIEW ledger_deltas AS SELECT * FROM read_parquet({ledger}) WHERE run IS NOT NULL",
@@ -317,6 +325,7 @@ def _ensure_placeholders(layout: DataLayout) -> None:
         ("materializations", MATERIALIZATION_SCHEMA),
         ("rows", ROW_SCHEMA),
         ("evaluations", EVALUATION_SCHEMA),
+        ("fd", FD_SCHEMA),
         ("attempts", ROW_SCHEMA),
         ("ledger", LEDGER_SAMPLE_SCHEMA),
         ("ledger_epochs", LEDGER_EPOCH_SCHEMA),
@@ -328,6 +337,9 @@ def _ensure_placeholders(layout: DataLayout) -> None:
         p = c / kind / "_empty" / "_empty.parquet"
         if not p.exists():
             _write_parquet(p, schema.empty_table())
+    p = c / "validation" / "_empty.parquet"
+    if not p.exists():
+        _write_parquet(p, VALIDATION_SCHEMA.empty_table())
     p = c / "partitions.parquet"
     if not p.exists():
         _write_parquet(p, PARTITION_SCHEMA.empty_table())

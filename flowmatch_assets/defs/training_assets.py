@@ -224,6 +224,9 @@ def flow_model(
             rate=rate,
         ),
     )
+    if result.metrics_csv:  # the held-out validation curve (catalog `validation` view)
+        catalog.record_validation(flowmatch.data_root, config.run_name,
+                                  catalog.validation_rows(result.metrics_csv, config.run_name))  # fmt: skip
     t0 = time.perf_counter()
     ledgers = write_ledgers(flowmatch.data_root, config.run_name, out)
     ledger_s = time.perf_counter() - t0
@@ -372,6 +375,10 @@ def evaluation(
             rows_for_catalog(result, config.run_name, path),
         )
         fig = evaluation_figure(result, out / "evaluation" / f"step{step:07d}.png")
+        if fd["fd_dinov2"] is not None:
+            catalog.record_fd(flowmatch.data_root, config.run_name, step, {
+                "checkpoint": str(path), "fd_dinov2": fd["fd_dinov2"], "n": fd["n"],
+                "dino": fd["dino"], "dino_weights": fd["dino_weights"]})  # fmt: skip
         fd_line = (f"FD-DINOv2 {fd['fd_dinov2']:.2f} on {fd['n']} held-out" if fd["fd_dinov2"]
                    is not None else f"no FD-DINOv2 ({fd['reason']})")  # fmt: skip
         if fd["dino_weights"]:
