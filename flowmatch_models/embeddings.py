@@ -107,7 +107,9 @@ class EmbeddingKind:
     lossy: tuple[str, ...] = ()  # arrays that may be stored in 1 byte (EncoderSpec.lossy)
     warnings: tuple[WarnRule, ...] = ()
     tags: frozenset[str] = field(default_factory=lambda: frozenset({"pytorch"}))
-    training_input: bool = True  # training needs it for every partition it uses
+    # flow_model waits for it: a partition trains only once this kind is there (TRAINING_INPUTS);
+    # what the DiT reads of the kinds is chosen in data.py
+    training_input: bool = True
     #: bump when the kind's code changes its values (a fingerprint field: shards made by an
     #: older version turn stale)
     code_version: str = "1"

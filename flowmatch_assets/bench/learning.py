@@ -7,7 +7,7 @@ same data, seed and schedule (``configs/tiny.yaml``, the demo's), saves a checkp
 steps and scores each with the caption-following evaluation (flowmatch_assets.reports.evaluation):
 colour / shape / size / position accuracy of generated images against the chance level.
 
-Needs a data root whose partitions have all three embeddings, made with a VAE that reconstructs
+Needs a data root whose partitions have every training input, made with a VAE that reconstructs
 the domain (``flowmatch demo`` does this with the committed demo VAE). Writes
 ``<out>/learning.json`` and ``<out>/learning.png`` and ends with one JSON line.
 """
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
     root = Path(a.data_root).resolve()
     if not DataLayout(root).complete_partitions():
         raise SystemExit(
-            f"no partition under {root} has all three embeddings; run `flowmatch demo "
+            f"no partition under {root} has every training input; run `flowmatch demo "
             "--train-steps 0` first (or pass --data-root)"
         )
     cfg = yaml.safe_load(Path(a.config).read_text())

@@ -40,7 +40,8 @@ class TrainRunConfig(dg.Config):
     resume: str = Field(default="auto", description="auto (latest checkpoint), none, or a path.")
     min_coverage: float = Field(
         default=1.0,
-        description="Fraction of registered partitions that must have all three embeddings.",
+        description="Fraction of registered partitions that must have every training input "
+        "(the registered embedding kinds training waits for).",
     )
     overrides: list[str] = Field(default_factory=list, description="Extra `--set key=value` items.")
 
@@ -117,7 +118,7 @@ def run_dir(flowmatch: FlowmatchResource, name: str) -> Path:
 def coverage_or_fail(
     flowmatch: FlowmatchResource, known: list[str], min_coverage: float
 ) -> tuple[list[str], float]:
-    """Partitions with all three embeddings; raises dg.Failure naming what is missing when the
+    """Partitions with every training input (TRAINING_INPUTS); raises dg.Failure naming what is missing when the
     covered fraction of ``known`` partitions is below ``min_coverage``."""
     layout = flowmatch.layout
     complete = layout.complete_partitions()
