@@ -61,6 +61,9 @@ def test_empty_catalog_says_not_measured_and_seed_references_are_exact(tmp_path)
     disk = {d["what"]: d for d in data["disk"]}
     assert disk["images (HDD)"]["gb"] is None and "not measured" in disk["images (HDD)"]["note"]
     assert disk["seed: embeddings"]["gb"] == pytest.approx(700.0)
+    ckpt = disk["checkpoints (SSD, 400,000 updates)"]  # base.yaml retention, real param counts
+    assert ckpt["gb"] == pytest.approx((50 * 757_303_424 + 2 * 3_107_910_656) / 1e9)
+    assert "50 EMA snapshots (every 8,000)" in ckpt["note"] and ckpt["gb"] < 60
 
 
 def test_projection_from_measured_rates(tmp_path):

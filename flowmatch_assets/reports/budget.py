@@ -340,7 +340,7 @@ def checkpoint_row(cfg: BudgetConfig) -> dict:
     from flowmatch_models.config import load_config
     from flowmatch_models.dit import build_model, count_params
 
-    base = load_config(Path(__file__).resolve().parents[1] / "configs" / "base.yaml")
+    base = load_config(Path(__file__).resolve().parents[2] / "configs" / "base.yaml")
     base.trainer.max_steps = cfg.updates
     with torch.device("meta"):
         model = build_model(base.model.preset, projector_hidden=base.model.projector_hidden)
