@@ -81,6 +81,8 @@ def test_tiny_dit_learns_to_follow_captions(tmp_path: Path, zoo: dict) -> None:
     import csv
 
     with open(tmp_path / "run" / "metrics.csv") as f:
-        val = [(int(x["step"]), float(x["val/loss"])) for x in csv.DictReader(f) if x.get("val/loss")]
+        val = [
+            (int(x["step"]), float(x["val/loss"])) for x in csv.DictReader(f) if x.get("val/loss")
+        ]
     assert [s for s, _ in val] == [250, 500, 750, 1000]
     assert val[-1][1] < val[0][1]

@@ -442,7 +442,9 @@ def test_heldout_samples_are_never_trained_and_validation_is_fixed(store, tmp_pa
     from flowmatch_assets import catalog
     from flowmatch_assets.catalog import Catalog
 
-    catalog.record_validation(tmp_path / "cat", "val", catalog.validation_rows(out / "metrics.csv", "val"))
+    catalog.record_validation(
+        tmp_path / "cat", "val", catalog.validation_rows(out / "metrics.csv", "val")
+    )
     rows = Catalog(tmp_path / "cat").query(
         "SELECT step, t_bin, loss, samples FROM validation WHERE run = 'val' ORDER BY step, t_bin"
     )
