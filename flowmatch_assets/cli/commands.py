@@ -346,6 +346,15 @@ def cmd_demo(
         )
         print("\ncaption following (fraction of generated images that show what the prompt says):")
         print(format_table(rows))
+        held = Catalog(root).query(
+            "SELECT f.step, round(f.fd_dinov2, 2) AS fd_dinov2, f.n AS heldout, round(v.loss, 4) "
+            "AS validation_loss FROM fd_dinov2 f LEFT JOIN validation v ON v.run = f.run AND "
+            "v.step = f.step AND v.t_bin = -1 WHERE f.run = 'demo' ORDER BY f.step"
+        )
+        if held:
+            print("\nheld-out quality (never trained on; FD-DINOv2 with the random zoo DINOv2, "
+                  "lower is better):")  # fmt: skip
+            print(format_table(held))
     if budget_ok:
         print(f"  budget report:    {root / 'reports' / 'budget.md'}")
     print(
