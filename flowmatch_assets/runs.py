@@ -16,8 +16,10 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import dagster as dg
+if TYPE_CHECKING:  # Dagster is imported when a run is made, not when the CLI starts
+    import dagster as dg
 
 #: Dagster's event log on the console (the CLI's ``--verbose``); off: one line per step.
 VERBOSE = False
@@ -29,6 +31,8 @@ class UsageError(Exception):
 
 def instance() -> dg.DagsterInstance:
     """The Dagster instance at DAGSTER_HOME (default ./dagster_home)."""
+    import dagster as dg
+
     home = Path(os.environ.get("DAGSTER_HOME") or "dagster_home").resolve()
     home.mkdir(exist_ok=True)
     return dg.DagsterInstance.from_config(str(home))
@@ -88,6 +92,8 @@ def run_assets(
     checks run in the same run (blocking ones stop downstream assets). ``res``: the
     FlowmatchResource (default: from the environment). Prints one line per step (``steps``).
     Returns Dagster's result (``.success``)."""
+    import dagster as dg
+
     from flowmatch_assets.defs.definitions import all_assets_and_checks, resources_for
 
     run_config = {**log_config(), **(config or {})}

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from flowmatch_assets.demo import DEMO_VAE, DEMO_VAE_MARKER
+from flowmatch_assets.demo import DEMO_VAE
 from flowmatch_assets.demo.dataset import BACKGROUNDS, COLOURS, SHAPES
 from flowmatch_assets.demo.images import images_256
 from flowmatch_assets.reports.caption_eval import (
@@ -24,6 +24,7 @@ from flowmatch_assets.reports.caption_eval import (
     prompts,
     score,
 )
+from flowmatch_models.zoo import DEMO_WEIGHTS_MARKER
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +104,7 @@ def test_demo_vae_reconstructs_what_captions_say(ground_truth):
     torch = pytest.importorskip("torch")
     from diffusers import AutoencoderDC
 
-    marker = json.loads(DEMO_VAE_MARKER.read_text())
+    marker = json.loads((DEMO_VAE / DEMO_WEIGHTS_MARKER).read_text())
     assert "not the real dc-ae" in marker["what"].lower()
     vae = AutoencoderDC.from_pretrained(DEMO_VAE).float().eval()
     assert vae.config.scaling_factor == pytest.approx(marker["scaling_factor"])

@@ -3,10 +3,7 @@ image stage (``images``) and the committed demo VAE (``vae/``)."""
 
 from pathlib import Path
 
-from flowmatch_models.zoo import DEMO_WEIGHTS_MARKER
-
 #: The committed demo VAE (an AutoencoderDC trained on the synthetic sample only, not the real
 #: DC-AE; `scripts/train_demo_vae.py`): the VAE of the demo's data root. Its marker file
-#: (:data:`DEMO_VAE_MARKER`) says what it is and how it was trained.
+#: (``flowmatch_models.zoo.DEMO_WEIGHTS_MARKER``) says what it is and how it was trained.
 DEMO_VAE = Path(__file__).resolve().parent / "vae"
-DEMO_VAE_MARKER = DEMO_VAE / DEMO_WEIGHTS_MARKER
