@@ -574,8 +574,13 @@ class EmbeddingDataModule(L.LightningDataModule):
         self.trained_counts.update({k: int(v) for k, v in state["trained_counts"].items()})
         self.ledger = [dict(s) for s in state.get("ledger", [])]
         ours = {"seed": self.seed, "shuffle_window": self.shuffle_window,
-                "heldout": list(self.heldout)}  # fmt: skip
-        changed = {k: (state[k], v) for k, v in ours.items() if k in state and state[k] != v}
+                "heldout": [float(x) for x in self.heldout]}  # fmt: skip
+        # a checkpoint from before held-out splits held nothing out
+        theirs_all = {"heldout": [0.0, 0], **state}
+        theirs_all["heldout"] = [float(x) for x in theirs_all["heldout"]]
+        changed = {
+            k: (theirs_all[k], v) for k, v in ours.items() if k in theirs_all and theirs_all[k] != v
+        }
         if changed and not self.allow_order_change:
             what = ", ".join(
                 f"data.{k}: checkpoint {a!r} -> now {b!r}" for k, (a, b) in changed.items()

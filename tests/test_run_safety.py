@@ -454,6 +454,14 @@ def test_heldout_samples_are_never_trained_and_validation_is_fixed(store, tmp_pa
     cfg = tiny_config(store, out, trainer__max_steps=14, **{**over, "data__heldout_fraction": 0.2})
     with pytest.raises(OrderChangedError, match="data.heldout_fraction"):
         fit_with(cfg, [])
+    # a checkpoint from before held-out splits (no rule recorded) held nothing out
+    from flowmatch_models.data import EmbeddingDataModule
+
+    state = {k: v for k, v in ckpt["EmbeddingDataModule"].items() if k != "heldout"}
+    dm = EmbeddingDataModule(store, batch_size=8, heldout=(0.15, 3))
+    with pytest.raises(OrderChangedError, match=r"checkpoint \[0.0, 0.0\] -> now \[0.15, 3.0\]"):
+        dm.load_state_dict(state)
+    EmbeddingDataModule(store, batch_size=8).load_state_dict(state)  # no rule either: fine
 
 
 def test_base_yaml_keeps_a_400k_step_run_under_60_gb() -> None:
