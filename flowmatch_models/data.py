@@ -516,13 +516,17 @@ class EmbeddingDataModule(L.LightningDataModule):
         )
 
     def _available_counts(self) -> dict:
-        """Partitions and samples complete at the epoch's start (beside those used)."""
+        """Partitions and trainable samples (held-out ones excluded, as in ``sizes``) complete
+        at the epoch's start (beside those used)."""
         avail = self._available if self._available is not None else self.partitions
         if set(avail) == set(self.partitions):
             samples = int(self.source.sizes.sum())
         else:
             layout = DataLayout(self.root)
-            samples = sum(len(read_shard(layout.asset_path("vae_latents", p))) for p in avail)
+            samples = sum(
+                len(train_rows(read_shard(layout.asset_path("vae_latents", p)).ids, *self.heldout))
+                for p in avail
+            )
         return {"available_partitions": len(avail), "available_samples": samples}
 
     def _log_coverage(self, trainer) -> None:
