@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +14,7 @@ import pytest
 import torch
 import yaml
 from lightning.pytorch.callbacks import Callback
-from test_train import REPO, SIZES, make_store, read_records, tiny_config
+from test_train import REPO, SIZES, _cli_run, make_store, read_records, tiny_config
 
 from flowmatch_models.callbacks import DiskFullError
 from flowmatch_models.layout import DataLayout
@@ -154,16 +153,7 @@ def test_ddp_ranks_skip_a_nan_on_one_rank_together(tmp_path: Path) -> None:
     cfg = tiny_config(root, out, trainer__devices=2, trainer__strategy="ddp",
                       trainer__accelerator="cpu", trainer__max_steps=8,
                       trainer__accumulate_grad_batches=1)  # fmt: skip
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    env = {k: v for k, v in os.environ.items() if k not in ("WANDB_API_KEY", "LOCAL_RANK")}
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "flowmatch_models.train", "--config", str(path),
-         "--result-json", str(tmp_path / "result.json")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _cli_run(tmp_path, cfg, "run")  # python -m flowmatch_models.train, 2 gloo ranks
     seen = [(r, rec["step"]) for r in (0, 1) for rec in read_records(out, r)
             if "000-01/5" in rec["ids"]]  # fmt: skip
     bad_steps = {step for _, step in seen}
