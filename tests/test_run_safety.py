@@ -366,8 +366,6 @@ def test_the_cli_says_a_stopped_run_in_one_line(tmp_path: Path, capsys) -> None:
     assert "last good checkpoint: none yet" in err[0]
 
 
-
-
 # --------------------------------------------------------------------------------------------
 # torch.compile
 # --------------------------------------------------------------------------------------------
