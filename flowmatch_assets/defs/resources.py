@@ -122,8 +122,13 @@ def resource_from_env(
             encoders[field] = env[ENV_OF[field]]
         elif field != "device" and (Path(root) / "zoo" / field / "config.json").exists():
             # a demo data root: the encoders `flowmatch demo` used (so that the UI, `stale` and
-            # backfills after the demo agree with it): the committed demo VAE, the zoo's others
+            # backfills after the demo agree with it): the committed demo VAE, the real Gemma
+            # where the demo made it, the zoo's others
             encoders[field] = str(DEMO_VAE if field == "vae" else Path(root) / "zoo" / field)
+            from flowmatch_models.zoo import GEMMA_FOLDER, is_real_gemma  # (imports torch)
+
+            if field == "text" and is_real_gemma(Path(root) / "zoo" / GEMMA_FOLDER):
+                encoders[field] = str(Path(root) / "zoo" / GEMMA_FOLDER)
     return FlowmatchResource(
         data_root=root,
         metadata_source=_abs(source),
