@@ -37,6 +37,17 @@ from flowmatch_models.store import Shard, StoreError, pad_ragged, ragged_offsets
 log = logging.getLogger(__name__)
 
 
+#: What the DiT reads of the registry's kinds: its caption states and its REPA target, as
+#: ``(kind, array)``. The model's ``text_dim``/``repa_dim`` are these arrays' widths in the shards
+#: the run trains on (:attr:`ShardSource.widths`), so an encoder swaps by configuration alone.
+MODEL_INPUTS = {"text": ("text_embeddings", "tokens"), "repa": ("dino_features", "patch")}
+
+
+def array_width(shard: Shard, array: str) -> int:
+    """The last dimension of ``array`` in ``shard`` (from its header; nothing decoded)."""
+    return int(shard.info(array)["shape"][-1])
+
+
 class OrderChangedError(ValueError):
     """A resume whose order-defining settings differ from the checkpoint's."""
 
@@ -116,6 +127,8 @@ class ShardSource:
                 f"{first.path}: attrs has no 'scaling_factor'; re-materialize vae_latents"
             )
         self.scaling_factor = float(first.attrs["scaling_factor"])
+        #: the widths the DiT is built for: {"text": caption width, "repa": REPA target width}
+        self.widths = self._agreed_widths()
         text0 = self._shard("text_embeddings", self.partitions[0])
         self.null_tokens: np.ndarray | None = (
             np.asarray(text0["null_tokens"], np.float32) if "null_tokens" in text0 else None
@@ -148,6 +161,21 @@ class ShardSource:
                 )
             self.fingerprint_of[kind] = next(iter(fps.values()))
             out[kind] = hash_of(self.fingerprint_of[kind])
+        return out
+
+    def _agreed_widths(self) -> dict[str, int]:
+        """Per model input (:data:`MODEL_INPUTS`), the one width of every partition's array."""
+        out = {}
+        for role, (kind, array) in MODEL_INPUTS.items():
+            if role == "repa" and not self.load_dino:
+                continue
+            widths = {p: array_width(self._shard(kind, p), array) for p in self.partitions}
+            if len(set(widths.values())) > 1:
+                raise FingerprintMismatchError(
+                    f"{kind}.{array}: partitions of different widths {widths} (made by different "
+                    "encoders); re-make them with one encoder"
+                )
+            out[role] = next(iter(widths.values()))
         return out
 
     def mismatch(self, kind: str, fp: Fingerprint | None) -> str | None:

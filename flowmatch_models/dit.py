@@ -18,13 +18,14 @@ Sana 1.5's ``rms_norm_across_heads``) and the linear attention's two matmuls in 
 autocast off (:class:`FP32LinearAttnProcessor`, SANA's ``LiteLA.attn_matmul``: "necessary for
 NAN loss"; the diffusers processor's ``.float()`` is re-cast to bf16 by autocast).
 
-Presets are plain ``name -> factory`` entries (DiT-style), each returning the
-``SanaTransformer2DModel`` config for that size.
+A preset is one :class:`Preset` record per size (transformer shape, REPA projector width and
+depth). The caption width and the REPA target width are not the preset's: they are the widths
+of the arrays the run trains on (Gemma3-270M: 640, MiniLM-L6: 384; DINOv2-small: 384).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -34,8 +35,12 @@ from torch import nn
 
 LATENT_CHANNELS = 32
 LATENT_SIZE = 8
-TEXT_DIM = 640  # Gemma3-270M hidden size
-DINO_DIM = 384  # DINOv2-small
+#: The widths of the default encoders' arrays (Gemma3-270M hidden 640, DINOv2-small 384): only
+#: defaults for code that builds a model without data. A training run takes both from the shards
+#: it trains on (``ShardSource.widths``: the registry's caption and REPA-target arrays) and
+#: records them in the checkpoint (``flowmatch.widths``) and the export's ``flowmatch.json``.
+DEFAULT_TEXT_DIM = 640
+DEFAULT_REPA_DIM = 384
 SANA_TIMESTEP_SCALE = 1000.0  # SanaTransformer2DModel takes t on a 0-1000 scale
 
 
@@ -45,69 +50,65 @@ def sana_timestep(t: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------
-# presets
+# presets: one record per size
 # --------------------------------------------------------------------------------------------
 
 
-def _sana_config(layers: int, heads: int, head_dim: int, cross_heads: int) -> dict:
-    width = heads * head_dim
-    return dict(
-        in_channels=LATENT_CHANNELS,
-        out_channels=LATENT_CHANNELS,
-        num_attention_heads=heads,
-        attention_head_dim=head_dim,
-        num_layers=layers,
-        num_cross_attention_heads=cross_heads,
-        cross_attention_head_dim=width // cross_heads,
-        cross_attention_dim=width,
-        caption_channels=TEXT_DIM,
-        mlp_ratio=2.5,
-        sample_size=LATENT_SIZE,
-        patch_size=1,
-        interpolation_scale=1,  # sin-cos PE on the 8x8 grid (None: no PE, Sana 1.0 at 1024 px)
-    )
+@dataclass(frozen=True)
+class Preset:
+    """Everything one model size fixes: the transformer's shape and its REPA head."""
+
+    layers: int
+    heads: int
+    head_dim: int
+    cross_heads: int
+    #: REPA projector hidden width (the paper's 2048 except for the CPU-sized models)
+    projector_hidden: int
+    #: REPA ``encoder_depth``: the block (counted from 1) whose output is aligned; REPA uses 4
+    #: for its 12-layer SiT-B and 8 for 24/28 layers (about a third of the depth)
+    repa_depth: int
+    about: str = ""
+
+    @property
+    def width(self) -> int:
+        return self.heads * self.head_dim
+
+    def transformer_config(self, text_dim: int = DEFAULT_TEXT_DIM) -> dict:
+        """The ``SanaTransformer2DModel`` config for captions of width ``text_dim``."""
+        return dict(
+            in_channels=LATENT_CHANNELS,
+            out_channels=LATENT_CHANNELS,
+            num_attention_heads=self.heads,
+            attention_head_dim=self.head_dim,
+            num_layers=self.layers,
+            num_cross_attention_heads=self.cross_heads,
+            cross_attention_head_dim=self.width // self.cross_heads,
+            cross_attention_dim=self.width,
+            caption_channels=int(text_dim),
+            mlp_ratio=2.5,
+            sample_size=LATENT_SIZE,
+            patch_size=1,
+            interpolation_scale=1,  # sin-cos PE on the 8x8 grid (None: no PE, Sana 1.0 at 1024 px)
+        )
 
 
-def DiT_tiny() -> dict:
-    """4 layers, width 64: CPU tests and the demo (forward ~25 ms on one core)."""
-    return _sana_config(layers=4, heads=4, head_dim=16, cross_heads=4)
-
-
-def DiT_demo() -> dict:
-    """6 layers, width 128 (~2M): the demo's CPU run, big enough to draw the sample's shapes."""
-    return _sana_config(layers=6, heads=4, head_dim=32, cross_heads=4)
-
-
-def DiT_small() -> dict:
-    """12 layers, width 384 (~35M): quick single-GPU experiments."""
-    return _sana_config(layers=12, heads=12, head_dim=32, cross_heads=6)
-
-
-def DiT_base() -> dict:
-    """20 layers, width 768 (~190M): the real 256 px run (configs/base.yaml; cost in BENCHMARKS.md)."""
-    return _sana_config(layers=20, heads=24, head_dim=32, cross_heads=12)
-
-
-PRESETS: dict[str, Callable[[], dict]] = {
-    "tiny": DiT_tiny,
-    "demo": DiT_demo,
-    "small": DiT_small,
-    "base": DiT_base,
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(4, 4, 16, 4, 256, 2, "width 64: CPU tests (forward ~25 ms on one core)"),
+    "demo": Preset(6, 4, 32, 4, 512, 2, "width 128 (~2M): the demo, big enough for its shapes"),
+    "small": Preset(12, 12, 32, 6, 2048, 4, "width 384 (~35M): quick single-GPU experiments"),
+    "base": Preset(20, 24, 32, 12, 2048, 7, "width 768 (~190M): the real 256 px run"),
 }
 
-#: REPA projector hidden width per preset (the paper's 2048 except for the CPU-sized model).
-PROJECTOR_HIDDEN: dict[str, int] = {"tiny": 256, "demo": 512, "small": 2048, "base": 2048}
 
-#: REPA ``encoder_depth`` per preset: the block (counted from 1) whose output is aligned. REPA
-#: uses 4 for its 12-layer SiT-B and 8 for 24/28 layers (about a third of the depth).
-REPA_ENCODER_DEPTH: dict[str, int] = {"tiny": 2, "demo": 2, "small": 4, "base": 7}
+def preset_of(name: str) -> Preset:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name]
 
 
-def transformer_config(preset: str, **overrides) -> dict:
+def transformer_config(preset: str, text_dim: int = DEFAULT_TEXT_DIM, **overrides) -> dict:
     """The ``SanaTransformer2DModel`` config of ``preset`` with ``overrides`` applied."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
-    return {**PRESETS[preset](), **overrides}
+    return {**preset_of(preset).transformer_config(text_dim), **overrides}
 
 
 # --------------------------------------------------------------------------------------------
@@ -116,9 +117,10 @@ def transformer_config(preset: str, **overrides) -> dict:
 
 
 class REPAProjector(nn.Module):
-    """MLP ``hidden -> h -> h -> 384`` with SiLU, mapping DiT tokens to DINOv2 feature space."""
+    """MLP ``hidden -> h -> h -> D`` with SiLU, mapping DiT tokens to the REPA target's feature
+    space (``D``: the target's width, 384 for DINOv2-small)."""
 
-    def __init__(self, in_dim: int, hidden: int = 2048, out_dim: int = DINO_DIM):
+    def __init__(self, in_dim: int, hidden: int = 2048, out_dim: int = DEFAULT_REPA_DIM):
         super().__init__()
         self.net = nn.Sequential(
             nn.Linear(in_dim, hidden),
@@ -179,6 +181,7 @@ class FlowDiT(nn.Module):
         transformer: SanaTransformer2DModel,
         encoder_depth: int | None = None,
         projector_hidden: int = 2048,
+        repa_dim: int = DEFAULT_REPA_DIM,
     ):
         super().__init__()
         self.transformer = transformer
@@ -193,7 +196,7 @@ class FlowDiT(nn.Module):
                 "counted from 1 as in REPA)"
             )
         width = transformer.config.num_attention_heads * transformer.config.attention_head_dim
-        self.projector = REPAProjector(width, projector_hidden)
+        self.projector = REPAProjector(width, projector_hidden, int(repa_dim))
 
     def forward(
         self,
@@ -270,12 +273,15 @@ def build_model(
     init: str = "sana",
     qk_norm: bool = False,
     fp32_attention: bool = False,
+    text_dim: int = DEFAULT_TEXT_DIM,
+    repa_dim: int = DEFAULT_REPA_DIM,
     **overrides,
 ) -> FlowDiT:
     """A freshly initialised :class:`FlowDiT` of the named preset.
 
     ``repa=False`` builds no REPA head; ``repa_encoder_depth`` defaults to the preset's
-    (:data:`REPA_ENCODER_DEPTH`). ``pos_embed=False`` drops the sin-cos PE. ``init`` is
+    (:class:`Preset`). ``text_dim``/``repa_dim``: the widths of the caption states and of the
+    REPA target (a run passes its shards'). ``pos_embed=False`` drops the sin-cos PE. ``init`` is
     ``"sana"`` (:func:`sana_init_`) or ``"default"`` (PyTorch's layer defaults). ``qk_norm``
     adds RMSNorm on queries and keys (across heads, Sana 1.5); ``fp32_attention`` runs the
     linear attention's matmuls in fp32 with autocast off (:class:`FP32LinearAttnProcessor`).
@@ -284,7 +290,8 @@ def build_model(
         overrides = {**overrides, "interpolation_scale": None}
     if qk_norm:
         overrides = {**overrides, "qk_norm": "rms_norm_across_heads"}
-    transformer = SanaTransformer2DModel(**transformer_config(preset, **overrides))
+    record = preset_of(preset)
+    transformer = SanaTransformer2DModel(**transformer_config(preset, text_dim, **overrides))
     if fp32_attention:
         use_fp32_attention(transformer)
     if init == "sana":
@@ -293,11 +300,9 @@ def build_model(
         raise ValueError(f"model.init {init!r}: use 'sana' or 'default'")
     depth = None
     if repa:
-        depth = repa_encoder_depth or REPA_ENCODER_DEPTH.get(
-            preset, max(1, len(transformer.transformer_blocks) // 3)
-        )
-    hidden = projector_hidden or PROJECTOR_HIDDEN.get(preset, 2048)
-    return FlowDiT(transformer, encoder_depth=depth, projector_hidden=hidden)
+        depth = repa_encoder_depth or record.repa_depth
+    hidden = projector_hidden or record.projector_hidden
+    return FlowDiT(transformer, encoder_depth=depth, projector_hidden=hidden, repa_dim=repa_dim)
 
 
 def count_params(module: nn.Module) -> int:

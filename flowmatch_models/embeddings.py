@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -102,7 +102,8 @@ class EmbeddingKind:
     encoder: str  # role: "vae", "dino" or "text" (see ROLES)
     arrays: tuple[ArraySpec, ...]
     #: bytes the seed's format (dense fp16 per sample, text padded) would take for n samples
-    seed_bytes: Callable[[int, EncoderSpec], int]
+    #: of these arrays: ``seed_bytes(n, spec, arrays)``
+    seed_bytes: Callable[[int, EncoderSpec, Mapping[str, np.ndarray]], int]
     model: str | None = None  # None: EncoderSpec's model of the role
     lossy: tuple[str, ...] = ()  # arrays that may be stored in 1 byte (EncoderSpec.lossy)
     warnings: tuple[WarnRule, ...] = ()
@@ -177,15 +178,26 @@ ROLES: dict[str, Role] = {
 }
 
 
-def padded_text_bytes(width: int) -> Callable[[int, EncoderSpec], int]:
-    """The seed's text bytes: every caption padded to max_tokens, fp16, plus a 1-byte mask."""
-    return lambda n, spec: n * (spec.max_tokens * width * FP16 + spec.max_tokens)
+def padded_text_bytes(
+    width: int | None = None, array: str = "tokens"
+) -> Callable[[int, EncoderSpec, Mapping[str, np.ndarray]], int]:
+    """The seed's text bytes: every caption padded to max_tokens, fp16, plus a 1-byte mask;
+    ``width`` None: the stored ``array``'s width (whatever the text encoder gives)."""
+
+    def seed(n: int, spec: EncoderSpec, arrays: Mapping[str, np.ndarray]) -> int:
+        w = width or int(arrays[array].shape[-1])
+        return n * (spec.max_tokens * w * FP16 + spec.max_tokens)
+
+    return seed
 
 
-def dense_bytes(*shapes: tuple[int, ...]) -> Callable[[int, EncoderSpec], int]:
-    """The seed's bytes for dense fp16 per-sample arrays of these shapes."""
-    per = sum(int(np.prod(s)) for s in shapes) * FP16
-    return lambda n, spec: n * per
+def dense_bytes(*names: str) -> Callable[[int, EncoderSpec, Mapping[str, np.ndarray]], int]:
+    """The seed's bytes for dense fp16 per-sample arrays: the named arrays' per-sample sizes."""
+
+    def seed(n: int, spec: EncoderSpec, arrays: Mapping[str, np.ndarray]) -> int:
+        return n * sum(int(np.prod(arrays[a].shape[1:])) for a in names) * FP16
+
+    return seed
 
 
 # ---------------------------------------------------------------------------- the registry
@@ -241,17 +253,18 @@ register(
         description="DC-AE f32c32 latents (32x8x8, unscaled fp16; the scaling factor is in the shard attrs).",
         encoder="vae",
         arrays=(ArraySpec("latents", (32, 8, 8)),),
-        seed_bytes=dense_bytes((32, 8, 8)),
+        seed_bytes=dense_bytes("latents"),
         tags=frozenset({"pytorch", "diffusers"}),
     )
 )
 register(
     EmbeddingKind(
         name="dino_features",
-        description="DINOv2 patch features pooled to the 8x8 latent grid (64x384) plus CLS: the REPA target.",
+        description="DINOv2 patch features pooled to the 8x8 latent grid (64xD, D=384 for dinov2-small) plus CLS: the REPA target.",
         encoder="dino",
-        arrays=(ArraySpec("patch", (64, 384)), ArraySpec("cls", (384,))),
-        seed_bytes=dense_bytes((64, 384), (384,)),
+        # width None: the DINO model's (384 for dinov2-small); the DiT's REPA head follows it
+        arrays=(ArraySpec("patch", (64, None)), ArraySpec("cls", (None,))),
+        seed_bytes=dense_bytes("patch", "cls"),
         lossy=("patch",),
         tags=frozenset({"pytorch", "transformers"}),
     )
@@ -259,14 +272,16 @@ register(
 register(
     EmbeddingKind(
         name="text_embeddings",
-        description="Gemma3 last hidden states of each caption: only the valid tokens (<=128) plus lengths.",
+        description="Text encoder (Gemma3-270M) last hidden states of each caption: only the valid tokens (<=128) plus lengths.",
         encoder="text",
+        # width None: the text encoder's hidden size (640 for Gemma3-270M, 384 for MiniLM-L6);
+        # the DiT's caption input follows it (flowmatch_models.data.MODEL_INPUTS)
         arrays=(
-            ArraySpec("tokens", (640,), rows="token"),
+            ArraySpec("tokens", (None,), rows="token"),
             ArraySpec("lengths", (), "int32"),
-            ArraySpec("null_tokens", (640,), rows="once"),
+            ArraySpec("null_tokens", (None,), rows="once"),
         ),
-        seed_bytes=padded_text_bytes(640),
+        seed_bytes=padded_text_bytes(),
         lossy=("tokens",),
         warnings=(
             WarnRule(
@@ -397,6 +412,13 @@ def shard_problems(kind: EmbeddingKind, shard: Shard, ids: Sequence[str]) -> lis
     """What is wrong with one of ``kind``'s shards against the images_256 ids it was made from:
     ids, every array's shape and dtype, finite values, rows per sample and ragged lengths."""
     problems = []
+    widths = {
+        a.name: int(shard[a.name].shape[-1])
+        for a in kind.arrays
+        if a.shape and a.shape[-1] is None and a.name in shard and shard[a.name].ndim > 1
+    }
+    if len(set(widths.values())) > 1:  # the encoder's width, one per shard
+        problems.append(f"arrays of the encoder's width disagree: {widths}")
     if list(shard.ids) != list(ids):
         problems.append(f"{len(shard.ids)} ids do not match images_256's {len(ids)}")
     n = len(shard.ids)

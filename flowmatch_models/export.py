@@ -28,6 +28,10 @@ from flowmatch_models.atomic import atomic_write_text
 from flowmatch_models.export_format import META_FILE, NULL_FILE
 
 
+class ExportError(ValueError):
+    """The export cannot be made as asked (e.g. a text encoder of another width)."""
+
+
 def call_kwargs(max_tokens: int) -> dict:
     """What ``SanaPipeline.__call__`` must be given for an export of this project."""
     return {"complex_human_instruction": None, "max_sequence_length": int(max_tokens)}
@@ -48,6 +52,7 @@ def write_transformer(
             else "one all-zero token (mask [1]); see flowmatch_models.flow"
         ),
         "timestep_scale": "t in [0, 1] x 1000",
+        "text_width": int(ema.config.caption_channels),  # the caption states it was trained on
         "flow_shift": float(shift),
     }
     atomic_write_text(out / META_FILE, json.dumps(meta, indent=1))
@@ -84,6 +89,13 @@ def export_pipeline(
             from flowmatch_models.encoders import Encoders, EncoderSpec
 
             enc = Encoders(EncoderSpec(vae=vae, text=text_encoder, device="cpu", dtype="fp32"))
+            width = int(enc.text_model.config.hidden_size)
+            if width != int(ema.config.caption_channels):
+                raise ExportError(
+                    f"text encoder {text_encoder} gives {width}-wide states but the model was "
+                    f"trained on {ema.config.caption_channels}-wide captions: export with the "
+                    "text encoder its text_embeddings were made with (--text)"
+                )
             ae = enc.vae
             ae.register_to_config(scaling_factor=float(scaling_factor))
             pipe = SanaPipeline(

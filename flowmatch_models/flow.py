@@ -22,12 +22,12 @@ import torch
 import torch.nn.functional as F
 from diffusers import SanaTransformer2DModel
 
-from flowmatch_models.dit import TEXT_DIM, FlowDiT, sana_timestep
+from flowmatch_models.dit import DEFAULT_TEXT_DIM, FlowDiT, sana_timestep
 
 
 def null_caption(
     batch: int,
-    text_dim: int = TEXT_DIM,
+    text_dim: int = DEFAULT_TEXT_DIM,
     device: torch.device | str = "cpu",
     tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:

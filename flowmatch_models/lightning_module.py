@@ -35,7 +35,7 @@ import torch
 
 from flowmatch_models.atomic import atomic_write_text
 from flowmatch_models.config import TrainConfig
-from flowmatch_models.dit import FlowDiT, build_model
+from flowmatch_models.dit import DEFAULT_REPA_DIM, DEFAULT_TEXT_DIM, FlowDiT, build_model
 from flowmatch_models.flow import FlowMatching
 
 
@@ -62,10 +62,17 @@ def lr_factor(step: int, warmup_steps: int, schedule: str, max_steps: int, min_r
 class FlowMatchModule(L.LightningModule):
     """Trains a :class:`FlowDiT` with :class:`FlowMatching`; keeps an EMA of the transformer."""
 
-    def __init__(self, config: TrainConfig, model: FlowDiT | None = None):
+    def __init__(
+        self,
+        config: TrainConfig,
+        model: FlowDiT | None = None,
+        widths: dict[str, int] | None = None,
+    ):
         super().__init__()
         self.config = config
         m = config.model
+        #: caption and REPA-target widths: the training shards' (ShardSource.widths)
+        self.widths = {"text": DEFAULT_TEXT_DIM, "repa": DEFAULT_REPA_DIM, **(widths or {})}
         self.model = model or build_model(
             m.preset,
             repa_encoder_depth=m.repa_encoder_depth,
@@ -75,6 +82,8 @@ class FlowMatchModule(L.LightningModule):
             init=m.init,
             qk_norm=m.qk_norm,
             fp32_attention=m.fp32_attention,
+            text_dim=self.widths["text"],
+            repa_dim=self.widths["repa"],
         )
         if m.gradient_checkpointing:
             self.model.transformer.enable_gradient_checkpointing()
@@ -303,6 +312,7 @@ class FlowMatchModule(L.LightningModule):
             "flow_shift": self.config.flow.shift,
             "skipped_steps": self.skipped_steps(),
             "encoders": {"vae": self.config.encoders.vae, "text": self.config.encoders.text},
+            "widths": dict(self.widths),
         }
         cfg = self.model.transformer.config
         info["transformer_config"] = {k: v for k, v in cfg.items() if not k.startswith("_")}

@@ -202,7 +202,7 @@ def _fit(request: TrainRequest, cfg: TrainConfig, pipes) -> TrainResult:
         grow=d.grow, accumulate=t.accumulate_grad_batches, fixed_text_len=cfg.model.compile,
         heldout=(d.heldout_fraction, d.heldout_max_per_partition),
     )  # fmt: skip
-    module = FlowMatchModule(cfg)
+    module = FlowMatchModule(cfg, widths=dm.source.widths)
     module.flow.null_text = dm.source.null_text
     if cfg.model.compile:  # whole FlowDiT forward (REPA output included); fixed text width
         module.model.compile()

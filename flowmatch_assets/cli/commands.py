@@ -704,8 +704,9 @@ def _one_line(e: BaseException) -> str | None:
 
     from flowmatch_assets.defs.resources import SettingError
     from flowmatch_assets.ingest.metadata import MetadataError
+    from flowmatch_models.export import ExportError
 
-    if isinstance(e, CliError | MetadataError):
+    if isinstance(e, CliError | MetadataError | ExportError):
         return str(e)  # MetadataError names the folder and FLOWMATCH_METADATA already
     if isinstance(e, ValidationError | SettingError):
         return _setting_message(e)

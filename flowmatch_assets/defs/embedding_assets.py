@@ -92,7 +92,7 @@ def _store(context, flowmatch: FlowmatchResource, e, ids: list[str]) -> dg.Mater
     lossy = dict.fromkeys(kind.lossy, mode) if mode else None
     stats = write_shard(out.path, e.arrays, ids, codec=spec.codec, attrs=e.attrs, lossy=lossy)
     errs = [a["lossy"] for a in stats.arrays.values() if "lossy" in a]
-    seed = kind.seed_bytes(len(ids), spec)
+    seed = kind.seed_bytes(len(ids), spec, e.arrays)
     counts = {w.attr: e.attrs[w.attr] for w in kind.warnings}
     label = f" ({e.attrs['weights']})" if e.attrs["weights"] else ""
     context.log.info(
