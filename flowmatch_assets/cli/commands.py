@@ -641,7 +641,11 @@ COMMANDS: dict[str, Command] = {
             ),
         ],  # fmt: skip
     ),
-    "zoo": Command(cmd_zoo, "create the tiny offline model zoo (random weights)", rest=True),
+    "zoo": Command(
+        cmd_zoo,
+        "offline models: `create DEST` (tiny random zoo) or `gemma [DIR]` (the REAL Gemma3-270M)",
+        rest=True,
+    ),
     "budget": Command(cmd_budget, "time, cost, energy and disk for PD12M and N updates", rest=True),
     "backfill": Command(
         cmd_backfill,
