@@ -311,7 +311,7 @@ class SampleGridCallback(Callback):
         s = self.cfg.sample
         out = self.cfg.run_dir() / "samples" / f"step{trainer.global_step:07d}.png"
         self.last_path = sample_grid(
-            pl_module.ema, text, mask, out, self.dm.scaling_factor, vae=self._vae,
+            pl_module.sampling_transformer(), text, mask, out, self.dm.scaling_factor, vae=self._vae,
             steps=s.steps, cfg_scale=s.cfg_scale, seed=s.seed, shift=self.cfg.flow.shift,
             labels=labels, null_text=pl_module.flow.null_text,
         )  # fmt: skip

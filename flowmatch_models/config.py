@@ -57,6 +57,12 @@ class ModelConfig(_Section):
     fp32_attention: bool = Field(
         True, description="Linear-attention matmuls in fp32, autocast off (SANA: against NaN)."
     )
+    text_norm: bool = Field(
+        True,
+        description="Standardise caption states per channel with the training shards' mean/std "
+        "(Gemma's few huge channels otherwise dominate early; BENCHMARKS.md 'Real text'); "
+        "folded into caption_projection.linear_1 for sampling and export (plain SANA).",
+    )
     gradient_checkpointing: bool = False
     compile: bool = Field(
         False,

@@ -178,6 +178,25 @@ class ShardSource:
             out[role] = next(iter(widths.values()))
         return out
 
+    def text_stats(self, max_tokens: int = 200_000) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-channel mean and std of the caption states (``text_embeddings.tokens``) over the
+        first partitions, up to ``max_tokens`` tokens (float64 sums): the caption
+        standardisation of ``model.text_norm``."""
+        total = count = sq = None
+        n = 0
+        for p in self.partitions:
+            t = np.asarray(self._shard("text_embeddings", p)["tokens"], np.float64)
+            t = t[: max_tokens - n]
+            total = t.sum(0) if total is None else total + t.sum(0)
+            sq = (t**2).sum(0) if sq is None else sq + (t**2).sum(0)
+            n += len(t)
+            if n >= max_tokens:
+                break
+        count = max(n, 1)
+        mean = total / count
+        std = np.sqrt(np.maximum(sq / count - mean**2, 0.0))
+        return torch.from_numpy(mean).float(), torch.from_numpy(std).float()
+
     def mismatch(self, kind: str, fp: Fingerprint | None) -> str | None:
         """Why a shard of ``kind`` with fingerprint ``fp`` does not belong with this source."""
         if hash_of(fp) == self.fingerprints[kind]:

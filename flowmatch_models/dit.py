@@ -25,6 +25,7 @@ of the arrays the run trains on (Gemma3-270M: 640, MiniLM-L6: 384; DINOv2-small:
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -185,6 +186,12 @@ class FlowDiT(nn.Module):
     ):
         super().__init__()
         self.transformer = transformer
+        # per-channel standardisation of the caption states, (text - shift) * scale: identity
+        # until set_text_stats; not in the state dict (the checkpoint's ``flowmatch.text_norm``
+        # carries it), folded into caption_projection.linear_1 for sampling and export
+        width = int(transformer.config.caption_channels)
+        self.register_buffer("text_shift", torch.zeros(width), persistent=False)
+        self.register_buffer("text_scale", torch.ones(width), persistent=False)
         depth = len(transformer.transformer_blocks)
         self.encoder_depth = encoder_depth
         self.projector: REPAProjector | None = None
@@ -197,6 +204,18 @@ class FlowDiT(nn.Module):
             )
         width = transformer.config.num_attention_heads * transformer.config.attention_head_dim
         self.projector = REPAProjector(width, projector_hidden, int(repa_dim))
+
+    def set_text_stats(self, mean: torch.Tensor, std: torch.Tensor, floor: float = 1e-2) -> None:
+        """Standardise caption states with these per-channel statistics from now on."""
+        self.text_shift.copy_(mean.to(self.text_shift))
+        self.text_scale.copy_(1.0 / std.to(self.text_scale).clamp_min(floor))
+
+    def text_norm(self) -> dict[str, torch.Tensor]:
+        """The caption standardisation as tensors (``shift``, ``scale``), for the checkpoint."""
+        return {"shift": self.text_shift.detach().cpu(), "scale": self.text_scale.detach().cpu()}
+
+    def normalize_text(self, text: torch.Tensor) -> torch.Tensor:
+        return (text - self.text_shift.to(text.dtype)) * self.text_scale.to(text.dtype)
 
     def forward(
         self,
@@ -215,6 +234,7 @@ class FlowDiT(nn.Module):
         bias = None
         if mask is not None:  # keep = 0, pad = -10000, as SANA's forward
             bias = ((1 - mask.to(x_t.dtype)) * -10000.0).unsqueeze(1)
+        text = self.normalize_text(text)
         h = tr.patch_embed(x_t)
         temb, embedded_t = tr.time_embed(sana_timestep(t), batch_size=b, hidden_dtype=h.dtype)
         cap = tr.caption_norm(tr.caption_projection(text).view(b, -1, h.shape[-1]))
@@ -229,6 +249,24 @@ class FlowDiT(nn.Module):
         h = h.reshape(b, hp, wp, p, p, -1).permute(0, 5, 1, 3, 2, 4)
         v = h.reshape(b, -1, hp * p, wp * p)
         return v, (self.projector(repa_h) if return_repa else None)
+
+
+@torch.no_grad()
+def fold_text_norm(
+    transformer: SanaTransformer2DModel, norm: dict[str, torch.Tensor] | None
+) -> SanaTransformer2DModel:
+    """A copy of ``transformer`` that takes raw caption states: the standardisation
+    ``(x - shift) * scale`` folded into ``caption_projection.linear_1`` (``W' = W diag(scale)``,
+    ``b' = b - W' shift``), so that a plain ``SanaTransformer2DModel`` (an export, SanaPipeline)
+    computes exactly what the training model computes. ``norm`` None: ``transformer`` itself."""
+    if norm is None:
+        return transformer
+    out = copy.deepcopy(transformer)
+    lin = out.caption_projection.linear_1
+    w = lin.weight.float() * norm["scale"].to(lin.weight.device).float()[None, :]
+    lin.bias.copy_(lin.bias.float() - w @ norm["shift"].to(lin.weight.device).float())
+    lin.weight.copy_(w)
+    return out
 
 
 # --------------------------------------------------------------------------------------------

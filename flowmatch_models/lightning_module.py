@@ -35,7 +35,13 @@ import torch
 
 from flowmatch_models.atomic import atomic_write_text
 from flowmatch_models.config import TrainConfig
-from flowmatch_models.dit import DEFAULT_REPA_DIM, DEFAULT_TEXT_DIM, FlowDiT, build_model
+from flowmatch_models.dit import (
+    DEFAULT_REPA_DIM,
+    DEFAULT_TEXT_DIM,
+    FlowDiT,
+    build_model,
+    fold_text_norm,
+)
 from flowmatch_models.flow import FlowMatching
 
 
@@ -118,7 +124,14 @@ class FlowMatchModule(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        """Let the current YAML win over the optimizer/scheduler hyperparameters restored."""
+        """Let the current YAML win over the optimizer/scheduler hyperparameters restored; the
+        caption standardisation is the run's (from its first session; none before it existed)."""
+        norm = checkpoint.get("flowmatch", {}).get("text_norm")
+        width = self.model.text_shift.numel()
+        if norm is None:
+            norm = {"shift": torch.zeros(width), "scale": torch.ones(width)}
+        self.model.text_shift.copy_(norm["shift"])
+        self.model.text_scale.copy_(norm["scale"])
         o, lr = self.config.optim, self.config.optim.lr
         scheds = checkpoint.get("lr_schedulers", [])
         last = int(scheds[0]["last_epoch"]) if scheds else int(checkpoint.get("global_step", 0))
@@ -281,6 +294,7 @@ class FlowMatchModule(L.LightningModule):
                 text = self._val["text"][i : i + chunk].float().to(dev)
                 mask = self._val["mask"][i : i + chunk].to(dev)
                 tt = torch.full((len(xb),), t, device=dev)
+                text = self.model.normalize_text(text)  # the EMA transformer takes them so
                 v = _velocity(self.ema, (1 - t) * xb + t * e, tt, text, mask)
                 total += float(((v.float() - (e - xb)) ** 2).mean(dim=(1, 2, 3)).sum())
             out[f"val/t{k}"] = total / len(x)
@@ -290,6 +304,11 @@ class FlowMatchModule(L.LightningModule):
         return out
 
     @torch.no_grad()
+    def sampling_transformer(self):
+        """The EMA transformer taking raw caption states (the standardisation folded in): what
+        the sample grids, the evaluation and the export run."""
+        return fold_text_norm(self.ema, self.model.text_norm())
+
     def update_ema(self) -> None:
         """``ema = d ema + (1 - d) w`` with ``d = min(decay, (1 + step) / (10 + step))``;
         a skipped step (non-finite gradients) weighs 0, on the device."""
@@ -313,6 +332,7 @@ class FlowMatchModule(L.LightningModule):
             "skipped_steps": self.skipped_steps(),
             "encoders": {"vae": self.config.encoders.vae, "text": self.config.encoders.text},
             "widths": dict(self.widths),
+            "text_norm": self.model.text_norm(),  # folded into the EMA for sampling / export
         }
         cfg = self.model.transformer.config
         info["transformer_config"] = {k: v for k, v in cfg.items() if not k.startswith("_")}

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from diffusers import SanaTransformer2DModel
 
-from flowmatch_models.dit import transformer_config
+from flowmatch_models.dit import fold_text_norm, transformer_config
 from flowmatch_models.export_format import META_FILE, NULL_FILE
 from flowmatch_models.flow import null_caption, sample
 from flowmatch_models.grid import make_grid, save_png
@@ -54,6 +54,7 @@ def load_model(
     )
     state = {k[4:]: v for k, v in ckpt["state_dict"].items() if k.startswith("ema.")}
     model.load_state_dict(state)
+    model = fold_text_norm(model, meta.get("text_norm"))  # takes raw caption states, as exports
     return model.eval(), meta
 
 

@@ -203,6 +203,8 @@ def _fit(request: TrainRequest, cfg: TrainConfig, pipes) -> TrainResult:
         heldout=(d.heldout_fraction, d.heldout_max_per_partition),
     )  # fmt: skip
     module = FlowMatchModule(cfg, widths=dm.source.widths)
+    if cfg.model.text_norm and ckpt_path is None:  # a resume keeps its first session's
+        module.model.set_text_stats(*dm.source.text_stats())
     module.flow.null_text = dm.source.null_text
     if cfg.model.compile:  # whole FlowDiT forward (REPA output included); fixed text width
         module.model.compile()
@@ -317,7 +319,7 @@ def _finish_outputs(result, cfg, trainer, module, dm, grid_cb, loggers) -> None:
     try:
         result.export_dir = str(
             export_pipeline(
-                module.ema, run_dir / "pipeline", scaling_factor=dm.scaling_factor,
+                module.sampling_transformer(), run_dir / "pipeline", scaling_factor=dm.scaling_factor,
                 preset=cfg.model.preset, shift=cfg.flow.shift, null_text=module.flow.null_text,
                 vae=cfg.encoders.vae, text_encoder=cfg.encoders.text,
             )

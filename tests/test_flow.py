@@ -186,3 +186,27 @@ def test_sampler_integrates_a_known_velocity_field() -> None:
     cond, mask = null_caption(2)
     out = sample(PointMass(), cond, mask, steps=10, cfg_scale=3.0)
     torch.testing.assert_close(out, m.expand(2, -1, -1, -1), atol=1e-5, rtol=0)
+
+
+def test_caption_standardisation_folds_into_a_plain_sana_transformer(batch: dict) -> None:
+    """model.text_norm: the training model standardises caption states per channel; the folded
+    copy (what sampling, evaluation and the export run) gives the same velocity on raw states."""
+    from flowmatch_models.dit import fold_text_norm
+
+    torch.manual_seed(0)
+    model = build_model("tiny", init="default").eval()
+    text = batch["text"] * 20 + torch.linspace(-30, 30, batch["text"].shape[-1])  # huge channels
+    x, t, mask = batch["x"], torch.full((4,), 0.3), batch["mask"]
+    plain, _ = model(x, t, text, mask)
+    mean, std = text.flatten(0, 1).mean(0), text.flatten(0, 1).std(0)
+    model.set_text_stats(mean, std)
+    normed, _ = model(x, t, text, mask)
+    assert (normed - plain).abs().max() > 1e-3  # it changes what the model sees
+    z = (text - mean) / std
+    by_hand = model.transformer(x, z, t * 1000, encoder_attention_mask=mask).sample
+    torch.testing.assert_close(normed, by_hand, atol=1e-5, rtol=1e-4)
+    folded = fold_text_norm(model.transformer, model.text_norm())
+    raw = folded(x, text, t * 1000, encoder_attention_mask=mask).sample
+    torch.testing.assert_close(raw, normed, atol=1e-4, rtol=1e-4)
+    assert type(folded) is type(model.transformer) and folded is not model.transformer
+    assert fold_text_norm(model.transformer, None) is model.transformer

@@ -189,3 +189,27 @@ def test_minilm_text_encoder_through_configuration_alone(
     err = capsys.readouterr().err.strip().splitlines()[-1]  # (after transformers' loading bar)
     assert code == 2 and not out.exists() and err.startswith("flowmatch: text encoder ")
     assert "gives 640-wide states but the model was trained on 384-wide captions" in err
+
+
+def test_a_demo_data_root_defaults_to_the_real_gemma(tmp_path, zoo, real_gemma):
+    """After `flowmatch demo` the UI, `stale` and backfills use the encoders the demo used: the
+    real Gemma where the demo made it, else the zoo's random one."""
+    from flowmatch_assets.defs.resources import resource_from_env
+
+    root = tmp_path / "data"
+    (root / "zoo").mkdir(parents=True)
+    for k in ("dino", "text"):
+        (root / "zoo" / k).symlink_to(zoo[k])
+    assert resource_from_env({"FLOWMATCH_DATA_ROOT": str(root)}).encoders.text == str(
+        root / "zoo" / "text"
+    )
+    (root / "zoo" / GEMMA_FOLDER).symlink_to(real_gemma)
+    res = resource_from_env({"FLOWMATCH_DATA_ROOT": str(root)})
+    assert res.encoders.text == str(root / "zoo" / GEMMA_FOLDER)
+    assert res.encoders.dino == str(root / "zoo" / "dino")
+    assert (
+        resource_from_env(
+            {"FLOWMATCH_DATA_ROOT": str(root), "FLOWMATCH_TEXT": zoo["text"]}
+        ).encoders.text
+        == zoo["text"]
+    )  # what the user set wins

@@ -32,6 +32,12 @@ VARIANTS = {
     "repa": {"flow.repa_lambda": 0.5, "model.pos_embed": False},
     "pe": {"flow.repa_lambda": 0.0, "model.pos_embed": True},
     "none": {"flow.repa_lambda": 0.0, "model.pos_embed": False},
+    # the caption standardisation (model.text_norm, default on) off, REPA + PE on
+    "repa+pe-notextnorm": {
+        "flow.repa_lambda": 0.5,
+        "model.pos_embed": True,
+        "model.text_norm": False,
+    },  # fmt: skip
     # SANA's stability settings (qk_norm, fp32 linear attention; defaults) off, REPA + PE on
     "repa+pe-nostab": {
         "flow.repa_lambda": 0.5,
