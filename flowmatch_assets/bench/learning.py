@@ -180,9 +180,14 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = yaml.safe_load(Path(a.config).read_text())
     steps = a.steps or int(cfg["trainer"]["max_steps"])
     every = a.eval_every or max(1, steps // 4)
+    from flowmatch_models.zoo import GEMMA_FOLDER, is_real_gemma
+
+    # the prompts must be encoded by the text encoder the data's captions were: the demo's
+    # real Gemma where it made one, else the zoo's random one (as resource_from_env decides)
+    text = root / "zoo" / (GEMMA_FOLDER if is_real_gemma(root / "zoo" / GEMMA_FOLDER) else "text")
     encoders = {
         "vae": os.environ.get("FLOWMATCH_VAE", str(DEMO_VAE)),
-        "text": os.environ.get("FLOWMATCH_TEXT", str(root / "zoo" / "text")),
+        "text": os.environ.get("FLOWMATCH_TEXT", str(text)),
     }
     out = Path(a.out).resolve()
     results = {}
