@@ -78,7 +78,12 @@ class RandomBatches(torch.utils.data.IterableDataset):
     """Endless random minibatches drawn from tensors in memory (training stops at --steps)."""
 
     def __init__(self, data: Data, batch_size: int, dequantise: bool = False):
-        self.x, self.y, self.batch_size, self.dequantise = data.x_train, data.y_train, batch_size, dequantise
+        self.x, self.y, self.batch_size, self.dequantise = (
+            data.x_train,
+            data.y_train,
+            batch_size,
+            dequantise,
+        )
 
     def __iter__(self):
         while True:

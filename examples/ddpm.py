@@ -24,8 +24,9 @@ import lightning as L
 import torch
 from torch import nn
 
-import data as datasets
-import metrics
+# isort: split
+import data as datasets  # examples/data.py
+import metrics  # examples/metrics.py
 
 T = 1000  # Sec. 4: T = 1000, beta_1 = 1e-4 ... beta_T = 0.02 linearly
 
@@ -45,7 +46,12 @@ class MLP(nn.Module):
         self.t_emb = nn.Sequential(nn.Linear(64, hidden), nn.SiLU(), nn.Linear(hidden, hidden))
         self.y_emb = nn.Embedding(num_classes, hidden) if num_classes else None
         self.blocks = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, hidden), nn.SiLU(), nn.Linear(hidden, hidden))
+            nn.Sequential(
+                nn.LayerNorm(hidden),
+                nn.Linear(hidden, hidden),
+                nn.SiLU(),
+                nn.Linear(hidden, hidden),
+            )
             for _ in range(depth)
         )
         self.out = nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, dim))
@@ -156,7 +162,9 @@ class DDPM(L.LightningModule):
         if discrete:  # Eq. 13: integral of N(mu, sd^2) over the pixel's bin
             h = datasets.DIGIT_BIN / 2
             upper = torch.where(x0 > 1 - 1e-3, torch.ones_like(x0), normal_cdf((x0 + h - mu) / sd))
-            lower = torch.where(x0 < -1 + 1e-3, torch.zeros_like(x0), normal_cdf((x0 - h - mu) / sd))
+            lower = torch.where(
+                x0 < -1 + 1e-3, torch.zeros_like(x0), normal_cdf((x0 - h - mu) / sd)
+            )
             total += -(upper - lower).clamp_min(1e-12).log().sum(-1)  # L_0
         else:
             total += -torch.distributions.Normal(mu, sd).log_prob(x0).sum(-1)  # L_0
@@ -166,7 +174,9 @@ class DDPM(L.LightningModule):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", choices=datasets.DATASETS, default="digits")
-    p.add_argument("--steps", type=int, default=None, help="training steps (default: 5000 2-D, 10000 digits)")
+    p.add_argument(
+        "--steps", type=int, default=None, help="training steps (default: 5000 2-D, 10000 digits)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="examples/out")
     p.add_argument("--n-samples", type=int, default=None, help="default: 2000 2-D, 1000 digits")
@@ -179,13 +189,16 @@ def main(argv=None):
     img = data.is_image
     steps = args.steps or (10_000 if img else 5_000)
     n = args.n_samples or (1000 if img else 2000)
-    model = DDPM(data.dim, data.num_classes, hidden=256 if img else 128, depth=3, lr=1e-3, steps=steps)
+    model = DDPM(
+        data.dim, data.num_classes, hidden=256 if img else 128, depth=3, lr=1e-3, steps=steps
+    )
     trainer = L.Trainer(
         max_steps=steps, accelerator="cpu", devices=1, logger=False,
         enable_checkpointing=False, enable_model_summary=False, log_every_n_steps=50,
     )  # fmt: skip
     t0 = time.time()
-    trainer.fit(model, datasets.loader(data, 128 if img else 256))  # digits: the 17 levels as they are
+    # digits: the 17 levels as they are (the discretised decoder models them)
+    trainer.fit(model, datasets.loader(data, 128 if img else 256))
     train_s = time.time() - t0
 
     model.eval()
@@ -201,7 +214,9 @@ def main(argv=None):
     t0 = time.time()
     if img:
         m |= metrics.digits_bits_per_dim(-model.vlb(data.x_test, data.y_test).mean().item(), data)
-        m["likelihood"] = "L_vlb (Eq. 5), discretised decoder (Eq. 13), no dequantisation, class-conditional"
+        m["likelihood"] = (
+            "L_vlb (Eq. 5), discretised decoder (Eq. 13), no dequantisation, class-conditional"
+        )
     else:
         m["nll_bound_nats"] = model.vlb(data.x_test, discrete=False).mean().item()
         m["likelihood"] = "L_vlb (Eq. 5) with a Gaussian decoder, nats per held-out example"

@@ -1,6 +1,5 @@
-"""Collect examples/out/*/metrics.json into the README's table; copy the figures.
-
-    python examples/make_table.py examples/out   # writes examples/out/table.md, examples/figures/
+"""Collect examples/out/*/metrics.json into the README's table and copy the figures:
+``python examples/make_table.py examples/out`` writes examples/out/table.md, examples/figures/.
 """
 
 import json
@@ -8,7 +7,11 @@ import shutil
 import sys
 from pathlib import Path
 
-EXAMPLES = {"flow_matching": "Flow Matching", "nonequilibrium": "Sohl-Dickstein 2015", "ddpm": "DDPM"}
+EXAMPLES = {
+    "flow_matching": "Flow Matching",
+    "nonequilibrium": "Sohl-Dickstein 2015",
+    "ddpm": "DDPM",
+}
 DATA = ("swissroll", "moons", "8gaussians", "digits")
 
 

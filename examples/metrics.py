@@ -28,6 +28,7 @@ import torch  # noqa: E402
 from sklearn.linear_model import LogisticRegression  # noqa: E402
 from sklearn.model_selection import StratifiedKFold, cross_val_score  # noqa: E402
 
+# isort: split
 from data import (  # noqa: E402
     Data,
     gaussian_bits_per_dim,
@@ -101,9 +102,7 @@ def evaluate(samples: torch.Tensor, labels: torch.Tensor | None, data: Data) -> 
         "class_histogram": np.bincount(pred, minlength=10).tolist(),
         "c2st_accuracy": c2st(samples, labels, data),
         "c2st_accuracy_gaussian": c2st(gauss, labels, data),
-        "c2st_accuracy_train": c2st(
-            data.x_train[: len(labels)], data.y_train[: len(labels)], data
-        ),
+        "c2st_accuracy_train": c2st(data.x_train[: len(labels)], data.y_train[: len(labels)], data),
         "nn_median_samples": nn_s.median().item(),
         "nn_median_heldout": nn_h.median().item(),
         "nn_ratio": (nn_s.median() / nn_h.median()).item(),

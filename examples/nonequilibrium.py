@@ -23,8 +23,9 @@ import lightning as L
 import torch
 from torch import nn
 
-import data as datasets
-import metrics
+# isort: split
+import data as datasets  # examples/data.py
+import metrics  # examples/metrics.py
 
 T = 100  # diffusion steps (the paper used 40 for the swiss roll, 1000 for images)
 
@@ -49,7 +50,12 @@ class MLP(nn.Module):
         self.t_emb = nn.Sequential(nn.Linear(64, hidden), nn.SiLU(), nn.Linear(hidden, hidden))
         self.y_emb = nn.Embedding(num_classes, hidden) if num_classes else None
         self.blocks = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, hidden), nn.SiLU(), nn.Linear(hidden, hidden))
+            nn.Sequential(
+                nn.LayerNorm(hidden),
+                nn.Linear(hidden, hidden),
+                nn.SiLU(),
+                nn.Linear(hidden, hidden),
+            )
             for _ in range(depth)
         )
         self.out = nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, 2 * dim))
@@ -170,7 +176,9 @@ class Nonequilibrium(L.LightningModule):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", choices=datasets.DATASETS, default="swissroll")
-    p.add_argument("--steps", type=int, default=None, help="training steps (default: 5000 2-D, 10000 digits)")
+    p.add_argument(
+        "--steps", type=int, default=None, help="training steps (default: 5000 2-D, 10000 digits)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="examples/out")
     p.add_argument("--n-samples", type=int, default=None, help="default: 2000 2-D, 1000 digits")
@@ -183,7 +191,9 @@ def main(argv=None):
     img = data.is_image
     steps = args.steps or (10_000 if img else 5_000)
     n = args.n_samples or (1000 if img else 2000)
-    model = Nonequilibrium(data.dim, data.num_classes, hidden=256 if img else 128, depth=3, lr=1e-3, steps=steps)
+    model = Nonequilibrium(
+        data.dim, data.num_classes, hidden=256 if img else 128, depth=3, lr=1e-3, steps=steps
+    )
     trainer = L.Trainer(
         max_steps=steps, accelerator="cpu", devices=1, logger=False,
         enable_checkpointing=False, enable_model_summary=False, log_every_n_steps=50,
@@ -207,16 +217,22 @@ def main(argv=None):
     if img:  # held-out digits, dequantised: log P(x | y) >= K(x + u) + D log bin
         x = data.x_test + datasets.DIGIT_BIN * (torch.rand_like(data.x_test) - 0.5)
         K, L_exact = model.bound(x, data.y_test)
-        m |= metrics.digits_bits_per_dim(K.mean().item() + data.dim * math.log(datasets.DIGIT_BIN), data)
+        m |= metrics.digits_bits_per_dim(
+            K.mean().item() + data.dim * math.log(datasets.DIGIT_BIN), data
+        )
         m["bits_per_dim_exact_edges"] = metrics.digits_bits_per_dim(
             L_exact.mean().item() + data.dim * math.log(datasets.DIGIT_BIN), data
         )["bits_per_dim"]
-        m["likelihood"] = "bound K (Eq. 14) of uniformly dequantised held-out digits, class-conditional"
+        m["likelihood"] = (
+            "bound K (Eq. 14) of uniformly dequantised held-out digits, class-conditional"
+        )
     else:
         K, L_exact = model.bound(data.x_test)
         m["nll_bound_nats"] = -K.mean().item()  # -K >= -log p: an upper bound on the NLL
         m["nll_bound_exact_edges_nats"] = -L_exact.mean().item()
-        m["likelihood"] = "-K (Eq. 14) on held-out data, nats per example (an upper bound on the NLL)"
+        m["likelihood"] = (
+            "-K (Eq. 14) on held-out data, nats per example (an upper bound on the NLL)"
+        )
     m["likelihood_seconds"] = round(time.time() - t0, 1)
     out = os.path.join(args.out, f"nonequilibrium-{args.data}")
     metrics.write(out, m)
