@@ -27,7 +27,7 @@ from torch import nn
 import data as datasets  # examples/data.py
 import metrics  # examples/metrics.py
 
-SIGMA_MIN = 1e-4  # sigma_min: the std of the path's end point around x1 (Sec. 4.1)
+SIGMA_MIN = 1e-4  # sigma_min: the std of the path's end point around x1 (Sec. 4)
 
 
 def timestep_embedding(t: torch.Tensor, dim: int = 64) -> torch.Tensor:

@@ -190,6 +190,6 @@ def plot(
             a.set_xticks([])
             a.set_yticks([])
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(path, dpi=dpi)
     plt.close(fig)

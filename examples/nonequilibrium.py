@@ -86,7 +86,7 @@ class Nonequilibrium(L.LightningModule):
         self.register_buffer("beta", beta)  # index t - 1 holds beta_t
         self.register_buffer("alpha_bar", alpha_bar)  # prod_{s <= t} (1 - beta_s)
 
-    # --- the forward trajectory q (Sec. 2.1, Eq. 2-4): fixed, Gaussian --------------------------
+    # --- the forward trajectory q (Sec. 2.1): fixed, Gaussian --------------------------
     # q(x_t | x_{t-1}) = N(x_t; x_{t-1} sqrt(1 - beta_t), beta_t I), hence in closed form
     # q(x_t | x_0) = N(x_t; sqrt(alpha_bar_t) x_0, (1 - alpha_bar_t) I) and the posterior
     # q(x_{t-1} | x_t, x_0) = N(mu_post, var_post I), whose KL to the reverse kernel Eq. 14 needs.
@@ -102,7 +102,7 @@ class Nonequilibrium(L.LightningModule):
         var = (1 - ab_prev) / (1 - ab) * b
         return c0[:, None] * x0 + ct[:, None] * xt, var[:, None].expand_as(x0)
 
-    # --- the reverse trajectory p (Sec. 2.2, Eq. 5): learned Gaussian kernels -------------------
+    # --- the reverse trajectory p (Sec. 2.2): learned Gaussian kernels -------------------
     # p(x_{t-1} | x_t) = N(x_{t-1}; f_mu(x_t, t), f_Sigma(x_t, t)), a diagonal covariance. Both
     # are outputs of the network, written as a perturbation of the forward kernel:
     # f_mu = sqrt(1 - beta_t) x_t + sqrt(beta_t) z_mu,  f_Sigma = beta_t exp(z_Sigma).
@@ -141,7 +141,7 @@ class Nonequilibrium(L.LightningModule):
 
         K = -sum_{t=2}^T E_q KL(q(x_{t-1}|x_t,x_0) || p(x_{t-1}|x_t))
             + H_q(X_T | X_0) - H_q(X_1 | X_0) - H_p(X_T)
-        uses the paper's choice for the last step (App. B.2): p(x_0 | x_1) is the forward kernel
+        uses the paper's choice for the last step (Appendix B): p(x_0 | x_1) is the forward kernel
         reversed under the stationary N(0, I), i.e. N(sqrt(1 - beta_1) x_1, beta_1 I), and it
         replaces two cross-entropies by entropies. Without those approximations the bound is
         L = E_q log p(x_0 | x_1) - sum_t E_q KL(...) - E_q KL(q(x_T | x_0) || N(0, I)) <= log p(x_0).
@@ -170,7 +170,7 @@ class Nonequilibrium(L.LightningModule):
             mu, var = self.p_mean_var(x, torch.full((n,), t), y)
             x = mu + var.sqrt() * torch.randn_like(x)
         b1 = self.beta[0]
-        return (1 - b1).sqrt() * x + b1.sqrt() * torch.randn_like(x)  # p(x_0 | x_1), App. B.2
+        return (1 - b1).sqrt() * x + b1.sqrt() * torch.randn_like(x)  # p(x_0 | x_1), Appendix B
 
 
 def main(argv=None):
