@@ -1,8 +1,11 @@
 """The three paper examples (examples/*.py) learn, on a short schedule: each runs as a subprocess
-on one 2-D data set and on the digits, and its metrics.json must beat the baselines clearly.
+on one 2-D data set and on the digits, and its metrics.json must show it: on 2-D an energy
+distance to held-out data below half the fitted Gaussian's (and a likelihood that beats it, for
+the two that optimise one), on digits a classifier accuracy far above chance with every class
+drawn, and nearest-neighbour distances that rule out copies of the training set.
 
-The schedules are short (a few hundred steps) so that all six runs take well under 3 minutes on
-2 CPU cores; the README's table comes from the full runs (examples/README.md).
+The schedules are short (800 steps) so that all six runs take under 3 minutes on 2 CPU cores
+(140 s measured); the README's table comes from the full runs (examples/README.md).
 """
 
 from __future__ import annotations
