@@ -27,7 +27,7 @@ from torch import nn
 import data as datasets  # examples/data.py
 import metrics  # examples/metrics.py
 
-T = 100  # diffusion steps (the paper used 40 for the swiss roll, 1000 for images)
+T = 100  # diffusion steps (the paper used 40 for its swiss roll)
 
 
 def beta_schedule() -> torch.Tensor:
