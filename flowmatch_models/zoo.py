@@ -250,8 +250,10 @@ def create_real_gemma(
             if k.startswith("model.")
         }
         del quantized
-        model = Gemma3TextModel(config).to(dtype).eval()
+        with torch.device("meta"):  # no second random init of 268M weights
+            model = Gemma3TextModel(config)
         model.load_state_dict(state, strict=True, assign=True)  # every key, nothing left over
+        model = model.to(dtype).eval()
         del state
         out = tmp / "model"
         model.save_pretrained(out)

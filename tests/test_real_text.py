@@ -47,6 +47,7 @@ def test_real_gemma_folder_is_the_pretrained_model(real_gemma, one_thread):
     weights = (folder / "model.safetensors").read_bytes()
     assert info["weights_sha256"] == hashlib.sha256(weights).hexdigest()
     assert info["parameters"] == 268_098_176 and info["dtype"] == "bfloat16"
+    assert 2 * 268_098_176 < len(weights) < 2 * 268_098_176 + 1e6  # really bf16 on disk
     assert not list(folder.parent.glob(".tmp-*"))  # the planted killed conversion is gone
     # loaded by the pipeline's own from_pretrained path: Gemma3TextModel, hidden 640, 18 layers
     enc = Encoders(EncoderSpec(text=real_gemma, device="cpu"))

