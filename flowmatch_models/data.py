@@ -31,8 +31,16 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from flowmatch_models.fingerprint import ATTR as FINGERPRINT_ATTR
 from flowmatch_models.fingerprint import Fingerprint, diff, disagreement, hash_of
+from flowmatch_models import transform_codec
 from flowmatch_models.layout import DataLayout
-from flowmatch_models.store import Shard, StoreError, pad_ragged, ragged_offsets, read_shard
+from flowmatch_models.store import (
+    Coded,
+    Shard,
+    StoreError,
+    pad_ragged,
+    ragged_offsets,
+    read_shard,
+)
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +49,15 @@ log = logging.getLogger(__name__)
 #: ``(kind, array)``. The model's ``text_dim``/``repa_dim`` are these arrays' widths in the shards
 #: the run trains on (:attr:`ShardSource.widths`), so an encoder swaps by configuration alone.
 MODEL_INPUTS = {"text": ("text_embeddings", "tokens"), "repa": ("dino_features", "patch")}
+
+#: The definition of the sample order (:func:`epoch_order` + :class:`BatchStream`'s split over
+#: ranks and workers), recorded in every checkpoint's data state: a resume under another
+#: definition stops and names both (checkpoints without it used this one).
+ORDER = "window-v1"
+
+#: Bytes of file pages one loader process may touch before it drops them from its resident
+#: set (``Shard.release``): with rows read from the files, a worker's memory is its batches.
+RESIDENT_BYTES = 64 << 20
 
 
 def array_width(shard: Shard, array: str) -> int:
@@ -88,6 +105,18 @@ def train_rows(ids: Sequence[str], fraction: float, cap: int) -> np.ndarray:
 class ShardSource:
     """The partitions' three aligned shards (latents, DINO, text), opened lazily and cached.
 
+    Rows are read from the files, never whole partitions: raw arrays (codec ``none``) and
+    transform-coded ones (lossy ``pcaB``, the default storage) are views of each file's mmap, a
+    batch copies its rows out of them (:meth:`gather`), and every :data:`RESIDENT_BYTES` read
+    the touched pages are dropped from the process (they stay in the OS page cache). So a
+    loader's memory is its batches, whatever the partition size, window or worker count.
+    Arrays stored compressed (``zstd``/``xz``, or int8/fp8) cannot be read by row: they are
+    decoded whole per partition (``cache_shards`` partitions kept; memory grows with them).
+
+    A batch comes out *stored* (:meth:`gather` with ``decode=False``: fp16 latents, codes of
+    coded arrays, the partitions whose tables decode them) or decoded to float32 model inputs
+    (:func:`decode_batch`, on any device: the GPU in training).
+
     ``heldout = (fraction, cap)`` holds out :func:`heldout_rows` of every partition: ``sizes``
     count the trainable rows, :meth:`gather_train` maps a trainable index to its row and
     :meth:`heldout_batch` serves the held-out ones (validation, FD)."""
@@ -115,12 +144,16 @@ class ShardSource:
         self.load_dino = load_dino
         self.cache_shards = max(1, cache_shards)
         self._open: OrderedDict[int, dict] = OrderedDict()
+        self._touched = 0  # bytes of file pages read since the last release
+        self._tables: OrderedDict[tuple[str, str], transform_codec.Tables] = OrderedDict()
         #: kind -> the fingerprint hash every partition of this source shares
         self.fingerprints = self._agreed_fingerprints()
         ids = [self._shard("vae_latents", p).ids for p in self.partitions]
-        self.train_rows = [train_rows(i, *self.heldout) for i in ids]
         self.heldout_rows = [heldout_rows(i, *self.heldout) for i in ids]
-        self.sizes = np.array([len(r) for r in self.train_rows], dtype=np.int64)
+        self.sizes = np.array(
+            [len(i) - len(h) for i, h in zip(ids, self.heldout_rows)], dtype=np.int64
+        )
+        del ids  # 10k strings a partition: not kept (nor copied into every worker)
         first = self._shard("vae_latents", self.partitions[0])
         if "scaling_factor" not in first.attrs:
             raise ValueError(
@@ -183,13 +216,23 @@ class ShardSource:
         first partitions, up to ``max_tokens`` tokens (float64 sums): the caption
         standardisation of ``model.text_norm``."""
         total = count = sq = None
-        n = 0
+        n, chunk = 0, 16_384
         for p in self.partitions:
-            t = np.asarray(self._shard("text_embeddings", p)["tokens"], np.float64)
-            t = t[: max_tokens - n]
-            total = t.sum(0) if total is None else total + t.sum(0)
-            sq = (t**2).sum(0) if sq is None else sq + (t**2).sum(0)
-            n += len(t)
+            shard = self._shard("text_embeddings", p)
+            tokens = _row_array(shard, "tokens")
+            rows = min(_rows_of(tokens), max_tokens - n)
+            for a in range(0, rows, chunk):
+                b = min(a + chunk, rows)
+                part = (
+                    tokens.decode(tokens.rows(slice(a, b)))
+                    if isinstance(tokens, Coded)
+                    else tokens[a:b]
+                )
+                t = np.asarray(part, np.float64)
+                total = t.sum(0) if total is None else total + t.sum(0)
+                sq = (t**2).sum(0) if sq is None else sq + (t**2).sum(0)
+            n += rows
+            shard.release()
             if n >= max_tokens:
                 break
         count = max(n, 1)
@@ -217,20 +260,24 @@ class ShardSource:
         return read_shard(self.layout.asset_path(asset, partition))
 
     def _arrays(self, i: int) -> dict:
-        """Decoded arrays of partition ``i`` (LRU cache of ``cache_shards`` partitions)."""
+        """Row-readable arrays of partition ``i`` (views, codes, or arrays decoded whole when
+        stored compressed); an LRU of ``cache_shards`` partitions."""
         if i in self._open:
             self._open.move_to_end(i)
             return self._open[i]
         p = self.partitions[i]
         vae, text = self._shard("vae_latents", p), self._shard("text_embeddings", p)
         shards = [vae, text]
-        out = {"ids": vae.ids, "latents": vae["latents"], "tokens": text["tokens"]}
+        out = {"ids": vae.ids, "latents": _row_array(vae, "latents"),
+               "tokens": _row_array(text, "tokens")}  # fmt: skip
         out["lengths"] = np.asarray(text["lengths"]).astype(np.int64)
         out["offsets"] = ragged_offsets(out["lengths"])
+        out["heldout"] = self.heldout_rows[i]
+        out["shards"] = shards
         if self.load_dino:
             dino = self._shard("dino_features", p)
             shards.append(dino)
-            out["patch"] = dino["patch"]
+            out["patch"] = _row_array(dino, "patch")
         for kind, s in zip(self.kinds, shards):
             why = self.mismatch(kind, Fingerprint.from_json(s.attrs.get(FINGERPRINT_ATTR)))
             if why:  # re-made while this run trains on it
@@ -262,16 +309,20 @@ class ShardSource:
             self._open.popitem(last=False)
         return out
 
-    def gather_train(self, shard_idx: np.ndarray, local: np.ndarray) -> dict:
+    def gather_train(self, shard_idx: np.ndarray, local: np.ndarray, decode: bool = True) -> dict:
         """:meth:`gather` of trainable samples: ``local[j]`` indexes partition
         ``shard_idx[j]``'s trainable rows (all rows when nothing is held out)."""
-        if not self.heldout[0]:
-            return self.gather(shard_idx, local)
-        rows = np.empty_like(local)
+        return self.gather(shard_idx, self.train_to_rows(shard_idx, local), decode=decode)
+
+    def train_to_rows(self, shard_idx: np.ndarray, local: np.ndarray) -> np.ndarray:
+        """Rows of the trainable indices ``local`` (held-out rows skipped)."""
+        rows = np.asarray(local, np.int64).copy()
         for s in np.unique(shard_idx):
-            j = shard_idx == s
-            rows[j] = self.train_rows[int(s)][local[j]]
-        return self.gather(shard_idx, rows)
+            h = self.heldout_rows[int(s)]
+            if len(h):
+                j = shard_idx == s
+                rows[j] += np.searchsorted(h - np.arange(len(h)), rows[j], side="right")
+        return rows
 
     def heldout_batch(self, max_samples: int) -> dict | None:
         """The held-out samples (partition order, at most ``max_samples``) as one batch."""
@@ -281,38 +332,178 @@ class ShardSource:
         shard, rows = (np.array(x, np.int64) for x in zip(*pairs))
         return self.gather(shard, rows)
 
-    def gather(self, shard_idx: np.ndarray, rows: np.ndarray) -> dict:
+    def gather(self, shard_idx: np.ndarray, rows: np.ndarray, decode: bool = True) -> dict:
         """Batch of samples ``(shard_idx[j], rows[j])`` in that order; text padded to the
-        batch's longest caption, or to ``text_max_len`` with ``fixed_text_len``."""
-        by_shard = {int(s): np.nonzero(shard_idx == s)[0] for s in np.unique(shard_idx)}
+        batch's longest caption, or to ``text_max_len`` with ``fixed_text_len``. ``decode``:
+        float32 model inputs on the host (:func:`decode_batch`); else the stored batch."""
+        shard_idx = np.asarray(shard_idx, np.int64)
+        rows = np.asarray(rows, np.int64)
+        by_shard = {int(s): np.flatnonzero(shard_idx == s) for s in np.unique(shard_idx)}
         arrays = {s: self._arrays(s) for s in by_shard}
-        width = max(int(arrays[s]["lengths"][rows[j]].max()) for s, j in by_shard.items())
-        width = self.text_max_len if self.fixed_text_len else max(1, min(width, self.text_max_len))
+        lengths = {s: np.minimum(arrays[s]["lengths"][rows[j]], self.text_max_len)
+                   for s, j in by_shard.items()}  # fmt: skip
+        width = max(int(n.max(initial=1)) for n in lengths.values())
+        width = self.text_max_len if self.fixed_text_len else max(1, width)
         b, first = len(rows), next(iter(arrays.values()))
-        latents = np.empty((b, *first["latents"].shape[1:]), np.float32)
-        text = np.zeros((b, width, first["tokens"].shape[-1]), first["tokens"].dtype)
+        latents = np.empty((b, *first["latents"].shape[1:]), np.float16)
         mask = np.zeros((b, width), bool)
-        patch = np.empty((b, *first["patch"].shape[1:]), np.float16) if self.load_dino else None
+        text = _empty_rows(first["tokens"], (b, width))
+        patch = _empty_rows(first["patch"], (b,)) if self.load_dino else None
         ids: list[str] = [""] * b
+        touched = 0
         for s, j in by_shard.items():
-            a, r = arrays[s], rows[j]
+            a, r, n = arrays[s], rows[j], lengths[s]
             latents[j] = a["latents"][r]
-            t, m = pad_ragged(a["tokens"], a["lengths"], r, width, a["offsets"])
-            text[j], mask[j] = t, m
+            # the valid tokens of each selected caption, and where they go in the padded batch
+            pos = np.arange(width)
+            valid = pos[None, :] < n[:, None]
+            src = (a["offsets"][r][:, None] + pos[None, :])[valid]
+            dst_b, dst_t = np.nonzero(valid)
+            _scatter(text, (j[dst_b], dst_t), a["tokens"], src)
+            mask[j[dst_b], dst_t] = True
             if patch is not None:
-                patch[j] = a["patch"][r]
+                _scatter(patch, (j,), a["patch"], r)
             for jj, rr in zip(j, r):
                 ids[jj] = a["ids"][rr]
+            touched += len(r) * _row_bytes(a, self.load_dino) + len(src) * _token_bytes(a)
         out = {
-            "latents": torch.from_numpy(latents) * self.scaling_factor,
-            "text": torch.from_numpy(text),
+            "latents": torch.from_numpy(latents),
             "mask": torch.from_numpy(mask),
             "ids": ids,
-            "shard": torch.from_numpy(shard_idx.astype(np.int64)),
+            "shard": torch.from_numpy(shard_idx),
+            **_as_batch("text", text),
         }
         if patch is not None:
-            out["dino"] = torch.from_numpy(patch)
+            out.update(_as_batch("dino", patch))
+        if any(isinstance(v, dict) for v in out.values()):  # coded: which tables decode which rows
+            out["parts"] = [self.partitions[s] for s in by_shard]
+            out["part_rows"] = [torch.from_numpy(j) for j in by_shard.values()]
+        self._touched += touched
+        if self._touched > RESIDENT_BYTES:
+            self.release()
+        if decode:
+            return decode_batch(out, self.tables, self.scaling_factor, "cpu")
         return out
+
+    def release(self) -> None:
+        """Drop the file pages this process has read from its resident memory."""
+        for a in self._open.values():
+            for shard in a["shards"]:
+                shard.release()
+        self._touched = 0
+
+    def tables(self, kind: str, partition: str) -> transform_codec.Tables:
+        """The decoding tables of ``kind``'s coded model input in ``partition`` (small; kept
+        for the newest 64 partitions)."""
+        key = (kind, partition)
+        if key not in self._tables:
+            array = {k: a for k, a in MODEL_INPUTS.values()}[kind]
+            self._tables[key] = self._shard(kind, partition).coded(array).tables
+            while len(self._tables) > 64:
+                self._tables.popitem(last=False)
+        self._tables.move_to_end(key)
+        return self._tables[key]
+
+
+def _row_array(shard: Shard, name: str) -> np.ndarray | Coded:
+    """``name`` of ``shard`` for reading rows: its codes, a view of the file, or (stored
+    compressed) the whole array decoded."""
+    if "aux" in shard._entries.get(name, {}):
+        return shard.coded(name)
+    if shard.is_row_readable(name):
+        return shard.view(name)
+    log.debug("%s: %s is stored %s; decoding it whole", shard.path, name, shard.info(name)["codec"])
+    return shard[name]
+
+
+def _rows_of(a: np.ndarray | Coded) -> int:
+    return a.shape[0]
+
+
+def _row_bytes(a: dict, dino: bool) -> int:
+    """Bytes one sample's fixed-size rows read (latents, DINO)."""
+    n = a["latents"][0].nbytes if len(a["latents"]) else 0
+    if dino:
+        p = a["patch"]
+        n += p.row_bytes * p.shape[1] if isinstance(p, Coded) else (p[0].nbytes if len(p) else 0)
+    return n
+
+
+def _token_bytes(a: dict) -> int:
+    t = a["tokens"]
+    return t.row_bytes if isinstance(t, Coded) else t.shape[-1] * t.dtype.itemsize
+
+
+def _empty_rows(a: np.ndarray | Coded, lead: tuple[int, ...]) -> np.ndarray | dict:
+    """Zeros for ``lead`` rows of ``a``'s kind: fp16 values, or codes per width."""
+    if isinstance(a, Coded):
+        inner = a.shape[1:-1]  # e.g. DINO's 64 patches per sample
+        return {w: np.zeros((*lead, *inner, c.shape[-1]), np.uint8) for w, c in a.codes.items()}
+    return np.zeros((*lead, *a.shape[1:]), np.float16)
+
+
+def _scatter(out: np.ndarray | dict, dst: tuple, a: np.ndarray | Coded, src: np.ndarray) -> None:
+    """``out[dst] = a[src]`` for values, or for every code width of a coded ``a``."""
+    if isinstance(a, Coded):
+        for w, c in a.codes.items():
+            out[w][dst] = c[src]
+    else:
+        out[dst] = a[src]
+
+
+def _as_batch(key: str, x: np.ndarray | dict) -> dict:
+    if isinstance(x, dict):
+        return {f"{key}_codes": {w: torch.from_numpy(c) for w, c in x.items()}}
+    return {key: torch.from_numpy(x)}
+
+
+#: model input -> (store kind, batch key) of the arrays a stored batch may hold coded
+_CODED = {"text": "text_embeddings", "dino": "dino_features"}
+
+
+def decode_batch(batch: dict, tables, scaling_factor: float, device) -> dict:
+    """A stored batch (:meth:`ShardSource.gather` with ``decode=False``) as float32 model inputs
+    on ``device``: latents scaled, coded text/DINO decoded with each partition's tables
+    (``tables(kind, partition)`` -> :class:`~flowmatch_models.transform_codec.Tables`, or
+    -> ``DeviceTables`` already on the device), text padding zeroed. Tensors already on
+    ``device`` stay there; nothing here waits on the device."""
+    out = {k: v for k, v in batch.items() if k not in ("parts", "part_rows")}
+    out["latents"] = batch["latents"].to(device).float() * scaling_factor
+    mask = batch["mask"].to(device)
+    out["mask"] = mask
+    for key, kind in _CODED.items():
+        codes = batch.get(f"{key}_codes")
+        if codes is None:
+            if key in batch:
+                out[key] = batch[key].to(device).float()
+            continue
+        del out[f"{key}_codes"]
+        codes = {int(w): c.to(device) for w, c in codes.items()}
+        parts, part_rows = batch["parts"], batch["part_rows"]
+
+        def dev(t):  # noqa: E306
+            return (
+                t
+                if isinstance(t, transform_codec.DeviceTables)
+                else transform_codec.DeviceTables.of(t, device)
+            )
+
+        if len(parts) == 1:
+            x = transform_codec.decode(codes, dev(tables(kind, parts[0])))
+        else:
+            lead = next(iter(codes.values())).shape[:-1]
+            x = None
+            for p, rows in zip(parts, part_rows):
+                rows = rows.to(device)
+                part = transform_codec.decode({w: c.index_select(0, rows) for w, c in codes.items()},
+                                              dev(tables(kind, p)))  # fmt: skip
+                if x is None:
+                    x = torch.empty((*lead, part.shape[-1]), device=part.device)
+                x.index_copy_(0, rows, part)
+        if key == "text":
+            x = x * mask.unsqueeze(-1)
+        out[key] = x
+    return out
 
 
 def epoch_order(sizes: np.ndarray, epoch: int, seed: int, window: int) -> np.ndarray:
@@ -345,8 +536,10 @@ class BatchStream(IterableDataset):
         start_epoch: int = 0,
         start_sample: int = 0,
         end_epoch: int | None = None,
+        decode: bool = True,
     ):
         self.source, self.batch_size, self.seed = source, batch_size, seed
+        self.decode = decode  # False: stored batches, decoded where they go (decode_batch)
         self.end_epoch = end_epoch
         self.window, self.rank, self.world_size = shuffle_window, rank, world_size
         self.start_epoch, self.start_sample = start_epoch, start_sample
@@ -389,7 +582,7 @@ class BatchStream(IterableDataset):
             lo = g0 + self.rank * self.batch_size
             idx = order[lo : lo + self.batch_size]
             shard = np.searchsorted(self.starts, idx, side="right") - 1
-            batch = self.source.gather_train(shard, idx - self.starts[shard])
+            batch = self.source.gather_train(shard, idx - self.starts[shard], self.decode)
             # bookkeeping as host values beside the tensors: the module takes it off the batch
             # before the transfer, so reading it never waits on the device
             batch["meta"] = {"epoch": int(epoch), "position": int(g0),
@@ -533,6 +726,7 @@ class EmbeddingDataModule(L.LightningDataModule):
             self.epoch,
             self.position,
             end_epoch=self.epoch,
+            decode=False,  # codes travel to the device; decode_batch runs there
         )
         trainer = getattr(self, "trainer", None)
         self.ledger.append(
@@ -561,6 +755,25 @@ class EmbeddingDataModule(L.LightningDataModule):
             prefetch_factor=4 if self.num_workers > 0 else None,
             persistent_workers=False,
         )
+
+    def decode_batch(self, batch: dict, device) -> dict:
+        """A stored training batch as float32 model inputs on ``device`` (where it was moved):
+        codes decoded with each partition's tables, kept on the device for the newest 64."""
+        if "latents" not in batch or batch["latents"].dtype != torch.float16:
+            return batch  # decoded already
+        cache = self.__dict__.setdefault("_device_tables", OrderedDict())
+
+        def tables(kind: str, partition: str) -> transform_codec.DeviceTables:
+            key = (kind, partition, str(device))
+            if key not in cache:
+                cache[key] = transform_codec.DeviceTables.of(
+                    self.source.tables(kind, partition), device
+                )
+                while len(cache) > 64:
+                    cache.popitem(last=False)
+            return cache[key]
+
+        return decode_batch(batch, tables, self.source.scaling_factor, device)
 
     def _available_counts(self) -> dict:
         """Partitions and trainable samples (held-out ones excluded, as in ``sizes``) complete
@@ -610,6 +823,7 @@ class EmbeddingDataModule(L.LightningDataModule):
 
     def state_dict(self) -> dict:
         return {
+            "order": ORDER,
             "epoch": self.epoch,
             "position": self.position,
             "seed": self.seed,
@@ -621,6 +835,13 @@ class EmbeddingDataModule(L.LightningDataModule):
         }
 
     def load_state_dict(self, state: dict) -> None:
+        theirs_order = state.get("order", "window-v1")  # checkpoints before the key: v1
+        if theirs_order != ORDER:
+            raise OrderChangedError(
+                f"the checkpoint's sample order is {theirs_order!r}, this code's is {ORDER!r}: "
+                "its data position means nothing here; resume with the flowmatch version that "
+                "wrote it, or start a new run from its weights"
+            )
         self.trained_counts = {p: 0 for p in self.partitions}
         self.trained_counts.update({k: int(v) for k, v in state["trained_counts"].items()})
         self.ledger = [dict(s) for s in state.get("ledger", [])]

@@ -410,12 +410,15 @@ def encode_partition(
 
 def shard_problems(kind: EmbeddingKind, shard: Shard, ids: Sequence[str]) -> list[str]:
     """What is wrong with one of ``kind``'s shards against the images_256 ids it was made from:
-    ids, every array's shape and dtype, finite values, rows per sample and ragged lengths."""
+    ids, every array's shape and dtype, finite values, rows per sample and ragged lengths.
+    Shapes come from the header; a transform-coded array is finite when its tables are (its
+    codes are bounded integers), so nothing is decoded whole."""
     problems = []
+    info = {a.name: shard.info(a.name) for a in kind.arrays if a.name in shard}
     widths = {
-        a.name: int(shard[a.name].shape[-1])
-        for a in kind.arrays
-        if a.shape and a.shape[-1] is None and a.name in shard and shard[a.name].ndim > 1
+        name: int(i["shape"][-1])
+        for name, i in info.items()
+        if len(i["shape"]) > 1 and kind.array(name).shape and kind.array(name).shape[-1] is None
     }
     if len(set(widths.values())) > 1:  # the encoder's width, one per shard
         problems.append(f"arrays of the encoder's width disagree: {widths}")
@@ -426,22 +429,29 @@ def shard_problems(kind: EmbeddingKind, shard: Shard, ids: Sequence[str]) -> lis
         if spec.name not in shard:
             problems.append(f"no array {spec.name}")
             continue
-        a = shard[spec.name]
-        tail_ok = len(a.shape) == len(spec.shape) + 1 and all(
-            want is None or got == want for got, want in zip(a.shape[1:], spec.shape)
+        shape, dtype = tuple(info[spec.name]["shape"]), np.dtype(info[spec.name]["dtype"])
+        tail_ok = len(shape) == len(spec.shape) + 1 and all(
+            want is None or got == want for got, want in zip(shape[1:], spec.shape)
         )
-        if not tail_ok or a.dtype != np.dtype(spec.dtype):
+        if not tail_ok or dtype != np.dtype(spec.dtype):
             problems.append(
-                f"{spec.name} has shape {a.shape} dtype {a.dtype}, expected "
+                f"{spec.name} has shape {shape} dtype {dtype}, expected "
                 f"(N, *{spec.shape}) {spec.dtype}"
             )
             continue
-        if a.dtype.kind == "f" and not np.isfinite(a).all():
-            problems.append(f"{spec.name} has non-finite values")
-        if spec.rows == "sample" and a.shape[0] != n:
-            problems.append(f"{spec.name}: {a.shape[0]} rows != {n} ids")
+        if dtype.kind == "f":
+            if "aux" in info[spec.name]:
+                t = shard.coded(spec.name).tables
+                finite = all(np.isfinite(np.asarray(x, np.float32)).all()
+                             for x in (t.mean, t.weight, t.lo, t.step))  # fmt: skip
+            else:
+                finite = bool(np.isfinite(shard[spec.name]).all())
+            if not finite:
+                problems.append(f"{spec.name} has non-finite values")
+        if spec.rows == "sample" and shape[0] != n:
+            problems.append(f"{spec.name}: {shape[0]} rows != {n} ids")
         if spec.rows == "token" and "lengths" in shard:
             lengths = shard["lengths"]
-            if len(lengths) != n or int(lengths.sum()) != a.shape[0] or (lengths < 1).any():
+            if len(lengths) != n or int(lengths.sum()) != shape[0] or (lengths < 1).any():
                 problems.append(f"lengths do not add up to the {spec.name}")
     return problems

@@ -13,6 +13,11 @@ from pydantic import BaseModel, Field
 if TYPE_CHECKING:
     from flowmatch_models.embeddings import EmbeddingKind
 
+#: The default storage of the lossy-capable training inputs: caption states at 4.5 bits per
+#: value (<= 46 KB for 128 tokens of 640), DINOv2 patches at 4 (12 KB for 64 x 384); with fp16
+#: latents and CLS every sample is <= 64 KB, all of PD12M <= 800 GB (BENCHMARKS.md "Storage").
+DEFAULT_LOSSY = {"text_embeddings": "pca4.5", "dino_features": "pca4"}
+
 
 class EncoderSpec(BaseModel):
     """Which pretrained encoders compute the embeddings, where, and how they are stored.
@@ -59,12 +64,16 @@ class EncoderSpec(BaseModel):
     channels_last: bool = Field(default=True, description="VAE conv memory format on CUDA.")
     compile: bool = Field(default=False, description="torch.compile VAE and DINOv2 (CUDA only).")
     codec: str = Field(
-        default="zstd", description="Store codec: none (mmap), zstd (byte-shuffled) or xz."
+        default="none",
+        description="Store codec of the lossless arrays: none (read by row straight from the "
+        "file: the training loader's bounded-memory path), zstd (byte-shuffled; the loader "
+        "decodes whole partitions) or xz (the seed's baseline).",
     )
     lossy: dict[str, str] = Field(
-        default_factory=dict,
-        description="Per embedding kind: int8 or fp8 for its lossy-capable arrays (1 byte, "
-        "error recorded); absent: lossless.",
+        default_factory=lambda: dict(DEFAULT_LOSSY),
+        description="Per embedding kind: pcaB (transform coding at B bits per value, fixed "
+        "rate, decoded on the GPU), int8 or fp8 for its lossy-capable arrays, error recorded; "
+        "absent: lossless. Default: all of PD12M within 64 KB per sample (docs/DESIGN.md).",
     )
 
     def model_of(self, kind: EmbeddingKind) -> str:

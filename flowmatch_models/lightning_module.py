@@ -207,6 +207,12 @@ class FlowMatchModule(L.LightningModule):
             self.batch_meta = batch.pop("meta")
         return batch
 
+    def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
+        """Decode the stored batch where it now is (the GPU): codes -> float32 states."""
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        decode = getattr(dm, "decode_batch", None)
+        return decode(batch, self.device) if decode is not None else batch
+
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         meta = self.batch_meta
         epoch, pos = meta.get("epoch", 0), meta.get("position", batch_idx)

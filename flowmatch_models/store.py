@@ -10,11 +10,15 @@ File layout (all integers little-endian)::
     footer   32 B   magic b"FMSEND\\0\\0", total file length u64, xxh3_64(prefix + header) u64,
                     reserved u64
 
-Codecs (per array): ``none`` (raw bytes, read zero-copy through ``np.memmap``), ``zstd``
-(byte-shuffle: the bytes of each element split into planes, then zstd level 3), ``xz`` (lzma
-preset 9, the seed-compatible baseline). Lossy 1-byte storage (``int8`` or ``fp8`` e4m3) keeps a
-per-channel (last dim) fp32 scale array beside the data and records its error in
-``attrs["lossy"]``; reading returns the dequantized fp16 array transparently.
+Codecs (per array): ``none`` (raw bytes, read zero-copy through one read-only ``mmap`` of the
+file), ``zstd`` (byte-shuffle: the bytes of each element split into planes, then zstd level 3),
+``xz`` (lzma preset 9, the seed-compatible baseline). Lossy 1-byte storage (``int8`` or ``fp8``
+e4m3) keeps a per-channel (last dim) fp32 scale array beside the data; lossy ``pcaB`` (transform
+coding at B bits per value, :mod:`flowmatch_models.transform_codec`) keeps fixed-rate codes and
+their decoding tables, always uncompressed, so rows are read at their offsets
+(:meth:`Shard.coded`) and decoded where the batch goes (the GPU). Every lossy mode records its
+error in ``attrs["lossy"]``; ``shard[name]`` returns the decoded fp16 array transparently.
+Internal arrays (scales, codes, tables) are named ``<array>.__<role>__`` and not listed.
 
 Integrity: a truncated file (footer missing or wrong length), a corrupted header (checksum) or a
 corrupted array (per-array checksum of the stored bytes, checked on first decode or by
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import json
 import lzma
+import mmap
 import os
 import struct
 import sys
@@ -41,10 +46,12 @@ import numpy as np
 import xxhash
 import zstandard
 
+from flowmatch_models import transform_codec
 from flowmatch_models.atomic import atomic_path
 
 CODECS = ("none", "zstd", "xz")
-LOSSY_MODES = ("int8", "fp8")
+#: 1-byte modes; ``pcaB`` (B bits per value, e.g. ``pca4.5``) is the transform-coded one
+LOSSY_MODES = ("int8", "fp8", "pca4")
 FORMAT_VERSION = 1
 MAGIC = b"FMSTORE\x00"
 FOOTER_MAGIC = b"FMSEND\x00\x00"
@@ -54,6 +61,7 @@ XZ_PRESET = 9
 _PREFIX = struct.Struct("<8sIIQQ")
 _FOOTER = struct.Struct("<8sQQQ")
 _SCALE_SUFFIX = ".__scale__"
+_AUX = ".__"  # internal arrays: <array>.__<role>__
 _FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 _INT8_MAX = 127.0
 
@@ -208,6 +216,53 @@ def lossy_error(original: np.ndarray, restored: np.ndarray) -> dict:
     }
 
 
+def _aux_names(entry: dict) -> list[str]:
+    """The internal arrays of an array's header entry (its scale, or its codes and tables)."""
+    return [entry["scale"]] if "scale" in entry else list(entry.get("aux", {}).values())
+
+
+def _pca_decode_np(
+    codes: Mapping[int, np.ndarray], tables: transform_codec.Tables, chunk: int = 65_536
+) -> np.ndarray:
+    """Host decode of transform-coded rows ``codes[w] [..., bytes_w]`` -> fp16 ``[..., D]``."""
+    import torch
+
+    lead = next(iter(codes.values())).shape[:-1] if codes else ()
+    flat = {w: np.asarray(c).reshape(-1, c.shape[-1]) for w, c in codes.items()}
+    rows = int(np.prod(lead)) if lead else 0
+    out = np.empty((rows, tables.width), np.float16)
+    t = transform_codec.DeviceTables.of(tables, "cpu")
+    for a in range(0, rows, chunk):
+        part = {w: torch.from_numpy(np.array(c[a : a + chunk])) for w, c in flat.items()}
+        out[a : a + chunk] = transform_codec.decode(part, t).numpy()
+    if not codes:  # no axis kept: every row is the mean
+        return np.broadcast_to(tables.mean.astype(np.float16), (*lead, tables.width)).copy()
+    return out.reshape(*lead, tables.width)
+
+
+@dataclass
+class Coded:
+    """A transform-coded array as stored: per code width ``w`` the uint8 codes ``[..., bytes_w]``
+    (zero-copy views of the file) and the :class:`~flowmatch_models.transform_codec.Tables`
+    that decode them. Rows are sliced like the array they code."""
+
+    codes: dict[int, np.ndarray]
+    tables: transform_codec.Tables
+    shape: tuple[int, ...]
+
+    def rows(self, idx: Any) -> dict[int, np.ndarray]:
+        """The codes of rows ``idx`` (any numpy index of the first axis), copied."""
+        return {w: c[idx] for w, c in self.codes.items()}
+
+    def decode(self, codes: Mapping[int, np.ndarray] | None = None) -> np.ndarray:
+        """fp16 rows of ``codes`` (default: the whole array) on the host."""
+        return _pca_decode_np(self.codes if codes is None else codes, self.tables)
+
+    @property
+    def row_bytes(self) -> int:
+        return self.tables.row_bytes()
+
+
 # --------------------------------------------------------------------------------------------
 # writing
 # --------------------------------------------------------------------------------------------
@@ -237,13 +292,16 @@ def write_shard(
     codec: str = "zstd",
     attrs: Mapping | None = None,
     lossy: Mapping[str, str] | None = None,
+    fit_device: str = "cpu",
 ) -> ShardStats:
     """Write ``arrays`` (name -> numeric array) and sample ``ids`` to ``path`` atomically.
 
-    ``codec`` applies to every array. ``lossy`` maps array names to ``"int8"`` or ``"fp8"``
-    (float arrays only); their per-channel scales are stored beside them and the round-trip
-    error (see :func:`lossy_error`) is recorded in ``attrs["lossy"][name]`` and in the returned
-    stats. ``attrs`` must be JSON-serialisable. ``raw_bytes`` counts the arrays as given.
+    ``codec`` applies to every array except transform-coded ones. ``lossy`` maps array names
+    to ``"int8"``/``"fp8"`` (1 byte per value, per-channel scales stored beside) or ``"pcaB"``
+    (fixed-rate transform coding at B bits per value: codes and tables stored uncompressed;
+    ``fit_device`` computes its fit); float arrays only. The round-trip error (see
+    :func:`lossy_error`) is recorded in ``attrs["lossy"][name]`` and in the returned stats.
+    ``attrs`` must be JSON-serialisable. ``raw_bytes`` counts the arrays as given.
     """
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}; choose one of {CODECS}")
@@ -259,21 +317,45 @@ def write_shard(
     plan: list[tuple[str, np.ndarray, dict]] = []
     raw_total = 0
     for name, value in arrays.items():
-        if name.endswith(_SCALE_SUFFIX):
-            raise ValueError(f"array name {name!r} uses the reserved suffix {_SCALE_SUFFIX!r}")
+        if _AUX in name:
+            raise ValueError(f"array name {name!r} uses the reserved infix {_AUX!r}")
         arr = _as_storable(name, value)
         raw_total += arr.nbytes
         mode = lossy.get(name)
         if mode is None:
             plan.append((name, arr, {"raw_dtype": arr.dtype.str}))
             continue
-        if mode not in LOSSY_MODES:
-            raise ValueError(f"lossy mode {mode!r} for {name!r}; choose one of {LOSSY_MODES}")
+        bits = transform_codec.bits_of(mode)
+        if mode not in LOSSY_MODES and bits is None:
+            raise ValueError(
+                f"lossy mode {mode!r} for {name!r}; choose one of int8, fp8, pcaB (B bits per "
+                "value, e.g. pca4.5)"
+            )
         if arr.dtype.kind != "f" or arr.ndim == 0:
             raise ValueError(
                 f"lossy storage needs a float array with >= 1 dim; {name!r} is "
                 f"{arr.dtype} {arr.shape}"
             )
+        if bits is not None:
+            rows = arr.reshape(-1, arr.shape[-1])
+            tables = transform_codec.fit(rows, bits, fit_device)
+            codes = transform_codec.encode(rows, tables)
+            restored = _pca_decode_np(codes, tables)
+            lossy_attrs[name] = {"mode": mode, **lossy_error(arr, restored.reshape(arr.shape)),
+                                 "bits_per_value": 8 * tables.row_bytes() / arr.shape[-1]}  # fmt: skip
+            aux = {}
+            for w, c in codes.items():
+                aux[f"q{w}"] = c.reshape(*arr.shape[:-1], c.shape[-1])
+            aux.update(mean=tables.mean, weight=tables.weight, lo=tables.lo, step=tables.step)
+            extra = {"raw_dtype": arr.dtype.str, "lossy": mode, "codes_none": True,
+                     "counts": {str(w): n for w, n in tables.counts.items()},
+                     "aux": {role: f"{name}{_AUX}{role}__" for role in aux}}  # fmt: skip
+            plan.append((name, np.zeros((*arr.shape[:-1], 0), np.float16), extra))
+            for role, a in aux.items():
+                plan.append(
+                    (f"{name}{_AUX}{role}__", a, {"raw_dtype": a.dtype.str, "codec": "none"})
+                )
+            continue
         q, scale = _quantize(arr, mode)
         err = lossy_error(arr, _dequantize(q, scale, mode))
         lossy_attrs[name] = {"mode": mode, **err}
@@ -287,11 +369,14 @@ def write_shard(
     entries: dict[str, dict] = {}
     offset = 0
     for name, arr, extra in plan:
-        blob = _encode(arr, codec)
+        extra = dict(extra)
+        acodec = extra.pop("codec", None) or ("none" if extra.get("codes_none") else codec)
+        extra.pop("codes_none", None)
+        blob = _encode(arr, acodec)
         entries[name] = {
             "dtype": arr.dtype.str,
             "shape": list(arr.shape),
-            "codec": codec,
+            "codec": acodec,
             "offset": offset,
             "nbytes": len(blob),
             "raw_nbytes": arr.nbytes,
@@ -326,15 +411,15 @@ def write_shard(
 
     stats_arrays: dict[str, dict] = {}
     for name, _arr, _extra in plan:
-        if name.endswith(_SCALE_SUFFIX):
+        if _AUX in name:
             continue
         e = entries[name]
-        stored = e["nbytes"] + (entries[e["scale"]]["nbytes"] if "scale" in e else 0)
+        stored = e["nbytes"] + sum(entries[a]["nbytes"] for a in _aux_names(e))
         raw = int(np.asarray(arrays[name]).nbytes)
         stats_arrays[name] = {
             "dtype": np.dtype(e["raw_dtype"]).name,
-            "shape": e["shape"],
-            "codec": codec,
+            "shape": list(np.asarray(arrays[name]).shape),
+            "codec": "none" if "aux" in e else codec,
             "raw_bytes": raw,
             "stored_bytes": stored,
             "ratio": raw / stored if stored else float("nan"),
@@ -351,9 +436,12 @@ def write_shard(
 class Shard:
     """An opened ``.fms`` file: ids, attrs and lazily decoded (then cached) read-only arrays.
 
-    ``shard["latents"]`` returns a ``np.memmap`` for codec ``none`` (zero copy) and a decoded
-    array otherwise; lossy arrays come back dequantized to fp16. Each array's checksum is
-    checked the first time it is decoded; :meth:`verify` checks all of them.
+    ``shard["latents"]`` returns a zero-copy view of the file for codec ``none`` and a decoded
+    array otherwise; lossy arrays come back decoded to fp16. Each array's checksum is checked
+    the first time it is decoded; :meth:`verify` checks all of them. For reading rows without
+    decoding a whole array (the training loader): :meth:`view` (codec ``none``), :meth:`coded`
+    (transform-coded codes + tables) and :meth:`release`, which drops the pages this process
+    touched from its resident memory (they stay in the OS page cache).
     """
 
     def __init__(self, path: Path, header: dict, data_start: int):
@@ -364,7 +452,8 @@ class Shard:
         self._data_start = data_start
         self._cache: dict[str, np.ndarray] = {}
         self._verified: set[str] = set()
-        self.names: list[str] = [n for n in self._entries if not n.endswith(_SCALE_SUFFIX)]
+        self._map: mmap.mmap | None = None
+        self.names: list[str] = [n for n in self._entries if _AUX not in n]
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -376,9 +465,20 @@ class Shard:
         return f"Shard({str(self.path)!r}, n={len(self)}, arrays={self.names})"
 
     def info(self, name: str) -> dict:
-        """Header entry of array ``name`` (dtype, shape, codec, stored/raw bytes, lossy mode)."""
-        self._entry(name)
-        return dict(self._entries[name])
+        """Header entry of array ``name`` (dtype, shape, codec, stored/raw bytes, lossy mode);
+        a lossy array reports the dtype (and a transform-coded one the shape) it decodes to;
+        ``stored_dtype`` is what the file holds."""
+        e = dict(self._entry(name))
+        e["stored_dtype"] = e["dtype"]
+        if "lossy" in e:
+            e["dtype"] = np.dtype(np.float16).str
+        if "aux" in e:
+            first = self._entries[next(iter(e["aux"].values()))]
+            width = self._entries[e["aux"]["mean"]]["shape"][-1]
+            lead = first["shape"][:-1]
+            e.update(dtype=np.dtype(np.float16).str, shape=[*lead, width],
+                     nbytes=sum(self._entries[a]["nbytes"] for a in _aux_names(e)))  # fmt: skip
+        return e
 
     @property
     def stored_bytes(self) -> int:
@@ -389,6 +489,18 @@ class Shard:
         if name not in self.names:
             raise KeyError(f"{self.path}: no array {name!r}; arrays are {self.names}")
         return self._entries[name]
+
+    def _mapped(self) -> mmap.mmap:
+        if self._map is None:
+            with open(self.path, "rb") as f:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        return self._map
+
+    def release(self) -> None:
+        """Drop the file pages this process touched from its resident set (``MADV_DONTNEED``:
+        the views stay valid and read the pages again from the page cache when used)."""
+        if self._map is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self._map.madvise(mmap.MADV_DONTNEED)
 
     def _read_stored(self, name: str) -> bytes:
         e = self._entries[name]
@@ -411,24 +523,49 @@ class Shard:
             )
         self._verified.add(name)
 
+    def _raw_view(self, name: str, check: bool) -> np.ndarray:
+        """A read-only view of a codec ``none`` array in the file's mmap."""
+        e = self._entries[name]
+        dtype, shape = np.dtype(e["dtype"]), tuple(e["shape"])
+        if e["nbytes"] == 0:
+            empty = np.zeros(shape, dtype)
+            empty.flags.writeable = False
+            return empty
+        view = np.frombuffer(
+            self._mapped(), dtype=dtype, count=int(np.prod(shape)),
+            offset=self._data_start + e["offset"],
+        ).reshape(shape)  # fmt: skip
+        if check and name not in self._verified:
+            self._check_streaming(name, view)
+        return view
+
+    def _check_streaming(self, name: str, view: np.ndarray, chunk: int = 16 << 20) -> None:
+        """The checksum of a mapped array, read in chunks whose pages are released as it goes
+        (a whole-array check would make the array resident in this process)."""
+        flat = view.reshape(-1).view(np.uint8)
+        h = xxhash.xxh3_64()
+        base = self._data_start + self._entries[name]["offset"]
+        for a in range(0, len(flat), chunk):
+            h.update(memoryview(flat[a : a + chunk]))
+            if hasattr(mmap, "MADV_DONTNEED"):  # drop what was just read (page-aligned)
+                lo = (base + a) // mmap.PAGESIZE * mmap.PAGESIZE
+                hi = min(base + a + chunk, len(self._mapped()))
+                self._mapped().madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+        got = f"{h.intdigest():016x}"
+        if got != self._entries[name]["checksum"]:
+            raise StoreError(
+                f"{self.path}: checksum mismatch in array {name!r} (stored "
+                f"{self._entries[name]['checksum']}, computed {got}); the file is corrupted — "
+                "delete it and re-materialize the partition"
+            )
+        self._verified.add(name)
+
     def _load_raw(self, name: str) -> np.ndarray:
         """The stored (possibly quantized) array, checksum-verified."""
         e = self._entries[name]
         dtype, shape = np.dtype(e["dtype"]), tuple(e["shape"])
         if e["codec"] == "none":
-            if e["nbytes"] == 0:
-                empty = np.zeros(shape, dtype)
-                empty.flags.writeable = False
-                return empty
-            mm = np.memmap(
-                self.path,
-                dtype=dtype,
-                mode="r",
-                offset=self._data_start + e["offset"],
-                shape=shape,
-            )
-            self._check(name, memoryview(mm.reshape(-1).view(np.uint8)))
-            return mm
+            return self._raw_view(name, check=True)
         buf = self._read_stored(name)
         self._check(name, buf)
         try:
@@ -438,14 +575,49 @@ class Shard:
         out.flags.writeable = False
         return out
 
+    def is_row_readable(self, name: str) -> bool:
+        """Rows of ``name`` can be read without decoding the array: raw (codec ``none``,
+        lossless) or transform-coded."""
+        e = self._entry(name)
+        return "aux" in e or (e["codec"] == "none" and "lossy" not in e)
+
+    def view(self, name: str, verify: bool = True) -> np.ndarray:
+        """Zero-copy view of a raw (codec ``none``, lossless) array; checked once if ``verify``
+        (streaming, nothing stays resident)."""
+        e = self._entry(name)
+        if e["codec"] != "none" or "lossy" in e:
+            raise ValueError(
+                f"{self.path}: array {name!r} is {e['codec']}/{e.get('lossy')}, not raw"
+            )
+        return self._raw_view(name, check=verify)
+
+    def coded(self, name: str, verify: bool = True) -> Coded:
+        """The codes (zero-copy views) and tables of a transform-coded array."""
+        e = self._entry(name)
+        if "aux" not in e:
+            raise ValueError(f"{self.path}: array {name!r} is not transform-coded")
+        aux = {role: self._load_raw(a) if verify else self._raw_view(a, False)
+               for role, a in e["aux"].items()}  # fmt: skip
+        counts = {int(w): int(n) for w, n in e["counts"].items()}
+        tables = transform_codec.Tables(
+            np.asarray(aux["mean"]), np.asarray(aux["weight"]), np.asarray(aux["lo"]),
+            np.asarray(aux["step"]), counts,
+        )  # fmt: skip
+        codes = {int(role[1:]): a for role, a in aux.items() if role[0] == "q"}
+        return Coded(codes, tables, tuple(self.info(name)["shape"]))
+
     def __getitem__(self, name: str) -> np.ndarray:
         if name in self._cache:
             return self._cache[name]
         e = self._entry(name)
-        arr = self._load_raw(name)
-        if "lossy" in e:
-            arr = _dequantize(arr, self._load_raw(e["scale"]), e["lossy"])
+        if "aux" in e:
+            arr = self.coded(name).decode()
             arr.flags.writeable = False
+        else:
+            arr = self._load_raw(name)
+            if "lossy" in e:
+                arr = _dequantize(arr, self._load_raw(e["scale"]), e["lossy"])
+                arr.flags.writeable = False
         self._cache[name] = arr
         return arr
 
@@ -455,7 +627,7 @@ class Shard:
             self._verified.discard(name)
             e = self._entries[name]
             if e["codec"] == "none" and e["nbytes"]:
-                self._load_raw(name)
+                self._raw_view(name, check=True)
             else:
                 self._check(name, self._read_stored(name))
 

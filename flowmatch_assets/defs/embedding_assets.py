@@ -90,7 +90,8 @@ def _store(context, flowmatch: FlowmatchResource, e, ids: list[str]) -> dg.Mater
     out = PartitionOutput(context, flowmatch, kind.name)
     mode = spec.lossy.get(kind.name)
     lossy = dict.fromkeys(kind.lossy, mode) if mode else None
-    stats = write_shard(out.path, e.arrays, ids, codec=spec.codec, attrs=e.attrs, lossy=lossy)
+    stats = write_shard(out.path, e.arrays, ids, codec=spec.codec, attrs=e.attrs, lossy=lossy,
+                        fit_device=e.attrs["device"])  # fmt: skip
     errs = [a["lossy"] for a in stats.arrays.values() if "lossy" in a]
     seed = kind.seed_bytes(len(ids), spec, e.arrays)
     counts = {w.attr: e.attrs[w.attr] for w in kind.warnings}
