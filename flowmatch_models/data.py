@@ -29,15 +29,14 @@ import torch
 import xxhash
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from flowmatch_models import transform_codec
 from flowmatch_models.fingerprint import ATTR as FINGERPRINT_ATTR
 from flowmatch_models.fingerprint import Fingerprint, diff, disagreement, hash_of
-from flowmatch_models import transform_codec
 from flowmatch_models.layout import DataLayout
 from flowmatch_models.store import (
     Coded,
     Shard,
     StoreError,
-    pad_ragged,
     ragged_offsets,
     read_shard,
 )
