@@ -19,6 +19,8 @@ the checkpoint's: a resume that changes one stops with an error naming it, unles
 from __future__ import annotations
 
 import logging
+import os
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -34,7 +36,6 @@ from flowmatch_models.fingerprint import ATTR as FINGERPRINT_ATTR
 from flowmatch_models.fingerprint import Fingerprint, diff, disagreement, hash_of
 from flowmatch_models.layout import DataLayout
 from flowmatch_models.store import (
-    Coded,
     Shard,
     StoreError,
     ragged_offsets,
@@ -53,10 +54,6 @@ MODEL_INPUTS = {"text": ("text_embeddings", "tokens"), "repa": ("dino_features",
 #: ranks and workers), recorded in every checkpoint's data state: a resume under another
 #: definition stops and names both (checkpoints without it used this one).
 ORDER = "window-v1"
-
-#: Bytes of file pages one loader process may touch before it drops them from its resident
-#: set (``Shard.release``): with rows read from the files, a worker's memory is its batches.
-RESIDENT_BYTES = 64 << 20
 
 
 def array_width(shard: Shard, array: str) -> int:
@@ -105,12 +102,12 @@ class ShardSource:
     """The partitions' three aligned shards (latents, DINO, text), opened lazily and cached.
 
     Rows are read from the files, never whole partitions: raw arrays (codec ``none``) and
-    transform-coded ones (lossy ``pcaB``, the default storage) are views of each file's mmap, a
-    batch copies its rows out of them (:meth:`gather`), and every :data:`RESIDENT_BYTES` read
-    the touched pages are dropped from the process (they stay in the OS page cache). So a
-    loader's memory is its batches, whatever the partition size, window or worker count.
-    Arrays stored compressed (``zstd``/``xz``, or int8/fp8) cannot be read by row: they are
-    decoded whole per partition (``cache_shards`` partitions kept; memory grows with them).
+    transform-coded ones (lossy ``pcaB``, the default storage) are read row by row with
+    ``pread`` straight into the batch's buffers (:class:`FileRows`): the process maps nothing
+    of the files and keeps no decoded partition, so a loader's memory is its batches, whatever
+    the partition size, window or worker count (the OS page cache holds the files). Arrays
+    stored compressed (``zstd``/``xz``, or int8/fp8) cannot be read by row: they are decoded
+    whole per partition (``cache_shards`` partitions kept; memory grows with them).
 
     A batch comes out *stored* (:meth:`gather` with ``decode=False``: fp16 latents, codes of
     coded arrays, the partitions whose tables decode them) or decoded to float32 model inputs
@@ -143,7 +140,6 @@ class ShardSource:
         self.load_dino = load_dino
         self.cache_shards = max(1, cache_shards)
         self._open: OrderedDict[int, dict] = OrderedDict()
-        self._touched = 0  # bytes of file pages read since the last release
         self._tables: OrderedDict[tuple[str, str], transform_codec.Tables] = OrderedDict()
         #: kind -> the fingerprint hash every partition of this source shares
         self.fingerprints = self._agreed_fingerprints()
@@ -217,21 +213,17 @@ class ShardSource:
         total = count = sq = None
         n, chunk = 0, 16_384
         for p in self.partitions:
-            shard = self._shard("text_embeddings", p)
-            tokens = _row_array(shard, "tokens")
-            rows = min(_rows_of(tokens), max_tokens - n)
+            tokens = _rows(self._shard("text_embeddings", p), "tokens")
+            rows = min(tokens.shape[0], max_tokens - n)
+            dev = tokens.tables and transform_codec.DeviceTables.of(tokens.tables, "cpu")
             for a in range(0, rows, chunk):
-                b = min(a + chunk, rows)
-                part = (
-                    tokens.decode(tokens.rows(slice(a, b)))
-                    if isinstance(tokens, Coded)
-                    else tokens[a:b]
-                )
-                t = np.asarray(part, np.float64)
+                part = torch.from_numpy(np.empty((min(chunk, rows - a), *tokens.row_shape),
+                                                 tokens.dtype))  # fmt: skip
+                tokens.read([a], len(part), part, [0])
+                t = (transform_codec.decode(part, dev) if dev else part.float()).double().numpy()
                 total = t.sum(0) if total is None else total + t.sum(0)
                 sq = (t**2).sum(0) if sq is None else sq + (t**2).sum(0)
             n += rows
-            shard.release()
             if n >= max_tokens:
                 break
         count = max(n, 1)
@@ -267,8 +259,7 @@ class ShardSource:
         p = self.partitions[i]
         vae, text = self._shard("vae_latents", p), self._shard("text_embeddings", p)
         shards = [vae, text]
-        out = {"ids": vae.ids, "latents": _row_array(vae, "latents"),
-               "tokens": _row_array(text, "tokens")}  # fmt: skip
+        out = {"ids": vae.ids, "latents": _rows(vae, "latents"), "tokens": _rows(text, "tokens")}
         out["lengths"] = np.asarray(text["lengths"]).astype(np.int64)
         out["offsets"] = ragged_offsets(out["lengths"])
         out["heldout"] = self.heldout_rows[i]
@@ -276,7 +267,7 @@ class ShardSource:
         if self.load_dino:
             dino = self._shard("dino_features", p)
             shards.append(dino)
-            out["patch"] = _row_array(dino, "patch")
+            out["patch"] = _rows(dino, "patch")
         for kind, s in zip(self.kinds, shards):
             why = self.mismatch(kind, Fingerprint.from_json(s.attrs.get(FINGERPRINT_ATTR)))
             if why:  # re-made while this run trains on it
@@ -331,65 +322,86 @@ class ShardSource:
         shard, rows = (np.array(x, np.int64) for x in zip(*pairs))
         return self.gather(shard, rows)
 
-    def gather(self, shard_idx: np.ndarray, rows: np.ndarray, decode: bool = True) -> dict:
+    def gather(
+        self, shard_idx: np.ndarray, rows: np.ndarray, decode: bool = True, out: dict | None = None
+    ) -> dict:
         """Batch of samples ``(shard_idx[j], rows[j])`` in that order; text padded to the
         batch's longest caption, or to ``text_max_len`` with ``fixed_text_len``. ``decode``:
-        float32 model inputs on the host (:func:`decode_batch`); else the stored batch."""
+        float32 model inputs on the host (:func:`decode_batch`); else the stored batch:
+
+        - ``latents`` fp16 ``[B, ...]`` (unscaled), ``mask`` ``[B, W]``, ``ids``, ``shard``;
+        - per coded-or-not input (``text``, ``dino``): ``<key>_rows`` — the stored rows of
+          the batch grouped by partition (text: only its valid tokens, ragged; codes, or fp16
+          values), ``<key>_dst`` — where each row goes in the flat padded ``[B * W]`` (text) or
+          ``[B]`` (DINO) batch, ``<key>_counts`` — rows per group;
+        - ``parts``: the partition of each group (whose tables decode its codes).
+
+        Each group's rows are copied with one ``take`` per array straight out of the file's
+        mapping: no padding, decoding or per-sample loop on the host. ``out``: buffers to fill
+        (a :class:`BatchRing` slot, :meth:`buffers`), else new ones."""
         shard_idx = np.asarray(shard_idx, np.int64)
         rows = np.asarray(rows, np.int64)
-        by_shard = {int(s): np.flatnonzero(shard_idx == s) for s in np.unique(shard_idx)}
-        arrays = {s: self._arrays(s) for s in by_shard}
-        lengths = {s: np.minimum(arrays[s]["lengths"][rows[j]], self.text_max_len)
-                   for s, j in by_shard.items()}  # fmt: skip
-        width = max(int(n.max(initial=1)) for n in lengths.values())
+        groups = [(int(s), np.flatnonzero(shard_idx == s)) for s in np.unique(shard_idx)]
+        arrays = {s: self._arrays(s) for s, _ in groups}
+        lengths = [np.minimum(arrays[s]["lengths"][rows[j]], self.text_max_len) for s, j in groups]
+        width = max(int(n.max(initial=1)) for n in lengths)
         width = self.text_max_len if self.fixed_text_len else max(1, width)
-        b, first = len(rows), next(iter(arrays.values()))
-        latents = np.empty((b, *first["latents"].shape[1:]), np.float16)
-        mask = np.zeros((b, width), bool)
-        text = _empty_rows(first["tokens"], (b, width))
-        patch = _empty_rows(first["patch"], (b,)) if self.load_dino else None
+        b, first = len(rows), arrays[groups[0][0]]
+        counts = [int(n.sum()) for n in lengths]
+        buf = out or self.buffers(b, sum(counts), first)
+        text_dst, mask = buf["text_dst"].numpy(), buf["mask"].numpy()[:b, :width]
+        mask[:] = False
         ids: list[str] = [""] * b
-        touched = 0
-        for s, j in by_shard.items():
-            a, r, n = arrays[s], rows[j], lengths[s]
-            latents[j] = a["latents"][r]
-            # the valid tokens of each selected caption, and where they go in the padded batch
-            pos = np.arange(width)
-            valid = pos[None, :] < n[:, None]
-            src = (a["offsets"][r][:, None] + pos[None, :])[valid]
-            dst_b, dst_t = np.nonzero(valid)
-            _scatter(text, (j[dst_b], dst_t), a["tokens"], src)
-            mask[j[dst_b], dst_t] = True
-            if patch is not None:
-                _scatter(patch, (j,), a["patch"], r)
-            for jj, rr in zip(j, r):
-                ids[jj] = a["ids"][rr]
-            touched += len(r) * _row_bytes(a, self.load_dino) + len(src) * _token_bytes(a)
-        out = {
-            "latents": torch.from_numpy(latents),
-            "mask": torch.from_numpy(mask),
+        t0 = d0 = 0
+        for (s, j), n, c in zip(groups, lengths, counts):
+            a, r = arrays[s], rows[j]
+            a["latents"].read(r, 1, buf["latents"], j)
+            # the valid tokens of each selected caption, in order, then where they go
+            a["tokens"].read(a["offsets"][r], n, buf["text_rows"], t0 + np.cumsum(n) - n)
+            within = np.arange(c) - np.repeat(np.cumsum(n) - n, n)
+            text_dst[t0 : t0 + c] = np.repeat(j * width, n) + within
+            mask[np.repeat(j, n), within] = True
+            if self.load_dino:
+                a["patch"].read(r, 1, buf["dino_rows"], d0 + np.arange(len(r)))
+                buf["dino_dst"].numpy()[d0 : d0 + len(r)] = j
+            ids_p = a["ids"]
+            for jj, rr in zip(j.tolist(), r.tolist()):
+                ids[jj] = ids_p[rr]
+            t0, d0 = t0 + c, d0 + len(r)
+        sizes = {"b": b, "width": width, "text": t0}
+        out_batch = {
+            **slot_views(buf, sizes),
             "ids": ids,
-            "shard": torch.from_numpy(shard_idx),
-            **_as_batch("text", text),
+            "shard": shard_idx,  # host bookkeeping (a tensor would cost a shared-memory segment)
+            "parts": [self.partitions[s] for s, _ in groups],
+            "coded": [
+                k
+                for k, v in (("text", first["tokens"]), ("dino", first.get("patch")))
+                if v is not None and v.tables is not None
+            ],  # fmt: skip
+            "text_counts": counts,
+            **({"dino_counts": [len(j) for _, j in groups]} if self.load_dino else {}),
+            "sizes": sizes,
         }
-        if patch is not None:
-            out.update(_as_batch("dino", patch))
-        if any(isinstance(v, dict) for v in out.values()):  # coded: which tables decode which rows
-            out["parts"] = [self.partitions[s] for s in by_shard]
-            out["part_rows"] = [torch.from_numpy(j) for j in by_shard.values()]
-        self._touched += touched
-        if self._touched > RESIDENT_BYTES:
-            self.release()
         if decode:
-            return decode_batch(out, self.tables, self.scaling_factor, "cpu")
-        return out
+            return decode_batch(out_batch, self.tables, self.scaling_factor, "cpu")
+        return out_batch
 
-    def release(self) -> None:
-        """Drop the file pages this process has read from its resident memory."""
-        for a in self._open.values():
-            for shard in a["shards"]:
-                shard.release()
-        self._touched = 0
+    def buffers(self, b: int, tokens: int, first: dict | None = None, shared: bool = False) -> dict:
+        """Empty buffers for a stored batch of ``b`` samples and ``tokens`` caption tokens."""
+        first = first or self._arrays(0)
+        lat, text = first["latents"], first["tokens"]
+        out = {
+            "latents": _buffer((b, *lat.row_shape), lat.dtype, shared),
+            "mask": _buffer((b, self.text_max_len), np.bool_, shared),
+            "text_rows": _buffer((tokens, *text.row_shape), text.dtype, shared),
+            "text_dst": _buffer((tokens,), np.int64, shared),
+        }
+        if self.load_dino:
+            dino = first["patch"]
+            out["dino_rows"] = _buffer((b, *dino.row_shape), dino.dtype, shared)
+            out["dino_dst"] = _buffer((b,), np.int64, shared)
+        return out
 
     def tables(self, kind: str, partition: str) -> transform_codec.Tables:
         """The decoding tables of ``kind``'s coded model input in ``partition`` (small; kept
@@ -404,119 +416,217 @@ class ShardSource:
         return self._tables[key]
 
 
-def _row_array(shard: Shard, name: str) -> np.ndarray | Coded:
-    """``name`` of ``shard`` for reading rows: its codes, a view of the file, or (stored
-    compressed) the whole array decoded."""
-    if "aux" in shard._entries.get(name, {}):
-        return shard.coded(name)
+class FileRows:
+    """Rows of one array as stored in a shard file (raw values, or codes of a transform-coded
+    array), read with ``pread`` straight into a batch buffer: the process maps nothing of the
+    file and holds nothing of it between batches. A row is everything after the first axis
+    (a sample's latents, its 64 DINO patches, one caption token)."""
+
+    def __init__(self, shard: Shard, name: str):
+        e = shard.info(name)
+        stored = shard._entries[e["aux"]["codes"]] if "aux" in e else shard._entries[name]
+        self.dtype = np.dtype(stored["dtype"])
+        self.row_shape = tuple(stored["shape"][1:])
+        self.rows = int(stored["shape"][0])
+        self.row_bytes = int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
+        self.base = shard._data_start + stored["offset"]
+        self.tables = shard.coded(name, verify=False).tables if "aux" in e else None
+        self.path = shard.path
+        self.fd = os.open(shard.path, os.O_RDONLY)
+        weakref.finalize(self, os.close, self.fd)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.rows, *self.row_shape)
+
+    def read(self, start: np.ndarray, count, out: torch.Tensor, dst: np.ndarray) -> None:
+        """Rows ``start[i] .. start[i] + count[i]`` into ``out``'s rows from ``dst[i]`` on
+        (``count``: an int or one per item). One ``preadv`` per item, nothing else per row."""
+        mv = memoryview(out.numpy()).cast("B")
+        rb, base, fd = self.row_bytes, self.base, self.fd
+        starts, dsts = np.asarray(start).tolist(), np.asarray(dst).tolist()
+        counts = [count] * len(starts) if np.ndim(count) == 0 else np.asarray(count).tolist()
+        preadv = os.preadv
+        for s, n, d in zip(starts, counts, dsts):
+            if preadv(fd, [mv[d * rb : (d + n) * rb]], base + s * rb) != n * rb:
+                raise StoreError(f"{self.path}: short read at row {s}; the file is truncated")
+
+
+class ArrayRows:
+    """Rows of an array in memory (stored compressed: decoded whole), read like
+    :class:`FileRows`."""
+
+    def __init__(self, array: np.ndarray):
+        self.array, self.tables = array, None
+        self.dtype, self.shape, self.row_shape = array.dtype, array.shape, array.shape[1:]
+
+    def read(self, start: np.ndarray, count, out: torch.Tensor, dst: np.ndarray) -> None:
+        counts = np.broadcast_to(count, np.shape(start)).astype(np.int64)
+        within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        out.numpy()[np.repeat(dst, counts) + within] = self.array[np.repeat(start, counts) + within]
+
+
+def _rows(shard: Shard, name: str) -> FileRows | ArrayRows:
+    """``name`` of ``shard`` for reading rows: from the file (raw or coded), or (stored
+    compressed) decoded whole. Rows are read without hashing the whole array (every worker
+    would re-read every file at each window boundary, together: the stall this loader avoids);
+    the file's header, footer and length are checked at open, its decoding tables by checksum,
+    and every checksum when the shard is made (the asset's blocking check) and by
+    ``flowmatch verify``."""
     if shard.is_row_readable(name):
-        return shard.view(name)
+        return FileRows(shard, name)
     log.debug("%s: %s is stored %s; decoding it whole", shard.path, name, shard.info(name)["codec"])
-    return shard[name]
+    return ArrayRows(np.asarray(shard[name]))
 
 
-def _rows_of(a: np.ndarray | Coded) -> int:
-    return a.shape[0]
+def _buffer(shape: tuple[int, ...], dtype, shared: bool) -> torch.Tensor:
+    """An empty tensor to fill from the files (in shared memory for a :class:`BatchRing`)."""
+    t = torch.from_numpy(np.empty(shape, np.dtype(dtype)))
+    return t.share_memory_() if shared and t.numel() else t
 
 
-def _row_bytes(a: dict, dino: bool) -> int:
-    """Bytes one sample's fixed-size rows read (latents, DINO)."""
-    n = a["latents"][0].nbytes if len(a["latents"]) else 0
-    if dino:
-        p = a["patch"]
-        n += p.row_bytes * p.shape[1] if isinstance(p, Coded) else (p[0].nbytes if len(p) else 0)
-    return n
+def slot_views(buf: dict, sizes: dict) -> dict:
+    """The stored batch's tensors: views of ``buf`` cut to the batch's ``sizes``."""
+    b, width, n = sizes["b"], sizes["width"], sizes["text"]
+    out = {
+        "latents": buf["latents"][:b],
+        "mask": buf["mask"][:b, :width],
+        "text_rows": buf["text_rows"][:n],
+        "text_dst": buf["text_dst"][:n],
+    }
+    if "dino_rows" in buf:
+        out["dino_rows"], out["dino_dst"] = buf["dino_rows"][:b], buf["dino_dst"][:b]
+    return out
 
 
-def _token_bytes(a: dict) -> int:
-    t = a["tokens"]
-    return t.row_bytes if isinstance(t, Coded) else t.shape[-1] * t.dtype.itemsize
+class BatchRing:
+    """Reusable batch buffers shared by the main process and its DataLoader workers.
+
+    Made in the main process before the workers start (so every worker maps the same memory):
+    ``slots_per_worker`` buffer sets per worker, each as large as a batch can be. A worker fills
+    its next slot and hands over only the slot's number and the batch's small fields; the main
+    process reads the batch as views of its own mapping (:meth:`open`). No batch is copied
+    between processes and no fresh memory is touched per batch (fresh pages, not the copies,
+    are what cost: a page fault per 4 KB). Memory: ``workers x slots x`` one batch, whatever
+    the partitions.
+
+    A slot is refilled ``slots_per_worker`` batches of its worker later. The DataLoader keeps at
+    most ``prefetch_factor`` batches per worker in flight and Lightning's fetcher holds one more
+    beside the one in use, so ``prefetch_factor + 3`` slots keep a refill behind its reader.
+    Each slot records the number of the batch it holds: :meth:`open` checks it, and checks the
+    previous batch's again, so a refill that raced its reader raises instead of training on a
+    mix of two batches.
+    """
+
+    def __init__(self, source: ShardSource, batch_size: int, workers: int, slots_per_worker: int):
+        self.workers, self.slots = max(1, workers), slots_per_worker
+        tokens = batch_size * source.text_max_len
+        n = self.workers * self.slots
+        self.buffers = [source.buffers(batch_size, tokens, shared=True) for _ in range(n)]
+        self.seq = torch.full((n,), -1, dtype=torch.int64).share_memory_()
+        self._held: tuple[int, int] | None = None
+        self.nbytes = sum(t.nbytes for buf in self.buffers for t in buf.values())
+
+    def slot(self, worker: int, count: int) -> int:
+        """The slot of a worker's ``count``-th batch."""
+        return worker * self.slots + count % self.slots
+
+    def open(self, item: dict) -> dict:
+        """The stored batch of a worker's hand-over ``item`` (views of the slot)."""
+        slot, seq = item.pop("slot"), item.pop("seq")
+        if self._held is not None and int(self.seq[self._held[0]]) != self._held[1]:
+            raise RuntimeError(
+                f"loader slot {self._held[0]} was refilled while batch {self._held[1]} was in "
+                "use; the ring is too small for this DataLoader's prefetching"
+            )
+        if int(self.seq[slot]) != seq:
+            raise RuntimeError(f"loader slot {slot} holds batch {int(self.seq[slot])}, not {seq}")
+        self._held = (slot, seq)
+        return {**slot_views(self.buffers[slot], item["sizes"]), **item}
 
 
-def _empty_rows(a: np.ndarray | Coded, lead: tuple[int, ...]) -> np.ndarray | dict:
-    """Zeros for ``lead`` rows of ``a``'s kind: fp16 values, or codes per width."""
-    if isinstance(a, Coded):
-        inner = a.shape[1:-1]  # e.g. DINO's 64 patches per sample
-        return {w: np.zeros((*lead, *inner, c.shape[-1]), np.uint8) for w, c in a.codes.items()}
-    return np.zeros((*lead, *a.shape[1:]), np.float16)
+class RingLoader(DataLoader):
+    """A DataLoader whose workers fill a :class:`BatchRing`: iterating it yields the batches
+    as views of the ring (opened in the main process)."""
+
+    def __init__(self, stream: BatchStream, ring: BatchRing, **kwargs):
+        super().__init__(stream, batch_size=None, **kwargs)
+        self.ring = ring
+
+    def __iter__(self):
+        for item in super().__iter__():
+            yield self.ring.open(item)
 
 
-def _scatter(out: np.ndarray | dict, dst: tuple, a: np.ndarray | Coded, src: np.ndarray) -> None:
-    """``out[dst] = a[src]`` for values, or for every code width of a coded ``a``."""
-    if isinstance(a, Coded):
-        for w, c in a.codes.items():
-            out[w][dst] = c[src]
-    else:
-        out[dst] = a[src]
-
-
-def _as_batch(key: str, x: np.ndarray | dict) -> dict:
-    if isinstance(x, dict):
-        return {f"{key}_codes": {w: torch.from_numpy(c) for w, c in x.items()}}
-    return {key: torch.from_numpy(x)}
-
-
-#: model input -> (store kind, batch key) of the arrays a stored batch may hold coded
+#: model input -> the store kind whose tables decode its codes
 _CODED = {"text": "text_embeddings", "dino": "dino_features"}
 
 
 def decode_batch(batch: dict, tables, scaling_factor: float, device) -> dict:
     """A stored batch (:meth:`ShardSource.gather` with ``decode=False``) as float32 model inputs
-    on ``device``: latents scaled, coded text/DINO decoded with each partition's tables
-    (``tables(kind, partition)`` -> :class:`~flowmatch_models.transform_codec.Tables`, or
-    -> ``DeviceTables`` already on the device), text padding zeroed. Tensors already on
+    on ``device``: latents scaled; each group's text/DINO rows decoded with its partition's
+    tables (``tables(kind, partition)`` -> :class:`~flowmatch_models.transform_codec.Tables`,
+    or -> ``DeviceTables`` already on the device), or fp16 rows widened, then put in place
+    (``index_copy_`` to ``<key>_dst``; text padding stays zero). Tensors already on
     ``device`` stay there; nothing here waits on the device."""
-    out = {k: v for k, v in batch.items() if k not in ("parts", "part_rows")}
+    if "text_rows" not in batch:
+        return batch  # decoded already
+    out = {k: v for k, v in batch.items() if not k.startswith(("text_", "dino_"))}
+    for k in ("parts", "coded"):
+        out.pop(k, None)
     out["latents"] = batch["latents"].to(device).float() * scaling_factor
     mask = batch["mask"].to(device)
     out["mask"] = mask
-    for key, kind in _CODED.items():
-        codes = batch.get(f"{key}_codes")
-        if codes is None:
-            if key in batch:
-                out[key] = batch[key].to(device).float()
+    b, width = mask.shape
+
+    def dev(t):
+        return (
+            t
+            if isinstance(t, transform_codec.DeviceTables)
+            else transform_codec.DeviceTables.of(t, device)
+        )
+
+    for key in ("text", "dino"):
+        if f"{key}_rows" not in batch:
             continue
-        del out[f"{key}_codes"]
-        codes = {int(w): c.to(device) for w, c in codes.items()}
-        parts, part_rows = batch["parts"], batch["part_rows"]
-
-        def dev(t):  # noqa: E306
-            return (
-                t
-                if isinstance(t, transform_codec.DeviceTables)
-                else transform_codec.DeviceTables.of(t, device)
-            )
-
-        if len(parts) == 1:
-            x = transform_codec.decode(codes, dev(tables(kind, parts[0])))
+        rows = batch[f"{key}_rows"].to(device)
+        if key in batch["coded"]:
+            parts, start = [], 0
+            for p, n in zip(batch["parts"], batch[f"{key}_counts"]):
+                parts.append(
+                    transform_codec.decode(rows[start : start + n], dev(tables(_CODED[key], p)))
+                )
+                start += n
+            values = torch.cat(parts) if len(parts) > 1 else parts[0]
         else:
-            lead = next(iter(codes.values())).shape[:-1]
-            x = None
-            for p, rows in zip(parts, part_rows):
-                rows = rows.to(device)
-                part = transform_codec.decode({w: c.index_select(0, rows) for w, c in codes.items()},
-                                              dev(tables(kind, p)))  # fmt: skip
-                if x is None:
-                    x = torch.empty((*lead, part.shape[-1]), device=part.device)
-                x.index_copy_(0, rows, part)
-        if key == "text":
-            x = x * mask.unsqueeze(-1)
-        out[key] = x
+            values = rows.float()
+        lead = (b * width,) if key == "text" else (b,)
+        x = torch.zeros((*lead, *values.shape[1:]), device=values.device)
+        x.index_copy_(0, batch[f"{key}_dst"].to(device), values)
+        out[key] = x.view(b, width, -1) if key == "text" else x
     return out
 
 
+def epoch_windows(sizes: np.ndarray, epoch: int, seed: int, window: int) -> list[np.ndarray]:
+    """The partitions of each shuffle window of an epoch, in order (:func:`epoch_order`'s)."""
+    order = np.random.default_rng([seed, epoch]).permutation(len(sizes))
+    return [order[w : w + window] for w in range(0, len(order), window)]
+
+
 def epoch_order(sizes: np.ndarray, epoch: int, seed: int, window: int) -> np.ndarray:
-    """Global sample indices of one epoch: shuffled shard order, shuffled within windows."""
+    """Global sample indices of one epoch: shuffled shard order, shuffled within windows.
+    int32 when they fit (PD12M's 12.4M: 50 MB an epoch instead of 100 in every worker)."""
     rng = np.random.default_rng([seed, epoch])
     starts = np.concatenate([[0], np.cumsum(sizes)])
+    dtype = np.int32 if starts[-1] < 2**31 else np.int64
     shard_order = rng.permutation(len(sizes))
     parts = []
     for w in range(0, len(shard_order), window):
         idx = np.concatenate(
-            [np.arange(starts[s], starts[s + 1]) for s in shard_order[w : w + window]]
+            [np.arange(starts[s], starts[s + 1], dtype=dtype) for s in shard_order[w : w + window]]
         )
         parts.append(rng.permutation(idx))
-    return np.concatenate(parts)
+    return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
 
 class BatchStream(IterableDataset):
@@ -536,9 +646,11 @@ class BatchStream(IterableDataset):
         start_sample: int = 0,
         end_epoch: int | None = None,
         decode: bool = True,
+        ring: BatchRing | None = None,
     ):
         self.source, self.batch_size, self.seed = source, batch_size, seed
         self.decode = decode  # False: stored batches, decoded where they go (decode_batch)
+        self.ring = ring  # stored batches written into its slots (RingLoader opens them)
         self.end_epoch = end_epoch
         self.window, self.rank, self.world_size = shuffle_window, rank, world_size
         self.start_epoch, self.start_sample = start_epoch, start_sample
@@ -569,7 +681,8 @@ class BatchStream(IterableDataset):
     def __iter__(self) -> Iterator[dict]:
         info = get_worker_info()
         wid, nw = (info.id, info.num_workers) if info else (0, 1)
-        order_epoch, order = -1, None
+        order_epoch, order, produced = -1, None, 0
+        ahead = self.global_batch * nw * (self.window + 2)  # open the next window this early
         # The DataLoader asks worker k % nw for the k-th batch of the whole iterator (not of the
         # epoch), so worker w takes items w, w + nw, ... of one global sequence across epochs.
         for k, (epoch, g0) in enumerate(self.positions()):
@@ -578,10 +691,31 @@ class BatchStream(IterableDataset):
             if epoch != order_epoch:
                 order_epoch = epoch
                 order = epoch_order(self.source.sizes, epoch, self.seed, self.window)
+                windows = epoch_windows(self.source.sizes, epoch, self.seed, self.window)
+                ends = np.cumsum([self.source.sizes[w].sum() for w in windows])
+            # near a window's end, open one partition of the next window per batch, so that no
+            # worker opens a whole window at once when the boundary comes (a stall)
+            w = int(np.searchsorted(ends, g0, side="right"))
+            if w + 1 < len(windows) and g0 + ahead >= ends[w]:
+                todo = [int(p) for p in windows[w + 1] if int(p) not in self.source._open]
+                if todo:
+                    self.source._arrays(todo[0])
             lo = g0 + self.rank * self.batch_size
             idx = order[lo : lo + self.batch_size]
             shard = np.searchsorted(self.starts, idx, side="right") - 1
-            batch = self.source.gather_train(shard, idx - self.starts[shard], self.decode)
+            local = idx - self.starts[shard]
+            if self.ring is not None:
+                slot = self.ring.slot(wid, produced)
+                buf = self.ring.buffers[slot]
+                batch = self.source.gather(
+                    shard, self.source.train_to_rows(shard, local), decode=False, out=buf
+                )
+                batch = {k: v for k, v in batch.items() if k not in buf}  # the ring holds those
+                self.ring.seq[slot] = k
+                batch.update(slot=slot, seq=k)
+            else:
+                batch = self.source.gather_train(shard, local, self.decode)
+            produced += 1
             # bookkeeping as host values beside the tensors: the module takes it off the batch
             # before the transfer, so reading it never waits on the device
             batch["meta"] = {"epoch": int(epoch), "position": int(g0),
@@ -648,7 +782,7 @@ class EmbeddingDataModule(L.LightningDataModule):
 
     def _open(self, partitions: list[str]) -> ShardSource:
         return ShardSource(
-            self.root, partitions, self.text_max_len, self.load_dino, self.shuffle_window + 1,
+            self.root, partitions, self.text_max_len, self.load_dino, 2 * self.shuffle_window + 1,
             fixed_text_len=self.fixed_text_len, heldout=self.heldout,
         )  # fmt: skip
 
@@ -727,6 +861,7 @@ class EmbeddingDataModule(L.LightningDataModule):
             end_epoch=self.epoch,
             decode=False,  # codes travel to the device; decode_batch runs there
         )
+        prefetch = 4 if self.num_workers > 0 else None
         trainer = getattr(self, "trainer", None)
         self.ledger.append(
             {
@@ -746,20 +881,19 @@ class EmbeddingDataModule(L.LightningDataModule):
             }
         )
         self._log_coverage(trainer)
-        return DataLoader(
-            stream,
-            batch_size=None,
-            num_workers=self.num_workers,
-            pin_memory=torch.cuda.is_available(),
-            prefetch_factor=4 if self.num_workers > 0 else None,
+        # a ring of reusable shared buffers: batches are neither copied between processes
+        # nor written to fresh memory (sized for the longest batch; memory as logged)
+        stream.ring = BatchRing(self.source, self.batch_size, self.num_workers, (prefetch or 0) + 3)
+        log.info("loader: %d workers, %d batch buffers, %.0f MB", self.num_workers,
+                 len(stream.ring.buffers), stream.ring.nbytes / 1e6)  # fmt: skip
+        return RingLoader(
+            stream, stream.ring, num_workers=self.num_workers, prefetch_factor=prefetch,
             persistent_workers=False,
-        )
+        )  # fmt: skip
 
     def decode_batch(self, batch: dict, device) -> dict:
         """A stored training batch as float32 model inputs on ``device`` (where it was moved):
         codes decoded with each partition's tables, kept on the device for the newest 64."""
-        if "latents" not in batch or batch["latents"].dtype != torch.float16:
-            return batch  # decoded already
         cache = self.__dict__.setdefault("_device_tables", OrderedDict())
 
         def tables(kind: str, partition: str) -> transform_codec.DeviceTables:

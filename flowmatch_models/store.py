@@ -222,39 +222,36 @@ def _aux_names(entry: dict) -> list[str]:
 
 
 def _pca_decode_np(
-    codes: Mapping[int, np.ndarray], tables: transform_codec.Tables, chunk: int = 65_536
+    codes: np.ndarray, tables: transform_codec.Tables, chunk: int = 65_536
 ) -> np.ndarray:
-    """Host decode of transform-coded rows ``codes[w] [..., bytes_w]`` -> fp16 ``[..., D]``."""
+    """Host decode of transform-coded rows ``codes [..., row_bytes]`` -> fp16 ``[..., D]``."""
     import torch
 
-    lead = next(iter(codes.values())).shape[:-1] if codes else ()
-    flat = {w: np.asarray(c).reshape(-1, c.shape[-1]) for w, c in codes.items()}
-    rows = int(np.prod(lead)) if lead else 0
-    out = np.empty((rows, tables.width), np.float16)
+    lead = codes.shape[:-1]
+    flat = np.asarray(codes).reshape(-1, codes.shape[-1])
+    out = np.empty((len(flat), tables.width), np.float16)
     t = transform_codec.DeviceTables.of(tables, "cpu")
-    for a in range(0, rows, chunk):
-        part = {w: torch.from_numpy(np.array(c[a : a + chunk])) for w, c in flat.items()}
+    for a in range(0, len(flat), chunk):
+        part = torch.from_numpy(np.array(flat[a : a + chunk]))
         out[a : a + chunk] = transform_codec.decode(part, t).numpy()
-    if not codes:  # no axis kept: every row is the mean
-        return np.broadcast_to(tables.mean.astype(np.float16), (*lead, tables.width)).copy()
     return out.reshape(*lead, tables.width)
 
 
 @dataclass
 class Coded:
-    """A transform-coded array as stored: per code width ``w`` the uint8 codes ``[..., bytes_w]``
-    (zero-copy views of the file) and the :class:`~flowmatch_models.transform_codec.Tables`
-    that decode them. Rows are sliced like the array they code."""
+    """A transform-coded array as stored: its uint8 codes ``[..., row_bytes]`` (a zero-copy
+    view of the file; rows sliced like the array they code) and the
+    :class:`~flowmatch_models.transform_codec.Tables` that decode them."""
 
-    codes: dict[int, np.ndarray]
+    codes: np.ndarray
     tables: transform_codec.Tables
-    shape: tuple[int, ...]
 
-    def rows(self, idx: Any) -> dict[int, np.ndarray]:
-        """The codes of rows ``idx`` (any numpy index of the first axis), copied."""
-        return {w: c[idx] for w, c in self.codes.items()}
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The decoded array's shape."""
+        return (*self.codes.shape[:-1], self.tables.width)
 
-    def decode(self, codes: Mapping[int, np.ndarray] | None = None) -> np.ndarray:
+    def decode(self, codes: np.ndarray | None = None) -> np.ndarray:
         """fp16 rows of ``codes`` (default: the whole array) on the host."""
         return _pca_decode_np(self.codes if codes is None else codes, self.tables)
 
@@ -343,10 +340,8 @@ def write_shard(
             restored = _pca_decode_np(codes, tables)
             lossy_attrs[name] = {"mode": mode, **lossy_error(arr, restored.reshape(arr.shape)),
                                  "bits_per_value": 8 * tables.row_bytes() / arr.shape[-1]}  # fmt: skip
-            aux = {}
-            for w, c in codes.items():
-                aux[f"q{w}"] = c.reshape(*arr.shape[:-1], c.shape[-1])
-            aux.update(mean=tables.mean, weight=tables.weight, lo=tables.lo, step=tables.step)
+            aux = {"codes": codes.reshape(*arr.shape[:-1], codes.shape[-1]), "mean": tables.mean,
+                   "weight": tables.weight, "lo": tables.lo, "step": tables.step}  # fmt: skip
             extra = {"raw_dtype": arr.dtype.str, "lossy": mode, "codes_none": True,
                      "counts": {str(w): n for w, n in tables.counts.items()},
                      "aux": {role: f"{name}{_AUX}{role}__" for role in aux}}  # fmt: skip
@@ -425,6 +420,8 @@ def write_shard(
             "ratio": raw / stored if stored else float("nan"),
             **({"lossy": lossy_attrs[name]} if name in lossy_attrs else {}),
         }
+        if "aux" in e:  # fixed rate: the bytes of one row (one token, one patch)
+            stats_arrays[name]["row_bytes"] = int(entries[e["aux"]["codes"]]["shape"][-1])
     return ShardStats(raw_bytes=raw_total, stored_bytes=total, arrays=stats_arrays)
 
 
@@ -473,9 +470,8 @@ class Shard:
         if "lossy" in e:
             e["dtype"] = np.dtype(np.float16).str
         if "aux" in e:
-            first = self._entries[next(iter(e["aux"].values()))]
             width = self._entries[e["aux"]["mean"]]["shape"][-1]
-            lead = first["shape"][:-1]
+            lead = self._entries[e["aux"]["codes"]]["shape"][:-1]
             e.update(dtype=np.dtype(np.float16).str, shape=[*lead, width],
                      nbytes=sum(self._entries[a]["nbytes"] for a in _aux_names(e)))  # fmt: skip
         return e
@@ -592,19 +588,19 @@ class Shard:
         return self._raw_view(name, check=verify)
 
     def coded(self, name: str, verify: bool = True) -> Coded:
-        """The codes (zero-copy views) and tables of a transform-coded array."""
+        """The codes (zero-copy views) and tables of a transform-coded array; ``verify``: the
+        codes' checksums too (streaming; the tables are always checked)."""
         e = self._entry(name)
         if "aux" not in e:
             raise ValueError(f"{self.path}: array {name!r} is not transform-coded")
-        aux = {role: self._load_raw(a) if verify else self._raw_view(a, False)
+        aux = {role: self._raw_view(a, check=verify or role != "codes")  # tables: always
                for role, a in e["aux"].items()}  # fmt: skip
         counts = {int(w): int(n) for w, n in e["counts"].items()}
         tables = transform_codec.Tables(
             np.asarray(aux["mean"]), np.asarray(aux["weight"]), np.asarray(aux["lo"]),
             np.asarray(aux["step"]), counts,
         )  # fmt: skip
-        codes = {int(role[1:]): a for role, a in aux.items() if role[0] == "q"}
-        return Coded(codes, tables, tuple(self.info(name)["shape"]))
+        return Coded(aux["codes"], tables)
 
     def __getitem__(self, name: str) -> np.ndarray:
         if name in self._cache:

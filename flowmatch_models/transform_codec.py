@@ -11,7 +11,7 @@ One shard's array of row vectors ``x [R, D]`` (caption token states, DINOv2 patc
    a row costs ``B`` bits per value on average (``B * D / 8`` bytes, e.g. 320 B for a 640-wide
    token at ``pca4``), and quantize each axis uniformly over the range that minimises its
    squared error on the shard;
-4. pack the codes of each width into bytes: arrays ``[R, n_w * w / 8]`` of uint8, one per width.
+4. pack the codes into bytes, widest first: one uint8 array ``[R, row_bytes]``.
 
 Every row costs the same bytes, so a row is read at its offset without reading or decoding
 anything else (the training loader reads rows straight from the file), and nothing is
@@ -88,8 +88,9 @@ def allocate(variances: np.ndarray, bits: float) -> np.ndarray:
     budget = int(np.floor(bits * d + 1e-9))
     ladder = (0, 1, 2, 4, 8)
     b = np.zeros(d, np.int64)
-    # axes below 1e-9 of the total are numerically empty (rank-deficient fits: small shards)
-    floor = 1e-9 * float(np.sum(variances))
+    # axes below 1e-5 of the mean variance are numerically empty (rank-deficient fits: small
+    # shards; the fp32 correlation leaves ~1e-6 there), real ones are >= 1e-3 (Gemma3-270M)
+    floor = 1e-5 * float(np.mean(variances)) if d else 0.0
     heap = [(-float(v) * (_MSE[0] - _MSE[1]), i) for i, v in enumerate(variances) if v > floor]
     heapq.heapify(heap)
     used = 0
@@ -188,16 +189,16 @@ def _spans(counts: Mapping[int, int]):
         start += n
 
 
-def encode(x: np.ndarray, tables: Tables, chunk: int = 65_536) -> dict[int, np.ndarray]:
-    """Codes of rows ``x [R, D]`` under the tables :func:`fit` made: per width ``w`` a uint8
-    array ``[R, n_w * w / 8]``."""
+def encode(x: np.ndarray, tables: Tables, chunk: int = 65_536) -> np.ndarray:
+    """Codes of rows ``x [R, D]`` under the tables :func:`fit` made: uint8 ``[R, row_bytes]``,
+    the packed codes of each width side by side (widest first)."""
     if tables.proj is None:
         raise ValueError("encode needs the tables fit() returned (their projection is not stored)")
     torch = _torch()
     x = np.asarray(x)
     r = x.shape[0]
-    out = {w: np.zeros((r, n * w // 8), np.uint8) for w, _, n in _spans(tables.counts)}
-    if not out or not r:
+    out = np.zeros((r, tables.row_bytes()), np.uint8)
+    if not out.size:
         return out
     mean = torch.from_numpy(tables.mean)
     proj = torch.from_numpy(tables.proj)  # [D, K]
@@ -205,10 +206,12 @@ def encode(x: np.ndarray, tables: Tables, chunk: int = 65_536) -> dict[int, np.n
     for a in range(0, r, chunk):
         xb = torch.from_numpy(np.asarray(x[a : a + chunk], np.float32))
         y = (xb - mean) @ proj
+        col = 0
         for w, s, n in _spans(tables.counts):
             q = torch.clamp(torch.floor((y[:, s : s + n] - lo[s : s + n]) / step[s : s + n]),
                             0, 2**w - 1).to(torch.uint8)  # fmt: skip
-            out[w][a : a + chunk] = _pack(q, w).numpy()
+            out[a : a + chunk, col : col + n * w // 8] = _pack(q, w).numpy()
+            col += n * w // 8
     return out
 
 
@@ -250,14 +253,17 @@ class DeviceTables:
         return cls(as_t(t.mean), as_t(t.weight), as_t(t.lo), as_t(t.step), dict(t.counts))
 
 
-def decode(codes: Mapping[int, object], t: DeviceTables):
-    """Rows from their codes (``codes[w]``: uint8 ``[..., bytes_w]`` tensors on ``t``'s device):
-    float32 ``[..., D]``."""
+def decode(codes, t: DeviceTables):
+    """Rows from their codes (uint8 ``[..., row_bytes]`` on ``t``'s device): float32
+    ``[..., D]``."""
     torch = _torch()
     spans = list(_spans(t.counts))
     if not spans:
-        shape = next(iter(codes.values())).shape[:-1] if codes else ()
-        return t.mean.expand(*shape, -1).clone()
-    q = torch.cat([_unpack(codes[w], w) for w, _, _ in spans], dim=-1).float()
+        return t.mean.expand(*codes.shape[:-1], -1).clone()
+    parts, col = [], 0
+    for w, _, n in spans:
+        parts.append(_unpack(codes[..., col : col + n * w // 8], w))
+        col += n * w // 8
+    q = torch.cat(parts, dim=-1).float()
     y = torch.addcmul(t.lo, q + 0.5, t.step)
     return y @ t.weight + t.mean

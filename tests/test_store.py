@@ -202,3 +202,87 @@ def test_ragged_text_roundtrip(tmp_path):
     padded, mask = pad_ragged(tokens, lengths, [2, 3], max_len=4, offsets=offsets)
     assert padded.shape == (2, 4, 8) and mask.tolist() == [[True] * 4, [True, True, False, False]]
     np.testing.assert_array_equal(padded[0], tokens[4:8])
+
+
+# ------------------------------------------------------------------ transform coding (pcaB)
+
+
+def _hidden_states(rng: np.random.Generator, rows: int, width: int = 640) -> np.ndarray:
+    """Like a text encoder's states: a few huge-mean channels, a concentrated spectrum."""
+    basis = rng.standard_normal((32, width)) * np.linspace(3, 0.2, 32)[:, None]
+    x = rng.standard_normal((rows, 32)) @ basis + 0.05 * rng.standard_normal((rows, width))
+    x[:, :3] += np.array([-39.0, 20.0, 11.0])  # Gemma-like offset channels
+    return x.astype(np.float16)
+
+
+@pytest.mark.parametrize("mode,bits", [("pca4", 4.0), ("pca4.5", 4.5), ("pca2", 2.0)])
+def test_transform_coding_is_fixed_rate_and_records_its_error(tmp_path, mode, bits):
+    from flowmatch_models.transform_codec import bits_of
+
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(5, 60, 40).astype(np.int32)
+    tokens = _hidden_states(rng, int(lengths.sum()))
+    patch = _hidden_states(rng, 40 * 64, 384).reshape(40, 64, 384)
+    ids = [f"s{i}" for i in range(40)]
+    path = tmp_path / "t.fms"
+    stats = write_shard(path, {"tokens": tokens, "lengths": lengths, "patch": patch}, ids,
+                        codec="zstd", lossy={"tokens": mode, "patch": mode})  # fmt: skip
+    assert bits_of(mode) == bits
+    shard = read_shard(path, verify=True)
+    assert shard.names == ["tokens", "lengths", "patch"]  # codes and tables are internal
+    for name, x in (("tokens", tokens), ("patch", patch)):
+        info = shard.info(name)
+        assert info["shape"] == list(x.shape) and info["dtype"] == np.dtype(np.float16).str
+        coded = shard.coded(name)
+        # fixed rate: every row costs the same bytes, at most `bits` per value
+        assert coded.codes.shape == (*x.shape[:-1], coded.row_bytes)
+        assert coded.codes.dtype == np.uint8 and coded.row_bytes * 8 <= bits * x.shape[-1]
+        assert shard._entries[shard._entries[name]["aux"]["codes"]]["codec"] == "none"
+        # the recorded error is the error of what reading returns
+        err = lossy_error(x, shard[name])
+        rec = shard.attrs["lossy"][name]
+        assert rec["mode"] == mode and rec["min_cosine"] == pytest.approx(err["min_cosine"])
+        assert rec["rel_rms"] == pytest.approx(err["rel_rms"], rel=1e-6)
+        assert stats.arrays[name]["row_bytes"] == coded.row_bytes
+        # rows read from the codes decode to the same values as the whole array
+        some = np.array([3, 0, len(coded.codes) - 1])
+        np.testing.assert_allclose(
+            coded.decode(coded.codes[some]), shard[name][some], rtol=2e-3, atol=2e-3
+        )
+    # this data lives on 32 axes: 4 bits per value keep it close; 2 bits a little less so
+    floor = {"pca4": 0.9995, "pca4.5": 0.9995, "pca2": 0.99}[mode]
+    assert shard.attrs["lossy"]["tokens"]["mean_cosine"] > floor
+
+
+def test_transform_coding_of_few_rows_is_near_lossless_and_small(tmp_path):
+    """A shard of few rows spans few axes: they get 8 bits, the rest none (small tables)."""
+    rng = np.random.default_rng(2)
+    tokens = rng.standard_normal((12, 640)).astype(np.float16)
+    write_shard(tmp_path / "s.fms", {"tokens": tokens}, ["a"], lossy={"tokens": "pca4"})
+    shard = read_shard(tmp_path / "s.fms")
+    t = shard.coded("tokens").tables
+    assert t.weight.shape[0] <= 11 and set(t.counts) >= {8} and t.counts[8] == t.weight.shape[0]
+    assert lossy_error(tokens, shard["tokens"])["min_cosine"] > 0.9999
+
+
+def test_transform_coding_refuses_non_finite_and_detects_corrupt_codes(tmp_path):
+    bad = np.ones((10, 8), np.float16)
+    bad[3, 2] = np.inf
+    with pytest.raises(ValueError, match="finite"):
+        write_shard(tmp_path / "b.fms", {"x": bad}, ["a"], lossy={"x": "pca4"})
+    with pytest.raises(ValueError, match="in \\(0, 8\\]"):
+        write_shard(tmp_path / "b.fms", {"x": bad}, ["a"], lossy={"x": "pca9"})
+    with pytest.raises(ValueError, match="pcaB"):
+        write_shard(tmp_path / "b.fms", {"x": bad}, ["a"], lossy={"x": "int4"})
+    x = _hidden_states(np.random.default_rng(3), 200, 64)
+    path = tmp_path / "c.fms"
+    write_shard(path, {"x": x}, ["a"], lossy={"x": "pca4"})
+    shard = read_shard(path)
+    e = shard._entries[shard._entries["x"]["aux"]["codes"]]
+    data = bytearray(path.read_bytes())
+    data[shard._data_start + e["offset"] + 5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match="checksum mismatch in array 'x.__codes__'"):
+        read_shard(path, verify=True)
+    with pytest.raises(StoreError, match="checksum"):
+        read_shard(path)["x"]

@@ -13,6 +13,7 @@ BENCHES = {
     for name in (
         "images",
         "store",
+        "loader",
         "precalc",
         "train",
         "orchestration",

@@ -145,7 +145,11 @@ def _view_sql(layout: DataLayout) -> list[str]:
                   sum(stored_bytes) / nullif(sum(samples), 0) AS stored_bytes_per_sample,
                   sum(stored_bytes) / nullif(sum(samples), 0) * {PD12M_PAIRS} / 1e9
                       AS projected_pd12m_gb,
-                  min(lossy_min_cosine) AS lossy_min_cosine, max(lossy_rel_rms) AS lossy_rel_rms
+                  min(lossy_min_cosine) AS lossy_min_cosine, max(lossy_rel_rms) AS lossy_rel_rms,
+                  -- ragged kinds (caption states): valid tokens stored and bytes per token row
+                  sum(TRY_CAST(json_extract(extra, '$.tokens') AS DOUBLE)) AS tokens,
+                  max(TRY_CAST(json_extract(extra, '$.token_row_bytes') AS DOUBLE))
+                      AS token_row_bytes
            FROM materializations WHERE stored_bytes > 0 GROUP BY asset""",
         # training's rate is its latest run's median steady-window rate (the budget's figure);
         # every other asset's is samples / seconds over its partitions

@@ -29,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--watts", type=float, default=d.box_watts, help="owned box watts at load")
     p.add_argument("--kwh-usd", type=float, default=d.kwh_usd, help="electricity $/kWh")
     p.add_argument("--hardware-usd", type=float, default=None, help="owned box price (payback)")
+    p.add_argument("--ssd-tb", type=float, default=d.ssd_tb,
+                   help="the SSD for embeddings + checkpoints, TB (says whether they fit)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     return p
 
@@ -49,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             box_watts=a.watts,
             kwh_usd=a.kwh_usd,
             hardware_usd=a.hardware_usd,
+            ssd_tb=a.ssd_tb,
         )
         cfg.validate_targets()
     except (ValueError, ValidationError) as e:

@@ -671,7 +671,7 @@ COMMANDS: dict[str, Command] = {
     ),
     "bench": Command(
         cmd_bench,
-        "benchmarks: images, store, precalc, train, orchestration, learning",
+        "benchmarks: images, store, loader, precalc, train, orchestration, learning, ...",
         [arg("which", nargs="?", help="the benchmark (flowmatch bench --help lists them)")],
         rest=True,
     ),

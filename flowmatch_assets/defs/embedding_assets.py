@@ -11,6 +11,7 @@ partitions never share a GPU; without CUDA it runs on the CPU.
 from collections.abc import Sequence
 
 import dagster as dg
+import numpy as np
 
 from flowmatch_assets.catalog import RowOutcome
 from flowmatch_assets.defs.data_assets import images_256
@@ -95,6 +96,13 @@ def _store(context, flowmatch: FlowmatchResource, e, ids: list[str]) -> dg.Mater
     errs = [a["lossy"] for a in stats.arrays.values() if "lossy" in a]
     seed = kind.seed_bytes(len(ids), spec, e.arrays)
     counts = {w.attr: e.attrs[w.attr] for w in kind.warnings}
+    ragged = {}  # a kind with token rows: how many, and the bytes of one (the SSD projection)
+    for a in kind.arrays:
+        if a.rows == "token" and "lengths" in e.arrays:
+            tokens = int(np.asarray(e.arrays["lengths"]).sum())
+            st = stats.arrays[a.name]
+            ragged = {"tokens": tokens,
+                      "token_row_bytes": st.get("row_bytes") or st["stored_bytes"] / max(tokens, 1)}  # fmt: skip
     label = f" ({e.attrs['weights']})" if e.attrs["weights"] else ""
     context.log.info(
         f"{out.partition}: {kind.name} {len(ids)} samples, {stats.stored_bytes} B{label}"
@@ -116,6 +124,7 @@ def _store(context, flowmatch: FlowmatchResource, e, ids: list[str]) -> dg.Mater
             "weights": e.attrs["weights"],  # its label: random, demo VAE, real Gemma, or ""
             "array_bytes": stats.raw_bytes,
             **counts,
+            **ragged,
         },
         metadata={
             "samples": len(ids),

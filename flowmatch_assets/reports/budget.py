@@ -72,13 +72,19 @@ class BudgetConfig(BaseModel):
     hardware_usd: float | None = Field(
         default=None, description="Owned box purchase price (seed: ~2500); None skips payback."
     )
+    ssd_tb: float = Field(
+        default=1.0, description="The SSD that holds the embeddings and checkpoints, in TB."
+    )
+    max_tokens: int = Field(
+        default=128, description="Caption tokens stored at most (the worst case on the SSD)."
+    )
 
     def validate_targets(self) -> None:
         """Raise ValueError on targets that make no sense (zero batch, negative prices...)."""
         for name in ("dataset_pairs", "updates", "effective_batch", "gpus"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"budget: {name} must be > 0, got {getattr(self, name)}")
-        for name in ("gpu_hour_usd", "cpu_hour_usd", "box_watts", "kwh_usd"):
+        for name in ("gpu_hour_usd", "cpu_hour_usd", "box_watts", "kwh_usd", "ssd_tb"):
             if getattr(self, name) < 0:
                 raise ValueError(f"budget: {name} must be >= 0, got {getattr(self, name)}")
 
@@ -215,10 +221,17 @@ def _training(catalog: Catalog) -> list[Rate]:
 
 def _bytes_per_sample(catalog: Catalog) -> dict[str, dict]:
     rows = catalog.query(
-        "SELECT asset, codec, samples, stored_bytes_per_sample AS b FROM compression"
+        "SELECT asset, codec, samples, stored_bytes_per_sample AS b, tokens, token_row_bytes "
+        "FROM compression"
     )
     return {
-        r["asset"]: {"bytes": float(r["b"]), "codec": r["codec"], "samples": int(r["samples"])}
+        r["asset"]: {
+            "bytes": float(r["b"]),
+            "codec": r["codec"],
+            "samples": int(r["samples"]),
+            "tokens": r["tokens"],
+            "token_row_bytes": r["token_row_bytes"],
+        }  # fmt: skip
         for r in rows
         if r["b"]
     }
@@ -321,23 +334,47 @@ def project(measured: dict, cfg: BudgetConfig) -> list[dict]:
 
 
 def project_disk(measured: dict, cfg: BudgetConfig) -> list[dict]:
-    """Disk for ``dataset_pairs``: stored bytes per sample (catalog ``compression``) x pairs,
-    images (HDD) and embeddings (SSD) separately, then the seed's figures."""
+    """Disk for ``dataset_pairs``: stored bytes per sample (catalog ``compression``) x pairs:
+    images (HDD), then each embedding kind and their total (SSD), the checkpoints, and whether
+    embeddings + checkpoints fit ``ssd_tb`` as measured and in the worst case (every caption at
+    ``max_tokens`` tokens: the stored bytes of a token are fixed); then the seed's figures."""
     per = measured.get("bytes") or {}
     out = []
-    for what, assets in (("images (HDD)", ("images_256",)), ("embeddings (SSD)", EMBEDDING_ASSETS)):
-        missing = [a for a in assets if a not in per]
-        if missing:
-            out.append({"what": what, "bytes_per_sample": None, "gb": None,
-                        "note": f"not measured: {', '.join(missing)}"})  # fmt: skip
+    images = per.get("images_256")
+    out.append({"what": "images (HDD)", "bytes_per_sample": images and images["bytes"],
+                "gb": images and images["bytes"] * cfg.dataset_pairs / 1e9,
+                "note": f"images_256 {images['codec'] or '?'}; from {images['samples']:,} samples"
+                if images else "not measured: images_256"})  # fmt: skip
+    missing = [a for a in EMBEDDING_ASSETS if a not in per]
+    total = worst = 0.0
+    for a in EMBEDDING_ASSETS:
+        if a not in per:
             continue
-        b = sum(per[a]["bytes"] for a in assets)
-        codecs = ", ".join(f"{a} {per[a]['codec'] or '?'}" for a in assets)
-        samples = min(per[a]["samples"] for a in assets)
-        note = f"{codecs}; from {samples:,} samples"
-        out.append({"what": what, "bytes_per_sample": b, "gb": b * cfg.dataset_pairs / 1e9,
-                    "note": note})  # fmt: skip
-    out.append(checkpoint_row(cfg))
+        m = per[a]
+        b, note = m["bytes"], f"{m['codec'] or '?'}; from {m['samples']:,} samples"
+        bw = b
+        if m.get("tokens") and m.get("token_row_bytes"):
+            mean = m["tokens"] / m["samples"]
+            bw = b + (cfg.max_tokens - mean) * m["token_row_bytes"]
+            note += (f"; {mean:.1f} tokens/caption measured x {m['token_row_bytes']:,.0f} B; "
+                     f"{cfg.max_tokens} tokens each: {bw:,.0f} B/sample, "
+                     f"{bw * cfg.dataset_pairs / 1e9:,.0f} GB")  # fmt: skip
+        total, worst = total + b, worst + bw
+        out.append({"what": f"  {a} (SSD)", "bytes_per_sample": b,
+                    "gb": b * cfg.dataset_pairs / 1e9, "note": note})  # fmt: skip
+    if missing:
+        out.append({"what": "embeddings (SSD)", "bytes_per_sample": None, "gb": None,
+                    "note": f"not measured: {', '.join(missing)}"})  # fmt: skip
+    else:
+        out.append({"what": "embeddings (SSD)", "bytes_per_sample": total,
+                    "gb": total * cfg.dataset_pairs / 1e9,
+                    "note": f"every kind; {worst * cfg.dataset_pairs / 1e9:,.0f} GB if every "
+                    f"caption had {cfg.max_tokens} tokens"})  # fmt: skip
+    ckpt = checkpoint_row(cfg)
+    out.append(ckpt)
+    if not missing:
+        out.append(ssd_fit(total * cfg.dataset_pairs / 1e9, worst * cfg.dataset_pairs / 1e9,
+                           ckpt["gb"], cfg.ssd_tb))  # fmt: skip
     for what, gb in (
         ("seed: images 256 px", SEED_IMAGES_GB),
         ("seed: embeddings", SEED_EMBEDDINGS_GB),
@@ -345,6 +382,25 @@ def project_disk(measured: dict, cfg: BudgetConfig) -> list[dict]:
         out.append({"what": what, "bytes_per_sample": gb * 1e9 / PD12M_PAIRS,
                     "gb": gb * cfg.dataset_pairs / PD12M_PAIRS, "note": "seed, for PD12M, scaled"})  # fmt: skip
     return out
+
+
+def ssd_fit(embeddings_gb: float, worst_gb: float, checkpoints_gb: float, ssd_tb: float) -> dict:
+    """Whether embeddings + checkpoints fit an SSD of ``ssd_tb`` TB, as measured and at worst."""
+    cap = ssd_tb * 1000
+    need, need_worst = embeddings_gb + checkpoints_gb, worst_gb + checkpoints_gb
+    fits, fits_worst = need <= cap, need_worst <= cap
+    verdict = (f"fits: {cap - need:,.0f} GB left" if fits
+               else f"does NOT fit: {need - cap:,.0f} GB short")  # fmt: skip
+    verdict += "; at 128-token captions " + (
+        f"fits too ({cap - need_worst:,.0f} GB left)"
+        if fits_worst
+        else f"{need_worst - cap:,.0f} GB short"  # fmt: skip
+    )
+    if not fits:
+        verdict += ("; store the text and DINO arrays lossy (EncoderSpec.lossy: pca4.5/pca4, "
+                    "the default) or plan a larger SSD")  # fmt: skip
+    return {"what": f"SSD {ssd_tb:g} TB: embeddings + checkpoints", "bytes_per_sample": None,
+            "gb": need, "note": verdict, "fits": fits, "fits_worst_case": fits_worst}  # fmt: skip
 
 
 def checkpoint_row(cfg: BudgetConfig) -> dict:
