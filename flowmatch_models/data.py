@@ -572,7 +572,7 @@ def decode_batch(batch: dict, tables, scaling_factor: float, device) -> dict:
     if "text_rows" not in batch:
         return batch  # decoded already
     out = {k: v for k, v in batch.items() if not k.startswith(("text_", "dino_"))}
-    for k in ("parts", "coded"):
+    for k in ("parts", "coded", "sizes"):
         out.pop(k, None)
     out["latents"] = batch["latents"].to(device).float() * scaling_factor
     mask = batch["mask"].to(device)

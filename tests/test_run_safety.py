@@ -208,13 +208,36 @@ class NoSync(Callback):
         self._disarm()
 
 
-def test_the_training_step_never_reads_the_device(store: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("storage", ["mixed", "default"])
+def test_the_training_step_never_reads_the_device(
+    store: Path, tmp_path: Path, storage: str, monkeypatch
+) -> None:
     """Micro-batches and optimizer steps (clip, skip check, EMA) run with every tensor -> host
-    read trapped; the logging cadence (every 4th step) is where values are read."""
+    read trapped, and so does the decoding of the stored batch on the device (codes of the
+    default storage; fp16 rows of lossless ones); the logging cadence (every 4th step) is
+    where values are read."""
+    from test_loader import make_root
+
+    from flowmatch_models.lightning_module import FlowMatchModule
+
+    if storage == "default":
+        store = make_root(tmp_path / "coded", SIZES, "default")
     out = tmp_path / "nosync"
     cfg = tiny_config(store, out, trainer__max_steps=8, trainer__log_every=4,
                       trainer__max_skipped_steps=4)  # fmt: skip
     probe = NoSync()
+    decode = FlowMatchModule.on_after_batch_transfer
+
+    def trapped_decode(self, batch, idx):
+        assert "text_rows" in batch and batch["latents"].dtype == torch.float16  # as stored
+        assert ("text" in batch["coded"]) == (storage == "default")
+        probe._arm()
+        try:
+            return decode(self, batch, idx)
+        finally:
+            probe._disarm()
+
+    monkeypatch.setattr(FlowMatchModule, "on_after_batch_transfer", trapped_decode)
     result = fit_with(cfg, [probe])
     assert probe.batches == 16 and result.step == 8
     rows = [r for r in _metrics(out) if r.get("train_t/bin0")]

@@ -111,7 +111,9 @@ def test_complete_partitions_and_batches(store: Path) -> None:
     dm = EmbeddingDataModule(store, batch_size=8)
     assert dm.partitions == sorted(SIZES)  # 009-00 has no dino/text
     assert dm.scaling_factor == pytest.approx(SF)
-    batch = next(iter(dm.train_dataloader()))
+    stored = next(iter(dm.train_dataloader()))  # what the workers hand over: rows as stored
+    assert stored["latents"].dtype == torch.float16 and "text" not in stored
+    batch = dm.decode_batch(stored, "cpu")  # what the training step sees (on its device)
     assert batch["latents"].shape == (8, 32, 8, 8) and batch["dino"].shape == (8, 64, 384)
     width = batch["mask"].sum(1).max()
     assert batch["text"].shape == (8, width, 640)  # padded to the batch's longest caption

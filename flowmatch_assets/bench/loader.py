@@ -260,7 +260,9 @@ def measure(
     per_window = int(sizes[:shuffle_window].sum())
     boundary = per_window // batch_size  # the first batch that reaches the second window
     times, samples, steady = [], 0, None
-    warm = 2 * num_workers + 8  # steady state from here (workers started, queues full)
+    total = int(sizes.sum()) // batch_size
+    # steady state from here (workers started, queues full)
+    warm = min(2 * num_workers + 8, (min(total, max_batches or total)) // 2)
     for k, batch in enumerate(dm.train_dataloader()):
         times.append(time.time())
         samples += len(batch["latents"])

@@ -1,0 +1,175 @@
+"""The training loader at scale: memory bounded whatever the partition size and worker count,
+the same sample order in every storage format, the order definition in the checkpoint, and the
+shared batch ring that refuses to hand out a batch twice."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from flowmatch_assets.bench.loader import measure_in_subprocess
+from flowmatch_models.data import (
+    ORDER,
+    BatchRing,
+    BatchStream,
+    EmbeddingDataModule,
+    OrderChangedError,
+    epoch_windows,
+)
+from flowmatch_models.encoder_spec import DEFAULT_LOSSY
+from flowmatch_models.layout import DataLayout
+from flowmatch_models.store import lossy_error, read_shard, write_shard
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one intra-op thread
+SF = 0.41407
+#: storage name -> (codec, lossy per kind), as `flowmatch bench loader --storage` names them
+STORAGES = {"default": ("none", DEFAULT_LOSSY), "lossless": ("none", {}), "zstd": ("zstd", {})}
+
+
+def _states(rng, rows: int, width: int) -> np.ndarray:
+    """Hidden-state-like rows: a concentrated spectrum plus a huge-mean channel."""
+    basis = rng.standard_normal((24, width)) * np.linspace(2, 0.2, 24)[:, None]
+    x = rng.standard_normal((rows, 24)) @ basis + 0.05 * rng.standard_normal((rows, width))
+    x[:, 0] -= 30.0
+    return x.astype(np.float16)
+
+
+def make_root(root: Path, sizes: dict[str, int], storage: str, seed: int = 0, mean_len: int = 20):
+    """Well-formed training shards of ``sizes`` in a storage of :data:`STORAGES`; the arrays
+    depend only on ``seed``, not on the storage."""
+    codec, lossy = STORAGES[storage]
+    layout = DataLayout(root)
+    rng = np.random.default_rng(seed)
+    null = _states(np.random.default_rng(seed + 1), 1, 640)  # one text encoder: one empty prompt
+    for p, n in sizes.items():
+        ids = [f"{p}/{j}" for j in range(n)]
+        lengths = rng.integers(2, 2 * mean_len, n).astype(np.int32)
+        arrays = {
+            "vae_latents": {"latents": (rng.standard_normal((n, 32, 8, 8)) / SF).astype(np.float16)},
+            "dino_features": {"patch": _states(rng, n * 64, 384).reshape(n, 64, 384),
+                              "cls": _states(rng, n, 384)},
+            "text_embeddings": {"tokens": _states(rng, int(lengths.sum()), 640), "lengths": lengths,
+                                "null_tokens": null},
+        }  # fmt: skip
+        for kind, arrs in arrays.items():
+            mode = lossy.get(kind)
+            write_shard(
+                layout.asset_path(kind, p), arrs, ids, codec=codec,
+                attrs={"scaling_factor": SF} if kind == "vae_latents" else {},
+                lossy={"patch" if kind == "dino_features" else "tokens": mode} if mode else None,
+            )  # fmt: skip
+    return root
+
+
+def _epoch(root: Path, workers: int, batch: int = 16, window: int = 2) -> list[dict]:
+    """Every batch of one epoch through the data module's own loader, decoded on the host."""
+    dm = EmbeddingDataModule(root, batch_size=batch, num_workers=workers, shuffle_window=window,
+                             heldout=(0.05, 4))  # fmt: skip
+    out = []
+    for b in dm.train_dataloader():
+        meta = b.pop("meta")
+        d = dm.decode_batch(b, "cpu")
+        out.append({"ids": list(meta["ids"]), "position": meta["position"],
+                    **{k: d[k].clone() for k in ("latents", "text", "mask", "dino")}})  # fmt: skip
+    return out
+
+
+SIZES = {"000-00": 40, "000-01": 36, "000-02": 44, "001-00": 40, "001-01": 30}
+
+
+@pytest.fixture(scope="module")
+def roots(tmp_path_factory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("storages")
+    return {s: make_root(base / s, SIZES, s) for s in STORAGES}
+
+
+def test_every_storage_gives_the_same_order_and_values(roots):
+    """The sample order is a pure function of seed, epoch and partitions: the same ids, batch
+    for batch, in every storage and with any worker count; lossless storages give identical
+    values, the default (transform-coded) ones within its recorded error."""
+    ref = _epoch(roots["zstd"], workers=0)
+    trainable = EmbeddingDataModule(roots["zstd"], heldout=(0.05, 4)).source.sizes
+    assert sum(SIZES.values()) - 5 * 4 <= trainable.sum() < sum(SIZES.values())  # held out
+    assert len(ref) == int(trainable.sum()) // 16
+    ids = [b["ids"] for b in ref]
+    assert len({i for b in ids for i in b}) == sum(len(b) for b in ids)  # no sample twice
+    for storage, workers in (("lossless", 2), ("default", 2), ("default", 0)):
+        got = _epoch(roots[storage], workers)
+        assert [b["ids"] for b in got] == ids, storage
+        for a, b in zip(ref, got):
+            assert torch.equal(a["mask"], b["mask"]) and torch.equal(a["latents"], b["latents"])
+            if storage == "lossless":
+                assert torch.equal(a["text"], b["text"]) and torch.equal(a["dino"], b["dino"])
+            else:
+                m = a["mask"]
+                text = lossy_error(a["text"][m].numpy(), b["text"][m].numpy())
+                assert text["mean_cosine"] > 0.999 and text["rel_rms"] < 0.05
+                assert (b["text"][~m] == 0).all()  # padding stays zero
+                dino = lossy_error(a["dino"].numpy(), b["dino"].numpy())
+                assert dino["mean_cosine"] > 0.999
+    # the error reading returns is the error the shard recorded
+    shard = read_shard(DataLayout(roots["default"]).asset_path("text_embeddings", "000-01"))
+    ref_shard = read_shard(DataLayout(roots["zstd"]).asset_path("text_embeddings", "000-01"))
+    err = lossy_error(ref_shard["tokens"], shard["tokens"])
+    assert shard.attrs["lossy"]["tokens"]["rel_rms"] == pytest.approx(err["rel_rms"], rel=1e-6)
+
+
+def test_the_next_window_is_opened_before_its_first_batch(roots):
+    """No worker opens a whole window at the boundary: its partitions are open before the
+    first batch that needs them."""
+    dm = EmbeddingDataModule(roots["default"], batch_size=8, shuffle_window=2, heldout=(0.05, 4))
+    src = dm.source
+    windows = epoch_windows(src.sizes, 0, 0, 2)
+    first_of_second = int(src.sizes[windows[0]].sum()) // 8
+    stream = BatchStream(src, 8, shuffle_window=2, decode=False)
+    for k, _ in zip(range(first_of_second), stream):
+        pass
+    assert k == first_of_second - 1
+    assert {int(p) for p in windows[1]} <= set(src._open)
+
+
+def test_state_records_the_order_and_a_resume_under_another_stops(roots):
+    dm = EmbeddingDataModule(roots["default"], batch_size=8)
+    state = dm.state_dict()
+    assert state["order"] == ORDER == "window-v1"
+    dm.load_state_dict(dict(state))  # same definition: fine
+    legacy = {k: v for k, v in state.items() if k != "order"}  # before the key: window-v1
+    dm.load_state_dict(legacy)
+    with pytest.raises(OrderChangedError) as e:
+        dm.load_state_dict({**state, "order": "bucket-v1"})
+    msg = str(e.value)
+    assert "'bucket-v1'" in msg and "'window-v1'" in msg and "\n" not in msg
+
+
+def test_a_ring_slot_refilled_while_in_use_is_refused(roots):
+    dm = EmbeddingDataModule(roots["default"], batch_size=8)
+    ring = BatchRing(dm.source, 8, workers=1, slots_per_worker=1)  # far too small on purpose
+    items = iter(BatchStream(dm.source, 8, decode=False, ring=ring))
+    first = ring.open(next(items))
+    assert first["latents"].shape == (8, 32, 8, 8)
+    with pytest.raises(RuntimeError, match="refilled while batch 0 was in use"):
+        ring.open(next(items))
+
+
+def test_loader_memory_does_not_grow_with_partition_size_or_workers(tmp_path):
+    """The loader's memory is its batch buffers: peak USS (private memory, summed over the
+    main process and its workers, measured from outside) does not grow with the partition
+    size nor, beyond each process's own interpreter, with the worker count. The old way
+    (stored compressed: partitions decoded whole) grows with both: shown beside it."""
+    small = make_root(tmp_path / "small", {f"00{i}-00": 300 for i in range(3)}, "default", mean_len=40)
+    big = make_root(tmp_path / "big", {f"00{i}-00": 900 for i in range(3)}, "default", mean_len=40)
+    old = make_root(tmp_path / "old", {f"00{i}-00": 900 for i in range(3)}, "zstd", mean_len=40)
+
+    def uss(root: Path, workers: int) -> float:
+        m = measure_in_subprocess(root, 32, workers, 2, max_batches=60)
+        return m["peak_uss_gb"] * 1e3  # MB
+
+    small1, big1, big3, old1 = uss(small, 1), uss(big, 1), uss(big, 3), uss(old, 1)
+    # measured here: 348 / 353 / 384 MB at 1,200 samples a partition, the old way 632 MB
+    assert big1 - small1 < 30, (small1, big1)
+    assert big3 - big1 < 2 * 60, (big1, big3)  # two more interpreters, no more data
+    # 3 x 900 captions x 40 tokens x 640 + 3 x 900 x 64 x 384 fp16: ~270 MB decoded
+    assert old1 - big1 > 150, (big1, old1)  # decoding partitions whole: the growth the test sees
