@@ -168,6 +168,10 @@ class ShardSource:
                 text0.path,
             )
 
+    def __getstate__(self) -> dict:
+        """Pickled (a DataLoader worker under ``spawn``): without open files; reopened there."""
+        return {**self.__dict__, "_open": OrderedDict(), "_tables": OrderedDict()}
+
     @property
     def kinds(self) -> list[str]:
         return ["vae_latents", "text_embeddings", *(["dino_features"] if self.load_dino else [])]
@@ -262,8 +266,6 @@ class ShardSource:
         out = {"ids": vae.ids, "latents": _rows(vae, "latents"), "tokens": _rows(text, "tokens")}
         out["lengths"] = np.asarray(text["lengths"]).astype(np.int64)
         out["offsets"] = ragged_offsets(out["lengths"])
-        out["heldout"] = self.heldout_rows[i]
-        out["shards"] = shards
         if self.load_dino:
             dino = self._shard("dino_features", p)
             shards.append(dino)

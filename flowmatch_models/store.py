@@ -596,9 +596,9 @@ class Shard:
         aux = {role: self._raw_view(a, check=verify or role != "codes")  # tables: always
                for role, a in e["aux"].items()}  # fmt: skip
         counts = {int(w): int(n) for w, n in e["counts"].items()}
-        tables = transform_codec.Tables(
-            np.asarray(aux["mean"]), np.asarray(aux["weight"]), np.asarray(aux["lo"]),
-            np.asarray(aux["step"]), counts,
+        tables = transform_codec.Tables(  # small: copied out of the file's mapping
+            np.array(aux["mean"]), np.array(aux["weight"]), np.array(aux["lo"]),
+            np.array(aux["step"]), counts,
         )  # fmt: skip
         return Coded(aux["codes"], tables)
 

@@ -153,3 +153,40 @@ def test_asset_and_cli(tmp_path, capsys, monkeypatch):
     assert data["config"]["box_watts"] == 700 and data["measured"]["images"][0]["per_s"] == 100
     assert main(["--batch", "0"]) == 2
     assert "effective_batch" in capsys.readouterr().err
+
+
+def test_disk_per_kind_worst_case_tokens_and_whether_the_ssd_fits(tmp_path, capsys, monkeypatch):
+    """Each kind's bytes from the catalog, the caption tokens measured and at max_tokens (a
+    token's stored bytes are fixed), and whether embeddings + checkpoints fit the SSD."""
+    for p in ("000-00", "000-01"):
+        _rec(tmp_path, "vae_latents", p, 1000, 1.0, stored=1000 * 4_108)
+        _rec(tmp_path, "dino_features", p, 1000, 1.0, stored=1000 * 13_100)
+        # 100 tokens a caption at 359 B a token + 1,000 B of lengths/null/tables a sample
+        _rec(tmp_path, "text_embeddings", p, 1000, 1.0, stored=1000 * 36_900,
+             extra={"tokens": 100_000, "token_row_bytes": 359})  # fmt: skip
+    cfg = BudgetConfig(updates=400_000)
+    _, data = budget(Catalog(tmp_path), cfg)
+    disk = {d["what"].strip(): d for d in data["disk"]}
+    text = disk["text_embeddings (SSD)"]
+    assert text["gb"] == pytest.approx(36_900 * 12.4e6 / 1e9)
+    assert "100.0 tokens/caption measured x 359 B" in text["note"]
+    worst_text = 36_900 + 28 * 359  # 128 tokens each
+    assert f"128 tokens each: {worst_text:,} B/sample" in text["note"]
+    emb = disk["embeddings (SSD)"]
+    total = 4_108 + 13_100 + 36_900
+    assert emb["bytes_per_sample"] == pytest.approx(total)
+    ckpt = disk["checkpoints (SSD, 400,000 updates)"]["gb"]
+    fit = disk["SSD 1 TB: embeddings + checkpoints"]
+    assert fit["gb"] == pytest.approx(total * 12.4e6 / 1e9 + ckpt)
+    assert fit["fits"] and fit["fits_worst_case"]  # 671 + 44 and 715 + 44 GB of 1,000
+    assert fit["note"].startswith(f"fits: {1000 - fit['gb']:,.0f} GB left")
+    # a 0.5 TB SSD does not hold them: it says so, by how much, and what to do
+    _, small = budget(Catalog(tmp_path), BudgetConfig(updates=400_000, ssd_tb=0.5))
+    fit = {d["what"]: d for d in small["disk"]}["SSD 0.5 TB: embeddings + checkpoints"]
+    assert not fit["fits"] and f"{fit['gb'] - 500:,.0f} GB short" in fit["note"]
+    assert "pca4.5" in fit["note"]
+    # the CLI: `flowmatch budget --ssd-tb 0.5` on this catalog
+    monkeypatch.setenv("FLOWMATCH_DATA_ROOT", str(tmp_path))
+    assert main(["--ssd-tb", "0.5", "--updates", "400000"]) == 0
+    out = capsys.readouterr().out
+    assert "| SSD 0.5 TB: embeddings + checkpoints |" in out and "does NOT fit" in out

@@ -159,7 +159,9 @@ def test_loader_memory_does_not_grow_with_partition_size_or_workers(tmp_path):
     main process and its workers, measured from outside) does not grow with the partition
     size nor, beyond each process's own interpreter, with the worker count. The old way
     (stored compressed: partitions decoded whole) grows with both: shown beside it."""
-    small = make_root(tmp_path / "small", {f"00{i}-00": 300 for i in range(3)}, "default", mean_len=40)
+    small = make_root(
+        tmp_path / "small", {f"00{i}-00": 300 for i in range(3)}, "default", mean_len=40
+    )
     big = make_root(tmp_path / "big", {f"00{i}-00": 900 for i in range(3)}, "default", mean_len=40)
     old = make_root(tmp_path / "old", {f"00{i}-00": 900 for i in range(3)}, "zstd", mean_len=40)
 
