@@ -446,6 +446,11 @@ class FileRows:
         (``count``: an int or one per item). One ``preadv`` per item, nothing else per row."""
         mv = memoryview(out.numpy()).cast("B")
         rb, base, fd = self.row_bytes, self.base, self.fd
+        if int(np.prod(out.shape[1:])) * out.element_size() != rb:
+            raise StoreError(
+                f"{self.path}: rows of {rb} bytes, the batch's differ: its "
+                "partitions were stored differently; re-make them with one storage setting"
+            )
         starts, dsts = np.asarray(start).tolist(), np.asarray(dst).tolist()
         counts = [count] * len(starts) if np.ndim(count) == 0 else np.asarray(count).tolist()
         preadv = os.preadv

@@ -598,7 +598,7 @@ class Shard:
         counts = {int(w): int(n) for w, n in e["counts"].items()}
         tables = transform_codec.Tables(  # small: copied out of the file's mapping
             np.array(aux["mean"]), np.array(aux["weight"]), np.array(aux["lo"]),
-            np.array(aux["step"]), counts,
+            np.array(aux["step"]), counts, int(aux["codes"].shape[-1]),
         )  # fmt: skip
         return Coded(aux["codes"], tables)
 

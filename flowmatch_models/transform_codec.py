@@ -67,6 +67,9 @@ class Tables:
     lo: np.ndarray  # [K] float32
     step: np.ndarray  # [K] float32
     counts: dict[int, int]
+    #: stored bytes of a row: fixed by the width and the bits (:func:`row_size`), whatever
+    #: the data; the codes fill ``sum(n * w / 8)`` of them, the rest are zero
+    row_size: int = 0
     #: ``[D, K]``: rows -> axes (``(x - mean) @ proj``); known at fit time only, not stored
     proj: np.ndarray | None = None
 
@@ -75,8 +78,14 @@ class Tables:
         return int(self.mean.shape[-1])
 
     def row_bytes(self) -> int:
-        """Stored bytes of one row (all widths)."""
-        return sum(n * w // 8 for w, n in self.counts.items())
+        """Stored bytes of one row."""
+        return self.row_size or sum(n * w // 8 for w, n in self.counts.items())
+
+
+def row_size(width: int, bits: float) -> int:
+    """Bytes of a coded row of ``width`` values at ``bits`` per value: the same for every
+    shard of a run, so batches mix partitions (a rank-deficient shard pads its rows)."""
+    return int(np.floor(bits * width / 8 + 1e-9))
 
 
 def allocate(variances: np.ndarray, bits: float) -> np.ndarray:
@@ -85,7 +94,7 @@ def allocate(variances: np.ndarray, bits: float) -> np.ndarray:
     rounded so its codes fill whole bytes. Non-increasing along the axes. Axes without variance
     get none (a shard of few rows spans few axes: they are coded at 8 bits, the rest dropped)."""
     d = len(variances)
-    budget = int(np.floor(bits * d + 1e-9))
+    budget = 8 * row_size(d, bits)
     ladder = (0, 1, 2, 4, 8)
     b = np.zeros(d, np.int64)
     # axes below 1e-5 of the mean variance are numerically empty (rank-deficient fits: small
@@ -135,7 +144,8 @@ def fit(x: np.ndarray, bits: float, device: str = "cpu") -> Tables:
     if r < 2:  # nothing to learn axes from: the rows are the mean
         mean = xs.mean(0).cpu() if r else torch.zeros(d)
         return Tables(mean.numpy(), np.zeros((0, d), np.float16), np.zeros(0, np.float32),
-                      np.zeros(0, np.float32), dict.fromkeys(WIDTHS, 0), np.zeros((d, 0), np.float32))  # fmt: skip
+                      np.zeros(0, np.float32), dict.fromkeys(WIDTHS, 0), row_size(d, bits),
+                      np.zeros((d, 0), np.float32))  # fmt: skip
     mean = xs.double().mean(0)
     std = xs.double().std(0, correction=0)
     std = torch.where(std > 0, std, torch.ones_like(std))
@@ -153,7 +163,8 @@ def fit(x: np.ndarray, bits: float, device: str = "cpu") -> Tables:
     counts = {w: int((widths == w).sum()) for w in WIDTHS}
     proj = (axes / std[:, None].float()).cpu().numpy()
     cpu = lambda t: t.float().cpu().numpy()  # noqa: E731
-    return Tables(cpu(mean), weight.half().cpu().numpy(), cpu(lo), cpu(step), counts, proj)
+    return Tables(cpu(mean), weight.half().cpu().numpy(), cpu(lo), cpu(step), counts,
+                  row_size(d, bits), proj)  # fmt: skip
 
 
 def _ranges(y, widths):
