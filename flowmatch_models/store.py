@@ -191,29 +191,63 @@ def _dequantize(q: np.ndarray, scale: np.ndarray, mode: str) -> np.ndarray:
     return (x * scale).astype(np.float16)
 
 
-def lossy_error(original: np.ndarray, restored: np.ndarray) -> dict:
+class ErrorStats:
+    """:func:`lossy_error` accumulated over chunks of rows (float64 per chunk only)."""
+
+    def __init__(self):
+        self.min_cos, self.sum_cos, self.rows, self.sq_a, self.sq_d, self.values = (
+            1.0,
+            0.0,
+            0,
+            0.0,
+            0.0,
+            0,
+        )
+
+    def add(self, original: np.ndarray, restored: np.ndarray) -> None:
+        a = np.asarray(original, dtype=np.float64).reshape(-1, original.shape[-1])
+        b = np.asarray(restored, dtype=np.float64).reshape(-1, restored.shape[-1])
+        if a.shape != b.shape:
+            raise ValueError(f"shape mismatch: {original.shape} vs {restored.shape}")
+        if not a.shape[0]:
+            return
+        na, nb = np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=1)
+        dot = (a * b).sum(axis=1)
+        both_zero = (na == 0) & (nb == 0)
+        cos = np.where(both_zero, 1.0, dot / np.maximum(na * nb, 1e-300))
+        self.min_cos = min(self.min_cos, float(cos.min()))
+        self.sum_cos += float(cos.sum())
+        self.rows += len(cos)
+        self.sq_a += float((a * a).sum())
+        self.sq_d += float(((a - b) ** 2).sum())
+        self.values += a.size
+
+    def result(self) -> dict:
+        if not self.rows:
+            return {"min_cosine": 1.0, "mean_cosine": 1.0, "rel_rms": 0.0}
+        rms_a, rms_d = np.sqrt(self.sq_a / self.values), np.sqrt(self.sq_d / self.values)
+        return {
+            "min_cosine": self.min_cos,
+            "mean_cosine": self.sum_cos / self.rows,
+            "rel_rms": float(rms_d / rms_a) if rms_a > 0 else float(rms_d),
+        }
+
+
+def lossy_error(original: np.ndarray, restored: np.ndarray, chunk: int = 65_536) -> dict:
     """Error of a lossy round trip, per row vector along the last dim.
 
     Returns ``{"min_cosine", "mean_cosine", "rel_rms"}``; rows that are zero in both arrays count
-    as cosine 1, ``rel_rms = rms(original - restored) / rms(original)``.
+    as cosine 1, ``rel_rms = rms(original - restored) / rms(original)``. Computed ``chunk`` rows
+    at a time (a PD12M text shard is ~1M rows: float64 copies of it would be 5 GB each).
     """
-    a = np.asarray(original, dtype=np.float64).reshape(-1, original.shape[-1])
-    b = np.asarray(restored, dtype=np.float64).reshape(-1, restored.shape[-1])
-    if a.shape != b.shape:
+    if original.shape != restored.shape:
         raise ValueError(f"shape mismatch: {original.shape} vs {restored.shape}")
-    if a.shape[0] == 0:
-        return {"min_cosine": 1.0, "mean_cosine": 1.0, "rel_rms": 0.0}
-    na, nb = np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=1)
-    dot = (a * b).sum(axis=1)
-    both_zero = (na == 0) & (nb == 0)
-    cos = np.where(both_zero, 1.0, dot / np.maximum(na * nb, 1e-300))
-    rms_a = float(np.sqrt(np.mean(a * a)))
-    rms_d = float(np.sqrt(np.mean((a - b) ** 2)))
-    return {
-        "min_cosine": float(cos.min()),
-        "mean_cosine": float(cos.mean()),
-        "rel_rms": rms_d / rms_a if rms_a > 0 else rms_d,
-    }
+    a = np.asarray(original).reshape(-1, original.shape[-1])
+    b = np.asarray(restored).reshape(-1, restored.shape[-1])
+    stats = ErrorStats()
+    for i in range(0, len(a), chunk):
+        stats.add(a[i : i + chunk], b[i : i + chunk])
+    return stats.result()
 
 
 def _aux_names(entry: dict) -> list[str]:
@@ -235,6 +269,20 @@ def _pca_decode_np(
         part = torch.from_numpy(np.array(flat[a : a + chunk]))
         out[a : a + chunk] = transform_codec.decode(part, t).numpy()
     return out.reshape(*lead, tables.width)
+
+
+def _pca_error(rows: np.ndarray, codes: np.ndarray, tables, device: str, chunk: int = 65_536):
+    """:func:`lossy_error` of coded ``rows``, decoded (as reading will: fp16) on ``device`` a
+    chunk at a time."""
+    import torch
+
+    t = transform_codec.DeviceTables.of(tables, device)
+    stats = ErrorStats()
+    for a in range(0, len(rows), chunk):
+        part = torch.from_numpy(np.array(codes[a : a + chunk])).to(device)
+        restored = transform_codec.decode(part, t).half().cpu().numpy()
+        stats.add(rows[a : a + chunk], restored)
+    return stats.result()
 
 
 @dataclass
@@ -336,9 +384,9 @@ def write_shard(
         if bits is not None:
             rows = arr.reshape(-1, arr.shape[-1])
             tables = transform_codec.fit(rows, bits, fit_device)
-            codes = transform_codec.encode(rows, tables)
-            restored = _pca_decode_np(codes, tables)
-            lossy_attrs[name] = {"mode": mode, **lossy_error(arr, restored.reshape(arr.shape)),
+            codes = transform_codec.encode(rows, tables, device=fit_device)
+            err = _pca_error(rows, codes, tables, fit_device)
+            lossy_attrs[name] = {"mode": mode, **err,
                                  "bits_per_value": 8 * tables.row_bytes() / arr.shape[-1]}  # fmt: skip
             aux = {"codes": codes.reshape(*arr.shape[:-1], codes.shape[-1]), "mean": tables.mean,
                    "weight": tables.weight, "lo": tables.lo, "step": tables.step}  # fmt: skip

@@ -200,9 +200,10 @@ def _spans(counts: Mapping[int, int]):
         start += n
 
 
-def encode(x: np.ndarray, tables: Tables, chunk: int = 65_536) -> np.ndarray:
+def encode(x: np.ndarray, tables: Tables, chunk: int = 65_536, device: str = "cpu") -> np.ndarray:
     """Codes of rows ``x [R, D]`` under the tables :func:`fit` made: uint8 ``[R, row_bytes]``,
-    the packed codes of each width side by side (widest first)."""
+    the packed codes of each width side by side (widest first; zero bytes pad the row to its
+    fixed size), computed on ``device``."""
     if tables.proj is None:
         raise ValueError("encode needs the tables fit() returned (their projection is not stored)")
     torch = _torch()
@@ -211,17 +212,15 @@ def encode(x: np.ndarray, tables: Tables, chunk: int = 65_536) -> np.ndarray:
     out = np.zeros((r, tables.row_bytes()), np.uint8)
     if not out.size:
         return out
-    mean = torch.from_numpy(tables.mean)
-    proj = torch.from_numpy(tables.proj)  # [D, K]
-    lo, step = torch.from_numpy(tables.lo), torch.from_numpy(tables.step)
+    on = lambda a: torch.from_numpy(np.asarray(a, np.float32)).to(device)  # noqa: E731
+    mean, proj, lo, step = on(tables.mean), on(tables.proj), on(tables.lo), on(tables.step)
     for a in range(0, r, chunk):
-        xb = torch.from_numpy(np.asarray(x[a : a + chunk], np.float32))
-        y = (xb - mean) @ proj
+        y = (on(x[a : a + chunk]) - mean) @ proj
         col = 0
         for w, s, n in _spans(tables.counts):
             q = torch.clamp(torch.floor((y[:, s : s + n] - lo[s : s + n]) / step[s : s + n]),
                             0, 2**w - 1).to(torch.uint8)  # fmt: skip
-            out[a : a + chunk, col : col + n * w // 8] = _pack(q, w).numpy()
+            out[a : a + chunk, col : col + n * w // 8] = _pack(q, w).cpu().numpy()
             col += n * w // 8
     return out
 
@@ -233,7 +232,7 @@ def _pack(q, w: int):
     if w == 8:
         return q
     per = 8 // w
-    shifts = torch.arange(0, 8, w, dtype=torch.uint8)
+    shifts = torch.arange(0, 8, w, dtype=torch.uint8, device=q.device)
     q = q.reshape(q.shape[0], -1, per) << shifts
     return q.sum(-1, dtype=torch.uint8)
 
