@@ -689,7 +689,6 @@ class BatchStream(IterableDataset):
         info = get_worker_info()
         wid, nw = (info.id, info.num_workers) if info else (0, 1)
         order_epoch, order, produced = -1, None, 0
-        ahead = self.global_batch * nw * (self.window + 2)  # open the next window this early
         # The DataLoader asks worker k % nw for the k-th batch of the whole iterator (not of the
         # epoch), so worker w takes items w, w + nw, ... of one global sequence across epochs.
         for k, (epoch, g0) in enumerate(self.positions()):
@@ -700,11 +699,14 @@ class BatchStream(IterableDataset):
                 order = epoch_order(self.source.sizes, epoch, self.seed, self.window)
                 windows = epoch_windows(self.source.sizes, epoch, self.seed, self.window)
                 ends = np.cumsum([self.source.sizes[w].sum() for w in windows])
-            # near a window's end, open one partition of the next window per batch, so that no
-            # worker opens a whole window at once when the boundary comes (a stall)
+            # open the next window's partitions spread over this window (the j-th of n once
+            # j/(n+1) of the window has passed), so that no worker opens a whole window when
+            # the boundary comes (a stall: ~10 ms a partition, in every worker at once)
             w = int(np.searchsorted(ends, g0, side="right"))
-            if w + 1 < len(windows) and g0 + ahead >= ends[w]:
-                todo = [int(p) for p in windows[w + 1] if int(p) not in self.source._open]
+            if w + 1 < len(windows):
+                start = ends[w - 1] if w else 0
+                due = int((g0 - start) / max(ends[w] - start, 1) * (len(windows[w + 1]) + 1))
+                todo = [int(p) for p in windows[w + 1][:due] if int(p) not in self.source._open]
                 if todo:
                     self.source._arrays(todo[0])
             lo = g0 + self.rank * self.batch_size

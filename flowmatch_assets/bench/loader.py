@@ -287,6 +287,10 @@ def measure(
         "batches_per_s_at_window_boundary": 1 / window_gap,
         "boundary_vs_steady": steady_gap / window_gap,
         "slowest_batch_gap_s": float(gaps[warm:].max()),
+        # batches/s per block of 64 batches: a cold window or a stall shows as a dip
+        "batches_per_s_by_64": [
+            round(64 / float(gaps[i : i + 64].sum()), 1) for i in range(0, len(gaps) - 63, 64)
+        ],  # fmt: skip
         "partition_samples": int(sizes[0]),
     }
 
