@@ -338,9 +338,9 @@ class ShardSource:
           ``[B]`` (DINO) batch, ``<key>_counts`` — rows per group;
         - ``parts``: the partition of each group (whose tables decode its codes).
 
-        Each group's rows are copied with one ``take`` per array straight out of the file's
-        mapping: no padding, decoding or per-sample loop on the host. ``out``: buffers to fill
-        (a :class:`BatchRing` slot, :meth:`buffers`), else new ones."""
+        Each sample's rows are read with one ``pread`` per array straight from the files into
+        the buffers (:class:`FileRows`): no padding or decoding on the host. ``out``: buffers
+        to fill (a :class:`BatchRing` slot, :meth:`buffers`), else new ones."""
         shard_idx = np.asarray(shard_idx, np.int64)
         rows = np.asarray(rows, np.int64)
         groups = [(int(s), np.flatnonzero(shard_idx == s)) for s in np.unique(shard_idx)]
