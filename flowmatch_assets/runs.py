@@ -163,25 +163,35 @@ def materialize(
     run_config: dict | None = None,
     res=None,
     stale_only: bool = False,
+    sources: list[str] | None = None,
 ) -> dict[str, bool]:
     """Materialize ``assets`` (default: the whole data lineage) for ``partitions`` (default: all
     registered), one run per partition, with the assets' checks; ``res``: the
     FlowmatchResource (default: from the environment); ``missing_only``: only the missing
     asset partitions (flowmatch_assets.freshness.state); ``stale_only``: only the stale ones
-    (flowmatch_assets.freshness.fingerprints; with ``missing_only``: both). Prints one line per
-    partition. Returns partition -> success."""
+    (flowmatch_assets.freshness.fingerprints; with ``missing_only``: both); ``sources``: every
+    partition of these sources (``pd12m`` or a configured source's name) besides
+    ``partitions``. Prints one line per partition. Returns partition -> success."""
     from flowmatch_assets.defs.partitions import register_partitions
     from flowmatch_assets.freshness.state import partition_states
-    from flowmatch_models.layout import PARTITIONED_ASSETS
+    from flowmatch_models.layout import PARTITIONED_ASSETS, PD12M, source_of
 
     inst = instance()
     res = res or resource()
+    for s in sources or []:
+        if s != PD12M:
+            res.source(s)  # unknown: SourceError naming the configured ones
     register_partitions(inst, res)
     known = known_partitions(inst)
     check_partitions(list(partitions or []), known)
     names = assets or list(PARTITIONED_ASSETS)
     check_assets(names, list(PARTITIONED_ASSETS))
-    keys = partitions or known
+    keys = partitions or ([] if sources else known)
+    if sources:
+        keys = [*keys, *(k for k in known if source_of(k) in sources and k not in keys)]
+        if not keys:
+            raise UsageError(f"no partitions of {', '.join(sources)} are registered; run "
+                             "`flowmatch partitions register --source NAME`")  # fmt: skip
     out: dict[str, bool] = {}
     stale: set[tuple[str, str]] = set()
     if stale_only:

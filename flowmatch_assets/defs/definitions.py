@@ -16,7 +16,11 @@ from flowmatch_assets.defs.checks import build_fresh_checks, flow_model_fresh
 from flowmatch_assets.defs.data_assets import images_256, images_256_complete, pd12m_metadata
 from flowmatch_assets.defs.data_card_assets import data_card, dataset_card
 from flowmatch_assets.defs.embedding_assets import build_embedding_checks, build_encode_embeddings
-from flowmatch_assets.defs.partitions import pd12m_partition_sensor, shard_partitions
+from flowmatch_assets.defs.partitions import (
+    pd12m_partition_sensor,
+    shard_partitions,
+    source_partition_sensor,
+)
 from flowmatch_assets.defs.resources import FlowmatchResource, flowmatch_from_env
 from flowmatch_assets.defs.sensors import build_verify_sensor
 from flowmatch_assets.defs.training_assets import evaluation, flow_model, samples
@@ -119,7 +123,7 @@ def build_definitions(
     return dg.Definitions(
         assets=with_automation(assets(), mode),
         asset_checks=checks(),
-        sensors=[pd12m_partition_sensor, build_verify_sensor()],
+        sensors=[pd12m_partition_sensor, source_partition_sensor, build_verify_sensor()],
         jobs=[ingest_job, embed_job, train_job],
         resources=resources_for(flowmatch_from_env),
         executor=executor or local_executor,

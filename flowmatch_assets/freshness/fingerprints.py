@@ -28,9 +28,10 @@ import dagster as dg
 
 from flowmatch_assets import catalog, compat
 from flowmatch_assets.defs.resources import FlowmatchResource
+from flowmatch_assets.ingest.sources import SourceError
 from flowmatch_models.embeddings import KINDS, TRAINING_INPUTS, kind_fingerprint
 from flowmatch_models.fingerprint import UNKNOWN, Fingerprint, diff, hash_of, weights_cache_file
-from flowmatch_models.layout import PARTITIONED_ASSETS
+from flowmatch_models.layout import PARTITIONED_ASSETS, PD12M, source_of
 
 #: Bump when the asset's code changes its output for the same settings (a fingerprint field).
 #: Embedding kinds carry theirs in the registry (EmbeddingKind.code_version).
@@ -50,9 +51,22 @@ def upstream_of(asset: str) -> str | None:
     return {"images_256": "pd12m_metadata"}.get(asset)
 
 
-def expected_fields(res: FlowmatchResource, asset: str) -> dict:
-    """The fields a materialization of ``asset`` under ``res``'s settings records (a local
-    model folder is hashed once per process, and remembered in the data root)."""
+def expected_fields(res: FlowmatchResource, asset: str, partition: str | None = None) -> dict:
+    """The fields a materialization of ``asset`` (for ``partition``: its source's settings
+    matter to the rows stage) under ``res``'s settings records (a local model folder is hashed
+    once per process, and remembered in the data root). A source's rows record its settings
+    that change the rows and a digest of the partition's manifest (what it holds)."""
+    source = source_of(partition) if partition else PD12M
+    if asset == "pd12m_metadata" and source != PD12M:
+        from flowmatch_assets.ingest.sources import manifest
+
+        return {
+            "code_version": code_version(asset),
+            "source": source,
+            "source_settings": res.source(source).row_fields(),
+            "manifest": manifest(res.data_root, partition).digest(),
+            "filters": res.filters.model_dump(),
+        }
     if asset == "pd12m_metadata":
         return {
             "code_version": code_version(asset),
@@ -93,7 +107,7 @@ def inputs_of(res: FlowmatchResource, asset: str, partition: str) -> dict[str, s
 
 def current(res: FlowmatchResource, asset: str, partition: str) -> Fingerprint:
     """The fingerprint a materialization of ``asset``'s ``partition`` records now."""
-    return Fingerprint(expected_fields(res, asset), inputs_of(res, asset, partition))
+    return Fingerprint(expected_fields(res, asset, partition), inputs_of(res, asset, partition))
 
 
 def content_id(path: Path) -> str:
@@ -201,9 +215,14 @@ def staleness(
             if fp is None:
                 reasons = [NO_FINGERPRINT]
             else:
-                if a not in expected:
-                    expected[a] = expected_fields(res, a)
-                reasons = diff(fp.fields, expected[a])
+                # a source's rows depend on its partition (manifest); everything else on the asset
+                key = (a, p) if a == "pd12m_metadata" and source_of(p) != PD12M else a
+                if key not in expected:
+                    try:
+                        expected[key] = expected_fields(res, a, p)
+                    except SourceError as e:  # the source was removed, or its manifest
+                        expected[key] = {"source": f"unavailable ({str(e).split(';')[0]})"}
+                reasons = diff(fp.fields, expected[key])
                 up = upstream_of(a)
                 if up in stale:
                     reasons.append(f"upstream {up} is stale ({stale[up][0]})")
