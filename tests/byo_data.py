@@ -1,7 +1,10 @@
 """The user's own images, made by the tests: scikit-image's bundled sample photos written as an
 image folder (sidecars, metadata.jsonl, nested folders), Hugging Face-style parquet and
 img2dataset WebDataset tars, each with a few broken entries. Every writer returns the expected
-final outcome of every sample id: ``stored``, ``failed:<reason>`` or ``filtered:<reason>``."""
+final outcome of every sample id: ``stored``, ``failed:<reason>`` or ``filtered:<reason>``.
+Each kind encodes the photos at its own JPEG quality (folder 90, parquet 85, webdataset 80), so
+the three hold different bytes (content dedupe works across sources: the same bytes in two
+sources are one image)."""
 
 from __future__ import annotations
 
@@ -43,9 +46,9 @@ def photo(name: str) -> Image.Image:
     return Image.fromarray(a)
 
 
-def encode(img: Image.Image, fmt: str = "JPEG") -> bytes:
+def encode(img: Image.Image, fmt: str = "JPEG", quality: int = 90) -> bytes:
     buf = io.BytesIO()
-    img.save(buf, fmt, **({"quality": 90} if fmt == "JPEG" else {}))
+    img.save(buf, fmt, **({"quality": quality} if fmt == "JPEG" else {}))
     return buf.getvalue()
 
 
@@ -124,9 +127,11 @@ def write_parquet(dest: Path, files: int = 2) -> dict[str, str]:
     )
     rows = []
     for i, (name, caption) in enumerate(PHOTOS[:10]):
-        rows.append({"image": _hf_image(encode(photo(name)), f"{name}.jpg"), "caption": caption})
+        rows.append({"image": _hf_image(encode(photo(name), quality=85), f"{name}.jpg"),
+                     "caption": caption})  # fmt: skip
         exp[str(i)] = "stored"
-    rows.append({"image": _hf_image(encode(photo("coins")), "nocap.jpg"), "caption": None})
+    rows.append({"image": _hf_image(encode(photo("coins"), quality=85), "nocap.jpg"),
+                 "caption": None})  # fmt: skip
     exp["10"] = "failed:missing_caption"
     rows.append({"image": _hf_image(None, "elsewhere.jpg"), "caption": "an image kept elsewhere"})
     exp["11"] = "failed:missing_image"

@@ -176,9 +176,31 @@ def cmd_ledger(run: str) -> int:
 
 
 def cmd_train(
-    steps: int | None, run_name: str, config: str | None, overrides: list[str], no_samples: bool
-) -> int:
-    return 0 if runs.train(steps, run_name, config, overrides, not no_samples) else 1
+    steps: int | None, run_name: str, config: str | None, overrides: list[str], no_samples: bool,
+    source: list[str], min_coverage: float,
+) -> int:  # fmt: skip
+    ok = runs.train(steps, run_name, config, overrides, not no_samples, sources=source or None,
+                    min_coverage=min_coverage)  # fmt: skip
+    return 0 if ok else 1
+
+
+def cmd_finetune(
+    run: str, parent: str, step: int | None, weights: str, freeze: list[str], source: list[str],
+    weight: list[str], steps: int | None, config: str | None, overrides: list[str],
+    min_coverage: float, no_samples: bool,
+) -> int:  # fmt: skip
+    """`flowmatch finetune RUN --from PARENT`: a new run from PARENT's weights (fine_tune)."""
+    weights_by = {}
+    for w in weight:
+        name, sep, value = w.partition("=")
+        if not sep or not value.isdigit() or int(value) < 1:
+            raise CliError(f"--weight {w!r}: expected SOURCE=N with a whole number N >= 1")
+        weights_by[name] = int(value)
+    ok = runs.finetune(
+        run, parent, steps, step, weights, freeze, source or None, weights_by, config,
+        overrides, min_coverage, not no_samples,
+    )  # fmt: skip
+    return 0 if ok else 1
 
 
 def cmd_materialize(
@@ -625,7 +647,59 @@ COMMANDS: dict[str, Command] = {
             arg("--config", default=None, help="training YAML (default configs/tiny.yaml)"),
             arg("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE"),
             arg("--no-samples", action="store_true"),
-        ],
+            arg(
+                "--source",
+                action="append",
+                default=[],
+                help="train on this source's partitions (repeatable; default every source)",
+            ),
+            arg(
+                "--min-coverage",
+                type=float,
+                default=1.0,
+                help="fraction of the (chosen sources') partitions that must be covered",
+            ),
+        ],  # fmt: skip
+    ),
+    "finetune": Command(
+        cmd_finetune,
+        "materialize fine_tune: a new run from another run's weights, on chosen sources",
+        [
+            arg("run", help="the fine-tune's run name (its own folder under <data root>/runs)"),
+            arg("--from", dest="parent", required=True, help="the parent run (name or folder)"),
+            arg("--step", type=int, default=None, help="the parent's step (default: latest)"),
+            arg("--weights", choices=["ema", "raw"], default="ema"),
+            arg(
+                "--freeze",
+                action="append",
+                default=[],
+                metavar="PREFIX",
+                help="keep these parameters fixed (e.g. transformer.caption_projection)",
+            ),
+            arg(
+                "--source",
+                action="append",
+                default=[],
+                help="train on this source's partitions (repeatable; default all)",
+            ),
+            arg(
+                "--weight",
+                action="append",
+                default=[],
+                metavar="SOURCE=N",
+                help="take SOURCE's partitions N times per epoch (repeatable)",
+            ),
+            arg("--steps", type=int, default=None, help="total steps (default 500)"),
+            arg("--config", default=None, help="training YAML (default configs/tiny.yaml)"),
+            arg("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE"),
+            arg(
+                "--min-coverage",
+                type=float,
+                default=1.0,
+                help="fraction of the chosen sources' partitions that must be covered",
+            ),
+            arg("--no-samples", action="store_true"),
+        ],  # fmt: skip
     ),
     "export": Command(
         cmd_export,

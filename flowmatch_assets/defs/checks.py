@@ -1,4 +1,5 @@
-"""The freshness checks: ``<asset>_fresh`` per partitioned asset and ``flow_model_fresh``.
+"""The freshness checks: ``<asset>_fresh`` per partitioned asset, ``flow_model_fresh`` and
+``fine_tune_fresh``.
 
 What stale means is :mod:`flowmatch_assets.freshness.fingerprints`; these only carry its verdict
 into the UI. (Each asset's shard checks live beside it: ``images_256_complete`` in
@@ -69,4 +70,30 @@ def flow_model_fresh(flowmatch: FlowmatchResource) -> dg.AssetCheckResult:
         passed=not found,
         description="; ".join(f"run {s.partition}: {s.reason}" for s in found)[:2000] or None,
         metadata={"stale_runs": dg.MetadataValue.json({s.partition: s.reasons for s in found})},
+    )
+
+
+@dg.asset_check(
+    asset="fine_tune",
+    name="fine_tune_fresh",
+    description="Every fine-tune starts from weights its parent still has (the parent was not "
+    "re-trained since) and trained on fresh partitions; fails naming the runs and why.",
+)
+def fine_tune_fresh(flowmatch: FlowmatchResource) -> dg.AssetCheckResult:
+    from flowmatch_assets import catalog
+
+    rows = catalog.Catalog(flowmatch.data_root).query(
+        "SELECT partition AS run FROM materializations WHERE asset = 'flow_model' "
+        "AND json_extract(extra, '$.parent') IS NOT NULL "
+        "AND CAST(json_extract(extra, '$.parent') AS VARCHAR) != 'null'"
+    )
+    tuned = [r["run"] for r in rows]
+    found = model_staleness(flowmatch, tuned) if tuned else []
+    return dg.AssetCheckResult(
+        passed=not found,
+        description="; ".join(f"run {s.partition}: {s.reason}" for s in found)[:2000] or None,
+        metadata={
+            "fine_tunes": dg.MetadataValue.json(tuned),
+            "stale_runs": dg.MetadataValue.json({s.partition: s.reasons for s in found}),
+        },
     )

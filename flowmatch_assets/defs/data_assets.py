@@ -169,7 +169,9 @@ def images_256(
             context.log.info(f"{part}: {done}/{total} images ({rate:.1f}/s)")
 
     read = None
-    if source_of(part) != PD12M:  # the source reads its own bytes (a file, a parquet cell, a tar member)
+    if (
+        source_of(part) != PD12M
+    ):  # the source reads its own bytes (a file, a parquet cell, a tar member)
         cfg, ing = flowmatch.source(source_of(part)), flowmatch.ingest
         read = lambda todo: partition_images(root, cfg, part, todo, ing.max_bytes)  # noqa: E731
     try:

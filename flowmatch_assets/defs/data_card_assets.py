@@ -62,8 +62,7 @@ def data_card(
         cfg = flowmatch.source(source_of(part))
         table, failed, _ = partition_rows(flowmatch.data_root, cfg, part)
         listed = table.to_pylist() + [
-            {**f, "caption": "", "license": cfg.license, "source": source_of(part)}
-            for f in failed
+            {**f, "caption": "", "license": cfg.license, "source": source_of(part)} for f in failed
         ]
     rows = card_rows(
         layout,

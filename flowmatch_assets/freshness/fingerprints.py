@@ -55,16 +55,14 @@ def expected_fields(res: FlowmatchResource, asset: str, partition: str | None = 
     """The fields a materialization of ``asset`` (for ``partition``: its source's settings
     matter to the rows stage) under ``res``'s settings records (a local model folder is hashed
     once per process, and remembered in the data root). A source's rows record its settings
-    that change the rows and a digest of the partition's manifest (what it holds)."""
+    that change the rows (what a partition holds is fixed by its manifest when it is registered),
+    the same for every partition of the source."""
     source = source_of(partition) if partition else PD12M
     if asset == "pd12m_metadata" and source != PD12M:
-        from flowmatch_assets.ingest.sources import manifest
-
         return {
             "code_version": code_version(asset),
             "source": source,
             "source_settings": res.source(source).row_fields(),
-            "manifest": manifest(res.data_root, partition).digest(),
             "filters": res.filters.model_dump(),
         }
     if asset == "pd12m_metadata":
@@ -215,8 +213,8 @@ def staleness(
             if fp is None:
                 reasons = [NO_FINGERPRINT]
             else:
-                # a source's rows depend on its partition (manifest); everything else on the asset
-                key = (a, p) if a == "pd12m_metadata" and source_of(p) != PD12M else a
+                # a source's rows depend on its settings; everything else on the asset's
+                key = (a, source_of(p)) if a == "pd12m_metadata" else a
                 if key not in expected:
                     try:
                         expected[key] = expected_fields(res, a, p)
@@ -267,41 +265,65 @@ def trained_on(res: FlowmatchResource, partitions: Iterable[str]) -> dict[str, d
 
 def model_staleness(res: FlowmatchResource, runs: Sequence[str] | None = None) -> list[Stale]:
     """Training runs (``flow_model`` records) that trained on a partition that is stale now,
-    or whose shard was re-made with another fingerprint since."""
+    or whose shard was re-made with another fingerprint since; and fine-tunes whose parent was
+    re-trained since they started from it (its weights at that step changed, or are gone), or
+    is stale itself (flowmatch_models/finetune.py)."""
+    from flowmatch_models.finetune import parent_changed  # (imports torch)
+
     rows = catalog.Catalog(res.data_root).query(
         "SELECT partition AS run, extra FROM materializations WHERE asset = 'flow_model' "
         "ORDER BY partition"
     )
-    rows = [r for r in rows if runs is None or r["run"] in runs]
-    if not rows:
+    records = {r["run"]: json.loads(r["extra"] or "{}") for r in rows}
+    wanted = [r for r in records if runs is None or r in runs]
+    if not wanted:
         return []
     now = _records(res, list(TRAINING_INPUTS), None)
     stale = {(s.asset, s.partition): s for s in staleness(res, assets=list(TRAINING_INPUTS))}
-    out = []
-    for r in rows:
-        used = json.loads(r["extra"] or "{}").get("input_fingerprints")
-        if not used:
-            out.append(Stale("flow_model", r["run"], ("no input fingerprints recorded: unknown",)))
-            continue
-        reasons = []
-        for kind, groups in sorted(used.items()):
-            for h, parts in sorted(groups.items()):
-                bad = [p for p in parts if (kind, p) in stale]
-                if bad:
-                    first = stale[(kind, bad[0])]
-                    reasons.append(
-                        f"{len(bad)} {kind} partitions it trained on are stale "
-                        f"({', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}: {first.reason})"
-                    )
-                remade = [p for p in parts if p not in bad and hash_of(now.get((kind, p))) != h]
-                if remade and h != UNKNOWN:
-                    reasons.append(
-                        f"{len(remade)} {kind} partitions were re-made since training "
-                        f"({', '.join(remade[:5])}: {h} -> {hash_of(now.get((kind, remade[0])))})"
-                    )
-        if reasons:
-            out.append(Stale("flow_model", r["run"], tuple(reasons)))
-    return out
+    memo: dict[str, list[str]] = {}
+    digests: dict = {}
+
+    def reasons_of(run: str, seen: tuple = ()) -> list[str]:
+        if run in memo:
+            return memo[run]
+        extra = records[run]
+        reasons = _data_reasons(extra.get("input_fingerprints"), stale, now)
+        parent = extra.get("parent")
+        if parent:
+            why = parent_changed(parent, digests)
+            if why:
+                reasons.append(why)
+            elif parent["run"] in records and parent["run"] not in (*seen, run):
+                up = reasons_of(parent["run"], (*seen, run))
+                if up:
+                    reasons.append(f"its parent {parent['run']} is stale ({up[0]})")
+        memo[run] = reasons
+        return reasons
+
+    return [Stale("flow_model", r, tuple(why)) for r in wanted if (why := reasons_of(r))]
+
+
+def _data_reasons(used: dict | None, stale: dict, now: dict) -> list[str]:
+    """Why a run's training data is stale now (its record's ``input_fingerprints``)."""
+    if not used:
+        return ["no input fingerprints recorded: unknown"]
+    reasons = []
+    for kind, groups in sorted(used.items()):
+        for h, parts in sorted(groups.items()):
+            bad = [p for p in parts if (kind, p) in stale]
+            if bad:
+                first = stale[(kind, bad[0])]
+                reasons.append(
+                    f"{len(bad)} {kind} partitions it trained on are stale "
+                    f"({', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}: {first.reason})"
+                )
+            remade = [p for p in parts if p not in bad and hash_of(now.get((kind, p))) != h]
+            if remade and h != UNKNOWN:
+                reasons.append(
+                    f"{len(remade)} {kind} partitions were re-made since training "
+                    f"({', '.join(remade[:5])}: {h} -> {hash_of(now.get((kind, remade[0])))})"
+                )
+    return reasons
 
 
 # --------------------------------------------------------------------------- Dagster view
