@@ -164,11 +164,15 @@ def write_webdataset(dest: Path, tars: int = 2) -> dict[str, str]:
     exp: dict[str, str] = {}
     samples = []
     for name, caption in PHOTOS[:9]:
-        samples.append({"jpg": encode(photo(name)), "txt": caption, "name": name})
+        samples.append({"jpg": encode(photo(name), quality=80), "txt": caption, "name": name})
     samples.append(
-        {"jpg": encode(photo("gravel")), "json_caption": PHOTOS[11][1], "name": "gravel"}
+        {
+            "jpg": encode(photo("gravel"), quality=80),
+            "json_caption": PHOTOS[11][1],
+            "name": "gravel",
+        }
     )
-    samples.append({"jpg": encode(photo("clock")), "name": "clock"})  # no caption
+    samples.append({"jpg": encode(photo("clock"), quality=80), "name": "clock"})  # no caption
     samples.append({"txt": "a caption without its image", "name": "noimage"})
     samples.append({"jpg": _bad_jpeg(), "txt": "a truncated photo", "name": "truncated"})
     samples.append({"jpg": samples[1]["jpg"], "txt": "the coffee again", "name": "copy"})

@@ -19,6 +19,7 @@ that cannot become a row is a failure ``{id, url, reason, detail}`` with one of:
 
 from __future__ import annotations
 
+import io
 import mimetypes
 import posixpath
 
@@ -67,6 +68,30 @@ def hidden(rel: str) -> bool:
 def find_files(fs, root: str) -> list[str]:
     """Every file under ``root`` (relative, sorted), hidden ones left out."""
     return sorted(r for p in fs.find(root) if not hidden(r := relative(root, p)))
+
+
+def open_file(fs, path: str, stream_ok: bool = False):
+    """A binary file object of ``path``: random access where the filesystem offers it; on an
+    HTTP server without range requests (or without a size), a stream (``stream_ok``: a tar is
+    read front to back) or else the whole file read once into memory (a parquet file's footer
+    is at its end)."""
+    if "http" not in fs.protocol:
+        return fs.open(path, "rb")
+    f = fs.open(path, "rb")
+    try:
+        if not getattr(f, "size", None):
+            raise ValueError("no size: a streaming file")
+        f.seek(f.size - 8)
+        f.read(8)
+        f.seek(0)
+        return f
+    except ValueError:  # "doesn't appear to support range requests", or a stream
+        f.close()
+    if stream_ok:
+        stream = fs.open(path, "rb", block_size=0)
+        stream.seekable = lambda: False  # it says True, but cannot seek
+        return stream
+    return io.BytesIO(fs.cat_file(path))
 
 
 def mime_of(name: str) -> str | None:

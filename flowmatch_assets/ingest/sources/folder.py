@@ -92,14 +92,14 @@ def scan(cfg: SourceConfig, known: Iterable) -> list[tuple[str, int, int, list]]
 
 
 @functools.lru_cache(maxsize=8)
-def _jsonl_captions(fs, path: str, version: str, field: str) -> dict[str, object]:
-    """``{image path under the location's root: caption value}`` of one metadata.jsonl
-    (cached per file version: a partition's listing reads each file once)."""
-    base = posixpath.dirname(path)
+def _jsonl_captions(fs, path: str, rel_dir: str, version: str, field: str) -> dict[str, object]:
+    """``{image path under the location: caption value}`` of the metadata.jsonl at ``path``
+    (in the folder ``rel_dir`` under the location), cached per file version: a partition's
+    listing reads each file once."""
     out = {}
     for _n, rec, _problem in _jsonl_lines(fs, path):
         if rec is not None and field in rec:
-            out[posixpath.normpath(posixpath.join(base, rec["file_name"]))] = rec[field]
+            out[posixpath.normpath(posixpath.join(rel_dir, rec["file_name"]))] = rec[field]
     return out
 
 
@@ -115,15 +115,16 @@ def _captions_from_jsonl(fs, root: str, images: list[str], field: str) -> dict[s
                 break
             d = posixpath.dirname(d)
     out: dict[str, object] = {}
-    prefix = root.rstrip("/") + "/"
     for d in sorted(dirs, key=lambda x: (x.count("/"), x)):
         path = join(root, posixpath.join(d, JSONL) if d else JSONL)
-        if not fs.isfile(path):
+        try:
+            info = fs.info(path)
+        except (FileNotFoundError, OSError):
             continue
-        info = fs.info(path)
-        version = f"{info.get('size')}-{info.get('mtime') or info.get('LastModified') or ''}"
-        for k, v in _jsonl_captions(fs, path, version, field).items():
-            out[k[len(prefix) :] if k.startswith(prefix) else k] = v
+        if info.get("type") != "file":
+            continue
+        version = f"{info.get('size')}-{info.get('mtime') or info.get('Last-Modified') or ''}"
+        out.update(_jsonl_captions(fs, path, d, version, field))
     return out
 
 

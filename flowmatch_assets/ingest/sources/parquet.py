@@ -16,7 +16,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from flowmatch_assets.ingest.images import IngestError
-from flowmatch_assets.ingest.sources.common import failure, find_files, join, open_location, row
+from flowmatch_assets.ingest.sources.common import (
+    failure,
+    find_files,
+    join,
+    open_file,
+    open_location,
+    row,
+)
 from flowmatch_assets.ingest.sources.config import SourceConfig, SourceError
 
 BATCH_ROWS = 64  # image rows decoded from parquet at a time (memory: 64 originals)
@@ -26,23 +33,29 @@ def scan(cfg: SourceConfig, known: Iterable) -> list[tuple[str, int, int, list]]
     """New partitions ``(file, start row, end row, [])`` for every parquet file under the
     location that is not registered yet, in path order."""
     fs, root = open_location(cfg)
-    files = [root] if fs.isfile(root) else [join(root, f) for f in find_files(fs, root)]
-    base = posixpath.dirname(root) if fs.isfile(root) else root
+    single = _single(fs, root)
+    files = [root] if single else [join(root, f) for f in find_files(fs, root)]
+    base = posixpath.dirname(root) if single else root
     held = {m.unit for m in known}
     out = []
     for path in files:
         rel = path[len(base.rstrip("/")) + 1 :] if path != base else posixpath.basename(path)
         if not rel.endswith(".parquet") or rel in held:
             continue
-        with fs.open(path, "rb") as f:
+        with open_file(fs, path) as f:
             n = pq.ParquetFile(f).metadata.num_rows
         for k in range(max(1, math.ceil(n / cfg.shard_size))):
             out.append((rel, k * cfg.shard_size, min(n, (k + 1) * cfg.shard_size), []))
     return out
 
 
+def _single(fs, root: str) -> bool:
+    """The location is one parquet file (not a folder: over HTTP a folder's page is a file)."""
+    return root.endswith(".parquet") and fs.isfile(root)
+
+
 def _path(cfg: SourceConfig, fs, root: str, unit: str) -> str:
-    return root if fs.isfile(root) else join(root, unit)
+    return root if _single(fs, root) else join(root, unit)
 
 
 def _groups(pf: pq.ParquetFile, start: int, end: int) -> tuple[list[int], int]:
@@ -75,7 +88,7 @@ def rows(cfg: SourceConfig, name: str, m) -> tuple[list[dict], list[dict]]:
     fs, root = open_location(cfg)
     path = _path(cfg, fs, root, m.unit)
     stem = posixpath.basename(m.unit).removesuffix(".parquet")
-    with fs.open(path, "rb") as f:
+    with open_file(fs, path) as f:
         pf = pq.ParquetFile(f)
         _check_columns(pf, cfg, path)
         cols = [cfg.caption()] + ([cfg.id_field] if cfg.id_field else [])
@@ -120,7 +133,7 @@ def images(
     if not want:
         return
     lo, hi = min(want), max(want) + 1
-    with fs.open(path, "rb") as f:
+    with open_file(fs, path) as f:
         pf = pq.ParquetFile(f)
         _check_columns(pf, cfg, path)
         groups, first = _groups(pf, lo, hi)

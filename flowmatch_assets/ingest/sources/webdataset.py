@@ -24,6 +24,7 @@ from flowmatch_assets.ingest.sources.common import (
     failure,
     find_files,
     join,
+    open_file,
     open_location,
     row,
 )
@@ -42,7 +43,7 @@ def _members(
     fs, path: str, read: Callable | None = None
 ) -> Iterator[tuple[tarfile.TarInfo, bytes | None]]:
     """Every regular member of a tar and, where ``read(member)`` says so, its bytes."""
-    with fs.open(path, "rb") as f:
+    with open_file(fs, path, stream_ok=True) as f:
         seekable = getattr(f, "seekable", lambda: False)()
         try:
             tf = tarfile.open(fileobj=f, mode="r:*" if seekable else "r|*")
@@ -61,7 +62,7 @@ def _members(
 
 def _tars(fs, root: str) -> list[tuple[str, str]]:
     """``(path, relative name)`` of every tar under ``root`` (or ``root`` if it is one)."""
-    if fs.isfile(root):
+    if root.endswith(".tar") and fs.isfile(root):
         return [(root, posixpath.basename(root))]
     return [(join(root, f), f) for f in find_files(fs, root) if f.endswith(".tar")]
 
@@ -90,7 +91,7 @@ def scan(cfg: SourceConfig, known: Iterable) -> list[tuple[str, int, int, list]]
 
 
 def _path(fs, root: str, unit: str) -> str:
-    return root if fs.isfile(root) else join(root, unit)
+    return root if root.endswith(".tar") and fs.isfile(root) else join(root, unit)
 
 
 def rows(cfg: SourceConfig, name: str, m) -> tuple[list[dict], list[dict]]:
