@@ -113,8 +113,8 @@ def _hf_image(data: bytes | None, path: str | None) -> dict:
 
 def write_parquet(dest: Path, files: int = 2) -> dict[str, str]:
     """``dest/data/train-0000N-of-0000F.parquet`` in the datasets layout (``image`` struct
-    bytes/path, caption column ``caption``, an ``idx`` column: the ids), with a null caption, an image
-    without bytes, an HTML page as bytes and a duplicate of another row's bytes."""
+    bytes/path, caption column ``caption``, an ``idx`` column: the ids), with a null caption (row
+    3), an image without bytes (4), an HTML page as bytes (10) and a duplicate of row 0 (13)."""
     d = dest / "data"
     d.mkdir(parents=True, exist_ok=True)
     exp: dict[str, str] = {}
@@ -125,18 +125,25 @@ def write_parquet(dest: Path, files: int = 2) -> dict[str, str]:
             ("idx", pa.int64()),
         ]
     )
+    broken = {
+        3: ({"image": _hf_image(encode(photo("coins"), quality=85), "nocap.jpg"),
+             "caption": None}, "failed:missing_caption"),
+        4: ({"image": _hf_image(None, "elsewhere.jpg"), "caption": "an image kept elsewhere"},
+            "failed:missing_image"),
+        10: ({"image": _hf_image(HTML, "error.jpg"), "caption": "an error page"},
+             "failed:not_image"),
+    }  # fmt: skip
+    good = iter(PHOTOS[:10])
     rows = []
-    for i, (name, caption) in enumerate(PHOTOS[:10]):
+    for i in range(13):
+        if i in broken:
+            rows.append(broken[i][0])
+            exp[str(i)] = broken[i][1]
+            continue
+        name, caption = next(good)
         rows.append({"image": _hf_image(encode(photo(name), quality=85), f"{name}.jpg"),
                      "caption": caption})  # fmt: skip
         exp[str(i)] = "stored"
-    rows.append({"image": _hf_image(encode(photo("coins"), quality=85), "nocap.jpg"),
-                 "caption": None})  # fmt: skip
-    exp["10"] = "failed:missing_caption"
-    rows.append({"image": _hf_image(None, "elsewhere.jpg"), "caption": "an image kept elsewhere"})
-    exp["11"] = "failed:missing_image"
-    rows.append({"image": _hf_image(HTML, "error.jpg"), "caption": "an error page"})
-    exp["12"] = "failed:not_image"
     rows.append({"image": _hf_image(rows[0]["image"]["bytes"], "again.jpg"), "caption": "again"})
     exp["13"] = "filtered:duplicate_content"
     for i, r in enumerate(rows):
