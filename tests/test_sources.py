@@ -14,7 +14,6 @@ import json
 import shutil
 import threading
 from collections import Counter
-from pathlib import Path
 
 import dagster as dg
 import pyarrow.parquet as pq
@@ -83,7 +82,10 @@ def test_three_source_kinds_through_the_cli(byo_env, capsys):
     out = _cli(capsys, "partitions", "register", "--source", "photos")
     assert out.strip() == "registered 2 new partitions: photos-00000, photos-00001"
     out = _cli(capsys, "partitions", "register")
-    assert "registered 6 new partitions: hf-00000, hf-00001, hf-00002, hf-00003, wds-00000, wds-00001" in out
+    assert (
+        "registered 6 new partitions: hf-00000, hf-00001, hf-00002, hf-00003, wds-00000, wds-00001"
+        in out
+    )
     assert _cli(capsys, "partitions", "register").strip() == "registered 0 new partitions"
 
     # the whole lineage, per source: never a crashed partition
@@ -109,7 +111,9 @@ def test_three_source_kinds_through_the_cli(byo_env, capsys):
         shard = pq.read_table(tmp / "data" / "images_256" / f"{p}.parquet")
         assert sorted(shard.column("id").to_pylist()) == sorted(stored), p
         for kind in EMB:
-            assert read_shard(tmp / "data" / kind / f"{p}.fms").ids == shard.column("id").to_pylist()
+            assert (
+                read_shard(tmp / "data" / kind / f"{p}.fms").ids == shard.column("id").to_pylist()
+            )
     captions = dict(zip(*(pq.read_table(tmp / "data" / "images_256" / "wds-00001.parquet",
                                         columns=["id", "caption"]).to_pydict().values())))  # fmt: skip
     assert captions["000010002"] == "a close-up of gravel"  # the caption only in its .json
@@ -141,7 +145,9 @@ def test_three_source_kinds_through_the_cli(byo_env, capsys):
 
     with dg.DagsterInstance.get() as instance:
         sensor = defs.get_sensor_def("source_partition_sensor")
-        ctx = dg.build_sensor_context(instance=instance, resources={"flowmatch": resource_from_env()})
+        ctx = dg.build_sensor_context(
+            instance=instance, resources={"flowmatch": resource_from_env()}
+        )
         result = sensor(ctx)
         (req,) = result.dynamic_partitions_requests
         assert req.partition_keys == ["hf-00004", "hf-00005"]
@@ -151,11 +157,15 @@ def test_three_source_kinds_through_the_cli(byo_env, capsys):
     out = _cli(capsys, "materialize", "-p", "wds-00002", "-a", "pd12m_metadata", "-a", "images_256")
     rows = cat.query("SELECT outcome, reason, count(*) AS n FROM dataset_rows "
                      "WHERE partition = 'wds-00002' GROUP BY ALL")  # fmt: skip
-    assert {(r["outcome"], r["reason"]): r["n"] for r in rows} == {("filtered", "duplicate_content"): 7}
+    assert {(r["outcome"], r["reason"]): r["n"] for r in rows} == {
+        ("filtered", "duplicate_content"): 7
+    }
 
     # a changed source setting: exactly that source's partitions are stale, and say why
     (tmp / "data" / "sources.yaml").write_text(
-        (tmp / "data" / "sources.yaml").read_text().replace("caption_field: caption", "caption_field: text")
+        (tmp / "data" / "sources.yaml")
+        .read_text()
+        .replace("caption_field: caption", "caption_field: text")
     )
     stale = json.loads(_cli_rc(capsys, 1, "stale", "--no-report", "--json"))
     parts = {s["partition"] for s in stale if s["asset"] == "pd12m_metadata"}

@@ -21,5 +21,6 @@ BENCHES = {
         "dedupe",
         "ledger",
         "fingerprint",
+        "finetune",
     )
 }
