@@ -111,10 +111,11 @@ def _hf_image(data: bytes | None, path: str | None) -> dict:
     return {"bytes": data, "path": path}
 
 
-def write_parquet(dest: Path, files: int = 2) -> dict[str, str]:
+def write_parquet(dest: Path, files: int = 2, by_idx: bool = False) -> dict[str, str]:
     """``dest/data/train-0000N-of-0000F.parquet`` in the datasets layout (``image`` struct
-    bytes/path, caption column ``caption``, an ``idx`` column: the ids), with a null caption (row
-    3), an image without bytes (4), an HTML page as bytes (10) and a duplicate of row 0 (13)."""
+    bytes/path, caption column ``caption``, an ``idx`` column), with a null caption (row 3), an
+    image without bytes (4), an HTML page as bytes (10) and a duplicate of row 0 (13). The
+    expected outcomes are keyed by the default ids (``<file stem>/<row>``), or ``by_idx``."""
     d = dest / "data"
     d.mkdir(parents=True, exist_ok=True)
     exp: dict[str, str] = {}
@@ -149,12 +150,15 @@ def write_parquet(dest: Path, files: int = 2) -> dict[str, str]:
     for i, r in enumerate(rows):
         r["idx"] = i
     per = -(-len(rows) // files)
+    out = {}
     for f in range(files):
         part = rows[f * per : (f + 1) * per]
+        stem = f"train-{f:05d}-of-{files:05d}"
         t = pa.Table.from_pylist([{**r} for r in part], schema=schema)
-        t = t.rename_columns(["image", "caption", "idx"])
-        pq.write_table(t, d / f"train-{f:05d}-of-{files:05d}.parquet", row_group_size=4)
-    return exp
+        pq.write_table(t, d / f"{stem}.parquet", row_group_size=4)
+        for j, r in enumerate(part):  # without id_field a row's id is <file stem>/<row>
+            out[str(r["idx"]) if by_idx else f"{stem}/{j}"] = exp[str(r["idx"])]
+    return out
 
 
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:

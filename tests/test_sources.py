@@ -11,9 +11,12 @@ from __future__ import annotations
 import functools
 import http.server
 import json
+import re
+import shlex
 import shutil
 import threading
 from collections import Counter
+from pathlib import Path
 
 import dagster as dg
 import pyarrow.parquet as pq
@@ -25,6 +28,7 @@ from flowmatch_models.store import read_shard
 from tests.byo_data import encode, photo, write_folder, write_parquet, write_webdataset
 
 EMB = ("vae_latents", "dino_features", "text_embeddings")
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -59,43 +63,48 @@ def _final(cat: Catalog, source: str) -> dict[str, str]:
             for r in rows}  # fmt: skip
 
 
+def readme_commands(marker: str) -> list[list[str]]:
+    """The ``flowmatch`` commands of the README's bash block after ``<!-- marker -->``."""
+    block = (REPO / "README.md").read_text().split(f"<!-- {marker} -->")[1]
+    code = re.search(r"```bash\n(.*?)```", block, re.S).group(1)
+    out = []
+    for line in code.splitlines():
+        words = shlex.split(line, comments=True)
+        if words:
+            assert words[0] == ".venv/bin/flowmatch", line
+            out.append(words[1:])
+    return out
+
+
 @pytest.mark.slow
 def test_three_source_kinds_through_the_cli(byo_env, capsys):
+    """The README's "Your own images" commands as written (the paths under /data/ moved to the
+    test's folder), then what they must have done."""
     tmp = byo_env
     expected = {
-        "photos": write_folder(tmp / "photos"),
-        "hf": write_parquet(tmp / "hf"),
-        "wds": write_webdataset(tmp / "wds"),
+        "photos": write_folder(tmp / "my_photos"),
+        "hf": write_parquet(tmp / "my_hf_dataset"),
+        "wds": write_webdataset(tmp / "my_img2dataset_output"),
     }
-    _cli(capsys, "sources", "add", "photos", "--kind", "folder", "--location",
-         str(tmp / "photos"), "--shard-size", "12")  # fmt: skip
-    _cli(capsys, "sources", "add", "hf", "--kind", "parquet", "--location",
-         f"file://{tmp / 'hf'}", "--caption-field", "caption", "--id-field", "idx",
-         "--shard-size", "5")  # fmt: skip
-    _cli(capsys, "sources", "add", "wds", "--kind", "webdataset", "--location", str(tmp / "wds"))
-    listed = _cli(capsys, "sources", "list")
+    outs = []
+    for argv in readme_commands("your-own-images"):
+        outs.append(_cli(capsys, *[a.replace("/data/", f"{tmp}/") for a in argv]))
+    listed, new, registered_photos, registered, materialized = outs[3:8]
     assert "photos  folder" in listed and "hf  parquet" in listed and "caption 'caption'" in listed
-
-    # list shows what register would add; register --source adds only that source's
-    out = _cli(capsys, "partitions", "list")
-    assert out.count("NEW") == 8 and "photos-00001  photos  rows [0, 7)" in out
-    out = _cli(capsys, "partitions", "register", "--source", "photos")
-    assert out.strip() == "registered 2 new partitions: photos-00000, photos-00001"
-    out = _cli(capsys, "partitions", "register")
+    # list showed what register would add; register --source added only that source's
+    assert new.count("NEW") == 5 and "photos-00000  photos  rows [0, 19)" in new
+    assert registered_photos.strip() == "registered 1 new partitions: photos-00000"
     assert (
-        "registered 6 new partitions: hf-00000, hf-00001, hf-00002, hf-00003, wds-00000, wds-00001"
-        in out
+        registered.strip()
+        == "registered 4 new partitions: hf-00000, hf-00001, wds-00000, wds-00001"
     )
     assert _cli(capsys, "partitions", "register").strip() == "registered 0 new partitions"
-
-    # the whole lineage, per source: never a crashed partition
-    out = _cli(capsys, "materialize", "--source", "photos", "--source", "hf", "--source", "wds")
-    assert out.count(" ok (") == 8, out
+    assert materialized.count(" ok (") == 5, materialized  # never a crashed partition
 
     cat = Catalog(tmp / "data")
     for source, want in expected.items():
         assert _final(cat, source) == want, source
-    # failures by reason, per source, in the catalog's failures view
+    # failures by reason, per source, in the catalog's failures view (the README's query)
     rows = cat.query("SELECT source, reason, count(*) AS n FROM failures GROUP BY ALL")
     got = {(r["source"], r["reason"]): r["n"] for r in rows}
     want = Counter(
@@ -103,6 +112,7 @@ def test_three_source_kinds_through_the_cli(byo_env, capsys):
     )
     assert got == dict(want)
     assert got[("photos", "missing_caption")] == got[("wds", "missing_image")] == 1
+    assert "| photos | images_256 | failed | corrupt | 1 |" in outs[8]
     # coverage: every stored row has its 256px image and all three embeddings, aligned
     for part in cat.query("SELECT partition FROM partitions WHERE source != 'pd12m'"):
         p = part["partition"]
@@ -118,27 +128,26 @@ def test_three_source_kinds_through_the_cli(byo_env, capsys):
                                         columns=["id", "caption"]).to_pydict().values())))  # fmt: skip
     assert captions["000010002"] == "a close-up of gravel"  # the caption only in its .json
     coverage = {r["partition"]: r for r in cat.coverage()}
-    assert sorted(coverage) == [*(f"hf-0000{i}" for i in range(4)), "photos-00000",
-                                "photos-00001", "wds-00000", "wds-00001"]  # fmt: skip
+    assert sorted(coverage) == ["hf-00000", "hf-00001", "photos-00000", "wds-00000", "wds-00001"]
     for p, r in coverage.items():  # catalog coverage = what the shards hold
-        assert r["images_256"] == r["text_embeddings"] == len(read_shard(
-            tmp / "data" / "vae_latents" / f"{p}.fms").ids) > 0  # fmt: skip
+        n = len(read_shard(tmp / "data" / "vae_latents" / f"{p}.fms").ids)
+        assert r["images_256"] == r["text_embeddings"] == n > 0
     assert _cli(capsys, "stale", "--no-report").startswith("nothing stale")
 
     # new files become new partitions; the registered ones keep what they hold
     before = json.loads((tmp / "data" / "sources" / "photos" / "index.json").read_text())
-    (tmp / "photos" / "new").mkdir()
-    (tmp / "photos" / "new" / "rocket2.jpg").write_bytes(encode(photo("rocket"), quality=70))
-    (tmp / "photos" / "new" / "rocket2.txt").write_text("a rocket again")
-    shutil.copy(tmp / "wds" / "00000.tar", tmp / "wds" / "00002.tar")
+    (tmp / "my_photos" / "new").mkdir()
+    (tmp / "my_photos" / "new" / "rocket2.jpg").write_bytes(encode(photo("rocket"), quality=70))
+    (tmp / "my_photos" / "new" / "rocket2.txt").write_text("a rocket again")
+    wds = tmp / "my_img2dataset_output"
+    shutil.copy(wds / "00000.tar", wds / "00002.tar")
     out = _cli(capsys, "partitions", "register")
-    assert "registered 2 new partitions: photos-00002, wds-00002" in out
+    assert out.strip() == "registered 2 new partitions: photos-00001, wds-00002"
     after = json.loads((tmp / "data" / "sources" / "photos" / "index.json").read_text())
-    assert after[:2] == before and after[2]["end"] == 1
+    assert after[:1] == before and after[1]["end"] == 1
     # the sensor finds the next one in the same way
-    (tmp / "hf" / "data" / "extra.parquet").write_bytes(
-        (tmp / "hf" / "data" / "train-00001-of-00002.parquet").read_bytes()
-    )
+    hf = tmp / "my_hf_dataset" / "data"
+    shutil.copy(hf / "train-00001-of-00002.parquet", hf / "extra.parquet")
     from flowmatch_assets.definitions import defs
     from flowmatch_assets.defs.partitions import SHARDS
     from flowmatch_assets.defs.resources import resource_from_env
@@ -148,13 +157,12 @@ def test_three_source_kinds_through_the_cli(byo_env, capsys):
         ctx = dg.build_sensor_context(
             instance=instance, resources={"flowmatch": resource_from_env()}
         )
-        result = sensor(ctx)
-        (req,) = result.dynamic_partitions_requests
-        assert req.partition_keys == ["hf-00004", "hf-00005"]
+        (req,) = sensor(ctx).dynamic_partitions_requests
+        assert req.partition_keys == ["hf-00002"]
         instance.add_dynamic_partitions(SHARDS, list(req.partition_keys))
 
     # a copied tar's samples are the same bytes as the first tar's: content duplicates
-    out = _cli(capsys, "materialize", "-p", "wds-00002", "-a", "pd12m_metadata", "-a", "images_256")
+    _cli(capsys, "materialize", "-p", "wds-00002", "-a", "pd12m_metadata", "-a", "images_256")
     rows = cat.query("SELECT outcome, reason, count(*) AS n FROM dataset_rows "
                      "WHERE partition = 'wds-00002' GROUP BY ALL")  # fmt: skip
     assert {(r["outcome"], r["reason"]): r["n"] for r in rows} == {
@@ -162,16 +170,13 @@ def test_three_source_kinds_through_the_cli(byo_env, capsys):
     }
 
     # a changed source setting: exactly that source's partitions are stale, and say why
-    (tmp / "data" / "sources.yaml").write_text(
-        (tmp / "data" / "sources.yaml")
-        .read_text()
-        .replace("caption_field: caption", "caption_field: text")
-    )
+    sources = tmp / "data" / "sources.yaml"
+    sources.write_text(sources.read_text().replace("caption_field: caption", "caption_field: text"))
     stale = json.loads(_cli_rc(capsys, 1, "stale", "--no-report", "--json"))
     parts = {s["partition"] for s in stale if s["asset"] == "pd12m_metadata"}
-    assert parts == {"hf-00000", "hf-00001", "hf-00002", "hf-00003"}
+    assert parts == {"hf-00000", "hf-00001"}
     assert "source_settings.caption_field: caption -> text" in stale[0]["reason"]
-    # a misconfigured source is one line, exit 2, and names the fix
+    # a misconfigured source fails its partition with one line that names the fix
     capsys.readouterr()
     assert cli_main(["materialize", "-p", "hf-00000", "-a", "pd12m_metadata"]) == 1
     assert "has no column 'text'" in capsys.readouterr().out
@@ -193,7 +198,7 @@ def test_parquet_and_tars_over_http(byo_env, capsys):
     """Any fsspec URL: the parquet and tar sources from a loopback HTTP server that (like
     many) answers no range requests."""
     tmp = byo_env
-    exp_hf = write_parquet(tmp / "site" / "hf", files=1)
+    exp_hf = write_parquet(tmp / "site" / "hf", files=1, by_idx=True)
     exp_wds = write_webdataset(tmp / "site" / "wds", tars=1)
     handler = functools.partial(_Quiet, directory=str(tmp / "site"))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
