@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import io
 import json
+import re
+import shlex
 import tarfile
 from pathlib import Path
 
@@ -17,6 +19,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
+
+REPO = Path(__file__).resolve().parents[1]
 
 #: (scikit-image sample, caption); all bundled with the wheel (no download)
 PHOTOS = [
@@ -203,3 +207,16 @@ def write_webdataset(dest: Path, tars: int = 2) -> dict[str, str]:
                     _add(tar, f"{key}.txt", sm["txt"].encode())
                 _add(tar, f"{key}.json", json.dumps(meta).encode())
     return exp
+
+
+def readme_commands(marker: str) -> list[list[str]]:
+    """The ``flowmatch`` commands of the README's bash block after ``<!-- marker -->``."""
+    block = (REPO / "README.md").read_text().split(f"<!-- {marker} -->")[1]
+    code = re.search(r"```bash\n(.*?)```", block, re.S).group(1)
+    out = []
+    for line in code.splitlines():
+        words = shlex.split(line, comments=True)
+        if words:
+            assert words[0] == ".venv/bin/flowmatch", line
+            out.append(words[1:])
+    return out

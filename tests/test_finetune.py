@@ -16,10 +16,11 @@ import torch
 
 from flowmatch_assets.catalog import Catalog
 from flowmatch_assets.cli import main as cli_main
-from flowmatch_assets.demo.dataset import write_shapes2
+from flowmatch_assets.cli.commands import build_parser
 from flowmatch_models.config import ConfigError, load_config
 from flowmatch_models.finetune import ema_digest, freeze
 from flowmatch_models.train import select_sources
+from tests.byo_data import readme_commands
 from tests.wandb_records import config as wandb_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,22 +72,26 @@ def test_finetune_lineage_staleness_and_head_start(
     monkeypatch.delenv("FLOWMATCH_SOURCES", raising=False)
     (tmp_path / "dagster_home").mkdir()
     (tmp_path / "dagster_home" / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
-    shapes2 = write_shapes2(tmp_path / "shapes2", n=16)
-    _cli(capsys, 0, "sources", "add", "shapes2", "--kind", "folder", "--location", shapes2["dest"])
-    out = _cli(capsys, 0, "materialize")
+    monkeypatch.chdir(tmp_path)
+    readme = readme_commands("fine-tuning")
+    sample, add, materialize, simple, mix, stale = readme
+    _cli(capsys, 0, *sample, "--images", "16")  # the README's, 16 images instead of 192
+    _cli(capsys, 0, *add)
+    out = _cli(capsys, 0, "materialize", "--source", "pd12m")  # the parent's data
+    out += _cli(capsys, 0, *materialize)
     assert out.count(" ok (") == 3, out  # 000-00, 001-00, shapes2-00000
 
-    # the parent: 12 steps on PD12M's partitions only (directly: its record is not needed)
-    _train(data, "parent", 12, "data.sources=[pd12m]", "trainer.checkpoint_every=6")
-    parent = data / "runs" / "parent"
+    # the parent ("demo"): 12 steps on PD12M's partitions only (directly: no record needed)
+    _train(data, "demo", 12, "data.sources=[pd12m]", "trainer.checkpoint_every=6")
+    parent = data / "runs" / "demo"
     p_ema = _load(parent / "checkpoints" / "step0000012-ema.ckpt")
 
-    # the fine-tune: from its EMA, caption projection frozen, shapes2 weighted 2 beside PD12M
-    out = _cli(capsys, 0, "finetune", "child", "--from", "parent", "--source", "shapes2",
-               "--source", "pd12m", "--weight", "shapes2=2", "--steps", "6", "--freeze",
-               "transformer.caption_projection", "--no-samples",
-               *_sets(*FAST, "trainer.checkpoint_every=3", "logging.wandb=true"))  # fmt: skip
-    child = data / "runs" / "child"
+    # the README's mixed fine-tune: from its EMA, caption projection frozen, shapes2 weighted
+    # 2 beside PD12M (6 steps, not 500); the simpler line parses
+    assert build_parser().parse_args(simple).parent == "demo"
+    _cli(capsys, 0, *mix, "--steps", "6", "--no-samples",
+         *_sets(*FAST, "trainer.checkpoint_every=3", "logging.wandb=true"))  # fmt: skip
+    child = data / "runs" / "demo-mix"
     c = _load(child / "checkpoints" / "last.ckpt")
     assert c["global_step"] == 6  # a fresh schedule: its own steps, not the parent's + 6
     sd, pe = c["state_dict"], p_ema["state_dict"]
@@ -107,7 +112,7 @@ def test_finetune_lineage_staleness_and_head_start(
 
     # the parent, named everywhere: checkpoint, lineage.json, export, request, catalog, wandb
     digest = ema_digest(parent / "checkpoints" / "step0000012-ema.ckpt")
-    lineage = {"run": "parent", "step": 12, "weights": "ema", "digest": digest,
+    lineage = {"run": "demo", "step": 12, "weights": "ema", "digest": digest,
                "freeze": ["transformer.caption_projection"]}  # fmt: skip
     for rec in (
         c["flowmatch"]["parent"],
@@ -119,8 +124,8 @@ def test_finetune_lineage_staleness_and_head_start(
     assert request["partitions"] == ["000-00", "001-00", "shapes2-00000", "shapes2-00000"]
     cat = Catalog(data)
     extra = json.loads(cat.query("SELECT extra FROM materializations WHERE asset = 'flow_model' "
-                                 "AND partition = 'child'")[0]["extra"])  # fmt: skip
-    assert extra["parent"]["run"] == "parent" and extra["parent"]["digest"] == digest
+                                 "AND partition = 'demo-mix'")[0]["extra"])  # fmt: skip
+    assert extra["parent"]["run"] == "demo" and extra["parent"]["digest"] == digest
     assert extra["sources"] == ["pd12m", "shapes2"] and extra["step"] == 6
     trained = extra["trained_counts"]  # shapes2 is drawn twice per epoch
     assert trained["shapes2-00000"] > trained["000-00"]
@@ -129,7 +134,7 @@ def test_finetune_lineage_staleness_and_head_start(
     assert _cli(capsys, 0, "stale", "--no-report").startswith("nothing stale")
 
     # a resume of the fine-tune keeps its lineage and its frozen parts
-    _train(data, "child", 8, "data.sources=[shapes2, pd12m]", "data.source_weights={shapes2: 2}")
+    _train(data, "demo-mix", 8, "data.sources=[shapes2, pd12m]", "data.source_weights={shapes2: 2}")
     c2 = _load(child / "checkpoints" / "last.ckpt")
     assert c2["global_step"] == 8 and c2["flowmatch"]["parent"]["digest"] == digest
     assert all(torch.equal(c2["state_dict"][k], sd[k]) for k in frozen)
@@ -141,17 +146,21 @@ def test_finetune_lineage_staleness_and_head_start(
 
     # the parent re-trained (another seed): the fine-tune is stale, and says why
     shutil.rmtree(parent)
-    _train(data, "parent", 12, "data.sources=[pd12m]", "trainer.checkpoint_every=6", "run.seed=1")
-    (row,) = json.loads(_cli(capsys, 1, "stale", "--no-report", "--json"))
-    assert row["partition"] == "run child"
+    gone = json.loads(_cli(capsys, 1, *stale, "--no-report", "--json"))
+    assert gone == [{"asset": "flow_model", "partition": "run demo-mix", "reason": "its parent "
+                     "demo has no checkpoint at step 12 any more (re-trained, or pruned): the "
+                     "weights it started from are unknown"}]  # fmt: skip
+    _train(data, "demo", 12, "data.sources=[pd12m]", "trainer.checkpoint_every=6", "run.seed=1")
+    (row,) = json.loads(_cli(capsys, 1, *stale, "--no-report", "--json"))
+    assert row["partition"] == "run demo-mix"
     assert row["reason"].startswith(
-        f"its parent parent was re-trained: its step-12 weights changed ({digest[:12]} -> "
+        f"its parent demo was re-trained: its step-12 weights changed ({digest[:12]} -> "
     )
     from flowmatch_assets.defs.checks import fine_tune_fresh
     from flowmatch_assets.defs.resources import resource_from_env
 
     check = fine_tune_fresh(flowmatch=resource_from_env())
-    assert not check.passed and "run child: its parent parent was re-trained" in check.description
+    assert not check.passed and "run demo-mix: its parent demo was re-trained" in check.description
 
 
 def test_source_selection_and_weights_and_init_mistakes(tmp_path):

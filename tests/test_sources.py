@@ -11,12 +11,9 @@ from __future__ import annotations
 import functools
 import http.server
 import json
-import re
-import shlex
 import shutil
 import threading
 from collections import Counter
-from pathlib import Path
 
 import dagster as dg
 import pyarrow.parquet as pq
@@ -25,10 +22,16 @@ import pytest
 from flowmatch_assets.catalog import Catalog
 from flowmatch_assets.cli import main as cli_main
 from flowmatch_models.store import read_shard
-from tests.byo_data import encode, photo, write_folder, write_parquet, write_webdataset
+from tests.byo_data import (
+    encode,
+    photo,
+    readme_commands,
+    write_folder,
+    write_parquet,
+    write_webdataset,
+)
 
 EMB = ("vae_latents", "dino_features", "text_embeddings")
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -61,19 +64,6 @@ def _final(cat: Catalog, source: str) -> dict[str, str]:
     )
     return {r["id"]: r["outcome"] + (f":{r['reason']}" if r["outcome"] != "stored" else "")
             for r in rows}  # fmt: skip
-
-
-def readme_commands(marker: str) -> list[list[str]]:
-    """The ``flowmatch`` commands of the README's bash block after ``<!-- marker -->``."""
-    block = (REPO / "README.md").read_text().split(f"<!-- {marker} -->")[1]
-    code = re.search(r"```bash\n(.*?)```", block, re.S).group(1)
-    out = []
-    for line in code.splitlines():
-        words = shlex.split(line, comments=True)
-        if words:
-            assert words[0] == ".venv/bin/flowmatch", line
-            out.append(words[1:])
-    return out
 
 
 @pytest.mark.slow
