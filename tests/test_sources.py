@@ -123,6 +123,14 @@ def test_three_source_kinds_through_the_cli(byo_env, capsys):
         n = len(read_shard(tmp / "data" / "vae_latents" / f"{p}.fms").ids)
         assert r["images_256"] == r["text_embeddings"] == n > 0
     assert _cli(capsys, "stale", "--no-report").startswith("nothing stale")
+    # the data card of a source's partition: every sample, its outcome, caption and license
+    _cli(capsys, "data-card", "-p", "photos-00000")
+    card = cat.query("SELECT id, outcome, reason, caption_chars, license, source FROM "
+                     "data_card_rows WHERE partition = 'photos-00000'")  # fmt: skip
+    assert {r["id"]: r["outcome"] + (f":{r['reason']}" if r["reason"] else "")
+            for r in card} == expected["photos"]  # fmt: skip
+    assert {r["source"] for r in card} == {"photos"}
+    assert next(r for r in card if r["id"] == "chelsea.jpg")["caption_chars"] == 31
 
     # new files become new partitions; the registered ones keep what they hold
     before = json.loads((tmp / "data" / "sources" / "photos" / "index.json").read_text())
