@@ -78,7 +78,8 @@ def cmd_partitions(action: str, source: str | None) -> int:
         return 0
     known = set(_instance().get_dynamic_partitions(SHARDS))
     rows = [p for p in discover(res) if source is None or p["source"] == source]
-    for name in sorted(res.sources) if source in (None,) else [s for s in [source] if s != PD12M]:
+    scan = sorted(res.sources) if source is None else [s for s in [source] if s != PD12M]
+    for name in scan:
         cfg = res.source(name)
         rows += [{**m.as_partition(cfg.location), "new": True}
                  for m in src.unregistered(res.data_root, name, cfg)]  # fmt: skip

@@ -117,10 +117,10 @@ def _pd12m_rows(context, flowmatch: FlowmatchResource, part: str) -> tuple:
 def _source_rows(flowmatch: FlowmatchResource, part: str) -> tuple:
     """A source's partition listed from its manifest (ingest/sources): rows, and the samples
     that cannot be rows (missing caption or image, bad metadata) as failures."""
-    cfg = flowmatch.source(source_of(part))
     try:
+        cfg = flowmatch.source(source_of(part))
         table, failed, m = partition_rows(flowmatch.data_root, cfg, part)
-    except SourceError as e:
+    except SourceError as e:  # not configured (any more), unreadable: one line, the fix
         raise dg.Failure(str(e)) from e
     where = m.as_partition(cfg.location)
     extra = {"source_file": where["source_file"], "row_start": m.start, "row_end": m.end,
@@ -169,10 +169,11 @@ def images_256(
             context.log.info(f"{part}: {done}/{total} images ({rate:.1f}/s)")
 
     read = None
-    if (
-        source_of(part) != PD12M
-    ):  # the source reads its own bytes (a file, a parquet cell, a tar member)
-        cfg, ing = flowmatch.source(source_of(part)), flowmatch.ingest
+    if source_of(part) != PD12M:  # the source reads the bytes: a file, parquet cell, tar member
+        try:
+            cfg, ing = flowmatch.source(source_of(part)), flowmatch.ingest
+        except SourceError as e:
+            raise dg.Failure(str(e)) from e
         read = lambda todo: partition_images(root, cfg, part, todo, ing.max_bytes)  # noqa: E731
     try:
         shard = make_image_shard(

@@ -839,7 +839,9 @@ def _process_one(row: Mapping, data: bytes | IngestError, cfg: IngestConfig) -> 
         md5 = hashlib.md5(data).hexdigest()
         image, ow, oh = process_image(data, cfg)
     except IngestError as e:
-        return IngestResult(rid, url, "failed", e.reason, e.detail or None, bytes_downloaded=len(data))
+        return IngestResult(
+            rid, url, "failed", e.reason, e.detail or None, bytes_downloaded=len(data)
+        )
     except Exception as e:  # noqa: BLE001 - a bad row must never crash the shard
         return IngestResult(rid, url, "failed", "internal", f"{type(e).__name__}: {e}",
                             bytes_downloaded=len(data))  # fmt: skip
@@ -886,9 +888,15 @@ def ingest_blobs(
             drain(4 * max(1, cfg.threads))
         drain(0)
     return [
-        r if r is not None
-        else IngestResult(str(rows[i].get("id", "")), str(rows[i].get("url") or ""), "failed",
-                          "internal", "the source never yielded this row's bytes")  # fmt: skip
+        r
+        if r is not None
+        else IngestResult(
+            str(rows[i].get("id", "")),
+            str(rows[i].get("url") or ""),
+            "failed",
+            "internal",
+            "the source never yielded this row's bytes",
+        )  # fmt: skip
         for i, r in enumerate(results)
     ]
 

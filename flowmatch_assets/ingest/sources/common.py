@@ -15,6 +15,7 @@ that cannot become a row is a failure ``{id, url, reason, detail}`` with one of:
                      image member, a parquet row whose image has no bytes)
 ``bad_caption``      a caption file that is not UTF-8 text
 ``bad_metadata``     a metadata.jsonl line (or a tar sample's ``.json``) that is not a JSON object
+``duplicate_id``     a second sample with an id the partition has already (a parquet ``id_field``)
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ import fsspec
 from flowmatch_assets.ingest.sources.config import SourceConfig, SourceError
 
 #: Failure reasons of the listing (the images stage adds its own: ingest/images.py).
-LISTING_REASONS = ("missing_caption", "missing_image", "bad_caption", "bad_metadata")
+LISTING_REASONS = (
+    "missing_caption", "missing_image", "bad_caption", "bad_metadata", "duplicate_id",
+)  # fmt: skip
 
 
 def open_location(cfg: SourceConfig):

@@ -35,6 +35,7 @@ import flowmatch_assets.ingest.sources.folder as folder
 import flowmatch_assets.ingest.sources.parquet as parquet
 import flowmatch_assets.ingest.sources.webdataset as webdataset
 from flowmatch_assets.ingest.images import IngestError
+from flowmatch_assets.ingest.sources.common import failure
 from flowmatch_assets.ingest.sources.config import SourceConfig, SourceError, check_name
 from flowmatch_models.atomic import atomic_write_text
 
@@ -166,7 +167,16 @@ def partition_rows(
             f"as {cfg.kind} now; register the new location under another source name"
         )
     rows, failed = KIND_MODULES[cfg.kind].rows(cfg, m.source, m)
-    table = pa.Table.from_pylist(rows, schema=pa.schema(ROW_COLUMNS))
+    seen: set[str] = set()
+    unique = []
+    for r in rows:  # an id names one row of the partition (catalog records, the images stage)
+        if r["id"] in seen:
+            failed.append(failure(r["id"], r["url"], "duplicate_id",
+                                  f"another sample of {key} has the id {r['id']!r}"))  # fmt: skip
+            continue
+        seen.add(r["id"])
+        unique.append(r)
+    table = pa.Table.from_pylist(unique, schema=pa.schema(ROW_COLUMNS))
     return table, failed, m
 
 
