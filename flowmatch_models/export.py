@@ -38,7 +38,12 @@ def call_kwargs(max_tokens: int) -> dict:
 
 
 def write_transformer(
-    ema, out: Path, scaling_factor: float, preset: str, shift: float, null_text,
+    ema,
+    out: Path,
+    scaling_factor: float,
+    preset: str,
+    shift: float,
+    null_text,
     parent: dict | None = None,
 ) -> Path:
     """``save_pretrained`` the EMA transformer to ``out`` with ``flowmatch.json`` (scaling

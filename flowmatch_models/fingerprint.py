@@ -106,7 +106,9 @@ def disagreement(
             if why := disagreement(group):
                 return why
         first = {s: next(iter(g.items())) for s, g in by.items()}
-        fields = {p: (Fingerprint(fp.fields) if fp is not None else None) for p, fp in first.values()}
+        fields = {
+            p: (Fingerprint(fp.fields) if fp is not None else None) for p, fp in first.values()
+        }
         return disagreement(fields)
     groups: dict[str, list[str]] = {}
     for p, fp in fps.items():
