@@ -161,6 +161,17 @@ def test_finetune_lineage_staleness_and_head_start(
 
     check = fine_tune_fresh(flowmatch=resource_from_env())
     assert not check.passed and "run demo-mix: its parent demo was re-trained" in check.description
+    # the README's `flowmatch stale` reports it to Dagster: the UI's checks say so too
+    import dagster as dg
+
+    from flowmatch_assets import compat
+
+    out = _cli(capsys, 1, *stale)
+    assert "1 stale training runs" in out and "check results reported" in out
+    with dg.DagsterInstance.get() as instance:
+        for asset in ("fine_tune", "flow_model"):
+            key = dg.AssetCheckKey(dg.AssetKey(asset), f"{asset}_fresh")
+            assert compat.check_status(instance, key) == "FAILED", asset
 
 
 def test_source_selection_and_weights_and_init_mistakes(tmp_path):

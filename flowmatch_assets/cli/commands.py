@@ -257,8 +257,10 @@ def cmd_stale(partition: list[str], asset: list[str], as_json: bool, no_report: 
     rows = [{"asset": s.asset, "partition": s.partition, "reason": s.reason} for s in found]
     rows += [{"asset": "flow_model", "partition": f"run {s.partition}", "reason": s.reason}
              for s in models]  # fmt: skip
-    if not no_report and assets:
-        n = report(instance, res, found, partition or known, assets, runs.log_config())
+    with_models = models if not asset or "flow_model" in asset else None
+    if not no_report and (assets or with_models is not None):
+        n = report(instance, res, found, partition or known, assets, runs.log_config(),
+                   with_models)  # fmt: skip
         note = f"{n} `<asset>_fresh` check results reported to Dagster" if n else ""
     else:
         note = ""

@@ -14,6 +14,7 @@ from flowmatch_assets.defs.resources import FlowmatchResource
 from flowmatch_assets.freshness.fingerprints import (
     fresh_check_name,
     fresh_result,
+    model_check_results,
     model_staleness,
     staleness,
     stored,
@@ -62,15 +63,10 @@ def build_fresh_checks(partitions_def) -> dg.AssetChecksDefinition:
     asset="flow_model",
     name="flow_model_fresh",
     description="Every training run trained only on partitions that are fresh and unchanged "
-    "since; fails naming the runs, the stale partitions and why.",
+    "since (and every fine-tune's parent is unchanged); fails naming the runs and why.",
 )
 def flow_model_fresh(flowmatch: FlowmatchResource) -> dg.AssetCheckResult:
-    found = model_staleness(flowmatch)
-    return dg.AssetCheckResult(
-        passed=not found,
-        description="; ".join(f"run {s.partition}: {s.reason}" for s in found)[:2000] or None,
-        metadata={"stale_runs": dg.MetadataValue.json({s.partition: s.reasons for s in found})},
-    )
+    return _model_check(flowmatch, "flow_model_fresh")
 
 
 @dg.asset_check(
@@ -80,20 +76,12 @@ def flow_model_fresh(flowmatch: FlowmatchResource) -> dg.AssetCheckResult:
     "re-trained since) and trained on fresh partitions; fails naming the runs and why.",
 )
 def fine_tune_fresh(flowmatch: FlowmatchResource) -> dg.AssetCheckResult:
-    from flowmatch_assets import catalog
+    return _model_check(flowmatch, "fine_tune_fresh")
 
-    rows = catalog.Catalog(flowmatch.data_root).query(
-        "SELECT partition AS run FROM materializations WHERE asset = 'flow_model' "
-        "AND json_extract(extra, '$.parent') IS NOT NULL "
-        "AND CAST(json_extract(extra, '$.parent') AS VARCHAR) != 'null'"
-    )
-    tuned = [r["run"] for r in rows]
-    found = model_staleness(flowmatch, tuned) if tuned else []
+
+def _model_check(flowmatch: FlowmatchResource, check: str) -> dg.AssetCheckResult:
+    """The verdict `flowmatch stale` reports too (fingerprints.model_check_results)."""
+    _, passed, desc, runs = model_check_results(flowmatch, model_staleness(flowmatch))[check]
     return dg.AssetCheckResult(
-        passed=not found,
-        description="; ".join(f"run {s.partition}: {s.reason}" for s in found)[:2000] or None,
-        metadata={
-            "fine_tunes": dg.MetadataValue.json(tuned),
-            "stale_runs": dg.MetadataValue.json({s.partition: s.reasons for s in found}),
-        },
+        passed=passed, description=desc, metadata={"stale_runs": dg.MetadataValue.json(runs)}
     )

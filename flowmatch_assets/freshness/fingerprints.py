@@ -347,6 +347,40 @@ def fresh_result(
     )
 
 
+def finetuned_runs(res: FlowmatchResource) -> list[str]:
+    """The runs recorded with a parent (fine-tunes: flowmatch_models/finetune.py)."""
+    rows = catalog.Catalog(res.data_root).query(
+        "SELECT partition AS run, extra FROM materializations WHERE asset = 'flow_model'"
+    )
+    return sorted(r["run"] for r in rows if json.loads(r["extra"] or "{}").get("parent"))
+
+
+def _has_runs(res: FlowmatchResource) -> bool:
+    rows = catalog.Catalog(res.data_root).query(
+        "SELECT count(*) AS n FROM materializations WHERE asset = 'flow_model'"
+    )
+    return bool(rows[0]["n"])
+
+
+def model_check_results(res: FlowmatchResource, found: Sequence[Stale]) -> dict[str, tuple]:
+    """``{check: (asset, passed, description, stale runs)}`` of ``flow_model_fresh`` (every
+    run) and ``fine_tune_fresh`` (the fine-tunes) for the stale runs ``found``."""
+    tuned = set(finetuned_runs(res))
+    out = {}
+    for asset, runs in (
+        ("flow_model", list(found)),
+        ("fine_tune", [s for s in found if s.partition in tuned]),
+    ):
+        desc = "; ".join(f"run {s.partition}: {s.reason}" for s in runs)[:2000] or None
+        out[fresh_check_name(asset)] = (
+            asset,
+            not runs,
+            desc,
+            {s.partition: s.reasons for s in runs},
+        )
+    return out
+
+
 def report(
     instance: dg.DagsterInstance,
     res: FlowmatchResource,
@@ -354,10 +388,13 @@ def report(
     partitions: Sequence[str],
     assets: Sequence[str],
     run_config: dict | None = None,
+    models: Sequence[Stale] | None = None,
 ) -> int:
     """Make the ``<asset>_fresh`` checks in ``instance`` agree with ``found`` for every
-    materialized (asset, partition) asked about: an evaluation is recorded where the latest one
-    says otherwise, all in one run tagged ``flowmatch/cli=stale``. Returns how many.
+    materialized (asset, partition) asked about (and, given the stale training runs
+    ``models``, ``flow_model_fresh`` and ``fine_tune_fresh``: a fine-tune whose parent was
+    re-trained outside Dagster shows in the UI too): an evaluation is recorded where the latest
+    one says otherwise, all in one run tagged ``flowmatch/cli=stale``. Returns how many.
 
     (Why a run and not ``report_runless_asset_event``: Dagster 1.13 keys check executions by
     (check, run id, partition), so a second runless evaluation of one partition's check fails
@@ -384,6 +421,23 @@ def report(
                     description=r.description,
                 )
             )
+    results = model_check_results(res, models) if models is not None else {}
+    has = {"flow_model": _has_runs(res), "fine_tune": bool(finetuned_runs(res))}
+    for check, (asset, passed, desc, runs) in results.items():
+        key = dg.AssetCheckKey(dg.AssetKey(asset), check)
+        if not has[asset]:  # no run of that kind: nothing for the check to say
+            continue
+        if compat.check_status(instance, key) == ("SUCCEEDED" if passed else "FAILED"):
+            continue
+        evaluations.append(
+            dg.AssetCheckEvaluation(
+                asset_key=dg.AssetKey(asset),
+                check_name=check,
+                passed=passed,
+                description=desc,
+                metadata={"stale_runs": runs},
+            )  # fmt: skip
+        )
     if evaluations:
         compat.report_check_evaluations(
             instance,
