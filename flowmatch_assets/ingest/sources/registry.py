@@ -34,6 +34,7 @@ import pyarrow as pa
 import flowmatch_assets.ingest.sources.folder as folder
 import flowmatch_assets.ingest.sources.parquet as parquet
 import flowmatch_assets.ingest.sources.webdataset as webdataset
+from flowmatch_assets.catalog import file_lock
 from flowmatch_assets.ingest.images import IngestError
 from flowmatch_assets.ingest.sources.common import failure
 from flowmatch_assets.ingest.sources.config import SourceConfig, SourceError, check_name
@@ -116,25 +117,16 @@ def unregistered(root: str | Path, name: str, cfg: SourceConfig) -> list[Manifes
 def register(root: str | Path, name: str, cfg: SourceConfig) -> list[Manifest]:
     """Scan source ``name`` and register partitions for every sample not in one yet; returns
     the new partitions (none when nothing is new). Safe to call from several processes."""
-    from flowmatch_assets.catalog.views import file_lock
-
     check_name(name)
     d = source_dir(root, name)
     with file_lock(d / ".register.lock"):
-        index = registered(root, name)
-        known = [manifest(root, s["key"]) for s in index]
-        module = KIND_MODULES[cfg.kind]
-        new = module.scan(cfg, known)
-        out = []
-        for i, (unit, start, end, entries) in enumerate(new):
-            m = Manifest(partition_key(name, len(index) + i), name, cfg.kind, unit, start, end,
-                         entries)  # fmt: skip
+        new = unregistered(root, name, cfg)
+        for m in new:  # the manifests first, then the index that lists them
             atomic_write_text(d / "shards" / f"{m.key}.json", json.dumps(m.__dict__))
-            out.append(m)
-        if out:
-            index = [*index, *(m.summary() for m in out)]
+        if new:
+            index = [*registered(root, name), *(m.summary() for m in new)]
             atomic_write_text(d / "index.json", json.dumps(index, indent=0))
-    return out
+    return new
 
 
 # ---------------------------------------------------------------------------- a partition's data
