@@ -142,7 +142,8 @@ def test_finetune_lineage_staleness_and_head_start(
     # the head start: the same run from scratch (same data, seed, schedule) starts higher
     _train(data, "scratch", 3, "data.sources=[shapes2, pd12m]", "data.source_weights={shapes2: 2}")
     tuned, scratch = _losses(child, 3), _losses(data / "runs" / "scratch", 3)
-    print(f"head start, first 3 losses: fine-tune {tuned}, scratch {scratch}")
+    with capsys.disabled():
+        print(f"\nhead start, first 3 losses: fine-tune {tuned}, scratch {scratch}")
     assert sum(tuned) < 0.8 * sum(scratch), (tuned, scratch)
 
     # the parent re-trained (another seed): the fine-tune is stale, and says why
