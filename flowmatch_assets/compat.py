@@ -100,6 +100,18 @@ def failed_latest_attempts(instance: dg.DagsterInstance, asset: str) -> set[str]
     )
 
 
+def check_status(instance: dg.DagsterInstance, key: dg.AssetCheckKey) -> str | None:
+    """The latest evaluation of a (non-partitioned) check: SUCCEEDED, FAILED, ... or None.
+    Storage-level: ``event_log_storage.get_latest_asset_check_execution_by_key``."""
+    rec = instance.event_log_storage.get_latest_asset_check_execution_by_key([key]).get(key)
+    if rec is None:
+        return None
+    ev = rec.evaluation
+    if ev is not None:  # the record's status is the run's; the evaluation says pass or fail
+        return "SUCCEEDED" if ev.passed else "FAILED"
+    return rec.status.value
+
+
 def check_partition_status(instance: dg.DagsterInstance, key: dg.AssetCheckKey) -> dict[str, str]:
     """``{partition: SUCCEEDED | FAILED | ...}``: the latest evaluation of a partitioned check.
     Storage-level: ``event_log_storage.get_asset_check_partition_info``."""

@@ -163,25 +163,35 @@ def materialize(
     run_config: dict | None = None,
     res=None,
     stale_only: bool = False,
+    sources: list[str] | None = None,
 ) -> dict[str, bool]:
     """Materialize ``assets`` (default: the whole data lineage) for ``partitions`` (default: all
     registered), one run per partition, with the assets' checks; ``res``: the
     FlowmatchResource (default: from the environment); ``missing_only``: only the missing
     asset partitions (flowmatch_assets.freshness.state); ``stale_only``: only the stale ones
-    (flowmatch_assets.freshness.fingerprints; with ``missing_only``: both). Prints one line per
-    partition. Returns partition -> success."""
+    (flowmatch_assets.freshness.fingerprints; with ``missing_only``: both); ``sources``: every
+    partition of these sources (``pd12m`` or a configured source's name) besides
+    ``partitions``. Prints one line per partition. Returns partition -> success."""
     from flowmatch_assets.defs.partitions import register_partitions
     from flowmatch_assets.freshness.state import partition_states
-    from flowmatch_models.layout import PARTITIONED_ASSETS
+    from flowmatch_models.layout import PARTITIONED_ASSETS, PD12M, source_of
 
     inst = instance()
     res = res or resource()
+    for s in sources or []:
+        if s != PD12M:
+            res.source(s)  # unknown: SourceError naming the configured ones
     register_partitions(inst, res)
     known = known_partitions(inst)
     check_partitions(list(partitions or []), known)
     names = assets or list(PARTITIONED_ASSETS)
     check_assets(names, list(PARTITIONED_ASSETS))
-    keys = partitions or known
+    keys = partitions or ([] if sources else known)
+    if sources:
+        keys = [*keys, *(k for k in known if source_of(k) in sources and k not in keys)]
+        if not keys:
+            raise UsageError(f"no partitions of {', '.join(sources)} are registered; run "
+                             "`flowmatch partitions register --source NAME`")  # fmt: skip
     out: dict[str, bool] = {}
     stale: set[tuple[str, str]] = set()
     if stale_only:
@@ -258,10 +268,16 @@ def train(
     extra: list[str] | None = None,
     with_samples: bool = True,
     res=None,
+    sources: list[str] | None = None,
+    min_coverage: float | None = None,
 ) -> bool:
     """Materialize flow_model (and samples); training itself runs as a Pipes subprocess (its
-    progress lines go to this process's output)."""
+    progress lines go to this process's output); ``sources``: only their partitions."""
     run_cfg: dict = {"run_name": run_name, "overrides": list(extra or [])}
+    if sources:
+        run_cfg["sources"] = list(sources)
+    if min_coverage is not None:
+        run_cfg["min_coverage"] = min_coverage
     if steps is not None:
         run_cfg["max_steps"] = steps
     if config_file:
@@ -272,6 +288,41 @@ def train(
     t0 = time.perf_counter()
     result = run_assets(list(ops), config={"ops": ops}, res=res)
     print(f"training {'ok' if result.success else 'FAILED'} ({time.perf_counter() - t0:.0f}s)")
+    return result.success
+
+
+def finetune(
+    run_name: str,
+    parent: str,
+    steps: int | None = None,
+    parent_step: int | None = None,
+    weights: str = "ema",
+    freeze: list[str] | None = None,
+    sources: list[str] | None = None,
+    source_weights: dict[str, int] | None = None,
+    config_file: str | None = None,
+    extra: list[str] | None = None,
+    min_coverage: float = 1.0,
+    with_samples: bool = True,
+    res=None,
+) -> bool:
+    """Materialize ``fine_tune`` (and ``samples``): a new run ``run_name`` from ``parent``'s
+    weights (flowmatch_models/finetune.py) on ``sources`` (default every source), weighted."""
+    cfg: dict = {
+        "run_name": run_name, "parent_run": parent, "parent_step": parent_step,
+        "weights": weights, "freeze": list(freeze or []), "sources": sources,
+        "source_weights": dict(source_weights or {}), "overrides": list(extra or []),
+        "min_coverage": min_coverage, "max_steps": steps,
+    }  # fmt: skip
+    cfg = {k: v for k, v in cfg.items() if v is not None}  # the launchpad's defaults
+    if config_file:
+        cfg["config_file"] = str(Path(config_file).resolve())
+    ops = {"fine_tune": {"config": cfg}}
+    if with_samples:
+        ops["samples"] = {"config": {"run_name": run_name}}
+    t0 = time.perf_counter()
+    result = run_assets(list(ops), config={"ops": ops}, res=res)
+    print(f"fine-tune {'ok' if result.success else 'FAILED'} ({time.perf_counter() - t0:.0f}s)")
     return result.success
 
 

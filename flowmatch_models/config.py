@@ -114,11 +114,52 @@ class DataConfig(_Section):
         description="Unless partitions are listed: each epoch uses every partition complete at "
         "its start (a run started at low coverage picks up new partitions).",
     )
+    sources: list[str] | None = Field(
+        None,
+        description="Train only on partitions of these sources (pd12m, or the names of your "
+        "own image sources: the key prefix <name>-NNNNN); null = every source. The partitions "
+        "are those complete when a session starts (a resume picks up new ones).",
+    )
+    source_weights: dict[str, int] = Field(
+        default_factory=dict,
+        description="Whole-number weight per source (default 1): each of its partitions is "
+        "taken that many times per epoch, so its samples are drawn that many times as often "
+        "as a weight-1 source's (and counted so in the ledger).",
+    )
 
     @field_validator("partitions", mode="before")
     @classmethod
     def _keys_as_text(cls, v: Any) -> Any:
         return [str(p) for p in v] if isinstance(v, list) else v
+
+
+class InitConfig(_Section):
+    """Start from another run's weights (a fine-tune) instead of a random initialisation."""
+
+    from_run: str | None = Field(
+        None, description="A run name under <data.root>/runs (or a run folder) to start from."
+    )
+    from_checkpoint: str | None = Field(
+        None, description="Or a checkpoint file (.ckpt) to start from."
+    )
+    step: int | None = Field(
+        None, ge=0, description="The parent's step; null = its latest checkpoint."
+    )
+    weights: Literal["ema", "raw"] = Field(
+        "ema",
+        description="ema: the parent's EMA weights (any checkpoint); raw: its training weights "
+        "(a full stepN.ckpt).",
+    )
+    freeze: list[str] = Field(
+        default_factory=list,
+        description="Parameter-name prefixes of the model kept fixed, e.g. "
+        "transformer.caption_projection, transformer.transformer_blocks.0 "
+        "(flowmatch_models/lightning_module.py lists the top-level names on a mistake).",
+    )
+
+    @property
+    def on(self) -> bool:
+        return bool(self.from_run or self.from_checkpoint)
 
 
 class TrainerConfig(_Section):
@@ -191,6 +232,7 @@ class TrainConfig(_Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     sample: SampleConfig = Field(default_factory=SampleConfig)
     encoders: EncodersConfig = Field(default_factory=EncodersConfig)
+    init: InitConfig = Field(default_factory=InitConfig)
 
     def data_root(self) -> Path:
         return (

@@ -34,13 +34,8 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from flowmatch_models import transform_codec
 from flowmatch_models.fingerprint import ATTR as FINGERPRINT_ATTR
 from flowmatch_models.fingerprint import Fingerprint, diff, disagreement, hash_of
-from flowmatch_models.layout import DataLayout
-from flowmatch_models.store import (
-    Shard,
-    StoreError,
-    ragged_offsets,
-    read_shard,
-)
+from flowmatch_models.layout import DataLayout, source_of
+from flowmatch_models.store import Shard, StoreError, ragged_offsets, read_shard
 
 log = logging.getLogger(__name__)
 
@@ -176,14 +171,16 @@ class ShardSource:
     def kinds(self) -> list[str]:
         return ["vae_latents", "text_embeddings", *(["dino_features"] if self.load_dino else [])]
 
-    def _agreed_fingerprints(self) -> dict[str, str]:
-        """Per kind, the one fingerprint hash of every partition; refuses a mix, naming the
-        partitions that disagree and the fields they disagree on. Shards without a fingerprint
-        (made before them) are ``unknown``: trainable together, never with known ones."""
+    def _agreed_fingerprints(self) -> dict[str, dict[str, str]]:
+        """Per kind and source (flowmatch_models.layout.source_of), the one fingerprint hash of
+        every partition; refuses a mix, naming the partitions that disagree and the fields they
+        disagree on. Partitions of different sources agree on the kind's fields (their rows
+        stages record their own source's settings). Shards without a fingerprint (made before
+        them) are ``unknown``: trainable together, never with known ones."""
         out, self.fingerprint_of = {}, {}
         for kind in self.kinds:
             fps = {p: shard_fingerprint(self.layout, kind, p) for p in self.partitions}
-            why = disagreement(fps)
+            why = disagreement(fps, source_of)
             if why:
                 raise FingerprintMismatchError(
                     f"{kind}: partitions made with different settings: {why}. Training never "
@@ -191,8 +188,8 @@ class ShardSource:
                     "stale` lists them, `flowmatch backfill --stale` re-runs them) or train on "
                     "partitions that agree"
                 )
-            self.fingerprint_of[kind] = next(iter(fps.values()))
-            out[kind] = hash_of(self.fingerprint_of[kind])
+            self.fingerprint_of[kind] = {source_of(p): fp for p, fp in reversed(fps.items())}
+            out[kind] = {s: hash_of(fp) for s, fp in self.fingerprint_of[kind].items()}
         return out
 
     def _agreed_widths(self) -> dict[str, int]:
@@ -235,11 +232,19 @@ class ShardSource:
         std = np.sqrt(np.maximum(sq / count - mean**2, 0.0))
         return torch.from_numpy(mean).float(), torch.from_numpy(std).float()
 
-    def mismatch(self, kind: str, fp: Fingerprint | None) -> str | None:
-        """Why a shard of ``kind`` with fingerprint ``fp`` does not belong with this source."""
-        if hash_of(fp) == self.fingerprints[kind]:
+    def mismatch(self, kind: str, fp: Fingerprint | None, partition: str) -> str | None:
+        """Why ``partition``'s shard of ``kind`` with fingerprint ``fp`` does not belong with
+        this source (a data source this run has no partition of yet: the kind's fields)."""
+        refs = self.fingerprint_of[kind]
+        if source_of(partition) not in refs:
+            ref = next(iter(refs.values()))
+            fp, ours = (Fingerprint(x.fields) if x else None for x in (fp, ref))
+            if hash_of(fp) == hash_of(ours):
+                return None
+        elif hash_of(fp) == self.fingerprints[kind][source_of(partition)]:
             return None
-        ours = self.fingerprint_of[kind]
+        else:
+            ours = refs[source_of(partition)]
         if fp is None or ours is None:
             return f"{kind}: fingerprint {hash_of(fp)} vs this run's {hash_of(ours)}"
         return f"{kind}: " + (
@@ -271,7 +276,7 @@ class ShardSource:
             shards.append(dino)
             out["patch"] = _rows(dino, "patch")
         for kind, s in zip(self.kinds, shards):
-            why = self.mismatch(kind, Fingerprint.from_json(s.attrs.get(FINGERPRINT_ATTR)))
+            why = self.mismatch(kind, Fingerprint.from_json(s.attrs.get(FINGERPRINT_ATTR)), p)
             if why:  # re-made while this run trains on it
                 raise FingerprintMismatchError(
                     f"partition {p!r} was re-made with other settings during training ({why}); "
@@ -849,7 +854,7 @@ class EmbeddingDataModule(L.LightningDataModule):
                     continue
                 if key not in self._fp_cache:
                     self._fp_cache[key] = shard_fingerprint(self.source.layout, kind, p)
-                why = self.source.mismatch(kind, self._fp_cache[key])
+                why = self.source.mismatch(kind, self._fp_cache[key], p)
                 if why:
                     out[p] = why
                     break

@@ -38,10 +38,17 @@ def call_kwargs(max_tokens: int) -> dict:
 
 
 def write_transformer(
-    ema, out: Path, scaling_factor: float, preset: str, shift: float, null_text
+    ema,
+    out: Path,
+    scaling_factor: float,
+    preset: str,
+    shift: float,
+    null_text,
+    parent: dict | None = None,
 ) -> Path:
     """``save_pretrained`` the EMA transformer to ``out`` with ``flowmatch.json`` (scaling
-    factor, preset, shift) and the null caption (``null_caption.safetensors``)."""
+    factor, preset, shift; a fine-tune's ``parent``: run, step, digest, ...: flowmatch_models/
+    finetune.py) and the null caption (``null_caption.safetensors``)."""
     ema.save_pretrained(out)
     meta = {
         "scaling_factor": float(scaling_factor),
@@ -55,6 +62,8 @@ def write_transformer(
         "text_width": int(ema.config.caption_channels),  # the caption states it was trained on
         "flow_shift": float(shift),
     }
+    if parent:
+        meta["parent"] = parent
     atomic_write_text(out / META_FILE, json.dumps(meta, indent=1))
     if null_text is not None:
         from safetensors.torch import save_file
@@ -73,8 +82,10 @@ def export_pipeline(
     null_text: torch.Tensor | None = None,
     vae: str | None = None,
     text_encoder: str | None = None,
+    parent: dict | None = None,
 ) -> Path:
-    """Write the pipeline folder ``out`` (replaced atomically: built beside it, then renamed)."""
+    """Write the pipeline folder ``out`` (replaced atomically: built beside it, then renamed);
+    ``parent``: a fine-tune's parent, recorded in ``transformer/flowmatch.json``."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     out = Path(out)
@@ -110,7 +121,8 @@ def export_pipeline(
             atomic_write_text(tmp / "flowmatch_call.json", json.dumps(info, indent=1))
         else:
             scheduler.save_pretrained(tmp / "scheduler")
-        write_transformer(ema, tmp / "transformer", scaling_factor, preset, shift, null_text)
+        write_transformer(ema, tmp / "transformer", scaling_factor, preset, shift, null_text,
+                          parent)  # fmt: skip
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -141,5 +153,5 @@ def export_checkpoint(
         model, out, scaling_factor=float(meta["scaling_factor"]), preset=meta["preset"],
         shift=float(meta.get("flow_shift", 1.0)), null_text=meta.get("null_text"),
         vae=vae or used.get("vae") or default_vae,
-        text_encoder=text_encoder or used.get("text") or default_text,
+        text_encoder=text_encoder or used.get("text") or default_text, parent=meta.get("parent"),
     )  # fmt: skip

@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,9 +88,28 @@ def diff(stored: dict, expected: dict) -> list[str]:
     return out
 
 
-def disagreement(fps: dict[str, Fingerprint | None]) -> str | None:
+def disagreement(
+    fps: dict[str, Fingerprint | None], source_of: Callable[[str], str] | None = None
+) -> str | None:
     """None when every partition's fingerprint is the same (or all unknown); otherwise which
-    partitions disagree with the first one, and on which fields."""
+    partitions disagree with the first one, and on which fields.
+
+    With ``source_of`` (partition -> its source), partitions of one source must share a
+    fingerprint and partitions of different sources only its ``fields`` (the kind's own
+    settings): their ``inputs`` differ because each source's rows stage records its own
+    settings (flowmatch_assets/ingest/sources), which changes no array's meaning."""
+    if source_of is not None:
+        by: dict[str, dict[str, Fingerprint | None]] = {}
+        for p, fp in fps.items():
+            by.setdefault(source_of(p), {})[p] = fp
+        for group in by.values():
+            if why := disagreement(group):
+                return why
+        first = {s: next(iter(g.items())) for s, g in by.items()}
+        fields = {
+            p: (Fingerprint(fp.fields) if fp is not None else None) for p, fp in first.values()
+        }
+        return disagreement(fields)
     groups: dict[str, list[str]] = {}
     for p, fp in fps.items():
         groups.setdefault(hash_of(fp), []).append(p)

@@ -14,6 +14,7 @@ rename), so "the file exists" means "the partition is materialized".
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,18 @@ class _PartitionedAssets(Mapping[str, str]):
 
 
 PARTITIONED_ASSETS: Mapping[str, str] = _PartitionedAssets()
+
+#: The source of every partition whose key starts with a digit (``NNN-KK``): the PD12M metadata.
+PD12M = "pd12m"
+#: A configured source's name (flowmatch_assets/ingest/sources): its partitions are ``<name>-NNNNN``.
+SOURCE_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
+
+
+def source_of(partition: str) -> str:
+    """The source a partition key belongs to: ``photos-00003`` -> ``photos``; PD12M's keys
+    (``000-00``, a digit first) -> ``pd12m``."""
+    head = partition.split("-", 1)[0]
+    return head if SOURCE_NAME.fullmatch(head) else PD12M
 
 
 @dataclass(frozen=True)

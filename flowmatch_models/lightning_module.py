@@ -109,13 +109,16 @@ class FlowMatchModule(L.LightningModule):
         self._skipped_before = 0  # restored from the checkpoint
         self._bin_sum: torch.Tensor | None = None
         self._bin_cnt: torch.Tensor | None = None
+        #: a fine-tune's parent (run, step, digest, ...: flowmatch_models/finetune.py), or None
+        self.parent: dict | None = None
 
     # ---------------------------------------------------------------------------- optimisation
 
     def configure_optimizers(self):
         o, max_steps = self.config.optim, self.config.trainer.max_steps
+        trainable = [p for p in self.model.parameters() if p.requires_grad]  # init.freeze
         opt = torch.optim.AdamW(
-            self.model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay,
+            trainable, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay,
             fused=True,  # honours found_inf: a non-finite step is skipped on the device
         )  # fmt: skip
         sched = torch.optim.lr_scheduler.LambdaLR(
@@ -340,6 +343,8 @@ class FlowMatchModule(L.LightningModule):
             "widths": dict(self.widths),
             "text_norm": self.model.text_norm(),  # folded into the EMA for sampling / export
         }
+        if self.parent:
+            info["parent"] = dict(self.parent)  # a fine-tune's parent (finetune.py)
         cfg = self.model.transformer.config
         info["transformer_config"] = {k: v for k, v in cfg.items() if not k.startswith("_")}
         if self.flow.null_text is not None:

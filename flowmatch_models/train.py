@@ -8,6 +8,7 @@ Hyperparameters are a :class:`~flowmatch_models.config.TrainConfig` (``configs/t
 ``<data root>/runs/<run.name>`` (the folder ``flow_model`` uses), and holds:
 
     request.json                              the decided request (partitions, steps) of this session
+    lineage.json                              a fine-tune's parent: run, step, weights, digest
     checkpoints/step0000100.ckpt, last.ckpt   model, EMA, optimizer, scheduler, data position
     checkpoints/trained_counts.json           samples trained per partition at the last save
     logs/segNNN/metrics.csv, metrics.csv      one CSV per (re)start, merged into metrics.csv
@@ -34,7 +35,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from flowmatch_models import distributed, wandb_run
+from flowmatch_models import distributed, finetune, wandb_run
 from flowmatch_models.atomic import atomic_write_text
 from flowmatch_models.callbacks import (
     AtomicCheckpointIO,
@@ -50,7 +51,7 @@ from flowmatch_models.config import ConfigError, TrainConfig, load_config
 from flowmatch_models.curves import merge_metrics, plot_coverage, plot_loss_curve
 from flowmatch_models.data import EmbeddingDataModule, OrderChangedError
 from flowmatch_models.export import export_pipeline
-from flowmatch_models.layout import DataLayout
+from flowmatch_models.layout import DataLayout, source_of
 from flowmatch_models.lightning_module import FlowMatchModule, NonFiniteStepsError
 
 __all__ = ["ConfigError", "TrainRequest", "TrainResult", "load_config", "main", "train"]
@@ -73,6 +74,7 @@ class TrainRequest:
     resume: str = "auto"  # auto (last.ckpt if any), none, or a checkpoint path
     coverage: dict = field(default_factory=dict)  # what the caller knew (logged to wandb)
     log_segment: int | None = None  # logs/segNNN of this session (decided by the launcher)
+    parent: dict | None = None  # a fine-tune's parent (decided by the launcher: finetune.py)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -108,6 +110,7 @@ class TrainResult:
     wandb_dir: str | None = None
     skipped_steps: int = 0  # optimizer steps skipped for non-finite gradients, since the run began
     disk_bytes: int = 0  # the run folder on disk (checkpoints, exports, logs), hard links once
+    parent: dict | None = None  # a fine-tune's parent run, step and digest (finetune.py)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -123,6 +126,8 @@ class TrainResult:
                 "wall_s": round(self.wall_s, 1), "export_dir": self.export_dir,
                 "skipped_steps": self.skipped_steps, "disk_bytes": self.disk_bytes,
                 "wandb_dir": self.wandb_dir, **self.metrics}  # fmt: skip
+        if self.parent:
+            keep["parent_run"], keep["parent_step"] = self.parent["run"], self.parent["step"]
         return {k: v for k, v in keep.items() if v is not None}
 
 
@@ -156,7 +161,13 @@ def decide(request: TrainRequest) -> tuple[TrainRequest, TrainConfig]:
     cfg.data.grow = cfg.data.grow and not (request.partitions is None and cfg.data.partitions)
     if not partitions:
         partitions = DataLayout(cfg.data.root).complete_partitions()
+    partitions = select_sources(partitions, cfg)
     cfg.data.partitions = list(partitions)
+    parent = finetune.read_lineage(run_dir) if resume else None
+    if resume and cfg.init.on and parent is None:
+        print(f"note: init is ignored: {run_dir.name} resumes from its own checkpoint", flush=True)
+    if not resume and cfg.init.on:  # a fine-tune's first session: its parent's weights
+        parent = finetune.resolve_parent(cfg.init, cfg.data_root(), run_dir)
     decided = dataclasses.replace(
         request,
         config=cfg.to_dict(),
@@ -167,8 +178,25 @@ def decide(request: TrainRequest) -> tuple[TrainRequest, TrainConfig]:
         run_dir=str(run_dir),
         resume=resume or "none",
         log_segment=len(list((run_dir / "logs").glob("seg*"))),
+        parent=parent,
     )
     return decided, cfg
+
+
+def select_sources(partitions: Sequence[str], cfg: TrainConfig) -> list[str]:
+    """``partitions`` of ``data.sources`` only (all when unset), each taken ``data.source_weights``
+    times (a per-source weight: its samples drawn that many times as often); either one fixes
+    the list for the session (``data.grow`` off: a resume picks up new partitions)."""
+    d = cfg.data
+    if not d.sources and not d.source_weights:
+        return list(partitions)
+    picked = [p for p in partitions if d.sources is None or source_of(p) in d.sources]
+    if not picked:
+        have = sorted({source_of(p) for p in partitions})
+        raise ConfigError(f"data.sources {d.sources}: no complete partition of them (complete "
+                          f"partitions are of {have}); materialize their embeddings first")  # fmt: skip
+    d.grow = False
+    return [p for p in picked for _ in range(d.source_weights.get(source_of(p), 1))]
 
 
 # --------------------------------------------------------------------------------------------
@@ -186,6 +214,8 @@ def train(request: TrainRequest, pipes=None) -> TrainResult:
         request, cfg = decide(request)
         path = cfg.run_dir() / "request.json"
         atomic_write_text(path, json.dumps(request.to_dict(), indent=1))
+        if request.resume == "none":  # a new run (or a restart): its parent, or none
+            finetune.write_lineage(cfg.run_dir(), request.parent)
         distributed.publish_request(path)
     return _fit(request, cfg, pipes)
 
@@ -203,7 +233,14 @@ def _fit(request: TrainRequest, cfg: TrainConfig, pipes) -> TrainResult:
         heldout=(d.heldout_fraction, d.heldout_max_per_partition),
     )  # fmt: skip
     module = FlowMatchModule(cfg, widths=dm.source.widths)
-    if cfg.model.text_norm and ckpt_path is None:  # a resume keeps its first session's
+    module.parent = request.parent
+    if request.parent and ckpt_path is None:  # a fine-tune: the parent's weights and text_norm
+        for note in finetune.load_parent(module, request.parent, dm.source.widths):
+            print(f"init from {request.parent['run']} step {request.parent['step']} "
+                  f"({request.parent['weights']}): {note}", flush=True)  # fmt: skip
+    elif request.parent:  # a resume: the weights are its own; the same parts stay frozen
+        finetune.freeze(module.model, request.parent.get("freeze") or [])
+    elif cfg.model.text_norm and ckpt_path is None:  # a resume keeps its first session's
         module.model.set_text_stats(*dm.source.text_stats())
     module.flow.null_text = dm.source.null_text
     if cfg.model.compile:  # whole FlowDiT forward (REPA output included); fixed text width
@@ -221,7 +258,8 @@ def _fit(request: TrainRequest, cfg: TrainConfig, pipes) -> TrainResult:
         )
     ]
     if cfg.logging.wandb:
-        loggers.append(wandb_run.make_logger(cfg, run_dir, distributed.is_launcher(), coverage))
+        loggers.append(wandb_run.make_logger(cfg, run_dir, distributed.is_launcher(), coverage,
+                                             request.parent))  # fmt: skip
     ckpt_io = AtomicCheckpointIO()
     ckpt_cb = CheckpointPolicy(
         run_dir / "checkpoints", ckpt_io, t.checkpoint_every, t.full_every or t.checkpoint_every,
@@ -263,6 +301,7 @@ def _fit(request: TrainRequest, cfg: TrainConfig, pipes) -> TrainResult:
         wall_s=time.perf_counter() - t0,
         resumed_from=ckpt_path,
         skipped_steps=module.skipped_steps(),
+        parent=request.parent,
     )
     result.metrics["val_loss"] = module.last_validation.get("val/loss")
     if not trainer.is_global_zero:
@@ -321,7 +360,7 @@ def _finish_outputs(result, cfg, trainer, module, dm, grid_cb, loggers) -> None:
             export_pipeline(
                 module.sampling_transformer(), run_dir / "pipeline", scaling_factor=dm.scaling_factor,
                 preset=cfg.model.preset, shift=cfg.flow.shift, null_text=module.flow.null_text,
-                vae=cfg.encoders.vae, text_encoder=cfg.encoders.text,
+                vae=cfg.encoders.vae, text_encoder=cfg.encoders.text, parent=result.parent,
             )
         )  # fmt: skip
     except OSError as e:
@@ -343,6 +382,15 @@ def _pipes():
 
         return open_dagster_pipes()
     return contextlib.nullcontext(None)
+
+
+def _error(line: str, code: int) -> int:
+    """Print the one-line error; also into ``$FLOWMATCH_ERROR_FILE`` when the caller (the
+    training assets) asked for it, so that the UI's failure names it."""
+    print(line, file=sys.stderr)
+    if os.environ.get("FLOWMATCH_ERROR_FILE") and distributed.is_launcher():
+        atomic_write_text(os.environ["FLOWMATCH_ERROR_FILE"], line)
+    return code
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -374,11 +422,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ConfigError("pass --config run.yaml (see configs/tiny.yaml)")
             result = train(request, pipes)
         except (ConfigError, OrderChangedError, FileNotFoundError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+            return _error(f"error: {e}", 2)
         except (NonFiniteStepsError, DiskFullError) as e:  # the run stopped itself: one line
-            print(f"error: {e.strerror if isinstance(e, DiskFullError) else e}", file=sys.stderr)
-            return 3
+            return _error(f"error: {e.strerror if isinstance(e, DiskFullError) else e}", 3)
         if pipes is not None and result.is_global_zero:
             pipes.report_custom_message({"train_result": result.to_dict()})
             pipes.report_asset_materialization(metadata=result.materialization_metadata())

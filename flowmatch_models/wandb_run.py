@@ -32,9 +32,12 @@ def is_online(mode: str) -> bool:
     return bool(os.environ.get("WANDB_API_KEY")) if mode == "auto" else mode == "online"
 
 
-def make_logger(cfg: TrainConfig, run_dir: Path, create_id: bool, coverage: dict):
-    """A Lightning ``WandbLogger`` resuming the run's id, with the resolved config and the data
-    coverage (``data/partitions``, ``data/samples``, ...) in its config."""
+def make_logger(
+    cfg: TrainConfig, run_dir: Path, create_id: bool, coverage: dict, parent: dict | None = None
+):
+    """A Lightning ``WandbLogger`` resuming the run's id, with the resolved config, the data
+    coverage (``data/partitions``, ``data/samples``, ...) and a fine-tune's ``parent`` (run,
+    step, digest: flowmatch_models/finetune.py) in its config."""
     from lightning.pytorch.loggers import WandbLogger
 
     lg = cfg.logging
@@ -45,7 +48,7 @@ def make_logger(cfg: TrainConfig, run_dir: Path, create_id: bool, coverage: dict
         offline=not is_online(lg.wandb_mode),
         id=run_id(run_dir, create_id),
         resume="allow",
-        config={**cfg.to_dict(), "coverage": coverage},
+        config={**cfg.to_dict(), "coverage": coverage, **({"parent": parent} if parent else {})},
     )
 
 

@@ -72,3 +72,22 @@ def test_a_failed_stand_in_makes_the_latest_attempt_failed(partition):
         assert set(instance.get_materialized_partitions(dg.AssetKey("thing"))) == {"p1", "p2"}
         run = instance.get_runs(dg.RunsFilter(tags={"flowmatch/cli": "verify"}))[0]
         assert run.status == dg.DagsterRunStatus.FAILURE
+
+
+def test_a_runs_check_status_follows_its_latest_report():
+    """check_status: the latest evaluation of a non-partitioned check (flow_model_fresh,
+    fine_tune_fresh as `flowmatch stale` reports them), reported twice in runs."""
+    key = dg.AssetCheckKey(dg.AssetKey("model"), "model_fresh")
+    job = ("compat_report_model", "compat test", "compat_report_model_op")
+
+    def ev(passed: bool) -> dg.AssetCheckEvaluation:
+        return dg.AssetCheckEvaluation(
+            asset_key=key.asset_key, check_name=key.name, passed=passed, description="why"
+        )
+
+    with dg.instance_for_test() as instance:
+        assert compat.check_status(instance, key) is None
+        compat.report_check_evaluations(instance, [ev(False)], job, {})
+        assert compat.check_status(instance, key) == "FAILED"
+        compat.report_check_evaluations(instance, [ev(True)], job, {})
+        assert compat.check_status(instance, key) == "SUCCEEDED"

@@ -98,7 +98,10 @@ def test_three_embedding_assets_align_by_id_rerun_is_idempotent_and_checks_pass(
             "text_embeddings_valid": True,
             "text_embeddings_fp16_saturation": True,  # the zoo's states stay within fp16
             # made with the current settings (flowmatch_assets/freshness/fingerprints.py)
-            **{f"{a}_fresh": True for a in ["pd12m_metadata", "images_256", *EMB, "flow_model"]},
+            **{
+                f"{a}_fresh": True
+                for a in ["pd12m_metadata", "images_256", *EMB, "flow_model", "fine_tune"]
+            },
         }
         text = read_shard(res.layout.asset_path("text_embeddings", "000-00"))
         assert text.attrs["fp16_saturated"] == 0 and text.attrs["text_dtype"] == "torch.float32"

@@ -22,5 +22,6 @@ BENCHES = {
         "dedupe",
         "ledger",
         "fingerprint",
+        "finetune",
     )
 }

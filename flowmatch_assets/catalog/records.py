@@ -65,6 +65,7 @@ PARTITION_SCHEMA = pa.schema(
         ("source_file", pa.string()),
         ("row_start", pa.int64()),
         ("row_end", pa.int64()),
+        ("source", pa.string()),  # pd12m, or a source of the user's own images
     ]
 )
 

@@ -129,9 +129,14 @@ def _view_sql(layout: DataLayout) -> list[str]:
            FROM p CROSS JOIN assets a
            LEFT JOIN materializations m ON m.partition = p.partition AND m.asset = a.asset""",
         f"CREATE OR REPLACE MACRO retryable(r) AS {_retryable_sql('r')}",
+        # the source of a partition key (flowmatch_models.layout.source_of): photos-00003 -> photos
+        """CREATE OR REPLACE MACRO source_of(p) AS
+           CASE WHEN regexp_full_match(split_part(p, '-', 1), '[a-z][a-z0-9_]{0,31}')
+                THEN split_part(p, '-', 1) ELSE 'pd12m' END""",
         """CREATE OR REPLACE VIEW failures AS
            SELECT asset, partition, id, url, outcome, reason, detail,
-                  outcome = 'failed' AND retryable(reason) AS retryable FROM rows
+                  outcome = 'failed' AND retryable(reason) AS retryable,
+                  source_of(partition) AS source FROM rows
            WHERE outcome IN ('failed', 'filtered')""",
         f"""CREATE OR REPLACE VIEW rejected_attempts AS
            SELECT asset, partition, id, url, outcome, reason, detail,
@@ -207,17 +212,18 @@ def _dedupe_views(layout: DataLayout) -> list[str]:
            UNION ALL
            SELECT partition, id, 'content', md5, kept_partition, kept_id, true
            FROM content_duplicates""",
-        # every input row's final outcome: filtered by the metadata filters, else the image
+        # every input row's final outcome: filtered by the metadata filters (or failed when a
+        # source's listing cannot make it a row: a missing caption, ...), else the image
         # stage's outcome (pending before it ran), a content duplicate counted as filtered
         """CREATE OR REPLACE VIEW dataset_rows AS
            SELECT m.partition, m.id, m.url,
-                  CASE WHEN m.outcome = 'filtered' THEN 'metadata'
+                  CASE WHEN m.outcome != 'stored' THEN 'metadata'
                        WHEN i.id IS NOT NULL THEN 'images' END AS stage,
-                  CASE WHEN m.outcome = 'filtered' THEN 'filtered'
+                  CASE WHEN m.outcome != 'stored' THEN m.outcome
                        WHEN i.id IS NULL THEN 'pending'
                        WHEN c.id IS NOT NULL THEN 'filtered'
                        ELSE i.outcome END AS outcome,
-                  CASE WHEN m.outcome = 'filtered' THEN m.reason
+                  CASE WHEN m.outcome != 'stored' THEN m.reason
                        WHEN c.id IS NOT NULL THEN 'duplicate_content'
                        ELSE i.reason END AS reason,
                   d.kept_partition, d.kept_id

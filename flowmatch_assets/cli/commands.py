@@ -61,18 +61,63 @@ def _setting_message(e: Exception) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def cmd_partitions(action: str) -> int:
+def cmd_partitions(action: str, source: str | None) -> int:
+    """`flowmatch partitions [list|register] [--source NAME]`: PD12M's shards and the
+    configured sources' partitions; ``register`` adds new ones (a source: its new images,
+    files or tars) to the Dagster instance, ``list`` shows what register would add as NEW."""
     from flowmatch_assets.defs.partitions import SHARDS, discover, register_partitions
+    from flowmatch_assets.ingest import sources as src
+    from flowmatch_models.layout import PD12M
 
     res = _resource()
+    if source is not None and source != PD12M:
+        res.source(source)  # unknown: one line naming the configured ones
     if action == "register":
-        new = register_partitions(_instance(), res)
+        new = register_partitions(_instance(), res, source)
         print(f"registered {len(new)} new partitions" + (f": {', '.join(new[:10])}" if new else ""))
-    else:
-        known = set(_instance().get_dynamic_partitions(SHARDS))
-        for s in discover(res):
-            mark = "registered" if s.key in known else "NEW"
-            print(f"{s.key}  rows [{s.row_start}, {s.row_end})  {s.path}  {mark}")
+        return 0
+    known = set(_instance().get_dynamic_partitions(SHARDS))
+    rows = [p for p in discover(res) if source is None or p["source"] == source]
+    scan = sorted(res.sources) if source is None else [s for s in [source] if s != PD12M]
+    for name in scan:
+        cfg = res.source(name)
+        rows += [{**m.as_partition(cfg.location), "new": True}
+                 for m in src.unregistered(res.data_root, name, cfg)]  # fmt: skip
+    for p in rows:
+        mark = "NEW" if p.get("new") or p["partition"] not in known else "registered"
+        print(f"{p['partition']}  {p['source']}  rows [{p['row_start']}, {p['row_end']})  "
+              f"{p['source_file']}  {mark}")  # fmt: skip
+    return 0
+
+
+def cmd_sources(action: str, name: str | None, kind: str | None, location: str | None,
+                caption_field: str | None, shard_size: int | None, image_field: str | None,
+                id_field: str | None, license: str | None) -> int:  # fmt: skip
+    """`flowmatch sources [list|add NAME ...]`: the sources of your own images (the YAML file
+    FLOWMATCH_SOURCES, default <data root>/sources.yaml)."""
+    from flowmatch_assets.ingest import sources as src
+
+    res = _resource()
+    path = src.sources_file(res.data_root)
+    if action == "add":
+        if not name or not kind or not location:
+            raise CliError("sources add needs NAME, --kind folder|parquet|webdataset and "
+                           "--location FOLDER_OR_URL")  # fmt: skip
+        given = {"kind": kind, "location": src.config.absolute(location),
+                 "caption_field": caption_field, "shard_size": shard_size,
+                 "image_field": image_field, "id_field": id_field, "license": license}  # fmt: skip
+        cfg = src.SourceConfig.model_validate({k: v for k, v in given.items() if v is not None})
+        src.write_source(path, src.check_name(name), cfg)
+        print(f"source {name}: {cfg.kind} at {cfg.location} (in {path}); next: "
+              f"`flowmatch partitions register --source {name}`")  # fmt: skip
+        return 0
+    print(f"sources file: {path}" + ("" if path.is_file() else " (none yet)"))
+    print(f"pd12m  metadata  {res.metadata_source}")
+    for n in sorted(res.sources):
+        cfg = res.source(n)
+        parts = src.registered(res.data_root, n)
+        print(f"{n}  {cfg.kind}  {cfg.location}  caption {cfg.caption()!r}  shard_size "
+              f"{cfg.shard_size}  {len(parts)} partitions registered")  # fmt: skip
     return 0
 
 
@@ -132,13 +177,38 @@ def cmd_ledger(run: str) -> int:
 
 
 def cmd_train(
-    steps: int | None, run_name: str, config: str | None, overrides: list[str], no_samples: bool
+    steps: int | None, run_name: str, config: str | None, overrides: list[str], no_samples: bool,
+    source: list[str], min_coverage: float,
+) -> int:  # fmt: skip
+    ok = runs.train(steps, run_name, config, overrides, not no_samples, sources=source or None,
+                    min_coverage=min_coverage)  # fmt: skip
+    return 0 if ok else 1
+
+
+def cmd_finetune(
+    run: str, parent: str, step: int | None, weights: str, freeze: list[str], source: list[str],
+    weight: list[str], steps: int | None, config: str | None, overrides: list[str],
+    min_coverage: float, no_samples: bool,
+) -> int:  # fmt: skip
+    """`flowmatch finetune RUN --from PARENT`: a new run from PARENT's weights (fine_tune)."""
+    weights_by = {}
+    for w in weight:
+        name, sep, value = w.partition("=")
+        if not sep or not value.isdigit() or int(value) < 1:
+            raise CliError(f"--weight {w!r}: expected SOURCE=N with a whole number N >= 1")
+        weights_by[name] = int(value)
+    ok = runs.finetune(
+        run, parent, steps, step, weights, freeze, source or None, weights_by, config,
+        overrides, min_coverage, not no_samples,
+    )  # fmt: skip
+    return 0 if ok else 1
+
+
+def cmd_materialize(
+    partition: list[str], asset: list[str], missing: bool, stale: bool, source: list[str]
 ) -> int:
-    return 0 if runs.train(steps, run_name, config, overrides, not no_samples) else 1
-
-
-def cmd_materialize(partition: list[str], asset: list[str], missing: bool, stale: bool) -> int:
-    res = runs.materialize(partition or None, asset or None, missing_only=missing, stale_only=stale)
+    res = runs.materialize(partition or None, asset or None, missing_only=missing,
+                           stale_only=stale, sources=source or None)  # fmt: skip
     return 0 if all(res.values()) else 1
 
 
@@ -187,8 +257,10 @@ def cmd_stale(partition: list[str], asset: list[str], as_json: bool, no_report: 
     rows = [{"asset": s.asset, "partition": s.partition, "reason": s.reason} for s in found]
     rows += [{"asset": "flow_model", "partition": f"run {s.partition}", "reason": s.reason}
              for s in models]  # fmt: skip
-    if not no_report and assets:
-        n = report(instance, res, found, partition or known, assets, runs.log_config())
+    with_models = models if not asset or "flow_model" in asset else None
+    if not no_report and (assets or with_models is not None):
+        n = report(instance, res, found, partition or known, assets, runs.log_config(),
+                   with_models)  # fmt: skip
         note = f"{n} `<asset>_fresh` check results reported to Dagster" if n else ""
     else:
         note = ""
@@ -492,8 +564,31 @@ COMMANDS: dict[str, Command] = {
     "sample": Command(cmd_sample, "write the demo dataset (PD12M format)", rest=True),
     "partitions": Command(
         cmd_partitions,
-        "list or register the partitions of the metadata source",
-        [arg("action", choices=["list", "register"], nargs="?", default="list")],
+        "list or register the partitions of PD12M and of your own image sources",
+        [
+            arg("action", choices=["list", "register"], nargs="?", default="list"),
+            arg("--source", default=None, help="only this source (a name, or pd12m)"),
+        ],
+    ),
+    "sources": Command(
+        cmd_sources,
+        "your own images as sources: image folders, Hugging Face parquet, WebDataset tars",
+        [
+            arg("action", choices=["list", "add"], nargs="?", default="list"),
+            arg("name", nargs="?", help="add: the source's name (starts its partition keys)"),
+            arg("--kind", choices=["folder", "parquet", "webdataset"], default=None),
+            arg("--location", default=None, help="a folder or an fsspec URL"),
+            arg(
+                "--caption-field",
+                default=None,
+                help="folder: metadata.jsonl key (text); parquet: column (text); webdataset: "
+                "member extension or .json key (txt)",
+            ),
+            arg("--shard-size", type=int, default=None, help="samples per partition (1000)"),
+            arg("--image-field", default=None, help="parquet: the image column (image)"),
+            arg("--id-field", default=None, help="parquet: a column naming each row"),
+            arg("--license", default=None, help="recorded for every image"),
+        ],  # fmt: skip
     ),
     "materialize": Command(
         cmd_materialize,
@@ -518,6 +613,12 @@ COMMANDS: dict[str, Command] = {
                 action="store_true",
                 help="only asset partitions that are stale (`flowmatch stale`): made with "
                 "other settings than the current ones, or from a stale or re-made upstream",
+            ),
+            arg(
+                "--source",
+                action="append",
+                default=[],
+                help="every partition of this source (repeatable; pd12m or a source name)",
             ),
         ],  # fmt: skip
     ),
@@ -549,7 +650,59 @@ COMMANDS: dict[str, Command] = {
             arg("--config", default=None, help="training YAML (default configs/tiny.yaml)"),
             arg("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE"),
             arg("--no-samples", action="store_true"),
-        ],
+            arg(
+                "--source",
+                action="append",
+                default=[],
+                help="train on this source's partitions (repeatable; default every source)",
+            ),
+            arg(
+                "--min-coverage",
+                type=float,
+                default=1.0,
+                help="fraction of the (chosen sources') partitions that must be covered",
+            ),
+        ],  # fmt: skip
+    ),
+    "finetune": Command(
+        cmd_finetune,
+        "materialize fine_tune: a new run from another run's weights, on chosen sources",
+        [
+            arg("run", help="the fine-tune's run name (its own folder under <data root>/runs)"),
+            arg("--from", dest="parent", required=True, help="the parent run (name or folder)"),
+            arg("--step", type=int, default=None, help="the parent's step (default: latest)"),
+            arg("--weights", choices=["ema", "raw"], default="ema"),
+            arg(
+                "--freeze",
+                action="append",
+                default=[],
+                metavar="PREFIX",
+                help="keep these parameters fixed (e.g. transformer.caption_projection)",
+            ),
+            arg(
+                "--source",
+                action="append",
+                default=[],
+                help="train on this source's partitions (repeatable; default all)",
+            ),
+            arg(
+                "--weight",
+                action="append",
+                default=[],
+                metavar="SOURCE=N",
+                help="take SOURCE's partitions N times per epoch (repeatable)",
+            ),
+            arg("--steps", type=int, default=None, help="total steps (default 500)"),
+            arg("--config", default=None, help="training YAML (default configs/tiny.yaml)"),
+            arg("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE"),
+            arg(
+                "--min-coverage",
+                type=float,
+                default=1.0,
+                help="fraction of the chosen sources' partitions that must be covered",
+            ),
+            arg("--no-samples", action="store_true"),
+        ],  # fmt: skip
     ),
     "export": Command(
         cmd_export,
@@ -725,9 +878,10 @@ def _one_line(e: BaseException) -> str | None:
 
     from flowmatch_assets.defs.resources import SettingError
     from flowmatch_assets.ingest.metadata import MetadataError
+    from flowmatch_assets.ingest.sources import SourceError
     from flowmatch_models.export import ExportError
 
-    if isinstance(e, CliError | MetadataError | ExportError):
+    if isinstance(e, CliError | MetadataError | ExportError | SourceError):
         return str(e)  # MetadataError names the folder and FLOWMATCH_METADATA already
     if isinstance(e, ValidationError | SettingError):
         return _setting_message(e)

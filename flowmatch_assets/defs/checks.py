@@ -1,4 +1,5 @@
-"""The freshness checks: ``<asset>_fresh`` per partitioned asset and ``flow_model_fresh``.
+"""The freshness checks: ``<asset>_fresh`` per partitioned asset, ``flow_model_fresh`` and
+``fine_tune_fresh``.
 
 What stale means is :mod:`flowmatch_assets.freshness.fingerprints`; these only carry its verdict
 into the UI. (Each asset's shard checks live beside it: ``images_256_complete`` in
@@ -13,6 +14,7 @@ from flowmatch_assets.defs.resources import FlowmatchResource
 from flowmatch_assets.freshness.fingerprints import (
     fresh_check_name,
     fresh_result,
+    model_check_results,
     model_staleness,
     staleness,
     stored,
@@ -61,12 +63,25 @@ def build_fresh_checks(partitions_def) -> dg.AssetChecksDefinition:
     asset="flow_model",
     name="flow_model_fresh",
     description="Every training run trained only on partitions that are fresh and unchanged "
-    "since; fails naming the runs, the stale partitions and why.",
+    "since (and every fine-tune's parent is unchanged); fails naming the runs and why.",
 )
 def flow_model_fresh(flowmatch: FlowmatchResource) -> dg.AssetCheckResult:
-    found = model_staleness(flowmatch)
+    return _model_check(flowmatch, "flow_model_fresh")
+
+
+@dg.asset_check(
+    asset="fine_tune",
+    name="fine_tune_fresh",
+    description="Every fine-tune starts from weights its parent still has (the parent was not "
+    "re-trained since) and trained on fresh partitions; fails naming the runs and why.",
+)
+def fine_tune_fresh(flowmatch: FlowmatchResource) -> dg.AssetCheckResult:
+    return _model_check(flowmatch, "fine_tune_fresh")
+
+
+def _model_check(flowmatch: FlowmatchResource, check: str) -> dg.AssetCheckResult:
+    """The verdict `flowmatch stale` reports too (fingerprints.model_check_results)."""
+    _, passed, desc, runs = model_check_results(flowmatch, model_staleness(flowmatch))[check]
     return dg.AssetCheckResult(
-        passed=not found,
-        description="; ".join(f"run {s.partition}: {s.reason}" for s in found)[:2000] or None,
-        metadata={"stale_runs": dg.MetadataValue.json({s.partition: s.reasons for s in found})},
+        passed=passed, description=desc, metadata={"stale_runs": dg.MetadataValue.json(runs)}
     )

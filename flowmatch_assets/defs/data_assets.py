@@ -1,5 +1,6 @@
-"""Data assets: raw PD12M shards -> 256px images, publishing what ``ingest/`` makes
-(``metadata.py`` and ``dedupe.py`` for pd12m_metadata, ``shard.py`` for images_256)."""
+"""Data assets: raw shards -> 256px images, publishing what ``ingest/`` makes (``metadata.py``
+and ``dedupe.py`` for a PD12M partition's pd12m_metadata, ``sources/`` for a source's, ``shard.py``
+for images_256)."""
 
 import time
 from collections import Counter
@@ -25,9 +26,11 @@ from flowmatch_assets.ingest.metadata import (
     read_metadata_shard,
 )
 from flowmatch_assets.ingest.shard import NothingToRetry, TooFewStored, make_image_shard
+from flowmatch_assets.ingest.sources import SourceError, partition_images, partition_rows
 from flowmatch_models.atomic import atomic_path
 from flowmatch_models.grid import make_grid, markdown_image, save_png
 from flowmatch_models.image_shard import decode, write_image_shard
+from flowmatch_models.layout import PD12M, source_of
 
 GROUP = "data"
 
@@ -36,28 +39,22 @@ GROUP = "data"
     partitions_def=shard_partitions,
     group_name=GROUP,
     kinds={"parquet"},
-    description="One PD12M shard's metadata rows, validated and filtered (filtered rows counted by reason).",
+    description="One shard's rows, validated and filtered: a PD12M metadata shard, or a "
+    "partition of your own images (folder, parquet, WebDataset) listed with its captions; "
+    "filtered and failed rows counted by reason.",
 )
 def pd12m_metadata(
     context: dg.AssetExecutionContext, flowmatch: FlowmatchResource
 ) -> dg.MaterializeResult:
-    """Read the partition's rows of its metadata file, filter them, store the kept ones."""
+    """Read the partition's rows (its metadata file's, or its source's), filter them, store the
+    kept ones. (The key is PD12M's from before sources existed; every partition has this stage.)"""
     t0 = time.perf_counter()
     out = PartitionOutput(context, flowmatch, "pd12m_metadata")
-    table, spec = read_metadata_shard(
-        flowmatch.metadata_source, out.partition, flowmatch.shard_size
-    )
-    table = ids_as_strings(table)
-    winners = None
-    if flowmatch.filters.drop_duplicate_hash:  # across the whole dataset: dedupe.py
-        index = build_hash_index(
-            flowmatch.data_root,
-            flowmatch.metadata_source,
-            flowmatch.filters,
-            flowmatch.shard_size,
-            log=context.log.info,
-        )
-        winners = hash_winners(index, parse_shard_key(out.partition)[0])
+    if source_of(out.partition) == PD12M:
+        table, failed, extra = _pd12m_rows(context, flowmatch, out.partition)
+    else:
+        table, failed, extra = _source_rows(flowmatch, out.partition)
+    winners = extra.pop("winners", None)
     kept, filtered = filter_rows(table, flowmatch.filters, winners)
     with atomic_path(out.path) as tmp:
         pq.write_table(kept, tmp)
@@ -68,33 +65,67 @@ def pd12m_metadata(
     outcomes += [
         RowOutcome(f["id"], f["url"], "filtered", f["reason"], f["detail"]) for f in filtered
     ]
+    outcomes += [RowOutcome(f["id"], f["url"], "failed", f["reason"], f["detail"]) for f in failed]
     by_reason = dict(Counter(f["reason"] for f in filtered))
+    failed_by_reason = dict(Counter(f["reason"] for f in failed))
     dups = [f for f in filtered if f["reason"] == "duplicate_hash"]
     catalog.record_duplicates(flowmatch.data_root, "pd12m_metadata", out.partition, "hash", dups)
+    input_rows = table.num_rows + len(failed)
     context.log.info(
-        f"{out.partition}: {table.num_rows} rows, kept {kept.num_rows}, filtered {by_reason}"
+        f"{out.partition}: {input_rows} rows, kept {kept.num_rows}, filtered {by_reason}"
+        + (f", failed {failed_by_reason}" if failed else "")
     )
     return out.publish(
         samples=kept.num_rows,
         rows=outcomes,
         seconds=time.perf_counter() - t0,
-        input_rows=table.num_rows,
+        input_rows=input_rows,
         raw_bytes=kept.nbytes,
-        extra={
-            "source_file": spec.path,
-            "row_start": spec.row_start,
-            "row_end": spec.row_end,
-            "filtered": by_reason,
-        },
+        extra={**extra, "filtered": by_reason, "failed": failed_by_reason},
         metadata={
-            "input_rows": table.num_rows,
+            "input_rows": input_rows,
             "kept_rows": kept.num_rows,
             "filtered_rows": len(filtered),
             "filtered_by_reason": dg.MetadataValue.json(by_reason),
-            "source_file": spec.path,
-            "row_range": f"[{spec.row_start}, {spec.row_end})",
+            "failed_rows": len(failed),
+            "failed_by_reason": dg.MetadataValue.json(failed_by_reason),
+            "source": source_of(out.partition),
+            "source_file": extra["source_file"],
+            "row_range": f"[{extra['row_start']}, {extra['row_end']})",
         },
     )
+
+
+def _pd12m_rows(context, flowmatch: FlowmatchResource, part: str) -> tuple:
+    """A PD12M shard's rows of its metadata file (no listing failures), with the global
+    hash dedupe's winners (flowmatch_assets/ingest/dedupe.py)."""
+    table, spec = read_metadata_shard(flowmatch.metadata_source, part, flowmatch.shard_size)
+    table = ids_as_strings(table)
+    extra: dict = {"source_file": spec.path, "row_start": spec.row_start, "row_end": spec.row_end}
+    if flowmatch.filters.drop_duplicate_hash:  # across the whole dataset: dedupe.py
+        index = build_hash_index(
+            flowmatch.data_root,
+            flowmatch.metadata_source,
+            flowmatch.filters,
+            flowmatch.shard_size,
+            log=context.log.info,
+        )
+        extra["winners"] = hash_winners(index, parse_shard_key(part)[0])
+    return table, [], extra
+
+
+def _source_rows(flowmatch: FlowmatchResource, part: str) -> tuple:
+    """A source's partition listed from its manifest (ingest/sources): rows, and the samples
+    that cannot be rows (missing caption or image, bad metadata) as failures."""
+    try:
+        cfg = flowmatch.source(source_of(part))
+        table, failed, m = partition_rows(flowmatch.data_root, cfg, part)
+    except SourceError as e:  # not configured (any more), unreadable: one line, the fix
+        raise dg.Failure(str(e)) from e
+    where = m.as_partition(cfg.location)
+    extra = {"source_file": where["source_file"], "row_start": m.start, "row_end": m.end,
+             "source_kind": cfg.kind, "manifest": m.digest()}  # fmt: skip
+    return table, failed, extra
 
 
 class ImagesConfig(dg.Config):
@@ -117,7 +148,7 @@ class ImagesConfig(dg.Config):
     group_name=GROUP,
     kinds={"parquet", "pillow"},
     op_tags=IMAGE_TAGS,
-    description="The shard's images: downloaded, short side 256, centre-cropped 256x256, encoded (JPEG q95); failures recorded with reasons.",
+    description="The shard's images: downloaded (or read from their source), short side 256, centre-cropped 256x256, encoded (JPEG q95); failures recorded with reasons.",
 )
 def images_256(
     context: dg.AssetExecutionContext, config: ImagesConfig, flowmatch: FlowmatchResource
@@ -137,10 +168,18 @@ def images_256(
             rate = done / max(time.perf_counter() - t0, 1e-9)
             context.log.info(f"{part}: {done}/{total} images ({rate:.1f}/s)")
 
+    read = None
+    if source_of(part) != PD12M:  # the source reads the bytes: a file, parquet cell, tar member
+        try:
+            cfg, ing = flowmatch.source(source_of(part)), flowmatch.ingest
+        except SourceError as e:
+            raise dg.Failure(str(e)) from e
+        read = lambda todo: partition_images(root, cfg, part, todo, ing.max_bytes)  # noqa: E731
     try:
         shard = make_image_shard(
             rows, root, part, out.path, flowmatch.ingest, flowmatch.filters,
             retry=config.retry, reasons=config.reasons, progress=progress, log=context.log.info,
+            read=read,
         )  # fmt: skip
     except NothingToRetry as e:
         raise dg.Failure(str(e)) from e

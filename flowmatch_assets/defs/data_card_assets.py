@@ -10,9 +10,11 @@ from flowmatch_assets.catalog import Catalog
 from flowmatch_assets.defs.data_assets import images_256, pd12m_metadata
 from flowmatch_assets.defs.partitions import shard_partitions
 from flowmatch_assets.defs.resources import FlowmatchResource
+from flowmatch_assets.ingest.sources import partition_rows
 from flowmatch_assets.reports.data_card import DATASET, card, card_rows, markdown, render
 from flowmatch_models.atomic import atomic_write_text
 from flowmatch_models.grid import markdown_image, save_png
+from flowmatch_models.layout import PD12M, source_of
 
 GROUP = "reports"
 
@@ -55,6 +57,13 @@ def data_card(
     """Record the partition's per-row card facts, then draw its card from the catalog view."""
     t0 = time.perf_counter()
     part, layout = context.partition_key, flowmatch.layout
+    listed = None
+    if source_of(part) != PD12M:  # a source's partition: its listing, failures included
+        cfg = flowmatch.source(source_of(part))
+        table, failed, _ = partition_rows(flowmatch.data_root, cfg, part)
+        listed = table.to_pylist() + [
+            {**f, "caption": "", "license": cfg.license, "source": source_of(part)} for f in failed
+        ]
     rows = card_rows(
         layout,
         flowmatch.metadata_source,
@@ -62,6 +71,7 @@ def data_card(
         part,
         _token_counter(flowmatch, context.log),
         flowmatch.encoders.max_tokens,
+        rows=listed,
     )
     catalog.record_card_rows(flowmatch.data_root, part, rows)
     cat = Catalog(flowmatch.data_root)

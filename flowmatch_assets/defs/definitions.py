@@ -12,14 +12,18 @@ import os
 import dagster as dg
 
 from flowmatch_assets.defs.budget_assets import budget_report
-from flowmatch_assets.defs.checks import build_fresh_checks, flow_model_fresh
+from flowmatch_assets.defs.checks import build_fresh_checks, fine_tune_fresh, flow_model_fresh
 from flowmatch_assets.defs.data_assets import images_256, images_256_complete, pd12m_metadata
 from flowmatch_assets.defs.data_card_assets import data_card, dataset_card
 from flowmatch_assets.defs.embedding_assets import build_embedding_checks, build_encode_embeddings
-from flowmatch_assets.defs.partitions import pd12m_partition_sensor, shard_partitions
+from flowmatch_assets.defs.partitions import (
+    pd12m_partition_sensor,
+    shard_partitions,
+    source_partition_sensor,
+)
 from flowmatch_assets.defs.resources import FlowmatchResource, flowmatch_from_env
 from flowmatch_assets.defs.sensors import build_verify_sensor
-from flowmatch_assets.defs.training_assets import evaluation, flow_model, samples
+from flowmatch_assets.defs.training_assets import evaluation, fine_tune, flow_model, samples
 from flowmatch_assets.freshness.fingerprints import code_version
 from flowmatch_models.embeddings import KINDS, TRAINING_INPUTS
 
@@ -31,6 +35,9 @@ def assets() -> list:
     train = flow_model.map_asset_specs(
         lambda spec: spec.replace_attributes(deps=list(TRAINING_INPUTS))
     )
+    tune = fine_tune.map_asset_specs(
+        lambda spec: spec.replace_attributes(deps=["flow_model", *TRAINING_INPUTS])
+    )
     text_kinds = [k.name for k in KINDS.values() if k.encoder == "text"]
     card = data_card.map_asset_specs(
         lambda spec: spec.replace_attributes(deps=[*spec.deps, *text_kinds])
@@ -39,7 +46,7 @@ def assets() -> list:
         lambda spec: spec.replace_attributes(code_version=code_version(spec.key.to_user_string())),
         [pd12m_metadata, images_256],
     )
-    return [*data, encode, train, samples, evaluation, budget_report, card, dataset_card]
+    return [*data, encode, train, tune, samples, evaluation, budget_report, card, dataset_card]
 
 
 def checks() -> list:
@@ -49,6 +56,7 @@ def checks() -> list:
         *build_embedding_checks(list(KINDS.values())),
         build_fresh_checks(shard_partitions),
         flow_model_fresh,
+        fine_tune_fresh,
     ]
 
 
@@ -66,6 +74,11 @@ train_job = dg.define_asset_job(
     "train_job",
     selection=dg.AssetSelection.assets(flow_model, samples),
     description="Start or resume training on the covered partitions, then render the sample grid.",
+)
+finetune_job = dg.define_asset_job(
+    "finetune_job",
+    selection=dg.AssetSelection.assets(fine_tune),
+    description="Fine-tune: a new run from another run's weights, on the chosen sources.",
 )
 embed_job = dg.define_asset_job(
     "encode_embeddings_job",
@@ -119,8 +132,8 @@ def build_definitions(
     return dg.Definitions(
         assets=with_automation(assets(), mode),
         asset_checks=checks(),
-        sensors=[pd12m_partition_sensor, build_verify_sensor()],
-        jobs=[ingest_job, embed_job, train_job],
+        sensors=[pd12m_partition_sensor, source_partition_sensor, build_verify_sensor()],
+        jobs=[ingest_job, embed_job, train_job, finetune_job],
         resources=resources_for(flowmatch_from_env),
         executor=executor or local_executor,
     )

@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field, field_validator
 from flowmatch_assets.demo import DEMO_VAE
 from flowmatch_assets.ingest.images import IngestConfig
 from flowmatch_assets.ingest.metadata import FilterConfig
+from flowmatch_assets.ingest.sources import SourceConfig, SourceError, read_sources, sources_file
 from flowmatch_models.embeddings import EncoderSpec
 from flowmatch_models.layout import DataLayout
 
@@ -35,6 +36,7 @@ def dagster_config(model: type[BaseModel]) -> type:
 FilterSettings = dagster_config(FilterConfig)
 IngestSettings = dagster_config(IngestConfig)
 EncoderSettings = dagster_config(EncoderSpec)
+SourceSettings = dagster_config(SourceConfig)
 
 
 class FlowmatchResource(dg.ConfigurableResource):
@@ -48,6 +50,12 @@ class FlowmatchResource(dg.ConfigurableResource):
     filters: FilterSettings = Field(default_factory=FilterSettings)
     ingest: IngestSettings = Field(default_factory=IngestSettings)
     encoders: EncoderSettings = Field(default_factory=EncoderSettings)
+    sources: dict[str, SourceSettings] = Field(
+        default_factory=dict,
+        description="The user's own image sources by name (kind, location, caption_field, "
+        "shard_size, ...: flowmatch_assets/ingest/sources); from FLOWMATCH_SOURCES, default "
+        "<data root>/sources.yaml (`flowmatch sources add`). Their partitions are <name>-NNNNN.",
+    )
 
     @field_validator("filters", "ingest", "encoders", mode="before")
     @classmethod
@@ -55,9 +63,30 @@ class FlowmatchResource(dg.ConfigurableResource):
         """Plain ``FilterConfig``/``IngestConfig``/``EncoderSpec`` objects are taken as they are."""
         return v.model_dump(exclude_unset=True) if isinstance(v, BaseModel) else v
 
+    @field_validator("sources", mode="before")
+    @classmethod
+    def _plain_sources(cls, v: Any) -> Any:
+        if isinstance(v, dict):
+            return {
+                k: (c.model_dump(exclude_unset=True) if isinstance(c, BaseModel) else c)
+                for k, c in v.items()
+            }
+        return v
+
     @property
     def layout(self) -> DataLayout:
         return DataLayout(self.data_root)
+
+    def source(self, name: str) -> SourceConfig:
+        """The configured source ``name`` (SourceError naming the configured ones otherwise)."""
+        if name not in self.sources:
+            known = ", ".join(sorted(self.sources)) or "none"
+            raise SourceError(
+                f"no source {name!r} is configured (configured: {known}); add it with "
+                f"`flowmatch sources add {name} --kind folder|parquet|webdataset --location ...` "
+                "(it writes FLOWMATCH_SOURCES, default <data root>/sources.yaml)"
+            )
+        return SourceConfig.model_validate(self.sources[name].model_dump())
 
 
 def _abs(p: str) -> str:
@@ -81,6 +110,7 @@ ENV_OF = {
     "text": "FLOWMATCH_TEXT",
     "device": "FLOWMATCH_DEVICE",
     "settings": "FLOWMATCH_SETTINGS",
+    "sources": "FLOWMATCH_SOURCES",
 }
 
 
@@ -99,7 +129,9 @@ def resource_from_env(
     FLOWMATCH_MIN_STORED_FRACTION (ingest.min_stored_fraction, default 0.5),
     FLOWMATCH_DEADLINE_S (ingest.deadline_s, default 60), FLOWMATCH_SETTINGS (a YAML or JSON
     file of standing overrides, same shape as the launchpad's: ``{encoders: {max_tokens: 64}}``;
-    what `flowmatch stale` compares shards against). ``overrides`` (same shape as the
+    what `flowmatch stale` compares shards against), FLOWMATCH_SOURCES (the YAML file of the
+    user's own image sources, default ``<data root>/sources.yaml``; a settings file's or the
+    launchpad's ``sources`` merge into it per source). ``overrides`` (same shape as the
     resource's fields, nested settings merged field by field) win over the environment.
     """
     env = os.environ if environ is None else environ
@@ -129,6 +161,9 @@ def resource_from_env(
 
             if field == "text" and is_real_gemma(Path(root) / "zoo" / GEMMA_FOLDER):
                 encoders[field] = str(Path(root) / "zoo" / GEMMA_FOLDER)
+    sources = read_sources(sources_file(root, env))
+    for name, cfg in (over.pop("sources", None) or {}).items():  # settings file / launchpad
+        sources[name] = {**sources.get(name, {}), **cfg}
     return FlowmatchResource(
         data_root=root,
         metadata_source=_abs(source),
@@ -136,6 +171,7 @@ def resource_from_env(
         filters=over.pop("filters", {}),
         ingest={**ingest, **over.pop("ingest", {})},
         encoders={**encoders, **over.pop("encoders", {})},
+        sources=sources,
         **over,
     )
 

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from flowmatch_assets.defs.resources import FlowmatchResource
 from flowmatch_assets.freshness.fingerprints import trained_on
 from flowmatch_assets.reports.budget import logged_rates, steady_rate
 from flowmatch_models.embeddings import TRAINING_INPUTS
-from flowmatch_models.layout import DataLayout
+from flowmatch_models.layout import DataLayout, source_of
 
 GROUP = "training"
 REPO = Path(__file__).resolve().parents[2]
@@ -44,6 +45,34 @@ class TrainRunConfig(dg.Config):
         "(the registered embedding kinds training waits for).",
     )
     overrides: list[str] = Field(default_factory=list, description="Extra `--set key=value` items.")
+    sources: list[str] | None = Field(
+        default=None,
+        description="Train on partitions of these sources only (pd12m, or your own sources' "
+        "names); coverage counts their partitions. None: every source.",
+    )
+    source_weights: dict[str, int] = Field(
+        default_factory=dict,
+        description="Whole-number weight per source (default 1): its partitions are taken that "
+        "many times per epoch (data.source_weights).",
+    )
+
+
+class FineTuneConfig(TrainRunConfig):
+    """Launchpad config of a fine-tune: a new run that starts from another run's weights."""
+
+    run_name: str = Field(default="finetune", description="The fine-tune's own run folder.")
+    parent_run: str = Field(description="The run whose weights it starts from (runs/<name>).")
+    parent_step: int | None = Field(
+        default=None, description="The parent's checkpoint step (None: its latest)."
+    )
+    weights: str = Field(
+        default="ema", description="ema (the parent's EMA weights) or raw (a full checkpoint's)."
+    )
+    freeze: list[str] = Field(
+        default_factory=list,
+        description="Parameter-name prefixes kept fixed (e.g. transformer.caption_projection).",
+    )
+    max_steps: int | None = Field(default=500, description="The fine-tune's total steps.")
 
 
 def _preset(export_dir: str | None) -> str | None:
@@ -116,12 +145,19 @@ def run_dir(flowmatch: FlowmatchResource, name: str) -> Path:
 
 
 def coverage_or_fail(
-    flowmatch: FlowmatchResource, known: list[str], min_coverage: float
+    flowmatch: FlowmatchResource,
+    known: list[str],
+    min_coverage: float,
+    sources: list[str] | None = None,
 ) -> tuple[list[str], float]:
-    """Partitions with every training input (TRAINING_INPUTS); raises dg.Failure naming what is missing when the
-    covered fraction of ``known`` partitions is below ``min_coverage``."""
+    """Partitions with every training input (TRAINING_INPUTS) (of ``sources`` only, when
+    given); raises dg.Failure naming what is missing when the covered fraction of ``known``
+    partitions is below ``min_coverage``."""
     layout = flowmatch.layout
     complete = layout.complete_partitions()
+    if sources:
+        known = [p for p in known if source_of(p) in sources]
+        complete = [p for p in complete if source_of(p) in sources]
     known = sorted(set(known) | set(complete))
     frac = len(complete) / len(known) if known else 0.0
     if not complete or frac < min_coverage:
@@ -160,16 +196,59 @@ def flow_model(
     pipes_subprocess_client: dg.PipesSubprocessClient,
 ) -> dg.MaterializeResult:
     """Decides the partitions once, sends a TrainRequest through Pipes, records the TrainResult."""
+    return train_run(context, config, flowmatch, pipes_subprocess_client)
+
+
+@dg.asset(
+    deps=[flow_model, *TRAINING_INPUTS],
+    group_name=GROUP,
+    kinds={"pytorch", "lightning", "wandb"},
+    pool="gpu",
+    op_tags=TRAIN_TAGS,
+    description="A fine-tune: a new run that starts from another run's weights (EMA or raw, "
+    "optionally frozen parts) with a fresh optimizer and schedule, on partitions of any source "
+    "(or a weighted mix); stale when its parent is re-trained.",
+)
+def fine_tune(
+    context: dg.AssetExecutionContext,
+    config: FineTuneConfig,
+    flowmatch: FlowmatchResource,
+    pipes_subprocess_client: dg.PipesSubprocessClient,
+) -> dg.MaterializeResult:
+    """flow_model's training with ``init`` set from the launchpad (flowmatch_models/finetune.py);
+    recorded as a run like any other (catalog, ledger, wandb), with its parent."""
+    init = [f"init.from_run={json.dumps(config.parent_run)}", f"init.weights={config.weights}",
+            f"init.freeze={json.dumps(config.freeze)}"]  # fmt: skip
+    if config.parent_step is not None:
+        init.append(f"init.step={config.parent_step}")
+    return train_run(context, config, flowmatch, pipes_subprocess_client, init)
+
+
+def train_run(
+    context: dg.AssetExecutionContext,
+    config: TrainRunConfig,
+    flowmatch: FlowmatchResource,
+    pipes_subprocess_client: dg.PipesSubprocessClient,
+    init: list[str] = (),
+) -> dg.MaterializeResult:
+    """One training session through Pipes (flow_model, fine_tune): decide the partitions once,
+    send a TrainRequest, record the TrainResult in the catalog (run record, validation, ledger)."""
     from flowmatch_models.train import TrainRequest, TrainResult
 
     known = list(context.instance.get_dynamic_partitions(SHARDS))
-    parts, frac = coverage_or_fail(flowmatch, known, config.min_coverage)
+    parts, frac = coverage_or_fail(flowmatch, known, config.min_coverage, config.sources)
     enc = flowmatch.encoders
+    data = []
+    if config.sources:
+        data.append(f"data.sources={json.dumps(config.sources)}")
+    if config.source_weights:
+        data.append(f"data.source_weights={json.dumps(config.source_weights)}")
     request = TrainRequest(
         config=config.config_file,
         overrides=[
             f"data.root={flowmatch.data_root}", f"run.name={config.run_name}",
-            f"encoders.vae={enc.vae}", f"encoders.text={enc.text}", *config.overrides,
+            f"encoders.vae={enc.vae}", f"encoders.text={enc.text}", *data, *init,
+            *config.overrides,
         ],
         partitions=parts,
         max_steps=config.max_steps,
@@ -178,13 +257,24 @@ def flow_model(
         coverage={"partitions_known": len(set(known) | set(parts)), "coverage": round(frac, 4)},
     )  # fmt: skip
     context.log.info(f"training {config.run_name} on {len(parts)} partitions ({frac:.0%} coverage)")
-    invocation = pipes_subprocess_client.run(
-        command=[sys.executable, "-m", "flowmatch_models.train", "--pipes-request"],
-        context=context,
-        extras={"train_request": request.to_dict()},
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        cwd=str(REPO),
-    )
+    with tempfile.TemporaryDirectory(prefix="flowmatch-train-") as tmp:
+        error_file = Path(tmp) / "error.txt"  # the process's one-line error (a bad init, ...)
+        try:
+            invocation = pipes_subprocess_client.run(
+                command=[sys.executable, "-m", "flowmatch_models.train", "--pipes-request"],
+                context=context,
+                extras={"train_request": request.to_dict()},
+                env={
+                    **os.environ,
+                    "PYTHONUNBUFFERED": "1",
+                    "FLOWMATCH_ERROR_FILE": str(error_file),
+                },  # fmt: skip
+                cwd=str(REPO),
+            )
+        except Exception as e:  # noqa: BLE001 - a failed training process: say why in one line
+            if not error_file.is_file():
+                raise
+            raise dg.Failure(description=error_file.read_text().strip()) from e
     results = [m["train_result"] for m in invocation.get_custom_messages() if "train_result" in m]
     if not results:
         raise dg.Failure("the training process ended without reporting a TrainResult")
@@ -220,7 +310,10 @@ def flow_model(
                 "disk_bytes": result.disk_bytes,  # the run folder (checkpoints, exports, logs)
                 "preset": _preset(result.export_dir),
                 # what it trained on: {kind: {fingerprint hash: [partitions]}} (`flowmatch stale`)
-                "input_fingerprints": trained_on(flowmatch, result.partitions),
+                "input_fingerprints": trained_on(flowmatch, sorted(set(result.partitions))),
+                "sources": sorted({source_of(p) for p in result.partitions}),
+                # a fine-tune: the run and step it started from (`flowmatch stale`, finetune.py)
+                "parent": result.parent,
             },
             rate=rate,
         ),
@@ -238,6 +331,7 @@ def flow_model(
             "samples_per_s": round_meta(rate) if rate is not None else 0.0,
             "samples_per_s_note": "median over steady logged windows (the budget's rate)",
             "partitions_used": dg.MetadataValue.json(result.partitions),
+            "run_name": config.run_name,
             "coverage": round(frac, 3),
             "run_dir": dg.MetadataValue.path(str(out)),
             "ledger_checkpoints": dg.MetadataValue.json(ledgers),
@@ -246,6 +340,8 @@ def flow_model(
     )
     if result.export_dir:
         md["pipeline"] = dg.MetadataValue.path(result.export_dir)
+    if result.parent:
+        md["parent"] = dg.MetadataValue.json(result.parent)
     for key, label in (("loss_curve", "loss curve"), ("coverage_curve", "coverage per epoch"),
                        ("sample_grid", "samples")):  # fmt: skip
         p = getattr(result, key)

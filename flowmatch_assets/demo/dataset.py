@@ -50,6 +50,9 @@ BACKGROUNDS: dict[str, tuple[int, int, int]] = {
     "navy": (25, 35, 90),
 }
 SHAPES = ("circle", "square", "triangle", "diamond", "star", "ring")
+#: The second dataset's new shape (:func:`write_shapes2`): no caption of the first names it.
+NEW_SHAPES = ("cross",)
+CROSS_ARM = 0.3  # a cross's arms are 2 x 0.3 r wide
 LICENSES = ("cc0-1.0", "public-domain-mark-1.0")
 SOURCES = ("wikimedia", "smithsonian", "nasa", "met")
 NAMESPACE = uuid.UUID("6f1c7f0e-3b9a-4c3e-9a43-0d6f1e5b7a10")
@@ -84,6 +87,11 @@ def _polygon(shape: str, cx: float, cy: float, r: float) -> list[tuple[float, fl
         ]
     if shape == "diamond":
         return [(cx, cy - r), (cx + r, cy), (cx, cy + r), (cx - r, cy)]
+    if shape == "cross":  # a plus sign: two bars of width 2 a r
+        a = CROSS_ARM * r
+        return [(cx - a, cy - r), (cx + a, cy - r), (cx + a, cy - a), (cx + r, cy - a),
+                (cx + r, cy + a), (cx + a, cy + a), (cx + a, cy + r), (cx - a, cy + r),
+                (cx - a, cy + a), (cx - r, cy + a), (cx - r, cy - a), (cx - a, cy - a)]  # fmt: skip
     if shape == "star":
         pts = []
         for k in range(10):
@@ -94,13 +102,18 @@ def _polygon(shape: str, cx: float, cy: float, r: float) -> list[tuple[float, fl
     raise ValueError(shape)
 
 
-def draw_image(rng: np.random.Generator) -> tuple[Image.Image, str]:
-    """One procedural image and its caption."""
-    long_side = int(rng.integers(1000, 3001))
+def draw_image(
+    rng: np.random.Generator,
+    shapes: tuple[str, ...] = SHAPES,
+    long_sides: tuple[int, int] = (1000, 3001),
+) -> tuple[Image.Image, str]:
+    """One procedural image and its caption (its shape one of ``shapes``, its long side in
+    ``long_sides``; the defaults draw the demo sample, draw for draw)."""
+    long_side = int(rng.integers(*long_sides))
     aspect = float(rng.uniform(1.0, 1.6))
     short = int(long_side / aspect)
     w, h = (long_side, short) if rng.random() < 0.6 else (short, long_side)
-    shape = SHAPES[rng.integers(len(SHAPES))]
+    shape = shapes[rng.integers(len(shapes))]
     colour = list(COLOURS)[rng.integers(len(COLOURS))]
     bg = list(BACKGROUNDS)[rng.integers(len(BACKGROUNDS))]
     img = _texture(rng, w, h, BACKGROUNDS[bg])
@@ -272,6 +285,35 @@ def _bad_rows(img_dir: Path, rng: np.random.Generator, expected: dict, seed: int
     return out
 
 
+def write_shapes2(dest: str | Path, n: int = 192, seed: int = 1, new_fraction: float = 0.5) -> dict:
+    """The second procedural dataset, as a user's image folder (``a.jpg`` + ``a.txt``, two
+    sub-folders): the demo's caption grammar with a shape the demo never saw, ``cross``, in
+    ``new_fraction`` of the images, the demo's six shapes in the rest; long side 600-1,000 px.
+    Plus two broken entries: an image without its caption and a truncated JPEG (their outcomes
+    in ``expected``). Idempotent. Returns ``{dest, images, expected}``."""
+    dest = Path(dest).expanduser().resolve()
+    rng = np.random.default_rng(seed)
+    expected: dict[str, str] = {}
+    for i in range(n):
+        sub = dest / ("part_a" if i < n // 2 else "part_b")
+        new = rng.random() < new_fraction
+        img, caption = draw_image(rng, NEW_SHAPES if new else SHAPES, (600, 1001))
+        data, _, ext = _encode(img, "jpeg")
+        name = f"{i:04d}"
+        if not (sub / f"{name}{ext}").exists():
+            atomic_write_bytes(sub / f"{name}{ext}", data)
+        atomic_write_text(sub / f"{name}.txt", caption + "\n")
+        expected[f"{sub.name}/{name}{ext}"] = "stored"
+    img, _ = draw_image(rng, NEW_SHAPES, (600, 1001))
+    data, _, _ = _encode(img, "jpeg")
+    atomic_write_bytes(dest / "part_b" / "zz-nocaption.jpg", data)
+    expected["part_b/zz-nocaption.jpg"] = "failed:missing_caption"
+    atomic_write_bytes(dest / "part_b" / "zz-truncated.jpg", data[: len(data) // 3])
+    atomic_write_text(dest / "part_b" / "zz-truncated.txt", "a truncated picture\n")
+    expected["part_b/zz-truncated.jpg"] = "failed:corrupt"
+    return {"dest": str(dest), "images": n + 2, "expected": expected}
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="flowmatch sample", description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -285,7 +327,18 @@ def main(argv: list[str] | None = None) -> dict:
     )
     p.add_argument("--rows-per-file", type=int, default=SampleSpec.rows_per_file)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--shapes2",
+        action="store_true",
+        help="write the second dataset instead: an image folder whose captions name a new "
+        "shape, cross (write_shapes2; add it with `flowmatch sources add ... --kind folder`)",
+    )
+    p.add_argument("--images", type=int, default=192, help="--shapes2: how many images")
     a = p.parse_args(argv)
+    if a.shapes2:
+        s = write_shapes2(a.dest, a.images, seed=a.seed + 1)
+        print(f"wrote {s['images']} images with .txt captions under {s['dest']}")
+        return s
     s = write_sample(a.dest, SampleSpec(files=a.files, rows_per_file=a.rows_per_file, seed=a.seed))
     print(f"wrote {s['rows']} rows in {s['files']} metadata files under {s['metadata']}")
     return s

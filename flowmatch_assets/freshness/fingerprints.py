@@ -28,9 +28,10 @@ import dagster as dg
 
 from flowmatch_assets import catalog, compat
 from flowmatch_assets.defs.resources import FlowmatchResource
+from flowmatch_assets.ingest.sources import SourceError
 from flowmatch_models.embeddings import KINDS, TRAINING_INPUTS, kind_fingerprint
 from flowmatch_models.fingerprint import UNKNOWN, Fingerprint, diff, hash_of, weights_cache_file
-from flowmatch_models.layout import PARTITIONED_ASSETS
+from flowmatch_models.layout import PARTITIONED_ASSETS, PD12M, source_of
 
 #: Bump when the asset's code changes its output for the same settings (a fingerprint field).
 #: Embedding kinds carry theirs in the registry (EmbeddingKind.code_version).
@@ -50,9 +51,20 @@ def upstream_of(asset: str) -> str | None:
     return {"images_256": "pd12m_metadata"}.get(asset)
 
 
-def expected_fields(res: FlowmatchResource, asset: str) -> dict:
-    """The fields a materialization of ``asset`` under ``res``'s settings records (a local
-    model folder is hashed once per process, and remembered in the data root)."""
+def expected_fields(res: FlowmatchResource, asset: str, partition: str | None = None) -> dict:
+    """The fields a materialization of ``asset`` (for ``partition``: its source's settings
+    matter to the rows stage) under ``res``'s settings records (a local model folder is hashed
+    once per process, and remembered in the data root). A source's rows record its settings
+    that change the rows (what a partition holds is fixed by its manifest when it is registered),
+    the same for every partition of the source."""
+    source = source_of(partition) if partition else PD12M
+    if asset == "pd12m_metadata" and source != PD12M:
+        return {
+            "code_version": code_version(asset),
+            "source": source,
+            "source_settings": res.source(source).row_fields(),
+            "filters": res.filters.model_dump(),
+        }
     if asset == "pd12m_metadata":
         return {
             "code_version": code_version(asset),
@@ -93,7 +105,7 @@ def inputs_of(res: FlowmatchResource, asset: str, partition: str) -> dict[str, s
 
 def current(res: FlowmatchResource, asset: str, partition: str) -> Fingerprint:
     """The fingerprint a materialization of ``asset``'s ``partition`` records now."""
-    return Fingerprint(expected_fields(res, asset), inputs_of(res, asset, partition))
+    return Fingerprint(expected_fields(res, asset, partition), inputs_of(res, asset, partition))
 
 
 def content_id(path: Path) -> str:
@@ -201,9 +213,14 @@ def staleness(
             if fp is None:
                 reasons = [NO_FINGERPRINT]
             else:
-                if a not in expected:
-                    expected[a] = expected_fields(res, a)
-                reasons = diff(fp.fields, expected[a])
+                # a source's rows depend on its settings; everything else on the asset's
+                key = (a, source_of(p)) if a == "pd12m_metadata" else a
+                if key not in expected:
+                    try:
+                        expected[key] = expected_fields(res, a, p)
+                    except SourceError as e:  # the source was removed, or its manifest
+                        expected[key] = {"source": f"unavailable ({str(e).split(';')[0]})"}
+                reasons = diff(fp.fields, expected[key])
                 up = upstream_of(a)
                 if up in stale:
                     reasons.append(f"upstream {up} is stale ({stale[up][0]})")
@@ -248,41 +265,65 @@ def trained_on(res: FlowmatchResource, partitions: Iterable[str]) -> dict[str, d
 
 def model_staleness(res: FlowmatchResource, runs: Sequence[str] | None = None) -> list[Stale]:
     """Training runs (``flow_model`` records) that trained on a partition that is stale now,
-    or whose shard was re-made with another fingerprint since."""
+    or whose shard was re-made with another fingerprint since; and fine-tunes whose parent was
+    re-trained since they started from it (its weights at that step changed, or are gone), or
+    is stale itself (flowmatch_models/finetune.py)."""
+    from flowmatch_models.finetune import parent_changed  # (imports torch)
+
     rows = catalog.Catalog(res.data_root).query(
         "SELECT partition AS run, extra FROM materializations WHERE asset = 'flow_model' "
         "ORDER BY partition"
     )
-    rows = [r for r in rows if runs is None or r["run"] in runs]
-    if not rows:
+    records = {r["run"]: json.loads(r["extra"] or "{}") for r in rows}
+    wanted = [r for r in records if runs is None or r in runs]
+    if not wanted:
         return []
     now = _records(res, list(TRAINING_INPUTS), None)
     stale = {(s.asset, s.partition): s for s in staleness(res, assets=list(TRAINING_INPUTS))}
-    out = []
-    for r in rows:
-        used = json.loads(r["extra"] or "{}").get("input_fingerprints")
-        if not used:
-            out.append(Stale("flow_model", r["run"], ("no input fingerprints recorded: unknown",)))
-            continue
-        reasons = []
-        for kind, groups in sorted(used.items()):
-            for h, parts in sorted(groups.items()):
-                bad = [p for p in parts if (kind, p) in stale]
-                if bad:
-                    first = stale[(kind, bad[0])]
-                    reasons.append(
-                        f"{len(bad)} {kind} partitions it trained on are stale "
-                        f"({', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}: {first.reason})"
-                    )
-                remade = [p for p in parts if p not in bad and hash_of(now.get((kind, p))) != h]
-                if remade and h != UNKNOWN:
-                    reasons.append(
-                        f"{len(remade)} {kind} partitions were re-made since training "
-                        f"({', '.join(remade[:5])}: {h} -> {hash_of(now.get((kind, remade[0])))})"
-                    )
-        if reasons:
-            out.append(Stale("flow_model", r["run"], tuple(reasons)))
-    return out
+    memo: dict[str, list[str]] = {}
+    digests: dict = {}
+
+    def reasons_of(run: str, seen: tuple = ()) -> list[str]:
+        if run in memo:
+            return memo[run]
+        extra = records[run]
+        reasons = _data_reasons(extra.get("input_fingerprints"), stale, now)
+        parent = extra.get("parent")
+        if parent:
+            why = parent_changed(parent, digests)
+            if why:
+                reasons.append(why)
+            elif parent["run"] in records and parent["run"] not in (*seen, run):
+                up = reasons_of(parent["run"], (*seen, run))
+                if up:
+                    reasons.append(f"its parent {parent['run']} is stale ({up[0]})")
+        memo[run] = reasons
+        return reasons
+
+    return [Stale("flow_model", r, tuple(why)) for r in wanted if (why := reasons_of(r))]
+
+
+def _data_reasons(used: dict | None, stale: dict, now: dict) -> list[str]:
+    """Why a run's training data is stale now (its record's ``input_fingerprints``)."""
+    if not used:
+        return ["no input fingerprints recorded: unknown"]
+    reasons = []
+    for kind, groups in sorted(used.items()):
+        for h, parts in sorted(groups.items()):
+            bad = [p for p in parts if (kind, p) in stale]
+            if bad:
+                first = stale[(kind, bad[0])]
+                reasons.append(
+                    f"{len(bad)} {kind} partitions it trained on are stale "
+                    f"({', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}: {first.reason})"
+                )
+            remade = [p for p in parts if p not in bad and hash_of(now.get((kind, p))) != h]
+            if remade and h != UNKNOWN:
+                reasons.append(
+                    f"{len(remade)} {kind} partitions were re-made since training "
+                    f"({', '.join(remade[:5])}: {h} -> {hash_of(now.get((kind, remade[0])))})"
+                )
+    return reasons
 
 
 # --------------------------------------------------------------------------- Dagster view
@@ -306,6 +347,40 @@ def fresh_result(
     )
 
 
+def finetuned_runs(res: FlowmatchResource) -> list[str]:
+    """The runs recorded with a parent (fine-tunes: flowmatch_models/finetune.py)."""
+    rows = catalog.Catalog(res.data_root).query(
+        "SELECT partition AS run, extra FROM materializations WHERE asset = 'flow_model'"
+    )
+    return sorted(r["run"] for r in rows if json.loads(r["extra"] or "{}").get("parent"))
+
+
+def _has_runs(res: FlowmatchResource) -> bool:
+    rows = catalog.Catalog(res.data_root).query(
+        "SELECT count(*) AS n FROM materializations WHERE asset = 'flow_model'"
+    )
+    return bool(rows[0]["n"])
+
+
+def model_check_results(res: FlowmatchResource, found: Sequence[Stale]) -> dict[str, tuple]:
+    """``{check: (asset, passed, description, stale runs)}`` of ``flow_model_fresh`` (every
+    run) and ``fine_tune_fresh`` (the fine-tunes) for the stale runs ``found``."""
+    tuned = set(finetuned_runs(res))
+    out = {}
+    for asset, runs in (
+        ("flow_model", list(found)),
+        ("fine_tune", [s for s in found if s.partition in tuned]),
+    ):
+        desc = "; ".join(f"run {s.partition}: {s.reason}" for s in runs)[:2000] or None
+        out[fresh_check_name(asset)] = (
+            asset,
+            not runs,
+            desc,
+            {s.partition: s.reasons for s in runs},
+        )
+    return out
+
+
 def report(
     instance: dg.DagsterInstance,
     res: FlowmatchResource,
@@ -313,10 +388,13 @@ def report(
     partitions: Sequence[str],
     assets: Sequence[str],
     run_config: dict | None = None,
+    models: Sequence[Stale] | None = None,
 ) -> int:
     """Make the ``<asset>_fresh`` checks in ``instance`` agree with ``found`` for every
-    materialized (asset, partition) asked about: an evaluation is recorded where the latest one
-    says otherwise, all in one run tagged ``flowmatch/cli=stale``. Returns how many.
+    materialized (asset, partition) asked about (and, given the stale training runs
+    ``models``, ``flow_model_fresh`` and ``fine_tune_fresh``: a fine-tune whose parent was
+    re-trained outside Dagster shows in the UI too): an evaluation is recorded where the latest
+    one says otherwise, all in one run tagged ``flowmatch/cli=stale``. Returns how many.
 
     (Why a run and not ``report_runless_asset_event``: Dagster 1.13 keys check executions by
     (check, run id, partition), so a second runless evaluation of one partition's check fails
@@ -343,6 +421,23 @@ def report(
                     description=r.description,
                 )
             )
+    results = model_check_results(res, models) if models is not None else {}
+    has = {"flow_model": _has_runs(res), "fine_tune": bool(finetuned_runs(res))}
+    for check, (asset, passed, desc, runs) in results.items():
+        key = dg.AssetCheckKey(dg.AssetKey(asset), check)
+        if not has[asset]:  # no run of that kind: nothing for the check to say
+            continue
+        if compat.check_status(instance, key) == ("SUCCEEDED" if passed else "FAILED"):
+            continue
+        evaluations.append(
+            dg.AssetCheckEvaluation(
+                asset_key=dg.AssetKey(asset),
+                check_name=check,
+                passed=passed,
+                description=desc,
+                metadata={"stale_runs": runs},
+            )  # fmt: skip
+        )
     if evaluations:
         compat.report_check_evaluations(
             instance,

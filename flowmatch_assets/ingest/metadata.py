@@ -98,14 +98,21 @@ def parse_shard_key(key: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
+def metadata_exists(source: str) -> bool:
+    """Whether the PD12M metadata source (folder or fsspec URL) is there at all."""
+    fs, root = fsspec.core.url_to_fs(source)
+    return bool(fs.exists(root))
+
+
 def list_metadata_files(source: str) -> dict[int, str]:
     """Map file number -> path/URL for every ``*NNN.parquet`` under ``source`` (local or fsspec)."""
     fs, root = fsspec.core.url_to_fs(source)
     if not fs.exists(root):
         raise MetadataError(
             f"metadata source {source!r} does not exist; point FLOWMATCH_METADATA (or the "
-            "resource's metadata_source) at the folder of pd12m.NNN.parquet files, or run "
-            "`flowmatch sample` to write the embedded sample"
+            "resource's metadata_source) at the folder of pd12m.NNN.parquet files, run "
+            "`flowmatch sample` to write the embedded sample, or add a source of your own "
+            "images (`flowmatch sources add`)"
         )
     out: dict[int, str] = {}
     for p in sorted(fs.ls(root, detail=False)):
@@ -219,16 +226,23 @@ def _first_in_table(table: pa.Table, eligible: list[int]) -> dict[int, tuple[str
     return out
 
 
-def _row_reason(r: dict, cfg: FilterConfig, allowed: set | None) -> tuple[str, str] | None:
-    """The first row-local filter that drops ``r`` (reason, detail), or None."""
-    w, h = r.get("width"), r.get("height")
-    caption = (r.get("caption") or "").strip()
-    if not (r.get("url") or "").strip():
-        return "missing_url", "empty url"
+def size_reason(w: int | None, h: int | None, cfg: FilterConfig) -> tuple[str, str] | None:
+    """The size filter that drops an original of ``w`` x ``h`` (reason, detail), or None; the
+    metadata's claimed size here, the decoded size for a source's own images (ingest/shard.py)."""
     if w is not None and h is not None and (w < cfg.min_width or h < cfg.min_height):
         return "small_original", f"{w}x{h} < {cfg.min_width}x{cfg.min_height}"
     if w and h and max(w, h) / min(w, h) > cfg.max_aspect_ratio:
         return "aspect_ratio", f"{w}x{h}: {max(w, h) / min(w, h):.2f} > {cfg.max_aspect_ratio}"
+    return None
+
+
+def _row_reason(r: dict, cfg: FilterConfig, allowed: set | None) -> tuple[str, str] | None:
+    """The first row-local filter that drops ``r`` (reason, detail), or None."""
+    caption = (r.get("caption") or "").strip()
+    if not (r.get("url") or "").strip():
+        return "missing_url", "empty url"
+    if why := size_reason(r.get("width"), r.get("height"), cfg):
+        return why
     if len(caption) < cfg.min_caption_chars:
         return "caption_too_short", f"{len(caption)} chars < {cfg.min_caption_chars}"
     if len(caption) > cfg.max_caption_chars:

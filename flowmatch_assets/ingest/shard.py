@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,8 +21,15 @@ import pyarrow.parquet as pq
 from flowmatch_assets import catalog
 from flowmatch_assets.catalog import RowOutcome
 from flowmatch_assets.ingest.dedupe import drop_content_duplicates, stored_before
-from flowmatch_assets.ingest.images import IngestConfig, IngestResult, ingest_rows, is_retryable
-from flowmatch_assets.ingest.metadata import FilterConfig
+from flowmatch_assets.ingest.images import (
+    IngestConfig,
+    IngestError,
+    IngestResult,
+    ingest_blobs,
+    ingest_rows,
+    is_retryable,
+)
+from flowmatch_assets.ingest.metadata import FilterConfig, size_reason
 from flowmatch_models.layout import DataLayout
 
 
@@ -150,6 +157,23 @@ def _earlier_drops(root, part: str, ids: set[str], dropped: list[dict]) -> list[
     return [d for d in prev if d["id"] in ids and d["id"] not in redone]
 
 
+#: ``read(rows)``: ``(row, its bytes or the IngestError why not)`` for each row, read by the
+#: partition's source itself (flowmatch_assets/ingest/sources) instead of fetched by URL.
+Reader = Callable[[list[dict]], Iterable[tuple[dict, "bytes | IngestError"]]]
+
+
+def _decoded_size_filter(results: list[IngestResult], rows: list[dict], filters: FilterConfig):
+    """Rows whose original size was not known before reading (a source's own images: no
+    width/height in their listing) meet the metadata's size filters now, on the decoded size:
+    a stored result becomes ``filtered`` with the same reason (small_original, aspect_ratio)."""
+    unknown = {r["id"] for r in rows if r.get("width") is None or r.get("height") is None}
+    for r in results:
+        if r.outcome == "stored" and r.id in unknown:
+            why = size_reason(r.orig_width, r.orig_height, filters)
+            if why:
+                r.outcome, r.reason, r.detail, r.image = "filtered", why[0], why[1], None
+
+
 def make_image_shard(
     rows: list[dict],
     root: str | Path,
@@ -161,10 +185,12 @@ def make_image_shard(
     reasons: list[str] | None = None,
     progress: Callable[[int, int], None] | None = None,
     log: Callable[[str], None] = lambda _msg: None,
+    read: Reader | None = None,
 ) -> ImageShard:
     """The images_256 shard of partition ``part`` from its kept metadata ``rows``: fetch and
     encode them (``retry``: only the failed rows with a retryable reason, or one of
-    ``reasons``, merged into the existing ``shard``), then drop content duplicates."""
+    ``reasons``, merged into the existing ``shard``), then drop content duplicates. ``read``:
+    the partition's source reads the bytes (otherwise each row's ``url`` is fetched)."""
     fetch, before, previous = rows, {}, {}
     if retry:
         if not shard.exists():
@@ -174,7 +200,11 @@ def make_image_shard(
         fetch, before = _retry_rows(rows, catalog.read_rows(root, "images_256", part), reasons)
         previous = catalog.read_materialization(root, "images_256", part) or {}
         log(f"{part}: retrying {len(fetch)} failed rows")
-    results = ingest_rows(fetch, ingest, progress=progress)
+    if read is None:
+        results = ingest_rows(fetch, ingest, progress=progress)
+    else:
+        results = ingest_blobs(fetch, read(fetch), ingest, progress=progress)
+    _decoded_size_filter(results, fetch, filters)
     new = _shard_rows(results, rows, ingest.image_format)
     outcomes = {r.id: RowOutcome(r.id, r.url, r.outcome, r.reason, r.detail) for r in results}
     if retry:
@@ -187,8 +217,9 @@ def make_image_shard(
     else:
         stored = [new[r["id"]] for r in rows if r["id"] in new]
         floor = ingest.min_stored_fraction
-        if rows and len(stored) < floor * len(rows):
-            raise TooFewStored(part, len(stored), len(rows), floor, results)
+        wanted = len(rows) - sum(r.outcome == "filtered" for r in results)  # by decoded size
+        if wanted and len(stored) < floor * wanted:
+            raise TooFewStored(part, len(stored), wanted, floor, results)
     stored, dropped = _drop_content_duplicates(
         root, part, stored, outcomes, filters.drop_duplicate_content
     )

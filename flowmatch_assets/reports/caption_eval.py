@@ -45,7 +45,14 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
-from flowmatch_assets.demo.dataset import BACKGROUNDS, COLOURS, SHAPES, _polygon
+from flowmatch_assets.demo.dataset import (
+    BACKGROUNDS,
+    COLOURS,
+    CROSS_ARM,
+    NEW_SHAPES,
+    SHAPES,
+    _polygon,
+)
 
 # --------------------------------------------------------------------------------------------
 # The caption grammar (sample.draw_image)
@@ -82,7 +89,7 @@ def _alt(words) -> str:
 
 
 _CAPTION_RE = re.compile(
-    rf"a (?P<size>{_alt(SIZES)}) (?P<colour>{_alt(COLOURS)}) (?P<shape>{_alt(SHAPES)}) "
+    rf"a (?P<size>{_alt(SIZES)}) (?P<colour>{_alt(COLOURS)}) (?P<shape>{_alt(SHAPES + NEW_SHAPES)}) "
     rf"(?P<where>{_alt(POSITION_PHRASES.values())}) "
     rf"of a textured (?P<background>{_alt(BACKGROUNDS)}) background"
 )
@@ -93,7 +100,7 @@ def format_caption(colour: str, shape: str, size: str, position: str, background
     """The caption ``draw_image`` writes for these attributes (inverse of ``parse_caption``)."""
     for name, value, allowed in (
         ("colour", colour, COLOURS),
-        ("shape", shape, SHAPES),
+        ("shape", shape, SHAPES + NEW_SHAPES),
         ("size", size, SIZES),
         ("position", position, POSITION_PHRASES),
         ("background", background, BACKGROUNDS),
@@ -130,11 +137,11 @@ def parse_caption(caption: str) -> dict[str, str]:
     }
 
 
-def prompts(n: int, seed: int = 0) -> list[str]:
+def prompts(n: int, seed: int = 0, shapes: tuple[str, ...] = SHAPES) -> list[str]:
     """``n`` captions drawn from the sample grammar with ``draw_image``'s probabilities.
 
     Deterministic in ``seed``: landscape 60 % (left/centre/right), portrait 40 %
-    (top/centre/bottom); shape, colour, background, size and offset uniform.
+    (top/centre/bottom); shape (one of ``shapes``), colour, background, size and offset uniform.
     """
     rng = np.random.default_rng(seed)
     colours, backgrounds = list(COLOURS), list(BACKGROUNDS)
@@ -145,7 +152,7 @@ def prompts(n: int, seed: int = 0) -> list[str]:
         out.append(
             format_caption(
                 colour=colours[rng.integers(len(colours))],
-                shape=SHAPES[rng.integers(len(SHAPES))],
+                shape=shapes[rng.integers(len(shapes))],
                 size=SIZES[rng.integers(len(SIZES))],
                 position=words[rng.integers(3)],
                 background=backgrounds[rng.integers(len(backgrounds))],
@@ -183,6 +190,7 @@ _AREA_PER_R2 = {
     "diamond": 2.0,
     "triangle": 3 * math.sqrt(3) / 4,
     "star": 10 * 0.5 * 0.45 * math.sin(math.pi / 5),
+    "cross": 8 * CROSS_ARM - 4 * CROSS_ARM**2,  # two 2r x 2ar bars, their overlap once
 }
 
 
@@ -266,7 +274,9 @@ def _unknown(background: str, note: str) -> dict:
     }
 
 
-def analyse_image(img: np.ndarray, config: AnalyserConfig = DEFAULT_CONFIG) -> dict:
+def analyse_image(
+    img: np.ndarray, config: AnalyserConfig = DEFAULT_CONFIG, shapes: tuple[str, ...] = SHAPES
+) -> dict:
     """Colour, shape, size, position and background of the one shape in ``img`` (HxWx3 uint8).
 
     Returns those five words (each ``"unknown"`` when the image shows no palette-coloured
@@ -308,7 +318,7 @@ def analyse_image(img: np.ndarray, config: AnalyserConfig = DEFAULT_CONFIG) -> d
     cx, cy = float(xs.mean()) + 0.5, float(ys.mean()) + 0.5
 
     ious, radii = {}, {}
-    for shape in SHAPES:
+    for shape in shapes:  # the templates: the demo's six, or with NEW_SHAPES the second set's
         r = math.sqrt(area / _AREA_PER_R2[shape])
         t = _template(shape, h, w, cx, cy, r)
         ious[shape] = float((t & mask).sum() / max(1, (t | mask).sum()))
@@ -349,6 +359,7 @@ def score(
     captions: Sequence[str],
     images: Sequence[np.ndarray] | np.ndarray,
     config: AnalyserConfig = DEFAULT_CONFIG,
+    shapes: tuple[str, ...] = SHAPES,
 ) -> dict:
     """How often each image shows what its caption says.
 
@@ -363,7 +374,7 @@ def score(
     items = []
     for caption, img in zip(captions, images, strict=True):
         truth = parse_caption(caption)
-        pred = analyse_image(img, config)
+        pred = analyse_image(img, config, shapes)
         correct = {a: pred[a] == truth[a] for a in ATTRIBUTES}
         items.append(
             {
@@ -379,7 +390,7 @@ def score(
     return {
         "n": n,
         "accuracy": acc,
-        "chance": dict(CHANCE),
+        "chance": {**CHANCE, "shape": 1 / len(shapes)},
         "all_correct": (sum(all(it["correct"][a] for a in main) for it in items) / n) if n else 0.0,
         "unknown": {a: sum(it["pred"][a] == UNKNOWN for it in items) for a in ATTRIBUTES},
         "items": items,

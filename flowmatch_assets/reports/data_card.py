@@ -44,10 +44,13 @@ def card_rows(
     partition: str,
     token_counts: Callable[[list[str]], np.ndarray] | None,
     max_tokens: int,
+    rows: list[dict] | None = None,
 ) -> list[dict]:
-    """One record per input row of ``partition`` (every row of its metadata shard)."""
-    table, _ = read_metadata_shard(metadata_source, partition, shard_size)
-    rows = ids_as_strings(table).to_pylist()
+    """One record per input row of ``partition`` (every row of its metadata shard; ``rows``:
+    a source's listed rows and failures instead, flowmatch_assets/ingest/sources)."""
+    if rows is None:
+        table, _ = read_metadata_shard(metadata_source, partition, shard_size)
+        rows = ids_as_strings(table).to_pylist()
     decoded: dict[str, tuple[int, int]] = {}
     shard = layout.asset_path("images_256", partition)
     if shard.exists():

@@ -67,8 +67,12 @@ def evaluate_checkpoint(
     seed: int = 0,
     steps: int = 20,
     cfg_scale: float = 4.0,
+    prompt_shapes: tuple[str, ...] = caption_eval.SHAPES,
+    analyser_shapes: tuple[str, ...] = caption_eval.SHAPES,
 ) -> dict:
-    """Score the EMA model of ``checkpoint`` on ``n_prompts`` grammar prompts (see module doc).
+    """Score the EMA model of ``checkpoint`` on ``n_prompts`` grammar prompts (see module doc)
+    whose shapes are ``prompt_shapes``, read back with templates of ``analyser_shapes`` (the
+    second dataset's fine-tune: ``NEW_SHAPES``, and the demo's six plus ``cross``).
 
     Returns :func:`caption_eval.score`'s dict plus ``images`` (uint8 ``[N, 256, 256, 3]``),
     ``step`` and ``settings``.
@@ -78,14 +82,14 @@ def evaluate_checkpoint(
     from flowmatch_models.sample import generate, load_model
 
     model, meta = load_model(checkpoint=checkpoint)
-    prompts = caption_eval.prompts(n_prompts, seed)
+    prompts = caption_eval.prompts(n_prompts, seed, prompt_shapes)
     text, mask = _prompt_embeddings(tuple(prompts), text_encoder)
     with torch.inference_mode():
         images = generate(
             model, text, mask, float(meta["scaling_factor"]), _vae(vae), steps, cfg_scale,
             seed, float(meta.get("flow_shift", 1.0)), meta.get("null_text"),
         )  # fmt: skip
-    result = caption_eval.score(prompts, images)
+    result = caption_eval.score(prompts, images, shapes=analyser_shapes)
     # colour, shape, size and position all right, as one more attribute (chance: the product)
     result["accuracy"]["all_four"] = result["all_correct"]
     result["chance"]["all_four"] = float(np.prod([result["chance"][a] for a in ATTRIBUTES]))

@@ -1,0 +1,43 @@
+"""The user's own captioned images as partitions: image folders, Hugging Face-style parquet and
+WebDataset tars (no Dagster). ``config.py`` says how a source is configured and where,
+``registry.py`` how its samples become partitions (manifests) and rows, one module per kind
+(``folder.py``, ``parquet.py``, ``webdataset.py``) how each format is read, ``common.py`` the
+rows and failure reasons they share."""
+
+from flowmatch_assets.ingest.sources.common import LISTING_REASONS
+from flowmatch_assets.ingest.sources.config import (
+    KINDS,
+    SourceConfig,
+    SourceError,
+    check_name,
+    read_sources,
+    sources_file,
+    write_source,
+)
+from flowmatch_assets.ingest.sources.registry import (
+    Manifest,
+    manifest,
+    partition_images,
+    partition_rows,
+    register,
+    registered,
+    unregistered,
+)
+
+__all__ = [
+    "KINDS",
+    "LISTING_REASONS",
+    "Manifest",
+    "SourceConfig",
+    "SourceError",
+    "check_name",
+    "manifest",
+    "partition_images",
+    "partition_rows",
+    "read_sources",
+    "register",
+    "registered",
+    "sources_file",
+    "unregistered",
+    "write_source",
+]

@@ -1,0 +1,155 @@
+"""How a source of the user's own images is configured, and where that configuration lives.
+
+A source is one named collection of captioned images in a format people already have:
+
+``folder``
+    An image folder, nested folders allowed. A caption is the sidecar text file beside the
+    image (``a.jpg`` + ``a.txt``: kohya / SimpleTuner), or the ``caption_field`` of the image's
+    line in a ``metadata.jsonl`` (diffusers' ImageFolder: ``{"file_name": "a.jpg", "text":
+    ...}``, ``file_name`` relative to the jsonl's folder); the sidecar wins when both exist.
+``parquet``
+    Parquet files with the image bytes inside (the Hugging Face ``datasets`` layout: an
+    ``image_field`` struct with ``bytes``/``path``, or a binary column) and a caption column
+    ``caption_field``; ``*.parquet`` anywhere under ``location``.
+``webdataset``
+    WebDataset tar shards as img2dataset writes them (``00000.tar`` holding ``000000000.jpg``,
+    ``.txt``, ``.json``); the caption is the member with extension ``caption_field`` (``txt``),
+    else that key (or ``caption``) of the sample's ``.json``.
+
+Every source lives in ``FLOWMATCH_SOURCES`` (a YAML file; default ``<data root>/sources.yaml``,
+what ``flowmatch sources add`` writes)::
+
+    sources:
+      photos: {kind: folder, location: /data/my_photos}
+      pokemon: {kind: parquet, location: "https://host/data/", caption_field: text}
+
+Its partitions are keyed ``<name>-NNNNN`` (``photos-00000``), numbered in the order they are
+registered (flowmatch_assets/ingest/sources/registry.py); PD12M's stay ``NNN-KK``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, Field, ValidationError, field_validator
+
+from flowmatch_models.atomic import atomic_write_text
+from flowmatch_models.layout import PD12M, SOURCE_NAME
+
+KINDS = ("folder", "parquet", "webdataset")
+#: The file extensions a folder or tar sample's image may have.
+IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+
+
+class SourceError(ValueError):
+    """A source that cannot be used as configured; the message names it and the fix."""
+
+
+class SourceConfig(BaseModel):
+    """One source of captioned images (``kind`` at ``location``) and how to read it."""
+
+    kind: Literal["folder", "parquet", "webdataset"] = Field(
+        description="folder (images + .txt sidecars and/or metadata.jsonl), parquet (Hugging "
+        "Face datasets layout, image bytes inside) or webdataset (img2dataset's tar shards)."
+    )
+    location: str = Field(description="A folder, or an fsspec URL (file://, https://, s3://, ...).")
+    caption_field: str | None = Field(
+        default=None,
+        description="Where the caption is: folder: the metadata.jsonl key (default text; a "
+        "sidecar file wins); parquet: the column (default text); webdataset: a member "
+        "extension or a key of the .json (default txt).",
+    )
+    caption_extension: str = Field(
+        default=".txt", description="folder: the extension of caption sidecar files."
+    )
+    image_field: str = Field(
+        default="image", description="parquet: the image column (struct bytes/path or binary)."
+    )
+    id_field: str | None = Field(
+        default=None,
+        description="parquet: a column that names each row (default: <file stem>/<row>).",
+    )
+    shard_size: int = Field(
+        default=1000, gt=0, description="Samples per partition (a tar or file is cut into these)."
+    )
+    license: str | None = Field(
+        default=None, description="License recorded for every image (filters.licenses applies)."
+    )
+
+    @field_validator("caption_extension")
+    @classmethod
+    def _dot(cls, v: str) -> str:
+        return v if v.startswith(".") else f".{v}"
+
+    def caption(self) -> str:
+        """``caption_field`` or the kind's default."""
+        return self.caption_field or {"webdataset": "txt"}.get(self.kind, "text")
+
+    def row_fields(self) -> dict:
+        """The settings that change what a partition's rows hold (its fingerprint)."""
+        return self.model_dump(exclude={"shard_size"}) | {"caption_field": self.caption()}
+
+
+def check_name(name: str) -> str:
+    """A source name is lower-case letters, digits and ``_``, a letter first (it starts its
+    partition keys); ``pd12m`` is taken."""
+    if not SOURCE_NAME.fullmatch(name) or name == PD12M:
+        raise SourceError(
+            f"source name {name!r}: use lower-case letters, digits and _ (a letter first, at "
+            f"most 32), not {PD12M!r}; it starts the partition keys ({name}-00000)"
+        )
+    return name
+
+
+def sources_file(data_root: str | Path, environ: dict | None = None) -> Path:
+    """``FLOWMATCH_SOURCES``, else ``<data root>/sources.yaml``."""
+    env = os.environ if environ is None else environ
+    raw = env.get("FLOWMATCH_SOURCES")
+    return Path(raw).expanduser().resolve() if raw else Path(data_root) / "sources.yaml"
+
+
+def read_sources(path: str | Path) -> dict[str, dict]:
+    """The sources in a sources file (``{sources: {name: {...}}}`` or ``{name: {...}}``);
+    {} when it does not exist. Raises SourceError naming the file and the problem."""
+    p = Path(path)
+    if not p.is_file():
+        return {}
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise SourceError(f"sources file {p} cannot be read: {e}") from None
+    data = data.get("sources", data) if isinstance(data, dict) else data
+    if not isinstance(data, dict):
+        raise SourceError(f"sources file {p}: expected a mapping of source name -> settings")
+    out = {}
+    for name, raw in data.items():
+        check_name(str(name))
+        raw = dict(raw or {})
+        loc = raw.get("location")
+        if isinstance(loc, str) and "://" not in loc and not Path(loc).expanduser().is_absolute():
+            raw["location"] = str((p.parent / loc).resolve())  # relative to the sources file
+        try:
+            out[str(name)] = SourceConfig.model_validate(raw).model_dump(exclude_unset=True)
+        except ValidationError as e:
+            err = e.errors()[0]
+            key = ".".join(str(x) for x in err["loc"])
+            raise SourceError(f"sources file {p}: source {name}: {key}: {err['msg']}") from None
+    return out
+
+
+def write_source(path: str | Path, name: str, cfg: SourceConfig) -> Path:
+    """Add or replace source ``name`` in the sources file (written atomically)."""
+    check_name(name)
+    p = Path(path)
+    sources = read_sources(p)
+    sources[name] = cfg.model_dump(exclude_defaults=True) | {"kind": cfg.kind}
+    atomic_write_text(p, yaml.safe_dump({"sources": sources}, sort_keys=False))
+    return p
+
+
+def absolute(location: str) -> str:
+    """A local location as an absolute path (URLs as they are)."""
+    return location if "://" in location else str(Path(location).expanduser().resolve())

@@ -1,0 +1,179 @@
+"""The partitions of a source: which samples each one holds, fixed when it is registered.
+
+Registering a source scans its location and cuts every sample not yet in a partition into new
+partitions of at most ``shard_size`` samples, keyed ``<name>-NNNNN`` in registration order. What
+a partition holds is written down once, in its manifest, and never changes:
+
+    <root>/sources/<name>/shards/<key>.json    the partition's samples (manifest)
+    <root>/sources/<name>/index.json           every partition: key, unit, range, samples
+
+so adding images to a folder, or a new tar or parquet file, adds partitions and leaves the
+existing ones (and everything made from them) as they were; a re-scan that finds nothing new
+adds nothing. A file or image that disappears after registration becomes a failed row with its
+reason when its partition is next materialized, never a silent drop. The manifests are written
+atomically (each file, then the index), under a lock, so a sensor and ``flowmatch partitions
+register`` never number two partitions alike.
+
+A manifest is ``{key, source, kind, unit, start, end, entries}``: ``unit`` the file (parquet,
+webdataset) or folder the samples come from; ``start``/``end`` the rows of a parquet file or the
+sample positions in a tar; ``entries`` the folder samples (``{id, image, caption}`` paths relative
+to the location, or ``problem`` for a metadata.jsonl line that cannot be read) or the tar's
+sample keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+
+import flowmatch_assets.ingest.sources.folder as folder
+import flowmatch_assets.ingest.sources.parquet as parquet
+import flowmatch_assets.ingest.sources.webdataset as webdataset
+from flowmatch_assets.catalog import file_lock
+from flowmatch_assets.ingest.images import IngestError
+from flowmatch_assets.ingest.sources.common import failure
+from flowmatch_assets.ingest.sources.config import SourceConfig, SourceError, check_name
+from flowmatch_models.atomic import atomic_write_text
+
+KIND_MODULES = {"folder": folder, "parquet": parquet, "webdataset": webdataset}
+
+
+@dataclass
+class Manifest:
+    """One registered partition of a source (see the module doc)."""
+
+    key: str
+    source: str
+    kind: str
+    unit: str
+    start: int
+    end: int
+    entries: list = field(default_factory=list)
+
+    @property
+    def samples(self) -> int:
+        return self.end - self.start
+
+    def summary(self) -> dict:
+        return {"key": self.key, "unit": self.unit, "start": self.start, "end": self.end}
+
+    def digest(self) -> str:
+        """A short hash of what the partition holds (a fingerprint field of its rows)."""
+        body = json.dumps([self.kind, self.unit, self.start, self.end, self.entries])
+        return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+    def as_partition(self, location: str) -> dict:
+        """The catalog's ``partitions`` row of this partition."""
+        return {
+            "partition": self.key,
+            "source": self.source,
+            "source_file": f"{location.rstrip('/')}/{self.unit}" if self.unit else location,
+            "row_start": self.start,
+            "row_end": self.end,
+        }
+
+
+def source_dir(root: str | Path, name: str) -> Path:
+    return Path(root) / "sources" / name
+
+
+def partition_key(name: str, number: int) -> str:
+    return f"{name}-{number:05d}"
+
+
+def registered(root: str | Path, name: str) -> list[dict]:
+    """The index of a source's partitions (``{key, unit, start, end}``), in key order."""
+    p = source_dir(root, name) / "index.json"
+    return json.loads(p.read_text()) if p.is_file() else []
+
+
+def manifest(root: str | Path, key: str) -> Manifest:
+    """The manifest of partition ``key`` (a source's), or SourceError naming the fix."""
+    name = key.split("-", 1)[0]
+    p = source_dir(root, name) / "shards" / f"{key}.json"
+    if not p.is_file():
+        raise SourceError(
+            f"partition {key}: no manifest at {p}; register the source's partitions first "
+            f"(`flowmatch partitions register --source {name}`)"
+        )
+    return Manifest(**json.loads(p.read_text()))
+
+
+def unregistered(root: str | Path, name: str, cfg: SourceConfig) -> list[Manifest]:
+    """What :func:`register` would add now (keys as it would number them), writing nothing."""
+    index = registered(root, name)
+    known = [manifest(root, s["key"]) for s in index]
+    return [
+        Manifest(partition_key(name, len(index) + i), name, cfg.kind, unit, start, end, entries)
+        for i, (unit, start, end, entries) in enumerate(KIND_MODULES[cfg.kind].scan(cfg, known))
+    ]
+
+
+def register(root: str | Path, name: str, cfg: SourceConfig) -> list[Manifest]:
+    """Scan source ``name`` and register partitions for every sample not in one yet; returns
+    the new partitions (none when nothing is new). Safe to call from several processes."""
+    check_name(name)
+    d = source_dir(root, name)
+    with file_lock(d / ".register.lock"):
+        new = unregistered(root, name, cfg)
+        for m in new:  # the manifests first, then the index that lists them
+            atomic_write_text(d / "shards" / f"{m.key}.json", json.dumps(m.__dict__))
+        if new:
+            index = [*registered(root, name), *(m.summary() for m in new)]
+            atomic_write_text(d / "index.json", json.dumps(index, indent=0))
+    return new
+
+
+# ---------------------------------------------------------------------------- a partition's data
+
+#: The columns of a listed partition (PD12M's metadata columns + ``row_index``).
+ROW_COLUMNS = {
+    "id": pa.string(),
+    "url": pa.string(),
+    "caption": pa.string(),
+    "width": pa.int64(),
+    "height": pa.int64(),
+    "mime_type": pa.string(),
+    "hash": pa.string(),
+    "license": pa.string(),
+    "source": pa.string(),
+    "row_index": pa.int64(),
+}
+
+
+def partition_rows(
+    root: str | Path, cfg: SourceConfig, key: str
+) -> tuple[pa.Table, list[dict], Manifest]:
+    """Partition ``key``'s samples as a table in the PD12M metadata columns (the filters and
+    the images stage take it as they take PD12M's), the samples that cannot be rows
+    (``{id, url, reason, detail}``: common.LISTING_REASONS) and its manifest."""
+    m = manifest(root, key)
+    if m.kind != cfg.kind:
+        raise SourceError(
+            f"partition {key} was registered as a {m.kind} source, but {m.source} is configured "
+            f"as {cfg.kind} now; register the new location under another source name"
+        )
+    rows, failed = KIND_MODULES[cfg.kind].rows(cfg, m.source, m)
+    seen: set[str] = set()
+    unique = []
+    for r in rows:  # an id names one row of the partition (catalog records, the images stage)
+        if r["id"] in seen:
+            failed.append(failure(r["id"], r["url"], "duplicate_id",
+                                  f"another sample of {key} has the id {r['id']!r}"))  # fmt: skip
+            continue
+        seen.add(r["id"])
+        unique.append(r)
+    table = pa.Table.from_pylist(unique, schema=pa.schema(ROW_COLUMNS))
+    return table, failed, m
+
+
+def partition_images(
+    root: str | Path, cfg: SourceConfig, key: str, rows: list[dict], max_bytes: int
+) -> Iterator[tuple[dict, bytes | IngestError]]:
+    """``(row, the bytes of its image or the IngestError why not)`` for each of ``rows``."""
+    return KIND_MODULES[cfg.kind].images(cfg, manifest(root, key), rows, max_bytes)

@@ -1,0 +1,200 @@
+"""Fine-tuning with lineage, through the real CLI, Dagster (the fine_tune asset, Pipes) and the
+catalog: a run that starts from another run's EMA weights (parts frozen) on a weighted mix of
+PD12M's partitions and a second procedural dataset written as an image folder; what it records
+about its parent everywhere; that it is stale once its parent is re-trained; and that starting
+from the parent is what makes it learn faster than the same run from scratch."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowmatch_assets.catalog import Catalog
+from flowmatch_assets.cli import main as cli_main
+from flowmatch_assets.cli.commands import build_parser
+from flowmatch_models.config import ConfigError, load_config
+from flowmatch_models.finetune import ema_digest, freeze
+from flowmatch_models.train import select_sources
+from tests.byo_data import readme_commands
+from tests.wandb_records import config as wandb_config
+
+REPO = Path(__file__).resolve().parents[1]
+FAST = ["data.batch_size=4", "trainer.log_every=1", "trainer.sample_every=0",
+        "trainer.val_every=0", "optim.warmup_steps=2", "logging.wandb=false"]  # fmt: skip
+
+
+def _cli(capsys, rc: int, *argv: str) -> str:
+    capsys.readouterr()
+    got = cli_main(list(argv))
+    out = capsys.readouterr()
+    assert got == rc, out.out[-3000:] + out.err[-3000:]
+    return out.out
+
+
+def _sets(*items: str) -> list[str]:
+    return [x for item in items for x in ("--set", item)]
+
+
+def _load(p: Path) -> dict:
+    return torch.load(p, map_location="cpu", weights_only=True)
+
+
+def _train(data: Path, name: str, steps: int, *sets: str) -> None:
+    """A training session in this process, as ``python -m flowmatch_models.train`` runs it
+    (resumes the run's last checkpoint if it has one)."""
+    from flowmatch_models.train import TrainRequest, train
+
+    over = [f"data.root={data}", f"run.name={name}", "logging.wandb=false", *FAST, *sets]
+    train(TrainRequest(config=str(REPO / "configs" / "tiny.yaml"), overrides=over, max_steps=steps))
+
+
+def _losses(run: Path, n: int) -> list[float]:
+    rows = list(csv.DictReader(open(sorted((run / "logs").glob("seg*/metrics.csv"))[0])))
+    return [float(r["train/loss"]) for r in rows if r.get("train/loss")][:n]
+
+
+@pytest.mark.slow
+def test_finetune_lineage_staleness_and_head_start(
+    tmp_path, small_sample, zoo, monkeypatch, capsys
+):
+    data = tmp_path / "data"
+    monkeypatch.setenv("FLOWMATCH_DATA_ROOT", str(data))
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster_home"))
+    monkeypatch.setenv("FLOWMATCH_METADATA", small_sample["metadata"])
+    monkeypatch.setenv("FLOWMATCH_FILE_ROOT", small_sample["dest"])
+    for role in ("vae", "dino", "text"):
+        monkeypatch.setenv(f"FLOWMATCH_{role.upper()}", zoo[role])
+    monkeypatch.delenv("FLOWMATCH_SOURCES", raising=False)
+    (tmp_path / "dagster_home").mkdir()
+    (tmp_path / "dagster_home" / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    monkeypatch.chdir(tmp_path)
+    readme = readme_commands("fine-tuning")
+    sample, add, materialize, simple, mix, stale = readme
+    _cli(capsys, 0, *sample, "--images", "16")  # the README's, 16 images instead of 192
+    _cli(capsys, 0, *add)
+    out = _cli(capsys, 0, "materialize", "--source", "pd12m")  # the parent's data
+    out += _cli(capsys, 0, *materialize)
+    assert out.count(" ok (") == 3, out  # 000-00, 001-00, shapes2-00000
+
+    # the parent ("demo"): 12 steps on PD12M's partitions only (directly: no record needed)
+    _train(data, "demo", 12, "data.sources=[pd12m]", "trainer.checkpoint_every=6")
+    parent = data / "runs" / "demo"
+    p_ema = _load(parent / "checkpoints" / "step0000012-ema.ckpt")
+
+    # the README's mixed fine-tune: from its EMA, caption projection frozen, shapes2 weighted
+    # 2 beside PD12M (6 steps, not 500); the simpler line parses
+    assert build_parser().parse_args(simple).parent == "demo"
+    _cli(capsys, 0, *mix, "--steps", "6", "--no-samples",
+         *_sets(*FAST, "trainer.checkpoint_every=3", "logging.wandb=true"))  # fmt: skip
+    child = data / "runs" / "demo-mix"
+    c = _load(child / "checkpoints" / "last.ckpt")
+    assert c["global_step"] == 6  # a fresh schedule: its own steps, not the parent's + 6
+    sd, pe = c["state_dict"], p_ema["state_dict"]
+    frozen = [k for k in sd if k.startswith("model.transformer.caption_projection.")]
+    assert len(frozen) == 4
+    for k in frozen:  # kept exactly at the parent's EMA weights, in the model and its EMA
+        name = k.removeprefix("model.transformer.")
+        assert torch.equal(sd[k], pe[f"ema.{name}"]) and torch.equal(
+            sd[f"ema.{name}"], pe[f"ema.{name}"]
+        )
+    moved = "model.transformer.transformer_blocks.0.attn1.to_q.weight"
+    assert not torch.equal(sd[moved], pe["ema.transformer_blocks.0.attn1.to_q.weight"])
+    trainable = sum(1 for k in sd if k.startswith("model.")) - len(frozen)
+    assert len(c["optimizer_states"][0]["state"]) == trainable  # a fresh Adam, frozen ones out
+    assert c["optimizer_states"][0]["state"][0]["step"].item() == 6
+    for part in ("shift", "scale"):  # the parent's caption standardisation, not recomputed
+        assert torch.equal(c["flowmatch"]["text_norm"][part], p_ema["flowmatch"]["text_norm"][part])
+
+    # the parent, named everywhere: checkpoint, lineage.json, export, request, catalog, wandb
+    digest = ema_digest(parent / "checkpoints" / "step0000012-ema.ckpt")
+    lineage = {"run": "demo", "step": 12, "weights": "ema", "digest": digest,
+               "freeze": ["transformer.caption_projection"]}  # fmt: skip
+    for rec in (
+        c["flowmatch"]["parent"],
+        json.loads((child / "lineage.json").read_text()),
+        json.loads((child / "pipeline" / "transformer" / "flowmatch.json").read_text())["parent"],
+    ):
+        assert {k: rec[k] for k in lineage} == lineage
+    request = json.loads((child / "request.json").read_text())
+    assert request["partitions"] == ["000-00", "001-00", "shapes2-00000", "shapes2-00000"]
+    cat = Catalog(data)
+    extra = json.loads(cat.query("SELECT extra FROM materializations WHERE asset = 'flow_model' "
+                                 "AND partition = 'demo-mix'")[0]["extra"])  # fmt: skip
+    assert extra["parent"]["run"] == "demo" and extra["parent"]["digest"] == digest
+    assert extra["sources"] == ["pd12m", "shapes2"] and extra["step"] == 6
+    trained = extra["trained_counts"]  # shapes2 is drawn twice per epoch
+    assert trained["shapes2-00000"] > trained["000-00"]
+    (wb,) = (child / "wandb").glob("offline-run-*/run-*.wandb")
+    assert wandb_config(wb)["parent"]["digest"] == digest
+    assert _cli(capsys, 0, "stale", "--no-report").startswith("nothing stale")
+
+    # a resume of the fine-tune keeps its lineage and its frozen parts
+    _train(data, "demo-mix", 8, "data.sources=[shapes2, pd12m]", "data.source_weights={shapes2: 2}")
+    c2 = _load(child / "checkpoints" / "last.ckpt")
+    assert c2["global_step"] == 8 and c2["flowmatch"]["parent"]["digest"] == digest
+    assert all(torch.equal(c2["state_dict"][k], sd[k]) for k in frozen)
+
+    # the head start: the same run from scratch (same data, seed, schedule) starts higher
+    _train(data, "scratch", 3, "data.sources=[shapes2, pd12m]", "data.source_weights={shapes2: 2}")
+    tuned, scratch = _losses(child, 3), _losses(data / "runs" / "scratch", 3)
+    with capsys.disabled():
+        print(f"\nhead start, first 3 losses: fine-tune {tuned}, scratch {scratch}")
+    assert sum(tuned) < 0.8 * sum(scratch), (tuned, scratch)
+
+    # the parent re-trained (another seed): the fine-tune is stale, and says why
+    shutil.rmtree(parent)
+    gone = json.loads(_cli(capsys, 1, *stale, "--no-report", "--json"))
+    assert gone == [{"asset": "flow_model", "partition": "run demo-mix", "reason": "its parent "
+                     "demo has no checkpoint at step 12 any more (re-trained, or pruned): the "
+                     "weights it started from are unknown"}]  # fmt: skip
+    _train(data, "demo", 12, "data.sources=[pd12m]", "trainer.checkpoint_every=6", "run.seed=1")
+    (row,) = json.loads(_cli(capsys, 1, *stale, "--no-report", "--json"))
+    assert row["partition"] == "run demo-mix"
+    assert row["reason"].startswith(
+        f"its parent demo was re-trained: its step-12 weights changed ({digest[:12]} -> "
+    )
+    from flowmatch_assets.defs.checks import fine_tune_fresh
+    from flowmatch_assets.defs.resources import resource_from_env
+
+    check = fine_tune_fresh(flowmatch=resource_from_env())
+    assert not check.passed and "run demo-mix: its parent demo was re-trained" in check.description
+    # the README's `flowmatch stale` reports it to Dagster: the UI's checks say so too
+    import dagster as dg
+
+    from flowmatch_assets import compat
+
+    out = _cli(capsys, 1, *stale)
+    assert "1 stale training runs" in out and "check results reported" in out
+    with dg.DagsterInstance.get() as instance:
+        for asset in ("fine_tune", "flow_model"):
+            key = dg.AssetCheckKey(dg.AssetKey(asset), f"{asset}_fresh")
+            assert compat.check_status(instance, key) == "FAILED", asset
+
+
+def test_source_selection_and_weights_and_init_mistakes(tmp_path):
+    cfg = load_config(REPO / "configs" / "tiny.yaml", ["data.sources=[shapes2]"])
+    assert select_sources(["000-00", "shapes2-00000", "shapes2-00001"], cfg) == [
+        "shapes2-00000", "shapes2-00001"]  # fmt: skip
+    assert cfg.data.grow is False  # the list is fixed for the session
+    cfg = load_config(REPO / "configs" / "tiny.yaml", ["data.source_weights={pd12m: 3}"])
+    assert select_sources(["000-00", "a-00000"], cfg) == ["000-00"] * 3 + ["a-00000"]
+    cfg = load_config(REPO / "configs" / "tiny.yaml", ["data.sources=[nope]"])
+    with pytest.raises(ConfigError, match=r"data.sources \['nope'\]: no complete partition"):
+        select_sources(["000-00"], cfg)
+    from flowmatch_models.dit import build_model
+
+    model = build_model("tiny", repa=False)
+    with pytest.raises(ConfigError, match="init.freeze 'transformer.nope' matches no parameter"):
+        freeze(model, ["transformer.nope"])
+    assert freeze(model, ["transformer.caption_projection"]) == sum(
+        p.numel() for p in model.transformer.caption_projection.parameters())  # fmt: skip
+    from flowmatch_models.finetune import resolve_parent
+
+    init = load_config(REPO / "configs" / "tiny.yaml", ["init.from_run=ghost"]).init
+    with pytest.raises(ConfigError, match="init.from_run 'ghost': no run folder"):
+        resolve_parent(init, tmp_path, tmp_path / "runs" / "x")
