@@ -135,7 +135,9 @@ class ShardSource:
         self.load_dino = load_dino
         self.cache_shards = max(1, cache_shards)
         self._open: OrderedDict[int, dict] = OrderedDict()
-        self._tables: OrderedDict[tuple[str, str], transform_codec.Tables] = OrderedDict()
+        self._tables: OrderedDict[tuple[str, str, str], transform_codec.DeviceTables] = (
+            OrderedDict()
+        )
         #: kind -> the fingerprint hash every partition of this source shares
         self.fingerprints = self._agreed_fingerprints()
         ids = [self._shard("vae_latents", p).ids for p in self.partitions]
@@ -216,7 +218,7 @@ class ShardSource:
         for p in self.partitions:
             tokens = _rows(self._shard("text_embeddings", p), "tokens")
             rows = min(tokens.shape[0], max_tokens - n)
-            dev = tokens.tables and transform_codec.DeviceTables.of(tokens.tables, "cpu")
+            dev = tokens.coded and self.tables("text_embeddings", p)
             for a in range(0, rows, chunk):
                 part = torch.from_numpy(np.empty((min(chunk, rows - a), *tokens.row_shape),
                                                  tokens.dtype))  # fmt: skip
@@ -384,7 +386,7 @@ class ShardSource:
             "coded": [
                 k
                 for k, v in (("text", first["tokens"]), ("dino", first.get("patch")))
-                if v is not None and v.tables is not None
+                if v is not None and v.coded
             ],  # fmt: skip
             "text_counts": counts,
             **({"dino_counts": [len(j) for _, j in groups]} if self.load_dino else {}),
@@ -410,13 +412,15 @@ class ShardSource:
             out["dino_dst"] = _buffer((b,), np.int64, shared)
         return out
 
-    def tables(self, kind: str, partition: str) -> transform_codec.Tables:
-        """The decoding tables of ``kind``'s coded model input in ``partition`` (small; kept
-        for the newest 64 partitions)."""
-        key = (kind, partition)
+    def tables(self, kind: str, partition: str, device="cpu") -> transform_codec.DeviceTables:
+        """The decoding tables of ``kind``'s coded model input in ``partition`` as tensors on
+        ``device`` (small; kept for the newest 64). The tables are checked by their checksums;
+        the codes are not re-hashed here (see :func:`_rows`)."""
+        key = (kind, partition, str(device))
         if key not in self._tables:
             array = {k: a for k, a in MODEL_INPUTS.values()}[kind]
-            self._tables[key] = self._shard(kind, partition).coded(array).tables
+            tables = self._shard(kind, partition).coded(array, verify=False).tables
+            self._tables[key] = transform_codec.DeviceTables.of(tables, device)
             while len(self._tables) > 64:
                 self._tables.popitem(last=False)
         self._tables.move_to_end(key)
@@ -430,14 +434,11 @@ class FileRows:
     (a sample's latents, its 64 DINO patches, one caption token)."""
 
     def __init__(self, shard: Shard, name: str):
-        e = shard.info(name)
-        stored = shard._entries[e["aux"]["codes"]] if "aux" in e else shard._entries[name]
-        self.dtype = np.dtype(stored["dtype"])
-        self.row_shape = tuple(stored["shape"][1:])
-        self.rows = int(stored["shape"][0])
+        self.dtype, shape, self.base = shard.stored_rows(name)
+        self.rows, self.row_shape = shape[0], shape[1:]
         self.row_bytes = int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
-        self.base = shard._data_start + stored["offset"]
-        self.tables = shard.coded(name, verify=False).tables if "aux" in e else None
+        #: transform-coded: the rows are codes (:meth:`ShardSource.tables` decodes them)
+        self.coded = "aux" in shard.info(name)
         self.path = shard.path
         self.fd = os.open(shard.path, os.O_RDONLY)
         weakref.finalize(self, os.close, self.fd)
@@ -469,7 +470,7 @@ class ArrayRows:
     :class:`FileRows`."""
 
     def __init__(self, array: np.ndarray):
-        self.array, self.tables = array, None
+        self.array, self.coded = array, False
         self.dtype, self.shape, self.row_shape = array.dtype, array.shape, array.shape[1:]
 
     def read(self, start: np.ndarray, count, out: torch.Tensor, dst: np.ndarray) -> None:
@@ -577,8 +578,8 @@ _CODED = {"text": "text_embeddings", "dino": "dino_features"}
 def decode_batch(batch: dict, tables, scaling_factor: float, device) -> dict:
     """A stored batch (:meth:`ShardSource.gather` with ``decode=False``) as float32 model inputs
     on ``device``: latents scaled; each group's text/DINO rows decoded with its partition's
-    tables (``tables(kind, partition)`` -> :class:`~flowmatch_models.transform_codec.Tables`,
-    or -> ``DeviceTables`` already on the device), or fp16 rows widened, then put in place
+    tables (``tables(kind, partition)`` -> :class:`~flowmatch_models.transform_codec.DeviceTables`
+    on ``device``, :meth:`ShardSource.tables`), or fp16 rows widened, then put in place
     (``index_copy_`` to ``<key>_dst``; text padding stays zero). Tensors already on
     ``device`` stay there; nothing here waits on the device."""
     if "text_rows" not in batch:
@@ -591,13 +592,6 @@ def decode_batch(batch: dict, tables, scaling_factor: float, device) -> dict:
     out["mask"] = mask
     b, width = mask.shape
 
-    def dev(t):
-        return (
-            t
-            if isinstance(t, transform_codec.DeviceTables)
-            else transform_codec.DeviceTables.of(t, device)
-        )
-
     for key in ("text", "dino"):
         if f"{key}_rows" not in batch:
             continue
@@ -606,7 +600,7 @@ def decode_batch(batch: dict, tables, scaling_factor: float, device) -> dict:
             parts, start = [], 0
             for p, n in zip(batch["parts"], batch[f"{key}_counts"]):
                 parts.append(
-                    transform_codec.decode(rows[start : start + n], dev(tables(_CODED[key], p)))
+                    transform_codec.decode(rows[start : start + n], tables(_CODED[key], p))
                 )
                 start += n
             values = torch.cat(parts) if len(parts) > 1 else parts[0]
@@ -619,24 +613,28 @@ def decode_batch(batch: dict, tables, scaling_factor: float, device) -> dict:
     return out
 
 
+def _windows(sizes: np.ndarray, epoch: int, seed: int, window: int):
+    """The epoch's generator (after its first draw) and its shuffle windows: the partitions of
+    each, in order."""
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(len(sizes))
+    return rng, [order[w : w + window] for w in range(0, len(order), window)]
+
+
 def epoch_windows(sizes: np.ndarray, epoch: int, seed: int, window: int) -> list[np.ndarray]:
     """The partitions of each shuffle window of an epoch, in order (:func:`epoch_order`'s)."""
-    order = np.random.default_rng([seed, epoch]).permutation(len(sizes))
-    return [order[w : w + window] for w in range(0, len(order), window)]
+    return _windows(sizes, epoch, seed, window)[1]
 
 
 def epoch_order(sizes: np.ndarray, epoch: int, seed: int, window: int) -> np.ndarray:
     """Global sample indices of one epoch: shuffled shard order, shuffled within windows.
     int32 when they fit (PD12M's 12.4M: 50 MB an epoch instead of 100 in every worker)."""
-    rng = np.random.default_rng([seed, epoch])
+    rng, windows = _windows(sizes, epoch, seed, window)
     starts = np.concatenate([[0], np.cumsum(sizes)])
     dtype = np.int32 if starts[-1] < 2**31 else np.int64
-    shard_order = rng.permutation(len(sizes))
     parts = []
-    for w in range(0, len(shard_order), window):
-        idx = np.concatenate(
-            [np.arange(starts[s], starts[s + 1], dtype=dtype) for s in shard_order[w : w + window]]
-        )
+    for members in windows:
+        idx = np.concatenate([np.arange(starts[s], starts[s + 1], dtype=dtype) for s in members])
         parts.append(rng.permutation(idx))
     return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
@@ -907,20 +905,11 @@ class EmbeddingDataModule(L.LightningDataModule):
 
     def decode_batch(self, batch: dict, device) -> dict:
         """A stored training batch as float32 model inputs on ``device`` (where it was moved):
-        codes decoded with each partition's tables, kept on the device for the newest 64."""
-        cache = self.__dict__.setdefault("_device_tables", OrderedDict())
-
-        def tables(kind: str, partition: str) -> transform_codec.DeviceTables:
-            key = (kind, partition, str(device))
-            if key not in cache:
-                cache[key] = transform_codec.DeviceTables.of(
-                    self.source.tables(kind, partition), device
-                )
-                while len(cache) > 64:
-                    cache.popitem(last=False)
-            return cache[key]
-
-        return decode_batch(batch, tables, self.source.scaling_factor, device)
+        codes decoded with each partition's tables (:meth:`ShardSource.tables`, on ``device``)."""
+        src = self.source
+        return decode_batch(
+            batch, lambda k, p: src.tables(k, p, device), src.scaling_factor, device
+        )
 
     def _available_counts(self) -> dict:
         """Partitions and trainable samples (held-out ones excluded, as in ``sizes``) complete

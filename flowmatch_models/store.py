@@ -484,9 +484,8 @@ class Shard:
     ``shard["latents"]`` returns a zero-copy view of the file for codec ``none`` and a decoded
     array otherwise; lossy arrays come back decoded to fp16. Each array's checksum is checked
     the first time it is decoded; :meth:`verify` checks all of them. For reading rows without
-    decoding a whole array (the training loader): :meth:`view` (codec ``none``), :meth:`coded`
-    (transform-coded codes + tables) and :meth:`release`, which drops the pages this process
-    touched from its resident memory (they stay in the OS page cache).
+    decoding a whole array (the training loader): :meth:`stored_rows` (where a raw or
+    transform-coded array's rows lie in the file) and :meth:`coded` (codes + tables).
     """
 
     def __init__(self, path: Path, header: dict, data_start: int):
@@ -539,12 +538,6 @@ class Shard:
             with open(self.path, "rb") as f:
                 self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         return self._map
-
-    def release(self) -> None:
-        """Drop the file pages this process touched from its resident set (``MADV_DONTNEED``:
-        the views stay valid and read the pages again from the page cache when used)."""
-        if self._map is not None and hasattr(mmap, "MADV_DONTNEED"):
-            self._map.madvise(mmap.MADV_DONTNEED)
 
     def _read_stored(self, name: str) -> bytes:
         e = self._entries[name]
@@ -625,15 +618,17 @@ class Shard:
         e = self._entry(name)
         return "aux" in e or (e["codec"] == "none" and "lossy" not in e)
 
-    def view(self, name: str, verify: bool = True) -> np.ndarray:
-        """Zero-copy view of a raw (codec ``none``, lossless) array; checked once if ``verify``
-        (streaming, nothing stays resident)."""
+    def stored_rows(self, name: str) -> tuple[np.dtype, tuple[int, ...], int]:
+        """Where the rows of a row-readable array (:meth:`is_row_readable`) lie in the file:
+        the stored dtype and shape (a transform-coded array's codes) and the byte offset of row
+        0, for reading rows with ``pread``."""
+        if not self.is_row_readable(name):
+            e = self._entry(name)
+            raise ValueError(f"{self.path}: array {name!r} is {e['codec']}/{e.get('lossy')}")
         e = self._entry(name)
-        if e["codec"] != "none" or "lossy" in e:
-            raise ValueError(
-                f"{self.path}: array {name!r} is {e['codec']}/{e.get('lossy')}, not raw"
-            )
-        return self._raw_view(name, check=verify)
+        stored = self._entries[e["aux"]["codes"]] if "aux" in e else e
+        shape = tuple(int(n) for n in stored["shape"])
+        return np.dtype(stored["dtype"]), shape, self._data_start + stored["offset"]
 
     def coded(self, name: str, verify: bool = True) -> Coded:
         """The codes (zero-copy views) and tables of a transform-coded array; ``verify``: the
