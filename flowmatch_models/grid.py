@@ -20,7 +20,8 @@ def make_grid(
     cell: int = 128,
     pad: int = 2,
 ) -> Image.Image:
-    """Tile ``images`` (uint8 HxWx3 arrays or PIL images) into one RGB image, ``cell`` px each."""
+    """Tile ``images`` (uint8 HxWx3 arrays or PIL images) into one RGB image, ``cell`` px each
+    (a non-square image fits its cell with its aspect ratio kept, centred on white)."""
     n = len(images)
     if n == 0:
         return Image.new("RGB", (cell, cell), (255, 255, 255))
@@ -30,9 +31,13 @@ def make_grid(
     for i, im in enumerate(images):
         if not isinstance(im, Image.Image):
             im = Image.fromarray(np.asarray(im, dtype=np.uint8))
-        im = im.convert("RGB").resize((cell, cell), Image.BICUBIC)
+        scale = cell / max(im.size)
+        w, h = max(1, round(im.width * scale)), max(1, round(im.height * scale))
+        im = im.convert("RGB").resize((w, h), Image.BICUBIC)
         r, c = divmod(i, cols)
-        grid.paste(im, (pad + c * (cell + pad), pad + r * (cell + pad)))
+        grid.paste(
+            im, (pad + c * (cell + pad) + (cell - w) // 2, pad + r * (cell + pad) + (cell - h) // 2)
+        )
     return grid
 
 

@@ -1,7 +1,10 @@
 """The images_256 shard format: one parquet file per partition.
 
-Columns: ``id, caption, image (encoded 256x256 RGB), format, orig_width, orig_height, md5, url``,
-row groups of 512 rows. One file means one atomic rename; parquet means sequential, columnar
+Columns: ``id, caption, image (encoded RGB), format, orig_width, orig_height, md5, url, height,
+width, kept``, row groups of 512 rows. ``height, width`` is the stored size (the square, or the
+row's aspect-ratio bucket, flowmatch_models/buckets.py), ``kept`` the share of the original's
+area the crop kept. Shards written before those three columns hold size x size squares:
+:func:`read_image_meta` fills them in (``kept`` from the original's size). One file means one atomic rename; parquet means sequential, columnar
 reads (captions without images) and no custom code to open it (pyarrow, DuckDB, pandas).
 """
 
@@ -28,8 +31,13 @@ IMAGE_SHARD_SCHEMA = pa.schema(
         ("orig_height", pa.int32()),
         ("md5", pa.string()),
         ("url", pa.string()),
+        ("height", pa.int32()),
+        ("width", pa.int32()),
+        ("kept", pa.float32()),
     ]
 )
+#: Columns a shard written before aspect-ratio buckets lacks (:func:`read_image_meta` fills them).
+SIZE_COLUMNS = ("height", "width", "kept")
 ROW_GROUP = 512
 
 
@@ -47,10 +55,21 @@ def write_image_shard(path: str | Path, rows: Sequence[dict]) -> int:
     return Path(path).stat().st_size
 
 
-def read_image_meta(path: str | Path) -> pa.Table:
-    """Every column but the image bytes."""
-    cols = [n for n in IMAGE_SHARD_SCHEMA.names if n != "image"]
-    return pq.read_table(path, columns=cols)
+def read_image_meta(path: str | Path, size: int = 256) -> pa.Table:
+    """Every column but the image bytes (a shard from before buckets: ``height = width =
+    size``, the square it holds, and ``kept`` = short side / long side of the original)."""
+    have = set(pq.read_schema(path).names)
+    cols = [n for n in IMAGE_SHARD_SCHEMA.names if n != "image" and n in have]
+    t = pq.read_table(path, columns=cols)
+    if all(c in have for c in SIZE_COLUMNS):
+        return t
+    n = t.num_rows
+    ow = t.column("orig_width").to_numpy(zero_copy_only=False).astype(np.float64)
+    oh = t.column("orig_height").to_numpy(zero_copy_only=False).astype(np.float64)
+    kept = (np.minimum(ow, oh) / np.maximum(ow, oh)).astype(np.float32) if n else []
+    t = t.append_column("height", pa.array(np.full(n, size, np.int32)))
+    t = t.append_column("width", pa.array(np.full(n, size, np.int32)))
+    return t.append_column("kept", pa.array(kept, pa.float32()))
 
 
 def decode(data: bytes) -> np.ndarray:
@@ -62,8 +81,20 @@ def decode(data: bytes) -> np.ndarray:
 def iter_image_batches(
     path: str | Path, batch_size: int = 64
 ) -> Iterator[tuple[list[str], list[str], np.ndarray]]:
-    """Sequentially yield ``(ids, captions, images uint8 [B, H, W, 3])`` batches of a shard."""
+    """Sequentially yield ``(ids, captions, images uint8 [B, H, W, 3])`` batches of a shard
+    whose images are all one size (a square shard). A shard with several aspect-ratio buckets
+    raises ``ValueError`` naming them (its images cannot be stacked into one array)."""
     pf = pq.ParquetFile(path)
     for batch in pf.iter_batches(batch_size=batch_size, columns=["id", "caption", "image"]):
         d = batch.to_pydict()
-        yield d["id"], d["caption"], np.stack([decode(b) for b in d["image"]])
+        imgs = [decode(b) for b in d["image"]]
+        sizes = sorted({im.shape[:2] for im in imgs})
+        if len(sizes) > 1:
+            raise ValueError(
+                f"{Path(path).name} holds images of {len(sizes)} sizes "
+                f"({', '.join(f'{h}x{w}' for h, w in sizes)}): aspect-ratio buckets "
+                "(ingest.buckets: aspect) reach images_256 and the data card so far; the "
+                "embeddings per bucket are not built yet. Use ingest.buckets: square to "
+                "compute embeddings."
+            )
+        yield d["id"], d["caption"], np.stack(imgs)

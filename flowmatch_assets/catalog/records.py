@@ -245,6 +245,8 @@ CARD_SCHEMA = pa.schema(
         ("height", pa.int64()),
         ("orig_width", pa.int32()),  # decoded (stored rows)
         ("orig_height", pa.int32()),
+        ("bucket", pa.string()),  # stored size, "HxW"
+        ("kept", pa.float32()),  # share of the original's area the crop kept
         ("license", pa.string()),
         ("source", pa.string()),
     ]
@@ -258,6 +260,8 @@ CARD_SECTIONS = (
     "license",
     "source",
     "aspect",
+    "bucket",
+    "kept",
     "caption_chars",
     "caption_tokens",
     "orig_long_side",

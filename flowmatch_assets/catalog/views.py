@@ -27,6 +27,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import duckdb
+import pyarrow.parquet as pq
 
 from flowmatch_assets.catalog.records import (
     CARD_SCHEMA,
@@ -264,7 +265,7 @@ def _data_card_views(layout: DataLayout) -> list[str]:
                       WHEN {aspect} < 1.5 THEN '1.25-1.5' WHEN {aspect} < 2 THEN '1.5-2'
                       WHEN {aspect} < 3 THEN '2-3' ELSE '>=3' END"""
     order = ", ".join(f"('{s}', {i})" for i, s in enumerate(CARD_SECTIONS))
-    shared = ("outcome", "license", "source", "aspect")
+    shared = ("outcome", "license", "source", "aspect", "bucket")
     return [
         f"""CREATE OR REPLACE VIEW data_card_rows AS
             SELECT c.* EXCLUDE (asset), d.outcome, d.reason, d.kept_id
@@ -289,6 +290,8 @@ def _data_card_views(layout: DataLayout) -> list[str]:
               UNION ALL {_card_counts("license", "license", stored)}
               UNION ALL {_card_counts("source", "source", stored)}
               UNION ALL {_card_counts("aspect", bucket, f"(SELECT * FROM {stored} WHERE orig_width IS NOT NULL)")}
+              UNION ALL {_card_counts("bucket", "bucket", f"(SELECT * FROM {stored} WHERE bucket IS NOT NULL)")}
+              UNION ALL {_card_stats("kept", "kept", stored)}
               UNION ALL {_card_stats("caption_chars", "caption_chars", stored)}
               UNION ALL {_card_stats("caption_tokens", "caption_tokens", stored)}
               UNION ALL {_card_stats("orig_long_side", "greatest(orig_width, orig_height)", stored)}
@@ -345,7 +348,8 @@ def _ensure_placeholders(layout: DataLayout) -> None:
         ("cards", CARD_SCHEMA),
     ):
         p = c / kind / "_empty" / "_empty.parquet"
-        if not p.exists():
+        # rewritten when the schema grew (an older data root), so every column is in the glob
+        if not p.exists() or not pq.read_schema(p).equals(schema, check_metadata=False):
             _write_parquet(p, schema.empty_table())
     p = c / "validation" / "_empty.parquet"
     if not p.exists():

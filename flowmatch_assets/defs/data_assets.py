@@ -4,6 +4,7 @@ for images_256)."""
 
 import time
 from collections import Counter
+from pathlib import Path
 
 import dagster as dg
 import pyarrow.parquet as pq
@@ -19,6 +20,7 @@ from flowmatch_assets.ingest.dedupe import (
     build_hash_index,
     hash_winners,
 )
+from flowmatch_assets.ingest.images import IngestConfig
 from flowmatch_assets.ingest.metadata import (
     filter_rows,
     ids_as_strings,
@@ -29,7 +31,7 @@ from flowmatch_assets.ingest.shard import NothingToRetry, TooFewStored, make_ima
 from flowmatch_assets.ingest.sources import SourceError, partition_images, partition_rows
 from flowmatch_models.atomic import atomic_path
 from flowmatch_models.grid import make_grid, markdown_image, save_png
-from flowmatch_models.image_shard import decode, write_image_shard
+from flowmatch_models.image_shard import decode, read_image_meta, write_image_shard
 from flowmatch_models.layout import PD12M, source_of
 
 GROUP = "data"
@@ -148,7 +150,7 @@ class ImagesConfig(dg.Config):
     group_name=GROUP,
     kinds={"parquet", "pillow"},
     op_tags=IMAGE_TAGS,
-    description="The shard's images: downloaded (or read from their source), short side 256, centre-cropped 256x256, encoded (JPEG q95); failures recorded with reasons.",
+    description="The shard's images: downloaded (or read from their source), resized and centre-cropped to 256x256 (or, with ingest.buckets: aspect, to the nearest aspect-ratio bucket of ~256x256 pixels), encoded (JPEG q95); failures recorded with reasons.",
 )
 def images_256(
     context: dg.AssetExecutionContext, config: ImagesConfig, flowmatch: FlowmatchResource
@@ -198,7 +200,7 @@ def images_256(
         rows=shard.outcomes,
         seconds=record_seconds,
         input_rows=len(rows),
-        raw_bytes=len(shard.stored) * flowmatch.ingest.size**2 * 3,
+        raw_bytes=sum(s["height"] * s["width"] * 3 for s in shard.stored),
         codec=flowmatch.ingest.image_format,
         device="cpu",
         extra=extra,
@@ -208,6 +210,8 @@ def images_256(
             "failed": len(rows) - len(shard.stored),
             "failed_by_reason": dg.MetadataValue.json(shard.failed),
             "duplicate_content": len(shard.dropped),
+            "buckets": dg.MetadataValue.json(shard.buckets),
+            "kept_mean": round(shard.kept_mean, 4),
             "downloaded_bytes": shard.downloaded_bytes,  # this run's (catalog: all runs')
             "stored_bytes": out.path.stat().st_size,
             "images_per_s": round(shard.fetched / seconds, 1) if seconds else 0.0,
@@ -241,7 +245,8 @@ def _rejected(out: PartitionOutput, e: TooFewStored) -> dg.Failure:
 @dg.asset_check(
     asset=images_256,
     blocking=True,
-    description="Every kept metadata row has exactly one outcome; stored images are 256x256 RGB.",
+    description="Every kept metadata row has exactly one outcome; stored images are RGB at "
+    "their row's size (256x256, or its aspect-ratio bucket), a size the settings allow.",
 )
 def images_256_complete(
     context: dg.AssetCheckExecutionContext, flowmatch: FlowmatchResource
@@ -265,9 +270,31 @@ def images_256_complete(
         outcome_ids = pq.read_table(rows_file, columns=["id"]).column("id").to_pylist()
         if sorted(outcome_ids) != sorted(md_ids):
             problems.append(f"{p}: {len(outcome_ids)} outcomes for {len(md_ids)} rows")
-        t = pq.read_table(layout.asset_path("images_256", p), columns=["image"])
-        if t.num_rows:
-            im = decode(t.column("image")[0].as_py())
-            if im.shape != (flowmatch.ingest.size, flowmatch.ingest.size, 3):
-                problems.append(f"{p}: image shape {im.shape}")
+        problems += _size_problems(p, layout.asset_path("images_256", p), flowmatch.ingest)
     return shards_check_result(parts, problems)
+
+
+def _size_problems(part: str, shard: Path, ingest: IngestConfig) -> list[str]:
+    """The first image of each stored size decodes to that size, and every size is one of the
+    settings' buckets."""
+    meta = read_image_meta(shard, ingest.size)
+    allowed = set(ingest.bucket_list())
+    hs, ws = meta.column("height").to_pylist(), meta.column("width").to_pylist()
+    first: dict[tuple[int, int], int] = {}
+    for i, hw in enumerate(zip(hs, ws)):
+        first.setdefault(hw, i)
+    problems = [
+        f"{part}: stored size {h}x{w} is not a bucket of ingest (size {ingest.size}, "
+        f"buckets {ingest.buckets})"
+        for h, w in first
+        if (h, w) not in allowed
+    ]
+    if first:
+        t = pq.read_table(shard, columns=["image"]).take(sorted(first.values()))
+        for blob, (hw, _) in zip(
+            t.column("image").to_pylist(), sorted(first.items(), key=lambda kv: kv[1])
+        ):
+            im = decode(blob)
+            if im.shape != (*hw, 3):
+                problems.append(f"{part}: image shape {im.shape}, its row says {hw[0]}x{hw[1]}")
+    return problems

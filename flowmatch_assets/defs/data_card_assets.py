@@ -72,6 +72,7 @@ def data_card(
         _token_counter(flowmatch, context.log),
         flowmatch.encoders.max_tokens,
         rows=listed,
+        image_size=flowmatch.ingest.size,
     )
     catalog.record_card_rows(flowmatch.data_root, part, rows)
     cat = Catalog(flowmatch.data_root)

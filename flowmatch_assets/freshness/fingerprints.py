@@ -29,6 +29,7 @@ import dagster as dg
 from flowmatch_assets import catalog, compat
 from flowmatch_assets.defs.resources import FlowmatchResource
 from flowmatch_assets.ingest.sources import SourceError
+from flowmatch_models.buckets import label
 from flowmatch_models.embeddings import KINDS, TRAINING_INPUTS, kind_fingerprint
 from flowmatch_models.fingerprint import UNKNOWN, Fingerprint, diff, hash_of, weights_cache_file
 from flowmatch_models.layout import PARTITIONED_ASSETS, PD12M, source_of
@@ -80,6 +81,12 @@ def expected_fields(res: FlowmatchResource, asset: str, partition: str | None = 
             "quality": ing.quality,
             "min_side": ing.min_side,
             "max_pixels": ing.max_pixels,
+            # square shards (the default, and every shard before buckets) keep their fingerprint
+            **(
+                {"buckets": [label(b) for b in ing.bucket_list()]}
+                if ing.buckets != "square"
+                else {}
+            ),
         }
     if asset not in KINDS:  # another asset publishing through the routine: its code only
         return {"code_version": code_version(asset)}

@@ -1,5 +1,8 @@
 """Image ingest for the ``images_256`` stage: download, decode, resize, centre-crop, encode.
 
+The crop is a centred square (``ingest.buckets: square``) or, in ``aspect`` mode, the image's
+nearest aspect-ratio bucket (flowmatch_models/buckets.py), which crops the least.
+
 Pure functions, no Dagster: ``fetch_bytes`` gets the bytes of one URL, ``process_image`` turns
 them into an encoded ``size`` x ``size`` RGB image, ``ingest_rows`` does both for a list of
 metadata rows on a thread pool and returns exactly one ``IngestResult`` per row, in input order.
@@ -72,6 +75,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, as_completed, wait
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 from urllib.parse import unquote, urljoin, urlsplit
 
 import numpy as np
@@ -85,6 +89,8 @@ except ImportError:  # pragma: no cover - simplejpeg is a declared dependency
     simplejpeg = None
 
 from pydantic import BaseModel, Field
+
+from flowmatch_models.buckets import Bucket, buckets_for, cover_box, nearest, square
 
 __all__ = [
     "IngestConfig",
@@ -106,7 +112,16 @@ class IngestConfig(BaseModel):
     """Download, decode, resize and encode settings of the images_256 stage."""
 
     size: int = Field(
-        default=256, description="Output side: short side resized to this, centre crop."
+        default=256,
+        description="Output side (square mode: short side resized to this, centre crop); in "
+        "aspect mode the buckets hold about size x size pixels.",
+    )
+    buckets: Literal["square", "aspect"] = Field(
+        default="square",
+        description="square: every image cut to a centred size x size square. aspect: each "
+        "image resized to cover its nearest aspect-ratio bucket (flowmatch_models/buckets.py: "
+        "multiples of 32 within 12.5% of size x size pixels, 1:2 to 2:1) and centre-cropped, "
+        "the smallest crop; the bucket is stored per row (height, width).",
     )
     threads: int = Field(default=16, description="Concurrent downloads+decodes per process.")
     connect_timeout_s: float = Field(default=5.0, description="TCP connect timeout (seconds).")
@@ -146,6 +161,17 @@ class IngestConfig(BaseModel):
     user_agent: str = Field(
         default="flowmatch/0.1 (+PD12M research)", description="HTTP User-Agent."
     )
+
+    def bucket_list(self) -> list[Bucket]:
+        """The (height, width) sizes images are stored at: one square, or the aspect buckets."""
+        return buckets_for(self.size) if self.buckets == "aspect" else square(self.size)
+
+    def bucket_of(self, width: int, height: int) -> Bucket:
+        """The (height, width) an original of ``width x height`` (after EXIF orientation) is
+        stored at."""
+        if self.buckets == "square":
+            return (self.size, self.size)
+        return nearest(width, height, self.bucket_list())
 
 
 #: Every failure reason code except the ``http_<status>`` family.
@@ -583,14 +609,6 @@ def _composite_white(im: Image.Image) -> Image.Image:
     return bg
 
 
-def _crop_box(w: int, h: int, size: int) -> tuple[float, float, float, float]:
-    """Source box of a short-side-to-``size`` resize followed by a centred size x size crop."""
-    scale = size / min(w, h)
-    rw, rh = max(size, round(w * scale)), max(size, round(h * scale))
-    left, top = (rw - size) // 2, (rh - size) // 2
-    return (left / scale, top / scale, (left + size) / scale, (top + size) / scale)
-
-
 def _tiff_orientation(tiff: bytes) -> int:
     """The Orientation (0x0112) of IFD0 in a TIFF/EXIF block, 1 if absent or unreadable."""
     if len(tiff) < 8 or tiff[:2] not in (b"II", b"MM"):
@@ -647,6 +665,14 @@ def _check_size(w: int, h: int, orientation: int, cfg: IngestConfig) -> tuple[in
     return ow, oh
 
 
+def _decoded_target(w: int, h: int, orientation: int, cfg: IngestConfig) -> tuple[int, int]:
+    """(width, height) to resample the decoded (not yet oriented) ``w x h`` image to: the
+    bucket of the oriented size, transposed back when the orientation turns the image."""
+    ow, oh = (h, w) if orientation in (5, 6, 7, 8) else (w, h)
+    bh, bw = cfg.bucket_of(ow, oh)
+    return (bh, bw) if orientation in (5, 6, 7, 8) else (bw, bh)
+
+
 def _decode_jpeg_scaled(data: bytes, cfg: IngestConfig) -> tuple[Image.Image, int, int, int] | None:
     """simplejpeg (libjpeg-turbo) decode straight to the smallest M/8 scale >= the resize target.
 
@@ -671,7 +697,8 @@ def _decode_jpeg_scaled(data: bytes, cfg: IngestConfig) -> tuple[Image.Image, in
         return None  # Pillow raises its DecompressionBombError for these
     orientation = _jpeg_orientation(data)
     ow, oh = _check_size(w, h, orientation, cfg)
-    scale = cfg.size / min(w, h)
+    tw, th = _decoded_target(w, h, orientation, cfg)
+    scale = max(tw / w, th / h)
     try:
         arr = simplejpeg.decode_jpeg(
             data,
@@ -687,10 +714,14 @@ def _decode_jpeg_scaled(data: bytes, cfg: IngestConfig) -> tuple[Image.Image, in
 
 
 def _finish(
-    im: Image.Image, transpose: Image.Transpose | None, cfg: IngestConfig, encoder: str
+    im: Image.Image,
+    transpose: Image.Transpose | None,
+    cfg: IngestConfig,
+    encoder: str,
+    target: tuple[int, int],
 ) -> bytes:
-    """Mode to RGB/L(A), resample the centre-crop box to size x size, orient, encode."""
-    size = cfg.size
+    """Mode to RGB/L(A), resample the centred crop box to ``target`` (width, height, before
+    orientation), orient, encode."""
     mode = im.mode
     alpha = mode in ("RGBA", "LA", "PA") or (mode == "P" and "transparency" in im.info)
     if mode == "P" or mode == "PA":
@@ -706,8 +737,9 @@ def _finish(
         im = im.convert("RGBA")
         alpha = True
     dw, dh = im.size  # after DCT scaling
+    tw, th = target
     out = im.resize(
-        (size, size), Image.Resampling.BICUBIC, box=_crop_box(dw, dh, size), reducing_gap=3.0
+        (tw, th), Image.Resampling.BICUBIC, box=cover_box(dw, dh, tw, th), reducing_gap=3.0
     )
     if alpha:
         out = _composite_white(out)
@@ -724,9 +756,11 @@ def _finish(
 
 
 def process_image(data: bytes, cfg: IngestConfig) -> tuple[bytes, int, int]:
-    """Decode ``data``, resize its short side to ``cfg.size``, centre-crop, encode.
+    """Decode ``data``, resize it to cover its bucket (``cfg.bucket_of``: a size x size square,
+    or the nearest aspect-ratio bucket), centre-crop, encode.
 
-    Returns ``(encoded, orig_width, orig_height)``, the original size after EXIF orientation.
+    Returns ``(encoded, orig_width, orig_height)``, the original size after EXIF orientation
+    (the stored size is ``cfg.bucket_of(orig_width, orig_height)``).
     Raises ``IngestError`` (``not_image``, ``corrupt``, ``decompression_bomb``, ``too_small``).
     """
     if ImageFile.LOAD_TRUNCATED_IMAGES:
@@ -747,7 +781,6 @@ def process_image(data: bytes, cfg: IngestConfig) -> tuple[bytes, int, int]:
     if fast is not None:
         im, ow, oh, orientation = fast
     else:
-        size = cfg.size
         try:
             im = Image.open(io.BytesIO(data), formats=[fmt])
             w, h = im.size
@@ -756,7 +789,8 @@ def process_image(data: bytes, cfg: IngestConfig) -> tuple[bytes, int, int]:
             orientation = im.getexif().get(_EXIF_ORIENTATION_TAG, 1)
             ow, oh = _check_size(w, h, orientation, cfg)
             if fmt == "JPEG":
-                scale = size / min(w, h)
+                tw, th = _decoded_target(w, h, orientation, cfg)
+                scale = max(tw / w, th / h)
                 need = (max(1, math.ceil(w * scale)), max(1, math.ceil(h * scale)))
                 im.draft("RGB", need)
             im.load()
@@ -767,7 +801,10 @@ def process_image(data: bytes, cfg: IngestConfig) -> tuple[bytes, int, int]:
         except Exception as e:  # noqa: BLE001 - PIL raises many types for damaged data
             raise IngestError("corrupt", f"{type(e).__name__}: {e}") from None
     try:
-        return _finish(im, _EXIF_TRANSPOSE.get(orientation), cfg, encoder), ow, oh
+        target = _decoded_target(ow, oh, 1, cfg)
+        if orientation in (5, 6, 7, 8):
+            target = target[::-1]
+        return _finish(im, _EXIF_TRANSPOSE.get(orientation), cfg, encoder, target), ow, oh
     except Exception as e:  # noqa: BLE001 - lazily-decoded frames can still fail here
         raise IngestError("corrupt", f"{type(e).__name__}: {e}") from None
 

@@ -30,6 +30,7 @@ from flowmatch_assets.ingest.images import (
     is_retryable,
 )
 from flowmatch_assets.ingest.metadata import FilterConfig, size_reason
+from flowmatch_models.buckets import kept_fraction
 from flowmatch_models.layout import DataLayout
 
 
@@ -74,6 +75,17 @@ class ImageShard:
     previous: dict = field(default_factory=dict)  # a retry: the shard's previous record
 
     @property
+    def buckets(self) -> dict[str, int]:
+        """Stored rows per size (``"224x288"``), most common first."""
+        c = Counter(f"{r['height']}x{r['width']}" for r in self.stored)
+        return dict(c.most_common())
+
+    @property
+    def kept_mean(self) -> float:
+        """The mean share of the originals' area the stored crops keep."""
+        return sum(r["kept"] for r in self.stored) / len(self.stored) if self.stored else 0.0
+
+    @property
     def failed(self) -> dict[str, int]:
         return dict(Counter(o.reason for o in self.outcomes if o.outcome == "failed"))
 
@@ -115,23 +127,44 @@ def _retry_rows(
     return want, before
 
 
-def _shard_rows(results: list[IngestResult], rows: list[dict], fmt: str) -> dict[str, dict]:
-    """The images_256 rows of the stored results, by id (caption from the metadata row)."""
+def _shard_rows(
+    results: list[IngestResult], rows: list[dict], ingest: IngestConfig
+) -> dict[str, dict]:
+    """The images_256 rows of the stored results, by id (caption from the metadata row; the
+    stored size is the row's bucket, ``kept`` the share of the original the crop kept)."""
     caption = {r["id"]: r["caption"] for r in rows}
-    return {
-        r.id: {
+    out = {}
+    for r in results:
+        if r.outcome != "stored":
+            continue
+        h, w = ingest.bucket_of(r.orig_width, r.orig_height)
+        out[r.id] = {
             "id": r.id,
             "caption": caption[r.id],
             "image": r.image,
-            "format": fmt,
+            "format": ingest.image_format,
             "orig_width": r.orig_width,
             "orig_height": r.orig_height,
             "md5": r.md5,
             "url": r.url,
+            "height": h,
+            "width": w,
+            "kept": kept_fraction(r.orig_width, r.orig_height, (h, w)),
         }
-        for r in results
-        if r.outcome == "stored"
-    }
+    return out
+
+
+def read_image_rows(shard: Path, size: int) -> list[dict]:
+    """Every row of an existing images_256 shard, with the columns of today's schema (a shard
+    from before aspect-ratio buckets holds size x size squares: its rows get that size)."""
+    rows = pq.read_table(shard).to_pylist()
+    for r in rows:
+        if r.get("height") is None:
+            r["height"] = r["width"] = size
+            r["kept"] = min(r["orig_width"], r["orig_height"]) / max(
+                r["orig_width"], r["orig_height"]
+            )
+    return rows
 
 
 def _drop_content_duplicates(
@@ -205,10 +238,10 @@ def make_image_shard(
     else:
         results = ingest_blobs(fetch, read(fetch), ingest, progress=progress)
     _decoded_size_filter(results, fetch, filters)
-    new = _shard_rows(results, rows, ingest.image_format)
+    new = _shard_rows(results, rows, ingest)
     outcomes = {r.id: RowOutcome(r.id, r.url, r.outcome, r.reason, r.detail) for r in results}
     if retry:
-        kept = {r["id"]: r for r in pq.read_table(shard).to_pylist()}
+        kept = {r["id"]: r for r in read_image_rows(shard, ingest.size)}
         merged = {**kept, **new}
         stored = [merged[r["id"]] for r in rows if r["id"] in merged]  # metadata order
         for i, o in before.items():

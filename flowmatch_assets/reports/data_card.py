@@ -11,6 +11,10 @@ for the whole dataset (``scope = 'dataset'``), one row per (section, item):
     outcome         stored, filtered:<reason>, failed:<reason> (share of input rows)
     license, source the mix of the stored rows
     aspect          long/short side of the stored originals, in buckets
+    bucket          the size each stored image was cut to (``256x256``, or its aspect-ratio
+                    bucket with ``ingest.buckets: aspect``)
+    kept            the share of each stored original's area its crop kept: p10 / p50 / p90 /
+                    mean / max (square crops of a 3:2 photo keep 0.67)
     caption_chars, caption_tokens, orig_long_side, orig_short_side   p10 / p50 / p90 / mean / max
     text            captions_over_max_tokens (cut short by the text embeddings: share of the
                     tokenized stored rows), fp16_saturated_values (hidden-state values clamped)
@@ -27,11 +31,11 @@ from collections.abc import Callable
 from urllib.parse import urlparse
 
 import numpy as np
-import pyarrow.parquet as pq
 from PIL import Image
 
 from flowmatch_assets.catalog import CARD_SECTIONS, Catalog, format_table
 from flowmatch_assets.ingest.metadata import ids_as_strings, read_metadata_shard
+from flowmatch_models.image_shard import read_image_meta
 from flowmatch_models.layout import DataLayout
 
 DATASET = "dataset"
@@ -45,17 +49,17 @@ def card_rows(
     token_counts: Callable[[list[str]], np.ndarray] | None,
     max_tokens: int,
     rows: list[dict] | None = None,
+    image_size: int = 256,
 ) -> list[dict]:
     """One record per input row of ``partition`` (every row of its metadata shard; ``rows``:
     a source's listed rows and failures instead, flowmatch_assets/ingest/sources)."""
     if rows is None:
         table, _ = read_metadata_shard(metadata_source, partition, shard_size)
         rows = ids_as_strings(table).to_pylist()
-    decoded: dict[str, tuple[int, int]] = {}
+    decoded: dict[str, dict] = {}
     shard = layout.asset_path("images_256", partition)
     if shard.exists():
-        t = pq.read_table(shard, columns=["id", "orig_width", "orig_height"]).to_pylist()
-        decoded = {r["id"]: (r["orig_width"], r["orig_height"]) for r in t}
+        decoded = {r["id"]: r for r in read_image_meta(shard, image_size).to_pylist()}
     captions = [r.get("caption") or "" for r in rows]
     tokens = token_counts(captions) if token_counts and rows else None
     return [
@@ -66,8 +70,10 @@ def card_rows(
             "max_tokens": max_tokens,
             "width": r.get("width"),
             "height": r.get("height"),
-            "orig_width": decoded.get(r["id"], (None, None))[0],
-            "orig_height": decoded.get(r["id"], (None, None))[1],
+            "orig_width": decoded.get(r["id"], {}).get("orig_width"),
+            "orig_height": decoded.get(r["id"], {}).get("orig_height"),
+            "bucket": f"{d['height']}x{d['width']}" if (d := decoded.get(r["id"])) else None,
+            "kept": decoded.get(r["id"], {}).get("kept"),
             "license": r.get("license"),
             "source": r.get("source") or urlparse(r.get("url") or "").hostname,
         }
@@ -102,19 +108,27 @@ def _values(cat: Catalog, scope: str) -> dict[str, np.ndarray]:
     rows = cat.query(
         f"""SELECT caption_chars, caption_tokens, max_tokens,
                    greatest(orig_width, orig_height) AS long_side,
-                   greatest(orig_width, orig_height) / least(orig_width, orig_height) AS aspect
+                   greatest(orig_width, orig_height) / least(orig_width, orig_height) AS aspect,
+                   kept
             FROM data_card_rows WHERE outcome = 'stored' {where}""",
         [] if scope == DATASET else [scope],
     )
     return {
         k: np.array([r[k] for r in rows if r[k] is not None], dtype=float)
-        for k in ("caption_chars", "caption_tokens", "max_tokens", "long_side", "aspect")
+        for k in ("caption_chars", "caption_tokens", "max_tokens", "long_side", "aspect", "kept")
     }
+
+
+def _bucket_order(item: str) -> float:
+    """Buckets from the widest to the tallest (height / width)."""
+    h, _, w = item.partition("x")
+    return int(h) / int(w) if h.isdigit() and w.isdigit() else float("inf")
 
 
 def render(cat: Catalog, scope: str = DATASET) -> Image.Image:
     """The card as one picture: caption length (chars, tokens), original size and aspect,
-    license/source mix and outcomes by reason."""
+    license/source mix, outcomes by reason, the stored sizes (buckets) and how much of each
+    original the crop kept."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -123,12 +137,13 @@ def render(cat: Catalog, scope: str = DATASET) -> Image.Image:
     rows = card(cat, scope)
     v = _values(cat, scope)
     get = {(r["section"], r["item"]): r for r in rows}
-    fig, ax = plt.subplots(2, 3, figsize=(13, 7.5))
+    fig, ax = plt.subplots(2, 4, figsize=(17, 7.5))
     hist = (
         (ax[0, 0], "caption_chars", "caption length (characters)"),
         (ax[0, 1], "caption_tokens", "caption length (tokens, before truncation)"),
         (ax[1, 0], "long_side", "original long side (px)"),
         (ax[1, 1], "aspect", "original aspect (long / short)"),
+        (ax[1, 3], "kept", "share of the original the crop kept"),
     )
     for a, key, title in hist:
         if len(v[key]):
@@ -149,7 +164,13 @@ def render(cat: Catalog, scope: str = DATASET) -> Image.Image:
     ax[1, 2].barh([r["item"] for r in out], [r["share"] for r in out], color="#8172b2")
     ax[1, 2].set_title("outcome by reason (share of input rows)", fontsize=10)
     ax[1, 2].invert_yaxis()
-    for a in (ax[0, 2], ax[1, 2]):
+    bk = sorted(
+        (r for r in rows if r["section"] == "bucket"), key=lambda r: _bucket_order(r["item"])
+    )
+    ax[0, 3].barh([r["item"] for r in bk], [r["share"] or 0 for r in bk], color="#dd8452")
+    ax[0, 3].set_title("stored size, height x width (share of stored)", fontsize=10)
+    ax[0, 3].invert_yaxis()
+    for a in (ax[0, 2], ax[1, 2], ax[0, 3]):
         a.tick_params(axis="y", labelsize=7)
 
     def n(section: str, item: str) -> int:

@@ -1,0 +1,210 @@
+"""Aspect-ratio buckets (issue 21, first part): the bucket table, images_256 cutting each image
+to its nearest bucket with the smallest crop, the stored size and kept share per row, the data
+card's bucket and crop panels, and the fingerprint: in a real Dagster instance and DuckDB file
+on the embedded sample (whose originals are 1:1 to 3:1, landscape and portrait)."""
+
+from __future__ import annotations
+
+import io
+import math
+import random
+from collections import Counter
+
+import dagster as dg
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from flowmatch_assets.catalog import Catalog
+from flowmatch_assets.defs.definitions import all_assets_and_checks, resources_for
+from flowmatch_assets.defs.partitions import register_partitions
+from flowmatch_assets.defs.resources import FlowmatchResource
+from flowmatch_assets.freshness.fingerprints import staleness
+from flowmatch_assets.ingest.images import IngestConfig, process_image
+from flowmatch_models.buckets import buckets_for, kept_fraction, label, nearest
+from flowmatch_models.embeddings import EncoderSpec
+from flowmatch_models.image_shard import read_image_meta
+from tests.conftest import make_resource
+
+
+def test_the_bucket_table_is_the_32_pixel_grid_at_the_256_pixel_budget():
+    b = buckets_for(256)
+    assert [label(x) for x in b] == [
+        "192x384", "192x352", "192x320", "224x320", "224x288", "224x256", "256x256",
+        "256x224", "288x224", "320x224", "320x192", "352x192", "384x192",
+    ]  # fmt: skip
+    for h, w in b:
+        assert h % 32 == 0 and w % 32 == 0
+        assert abs(h * w / 65536 - 1) <= 0.125
+        assert 0.5 <= h / w <= 2
+        assert (w, h) in b  # portrait and landscape alike
+    tokens = [(h // 32) * (w // 32) for h, w in b]
+    assert min(tokens) == 56 and max(tokens) == 72 and 62 <= np.mean(tokens) <= 66
+    # the nearest bucket is the one whose crop keeps the most (brute force over every bucket)
+    rng = random.Random(0)
+    for _ in range(2000):
+        w, h = rng.randint(64, 6000), rng.randint(64, 6000)
+        best = max(kept_fraction(w, h, x) for x in b)
+        assert kept_fraction(w, h, nearest(w, h, b)) == pytest.approx(best, abs=1e-12)
+    assert nearest(1000, 1000, b) == (256, 256) and kept_fraction(1000, 1000, (256, 256)) == 1
+    assert nearest(3000, 1000, b) == (192, 384)  # 3:1 -> the widest, keeping 2/3
+    assert kept_fraction(3000, 1000, (192, 384)) == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="not a multiple of the 32-pixel grid"):
+        buckets_for(250)
+
+
+def _jpeg(a: np.ndarray, orientation: int | None = None, fmt: str = "JPEG") -> bytes:
+    buf = io.BytesIO()
+    im = Image.fromarray(a)
+    if orientation:
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        im.save(buf, fmt, exif=exif, quality=95)
+    else:
+        im.save(buf, fmt, **({"quality": 95} if fmt == "JPEG" else {}))
+    return buf.getvalue()
+
+
+def _red(o: np.ndarray) -> np.ndarray:
+    return (o[..., 0] > 200) & (o[..., 1] < 80) & (o[..., 2] < 80)
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG"])  # the simplejpeg and the Pillow paths
+def test_a_3_by_2_photo_keeps_what_is_at_its_sides(fmt):
+    """A red mark at the left edge of a 1500x1000 picture: the centre square cuts it away,
+    the 224x320 bucket keeps it, on the left, and the grey stays grey."""
+    a = np.full((1000, 1500, 3), 128, np.uint8)
+    a[450:550, 20:120] = (255, 0, 0)
+    sq, w, h = process_image(_jpeg(a, fmt=fmt), IngestConfig())
+    out, _, _ = process_image(_jpeg(a, fmt=fmt), IngestConfig(buckets="aspect"))
+    sq, out = (np.asarray(Image.open(io.BytesIO(x)).convert("RGB")) for x in (sq, out))
+    assert (w, h) == (1500, 1000) and sq.shape == (256, 256, 3) and out.shape == (224, 320, 3)
+    assert _red(sq).sum() == 0
+    cols = np.where(_red(out).any(0))[0]
+    # 1500x1000 covers 320x224 at 320/1500 = 0.2133 (height 213.3 < 224: scale by 224/1000
+    # = 0.224, width 336, 8 px cut each side): the mark at x 20-120 lands at x ~-4 to ~19
+    assert cols.min() == 0 and 15 <= cols.max() <= 21, cols
+    rows = np.where(_red(out).any(1))[0]
+    assert abs((rows.min() + rows.max()) / 2 - 112) <= 2  # vertically centred
+    grey = out[150:, 100:]
+    assert np.abs(grey.astype(int) - 128).max() <= 6
+
+
+def test_exif_rotation_picks_the_bucket_of_the_picture_as_shown():
+    """A landscape JPEG whose EXIF says "rotate 90": the picture is portrait, so its bucket is
+    320x224 (tall), and the mark at the raw image's left edge is at the top after rotation."""
+    a = np.full((1000, 1500, 3), 128, np.uint8)
+    a[450:550, 20:120] = (255, 0, 0)
+    out, w, h = process_image(_jpeg(a, orientation=6), IngestConfig(buckets="aspect"))
+    o = np.asarray(Image.open(io.BytesIO(out)))
+    assert (w, h) == (1000, 1500) and o.shape == (320, 224, 3)
+    rows = np.where(_red(o).any(1))[0]
+    assert rows.min() == 0 and rows.max() <= 21  # orientation 6: the left edge goes on top
+    want = np.asarray(Image.fromarray(a).transpose(Image.Transpose.ROTATE_270))
+    assert want.shape[:2] == (1500, 1000)
+
+
+def test_aspect_buckets_through_images_256_and_the_data_card(tmp_path, small_sample, zoo):
+    """The sample's partition (originals 1:1 to 3:1, both orientations) with ingest.buckets:
+    aspect: every stored row is at its original's nearest bucket and decodes to that size, the
+    row's kept share is the crop's, the check passes, the catalog's data card counts the
+    buckets and the kept shares as the shard has them; switching back to squares makes the
+    shard stale, naming the setting; the image embeddings refuse the mixed shard in one line."""
+    data = tmp_path / "data"
+    enc = EncoderSpec(**zoo, batch_size=8)
+    aspect = FlowmatchResource(
+        data_root=str(data),
+        metadata_source=small_sample["metadata"],
+        shard_size=10_000,
+        ingest=IngestConfig(file_root=small_sample["dest"], threads=4, buckets="aspect"),
+        encoders=enc,
+    )
+    key = "000-00"
+    with dg.instance_for_test() as instance:
+        register_partitions(instance, aspect)
+        result = dg.materialize(
+            all_assets_and_checks(),
+            selection=["pd12m_metadata", "images_256", "data_card"],
+            partition_key=key,
+            instance=instance,
+            resources=resources_for(aspect),
+        )
+        assert result.success
+        checks = {
+            e.check_name: e.passed for e in result.get_asset_check_evaluations()
+        }  # the size check reads every stored size
+        assert checks["images_256_complete"] is True
+        md = result.asset_materializations_for_node("images_256")[0].metadata
+
+        shard = data / "images_256" / f"{key}.parquet"
+        rows = pq.read_table(shard).to_pylist()
+        assert len(rows) >= 5
+        table = buckets_for(256)
+        for r in rows:
+            want = nearest(r["orig_width"], r["orig_height"], table)
+            assert (r["height"], r["width"]) == want, r["id"]
+            im = Image.open(io.BytesIO(r["image"]))
+            assert im.size == (want[1], want[0])
+            assert r["kept"] == pytest.approx(
+                kept_fraction(r["orig_width"], r["orig_height"], want)
+            )
+            assert r["kept"] >= kept_fraction(r["orig_width"], r["orig_height"], (256, 256)) - 1e-6
+        sizes = Counter(f"{r['height']}x{r['width']}" for r in rows)
+        assert len(sizes) >= 2, sizes  # the sample is mixed: this test means something
+        assert md["buckets"].value == dict(sizes)
+        assert md["kept_mean"].value == pytest.approx(np.mean([r["kept"] for r in rows]), abs=1e-4)
+
+        cat = Catalog(data)
+        card = cat.query("SELECT section, item, value, share FROM data_card WHERE scope = ?", [key])
+        got = {r["item"]: int(r["value"]) for r in card if r["section"] == "bucket"}
+        assert got == dict(sizes)
+        share = sum(r["share"] for r in card if r["section"] == "bucket")
+        assert share == pytest.approx(1.0)
+        kept = {r["item"]: r["value"] for r in card if r["section"] == "kept"}
+        assert kept["mean"] == pytest.approx(np.mean([r["kept"] for r in rows]), abs=1e-6)
+        assert kept["max"] == pytest.approx(max(r["kept"] for r in rows), abs=1e-6)
+
+        # the square mode's fingerprint is the one from before buckets: switching back makes
+        # this shard stale, and the reason names the buckets
+        square = make_resource(data, small_sample, encoders=enc)
+        (s,) = [x for x in staleness(square, [key], ["images_256"])]
+        assert s.asset == "images_256" and "buckets" in str(s.reason)
+        assert staleness(aspect, [key], ["images_256"]) == []
+
+        bad = dg.materialize(
+            all_assets_and_checks(),
+            selection=["vae_latents"],
+            partition_key=key,
+            instance=instance,
+            resources=resources_for(aspect),
+            raise_on_error=False,
+        )
+        assert not bad.success
+        text = str(bad.get_step_failure_events()[0].event_specific_data.error)
+        assert "aspect-ratio buckets" in text and "ingest.buckets: square" in text
+
+
+def test_shards_from_before_buckets_read_as_squares(tmp_path):
+    """An images_256 shard written before the size columns: its rows read as size x size
+    squares with kept = short side / long side."""
+    import pyarrow as pa
+
+    p = tmp_path / "old.parquet"
+    pq.write_table(
+        pa.table(
+            {
+                "id": ["a", "b"], "caption": ["x", "y"], "image": [b"", b""],
+                "format": ["jpeg"] * 2, "orig_width": [1500, 800], "orig_height": [1000, 800],
+                "md5": ["0", "1"], "url": ["u", "v"],
+            },
+            schema=pa.schema([(f.name, f.type) for f in
+                              __import__("flowmatch_models.image_shard").image_shard.IMAGE_SHARD_SCHEMA
+                              if f.name not in ("height", "width", "kept")]),
+        ),
+        p,
+    )  # fmt: skip
+    t = read_image_meta(p, 256).to_pylist()
+    assert [(r["height"], r["width"]) for r in t] == [(256, 256), (256, 256)]
+    assert [r["kept"] for r in t] == pytest.approx([2 / 3, 1.0])
+    assert math.isclose(t[0]["kept"], 1000 / 1500, rel_tol=1e-6)
