@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from flowmatch_models.atomic import atomic_write_text
+from flowmatch_models.buckets import GRID, buckets_for
 from flowmatch_models.export_format import META_FILE, NULL_FILE
 
 
@@ -61,6 +62,9 @@ def write_transformer(
         "timestep_scale": "t in [0, 1] x 1000",
         "text_width": int(ema.config.caption_channels),  # the caption states it was trained on
         "flow_shift": float(shift),
+        # (height, width) in pixels at the model's budget for SanaPipeline(height=, width=,
+        # use_resolution_binning=False): its own bins stop at 512 px (flowmatch_models/buckets.py)
+        "buckets": [[h, w] for h, w in buckets_for(int(ema.config.sample_size) * GRID)],
     }
     if parent:
         meta["parent"] = parent

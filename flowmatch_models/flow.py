@@ -131,10 +131,14 @@ class FlowMatching:
         cfg_scale: float = 4.0,
         generator: torch.Generator | None = None,
         noise: torch.Tensor | None = None,
+        latent_size: tuple[int, int] | None = None,
     ) -> torch.Tensor:
-        """Scaled latents ``[B, 32, 8, 8]`` for captions ``text [B, L, D]`` (see :func:`sample`)."""
+        """Scaled latents ``[B, 32, h, w]`` (default the model's square, 8 x 8) for captions
+        ``text [B, L, D]`` (see :func:`sample`)."""
         null = null_caption(text.shape[0], text.shape[-1], text.device, self.null_text)
-        return sample(model, text, mask, null, steps, cfg_scale, generator, noise, self.shift)
+        return sample(
+            model, text, mask, null, steps, cfg_scale, generator, noise, self.shift, latent_size
+        )
 
 
 @torch.no_grad()
@@ -148,6 +152,7 @@ def sample(
     generator: torch.Generator | None = None,
     noise: torch.Tensor | None = None,
     shift: float = 1.0,
+    latent_size: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Euler integration of ``dx/dt = v`` from ``t = 1`` to ``0`` with classifier-free guidance.
 
@@ -155,11 +160,15 @@ def sample(
     encoded empty prompt the model was trained with); default one all-zero token.
     ``cfg_scale = 1`` disables guidance (one forward per step). ``shift`` spaces the time grid
     like training (SD3 shift); the grid is :func:`sampling_sigmas`, the exported pipeline's
-    scheduler's, so this sampler and ``SanaPipeline`` take the same steps. Returns scaled latents.
+    scheduler's, so this sampler and ``SanaPipeline`` take the same steps. ``latent_size``
+    ``(h, w)``: the latent grid to draw (an aspect-ratio bucket's, e.g. 7 x 10 for 224 x 320
+    pixels; the sin-cos PE and the Mix-FFN take any grid); default the model's square. Returns
+    scaled latents.
     """
     b, device = cond.shape[0], cond.device
     cfg = model.transformer.config if isinstance(model, FlowDiT) else model.config
-    shape = (b, cfg.in_channels, cfg.sample_size, cfg.sample_size)
+    lh, lw = latent_size or (cfg.sample_size, cfg.sample_size)
+    shape = (b, cfg.in_channels, lh, lw)
     x = noise if noise is not None else torch.randn(shape, generator=generator, device=device)
     x = x.to(device=device, dtype=cond.dtype)
     if cfg_scale != 1.0:

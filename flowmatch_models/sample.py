@@ -3,6 +3,7 @@
     python -m flowmatch_models.sample --model runs/x/pipeline --text-encoder TEXT \\
         --vae VAE --prompts "a red car" "a cat" --out grid.png
     python -m flowmatch_models.sample --checkpoint runs/x/checkpoints/last.ckpt ...
+    python -m flowmatch_models.sample ... --height 224 --width 320    # a wide bucket
 
 Without ``--vae`` the grid shows the latents themselves (channels 0-2, per-image normalised).
 """
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 from diffusers import SanaTransformer2DModel
 
+from flowmatch_models.buckets import GRID, buckets_for, label
 from flowmatch_models.dit import fold_text_norm, transformer_config
 from flowmatch_models.export_format import META_FILE, NULL_FILE
 from flowmatch_models.flow import null_caption, sample
@@ -96,6 +98,19 @@ def latents_to_images(latents: torch.Tensor, scaling_factor: float, vae=None) ->
     return z.permute(0, 2, 3, 1).repeat_interleave(16, 1).repeat_interleave(16, 2).numpy()
 
 
+def latent_grid(size: tuple[int, int] | None) -> tuple[int, int] | None:
+    """``(height, width)`` in pixels -> the DC-AE f32 latent grid; ValueError off the 32 grid."""
+    if size is None:
+        return None
+    h, w = (int(v) for v in size)
+    if h % GRID or w % GRID or h <= 0 or w <= 0:
+        raise ValueError(
+            f"image size {h}x{w}: height and width must be positive multiples of {GRID} "
+            f"(one latent cell); the buckets at 256 px: {', '.join(map(label, buckets_for(256)))}"
+        )
+    return h // GRID, w // GRID
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -108,9 +123,12 @@ def generate(
     seed: int = 0,
     shift: float = 1.0,
     null_text: torch.Tensor | None = None,
+    size: tuple[int, int] | None = None,
 ) -> np.ndarray:
     """One uint8 image ``[N, H, W, 3]`` per caption embedding: Euler/CFG from seeded noise,
-    decoded by ``vae`` (latent channels 0-2 without one).
+    decoded by ``vae`` (latent channels 0-2 without one). ``size``: ``(height, width)`` in
+    pixels, multiples of 32 (an aspect-ratio bucket, flowmatch_models/buckets.py); default the
+    model's square (256 x 256).
 
     ``null_text [L0, D]`` is the unconditional caption for CFG (the encoded empty prompt the
     model was trained with; see :func:`flowmatch_models.flow.null_caption`)."""
@@ -128,6 +146,7 @@ def generate(
         cfg_scale=cfg_scale,
         generator=gen,
         shift=shift,
+        latent_size=latent_grid(size),
     )
     model.train(was_training)
     return latents_to_images(z.cpu(), scaling_factor, vae)
@@ -146,10 +165,11 @@ def sample_grid(
     shift: float = 1.0,
     labels: Sequence[str] | None = None,
     null_text: torch.Tensor | None = None,
+    size: tuple[int, int] | None = None,
 ) -> Path:
     """:func:`generate` one image per caption and save the grid PNG atomically; returns ``out``."""
     images = generate(
-        model, text, mask, scaling_factor, vae, steps, cfg_scale, seed, shift, null_text
+        model, text, mask, scaling_factor, vae, steps, cfg_scale, seed, shift, null_text, size
     )
     return save_png(make_grid(list(images), cell=128), out)
 
@@ -168,9 +188,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--cfg-scale", type=float, default=4.0)
     ap.add_argument("--shift", type=float, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--height", type=int, default=None, help="pixels, a multiple of 32")
+    ap.add_argument("--width", type=int, default=None, help="pixels, a multiple of 32")
     ap.add_argument("--out", default="grid.png")
     args = ap.parse_args(argv)
     model, meta = load_model(args.checkpoint, args.model)
+    size = None
+    if args.height or args.width:
+        side = model.config.sample_size * GRID  # the model's square (256 px)
+        size = (args.height or side, args.width or side)
+        try:
+            latent_grid(size)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
     sf = args.scaling_factor or meta.get("scaling_factor")
     if sf is None:
         raise SystemExit("no scaling factor in the model metadata; pass --scaling-factor")
@@ -190,6 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         shift,
         labels,
         meta.get("null_text"),
+        size,
     )
     print(out)
     return 0

@@ -208,3 +208,11 @@ def test_shards_from_before_buckets_read_as_squares(tmp_path):
     assert [(r["height"], r["width"]) for r in t] == [(256, 256), (256, 256)]
     assert [r["kept"] for r in t] == pytest.approx([2 / 3, 1.0])
     assert math.isclose(t[0]["kept"], 1000 / 1500, rel_tol=1e-6)
+
+
+def test_sampling_sizes_are_whole_latent_grids():
+    from flowmatch_models.sample import latent_grid
+
+    assert latent_grid((224, 320)) == (7, 10) and latent_grid(None) is None
+    with pytest.raises(ValueError, match="multiples of 32.*192x384"):
+        latent_grid((250, 256))

@@ -291,15 +291,19 @@ def _pipeline_matches_sampler(pipeline: Path, tmp_path: Path, zoo: dict) -> None
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
                           capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    theirs = np.asarray(Image.open(tmp_path / "red_circle.png").convert("RGB")).astype(int)
 
     torch.set_num_threads(1)
     model, meta = load_model(model_dir=pipeline)
+    assert [224, 320] in meta["buckets"] and [256, 256] in meta["buckets"]
     text, mask, _ = prompt_embeddings([prompt], zoo["text"])
-    ours = generate(
-        model, text, mask, meta["scaling_factor"], load_vae(zoo["vae"]), steps=20,
-        cfg_scale=4.5, seed=0, shift=meta["flow_shift"], null_text=meta["null_text"],
-    )[0].astype(int)  # fmt: skip
-    diff = np.abs(ours - theirs)
-    assert ours.shape == theirs.shape == (256, 256, 3) and ours.std() > 5
-    assert diff.mean() <= 1.0 and diff.max() <= 1, (diff.mean(), diff.max())
+    # the square, and a wide aspect-ratio bucket (README's second line)
+    for png, size in (("red_circle.png", (256, 256)), ("red_circle_wide.png", (224, 320))):
+        theirs = np.asarray(Image.open(tmp_path / png).convert("RGB")).astype(int)
+        ours = generate(
+            model, text, mask, meta["scaling_factor"], load_vae(zoo["vae"]), steps=20,
+            cfg_scale=4.5, seed=0, shift=meta["flow_shift"], null_text=meta["null_text"],
+            size=size,
+        )[0].astype(int)  # fmt: skip
+        diff = np.abs(ours - theirs)
+        assert ours.shape == theirs.shape == (*size, 3) and ours.std() > 5
+        assert diff.mean() <= 1.0 and diff.max() <= 1, (png, diff.mean(), diff.max())
