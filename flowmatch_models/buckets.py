@@ -20,6 +20,7 @@ the original's area the crop keeps (square mode: short side / long side).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -28,9 +29,10 @@ Bucket = tuple[int, int]  # (height, width) in pixels
 GRID = 32
 
 
+@functools.lru_cache(maxsize=16)
 def buckets_for(
     size: int = 256, grid: int = GRID, max_ratio: float = 2.0, area_tolerance: float = 0.125
-) -> list[Bucket]:
+) -> tuple[Bucket, ...]:
     """Every ``(height, width)`` on the ``grid`` with ``|h*w / size^2 - 1| <= area_tolerance``
     and ``1/max_ratio <= h/w <= max_ratio``, by height/width ratio (widest first). ``size``
     itself must be on the grid (the square is always a bucket)."""
@@ -51,7 +53,7 @@ def buckets_for(
     for b in found:
         if all(abs(math.log((b[0] / b[1]) / (o[0] / o[1]))) > 0.02 for o in out):
             out.append(b)
-    return sorted(out, key=lambda b: b[0] / b[1])
+    return tuple(sorted(out, key=lambda b: b[0] / b[1]))
 
 
 def square(size: int = 256) -> list[Bucket]:

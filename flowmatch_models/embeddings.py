@@ -338,6 +338,19 @@ class Encoded:
     seconds: float
 
 
+def _one_square_size(images_path, meta) -> None:
+    """The image kinds store one fixed grid per shard (8 x 8 latents at 256 px): a shard of
+    aspect-ratio buckets (ingest.buckets: aspect) is refused before any encoding, in one line."""
+    sizes = sorted(set(zip(meta.column("height").to_pylist(), meta.column("width").to_pylist())))
+    if len(sizes) > 1 or any(h != w for h, w in sizes):
+        raise ValueError(
+            f"{Path(images_path).name} holds images of {', '.join(f'{h}x{w}' for h, w in sizes)}: "
+            "aspect-ratio buckets (ingest.buckets: aspect) reach images_256 and the data card so "
+            "far; the embeddings per bucket are not built yet. Use ingest.buckets: square to "
+            "compute embeddings."
+        )
+
+
 def encode_partition(
     images_path: str | Path,
     kinds: Sequence[EmbeddingKind],
@@ -358,6 +371,8 @@ def encode_partition(
 
     meta = read_image_meta(images_path)
     n = meta.num_rows
+    if any(k.role.input == "images" for k in kinds):
+        _one_square_size(images_path, meta)
     encs = {k.name: Encoders(spec.for_kind(k).model_copy(update={"device": device})) for k in kinds}
     parts: dict[str, dict[str, list[np.ndarray]]] = {k.name: {} for k in kinds}
     secs = dict.fromkeys(parts, 0.0)

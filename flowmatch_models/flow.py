@@ -169,6 +169,8 @@ def sample(
     cfg = model.transformer.config if isinstance(model, FlowDiT) else model.config
     lh, lw = latent_size or (cfg.sample_size, cfg.sample_size)
     shape = (b, cfg.in_channels, lh, lw)
+    if noise is not None and latent_size is not None and tuple(noise.shape[-2:]) != (lh, lw):
+        raise ValueError(f"noise of grid {tuple(noise.shape[-2:])} for latent_size {(lh, lw)}")
     x = noise if noise is not None else torch.randn(shape, generator=generator, device=device)
     x = x.to(device=device, dtype=cond.dtype)
     if cfg_scale != 1.0:

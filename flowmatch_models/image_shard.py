@@ -83,12 +83,14 @@ def iter_image_batches(
 ) -> Iterator[tuple[list[str], list[str], np.ndarray]]:
     """Sequentially yield ``(ids, captions, images uint8 [B, H, W, 3])`` batches of a shard
     whose images are all one size (a square shard). A shard with several aspect-ratio buckets
-    raises ``ValueError`` naming them (its images cannot be stacked into one array)."""
+    raises ``ValueError`` naming them, at the first batch of a second size."""
     pf = pq.ParquetFile(path)
+    seen: set[tuple[int, ...]] = set()
     for batch in pf.iter_batches(batch_size=batch_size, columns=["id", "caption", "image"]):
         d = batch.to_pydict()
         imgs = [decode(b) for b in d["image"]]
-        sizes = sorted({im.shape[:2] for im in imgs})
+        seen |= {im.shape[:2] for im in imgs}
+        sizes = sorted(seen)
         if len(sizes) > 1:
             raise ValueError(
                 f"{Path(path).name} holds images of {len(sizes)} sizes "

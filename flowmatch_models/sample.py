@@ -194,9 +194,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     model, meta = load_model(args.checkpoint, args.model)
     size = None
-    if args.height or args.width:
+    if args.height is not None or args.width is not None:
         side = model.config.sample_size * GRID  # the model's square (256 px)
-        size = (args.height or side, args.width or side)
+        size = (
+            side if args.height is None else args.height,
+            side if args.width is None else args.width,
+        )
         try:
             latent_grid(size)
         except ValueError as e:

@@ -91,18 +91,50 @@ def test_a_3_by_2_photo_keeps_what_is_at_its_sides(fmt):
     assert np.abs(grey.astype(int) - 128).max() <= 6
 
 
-def test_exif_rotation_picks_the_bucket_of_the_picture_as_shown():
-    """A landscape JPEG whose EXIF says "rotate 90": the picture is portrait, so its bucket is
-    320x224 (tall), and the mark at the raw image's left edge is at the top after rotation."""
+_SHOWN = {  # EXIF orientation -> what a viewer does to the stored pixels
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+
+
+@pytest.mark.parametrize("path", ["simplejpeg", "pillow"])
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_every_exif_orientation_is_cut_like_the_picture_as_shown(orientation, path, monkeypatch):
+    """A 1500x1000 JPEG with a mark off centre (upper left) under each EXIF orientation, on the
+    libjpeg-turbo path and on Pillow's: the output equals the reference (turn the full picture
+    as a viewer shows it, pick its nearest bucket, resize to cover, crop the centre) within JPEG
+    noise, and the mark is where the reference has it."""
+    import flowmatch_assets.ingest.images as images
+
+    if path == "pillow":
+        monkeypatch.setattr(images, "simplejpeg", None)
     a = np.full((1000, 1500, 3), 128, np.uint8)
-    a[450:550, 20:120] = (255, 0, 0)
-    out, w, h = process_image(_jpeg(a, orientation=6), IngestConfig(buckets="aspect"))
-    o = np.asarray(Image.open(io.BytesIO(out)))
-    assert (w, h) == (1000, 1500) and o.shape == (320, 224, 3)
-    rows = np.where(_red(o).any(1))[0]
-    assert rows.min() == 0 and rows.max() <= 21  # orientation 6: the left edge goes on top
-    want = np.asarray(Image.fromarray(a).transpose(Image.Transpose.ROTATE_270))
-    assert want.shape[:2] == (1500, 1000)
+    a[150:350, 200:450] = (255, 0, 0)
+    out, w, h = process_image(_jpeg(a, orientation), IngestConfig(buckets="aspect"))
+    got = np.asarray(Image.open(io.BytesIO(out)).convert("RGB"))
+
+    shown = Image.fromarray(a)
+    if orientation in _SHOWN:
+        shown = shown.transpose(_SHOWN[orientation])
+    W, H = shown.size
+    assert (w, h) == (W, H)
+    bh, bw = nearest(W, H, buckets_for(256))
+    scale = max(bw / W, bh / H)
+    rw, rh = round(W * scale), round(H * scale)
+    big = shown.resize((rw, rh), Image.Resampling.LANCZOS)
+    left, top = (rw - bw) // 2, (rh - bh) // 2
+    want = np.asarray(big.crop((left, top, left + bw, top + bh)))
+    assert got.shape == want.shape == (bh, bw, 3)
+    err = np.abs(got.astype(int) - want.astype(int)).mean()
+    assert err < 2.5, err
+    g, r = _red(got), _red(want)
+    assert r.sum() > 1000  # the mark is in the crop: the comparison means something
+    assert (g & r).sum() >= 0.9 * r.sum() and (g & ~r).sum() <= 0.1 * r.sum()
 
 
 def test_aspect_buckets_through_images_256_and_the_data_card(tmp_path, small_sample, zoo):
@@ -146,9 +178,11 @@ def test_aspect_buckets_through_images_256_and_the_data_card(tmp_path, small_sam
             assert (r["height"], r["width"]) == want, r["id"]
             im = Image.open(io.BytesIO(r["image"]))
             assert im.size == (want[1], want[0])
-            assert r["kept"] == pytest.approx(
-                kept_fraction(r["orig_width"], r["orig_height"], want)
-            )
+            # the crop's share of the original, from the crop itself: the original covers the
+            # bucket at scale s, so the crop is (bw / s) x (bh / s) of its pixels
+            ow, oh, (bh, bw) = r["orig_width"], r["orig_height"], want
+            s = max(bw / ow, bh / oh)
+            assert r["kept"] == pytest.approx((bw / s) * (bh / s) / (ow * oh), rel=1e-6)
             assert r["kept"] >= kept_fraction(r["orig_width"], r["orig_height"], (256, 256)) - 1e-6
         sizes = Counter(f"{r['height']}x{r['width']}" for r in rows)
         assert len(sizes) >= 2, sizes  # the sample is mixed: this test means something
@@ -171,6 +205,21 @@ def test_aspect_buckets_through_images_256_and_the_data_card(tmp_path, small_sam
         (s,) = [x for x in staleness(square, [key], ["images_256"])]
         assert s.asset == "images_256" and "buckets" in str(s.reason)
         assert staleness(aspect, [key], ["images_256"]) == []
+
+        # a retry under the other mode would mix two crops in one shard: refused, one line
+        retry = dg.materialize(
+            all_assets_and_checks(),
+            selection=["images_256"],
+            partition_key=key,
+            instance=instance,
+            resources=resources_for(square),
+            run_config={"ops": {"images_256": {"config": {"retry": True}}}},
+            raise_on_error=False,
+        )
+        assert not retry.success
+        why = str(retry.get_step_failure_events()[0].event_specific_data.error)
+        assert "would not make; re-materialize images_256 without retry" in why
+        assert pq.read_table(shard).to_pylist() == rows  # nothing replaced
 
         bad = dg.materialize(
             all_assets_and_checks(),
@@ -204,6 +253,12 @@ def test_shards_from_before_buckets_read_as_squares(tmp_path):
         ),
         p,
     )  # fmt: skip
+    from flowmatch_assets.ingest.shard import read_image_rows
+
+    assert [(r["height"], r["width"], round(r["kept"], 6)) for r in read_image_rows(p, 256)] == [
+        (256, 256, round(2 / 3, 6)),
+        (256, 256, 1.0),
+    ]
     t = read_image_meta(p, 256).to_pylist()
     assert [(r["height"], r["width"]) for r in t] == [(256, 256), (256, 256)]
     assert [r["kept"] for r in t] == pytest.approx([2 / 3, 1.0])
@@ -216,3 +271,35 @@ def test_sampling_sizes_are_whole_latent_grids():
     assert latent_grid((224, 320)) == (7, 10) and latent_grid(None) is None
     with pytest.raises(ValueError, match="multiples of 32.*192x384"):
         latent_grid((250, 256))
+
+
+def test_the_size_check_fails_on_a_wrong_or_unknown_size(tmp_path):
+    """images_256_complete's size check: a row whose image is not the size it says, and a size
+    that is no bucket of the settings, are both reported."""
+    from flowmatch_assets.defs.data_assets import _size_problems
+    from flowmatch_models.image_shard import write_image_shard
+
+    def row(i, img_hw, says_hw):
+        buf = io.BytesIO()
+        Image.new("RGB", img_hw[::-1], (90, 90, 90)).save(buf, "JPEG")
+        return {
+            "id": str(i), "caption": "c", "image": buf.getvalue(), "format": "jpeg",
+            "orig_width": 900, "orig_height": 600, "md5": str(i), "url": "u",
+            "height": says_hw[0], "width": says_hw[1], "kept": 1.0,
+        }  # fmt: skip
+
+    p = tmp_path / "000-00.parquet"
+    write_image_shard(p, [row(0, (224, 320), (224, 320)), row(1, (224, 320), (224, 320))])
+    assert _size_problems("000-00", p, IngestConfig(buckets="aspect")) == []
+    write_image_shard(p, [row(0, (256, 256), (224, 320)), row(1, (200, 300), (200, 300))])
+    problems = _size_problems("000-00", p, IngestConfig(buckets="aspect"))
+    assert problems == [
+        "000-00: stored size 200x300 is not a bucket of ingest (size 256, buckets aspect)",
+        "000-00: image shape (256, 256, 3), its row says 224x320",
+    ]
+    square = _size_problems("000-00", p, IngestConfig())
+    assert (
+        "000-00: stored size 224x320 is not a bucket of ingest (size 256, buckets square)" in square
+    )
+    with pytest.raises(ValueError, match="must be a multiple of 32"):
+        IngestConfig(size=250, buckets="aspect")

@@ -88,9 +88,9 @@ try:  # libjpeg-turbo with M/8 DCT scaling; without it every JPEG takes the Pill
 except ImportError:  # pragma: no cover - simplejpeg is a declared dependency
     simplejpeg = None
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
-from flowmatch_models.buckets import Bucket, buckets_for, cover_box, nearest, square
+from flowmatch_models.buckets import GRID, Bucket, buckets_for, cover_box, nearest, square
 
 __all__ = [
     "IngestConfig",
@@ -162,16 +162,25 @@ class IngestConfig(BaseModel):
         default="flowmatch/0.1 (+PD12M research)", description="HTTP User-Agent."
     )
 
+    @model_validator(mode="after")
+    def _size_on_the_grid(self) -> IngestConfig:
+        if self.buckets == "aspect" and self.size % GRID:
+            raise ValueError(
+                f"ingest.size {self.size} with ingest.buckets: aspect must be a multiple of "
+                f"{GRID} (one DC-AE latent cell)"
+            )
+        return self
+
     def bucket_list(self) -> list[Bucket]:
         """The (height, width) sizes images are stored at: one square, or the aspect buckets."""
-        return buckets_for(self.size) if self.buckets == "aspect" else square(self.size)
+        return list(buckets_for(self.size)) if self.buckets == "aspect" else square(self.size)
 
     def bucket_of(self, width: int, height: int) -> Bucket:
         """The (height, width) an original of ``width x height`` (after EXIF orientation) is
         stored at."""
         if self.buckets == "square":
             return (self.size, self.size)
-        return nearest(width, height, self.bucket_list())
+        return nearest(width, height, buckets_for(self.size))
 
 
 #: Every failure reason code except the ``http_<status>`` family.

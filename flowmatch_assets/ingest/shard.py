@@ -242,6 +242,19 @@ def make_image_shard(
     outcomes = {r.id: RowOutcome(r.id, r.url, r.outcome, r.reason, r.detail) for r in results}
     if retry:
         kept = {r["id"]: r for r in read_image_rows(shard, ingest.size)}
+        other = sorted(
+            {
+                f"{r['height']}x{r['width']}"
+                for r in kept.values()
+                if (r["height"], r["width"]) != ingest.bucket_of(r["orig_width"], r["orig_height"])
+            }
+        )
+        if other:  # merging would mix two crops under one fingerprint
+            raise NothingToRetry(
+                f"{part}: its images_256 shard holds sizes ({', '.join(other)}) that "
+                f"ingest.buckets={ingest.buckets} would not make; re-materialize images_256 "
+                "without retry"
+            )
         merged = {**kept, **new}
         stored = [merged[r["id"]] for r in rows if r["id"] in merged]  # metadata order
         for i, o in before.items():
