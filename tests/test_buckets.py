@@ -303,3 +303,21 @@ def test_the_size_check_fails_on_a_wrong_or_unknown_size(tmp_path):
     )
     with pytest.raises(ValueError, match="must be a multiple of 32"):
         IngestConfig(size=250, buckets="aspect")
+
+
+def test_the_centre_square_cuts_side_objects_that_buckets_keep(tmp_path):
+    """`flowmatch bench crop` on a small sides sample (24 pictures, 1.3:1 to 2:1, through the
+    pipeline both ways): the analyser reads every side object whole in the bucketed images and
+    in under 60% of the centre squares; centre objects survive both; the buckets cost about the
+    square's 64 latent tokens."""
+    from flowmatch_assets.bench.crop import run
+
+    out = run(tmp_path, files=1, rows=24, seed=0)
+    sq, asp = out["square"], out["aspect"]
+    assert sq["unreadable_originals"] == asp["unreadable_originals"] == 0
+    assert sq["sides"]["images"] == asp["sides"]["images"] >= 10
+    assert asp["sides"]["all_four_right"] >= 0.9 and sq["sides"]["all_four_right"] <= 0.6
+    assert sq["sides"]["shape_right"] < asp["sides"]["shape_right"]
+    assert sq["centre"]["all_four_right"] >= 0.9 and asp["centre"]["all_four_right"] >= 0.9
+    assert sq["kept_share_mean"] < 0.7 < 0.9 < asp["kept_share_mean"]
+    assert sq["tokens_mean"] == 64 and 60 <= asp["tokens_mean"] <= 68

@@ -23,5 +23,6 @@ BENCHES = {
         "ledger",
         "fingerprint",
         "finetune",
+        "crop",
     )
 }

@@ -66,6 +66,11 @@ class SampleSpec:
     rows_per_file: int = 96
     seed: int = 0
     bad_rows: bool = True
+    #: "crop": the demo's pictures, each shape inside the centre square the 256 px stage keeps;
+    #: "sides": wider and taller pictures (1.3:1 to 2:1) whose left/right (top/bottom) shapes
+    #: sit at the ends of the long side, where a centre square cuts them (draw_image), all
+    #: colour JPEGs
+    layout: str = "crop"
 
 
 def _texture(rng: np.random.Generator, w: int, h: int, base: tuple[int, int, int]) -> Image.Image:
@@ -106,11 +111,16 @@ def draw_image(
     rng: np.random.Generator,
     shapes: tuple[str, ...] = SHAPES,
     long_sides: tuple[int, int] = (1000, 3001),
+    layout: str = "crop",
 ) -> tuple[Image.Image, str]:
     """One procedural image and its caption (its shape one of ``shapes``, its long side in
-    ``long_sides``; the defaults draw the demo sample, draw for draw)."""
+    ``long_sides``; the defaults draw the demo sample, draw for draw). ``layout="sides"``:
+    aspect 1.3-2.0, and a shape on the left/right (top/bottom) sits at that end of the long
+    side, 0.05 of the short side from the edge, where the centre square does not reach."""
+    if layout not in ("crop", "sides"):
+        raise ValueError(f"layout {layout!r}: crop or sides")
     long_side = int(rng.integers(*long_sides))
-    aspect = float(rng.uniform(1.0, 1.6))
+    aspect = float(rng.uniform(1.0, 1.6) if layout == "crop" else rng.uniform(1.3, 2.0))
     short = int(long_side / aspect)
     w, h = (long_side, short) if rng.random() < 0.6 else (short, long_side)
     shape = shapes[rng.integers(len(shapes))]
@@ -121,9 +131,12 @@ def draw_image(
     m = min(w, h)
     big = rng.random() < 0.5
     r = m * (0.3 if big else 0.17)
-    # keep the shape inside the centre crop that the 256px stage keeps
     side = rng.choice(["left", "centre", "right"])
-    off = {"left": -0.22, "centre": 0.0, "right": 0.22}[side] * m
+    if layout == "crop":  # keep the shape inside the centre crop that the 256px stage keeps
+        off = {"left": -0.22, "centre": 0.0, "right": 0.22}[side] * m
+    else:  # at the ends of the long side
+        reach = max(w, h) / 2 - r - 0.05 * m
+        off = {"left": -reach, "centre": 0.0, "right": reach}[side]
     cx, cy = w / 2 + off * (w >= h), h / 2 + off * (h > w)
     fill = COLOURS[colour]
     if shape == "circle":
@@ -181,8 +194,10 @@ def write_sample(dest: str | Path, spec: SampleSpec | None = None) -> dict:
         rows = []
         for i in range(spec.rows_per_file):
             rid = str(uuid.uuid5(NAMESPACE, f"{spec.seed}-{fno}-{i}"))
-            img, caption = draw_image(rng)
+            img, caption = draw_image(rng, layout=spec.layout)
             kind = rng.choice(["jpeg"] * 14 + ["png", "rgba", "gray"])
+            if spec.layout == "sides":  # colour JPEGs only: what the crop keeps is the question
+                kind = "jpeg"
             data, mime, ext = _encode(img, kind)
             path = img_dir / f"{rid}{ext}"
             if not path.exists() or path.stat().st_size != len(data):
