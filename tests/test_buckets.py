@@ -321,3 +321,19 @@ def test_the_centre_square_cuts_side_objects_that_buckets_keep(tmp_path):
     assert sq["centre"]["all_four_right"] >= 0.9 and asp["centre"]["all_four_right"] >= 0.9
     assert sq["kept_share_mean"] < 0.7 < 0.9 < asp["kept_share_mean"]
     assert sq["tokens_mean"] == 64 and 60 <= asp["tokens_mean"] <= 68
+
+
+def test_wide_and_tall_evaluation_prompts_keep_the_draws_and_take_their_orientation():
+    from flowmatch_assets.reports.caption_eval import parse_caption, prompts
+
+    mixed = [parse_caption(p) for p in prompts(48, 3)]
+    wide = [parse_caption(p) for p in prompts(48, 3, orientation="landscape")]
+    tall = [parse_caption(p) for p in prompts(48, 3, orientation="portrait")]
+    assert {w["position"] for w in wide} == {"left", "centre", "right"}
+    assert {t["position"] for t in tall} == {"top", "centre", "bottom"}
+    for m, w, t in zip(mixed, wide, tall):
+        assert (m["colour"], m["shape"], m["size"]) == (w["colour"], w["shape"], w["size"])
+        assert (m["colour"], m["shape"], m["size"]) == (t["colour"], t["shape"], t["size"])
+        assert m["position"] in (w["position"], t["position"])
+    with pytest.raises(ValueError, match="landscape, portrait or None"):
+        prompts(2, 0, orientation="square")

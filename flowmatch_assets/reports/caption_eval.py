@@ -137,17 +137,25 @@ def parse_caption(caption: str) -> dict[str, str]:
     }
 
 
-def prompts(n: int, seed: int = 0, shapes: tuple[str, ...] = SHAPES) -> list[str]:
+def prompts(
+    n: int, seed: int = 0, shapes: tuple[str, ...] = SHAPES, orientation: str | None = None
+) -> list[str]:
     """``n`` captions drawn from the sample grammar with ``draw_image``'s probabilities.
 
     Deterministic in ``seed``: landscape 60 % (left/centre/right), portrait 40 %
     (top/centre/bottom); shape (one of ``shapes``), colour, background, size and offset uniform.
+    ``orientation`` ``"landscape"`` / ``"portrait"``: every caption of that orientation (for
+    images generated wide or tall; the other draws stay those of the mixed set).
     """
+    if orientation not in (None, "landscape", "portrait"):
+        raise ValueError(f"orientation {orientation!r}: landscape, portrait or None")
     rng = np.random.default_rng(seed)
     colours, backgrounds = list(COLOURS), list(BACKGROUNDS)
     out = []
     for _ in range(n):
         landscape = rng.random() < LANDSCAPE_FRACTION
+        if orientation is not None:
+            landscape = orientation == "landscape"
         words = LANDSCAPE_POSITIONS if landscape else PORTRAIT_POSITIONS
         out.append(
             format_caption(

@@ -69,12 +69,16 @@ def evaluate_checkpoint(
     cfg_scale: float = 4.0,
     prompt_shapes: tuple[str, ...] = caption_eval.SHAPES,
     analyser_shapes: tuple[str, ...] = caption_eval.SHAPES,
+    size: tuple[int, int] | None = None,
 ) -> dict:
     """Score the EMA model of ``checkpoint`` on ``n_prompts`` grammar prompts (see module doc)
     whose shapes are ``prompt_shapes``, read back with templates of ``analyser_shapes`` (the
-    second dataset's fine-tune: ``NEW_SHAPES``, and the demo's six plus ``cross``).
+    second dataset's fine-tune: ``NEW_SHAPES``, and the demo's six plus ``cross``). ``size``
+    ``(height, width)``: generate at that aspect-ratio bucket (flowmatch_models/buckets.py)
+    instead of the square; a wide size takes landscape prompts only (left / centre / right), a
+    tall one portrait prompts (top / centre / bottom).
 
-    Returns :func:`caption_eval.score`'s dict plus ``images`` (uint8 ``[N, 256, 256, 3]``),
+    Returns :func:`caption_eval.score`'s dict plus ``images`` (uint8 ``[N, H, W, 3]``),
     ``step`` and ``settings``.
     """
     import torch
@@ -82,12 +86,15 @@ def evaluate_checkpoint(
     from flowmatch_models.sample import generate, load_model
 
     model, meta = load_model(checkpoint=checkpoint)
-    prompts = caption_eval.prompts(n_prompts, seed, prompt_shapes)
+    orientation = None
+    if size is not None and size[0] != size[1]:
+        orientation = "landscape" if size[1] > size[0] else "portrait"
+    prompts = caption_eval.prompts(n_prompts, seed, prompt_shapes, orientation)
     text, mask = _prompt_embeddings(tuple(prompts), text_encoder)
     with torch.inference_mode():
         images = generate(
             model, text, mask, float(meta["scaling_factor"]), _vae(vae), steps, cfg_scale,
-            seed, float(meta.get("flow_shift", 1.0)), meta.get("null_text"),
+            seed, float(meta.get("flow_shift", 1.0)), meta.get("null_text"), size,
         )  # fmt: skip
     result = caption_eval.score(prompts, images, shapes=analyser_shapes)
     # colour, shape, size and position all right, as one more attribute (chance: the product)
@@ -95,7 +102,8 @@ def evaluate_checkpoint(
     result["chance"]["all_four"] = float(np.prod([result["chance"][a] for a in ATTRIBUTES]))
     result["images"] = images
     result["step"] = int(meta.get("step", -1))
-    result["settings"] = {"n_prompts": n_prompts, "seed": seed, "steps": steps, "cfg": cfg_scale}
+    result["settings"] = {"n_prompts": n_prompts, "seed": seed, "steps": steps, "cfg": cfg_scale,
+                          "size": list(images.shape[1:3])}  # fmt: skip
     return result
 
 
@@ -136,7 +144,10 @@ def evaluation_figure(result: dict, out: str | Path, cols: int = 4, cell: int = 
     for i, (it, img) in enumerate(zip(items, images)):
         r, c = divmod(i, cols)
         x, y = 8 + c * (cell + 8), 30 + r * (cell + text_h + 8)
-        fig.paste(Image.fromarray(np.asarray(img)).resize((cell, cell)), (x, y))
+        im = Image.fromarray(np.asarray(img))
+        scale = cell / max(im.size)  # a wide or tall image keeps its shape in its cell
+        im = im.resize((round(im.width * scale), round(im.height * scale)))
+        fig.paste(im, (x + (cell - im.width) // 2, y + (cell - im.height) // 2))
         t = it["truth"]
         lines = [f"{t['size']} {t['colour']} {t['shape']}", f"{t['position']}, {t['background']}"]
         d.text((x, y + cell + 2), lines[0], fill=(0, 0, 0), font=font)
