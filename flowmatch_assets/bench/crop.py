@@ -18,6 +18,11 @@ Per mode and per caption position (at the sides vs in the centre), with the mean
 original the crop kept and the latent tokens per image (DC-AE f32 cells; 64 for a square).
 
     .venv/bin/flowmatch bench crop                  # ~2 min: 3 x 96 pictures, two modes
+
+``--checkpoint`` instead scores a trained model's caption following when it generates at the
+square and at wide and tall buckets (``--sizes``), e.g. the demo's square-trained run:
+
+    .venv/bin/flowmatch bench crop --checkpoint data/runs/demo/checkpoints/last.ckpt
 """
 
 from __future__ import annotations
@@ -150,13 +155,40 @@ def run(work: Path, files: int, rows: int, seed: int, threads: int = 2) -> dict:
     return result
 
 
+def evaluate_sizes(
+    checkpoint: str, text_encoder: str, vae: str, sizes: Sequence[str], n_prompts: int = 48
+) -> dict:
+    """Caption following of one checkpoint generated at each of ``sizes`` (``"224x320"``: a
+    wide bucket takes landscape prompts, a tall one portrait; reports/evaluation.py)."""
+    from flowmatch_assets.reports.evaluation import evaluate_checkpoint
+    from flowmatch_models.buckets import parse
+
+    out = {}
+    for size in sizes:
+        r = evaluate_checkpoint(checkpoint, text_encoder, vae, n_prompts, size=parse(size))
+        out[size] = {k: round(v, 3) for k, v in r["accuracy"].items()}
+        print(f"{size}: " + ", ".join(f"{k} {v:.2f}" for k, v in out[size].items()))
+    return {"bench": "crop-eval", "checkpoint": str(checkpoint), "prompts": n_prompts, "sizes": out}
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="flowmatch bench crop", description=__doc__)
     p.add_argument("--files", type=int, default=3)
     p.add_argument("--rows", type=int, default=96, help="pictures per metadata file")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work", default=None, help="folder to work in (default: a temporary one)")
+    p.add_argument("--checkpoint", default=None,
+                   help="instead: score this checkpoint's caption following at --sizes")  # fmt: skip
+    p.add_argument("--text-encoder", default="data/zoo/gemma3-270m")
+    p.add_argument("--vae", default=None, help="default: the committed demo VAE")
+    p.add_argument("--sizes", nargs="+", default=["256x256", "224x320", "320x224", "192x384"])
     a = p.parse_args(argv)
+    if a.checkpoint:
+        from flowmatch_assets.demo import DEMO_VAE
+
+        out = evaluate_sizes(a.checkpoint, a.text_encoder, a.vae or str(DEMO_VAE), a.sizes)
+        print(json.dumps(out))
+        return out
     with tempfile.TemporaryDirectory(prefix="bench-crop-") as tmp:
         work = Path(a.work) if a.work else Path(tmp)
         out = run(work, a.files, a.rows, a.seed)
