@@ -55,11 +55,12 @@ def write_image_shard(path: str | Path, rows: Sequence[dict]) -> int:
     return Path(path).stat().st_size
 
 
-def read_image_meta(path: str | Path, size: int = 256) -> pa.Table:
-    """Every column but the image bytes (a shard from before buckets: ``height = width =
-    size``, the square it holds, and ``kept`` = short side / long side of the original)."""
+def read_image_meta(path: str | Path, size: int = 256, images: bool = False) -> pa.Table:
+    """Every column but the image bytes (``images``: with them), in today's schema (a shard
+    from before buckets: ``height = width = size``, the square it holds, and ``kept`` = short
+    side / long side of the original)."""
     have = set(pq.read_schema(path).names)
-    cols = [n for n in IMAGE_SHARD_SCHEMA.names if n != "image" and n in have]
+    cols = [n for n in IMAGE_SHARD_SCHEMA.names if (images or n != "image") and n in have]
     t = pq.read_table(path, columns=cols)
     if all(c in have for c in SIZE_COLUMNS):
         return t
@@ -83,20 +84,8 @@ def iter_image_batches(
 ) -> Iterator[tuple[list[str], list[str], np.ndarray]]:
     """Sequentially yield ``(ids, captions, images uint8 [B, H, W, 3])`` batches of a shard
     whose images are all one size (a square shard). A shard with several aspect-ratio buckets
-    raises ``ValueError`` naming them, at the first batch of a second size."""
+    raises in ``np.stack``: ``encode_partition`` refuses such shards up front, in one line."""
     pf = pq.ParquetFile(path)
-    seen: set[tuple[int, ...]] = set()
     for batch in pf.iter_batches(batch_size=batch_size, columns=["id", "caption", "image"]):
         d = batch.to_pydict()
-        imgs = [decode(b) for b in d["image"]]
-        seen |= {im.shape[:2] for im in imgs}
-        sizes = sorted(seen)
-        if len(sizes) > 1:
-            raise ValueError(
-                f"{Path(path).name} holds images of {len(sizes)} sizes "
-                f"({', '.join(f'{h}x{w}' for h, w in sizes)}): aspect-ratio buckets "
-                "(ingest.buckets: aspect) reach images_256 and the data card so far; the "
-                "embeddings per bucket are not built yet. Use ingest.buckets: square to "
-                "compute embeddings."
-            )
-        yield d["id"], d["caption"], np.stack(imgs)
+        yield d["id"], d["caption"], np.stack([decode(b) for b in d["image"]])

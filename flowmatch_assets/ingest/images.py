@@ -674,10 +674,10 @@ def _check_size(w: int, h: int, orientation: int, cfg: IngestConfig) -> tuple[in
     return ow, oh
 
 
-def _decoded_target(w: int, h: int, orientation: int, cfg: IngestConfig) -> tuple[int, int]:
-    """(width, height) to resample the decoded (not yet oriented) ``w x h`` image to: the
-    bucket of the oriented size, transposed back when the orientation turns the image."""
-    ow, oh = (h, w) if orientation in (5, 6, 7, 8) else (w, h)
+def _decoded_target(ow: int, oh: int, orientation: int, cfg: IngestConfig) -> tuple[int, int]:
+    """(width, height) to resample the decoded, not yet oriented image to: the bucket of the
+    picture as shown (``ow x oh``, after orientation), turned back when the orientation turns
+    the image (the transpose is applied to the small output)."""
     bh, bw = cfg.bucket_of(ow, oh)
     return (bh, bw) if orientation in (5, 6, 7, 8) else (bw, bh)
 
@@ -706,7 +706,7 @@ def _decode_jpeg_scaled(data: bytes, cfg: IngestConfig) -> tuple[Image.Image, in
         return None  # Pillow raises its DecompressionBombError for these
     orientation = _jpeg_orientation(data)
     ow, oh = _check_size(w, h, orientation, cfg)
-    tw, th = _decoded_target(w, h, orientation, cfg)
+    tw, th = _decoded_target(ow, oh, orientation, cfg)
     scale = max(tw / w, th / h)
     try:
         arr = simplejpeg.decode_jpeg(
@@ -798,7 +798,7 @@ def process_image(data: bytes, cfg: IngestConfig) -> tuple[bytes, int, int]:
             orientation = im.getexif().get(_EXIF_ORIENTATION_TAG, 1)
             ow, oh = _check_size(w, h, orientation, cfg)
             if fmt == "JPEG":
-                tw, th = _decoded_target(w, h, orientation, cfg)
+                tw, th = _decoded_target(ow, oh, orientation, cfg)
                 scale = max(tw / w, th / h)
                 need = (max(1, math.ceil(w * scale)), max(1, math.ceil(h * scale)))
                 im.draft("RGB", need)
@@ -810,9 +810,7 @@ def process_image(data: bytes, cfg: IngestConfig) -> tuple[bytes, int, int]:
         except Exception as e:  # noqa: BLE001 - PIL raises many types for damaged data
             raise IngestError("corrupt", f"{type(e).__name__}: {e}") from None
     try:
-        target = _decoded_target(ow, oh, 1, cfg)
-        if orientation in (5, 6, 7, 8):
-            target = target[::-1]
+        target = _decoded_target(ow, oh, orientation, cfg)
         return _finish(im, _EXIF_TRANSPOSE.get(orientation), cfg, encoder, target), ow, oh
     except Exception as e:  # noqa: BLE001 - lazily-decoded frames can still fail here
         raise IngestError("corrupt", f"{type(e).__name__}: {e}") from None

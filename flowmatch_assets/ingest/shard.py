@@ -31,6 +31,7 @@ from flowmatch_assets.ingest.images import (
 )
 from flowmatch_assets.ingest.metadata import FilterConfig, size_reason
 from flowmatch_models.buckets import kept_fraction
+from flowmatch_models.image_shard import read_image_meta
 from flowmatch_models.layout import DataLayout
 
 
@@ -154,19 +155,6 @@ def _shard_rows(
     return out
 
 
-def read_image_rows(shard: Path, size: int) -> list[dict]:
-    """Every row of an existing images_256 shard, with the columns of today's schema (a shard
-    from before aspect-ratio buckets holds size x size squares: its rows get that size)."""
-    rows = pq.read_table(shard).to_pylist()
-    for r in rows:
-        if r.get("height") is None:
-            r["height"] = r["width"] = size
-            r["kept"] = min(r["orig_width"], r["orig_height"]) / max(
-                r["orig_width"], r["orig_height"]
-            )
-    return rows
-
-
 def _drop_content_duplicates(
     root, part: str, stored: list[dict], outcomes: dict[str, RowOutcome], on: bool
 ) -> tuple[list[dict], list[dict]]:
@@ -241,7 +229,8 @@ def make_image_shard(
     new = _shard_rows(results, rows, ingest)
     outcomes = {r.id: RowOutcome(r.id, r.url, r.outcome, r.reason, r.detail) for r in results}
     if retry:
-        kept = {r["id"]: r for r in read_image_rows(shard, ingest.size)}
+        old = read_image_meta(shard, ingest.size, images=True).to_pylist()
+        kept = {r["id"]: r for r in old}
         other = sorted(
             {
                 f"{r['height']}x{r['width']}"
