@@ -609,8 +609,20 @@ def test_training_grows_with_coverage_and_resumes_exactly_after_a_kill(tmp_path:
         assert recs[first_new]["position"] == 0  # from an epoch's start, not mid-epoch
         grown_epoch = recs[first_new]["epoch"]
         assert all(i.startswith("000-00") for x in recs[:first_new] for i in x["ids"])
-        # kill once a few batches of the grown epochs have trained, mid-epoch after a checkpoint
-        wait_for(lambda r: len(r) >= first_new + 13 and r[-1]["position"] > 0)
+        # kill once a few batches of the grown epochs have trained, mid-epoch, with steps trained
+        # after the last checkpoint. The trainer is paused (SIGSTOP) to look: killed right after
+        # a checkpoint there would be nothing to train again, so it is resumed and looked at later.
+        last = out / "checkpoints" / "last.ckpt"
+        need = first_new + 13
+        for _ in range(50):
+            wait_for(lambda r, n=need: len(r) >= n and r[-1]["position"] > 0)
+            proc.send_signal(signal.SIGSTOP)
+            recs = records()
+            saved = torch.load(last, weights_only=True)["global_step"] if last.exists() else -1
+            if saved > recs[first_new]["step"] and recs[-1]["step"] > saved:
+                break
+            proc.send_signal(signal.SIGCONT)
+            need = len(recs) + 1
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
