@@ -99,6 +99,12 @@ class DataConfig(_Section):
     batch_size: int = Field(64, ge=1, description="Per device.")
     num_workers: int = Field(2, ge=0)
     shuffle_window: int = Field(4, ge=1, description="Shards mixed in one shuffle window.")
+    bucket_chunk: int = Field(
+        256, ge=1,
+        description="With aspect-ratio buckets: each window's samples of one bucket are cut in "
+        "chunks of this many and every global batch (batch_size x devices) is cut from one, so "
+        "it must divide this (resume with another global batch that divides it too).",
+    )  # fmt: skip
     text_max_len: int = Field(128, ge=1, description="Caption tokens kept per sample.")
     heldout_fraction: float = Field(
         0.005, ge=0, le=0.5,

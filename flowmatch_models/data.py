@@ -146,6 +146,20 @@ class ShardSource:
             [len(i) - len(h) for i, h in zip(ids, self.heldout_rows)], dtype=np.int64
         )
         del ids  # 10k strings a partition: not kept (nor copied into every worker)
+        # every trainable sample's bucket: an index into ``grids``, the (h, w) latent grids
+        # found (one byte a sample: 12 MB for PD12M, beside the order)
+        per = [sample_grids(self._shard("vae_latents", p)) for p in self.partitions]
+        self.grids: list[tuple[int, int]] = sorted(
+            {(int(h), int(w)) for g in per for h, w in np.unique(g, axis=0)}
+        )
+        code = {g: i for i, g in enumerate(self.grids)}
+        keep = [np.delete(np.arange(len(g)), h) for g, h in zip(per, self.heldout_rows)]
+        self.buckets = np.concatenate(
+            [np.array([code[(int(a), int(b))] for a, b in g[k]], np.uint8).reshape(-1)
+             for g, k in zip(per, keep)] or [np.zeros(0, np.uint8)]
+        )  # fmt: skip
+        self.max_cells = max(h * w for h, w in self.grids) if self.grids else 64
+        del per, keep
         first = self._shard("vae_latents", self.partitions[0])
         if "scaling_factor" not in first.attrs:
             raise ValueError(
@@ -164,6 +178,13 @@ class ShardSource:
                 "zero token; re-materialize text_embeddings to store it",
                 text0.path,
             )
+
+    def epoch_order(self, epoch: int, seed: int, window: int, chunk: int) -> np.ndarray:
+        """:func:`epoch_order` of these partitions' trainable samples (with their buckets when
+        there are several, in chunks of ``chunk``)."""
+        multi = len(self.grids) > 1
+        return epoch_order(self.sizes, epoch, seed, window, self.buckets if multi else None,
+                           chunk if multi else 0)  # fmt: skip
 
     def __getstate__(self) -> dict:
         """Pickled (a DataLoader worker under ``spawn``): without open files; reopened there."""
@@ -270,13 +291,18 @@ class ShardSource:
         p = self.partitions[i]
         vae, text = self._shard("vae_latents", p), self._shard("text_embeddings", p)
         shards = [vae, text]
-        out = {"ids": vae.ids, "latents": _rows(vae, "latents"), "tokens": _rows(text, "tokens")}
+        grids = sample_grids(vae)
+        channels = int(vae.info("latents")["shape"][1])
+        out = {"ids": vae.ids, "tokens": _rows(text, "tokens"), "grids": grids,
+               "latents": _rows(vae, "latents", cells=True, width=channels)}  # fmt: skip
         out["lengths"] = np.asarray(text["lengths"]).astype(np.int64)
         out["offsets"] = ragged_offsets(out["lengths"])
+        # a sample's latent cells and its DINO rows start at the same cell offset
+        out["cells"] = ragged_offsets(grids.astype(np.int64).prod(1))
         if self.load_dino:
             dino = self._shard("dino_features", p)
             shards.append(dino)
-            out["patch"] = _rows(dino, "patch")
+            out["patch"] = _rows(dino, "patch", cells=True)
         for kind, s in zip(self.kinds, shards):
             why = self.mismatch(kind, Fingerprint.from_json(s.attrs.get(FINGERPRINT_ATTR)), p)
             if why:  # re-made while this run trains on it
@@ -323,16 +349,39 @@ class ShardSource:
                 rows[j] += np.searchsorted(h - np.arange(len(h)), rows[j], side="right")
         return rows
 
-    def heldout_batch(self, max_samples: int) -> dict | None:
-        """The held-out samples (partition order, at most ``max_samples``) as one batch."""
-        pairs = [(i, r) for i, rows in enumerate(self.heldout_rows) for r in rows][:max_samples]
+    def heldout_batch(self, max_samples: int, latents: bool = True) -> dict | None:
+        """The held-out samples (partition order, at most ``max_samples``) as one batch (of one
+        bucket; ``latents=False``: their captions only, any buckets)."""
+        pairs = self._heldout_pairs(max_samples)
         if not pairs:
             return None
         shard, rows = (np.array(x, np.int64) for x in zip(*pairs))
-        return self.gather(shard, rows)
+        return self.gather(shard, rows, latents=latents)
+
+    def heldout_batches(self, max_samples: int) -> list[dict]:
+        """The held-out samples (the first ``max_samples`` in partition order) as one batch per
+        latent grid (bucket), by grid; each in partition order."""
+        pairs = self._heldout_pairs(max_samples)
+        if not pairs:
+            return []
+        shard, rows = (np.array(x, np.int64) for x in zip(*pairs))
+        grids = np.array([self._arrays(int(s))["grids"][r] for s, r in pairs])
+        out = []
+        for g in np.unique(grids, axis=0):
+            j = np.flatnonzero((grids == g).all(1))
+            out.append(self.gather(shard[j], rows[j]))
+        return out
+
+    def _heldout_pairs(self, max_samples: int) -> list[tuple[int, int]]:
+        return [(i, r) for i, rows in enumerate(self.heldout_rows) for r in rows][:max_samples]
 
     def gather(
-        self, shard_idx: np.ndarray, rows: np.ndarray, decode: bool = True, out: dict | None = None
+        self,
+        shard_idx: np.ndarray,
+        rows: np.ndarray,
+        decode: bool = True,
+        out: dict | None = None,
+        latents: bool = True,
     ) -> dict:
         """Batch of samples ``(shard_idx[j], rows[j])`` in that order; text padded to the
         batch's longest caption, or to ``text_max_len`` with ``fixed_text_len``. ``decode``:
@@ -347,7 +396,11 @@ class ShardSource:
 
         Each sample's rows are read with one ``pread`` per array straight from the files into
         the buffers (:class:`FileRows`): no padding or decoding on the host. ``out``: buffers
-        to fill (a :class:`BatchRing` slot, :meth:`buffers`), else new ones."""
+        to fill (a :class:`BatchRing` slot, :meth:`buffers`), else new ones.
+
+        The samples share one latent grid ``(h, w)`` (one aspect-ratio bucket; ``sizes["grid"]``):
+        ``latents`` ``[B, 32, h, w]`` and DINO rows ``[B, h*w, ...]``, each sample's cells read
+        as one run from its cell offset. ``latents=False``: captions only (any buckets)."""
         shard_idx = np.asarray(shard_idx, np.int64)
         rows = np.asarray(rows, np.int64)
         groups = [(int(s), np.flatnonzero(shard_idx == s)) for s in np.unique(shard_idx)]
@@ -356,6 +409,15 @@ class ShardSource:
         width = max(int(n.max(initial=1)) for n in lengths)
         width = self.text_max_len if self.fixed_text_len else max(1, width)
         b, first = len(rows), arrays[groups[0][0]]
+        grids = np.unique(np.concatenate([arrays[s]["grids"][rows[j]] for s, j in groups]), axis=0)
+        if latents and len(grids) > 1:
+            raise ValueError(
+                f"a batch of samples of {len(grids)} latent grids "
+                f"({', '.join(f'{h}x{w}' for h, w in grids)}): a batch is of one bucket "
+                "(epoch_order keeps them so; heldout_batches groups by bucket)"
+            )
+        gh, gw = (int(x) for x in grids[0])
+        cells = gh * gw
         counts = [int(n.sum()) for n in lengths]
         buf = out or self.buffers(b, sum(counts), first)
         text_dst, mask = buf["text_dst"].numpy(), buf["mask"].numpy()[:b, :width]
@@ -364,20 +426,22 @@ class ShardSource:
         t0 = d0 = 0
         for (s, j), n, c in zip(groups, lengths, counts):
             a, r = arrays[s], rows[j]
-            a["latents"].read(r, 1, buf["latents"], j)
+            if latents:  # a sample's cells are one run of rows in both layouts
+                a["latents"].read(a["cells"][r], cells, buf["latents"], j * cells)
             # the valid tokens of each selected caption, in order, then where they go
             a["tokens"].read(a["offsets"][r], n, buf["text_rows"], t0 + np.cumsum(n) - n)
             within = np.arange(c) - np.repeat(np.cumsum(n) - n, n)
             text_dst[t0 : t0 + c] = np.repeat(j * width, n) + within
             mask[np.repeat(j, n), within] = True
-            if self.load_dino:
-                a["patch"].read(r, 1, buf["dino_rows"], d0 + np.arange(len(r)))
+            if self.load_dino and latents:
+                dst = (d0 + np.arange(len(r))) * cells
+                a["patch"].read(a["cells"][r], cells, buf["dino_rows"], dst)
                 buf["dino_dst"].numpy()[d0 : d0 + len(r)] = j
             ids_p = a["ids"]
             for jj, rr in zip(j.tolist(), r.tolist()):
                 ids[jj] = ids_p[rr]
             t0, d0 = t0 + c, d0 + len(r)
-        sizes = {"b": b, "width": width, "text": t0}
+        sizes = {"b": b, "width": width, "text": t0, "grid": (gh, gw) if latents else None}
         out_batch = {
             **slot_views(buf, sizes),
             "ids": ids,
@@ -389,7 +453,7 @@ class ShardSource:
                 if v is not None and v.coded
             ],  # fmt: skip
             "text_counts": counts,
-            **({"dino_counts": [len(j) for _, j in groups]} if self.load_dino else {}),
+            **({"dino_counts": [len(j) for _, j in groups]} if self.load_dino and latents else {}),
             "sizes": sizes,
         }
         if decode:
@@ -400,15 +464,16 @@ class ShardSource:
         """Empty buffers for a stored batch of ``b`` samples and ``tokens`` caption tokens."""
         first = first or self._arrays(0)
         lat, text = first["latents"], first["tokens"]
+        cells = b * self.max_cells  # the largest bucket's
         out = {
-            "latents": _buffer((b, *lat.row_shape), lat.dtype, shared),
+            "latents": _buffer((cells, *lat.row_shape), lat.dtype, shared),
             "mask": _buffer((b, self.text_max_len), np.bool_, shared),
             "text_rows": _buffer((tokens, *text.row_shape), text.dtype, shared),
             "text_dst": _buffer((tokens,), np.int64, shared),
         }
         if self.load_dino:
             dino = first["patch"]
-            out["dino_rows"] = _buffer((b, *dino.row_shape), dino.dtype, shared)
+            out["dino_rows"] = _buffer((cells, *dino.row_shape), dino.dtype, shared)
             out["dino_dst"] = _buffer((b,), np.int64, shared)
         return out
 
@@ -433,9 +498,14 @@ class FileRows:
     file and holds nothing of it between batches. A row is everything after the first axis
     (a sample's latents, its 64 DINO patches, one caption token)."""
 
-    def __init__(self, shard: Shard, name: str):
+    def __init__(self, shard: Shard, name: str, width: int | None = 0):
+        """``width``: 0 rows as stored; else rows of ``width`` stored values (None: the last
+        axis), the file's bytes cut so."""
         self.dtype, shape, self.base = shard.stored_rows(name)
-        self.rows, self.row_shape = shape[0], shape[1:]
+        if width != 0:
+            w = int(width or shape[-1])
+            shape = (int(np.prod(shape, dtype=np.int64)) // w, w)
+        self.rows, self.row_shape = shape[0], tuple(shape[1:])
         self.row_bytes = int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
         #: transform-coded: the rows are codes (:meth:`ShardSource.tables` decodes them)
         self.coded = "aux" in shard.info(name)
@@ -479,17 +549,30 @@ class ArrayRows:
         out.numpy()[np.repeat(dst, counts) + within] = self.array[np.repeat(start, counts) + within]
 
 
-def _rows(shard: Shard, name: str) -> FileRows | ArrayRows:
+def _rows(shard: Shard, name: str, cells: bool = False, width: int | None = None):
     """``name`` of ``shard`` for reading rows: from the file (raw or coded), or (stored
-    compressed) decoded whole. Rows are read without hashing the whole array (every worker
-    would re-read every file at each window boundary, together: the stall this loader avoids);
-    the file's header, footer and length are checked at open, its decoding tables by checksum,
-    and every checksum when the shard is made (the asset's blocking check) and by
-    ``flowmatch verify``."""
+    compressed) decoded whole. ``cells``: as one row per latent cell, of ``width`` values (the
+    last axis when None) -- a one-size shard's ``[N, 32, h, w]`` latents and ``[N, c, D]``
+    patches read exactly as the cell layout's rows (the same bytes), so a batch reads a
+    sample's cells as one run from its cell offset whichever layout stored it. Rows are read
+    without hashing the whole array (every worker would re-read every file at each window
+    boundary, together: the stall this loader avoids); the file's header, footer and length are
+    checked at open, its decoding tables by checksum, and every checksum when the shard is
+    made (the asset's blocking check) and by ``flowmatch verify``."""
     if shard.is_row_readable(name):
-        return FileRows(shard, name)
+        return FileRows(shard, name, width if cells else 0)
     log.debug("%s: %s is stored %s; decoding it whole", shard.path, name, shard.info(name)["codec"])
-    return ArrayRows(np.asarray(shard[name]))
+    array = np.asarray(shard[name])
+    return ArrayRows(array.reshape(-1, width or array.shape[-1]) if cells else array)
+
+
+def sample_grids(vae: Shard) -> np.ndarray:
+    """Every sample's latent grid ``(h, w)`` in cells, int32 ``[N, 2]``: the ``grid`` array of a
+    shard of several buckets, else the one size of its ``[N, 32, h, w]`` latents."""
+    if "grid" in vae:
+        return np.asarray(vae["grid"]).astype(np.int32)
+    shape = vae.info("latents")["shape"]
+    return np.tile(np.array([shape[2], shape[3]], np.int32), (int(shape[0]), 1))
 
 
 def _buffer(shape: tuple[int, ...], dtype, shared: bool) -> torch.Tensor:
@@ -502,13 +585,20 @@ def slot_views(buf: dict, sizes: dict) -> dict:
     """The stored batch's tensors: views of ``buf`` cut to the batch's ``sizes``."""
     b, width, n = sizes["b"], sizes["width"], sizes["text"]
     out = {
-        "latents": buf["latents"][:b],
         "mask": buf["mask"][:b, :width],
         "text_rows": buf["text_rows"][:n],
         "text_dst": buf["text_dst"][:n],
     }
+    if sizes.get("grid") is None:  # captions only
+        return out
+    gh, gw = sizes["grid"]
+    c = gh * gw
+    lat = buf["latents"]  # [cells, 32]: each sample's [32, h, w] values back to back
+    out["latents"] = lat[: b * c].view(b, lat.shape[1], gh, gw)
     if "dino_rows" in buf:
-        out["dino_rows"], out["dino_dst"] = buf["dino_rows"][:b], buf["dino_dst"][:b]
+        rows = buf["dino_rows"]
+        out["dino_rows"] = rows[: b * c].view(b, c, *rows.shape[1:])
+        out["dino_dst"] = buf["dino_dst"][:b]
     return out
 
 
@@ -587,7 +677,8 @@ def decode_batch(batch: dict, tables, scaling_factor: float, device) -> dict:
     out = {k: v for k, v in batch.items() if not k.startswith(("text_", "dino_"))}
     for k in ("parts", "coded", "sizes"):
         out.pop(k, None)
-    out["latents"] = batch["latents"].to(device).float() * scaling_factor
+    if "latents" in batch:
+        out["latents"] = batch["latents"].to(device).float() * scaling_factor
     mask = batch["mask"].to(device)
     out["mask"] = mask
     b, width = mask.shape
@@ -626,16 +717,44 @@ def epoch_windows(sizes: np.ndarray, epoch: int, seed: int, window: int) -> list
     return _windows(sizes, epoch, seed, window)[1]
 
 
-def epoch_order(sizes: np.ndarray, epoch: int, seed: int, window: int) -> np.ndarray:
+def epoch_order(
+    sizes: np.ndarray,
+    epoch: int,
+    seed: int,
+    window: int,
+    buckets: np.ndarray | None = None,
+    chunk: int = 0,
+) -> np.ndarray:
     """Global sample indices of one epoch: shuffled shard order, shuffled within windows.
-    int32 when they fit (PD12M's 12.4M: 50 MB an epoch instead of 100 in every worker)."""
+    int32 when they fit (PD12M's 12.4M: 50 MB an epoch instead of 100 in every worker).
+
+    With ``buckets`` (every sample's bucket, of more than one) each window's permuted samples
+    are split by bucket and cut into chunks of ``chunk`` samples, a bucket's remainder carried
+    into its next window's (the epoch's last remainders are left out: at most ``chunk - 1``
+    samples a bucket, others each epoch); the window's chunks are shuffled. Any global batch
+    that divides ``chunk`` then lies in one chunk: one bucket. Still a pure function of its
+    arguments; with one bucket exactly the order without buckets."""
     rng, windows = _windows(sizes, epoch, seed, window)
     starts = np.concatenate([[0], np.cumsum(sizes)])
     dtype = np.int32 if starts[-1] < 2**31 else np.int64
-    parts = []
+    multi = buckets is not None and len(buckets) and int(buckets.max()) != int(buckets.min())
+    if multi and chunk < 1:
+        raise ValueError("samples of several buckets need a chunk size (data.bucket_chunk)")
+    parts, carry = [], {}
     for members in windows:
         idx = np.concatenate([np.arange(starts[s], starts[s + 1], dtype=dtype) for s in members])
-        parts.append(rng.permutation(idx))
+        perm = rng.permutation(idx)
+        if not multi:
+            parts.append(perm)
+            continue
+        b = buckets[perm]
+        chunks = []
+        for u in np.unique(b):
+            sel = np.concatenate([carry.get(int(u), perm[:0]), perm[b == u]])
+            full = len(sel) // chunk * chunk
+            chunks += [sel[i : i + chunk] for i in range(0, full, chunk)]
+            carry[int(u)] = sel[full:]
+        parts += [chunks[i] for i in rng.permutation(len(chunks))]
     return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
 
@@ -657,8 +776,11 @@ class BatchStream(IterableDataset):
         end_epoch: int | None = None,
         decode: bool = True,
         ring: BatchRing | None = None,
+        bucket_chunk: int = 256,
     ):
         self.source, self.batch_size, self.seed = source, batch_size, seed
+        #: samples of several buckets: chunks of this many, one bucket each (epoch_order)
+        self.chunk = bucket_chunk if len(source.grids) > 1 else 0
         self.decode = decode  # False: stored batches, decoded where they go (decode_batch)
         self.ring = ring  # stored batches written into its slots (RingLoader opens them)
         self.end_epoch = end_epoch
@@ -672,6 +794,21 @@ class BatchStream(IterableDataset):
                 f"{int(source.sizes.sum())} samples of {len(source.sizes)} partitions; "
                 "lower data.batch_size or add partitions"
             )
+        if self.chunk and self.chunk % self.global_batch:
+            raise ValueError(
+                f"global batch {self.global_batch} (batch_size x {world_size} ranks) does not "
+                f"divide data.bucket_chunk {self.chunk}: with aspect-ratio buckets every batch "
+                "is cut from one chunk of one bucket; pick a batch size that divides it (or a "
+                "chunk that is a multiple of every global batch the run will use)"
+            )
+        self._order: tuple[int, np.ndarray] | None = None
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The epoch's sample order (:func:`epoch_order`; the newest epoch's kept)."""
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, self.source.epoch_order(epoch, self.seed, self.window,
+                                                          self.chunk))  # fmt: skip
+        return self._order[1]
 
     def positions(self) -> Iterator[tuple[int, int]]:
         """``(epoch, position)`` of every global batch from the start on, in training order.
@@ -681,8 +818,8 @@ class BatchStream(IterableDataset):
         epoch those from ``start_sample`` on.
         """
         epoch, pos = self.start_epoch, self.start_sample
-        n_total = int(self.starts[-1])
         while self.end_epoch is None or epoch <= self.end_epoch:
+            n_total = len(self.order(epoch)) if self.chunk else int(self.starts[-1])
             while pos + self.global_batch <= n_total:
                 yield epoch, pos
                 pos += self.global_batch
@@ -699,7 +836,7 @@ class BatchStream(IterableDataset):
                 continue
             if epoch != order_epoch:
                 order_epoch = epoch
-                order = epoch_order(self.source.sizes, epoch, self.seed, self.window)
+                order = self.order(epoch)
                 windows = epoch_windows(self.source.sizes, epoch, self.seed, self.window)
                 ends = np.cumsum([self.source.sizes[w].sum() for w in windows])
             # open the next window's partitions spread over this window (the j-th of n once
@@ -765,8 +902,10 @@ class EmbeddingDataModule(L.LightningDataModule):
         accumulate: int = 1,
         fixed_text_len: bool = False,
         heldout: tuple[float, int] = (0.0, 0),
+        bucket_chunk: int = 256,
     ):
         super().__init__()
+        self.bucket_chunk = int(bucket_chunk)
         self.fixed_text_len = fixed_text_len
         self.heldout = (float(heldout[0]), int(heldout[1]))
         self.allow_order_change = allow_order_change
@@ -872,6 +1011,7 @@ class EmbeddingDataModule(L.LightningDataModule):
             self.position,
             end_epoch=self.epoch,
             decode=False,  # codes travel to the device; decode_batch runs there
+            bucket_chunk=self.bucket_chunk,
         )
         prefetch = 4 if self.num_workers > 0 else None
         trainer = getattr(self, "trainer", None)
@@ -888,6 +1028,8 @@ class EmbeddingDataModule(L.LightningDataModule):
                 "pos_from": self.position,
                 "pos_to": self.position,
                 "step_from": int(trainer.global_step) if trainer is not None else 0,
+                # several buckets: the chunks the order was cut in (ledger.segment_samples)
+                **({"bucket_chunk": stream.chunk} if stream.chunk else {}),
                 **self._available_counts(),
                 **({"skipped": dict(self._skipped)} if self._skipped else {}),
             }
@@ -943,9 +1085,8 @@ class EmbeddingDataModule(L.LightningDataModule):
     def mark_consumed(self, epoch: int, position: int, global_batch: int) -> None:
         """Record that the global batch at ``(epoch, position)`` was trained on (all ranks)."""
         if epoch not in self._orders:
-            self._orders = {
-                epoch: epoch_order(self.source.sizes, epoch, self.seed, self.shuffle_window)
-            }
+            self._orders = {epoch: self.source.epoch_order(epoch, self.seed, self.shuffle_window,
+                                                           self.bucket_chunk)}  # fmt: skip
         idx = self._orders[epoch][position : position + global_batch]
         shard = np.searchsorted(np.cumsum(self.source.sizes), idx, side="right")
         for s, c in zip(*np.unique(shard, return_counts=True)):
@@ -954,7 +1095,7 @@ class EmbeddingDataModule(L.LightningDataModule):
         if self.ledger and self.ledger[-1]["epoch"] == epoch:
             self.ledger[-1]["pos_to"] = position + global_batch
         self.epoch, self.position = epoch, position + global_batch
-        if self.position + global_batch > int(self.source.sizes.sum()):
+        if self.position + global_batch > len(self._orders[epoch]):
             self.epoch, self.position = epoch + 1, 0
 
     def state_dict(self) -> dict:
@@ -964,6 +1105,7 @@ class EmbeddingDataModule(L.LightningDataModule):
             "position": self.position,
             "seed": self.seed,
             "shuffle_window": self.shuffle_window,
+            "bucket_chunk": self.bucket_chunk,
             "heldout": list(self.heldout),
             "partitions": list(self.partitions),
             "trained_counts": dict(self.trained_counts),
@@ -983,8 +1125,11 @@ class EmbeddingDataModule(L.LightningDataModule):
         self.ledger = [dict(s) for s in state.get("ledger", [])]
         ours = {"seed": self.seed, "shuffle_window": self.shuffle_window,
                 "heldout": [float(x) for x in self.heldout]}  # fmt: skip
-        # a checkpoint from before held-out splits held nothing out
-        theirs_all = {"heldout": [0.0, 0], **state}
+        if len(self.source.grids) > 1:  # the chunks cut the order only with several buckets
+            ours["bucket_chunk"] = self.bucket_chunk
+        # a checkpoint from before held-out splits held nothing out; one from before buckets
+        # had one bucket (its chunk never used)
+        theirs_all = {"heldout": [0.0, 0], "bucket_chunk": self.bucket_chunk, **state}
         theirs_all["heldout"] = [float(x) for x in theirs_all["heldout"]]
         changed = {
             k: (theirs_all[k], v) for k, v in ours.items() if k in theirs_all and theirs_all[k] != v

@@ -37,12 +37,14 @@ from flowmatch_models.encoder_spec import EncoderSpec
 from flowmatch_models.fingerprint import ATTR as FINGERPRINT_ATTR
 from flowmatch_models.fingerprint import Fingerprint, weights_identity
 
+CELL = 32  # pixels of one latent cell (DC-AE f32)
+
 if TYPE_CHECKING:
     from flowmatch_models.encoders import Encoders
     from flowmatch_models.store import Shard
 
 FP16 = 2
-ROWS = ("sample", "token", "once")
+ROWS = ("sample", "token", "once", "cell")
 
 
 # ------------------------------------------------------------------------------- the record
@@ -51,8 +53,10 @@ ROWS = ("sample", "token", "once")
 @dataclass(frozen=True)
 class ArraySpec:
     """One array of a kind's shard: name, shape after the first axis, dtype and what its rows
-    are: ``sample`` (one per sample), ``token`` (ragged: counted by the ``lengths`` array) or
-    ``once`` (per shard, e.g. the null caption). ``None`` in ``shape``: any size."""
+    are: ``sample`` (one per sample), ``token`` (ragged: counted by the ``lengths`` array),
+    ``cell`` (ragged: one per latent cell, counted by the ``grid`` array: a shard of several
+    aspect-ratio buckets) or ``once`` (per shard, e.g. the null caption). ``None`` in
+    ``shape``: any size."""
 
     name: str
     shape: tuple[int | None, ...]
@@ -114,6 +118,9 @@ class EmbeddingKind:
     #: bump when the kind's code changes its values (a fingerprint field: shards made by an
     #: older version turn stale)
     code_version: str = "1"
+    #: the arrays of a shard whose images are of several sizes (aspect-ratio buckets): per-cell
+    #: rows and a ``grid [N, 2]`` (latent cells high, wide) per sample; None: ``arrays`` always
+    cell_arrays: tuple[ArraySpec, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.encoder not in ROLES:
@@ -125,6 +132,11 @@ class EmbeddingKind:
 
     def array(self, name: str) -> ArraySpec:
         return next(a for a in self.arrays if a.name == name)
+
+    def arrays_of(self, shard_arrays) -> tuple[ArraySpec, ...]:
+        """The specs a shard holding ``shard_arrays`` (names) is checked against: the cell
+        layout where it has a ``grid``."""
+        return self.cell_arrays if self.cell_arrays and "grid" in shard_arrays else self.arrays
 
 
 # ----------------------------------------------------------------------------- the roles
@@ -195,7 +207,11 @@ def dense_bytes(*names: str) -> Callable[[int, EncoderSpec, Mapping[str, np.ndar
     """The seed's bytes for dense fp16 per-sample arrays: the named arrays' per-sample sizes."""
 
     def seed(n: int, spec: EncoderSpec, arrays: Mapping[str, np.ndarray]) -> int:
-        return n * sum(int(np.prod(arrays[a].shape[1:])) for a in names) * FP16
+        # values per sample from the arrays (the cell layout's rows are cells, not samples)
+        samples = len(arrays["grid"]) if "grid" in arrays else len(arrays[names[0]])
+        if not samples:
+            return 0
+        return round(n * sum(int(arrays[a].size) for a in names) / samples) * FP16
 
     return seed
 
@@ -250,9 +266,12 @@ TRAINING_INPUTS = KindNames(training_only=True)
 register(
     EmbeddingKind(
         name="vae_latents",
-        description="DC-AE f32c32 latents (32x8x8, unscaled fp16; the scaling factor is in the shard attrs).",
+        description="DC-AE f32c32 latents (32x8x8 at 256x256, 32x(h/32)x(w/32) in a bucket; unscaled fp16; the scaling factor is in the shard attrs).",
         encoder="vae",
-        arrays=(ArraySpec("latents", (32, 8, 8)),),
+        arrays=(ArraySpec("latents", (32, None, None)),),
+        # several buckets: every sample's [32, h, w] values back to back (channel-first, as a
+        # one-size shard's rows), counted in cells of 32 values; grid = (h, w) in cells
+        cell_arrays=(ArraySpec("latents", (32,), rows="cell"), ArraySpec("grid", (2,), "int32")),
         seed_bytes=dense_bytes("latents"),
         tags=frozenset({"pytorch", "diffusers"}),
     )
@@ -260,10 +279,12 @@ register(
 register(
     EmbeddingKind(
         name="dino_features",
-        description="DINOv2 patch features pooled to the 8x8 latent grid (64xD, D=384 for dinov2-small) plus CLS: the REPA target.",
+        description="DINOv2 patch features pooled to the latent grid (64xD at 256x256, one row per latent cell in a bucket; D=384 for dinov2-small) plus CLS: the REPA target.",
         encoder="dino",
         # width None: the DINO model's (384 for dinov2-small); the DiT's REPA head follows it
-        arrays=(ArraySpec("patch", (64, None)), ArraySpec("cls", (None,))),
+        arrays=(ArraySpec("patch", (None, None)), ArraySpec("cls", (None,))),
+        cell_arrays=(ArraySpec("patch", (None,), rows="cell"), ArraySpec("cls", (None,)),
+                     ArraySpec("grid", (2,), "int32")),  # fmt: skip
         seed_bytes=dense_bytes("patch", "cls"),
         lossy=("patch",),
         tags=frozenset({"pytorch", "transformers"}),
@@ -338,19 +359,6 @@ class Encoded:
     seconds: float
 
 
-def _one_square_size(images_path, meta) -> None:
-    """The image kinds store one fixed grid per shard (8 x 8 latents at 256 px): a shard of
-    aspect-ratio buckets (ingest.buckets: aspect) is refused before any encoding, in one line."""
-    sizes = sorted(set(zip(meta.column("height").to_pylist(), meta.column("width").to_pylist())))
-    if len(sizes) > 1 or any(h != w for h, w in sizes):
-        raise ValueError(
-            f"{Path(images_path).name} holds images of {', '.join(f'{h}x{w}' for h, w in sizes)}: "
-            "aspect-ratio buckets (ingest.buckets: aspect) reach images_256 and the data card so "
-            "far; the embeddings per bucket are not built yet. Use ingest.buckets: square to "
-            "compute embeddings."
-        )
-
-
 def encode_partition(
     images_path: str | Path,
     kinds: Sequence[EmbeddingKind],
@@ -371,30 +379,56 @@ def encode_partition(
 
     meta = read_image_meta(images_path)
     n = meta.num_rows
-    if any(k.role.input == "images" for k in kinds):
-        _one_square_size(images_path, meta)
     encs = {k.name: Encoders(spec.for_kind(k).model_copy(update={"device": device})) for k in kinds}
     parts: dict[str, dict[str, list[np.ndarray]]] = {k.name: {} for k in kinds}
     secs = dict.fromkeys(parts, 0.0)
 
-    def run(kind: EmbeddingKind, batch: Any) -> None:
+    def run(kind: EmbeddingKind, batch: Any) -> dict[str, np.ndarray]:
         t0 = time.perf_counter()
-        for key, arr in kind.role.encode(encs[kind.name], batch).items():
-            parts[kind.name].setdefault(key, []).append(arr)
+        got = kind.role.encode(encs[kind.name], batch)
         secs[kind.name] += time.perf_counter() - t0
+        return got
 
     image_kinds = [k for k in kinds if k.role.input == "images"]
+    sizes = np.stack([meta.column("height").to_numpy(), meta.column("width").to_numpy()], 1)
+    one_size = len(np.unique(sizes, axis=0)) <= 1
     if image_kinds:
+        # each bucket (image size) encoded in batches of its own; rows back in shard order
+        rows: dict[str, dict[str, list[np.ndarray | None]]] = {k.name: {} for k in image_kinds}
+        pending: dict[tuple[int, int], list[tuple[int, np.ndarray]]] = {}
+
+        def flush(size: tuple[int, int]) -> None:
+            batch = pending.pop(size)
+            imgs = np.stack([im for _, im in batch])
+            for k in image_kinds:
+                for key, arr in run(k, imgs).items():
+                    col = rows[k.name].setdefault(key, [None] * n)
+                    for (i, _), x in zip(batch, arr):
+                        col[i] = x
+
         done = 0
         for _, _, imgs in iter_image_batches(images_path, batch_size=spec.batch_size):
-            for k in image_kinds:
-                run(k, imgs)
-            done += len(imgs)
+            for im in imgs:
+                pending.setdefault(im.shape[:2], []).append((done, im))
+                if len(pending[im.shape[:2]]) >= spec.batch_size:
+                    flush(im.shape[:2])
+                done += 1
             log(f"images {done}/{n}")
+        for size in list(pending):
+            flush(size)
+        for k in image_kinds:
+            for key, col in rows[k.name].items():
+                if one_size:
+                    parts[k.name][key] = [np.stack(col)]
+                else:
+                    parts[k.name][key] = [_cells(key, col)]
+            if not one_size:
+                parts[k.name]["grid"] = [(sizes // CELL).astype(np.int32)]
     captions = meta.column("caption").to_pylist()
     for k in (k for k in kinds if k.role.input == "captions"):
         for i in range(0, len(captions), spec.batch_size):
-            run(k, captions[i : i + spec.batch_size])
+            for key, arr in run(k, captions[i : i + spec.batch_size]).items():
+                parts[k.name].setdefault(key, []).append(arr)
 
     out = {}
     for k in kinds:
@@ -402,7 +436,8 @@ def encode_partition(
         t0 = time.perf_counter()
         extra_arrays, extra_attrs = k.role.finish(enc)
         secs[k.name] += time.perf_counter() - t0
-        arrays = {a.name: a.empty() for a in k.arrays}  # an empty shard is still well-formed
+        specs = k.arrays_of(parts[k.name])
+        arrays = {a.name: a.empty() for a in specs}  # an empty shard is still well-formed
         arrays.update({key: np.concatenate(v) for key, v in parts[k.name].items()})
         arrays.update(extra_arrays)
         local = Path(model).expanduser().is_dir()
@@ -420,6 +455,19 @@ def encode_partition(
     return out
 
 
+def _cells(key: str, col: list[np.ndarray]) -> np.ndarray:
+    """One image array of samples of several sizes as per-cell rows (the cell layout, see
+    ``cell_arrays``): DINO patches ``[c, D]`` are cell rows already; a latent ``[32, h, w]`` is
+    kept channel-first and cut into ``h * w`` rows of 32 values (its bytes as a one-size shard
+    stores them); per-sample arrays (``cls``) stay per sample."""
+    first = col[0]
+    if key == "latents":
+        return np.concatenate([x.reshape(-1, x.shape[0]) for x in col])
+    if first.ndim == 2:
+        return np.concatenate(col)
+    return np.stack(col)
+
+
 # ------------------------------------------------------------------------------- the rules
 
 
@@ -429,18 +477,27 @@ def shard_problems(kind: EmbeddingKind, shard: Shard, ids: Sequence[str]) -> lis
     Shapes come from the header; a transform-coded array is finite when its tables are (its
     codes are bounded integers), so nothing is decoded whole."""
     problems = []
-    info = {a.name: shard.info(a.name) for a in kind.arrays if a.name in shard}
+    specs = kind.arrays_of(shard)
+    info = {a.name: shard.info(a.name) for a in specs if a.name in shard}
+    by_name = {a.name: a for a in specs}
     widths = {
         name: int(i["shape"][-1])
         for name, i in info.items()
-        if len(i["shape"]) > 1 and kind.array(name).shape and kind.array(name).shape[-1] is None
+        if len(i["shape"]) > 1 and by_name[name].shape and by_name[name].shape[-1] is None
     }
     if len(set(widths.values())) > 1:  # the encoder's width, one per shard
         problems.append(f"arrays of the encoder's width disagree: {widths}")
     if list(shard.ids) != list(ids):
         problems.append(f"{len(shard.ids)} ids do not match images_256's {len(ids)}")
     n = len(shard.ids)
-    for spec in kind.arrays:
+    cells = None
+    if "grid" in shard and "grid" in {a.name for a in specs}:
+        g = np.asarray(shard["grid"])
+        if g.ndim == 2 and g.shape == (n, 2) and (g >= 1).all():
+            cells = int(g.astype(np.int64).prod(1).sum())
+        else:
+            problems.append(f"grid has shape {g.shape} or cells < 1; expected ({n}, 2) >= 1")
+    for spec in specs:
         if spec.name not in shard:
             problems.append(f"no array {spec.name}")
             continue
@@ -465,6 +522,8 @@ def shard_problems(kind: EmbeddingKind, shard: Shard, ids: Sequence[str]) -> lis
                 problems.append(f"{spec.name} has non-finite values")
         if spec.rows == "sample" and shape[0] != n:
             problems.append(f"{spec.name}: {shape[0]} rows != {n} ids")
+        if spec.rows == "cell" and cells is not None and shape[0] != cells:
+            problems.append(f"{spec.name}: {shape[0]} rows != the grid's {cells} cells")
         if spec.rows == "token" and "lengths" in shard:
             lengths = shard["lengths"]
             if len(lengths) != n or int(lengths.sum()) != shape[0] or (lengths < 1).any():

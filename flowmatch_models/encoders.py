@@ -1,11 +1,12 @@
 """The three frozen encoders of the precalc stage, loaded through the real ``from_pretrained``.
 
 - VAE: diffusers ``AutoencoderDC`` (DC-AE f32c32): ``[N, 256, 256, 3] uint8 -> [N, 32, 8, 8]``
-  fp16, the *unscaled* ``.latent`` (multiply by :attr:`Encoders.scaling_factor` for training).
+  fp16 (any bucket ``H x W``, multiples of 32: ``[N, 32, H/32, W/32]``), the *unscaled* ``.latent`` (multiply by :attr:`Encoders.scaling_factor` for training).
 - DINO: transformers ``Dinov2Model`` (dinov2-small): ImageNet-normalised images resized to
   ``dino_size``; the last hidden state's patch tokens mapped to the 8x8 latent grid
   (``avg2x2``: 224 px -> 16x16 patches -> 2x2 average pool; ``resize112``: run at 112 px, 8x8
-  patches directly) -> ``patch [N, 64, 384]`` and ``cls [N, 384]`` fp16.
+  patches directly) -> ``patch [N, 64, 384]`` and ``cls [N, 384]`` fp16; a bucket runs at the
+  same pixels per latent cell and pools onto its own grid (``[N, (H/32)(W/32), 384]``).
 - Text: ``AutoTokenizer`` + ``AutoModel`` (``Gemma3TextModel`` for gemma-3-270m): last hidden
   states of the caption truncated to ``max_tokens`` tokens (BOS included), only the valid
   tokens -> ragged ``tokens [T, 640]`` fp16 + ``lengths [N] int32``. An empty caption still
@@ -38,6 +39,7 @@ __all__ = ["EncoderSpec", "Encoders", "MissingWeightsError", "decode_latents", "
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 LATENT_GRID = 8  # 256 px / DC-AE factor 32
+CELL = 32  # pixels of one latent cell (DC-AE f32)
 IMAGE_SIZE = 256
 DINO_POOLS = ("avg2x2", "resize112")
 FP16_MAX = 65504.0
@@ -266,16 +268,23 @@ class Encoders:
 
     @staticmethod
     def _check_images(images: np.ndarray) -> np.ndarray:
+        """uint8 ``[N, H, W, 3]`` of one size, H and W multiples of the 32-pixel latent cell
+        (256 x 256, or an aspect-ratio bucket)."""
         images = np.asarray(images)
-        if images.dtype != np.uint8 or images.ndim != 4 or images.shape[1:] != (256, 256, 3):
+        if (
+            images.dtype != np.uint8 or images.ndim != 4 or images.shape[3] != 3
+            or images.shape[1] % CELL or images.shape[2] % CELL
+        ):  # fmt: skip
             raise ValueError(
-                f"expected uint8 images [N, 256, 256, 3], got {images.dtype} {images.shape}"
+                f"expected uint8 images [N, H, W, 3] with H and W multiples of {CELL} (256 x 256 "
+                f"or an aspect-ratio bucket), got {images.dtype} {images.shape}"
             )
         return images
 
     @torch.inference_mode()
     def encode_vae(self, images_uint8: np.ndarray) -> np.ndarray:
-        """DC-AE latents ``[N, 32, 8, 8]`` fp16 (unscaled) of uint8 images ``[N, 256, 256, 3]``."""
+        """DC-AE latents ``[N, 32, H/32, W/32]`` fp16 (unscaled) of uint8 images ``[N, H, W, 3]``
+        (``[N, 32, 8, 8]`` at 256 x 256)."""
         images = self._check_images(images_uint8)
         vae = self.vae
         out = []
@@ -286,12 +295,13 @@ class Encoders:
             out.append(_to_fp16(vae.encode(x).latent))
         if not out:
             c = int(vae.config.latent_channels)
-            return np.zeros((0, c, LATENT_GRID, LATENT_GRID), np.float16)
+            return np.zeros((0, c, images.shape[1] // CELL, images.shape[2] // CELL), np.float16)
         return np.concatenate(out)
 
     @property
     def dino_input_size(self) -> int:
-        """Pixel size DINOv2 runs at (``dino_size``, or 112 for ``resize112``)."""
+        """Pixel size DINOv2 runs at for 256 x 256 images (``dino_size``, or 112 for
+        ``resize112``); a bucket's is :meth:`dino_input_hw`."""
         patch = int(self.dino.config.patch_size)
         size = patch * LATENT_GRID if self.spec.dino_pool == "resize112" else self.spec.dino_size
         grid = size // patch
@@ -302,33 +312,44 @@ class Encoders:
             )
         return size
 
+    def dino_input_hw(self, height: int, width: int) -> tuple[int, int]:
+        """Pixels DINOv2 runs at for images of ``height x width``: the same pixels per latent
+        cell as at 256 x 256 (224 px -> 28 a cell, 2 x 2 patches of 14), so that its patch grid
+        pools evenly onto the ``(H/32) x (W/32)`` latent grid (HF Dinov2 interpolates its
+        position embedding to any grid)."""
+        per_cell = self.dino_input_size // LATENT_GRID
+        return height // CELL * per_cell, width // CELL * per_cell
+
     @torch.inference_mode()
     def encode_dino(self, images_uint8: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """DINOv2 features of uint8 images: ``(patch [N, 64, D], cls [N, D])`` fp16, D = 384."""
+        """DINOv2 features of uint8 images ``[N, H, W, 3]``: ``(patch [N, (H/32)(W/32), D],
+        cls [N, D])`` fp16, D = 384, the patches pooled onto the latent grid in row-major order
+        (``[N, 64, D]`` at 256 x 256)."""
         images = self._check_images(images_uint8)
         dino = self.dino
-        size = self.dino_input_size
-        grid = size // int(dino.config.patch_size)
+        gh, gw = images.shape[1] // CELL, images.shape[2] // CELL  # the latent grid
+        size = self.dino_input_hw(images.shape[1], images.shape[2])
+        ph, pw = (s // int(dino.config.patch_size) for s in size)
         mean = torch.tensor(IMAGENET_MEAN, device=self._device).view(1, 3, 1, 1)
         std = torch.tensor(IMAGENET_STD, device=self._device).view(1, 3, 1, 1)
         patches, clss = [], []
         for sl in self._batches(len(images)):
             x = self._images_to_tensor(images[sl])
-            if size != IMAGE_SIZE:
-                x = F.interpolate(x, size=(size, size), mode="bicubic", antialias=True)
+            if size != tuple(images.shape[1:3]):
+                x = F.interpolate(x, size=size, mode="bicubic", antialias=True)
             x = ((x - mean) / std).to(self.dtype)
-            h = dino(pixel_values=x).last_hidden_state  # [B, 1 + registers + grid^2, D]
+            h = dino(pixel_values=x).last_hidden_state  # [B, 1 + registers + ph*pw, D]
             cls = h[:, 0]
-            p = h[:, -grid * grid :].float()
+            p = h[:, -ph * pw :].float()
             b, _, d = p.shape
-            if grid != LATENT_GRID:
-                p = p.transpose(1, 2).reshape(b, d, grid, grid)
-                p = F.adaptive_avg_pool2d(p, LATENT_GRID).reshape(b, d, -1).transpose(1, 2)
+            if (ph, pw) != (gh, gw):
+                p = p.transpose(1, 2).reshape(b, d, ph, pw)
+                p = F.adaptive_avg_pool2d(p, (gh, gw)).reshape(b, d, -1).transpose(1, 2)
             patches.append(_to_fp16(p))
             clss.append(_to_fp16(cls))
         if not patches:
             d = int(dino.config.hidden_size)
-            return np.zeros((0, LATENT_GRID**2, d), np.float16), np.zeros((0, d), np.float16)
+            return np.zeros((0, gh * gw, d), np.float16), np.zeros((0, d), np.float16)
         return np.concatenate(patches), np.concatenate(clss)
 
     # ----------------------------------------------------------------------------------- text

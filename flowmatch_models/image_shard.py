@@ -81,11 +81,10 @@ def decode(data: bytes) -> np.ndarray:
 
 def iter_image_batches(
     path: str | Path, batch_size: int = 64
-) -> Iterator[tuple[list[str], list[str], np.ndarray]]:
-    """Sequentially yield ``(ids, captions, images uint8 [B, H, W, 3])`` batches of a shard
-    whose images are all one size (a square shard). A shard with several aspect-ratio buckets
-    raises in ``np.stack``: ``encode_partition`` refuses such shards up front, in one line."""
+) -> Iterator[tuple[list[str], list[str], list[np.ndarray]]]:
+    """Sequentially yield ``(ids, captions, images)`` batches of a shard: each image uint8
+    ``[H, W, 3]`` at its stored size (one size in square mode; its bucket's in aspect mode)."""
     pf = pq.ParquetFile(path)
     for batch in pf.iter_batches(batch_size=batch_size, columns=["id", "caption", "image"]):
         d = batch.to_pydict()
-        yield d["id"], d["caption"], np.stack([decode(b) for b in d["image"]])
+        yield d["id"], d["caption"], [decode(b) for b in d["image"]]

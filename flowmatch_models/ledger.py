@@ -19,12 +19,23 @@ import pyarrow as pa
 from flowmatch_models.data import epoch_order, train_rows
 
 
-def segment_samples(seg: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def segment_samples(
+    seg: dict, grids_of: Callable[[str], np.ndarray] | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(shard index into seg['partitions'], row in that shard, step)`` of every sample the
-    segment trained, in training order."""
+    segment trained, in training order. A segment of several buckets (``bucket_chunk``) needs
+    ``grids_of(partition)``: its trainable rows' latent grids ``[n, 2]`` (the shards' own)."""
     sizes = np.asarray(seg["sizes"], np.int64)
     starts = np.concatenate([[0], np.cumsum(sizes)])
-    order = epoch_order(sizes, int(seg["epoch"]), int(seg["seed"]), int(seg["shuffle_window"]))
+    buckets, chunk = None, int(seg.get("bucket_chunk") or 0)
+    if chunk:
+        if grids_of is None:
+            raise ValueError("a segment of several buckets: segment_samples needs grids_of")
+        g = np.concatenate([np.asarray(grids_of(p), np.int64).reshape(-1, 2)
+                            for p in seg["partitions"]])  # fmt: skip
+        buckets = np.unique(g, axis=0, return_inverse=True)[1].reshape(-1).astype(np.uint8)
+    order = epoch_order(sizes, int(seg["epoch"]), int(seg["seed"]), int(seg["shuffle_window"]),
+                        buckets, chunk)  # fmt: skip
     start = int(seg.get("emit_from", seg["pos_from"]))  # a delta: only positions from here
     idx = order[start : int(seg["pos_to"])]
     k = (np.arange(len(idx)) + start - int(seg["pos_from"])) // int(seg["global_batch"])
@@ -35,7 +46,7 @@ def segment_samples(seg: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 #: What places a segment's samples (its other fields are reports: available, skipped).
 ORDER_KEYS = ("epoch", "partitions", "sizes", "seed", "shuffle_window", "heldout",
-              "global_batch", "accumulate", "pos_from", "step_from")  # fmt: skip
+              "bucket_chunk", "global_batch", "accumulate", "pos_from", "step_from")  # fmt: skip
 
 
 def is_prefix(base: Sequence[dict], segs: Sequence[dict]) -> bool:
@@ -74,11 +85,14 @@ def _trained_ids(ids: Sequence[str], heldout: tuple) -> Sequence[str]:
 
 
 def expand(
-    segments: Sequence[dict], ids_of: Callable[[str], Sequence[str]]
+    segments: Sequence[dict],
+    ids_of: Callable[[str], Sequence[str]],
+    grids_of: Callable[[str], np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
     """Per trained sample: ``sample_id, partition`` (arrow arrays), ``times_seen, first_step,
     last_step, partition_size`` (numpy), from ledger segments (whole, or a :func:`delta`);
-    ``ids_of(partition)`` gives a partition's sample ids in shard order."""
+    ``ids_of(partition)`` gives a partition's sample ids in shard order, ``grids_of`` its
+    samples' latent grids ``[N, 2]`` (segments of several buckets; all rows, shard order)."""
     names: list[str] = []
     index: dict[str, int] = {}
     sizes: dict[str, int] = {}
@@ -86,7 +100,15 @@ def expand(
     offsets: dict[str, int] = {}
     heldout: dict[str, tuple] = {}  # per partition: the held-out rule its rows skip
     for seg in segments:
-        shard, row, step = segment_samples(seg)
+        rule = tuple(seg.get("heldout") or (0.0, 0))
+
+        def trained_grids(p: str, rule=rule) -> np.ndarray:
+            g = np.asarray(grids_of(p))  # type: ignore[misc]
+            if rule[0]:
+                g = g[train_rows(ids_of(p), float(rule[0]), int(rule[1]))]
+            return g
+
+        shard, row, step = segment_samples(seg, trained_grids if grids_of else None)
         for p, n in zip(seg["partitions"], seg["sizes"]):
             if p not in index:
                 index[p], offsets[p] = len(names), sum(sizes.values())

@@ -229,12 +229,15 @@ class FlowMatchModule(L.LightningModule):
         self.log("train/loss", out["loss"], prog_bar=True, batch_size=b)
         self.log("train/fm", out["fm"], batch_size=b)
         self.log("train/repa", out["repa"], batch_size=b)
+        dm = getattr(self.trainer, "datamodule", None)
+        if len(getattr(getattr(dm, "source", None), "grids", ())) > 1:  # aspect-ratio buckets
+            h, w = x.shape[-2:]  # one bucket a batch: its loss under the bucket's pixel size
+            self.log(f"train/loss_{h * 32}x{w * 32}", out["loss"], batch_size=b)
         sums = out["bin_loss"].nan_to_num(0.0) * out["bin_count"]  # every micro-batch, on device
         if self._bin_sum is None:
             self._bin_sum, self._bin_cnt = torch.zeros_like(sums), torch.zeros_like(sums)
         self._bin_sum += sums
         self._bin_cnt += out["bin_count"]
-        dm = getattr(self.trainer, "datamodule", None)
         if dm is not None and hasattr(dm, "mark_consumed") and "global_batch" in meta:
             dm.mark_consumed(epoch, pos, meta["global_batch"])
         return out["loss"]
@@ -284,32 +287,34 @@ class FlowMatchModule(L.LightningModule):
         key = (id(source), self.config.trainer.val_max_samples)
         if getattr(self, "_val_key", None) != key:
             self._val_key = key
-            self._val = source.heldout_batch(self.config.trainer.val_max_samples)
-        if self._val is None:
+            self._val = source.heldout_batches(self.config.trainer.val_max_samples)
+        if not self._val:
             return None
         from flowmatch_models.flow import _velocity
 
         n_bins, dev = self.config.flow.n_bins, self.device
-        x = self._val["latents"].float()
         gen = torch.Generator().manual_seed(20261203)  # the same noise at every evaluation
-        noise = torch.randn((n_bins, *x.shape), generator=gen)
         was = self.ema.training
         self.ema.eval()
-        out: dict[str, float] = {}
-        for k in range(n_bins):
-            t, total = (k + 0.5) / n_bins, 0.0
-            for i in range(0, len(x), chunk):
-                xb, e = x[i : i + chunk].to(dev), noise[k, i : i + chunk].to(dev)
-                text = self._val["text"][i : i + chunk].float().to(dev)
-                mask = self._val["mask"][i : i + chunk].to(dev)
-                tt = torch.full((len(xb),), t, device=dev)
-                text = self.model.normalize_text(text)  # the EMA transformer takes them so
-                v = _velocity(self.ema, (1 - t) * xb + t * e, tt, text, mask)
-                total += float(((v.float() - (e - xb)) ** 2).mean(dim=(1, 2, 3)).sum())
-            out[f"val/t{k}"] = total / len(x)
+        sums, count = [0.0] * n_bins, 0
+        for batch in self._val:  # one batch per bucket (latent grid)
+            x = batch["latents"].float()
+            noise = torch.randn((n_bins, *x.shape), generator=gen)
+            for k in range(n_bins):
+                t = (k + 0.5) / n_bins
+                for i in range(0, len(x), chunk):
+                    xb, e = x[i : i + chunk].to(dev), noise[k, i : i + chunk].to(dev)
+                    text = batch["text"][i : i + chunk].float().to(dev)
+                    mask = batch["mask"][i : i + chunk].to(dev)
+                    tt = torch.full((len(xb),), t, device=dev)
+                    text = self.model.normalize_text(text)  # the EMA transformer takes them so
+                    v = _velocity(self.ema, (1 - t) * xb + t * e, tt, text, mask)
+                    sums[k] += float(((v.float() - (e - xb)) ** 2).mean(dim=(1, 2, 3)).sum())
+            count += len(x)
         self.ema.train(was)
+        out: dict[str, float] = {f"val/t{k}": sums[k] / count for k in range(n_bins)}
         out["val/loss"] = sum(out.values()) / n_bins
-        out["val/samples"] = float(len(x))
+        out["val/samples"] = float(count)
         return out
 
     @torch.no_grad()

@@ -25,6 +25,7 @@ from flowmatch_assets.ingest.images import IngestConfig, process_image
 from flowmatch_models.buckets import buckets_for, kept_fraction, label, nearest
 from flowmatch_models.embeddings import EncoderSpec
 from flowmatch_models.image_shard import read_image_meta
+from flowmatch_models.store import read_shard
 from tests.conftest import make_resource
 
 
@@ -130,7 +131,8 @@ def test_aspect_buckets_through_images_256_and_the_data_card(tmp_path, small_sam
     aspect: every stored row is at its original's nearest bucket and decodes to that size, the
     row's kept share is the crop's, the check passes, the catalog's data card counts the
     buckets and the kept shares as the shard has them; switching back to squares makes the
-    shard stale, naming the setting; the image embeddings refuse the mixed shard in one line."""
+    shard stale, naming the setting; the embeddings are computed per bucket (the cell layout,
+    each sample as its image encoded alone)."""
     data = tmp_path / "data"
     enc = EncoderSpec(**zoo, batch_size=8)
     aspect = FlowmatchResource(
@@ -209,17 +211,38 @@ def test_aspect_buckets_through_images_256_and_the_data_card(tmp_path, small_sam
         assert "would not make; re-materialize images_256 without retry" in why
         assert pq.read_table(shard).to_pylist() == rows  # nothing replaced
 
-        bad = dg.materialize(
+        # the embeddings per bucket: one pass, the cell layout, every sample as encoded alone
+        emb = dg.materialize(
             all_assets_and_checks(),
-            selection=["vae_latents"],
+            selection=["vae_latents", "dino_features", "text_embeddings"],
             partition_key=key,
             instance=instance,
             resources=resources_for(aspect),
-            raise_on_error=False,
         )
-        assert not bad.success
-        text = str(bad.get_step_failure_events()[0].event_specific_data.error)
-        assert "aspect-ratio buckets" in text and "ingest.buckets: square" in text
+        assert emb.success
+        assert all(e.passed for e in emb.get_asset_check_evaluations())
+    vae = read_shard(aspect.layout.asset_path("vae_latents", key), verify=True)
+    dino = read_shard(aspect.layout.asset_path("dino_features", key), verify=True)
+    grid = np.asarray(vae["grid"])
+    assert grid.tolist() == [[r["height"] // 32, r["width"] // 32] for r in rows]
+    assert np.array_equal(np.asarray(dino["grid"]), grid)
+    cells = grid.prod(1)
+    offsets = np.concatenate([[0], np.cumsum(cells)])
+    assert vae["latents"].shape == (offsets[-1], 32)
+    from flowmatch_models.encoders import Encoders
+
+    encoders = Encoders(EncoderSpec(**zoo, device="cpu"))
+    for i in (0, int(np.argmax(cells != 64)), len(rows) - 1):
+        im = np.asarray(Image.open(io.BytesIO(rows[i]["image"])).convert("RGB"))[None]
+        lat = encoders.encode_vae(im)[0]  # [32, h, w]
+        assert lat.shape == (32, *grid[i])
+        mine = np.asarray(vae["latents"][offsets[i] : offsets[i + 1]]).reshape(lat.shape)
+        np.testing.assert_allclose(mine.astype(np.float32), lat.astype(np.float32), atol=2e-3)
+        patch = encoders.encode_dino(im)[0][0]  # [h*w, D], stored coded (pca4): approximate
+        got = np.asarray(dino["patch"][offsets[i] : offsets[i + 1]], np.float32)
+        assert got.shape == patch.shape
+        cos = (got * patch).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(patch, axis=1)
+        assert cos.min() > 0.9, cos.min()
 
 
 def test_shards_from_before_buckets_read_as_squares(tmp_path):

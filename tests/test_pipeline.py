@@ -75,7 +75,7 @@ def test_partition_materializes_every_row_gets_one_outcome_and_rerun_is_idempote
         # good rows are 256x256 RGB, aligned with captions
         shard = resource.layout.asset_path("images_256", "000-00")
         ids, caps, imgs = next(iter_image_batches(shard, batch_size=100))
-        assert imgs.shape[1:] == (256, 256, 3) and len(ids) == len(caps) == 10
+        assert {im.shape for im in imgs} == {(256, 256, 3)} and len(ids) == len(caps) == 10
         assert resource.layout.preview_path("images_256", "000-00").exists()
 
         before = cat.query("SELECT count(*) AS n FROM rows")[0]["n"]

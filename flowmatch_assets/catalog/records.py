@@ -315,6 +315,8 @@ LEDGER_EPOCH_SCHEMA = pa.schema(
         ("sizes", pa.list_(pa.int64())),
         ("seed", pa.int64()),
         ("shuffle_window", pa.int64()),
+        ("heldout", pa.list_(pa.float64())),
+        ("bucket_chunk", pa.int64()),  # null: one bucket (no chunks)
         ("global_batch", pa.int64()),
         ("accumulate", pa.int64()),
         ("pos_from", pa.int64()),
@@ -343,7 +345,8 @@ def read_ledger_segments(
     c = ledger_path(data_root, run, step, "ledger_chain")
     if not (p.exists() and c.exists()):
         return [], []
-    segs = [{k: v for k, v in r.items() if k not in ("run", "checkpoint_step")}
+    segs = [{k: v for k, v in r.items()
+             if k not in ("run", "checkpoint_step") and not (k == "bucket_chunk" and v is None)}
             for r in pq.read_table(p).to_pylist()]  # fmt: skip
     return segs, [r["delta_step"] for r in pq.read_table(c).to_pylist()]
 

@@ -115,6 +115,11 @@ def write_ledgers(data_root: str | Path, run_name: str, run: Path) -> list[int]:
             ids[p] = read_shard(layout.asset_path("vae_latents", p)).ids
         return ids[p]
 
+    def grids_of(p: str):
+        from flowmatch_models.data import sample_grids
+
+        return sample_grids(read_shard(layout.asset_path("vae_latents", p)))
+
     recorded: dict[int, tuple[list[dict], list[int]]] = {}
     for f in (layout.catalog_dir / "ledger_chain" / run_name).glob("step*.parquet"):
         step = int(f.stem[4:])
@@ -132,7 +137,7 @@ def write_ledgers(data_root: str | Path, run_name: str, run: Path) -> list[int]:
         bases = [b for b in sorted(recorded, reverse=True)
                  if b < step and ledger.is_prefix(recorded[b][0], segs)]  # fmt: skip
         base_segs, base_chain = recorded[bases[0]] if bases else ([], [])
-        rows = ledger.expand(ledger.delta(base_segs, segs), ids_of)
+        rows = ledger.expand(ledger.delta(base_segs, segs), ids_of, grids_of)
         chain = [*base_chain, step]
         catalog.record_ledger(data_root, run_name, step, rows, segs, chain)
         recorded[step] = (segs, chain)

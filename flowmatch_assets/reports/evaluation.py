@@ -258,7 +258,7 @@ def heldout_set(data_root: str | Path, checkpoint: str | Path, max_samples: int 
     if not rule[0] or not data.get("partitions"):
         return {"n": 0, "rule": rule}
     src = ShardSource(data_root, data["partitions"], load_dino=False, heldout=rule)
-    batch = src.heldout_batch(max_samples)
+    batch = src.heldout_batch(max_samples, latents=False)  # captions: any buckets
     if batch is None:
         return {"n": 0, "rule": rule}
     layout, cls = DataLayout(data_root), []
