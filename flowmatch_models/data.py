@@ -802,6 +802,12 @@ class BatchStream(IterableDataset):
                 "chunk that is a multiple of every global batch the run will use)"
             )
         self._order: tuple[int, np.ndarray] | None = None
+        if self.chunk and len(self.order(start_epoch)) < self.global_batch:
+            raise ValueError(
+                f"no bucket has a chunk of data.bucket_chunk {self.chunk} samples in an epoch "
+                f"({int(source.sizes.sum())} samples in {len(source.grids)} buckets): lower "
+                "data.bucket_chunk (and data.batch_size, which divides it) or add partitions"
+            )
 
     def order(self, epoch: int) -> np.ndarray:
         """The epoch's sample order (:func:`epoch_order`; the newest epoch's kept)."""

@@ -283,8 +283,11 @@ register(
         encoder="dino",
         # width None: the DINO model's (384 for dinov2-small); the DiT's REPA head follows it
         arrays=(ArraySpec("patch", (None, None)), ArraySpec("cls", (None,))),
-        cell_arrays=(ArraySpec("patch", (None,), rows="cell"), ArraySpec("cls", (None,)),
-                     ArraySpec("grid", (2,), "int32")),  # fmt: skip
+        cell_arrays=(
+            ArraySpec("patch", (None,), rows="cell"),
+            ArraySpec("cls", (None,)),
+            ArraySpec("grid", (2,), "int32"),
+        ),  # fmt: skip
         seed_bytes=dense_bytes("patch", "cls"),
         lossy=("patch",),
         tags=frozenset({"pytorch", "transformers"}),

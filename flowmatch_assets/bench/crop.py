@@ -155,6 +155,70 @@ def run(work: Path, files: int, rows: int, seed: int, threads: int = 2) -> dict:
     return result
 
 
+def train_both(
+    work: Path,
+    keys: Sequence[str],
+    sample: dict,
+    steps: int,
+    batch: int,
+    text_encoder: str,
+    sizes: Sequence[str],
+    n_prompts: int = 48,
+    threads: int = 2,
+) -> dict:
+    """The A/B: the sides sample already in ``work/square`` and ``work/aspect`` (:func:`run`)
+    gets its embeddings (the demo VAE, the zoo's random DINOv2, ``text_encoder``), a tiny DiT
+    is trained on each for the same ``steps`` at the same ``batch`` (the buckets in chunks of
+    ``batch``: every batch one bucket), and each is scored at every size of ``sizes``."""
+    import dagster as dg
+    import yaml
+
+    from flowmatch_assets.defs.partitions import register_partitions
+    from flowmatch_assets.defs.resources import FlowmatchResource
+    from flowmatch_assets.demo import DEMO_VAE
+    from flowmatch_assets.ingest.images import IngestConfig
+    from flowmatch_assets.runs import run_assets
+    from flowmatch_models.embeddings import EncoderSpec
+    from flowmatch_models.train import TrainRequest, train
+    from flowmatch_models.zoo import create_zoo
+
+    repo = Path(__file__).resolve().parents[2]
+    zoo = create_zoo(work / "zoo")
+    text = text_encoder if Path(text_encoder).is_dir() else str(zoo["text"])
+    enc = EncoderSpec(vae=str(DEMO_VAE), dino=str(zoo["dino"]), text=text, batch_size=32)
+    out: dict = {"steps": steps, "batch": batch, "text_encoder": text}
+    for mode in ("square", "aspect"):
+        res = FlowmatchResource(
+            data_root=str(work / mode), metadata_source=sample["metadata"], shard_size=10_000,
+            ingest=IngestConfig(file_root=sample["dest"], threads=threads, buckets=mode),
+            encoders=enc,
+        )  # fmt: skip
+        t0 = time.perf_counter()
+        with dg.DagsterInstance.ephemeral() as inst:
+            register_partitions(inst, res)
+            for k in keys:
+                r = run_assets(["vae_latents", "dino_features", "text_embeddings"], k, res=res,
+                               dagster_instance=inst, steps=False)  # fmt: skip
+                if not r.success:
+                    raise RuntimeError(f"{mode} {k}: the embeddings failed")
+        emb_s = time.perf_counter() - t0
+        cfg = yaml.safe_load((repo / "configs" / "tiny.yaml").read_text())
+        cfg["run"].update(out_dir=str(work / "runs" / mode))
+        cfg["data"].update(root=str(work / mode), batch_size=batch, bucket_chunk=batch,
+                           num_workers=0)  # fmt: skip
+        cfg["trainer"].update(max_steps=steps, sample_every=0, checkpoint_every=steps)
+        cfg["logging"].update(wandb=False)
+        t0 = time.perf_counter()
+        result = train(TrainRequest(config=cfg, resume="none"))
+        ckpt = Path(result.run_dir) / "checkpoints" / "last.ckpt"
+        print(f"{mode}: embeddings {emb_s:.0f}s, {steps} steps in {time.perf_counter() - t0:.0f}s",
+              flush=True)  # fmt: skip
+        scored = evaluate_sizes(str(ckpt), text, str(DEMO_VAE), sizes, n_prompts)
+        out[mode] = {"sizes": scored["sizes"], "val_loss": result.metrics.get("val/loss"),
+                     "embeddings_s": round(emb_s, 1)}  # fmt: skip
+    return out
+
+
 def evaluate_sizes(
     checkpoint: str, text_encoder: str, vae: str, sizes: Sequence[str], n_prompts: int = 48
 ) -> dict:
@@ -182,6 +246,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--text-encoder", default="data/zoo/gemma3-270m")
     p.add_argument("--vae", default=None, help="default: the committed demo VAE")
     p.add_argument("--sizes", nargs="+", default=["256x256", "224x320", "320x224", "192x384"])
+    p.add_argument("--train", type=int, default=0, metavar="STEPS",
+                   help="then the A/B: embeddings, a tiny DiT trained STEPS steps on each mode "
+                   "(same batch), each scored at --sizes")  # fmt: skip
+    p.add_argument("--batch", type=int, default=16, help="--train: batch size (and bucket chunk)")
     a = p.parse_args(argv)
     if a.checkpoint:
         from flowmatch_assets.demo import DEMO_VAE
@@ -192,6 +260,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-crop-") as tmp:
         work = Path(a.work) if a.work else Path(tmp)
         out = run(work, a.files, a.rows, a.seed)
+        if a.train:
+            sample = {"metadata": str(work / "sample" / "metadata"), "dest": str(work / "sample")}
+            keys = [f"{n:03d}-00" for n in range(a.files)]
+            out["ab"] = train_both(work, keys, sample, a.train, a.batch, a.text_encoder, a.sizes)
     print("| mode | group | images | object kept | position right | shape right | all four right |")
     print("|---|---|---|---|---|---|---|")
     for mode in ("square", "aspect"):
@@ -206,6 +278,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
             f"{mode}: mean share of the original kept {out[mode]['kept_share_mean']:.3f}, "
             f"latent tokens per image {out[mode]['tokens_mean']:.1f}"
         )
+    if "ab" in out:
+        print("\nthe A/B (same steps and batch; all four right / position right per size):")
+        print("| trained on | " + " | ".join(a.sizes) + " |")
+        print("|---|" + "---|" * len(a.sizes))
+        for mode in ("square", "aspect"):
+            cells = [out["ab"][mode]["sizes"][z] for z in a.sizes]
+            print(f"| {mode} | " + " | ".join(f"{c.get('all_four', 0):.2f} / {c.get('position', 0):.2f}"
+                                            for c in cells) + " |")  # fmt: skip
     print(json.dumps(out))
     return out
 
