@@ -327,10 +327,17 @@ def finetune(
 
 
 def evaluate(
-    run_name: str = "default", which: str = "latest", n_prompts: int = 48, res=None
+    run_name: str = "default",
+    which: str = "latest",
+    n_prompts: int = 48,
+    res=None,
+    sizes: list[str] | None = None,
 ) -> bool:
-    """Materialize ``evaluation``: caption following of the run's checkpoint(s)."""
-    cfg = {"run_name": run_name, "checkpoints": which, "n_prompts": n_prompts}
+    """Materialize ``evaluation``: caption following of the run's checkpoint(s) (at ``sizes``,
+    height x width; default the square)."""
+    cfg: dict = {"run_name": run_name, "checkpoints": which, "n_prompts": n_prompts}
+    if sizes:
+        cfg["sizes"] = list(sizes)
     return run_assets(
         ["evaluation"], config={"ops": {"evaluation": {"config": cfg}}}, res=res
     ).success

@@ -220,10 +220,13 @@ def test_coverage_rule_then_train_resume_and_sample(tmp_path, small_sample, zoo,
             res,
             instance,
             ["evaluation"],
-            {"ops": {"evaluation": {"config": {"run_name": "t", "n_prompts": 6, "steps": 2}}}},
-        )
+            {"ops": {"evaluation": {"config": {"run_name": "t", "n_prompts": 6, "steps": 2,
+                                               "sizes": ["256x256", "224x320"]}}}},
+        )  # fmt: skip
         assert result.success
-        rows = cat.query("SELECT * FROM evaluations WHERE run = 't' ORDER BY attribute")
+        rows = cat.query(
+            "SELECT * FROM evaluations WHERE run = 't' AND size = '256x256' ORDER BY attribute"
+        )
         by_attr = {r["attribute"]: r for r in rows}
         assert set(by_attr) == {"colour", "shape", "size", "position", "background", "all_four"}
         assert all(r["step"] == 9 and r["n"] == 6 for r in rows)
@@ -238,6 +241,17 @@ def test_coverage_rule_then_train_resume_and_sample(tmp_path, small_sample, zoo,
         )  # fmt: skip
         for a, r in by_attr.items():
             assert r["accuracy"] == pytest.approx(direct["accuracy"][a])
+        # and at a wide bucket: landscape prompts, generated 224 x 320, recorded with the size
+        wide = evaluate_checkpoint(
+            tmp_path / "data" / "runs" / "t" / "checkpoints" / "last.ckpt",
+            zoo["text"], zoo["vae"], n_prompts=6, steps=2, size=(224, 320),
+        )  # fmt: skip
+        assert wide["images"].shape[1:3] == (224, 320)
+        got = {r["attribute"]: r["accuracy"] for r in cat.query(
+            "SELECT * FROM evaluations WHERE run = 't' AND size = '224x320'")}  # fmt: skip
+        assert got == pytest.approx(wide["accuracy"])
+        fig = tmp_path / "data" / "runs" / "t" / "evaluation" / "step0000009_224x320.png"
+        assert Image.open(fig).size[0] > 320
         md = instance.fetch_materializations(dg.AssetKey("evaluation"), limit=1).records[0]
         md = md.asset_materialization.metadata
         assert md["colour_accuracy"].value == round(direct["accuracy"]["colour"], 3)

@@ -284,6 +284,7 @@ EVALUATION_SCHEMA = pa.schema(
         ("run", pa.string()),
         ("step", pa.int64()),
         ("checkpoint", pa.string()),
+        ("size", pa.string()),  # height x width generated at (null: before sizes, 256x256)
         ("attribute", pa.string()),
         ("accuracy", pa.float64()),
         ("chance", pa.float64()),

@@ -121,13 +121,16 @@ def cmd_sources(action: str, name: str | None, kind: str | None, location: str |
     return 0
 
 
-def cmd_evaluate(run_name: str, checkpoints: str, prompts: int) -> int:
+def cmd_evaluate(
+    run_name: str, checkpoints: str, prompts: int, sizes: list[str] | None = None
+) -> int:
     from flowmatch_assets.catalog import Catalog, format_table
 
-    ok = runs.evaluate(run_name, checkpoints, prompts)
+    ok = runs.evaluate(run_name, checkpoints, prompts, sizes=sizes)
     rows = Catalog(_resource().data_root).query(
-        "SELECT step, attribute, round(accuracy, 3) AS accuracy, round(chance, 3) AS chance, "
-        "round(x_chance, 1) AS x_chance FROM evaluations WHERE run = ? ORDER BY step, attribute",
+        "SELECT step, coalesce(size, '256x256') AS size, attribute, round(accuracy, 3) AS "
+        "accuracy, round(chance, 3) AS chance, round(x_chance, 1) AS x_chance FROM evaluations "
+        "WHERE run = ? ORDER BY step, size, attribute",
         [run_name],
     )
     print(format_table(rows))
@@ -452,7 +455,7 @@ def cmd_demo(
         print(f"  evaluation:       {figs[-1]}  (generated images beside their prompts)")
         rows = Catalog(root).query(
             "SELECT step, attribute, round(accuracy, 2) AS accuracy, round(chance, 3) AS chance "
-            "FROM evaluations WHERE run = 'demo' AND attribute IN ('colour', 'shape', 'size', "
+            "FROM evaluations WHERE run = 'demo' AND coalesce(size, '256x256') = '256x256' AND attribute IN ('colour', 'shape', 'size', "
             "'position') ORDER BY attribute, step"
         )
         print("\ncaption following (fraction of generated images that show what the prompt says):")
@@ -727,6 +730,13 @@ COMMANDS: dict[str, Command] = {
             arg("--run-name", default="default"),
             arg("--checkpoints", choices=["latest", "all"], default="latest"),
             arg("--prompts", type=int, default=48, help="prompts from the caption grammar"),
+            arg(
+                "--sizes",
+                nargs="+",
+                default=None,
+                metavar="HxW",
+                help="generate at these sizes, e.g. 256x256 224x320 320x224 (default: the square)",
+            ),
         ],
     ),
     "demo": Command(

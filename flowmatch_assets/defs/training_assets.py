@@ -428,6 +428,12 @@ class EvaluationConfig(dg.Config):
     steps: int = Field(default=20, description="Euler steps.")
     cfg_scale: float = Field(default=4.0, description="Classifier-free guidance scale.")
     fd_samples: int = Field(default=256, description="Held-out samples FD-DINOv2 draws.")
+    sizes: list[str] = Field(
+        default_factory=lambda: ["256x256"],
+        description="Sizes (height x width) to generate at: the square and any aspect-ratio "
+        "buckets, e.g. 224x320 (wide: landscape prompts) and 320x224 (tall: portrait prompts); "
+        "each scored, recorded with its size and drawn (FD-DINOv2: at the first).",
+    )
     wandb_project: str = Field(default="flowmatch", description="The training run's W&B project.")
 
 
@@ -453,6 +459,7 @@ def evaluation(
         rows_for_catalog,
         summary_line,
     )
+    from flowmatch_models.buckets import label, parse
     from flowmatch_models.grid import markdown_image
 
     out = run_dir(flowmatch, config.run_name)
@@ -463,10 +470,21 @@ def evaluation(
     md: dict = {}
     scored = []
     held = heldout_set(flowmatch.data_root, found[-1][1], config.fd_samples)  # one set for all
+    try:
+        sizes = [parse(z) for z in config.sizes]
+    except ValueError as e:
+        raise dg.Failure(f"evaluation sizes: {e}") from e
+    if not sizes or any(h % 32 or w % 32 or h < 32 or w < 32 for h, w in sizes):
+        raise dg.Failure(f"evaluation sizes {config.sizes}: give at least one height x width, "
+                         "each a multiple of 32 (a latent cell), e.g. ['256x256', '224x320']")  # fmt: skip
     for step, path in found:
-        result = evaluate_checkpoint(
-            path, enc.text, enc.vae, config.n_prompts, config.seed, config.steps, config.cfg_scale
-        )
+        by_size = {}
+        for size in sizes:
+            by_size[size] = evaluate_checkpoint(
+                path, enc.text, enc.vae, config.n_prompts, config.seed, config.steps,
+                config.cfg_scale, size=None if size == (256, 256) else size,
+            )  # fmt: skip
+        result = by_size[sizes[0]]
         fd = fd_dinov2(path, flowmatch.data_root, enc.vae, enc.dino, held, config.steps,
                        config.cfg_scale, config.seed)  # fmt: skip
         result["fd_dinov2"], result["fd"] = fd["fd_dinov2"], fd
@@ -474,9 +492,15 @@ def evaluation(
             flowmatch.data_root,
             config.run_name,
             step,
-            rows_for_catalog(result, config.run_name, path),
+            [
+                row
+                for size, r in by_size.items()
+                for row in rows_for_catalog(r, config.run_name, path, label(size))
+            ],  # fmt: skip
         )
         fig = evaluation_figure(result, out / "evaluation" / f"step{step:07d}.png")
+        for size, r in list(by_size.items())[1:]:
+            evaluation_figure(r, out / "evaluation" / f"step{step:07d}_{label(size)}.png")
         if fd["fd_dinov2"] is not None:
             catalog.record_fd(flowmatch.data_root, config.run_name, step, {
                 "checkpoint": str(path), "fd_dinov2": fd["fd_dinov2"], "n": fd["n"],
@@ -491,6 +515,11 @@ def evaluation(
             "step": step,
             **{f"{a}_accuracy": round(v, 3) for a, v in result["accuracy"].items()},
             **{f"{a}_chance": round(v, 3) for a, v in result["chance"].items()},
+            **{
+                f"{label(z)}_{a}_accuracy": round(v, 3)
+                for z, r in list(by_size.items())[1:]
+                for a, v in r["accuracy"].items()
+            },
             "prompts": result["n"],
             "fd_dinov2": fd["fd_dinov2"],
             "fd_heldout_samples": fd["n"],

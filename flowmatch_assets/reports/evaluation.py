@@ -169,13 +169,15 @@ def evaluation_figure(result: dict, out: str | Path, cols: int = 4, cell: int = 
     return save_png(fig, out)
 
 
-def rows_for_catalog(result: dict, run: str, checkpoint: str) -> list[dict]:
-    """One catalog row per attribute (see the ``evaluations`` view)."""
+def rows_for_catalog(result: dict, run: str, checkpoint: str, size: str = "256x256") -> list[dict]:
+    """One catalog row per attribute (see the ``evaluations`` view) of images generated at
+    ``size`` (height x width)."""
     return [
         {
             "run": run,
             "step": int(result["step"]),
             "checkpoint": str(checkpoint),
+            "size": size,
             "attribute": a,
             "accuracy": float(acc),
             "chance": float(result["chance"][a]),
