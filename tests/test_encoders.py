@@ -75,8 +75,13 @@ def test_image_encoders_shapes_and_dtypes(enc, images):
     np.testing.assert_allclose(z0[0], z[4], atol=2e-3, rtol=1e-3)
     empty = enc.encode_vae(images[:0])
     assert empty.shape == (0, 32, 8, 8)
-    with pytest.raises(ValueError, match=r"uint8 images \[N, 256, 256, 3\]"):
-        enc.encode_vae(images[:, :128])
+    # any bucket on the 32-pixel grid: its own latent grid, DINO pooled onto it row-major
+    wide = np.ascontiguousarray(images[:, :128])
+    assert enc.encode_vae(wide).shape == (5, 32, 4, 8)
+    assert enc.dino_input_hw(128, 256) == (112, 224)
+    assert enc.encode_dino(wide)[0].shape == (5, 32, 384)
+    with pytest.raises(ValueError, match=r"multiples of 32"):
+        enc.encode_vae(images[:, :100])
 
 
 def test_dino_pools_map_to_the_latent_grid(zoo, images, enc):
