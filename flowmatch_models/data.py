@@ -148,18 +148,17 @@ class ShardSource:
         del ids  # 10k strings a partition: not kept (nor copied into every worker)
         # every trainable sample's bucket: an index into ``grids``, the (h, w) latent grids
         # found (one byte a sample: 12 MB for PD12M, beside the order)
-        per = [sample_grids(self._shard("vae_latents", p)) for p in self.partitions]
-        self.grids: list[tuple[int, int]] = sorted(
-            {(int(h), int(w)) for g in per for h, w in np.unique(g, axis=0)}
-        )
-        code = {g: i for i, g in enumerate(self.grids)}
-        keep = [np.delete(np.arange(len(g)), h) for g, h in zip(per, self.heldout_rows)]
-        self.buckets = np.concatenate(
-            [np.array([code[(int(a), int(b))] for a, b in g[k]], np.uint8).reshape(-1)
-             for g, k in zip(per, keep)] or [np.zeros(0, np.uint8)]
-        )  # fmt: skip
-        self.max_cells = max(h * w for h, w in self.grids) if self.grids else 64
-        del per, keep
+        every = [sample_grids(self._shard("vae_latents", p)) for p in self.partitions]
+        trained = np.concatenate(
+            [np.delete(g, h, axis=0) for g, h in zip(every, self.heldout_rows)]
+        ).reshape(-1, 2)
+        found, code = np.unique(trained, axis=0, return_inverse=True)
+        #: the buckets (latent grids) of the trainable samples; ``buckets`` indexes them
+        self.grids: list[tuple[int, int]] = [(int(h), int(w)) for h, w in found]
+        self.buckets = code.reshape(-1).astype(np.uint8)
+        # buffers hold the largest sample, held-out ones included
+        self.max_cells = max((int(g.prod(1).max()) for g in every if len(g)), default=64)
+        del every, trained, code
         first = self._shard("vae_latents", self.partitions[0])
         if "scaling_factor" not in first.attrs:
             raise ValueError(
