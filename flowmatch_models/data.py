@@ -155,6 +155,8 @@ class ShardSource:
         found, code = np.unique(trained, axis=0, return_inverse=True)
         #: the buckets (latent grids) of the trainable samples; ``buckets`` indexes them
         self.grids: list[tuple[int, int]] = [(int(h), int(w)) for h, w in found]
+        if len(found) > 255:
+            raise ValueError(f"{len(found)} latent grids: at most 255 buckets are supported")
         self.buckets = code.reshape(-1).astype(np.uint8)
         # buffers hold the largest sample, held-out ones included
         self.max_cells = max((int(g.prod(1).max()) for g in every if len(g)), default=64)
@@ -793,6 +795,11 @@ class BatchStream(IterableDataset):
                 f"{int(source.sizes.sum())} samples of {len(source.sizes)} partitions; "
                 "lower data.batch_size or add partitions"
             )
+        if self.chunk and start_sample % self.global_batch:
+            raise ValueError(
+                f"start position {start_sample} is not a multiple of the global batch "
+                f"{self.global_batch}: with aspect-ratio buckets batches are one bucket only there"
+            )
         if self.chunk and self.chunk % self.global_batch:
             raise ValueError(
                 f"global batch {self.global_batch} (batch_size x {world_size} ranks) does not "
@@ -1005,6 +1012,16 @@ class EmbeddingDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         self._decide_epoch()
         rank, world = self._rank_world()
+        g = self.batch_size * world
+        if len(self.source.grids) > 1 and self.position % g:
+            # an elastic resume with a larger global batch: its batches are one bucket only on
+            # its own multiples (chunk boundaries are); the samples up to the next are left for
+            # the next epoch (the ledger's segment starts there)
+            skip = g - self.position % g
+            log.warning("epoch %d: position %d is not a multiple of the global batch %d; "
+                        "starting at %d (%d samples of this epoch skipped to keep batches one "
+                        "bucket)", self.epoch, self.position, g, self.position + skip, skip)  # fmt: skip
+            self.position += skip
         stream = BatchStream(
             self.source,
             self.batch_size,
@@ -1110,7 +1127,8 @@ class EmbeddingDataModule(L.LightningDataModule):
             "position": self.position,
             "seed": self.seed,
             "shuffle_window": self.shuffle_window,
-            "bucket_chunk": self.bucket_chunk,
+            # the chunks cut this epoch's order only with several buckets
+            **({"bucket_chunk": self.bucket_chunk} if len(self.source.grids) > 1 else {}),
             "heldout": list(self.heldout),
             "partitions": list(self.partitions),
             "trained_counts": dict(self.trained_counts),
@@ -1130,11 +1148,10 @@ class EmbeddingDataModule(L.LightningDataModule):
         self.ledger = [dict(s) for s in state.get("ledger", [])]
         ours = {"seed": self.seed, "shuffle_window": self.shuffle_window,
                 "heldout": [float(x) for x in self.heldout]}  # fmt: skip
-        if len(self.source.grids) > 1:  # the chunks cut the order only with several buckets
+        if "bucket_chunk" in state:  # its epoch was cut in chunks (several buckets)
             ours["bucket_chunk"] = self.bucket_chunk
-        # a checkpoint from before held-out splits held nothing out; one from before buckets
-        # had one bucket (its chunk never used)
-        theirs_all = {"heldout": [0.0, 0], "bucket_chunk": self.bucket_chunk, **state}
+        # a checkpoint from before held-out splits held nothing out
+        theirs_all = {"heldout": [0.0, 0], **state}
         theirs_all["heldout"] = [float(x) for x in theirs_all["heldout"]]
         changed = {
             k: (theirs_all[k], v) for k, v in ours.items() if k in theirs_all and theirs_all[k] != v

@@ -174,3 +174,63 @@ def test_training_on_buckets_resumes_exactly_with_ledger_and_per_bucket_loss(
     for sid, n, lo, hi in zip(got["sample_id"].to_pylist(), got["times_seen"],
                               got["first_step"], got["last_step"]):  # fmt: skip
         assert (n, lo, hi) == (len(want[sid]), min(want[sid]), max(want[sid])), sid
+
+
+def test_an_elastic_resume_with_a_larger_batch_keeps_batches_one_bucket(
+    bucket_store, tmp_path: Path
+) -> None:
+    """3 steps of 8 (position 24), resumed with batches of 16: 24 is not on the new batch's
+    grid, so the run starts the next batch at 32 (8 samples of the epoch left for the next);
+    every batch stays one bucket and the ledger reconstructs exactly what was trained."""
+    root, truth = bucket_store
+    out = tmp_path / "elastic"
+    cfg = tiny_config(root, out, data__bucket_chunk=16, trainer__accumulate_grad_batches=1,
+                      trainer__max_steps=3)  # fmt: skip
+    assert run_training(cfg, resume="none").step == 3
+    cfg = tiny_config(root, out, data__bucket_chunk=16, trainer__accumulate_grad_batches=1,
+                      trainer__max_steps=6, data__batch_size=16)  # fmt: skip
+    assert run_training(cfg, resume="auto").step == 6
+    recs = read_records(out)
+    assert [len(r["ids"]) for r in recs] == [8, 8, 8, 16, 16, 16]
+    assert [r["position"] for r in recs][3] == 32  # realigned from 24
+    for r in recs:
+        assert len({truth[i][0].shape for i in r["ids"]}) == 1  # one bucket a batch
+    from flowmatch_models.data import sample_grids
+    from flowmatch_models.ledger import expand
+
+    layout = DataLayout(root)
+    shard = lambda p: read_shard(layout.asset_path("vae_latents", p))  # noqa: E731
+    segs = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)
+    got = expand(segs["EmbeddingDataModule"]["ledger"], lambda p: shard(p).ids,
+                 lambda p: sample_grids(shard(p)))  # fmt: skip
+    want = sorted(i for r in recs for i in r["ids"])
+    assert sorted(got["sample_id"].to_pylist()) == want
+
+
+def test_ledger_epochs_view_reads_segments_recorded_before_buckets(tmp_path: Path) -> None:
+    """A data root whose catalog holds ledger segments recorded before the ``heldout`` and
+    ``bucket_chunk`` columns still reads, beside new ones (the view unions by name)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from flowmatch_assets.catalog import Catalog
+    from flowmatch_assets.catalog.records import LEDGER_EPOCH_SCHEMA, ledger_path, record_ledger
+
+    seg = {"epoch": 0, "partitions": ["000-00"], "sizes": [4], "seed": 0, "shuffle_window": 4,
+           "global_batch": 2, "accumulate": 1, "pos_from": 0, "pos_to": 4, "step_from": 0,
+           "available_partitions": 1, "available_samples": 4}  # fmt: skip
+    old = pa.schema([f for f in LEDGER_EPOCH_SCHEMA if f.name not in ("heldout", "bucket_chunk")])
+    path = ledger_path(tmp_path, "old", 2, "ledger_epochs")
+    path.parent.mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist([{**seg, "run": "old", "checkpoint_step": 2}], old), path)
+    empty = {"sample_id": pa.array([], pa.string()),
+             "partition": pa.array([], pa.string()).dictionary_encode(),
+             **{k: np.zeros(0, np.int64) for k in ("times_seen", "first_step", "last_step",
+                                                    "partition_size")}}  # fmt: skip
+    record_ledger(tmp_path, "new", 2, empty, [{**seg, "heldout": [0.1, 3], "bucket_chunk": 16}],
+                  [2])  # fmt: skip
+    rows = Catalog(tmp_path).query(
+        "SELECT run, bucket_chunk, samples FROM ledger_epochs ORDER BY run"
+    )
+    assert rows == [{"run": "new", "bucket_chunk": 16, "samples": 4},
+                    {"run": "old", "bucket_chunk": None, "samples": 4}]  # fmt: skip

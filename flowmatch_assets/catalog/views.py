@@ -111,7 +111,7 @@ def _view_sql(layout: DataLayout) -> list[str]:
            FROM ledger_chain ch JOIN ledger_deltas d
              ON d.run = ch.run AND d.checkpoint_step = ch.delta_step
            GROUP BY ch.run, ch.checkpoint_step, d.sample_id""",
-        f"CREATE OR REPLACE VIEW ledger_epochs AS SELECT *, pos_to - pos_from AS samples FROM read_parquet({ledger_epochs}) WHERE run IS NOT NULL",
+        f"CREATE OR REPLACE VIEW ledger_epochs AS SELECT *, pos_to - pos_from AS samples FROM read_parquet({ledger_epochs}, union_by_name=true) WHERE run IS NOT NULL",
         """CREATE OR REPLACE VIEW ledger_partitions AS
            SELECT run, checkpoint_step, partition, count(*) AS samples_seen,
                   sum(times_seen) AS samples_trained, any_value(partition_size) AS partition_size,

@@ -432,7 +432,8 @@ class EvaluationConfig(dg.Config):
         default_factory=lambda: ["256x256"],
         description="Sizes (height x width) to generate at: the square and any aspect-ratio "
         "buckets, e.g. 224x320 (wide: landscape prompts) and 320x224 (tall: portrait prompts); "
-        "each scored, recorded with its size and drawn (FD-DINOv2: at the first).",
+        "each scored, recorded with its size and drawn (step*_<size>.png); the first is the "
+        "headline (metadata, step*.png). FD-DINOv2 is at 256x256.",
     )
     wandb_project: str = Field(default="flowmatch", description="The training run's W&B project.")
 
