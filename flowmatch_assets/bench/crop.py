@@ -214,8 +214,8 @@ def train_both(
         print(f"{mode}: embeddings {emb_s:.0f}s, {steps} steps in {time.perf_counter() - t0:.0f}s",
               flush=True)  # fmt: skip
         scored = evaluate_sizes(str(ckpt), text, str(DEMO_VAE), sizes, n_prompts)
-        out[mode] = {"sizes": scored["sizes"], "val_loss": result.metrics.get("val/loss"),
-                     "embeddings_s": round(emb_s, 1)}  # fmt: skip
+        out[mode] = {"sizes": scored["sizes"], "embeddings_s": round(emb_s, 1),
+                     "train_s": round(result.wall_s, 1)}  # fmt: skip
     return out
 
 
