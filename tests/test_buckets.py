@@ -333,6 +333,23 @@ def test_the_centre_square_cuts_side_objects_that_buckets_keep(tmp_path):
     assert sq["kept_share_mean"] < 0.7 < 0.9 < asp["kept_share_mean"]
     assert sq["tokens_mean"] == 64 and 60 <= asp["tokens_mean"] <= 68
 
+    # the A/B's wiring (`bench crop --train`), in miniature: embeddings both ways, a few steps
+    # each (the bucketed run in one-bucket chunks), scored at the square and a wide bucket
+    import torch
+
+    from flowmatch_assets.bench.crop import train_both
+
+    sample = {"metadata": str(tmp_path / "sample" / "metadata"), "dest": str(tmp_path / "sample")}
+    ab = train_both(tmp_path, ["000-00"], sample, steps=4, batch=2, text_encoder="none",
+                    sizes=["256x256", "224x320"], n_prompts=2)  # fmt: skip
+    for mode in ("square", "aspect"):
+        assert set(ab[mode]["sizes"]) == {"256x256", "224x320"}
+        assert all(0 <= v <= 1 for r in ab[mode]["sizes"].values() for v in r.values())
+        ckpt = torch.load(tmp_path / "runs" / mode / "checkpoints" / "last.ckpt",
+                          weights_only=True)  # fmt: skip
+        segs = ckpt["EmbeddingDataModule"]["ledger"]
+        assert {s.get("bucket_chunk") for s in segs} == ({2} if mode == "aspect" else {None})
+
 
 def test_wide_and_tall_evaluation_prompts_keep_the_draws_and_take_their_orientation():
     from flowmatch_assets.reports.caption_eval import parse_caption, prompts
