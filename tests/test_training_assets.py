@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import dagster as dg
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -209,11 +210,20 @@ def test_coverage_rule_then_train_resume_and_sample(tmp_path, small_sample, zoo,
             res,
             instance,
             ["samples"],
-            {"ops": {"samples": {"config": {"run_name": "t", "steps": 2}}}},
-        )
+            {"ops": {"samples": {"config": {"run_name": "t", "steps": 2,
+                                            "sizes": ["256x256", "320x224"]}}}},
+        )  # fmt: skip
         assert result.success
         grid = Image.open(tmp_path / "data" / "samples" / "t.png")
         assert grid.size[0] > 256 and grid.mode == "RGB"
+        # a tall bucket's grid: the same prompts, each image 320 x 224 fitted in its 128 px
+        # cell with its aspect kept, on white: the first cell's picture is ~128 x 90
+        tall = np.asarray(
+            Image.open(tmp_path / "data" / "samples" / "t_320x224.png").convert("RGB")
+        )
+        first = ~(tall[:130, :130] == 255).all(-1)
+        h, w = (int(np.ptp(np.flatnonzero(first.any(a)))) + 1 for a in (1, 0))
+        assert h >= 126 and abs(w - 128 * 224 / 320) <= 3, (h, w)
 
         # evaluation: caption following of every saved checkpoint, into the catalog
         result = _materialize(

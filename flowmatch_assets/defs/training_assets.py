@@ -376,6 +376,11 @@ class SamplesConfig(dg.Config):
     steps: int = Field(default=30, description="Euler steps.")
     cfg_scale: float = Field(default=4.0, description="Classifier-free guidance scale.")
     seed: int = Field(default=0, description="Noise seed (fixed so grids compare across runs).")
+    sizes: list[str] = Field(
+        default_factory=lambda: ["256x256"],
+        description="Sizes (height x width, multiples of 32) to render at: the square and any "
+        "aspect-ratio buckets, e.g. 224x320; one grid each (<run>.png, then <run>_<size>.png).",
+    )
 
 
 @dg.asset(
@@ -389,27 +394,41 @@ def samples(
 ) -> dg.MaterializeResult:
     from PIL import Image
 
+    from flowmatch_models.buckets import label, parse
     from flowmatch_models.grid import markdown_image
     from flowmatch_models.sample import load_model, load_vae, prompt_embeddings, sample_grid
 
     export = run_dir(flowmatch, config.run_name) / "pipeline"
     if not export.exists():
         raise dg.Failure(f"no trained model at {export}; materialize flow_model first")
+    try:
+        sizes = [parse(z) for z in config.sizes]
+    except ValueError as e:
+        raise dg.Failure(f"samples sizes: {e}") from e
+    if not sizes or any(h % 32 or w % 32 or h < 32 or w < 32 for h, w in sizes):
+        raise dg.Failure(f"samples sizes {config.sizes}: give at least one height x width, each "
+                         "a multiple of 32, e.g. ['256x256', '224x320']")  # fmt: skip
     model, meta = load_model(model_dir=export)
     enc = flowmatch.encoders
     text, mask, labels = prompt_embeddings(config.prompts, enc.text)
-    out = Path(flowmatch.data_root) / "samples" / f"{config.run_name}.png"
-    sample_grid(
-        model, text, mask, out, scaling_factor=float(meta.get("scaling_factor", 1.0)),
-        vae=load_vae(enc.vae), steps=config.steps, cfg_scale=config.cfg_scale,
-        seed=config.seed, shift=float(meta.get("flow_shift", 1.0)), labels=labels,
-        null_text=meta.get("null_text"),
-    )  # fmt: skip
-    context.log.info(f"sample grid: {out}")
+    vae = load_vae(enc.vae)
+    md: dict = {}
+    for i, size in enumerate(sizes):
+        name = config.run_name + ("" if i == 0 else f"_{label(size)}")
+        out = Path(flowmatch.data_root) / "samples" / f"{name}.png"
+        sample_grid(
+            model, text, mask, out, scaling_factor=float(meta.get("scaling_factor", 1.0)),
+            vae=vae, steps=config.steps, cfg_scale=config.cfg_scale, seed=config.seed,
+            shift=float(meta.get("flow_shift", 1.0)), labels=labels,
+            null_text=meta.get("null_text"), size=None if size == (256, 256) else size,
+        )  # fmt: skip
+        context.log.info(f"sample grid at {label(size)}: {out}")
+        key = "grid" if i == 0 else f"grid_{label(size)}"
+        md[f"{key}_png"] = dg.MetadataValue.path(str(out))
+        md[key] = dg.MetadataValue.md(markdown_image(Image.open(out), "samples", max_side=640))
     return dg.MaterializeResult(
         metadata={
-            "grid_png": dg.MetadataValue.path(str(out)),
-            "grid": dg.MetadataValue.md(markdown_image(Image.open(out), "samples", max_side=640)),
+            **md,
             "prompts": dg.MetadataValue.json(config.prompts),
             "model": dg.MetadataValue.path(str(export)),
         }
