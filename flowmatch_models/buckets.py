@@ -72,6 +72,19 @@ def parse(text: str) -> Bucket:
     return int(h), int(w)
 
 
+def parse_sizes(texts: Sequence[str], grid: int = GRID) -> list[Bucket]:
+    """Sizes to generate at (``["256x256", "224x320"]``): at least one, each on the ``grid``;
+    a ValueError naming what is wrong otherwise."""
+    try:
+        sizes = [parse(t) for t in texts]
+    except ValueError as e:
+        raise ValueError(f"sizes {list(texts)}: {e}") from e
+    if not sizes or any(h % grid or w % grid or h < grid or w < grid for h, w in sizes):
+        raise ValueError(f"sizes {list(texts)}: give at least one height x width, each a multiple "
+                         f"of {grid} (a latent cell), e.g. ['256x256', '224x320']")  # fmt: skip
+    return sizes
+
+
 def nearest(width: int, height: int, buckets: Sequence[Bucket]) -> Bucket:
     """The bucket whose aspect ratio is nearest the image's (log ratio; ties: the squarer)."""
     r = math.log(height / width)

@@ -365,3 +365,12 @@ def test_wide_and_tall_evaluation_prompts_keep_the_draws_and_take_their_orientat
         assert m["position"] in (w["position"], t["position"])
     with pytest.raises(ValueError, match="landscape, portrait or None"):
         prompts(2, 0, orientation="square")
+
+
+def test_sizes_to_generate_at_are_checked_in_one_place():
+    from flowmatch_models.buckets import parse_sizes
+
+    assert parse_sizes(["256x256", "224x320"]) == [(256, 256), (224, 320)]
+    for bad in ([], ["256"], ["250x256"], ["0x256"]):
+        with pytest.raises(ValueError, match="sizes"):
+            parse_sizes(bad)

@@ -394,7 +394,7 @@ def samples(
 ) -> dg.MaterializeResult:
     from PIL import Image
 
-    from flowmatch_models.buckets import label, parse
+    from flowmatch_models.buckets import label, parse_sizes
     from flowmatch_models.grid import markdown_image
     from flowmatch_models.sample import load_model, load_vae, prompt_embeddings, sample_grid
 
@@ -402,12 +402,9 @@ def samples(
     if not export.exists():
         raise dg.Failure(f"no trained model at {export}; materialize flow_model first")
     try:
-        sizes = [parse(z) for z in config.sizes]
+        sizes = parse_sizes(config.sizes)
     except ValueError as e:
-        raise dg.Failure(f"samples sizes: {e}") from e
-    if not sizes or any(h % 32 or w % 32 or h < 32 or w < 32 for h, w in sizes):
-        raise dg.Failure(f"samples sizes {config.sizes}: give at least one height x width, each "
-                         "a multiple of 32, e.g. ['256x256', '224x320']")  # fmt: skip
+        raise dg.Failure(f"samples {e}") from e
     model, meta = load_model(model_dir=export)
     enc = flowmatch.encoders
     text, mask, labels = prompt_embeddings(config.prompts, enc.text)
@@ -479,7 +476,7 @@ def evaluation(
         rows_for_catalog,
         summary_line,
     )
-    from flowmatch_models.buckets import label, parse
+    from flowmatch_models.buckets import label, parse_sizes
     from flowmatch_models.grid import markdown_image
 
     out = run_dir(flowmatch, config.run_name)
@@ -489,14 +486,11 @@ def evaluation(
     enc = flowmatch.encoders
     md: dict = {}
     scored = []
-    held = heldout_set(flowmatch.data_root, found[-1][1], config.fd_samples)  # one set for all
     try:
-        sizes = [parse(z) for z in config.sizes]
+        sizes = parse_sizes(config.sizes)
     except ValueError as e:
-        raise dg.Failure(f"evaluation sizes: {e}") from e
-    if not sizes or any(h % 32 or w % 32 or h < 32 or w < 32 for h, w in sizes):
-        raise dg.Failure(f"evaluation sizes {config.sizes}: give at least one height x width, "
-                         "each a multiple of 32 (a latent cell), e.g. ['256x256', '224x320']")  # fmt: skip
+        raise dg.Failure(f"evaluation {e}") from e
+    held = heldout_set(flowmatch.data_root, found[-1][1], config.fd_samples)  # one set for all
     for step, path in found:
         by_size = {}
         for size in sizes:
