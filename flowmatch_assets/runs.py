@@ -174,14 +174,15 @@ def materialize(
     ``partitions``. Prints one line per partition. Returns partition -> success."""
     from flowmatch_assets.defs.partitions import register_partitions
     from flowmatch_assets.freshness.state import partition_states
-    from flowmatch_models.layout import PARTITIONED_ASSETS, PD12M, source_of
+    from flowmatch_models.layout import PARTITIONED_ASSETS, source_of
 
     inst = instance()
     res = res or resource()
-    for s in sources or []:
-        if s != PD12M:
-            res.source(s)  # unknown: SourceError naming the configured ones
-    register_partitions(inst, res)
+    # scan only the sources asked for (all of them when nothing is named): a broken other
+    # source is never read; what a scan skipped is one line each
+    named = [*(sources or []), *(s for k in partitions or [] if (s := source_of(k)) in res.sources)]
+    scan = sorted(set(named)) if (partitions or sources) else None
+    register_partitions(inst, res, scan, log=_warn)
     known = known_partitions(inst)
     check_partitions(list(partitions or []), known)
     names = assets or list(PARTITIONED_ASSETS)
@@ -229,6 +230,24 @@ def materialize(
         for step, msg in step_failures(result):
             print(f"    {step}: {msg}")
     return out
+
+
+def partition_files(res, keys: Sequence[str]) -> list[Path]:
+    """Every file made from these partitions: each partitioned asset's file, the previews and
+    the catalog's per-partition records (``<catalog>/<kind>/<asset>/<key>.parquet``)."""
+    from flowmatch_models.layout import PARTITIONED_ASSETS
+
+    layout = res.layout
+    out: list[Path] = []
+    for key in keys:
+        out += [p for a in PARTITIONED_ASSETS if (p := layout.asset_path(a, key)).exists()]
+        out += sorted(layout.root.joinpath("previews").glob(f"*/{key}.png"))
+        out += sorted(layout.catalog_dir.glob(f"*/*/{key}.parquet"))
+    return out
+
+
+def _warn(line: str) -> None:
+    print(f"flowmatch: {line}", file=sys.stderr)
 
 
 def retry(
@@ -357,7 +376,7 @@ def materialize_data_cards(partitions: list[str] | None = None, res=None) -> boo
 
     res = res or resource()
     inst = instance()
-    register_partitions(inst, res)
+    register_partitions(inst, res, log=_warn)
     have = res.layout.partitions_with("pd12m_metadata")
     check_partitions(list(partitions or []), have)
     tags = {"flowmatch/cli": "data-card"}

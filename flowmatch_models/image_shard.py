@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
-from flowmatch_models.atomic import atomic_path
+from flowmatch_models.atomic import atomic_path, written
 
 IMAGE_SHARD_SCHEMA = pa.schema(
     [
@@ -52,7 +52,7 @@ def write_image_shard(path: str | Path, rows: Sequence[dict]) -> int:
             row_group_size=ROW_GROUP,
             compression={c: ("NONE" if c == "image" else "ZSTD") for c in table.column_names},
         )
-    return Path(path).stat().st_size
+    return written(path).stat().st_size  # inside a deferred publish: the temp file
 
 
 def read_image_meta(path: str | Path, size: int = 256, images: bool = False) -> pa.Table:

@@ -102,7 +102,9 @@ def dup_dataset(tmp_path_factory):
 
 def _resource(data: Path, md: Path) -> FlowmatchResource:
     return FlowmatchResource(
-        data_root=str(data), metadata_source=str(md), ingest=IngestConfig(threads=4)
+        data_root=str(data),
+        metadata_source=str(md),
+        ingest=IngestConfig(threads=4, allow_networks=["127.0.0.0/8"]),
     )
 
 
@@ -180,6 +182,7 @@ def test_duplicates_are_dropped_the_same_way_when_partitions_run_in_parallel(tmp
         "DAGSTER_HOME": str(home),
         "FLOWMATCH_DATA_ROOT": str(data),
         "FLOWMATCH_METADATA": str(md),
+        "FLOWMATCH_ALLOW_NETWORKS": "127.0.0.0/8",  # the loopback image server
     }
     os.environ["DAGSTER_HOME"] = str(home)
     try:

@@ -129,6 +129,7 @@ def _cfg(**kw: object) -> IngestConfig:
         retries=2,
         backoff_s=0.01,
         max_bytes=MAX_BYTES,
+        allow_networks=["127.0.0.0/8"],  # the loopback test servers
     )
     base.update(kw)
     return IngestConfig(**base)

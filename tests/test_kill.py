@@ -46,6 +46,7 @@ def test_kill_9_mid_partition_then_rerun(tmp_path, small_sample):
             "DAGSTER_HOME": str(home),
             "FLOWMATCH_DATA_ROOT": str(data),
             "FLOWMATCH_METADATA": str(md_dir),
+            "FLOWMATCH_ALLOW_NETWORKS": "127.0.0.0/8",  # the loopback image server
         }
         reg = subprocess.run(
             [sys.executable, "-m", "flowmatch_assets.cli", "partitions", "register"],

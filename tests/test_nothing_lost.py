@@ -41,7 +41,10 @@ def _res(root: Path, sample: dict, **ingest) -> FlowmatchResource:
     return FlowmatchResource(
         data_root=str(root),
         metadata_source=sample["metadata"],
-        ingest=IngestConfig(**{"file_root": sample["dest"], "threads": 4, **ingest}),
+        ingest=IngestConfig(
+            **{"file_root": sample["dest"], "threads": 4, "allow_networks": ["127.0.0.0/8"]}
+            | ingest
+        ),
     )
 
 

@@ -24,6 +24,7 @@ from flowmatch_assets.catalog.records import (  # noqa: F401
     ledger_path,
     read_ledger_segments,
     read_materialization,
+    read_partitions,
     read_rows,
     record_attempt,
     record_card_rows,

@@ -477,3 +477,9 @@ def record_partitions(data_root: str | Path, partitions: Sequence[dict]) -> Path
     path = layout.catalog_dir / "partitions.parquet"
     _write_parquet(path, pa.Table.from_pylist(list(partitions), schema=PARTITION_SCHEMA))
     return path
+
+
+def read_partitions(data_root: str | Path) -> list[dict]:
+    """The list of known partitions as last recorded (none before the first discovery)."""
+    path = DataLayout(data_root).catalog_dir / "partitions.parquet"
+    return pq.read_table(path).to_pylist() if path.exists() else []

@@ -61,10 +61,12 @@ def _setting_message(e: Exception) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def cmd_partitions(action: str, source: str | None) -> int:
-    """`flowmatch partitions [list|register] [--source NAME]`: PD12M's shards and the
+def cmd_partitions(action: str, source: str | None, partition: list[str], orphans: bool) -> int:
+    """`flowmatch partitions [list|register|remove] [--source NAME]`: PD12M's shards and the
     configured sources' partitions; ``register`` adds new ones (a source: its new images,
-    files or tars) to the Dagster instance, ``list`` shows what register would add as NEW."""
+    files or tars) to the Dagster instance, ``list`` shows what register would add as NEW and
+    the keys with no data behind them (ORPHAN: added by hand in the UI, a removed source);
+    ``remove -p KEY`` (or ``--orphans``) drops such keys from the instance."""
     from flowmatch_assets.defs.partitions import SHARDS, discover, register_partitions
     from flowmatch_assets.ingest import sources as src
     from flowmatch_models.layout import PD12M
@@ -73,51 +75,161 @@ def cmd_partitions(action: str, source: str | None) -> int:
     if source is not None and source != PD12M:
         res.source(source)  # unknown: one line naming the configured ones
     if action == "register":
-        new = register_partitions(_instance(), res, source)
+        skipped: list[str] = []
+        new = register_partitions(_instance(), res, source, log=skipped.append, strict=True)
         print(f"registered {len(new)} new partitions" + (f": {', '.join(new[:10])}" if new else ""))
+        if skipped:  # what could not be read, one line, on stderr; the rest is registered
+            print(f"flowmatch: {'; '.join(skipped)}", file=sys.stderr)
         return 0
-    known = set(_instance().get_dynamic_partitions(SHARDS))
-    rows = [p for p in discover(res) if source is None or p["source"] == source]
+    inst = _instance()
+    found = discover(res)
+    known = set(inst.get_dynamic_partitions(SHARDS))
+    orphan = sorted(known - {p["partition"] for p in found.partitions})
+    if action == "remove":
+        return _remove_partitions(inst, SHARDS, orphan if orphans else partition, orphan, found)
+    rows = [p for p in found.partitions if source is None or p["source"] == source]
     scan = sorted(res.sources) if source is None else [s for s in [source] if s != PD12M]
+    notes = [p.line for p in found.problems]
     for name in scan:
         cfg = res.source(name)
-        rows += [{**m.as_partition(cfg.location), "new": True}
-                 for m in src.unregistered(res.data_root, name, cfg)]  # fmt: skip
+        try:
+            pending = src.unregistered(res.data_root, name, cfg)
+        except src.SourceError as e:
+            notes.append(f"{name}: {e}")
+            continue
+        rows += [{**m.as_partition(cfg.location), "new": True} for m in pending.new]
+        if pending.skipped:
+            notes.append(pending.skipped_line(name))
     for p in rows:
         mark = "NEW" if p.get("new") or p["partition"] not in known else "registered"
         print(f"{p['partition']}  {p['source']}  rows [{p['row_start']}, {p['row_end']})  "
               f"{p['source_file']}  {mark}")  # fmt: skip
+    for key in orphan if source is None else []:
+        print(f"{key}  ?  no data behind it (no PD12M shard, no registered source partition)  "
+              "ORPHAN: `flowmatch partitions remove --orphans`")  # fmt: skip
+    for line in notes:
+        print(f"skipped {line}")
+    return 0
+
+
+def _remove_partitions(inst, name: str, keys: list[str], orphan: list[str], found) -> int:
+    """Drop partition keys that have no data behind them from the Dagster instance."""
+    if not keys:
+        print("no partitions to remove" + ("" if orphan else " (no orphans)"))
+        return 0
+    owner = {p["partition"]: p["source"] for p in found.partitions}
+    for k in keys:
+        if k in owner:
+            raise CliError(
+                f"partition {k} has data behind it ({owner[k]}); only keys without any "
+                "(ORPHAN in `flowmatch partitions list`) are removed here. A source's "
+                f"partitions go with the source: `flowmatch sources remove {owner[k]} --purge`"
+            )
+        if k not in orphan:
+            raise CliError(f"unknown partition {k!r}: not in the Dagster instance")
+    for k in keys:
+        inst.delete_dynamic_partition(name, k)
+    print(f"removed {len(keys)} partitions: {', '.join(keys[:10])}")
     return 0
 
 
 def cmd_sources(action: str, name: str | None, kind: str | None, location: str | None,
                 caption_field: str | None, shard_size: int | None, image_field: str | None,
-                id_field: str | None, license: str | None) -> int:  # fmt: skip
-    """`flowmatch sources [list|add NAME ...]`: the sources of your own images (the YAML file
-    FLOWMATCH_SOURCES, default <data root>/sources.yaml)."""
+                id_field: str | None, license: str | None, follow_links: bool, replace: bool,
+                allow_missing: bool, purge: bool) -> int:  # fmt: skip
+    """`flowmatch sources [list|add NAME ...|remove NAME]`: the sources of your own images (the
+    YAML file FLOWMATCH_SOURCES, default <data root>/sources.yaml)."""
     from flowmatch_assets.ingest import sources as src
 
     res = _resource()
     path = src.sources_file(res.data_root)
     if action == "add":
-        if not name or not kind or not location:
-            raise CliError("sources add needs NAME, --kind folder|parquet|webdataset and "
-                           "--location FOLDER_OR_URL")  # fmt: skip
-        given = {"kind": kind, "location": src.config.absolute(location),
-                 "caption_field": caption_field, "shard_size": shard_size,
-                 "image_field": image_field, "id_field": id_field, "license": license}  # fmt: skip
-        cfg = src.SourceConfig.model_validate({k: v for k, v in given.items() if v is not None})
-        src.write_source(path, src.check_name(name), cfg)
-        print(f"source {name}: {cfg.kind} at {cfg.location} (in {path}); next: "
-              f"`flowmatch partitions register --source {name}`")  # fmt: skip
-        return 0
+        return _add_source(res, path, name, kind, location, replace, allow_missing, {
+            "caption_field": caption_field, "shard_size": shard_size, "image_field": image_field,
+            "id_field": id_field, "license": license, "follow_links": follow_links or None})  # fmt: skip
+    if action == "remove":
+        return _remove_source(res, path, name, purge)
     print(f"sources file: {path}" + ("" if path.is_file() else " (none yet)"))
     print(f"pd12m  metadata  {res.metadata_source}")
     for n in sorted(res.sources):
         cfg = res.source(n)
         parts = src.registered(res.data_root, n)
+        links = "  follows links" if cfg.follow_links else ""
         print(f"{n}  {cfg.kind}  {cfg.location}  caption {cfg.caption()!r}  shard_size "
-              f"{cfg.shard_size}  {len(parts)} partitions registered")  # fmt: skip
+              f"{cfg.shard_size}  {len(parts)} partitions registered{links}")  # fmt: skip
+    return 0
+
+
+def _add_source(res, path: Path, name: str | None, kind: str | None, location: str | None,
+                replace: bool, allow_missing: bool, options: dict) -> int:  # fmt: skip
+    """`sources add`: a new source (or, with ``replace``, new settings of an existing one);
+    its location must exist unless ``allow_missing``."""
+    from flowmatch_assets.ingest import sources as src
+    from flowmatch_assets.ingest.sources.location import Location
+
+    if not name or not kind or not location:
+        raise CliError("sources add needs NAME, --kind folder|parquet|webdataset and "
+                       "--location FOLDER_OR_URL")  # fmt: skip
+    given = {"kind": kind, "location": src.config.absolute(location), **options}
+    cfg = src.SourceConfig.model_validate({k: v for k, v in given.items() if v is not None})
+    src.check_name(name)
+    parts = src.registered(res.data_root, name)
+    old = res.sources.get(name)
+    if old is not None and not replace:
+        raise CliError(
+            f"source {name} exists ({old['kind']} at {old['location']}, {len(parts)} partitions "
+            "registered); `--replace` gives it these settings, or `flowmatch sources remove "
+            f"{name}` first"
+        )
+    if old is not None and parts and old["kind"] != cfg.kind:
+        raise CliError(
+            f"source {name} has {len(parts)} partitions registered as {old['kind']}; a "
+            f"{cfg.kind} source needs another name (or `flowmatch sources remove {name} --purge`)"
+        )
+    if not allow_missing:
+        Location(cfg)  # SourceError (one line) when it does not exist or cannot be reached
+    src.write_source(path, name, cfg)
+    if old is not None:
+        print(f"source {name} replaced: {cfg.kind} at {cfg.location} (in {path}). Its "
+              f"{len(parts)} registered partitions keep the samples they hold (their manifests) "
+              "and read them from the new location when next materialized (a file not there "
+              "fails as not_found; `flowmatch stale` shows which settings changed); new files "
+              "become new partitions")  # fmt: skip
+    else:
+        print(f"source {name}: {cfg.kind} at {cfg.location} (in {path}); next: "
+              f"`flowmatch partitions register --source {name}`")  # fmt: skip
+    return 0
+
+
+def _remove_source(res, path: Path, name: str | None, purge: bool) -> int:
+    """`sources remove NAME [--purge]`: the source, its registered partitions and manifests;
+    what was made from them is kept unless ``purge`` (then refused while any exists)."""
+    from flowmatch_assets.defs.partitions import SHARDS
+    from flowmatch_assets.ingest import sources as src
+
+    if not name:
+        raise CliError("sources remove needs NAME (`flowmatch sources list`)")
+    if name not in res.sources:
+        res.source(name)  # unknown: one line naming the configured ones
+    inst = _instance()
+    keys = sorted({*(p["key"] for p in src.registered(res.data_root, name)),
+                   *(k for k in inst.get_dynamic_partitions(SHARDS)
+                     if k.startswith(f"{name}-"))})  # fmt: skip
+    made = runs.partition_files(res, keys)
+    if made and not purge:
+        raise CliError(
+            f"source {name} has {len(made)} files made from its {len(keys)} partitions (shards, "
+            f"previews, catalog records); `flowmatch sources remove {name} --purge` deletes them "
+            "with the source, or keep the source"
+        )
+    for f in made:
+        f.unlink(missing_ok=True)
+    for k in keys:
+        inst.delete_dynamic_partition(SHARDS, k)
+    src.forget(res.data_root, name)
+    src.write_source(path, name, None)
+    print(f"source {name} removed: {len(keys)} partitions"
+          + (f", {len(made)} files deleted" if made else ""))  # fmt: skip
     return 0
 
 
@@ -569,16 +681,30 @@ COMMANDS: dict[str, Command] = {
         cmd_partitions,
         "list or register the partitions of PD12M and of your own image sources",
         [
-            arg("action", choices=["list", "register"], nargs="?", default="list"),
+            arg("action", choices=["list", "register", "remove"], nargs="?", default="list"),
             arg("--source", default=None, help="only this source (a name, or pd12m)"),
-        ],
+            arg(
+                "--partition",
+                "-p",
+                action="append",
+                default=[],
+                help="remove: a key with no data behind it (repeatable)",
+            ),
+            arg(
+                "--orphans",
+                action="store_true",
+                help="remove: every key with no data behind it (ORPHAN in list)",
+            ),
+        ],  # fmt: skip
     ),
     "sources": Command(
         cmd_sources,
         "your own images as sources: image folders, Hugging Face parquet, WebDataset tars",
         [
-            arg("action", choices=["list", "add"], nargs="?", default="list"),
-            arg("name", nargs="?", help="add: the source's name (starts its partition keys)"),
+            arg("action", choices=["list", "add", "remove"], nargs="?", default="list"),
+            arg(
+                "name", nargs="?", help="add/remove: the source's name (starts its partition keys)"
+            ),
             arg("--kind", choices=["folder", "parquet", "webdataset"], default=None),
             arg("--location", default=None, help="a folder or an fsspec URL"),
             arg(
@@ -591,6 +717,27 @@ COMMANDS: dict[str, Command] = {
             arg("--image-field", default=None, help="parquet: the image column (image)"),
             arg("--id-field", default=None, help="parquet: a column naming each row"),
             arg("--license", default=None, help="recorded for every image"),
+            arg(
+                "--follow-links",
+                action="store_true",
+                help="read files through links that leave the location (off: outside_source)",
+            ),
+            arg(
+                "--replace",
+                action="store_true",
+                help="add: give an existing source these settings (its partitions keep their "
+                "samples)",
+            ),
+            arg(
+                "--allow-missing",
+                action="store_true",
+                help="add: a location that does not exist yet",
+            ),
+            arg(
+                "--purge",
+                action="store_true",
+                help="remove: also delete what was made from its partitions (shards, records)",
+            ),
         ],  # fmt: skip
     ),
     "materialize": Command(

@@ -50,8 +50,12 @@ def pd12m_metadata(
 ) -> dg.MaterializeResult:
     """Read the partition's rows (its metadata file's, or its source's), filter them, store the
     kept ones. (The key is PD12M's from before sources existed; every partition has this stage.)"""
+    with PartitionOutput(context, flowmatch, "pd12m_metadata") as out:
+        return _metadata(context, flowmatch, out)
+
+
+def _metadata(context, flowmatch: FlowmatchResource, out: PartitionOutput) -> dg.MaterializeResult:
     t0 = time.perf_counter()
-    out = PartitionOutput(context, flowmatch, "pd12m_metadata")
     if source_of(out.partition) == PD12M:
         table, failed, extra = _pd12m_rows(context, flowmatch, out.partition)
     else:
@@ -159,9 +163,16 @@ def images_256(
     that stores fewer than ``ingest.min_stored_fraction`` of the kept rows fails and replaces
     nothing (the previous shard and its catalog records stay; its failures go to
     ``rejected_attempts``). With ``retry`` only the failed rows are fetched again and merged
-    into the shard, in order."""
+    into the shard, in order. The shard, its content and duplicate records, its preview and its
+    catalog records are published together, or (a failure anywhere) none of them."""
+    with PartitionOutput(context, flowmatch, "images_256") as out:
+        return _images(context, config, flowmatch, out)
+
+
+def _images(
+    context, config: ImagesConfig, flowmatch: FlowmatchResource, out: PartitionOutput
+) -> dg.MaterializeResult:
     t0 = time.perf_counter()
-    out = PartitionOutput(context, flowmatch, "images_256")
     part, root = out.partition, flowmatch.data_root
     rows = pq.read_table(flowmatch.layout.asset_path("pd12m_metadata", part)).to_pylist()
 
@@ -213,7 +224,7 @@ def images_256(
             "buckets": dg.MetadataValue.json(shard.buckets),
             "kept_mean": round(shard.kept_mean, 4),
             "downloaded_bytes": shard.downloaded_bytes,  # this run's (catalog: all runs')
-            "stored_bytes": out.path.stat().st_size,
+            "stored_bytes": out.written().stat().st_size,
             "images_per_s": round(shard.fetched / seconds, 1) if seconds else 0.0,
             "preview_png": dg.MetadataValue.path(str(preview)),
             "preview": dg.MetadataValue.md(markdown_image(grid, f"images_256 {part}")),

@@ -86,9 +86,15 @@ def build_encode_embeddings(kinds: Sequence[EmbeddingKind]) -> dg.AssetsDefiniti
 
 
 def _store(context, flowmatch: FlowmatchResource, e, ids: list[str]) -> dg.MaterializeResult:
-    """Write one kind's shard and publish it (catalog rows + record, metadata)."""
+    """Write one kind's shard and publish it (catalog rows + record, metadata), together."""
+    with PartitionOutput(context, flowmatch, e.kind.name) as out:
+        return _publish_kind(context, flowmatch, e, ids, out)
+
+
+def _publish_kind(
+    context, flowmatch: FlowmatchResource, e, ids: list[str], out: PartitionOutput
+) -> dg.MaterializeResult:
     kind, spec = e.kind, flowmatch.encoders
-    out = PartitionOutput(context, flowmatch, kind.name)
     mode = spec.lossy.get(kind.name)
     lossy = dict.fromkeys(kind.lossy, mode) if mode else None
     stats = write_shard(out.path, e.arrays, ids, codec=spec.codec, attrs=e.attrs, lossy=lossy,

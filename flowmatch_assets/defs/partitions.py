@@ -9,15 +9,21 @@ partitioned asset, backfill and check treats them alike. Two sensors add new one
 files or tars of the configured sources.
 """
 
-import dagster as dg
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
-from flowmatch_assets.catalog import record_partitions
+import dagster as dg
+import pyarrow as pa
+
+from flowmatch_assets.catalog import read_partitions, record_partitions
 from flowmatch_assets.defs.resources import FlowmatchResource
 from flowmatch_assets.ingest import sources as src
 from flowmatch_assets.ingest.metadata import MetadataError, discover_shards, metadata_exists
 from flowmatch_models.layout import PD12M
 
 SHARDS = "pd12m_shards"
+_LOG = logging.getLogger(__name__)
 shard_partitions = dg.DynamicPartitionsDefinition(name=SHARDS)
 
 
@@ -31,7 +37,8 @@ def pd12m_partitions(flowmatch: FlowmatchResource) -> list[dict]:
 
 
 def source_partitions(flowmatch: FlowmatchResource, name: str) -> list[dict]:
-    """The registered partitions of source ``name`` as catalog ``partitions`` rows."""
+    """The registered partitions of source ``name`` as catalog ``partitions`` rows (from its
+    manifests' index: the source's location is not read)."""
     cfg = flowmatch.source(name)
     return [
         src.Manifest(**s, source=name, kind=cfg.kind).as_partition(cfg.location)
@@ -39,31 +46,90 @@ def source_partitions(flowmatch: FlowmatchResource, name: str) -> list[dict]:
     ]
 
 
-def discover(flowmatch: FlowmatchResource, scan: list[str] | None = None) -> list[dict]:
+@dataclass
+class Problem:
+    """Something a discovery skipped: a whole source (``whole``: its location is missing or
+    unreachable, PD12M's metadata unreadable) or some of its files, and why, in one line."""
+
+    source: str
+    line: str
+    whole: bool
+
+
+@dataclass
+class Discovery:
+    """Every partition found (catalog ``partitions`` rows, key order) and what was skipped."""
+
+    partitions: list[dict]
+    problems: list[Problem] = field(default_factory=list)
+
+
+_UNREADABLE = (MetadataError, src.SourceError, OSError, ValueError, pa.ArrowException)
+
+
+def discover(flowmatch: FlowmatchResource, scan: Sequence[str] | None = None) -> Discovery:
     """Every partition of PD12M and of the configured sources (``{partition, source,
     source_file, row_start, row_end}``, key order); the sources in ``scan`` are scanned for
-    new samples first (registered as new partitions). Refreshes the catalog's ``partitions``."""
+    new samples first (registered as new partitions). One broken source never stops the
+    others: a source that cannot be scanned, or files it skipped, are :class:`Problem` s; when
+    PD12M's metadata cannot be listed (and sources are configured) its partitions are the ones
+    the catalog knew. Refreshes the catalog's ``partitions``."""
+    problems: list[Problem] = []
     for name in scan or []:
-        src.register(flowmatch.data_root, name, flowmatch.source(name))
-    found = pd12m_partitions(flowmatch)
+        try:
+            found = src.register(flowmatch.data_root, name, flowmatch.source(name))
+        except _UNREADABLE as e:
+            problems.append(Problem(name, f"{name}: {e}", True))
+            continue
+        if found.skipped:
+            problems.append(Problem(name, found.skipped_line(name), False))
+    try:
+        parts = pd12m_partitions(flowmatch)
+    except _UNREADABLE as e:
+        if not flowmatch.sources:
+            raise  # PD12M is all there is: the CLI says why in one line
+        problems.append(Problem(PD12M, f"{PD12M}: {e}", True))
+        parts = [p for p in read_partitions(flowmatch.data_root) if p["source"] == PD12M]
     for name in sorted(flowmatch.sources):
-        found += source_partitions(flowmatch, name)
-    record_partitions(flowmatch.data_root, found)
-    return found
+        parts += source_partitions(flowmatch, name)
+    record_partitions(flowmatch.data_root, parts)
+    return Discovery(parts, problems)
+
+
+def scanned(flowmatch: FlowmatchResource, source: str | Sequence[str] | None) -> list[str]:
+    """The configured sources a registration scans: ``source`` (one name or several; ``pd12m``
+    is not scanned: its partitions come from its metadata files), default every one."""
+    if source is None:
+        return sorted(flowmatch.sources)
+    names = [source] if isinstance(source, str) else list(source)
+    for n in names:
+        if n != PD12M:
+            flowmatch.source(n)  # unknown: SourceError naming the configured ones
+    return [n for n in names if n != PD12M]
 
 
 def register_partitions(
-    instance: dg.DagsterInstance, flowmatch: FlowmatchResource, source: str | None = None
+    instance: dg.DagsterInstance,
+    flowmatch: FlowmatchResource,
+    source: str | Sequence[str] | None = None,
+    log: Callable[[str], None] | None = None,
+    strict: bool = False,
 ) -> list[str]:
     """Add partitions for shards not yet registered in ``instance``; returns the new keys.
-    ``source``: scan only that source for new samples (``pd12m``: none); default every
-    configured source."""
-    if source is not None and source != PD12M:
-        flowmatch.source(source)  # unknown: SourceError naming the configured ones
-    scan = sorted(flowmatch.sources) if source is None else [s for s in [source] if s != PD12M]
-    found = discover(flowmatch, scan)
+    ``source``: scan only that source (or those) for new samples (``pd12m``: none), so a
+    broken other source is never read; default every configured source. What was skipped
+    goes to ``log`` (default: this module's logger), one line each; ``strict``: a scanned
+    source that cannot be read at all raises SourceError instead (nothing is registered)."""
+    names = scanned(flowmatch, source)
+    found = discover(flowmatch, names)
+    if strict:
+        for p in found.problems:
+            if p.whole and p.source in names:
+                raise src.SourceError(p.line)
+    for p in found.problems:
+        (log or _LOG.warning)(f"skipped {p.line}")
     existing = set(instance.get_dynamic_partitions(SHARDS))
-    new = [p["partition"] for p in found if p["partition"] not in existing]
+    new = [p["partition"] for p in found.partitions if p["partition"] not in existing]
     if new:
         instance.add_dynamic_partitions(SHARDS, new)
     return new
@@ -80,9 +146,13 @@ def pd12m_partition_sensor(
 ) -> dg.SensorResult | dg.SkipReason:
     try:
         found = discover(flowmatch)
-    except (MetadataError, src.SourceError) as e:  # e.g. no metadata yet: say why in the UI
+    except _UNREADABLE as e:  # e.g. no metadata yet: say why in the UI
         return dg.SkipReason(str(e))
-    return _add_new(context, [p["partition"] for p in found if p["source"] == PD12M], "shards")
+    for p in found.problems:
+        if p.source == PD12M:
+            return dg.SkipReason(p.line)
+    keys = [p["partition"] for p in found.partitions if p["source"] == PD12M]
+    return _add_new(context, keys, "shards")
 
 
 @dg.sensor(
@@ -97,22 +167,17 @@ def source_partition_sensor(
 ) -> dg.SensorResult | dg.SkipReason:
     if not flowmatch.sources:
         return dg.SkipReason("no sources configured (`flowmatch sources add`)")
-    problems, keys = [], []
-    for name in sorted(flowmatch.sources):
-        try:
-            src.register(flowmatch.data_root, name, flowmatch.source(name))
-        except (src.SourceError, OSError) as e:  # one broken source never blocks the others
-            problems.append(f"{name}: {e}")
-    try:
-        found = discover(flowmatch)
-    except (MetadataError, src.SourceError) as e:
+    try:  # one broken source never blocks the others: its problem is a line of the tick
+        found = discover(flowmatch, sorted(flowmatch.sources))
+    except _UNREADABLE as e:
         return dg.SkipReason(str(e))
-    keys = [p["partition"] for p in found if p["source"] != PD12M]
+    problems = [p.line for p in found.problems if p.source != PD12M]
+    keys = [p["partition"] for p in found.partitions if p["source"] != PD12M]
     result = _add_new(context, keys, "source partitions")
     if problems:
-        context.log.warning("; ".join(problems))
+        context.log.warning("skipped " + "; ".join(problems))
         if isinstance(result, dg.SkipReason):
-            return dg.SkipReason(f"{result.skip_message}; problems: {'; '.join(problems)}")
+            return dg.SkipReason(f"{result.skip_message}; skipped: {'; '.join(problems)}")
     return result
 
 

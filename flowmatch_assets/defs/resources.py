@@ -105,6 +105,7 @@ ENV_OF = {
     "file_root": "FLOWMATCH_FILE_ROOT",
     "min_stored_fraction": "FLOWMATCH_MIN_STORED_FRACTION",
     "deadline_s": "FLOWMATCH_DEADLINE_S",
+    "allow_networks": "FLOWMATCH_ALLOW_NETWORKS",
     "vae": "FLOWMATCH_VAE",
     "dino": "FLOWMATCH_DINO",
     "text": "FLOWMATCH_TEXT",
@@ -127,7 +128,9 @@ def resource_from_env(
     `flowmatch demo`, the demo's: the committed demo VAE and the random-weight zoo's DINOv2 and
     Gemma3), FLOWMATCH_DEVICE (default auto),
     FLOWMATCH_MIN_STORED_FRACTION (ingest.min_stored_fraction, default 0.5),
-    FLOWMATCH_DEADLINE_S (ingest.deadline_s, default 60), FLOWMATCH_SETTINGS (a YAML or JSON
+    FLOWMATCH_DEADLINE_S (ingest.deadline_s, default 60), FLOWMATCH_ALLOW_NETWORKS
+    (ingest.allow_networks: comma-separated networks that image URLs may reach although they are
+    not public, e.g. ``127.0.0.0/8`` for a local mirror; default none), FLOWMATCH_SETTINGS (a YAML or JSON
     file of standing overrides, same shape as the launchpad's: ``{encoders: {max_tokens: 64}}``;
     what `flowmatch stale` compares shards against), FLOWMATCH_SOURCES (the YAML file of the
     user's own image sources, default ``<data root>/sources.yaml``; a settings file's or the
@@ -148,6 +151,10 @@ def resource_from_env(
     ):
         if env.get(var):
             ingest[field] = env[var]  # pydantic validates (a bad value names the field)
+    if env.get("FLOWMATCH_ALLOW_NETWORKS"):  # comma-separated CIDRs (ingest.allow_networks)
+        ingest["allow_networks"] = [
+            n.strip() for n in env["FLOWMATCH_ALLOW_NETWORKS"].split(",") if n.strip()
+        ]
     encoders: dict[str, Any] = {}
     for field in ("vae", "dino", "text", "device"):
         if env.get(ENV_OF[field]):

@@ -1,18 +1,28 @@
 """The one routine every partitioned asset follows, and the run helpers assets and checks share.
 
-    out = PartitionOutput(context, flowmatch, "images_256")   # clears a killed run's temp files
-    write_image_shard(out.path, rows)                         # the writer renames atomically
-    return out.publish(record_fields..., rows=outcomes, metadata={...})
+    with PartitionOutput(context, flowmatch, "images_256") as out:  # lock; clear killed temps
+        write_image_shard(out.path, rows)                           # written, not yet renamed
+        return out.publish(record_fields..., rows=outcomes, metadata={...})
 
-``publish`` records the partition's row outcomes and its materialization in the catalog (each
-file replaced atomically: readers see the old records until then), clears a rejected attempt's
-records and returns the ``MaterializeResult`` with the metadata and the file's path. An asset
-function is then wiring: read inputs, call the plain function that does the work, publish.
+Inside the block the partition is locked (a second run of the same asset and partition waits
+for the first, so neither removes the other's temp files or publishes half of a mix), and every
+file of the partition (its shard, its catalog records, its preview) is written to a temp file
+and published together when the block ends (``flowmatch_models.atomic.deferred``): a step that
+fails at any point publishes nothing and leaves the previous files as they were, one that
+succeeds publishes all of them, the materialization record last. ``publish`` records the
+partition's row outcomes and its materialization, clears a rejected attempt's records and
+returns the ``MaterializeResult`` with the metadata and the file's path; ``reject`` records a
+rejected attempt's failures (only them). A failure of the file system (``No space left on
+device``) becomes a ``dg.Failure`` that says so. An asset function is then wiring: read inputs,
+call the plain function that does the work, publish.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import fcntl
+import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import dagster as dg
@@ -21,8 +31,26 @@ from flowmatch_assets import catalog
 from flowmatch_assets.catalog import MaterializationRecord, RowOutcome
 from flowmatch_assets.defs.resources import FlowmatchResource
 from flowmatch_assets.freshness import fingerprints
+from flowmatch_models import atomic
 from flowmatch_models.atomic import remove_stale_temps
 from flowmatch_models.fingerprint import Fingerprint
+
+
+@contextlib.contextmanager
+def partition_lock(path: Path, log, partition: str, asset: str) -> Iterator[None]:
+    """Hold ``path``'s exclusive lock (one run of an asset's partition at a time, across
+    processes; released when the block ends or the process dies); says so when it waits."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info(f"{partition}: another run is materializing {asset}; waiting for it")
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def run_id(context: dg.AssetExecutionContext) -> str | None:
@@ -54,7 +82,8 @@ def shards_check_result(parts: list[str], problems: list[str]) -> dg.AssetCheckR
 
 
 class PartitionOutput:
-    """One asset partition's file and its catalog records: made, then published."""
+    """One asset partition's file and its catalog records: made, then published together (a
+    context manager: see the module doc)."""
 
     def __init__(
         self,
@@ -66,13 +95,63 @@ class PartitionOutput:
         self.context, self.flowmatch, self.asset = context, flowmatch, asset
         self.partition = partition or context.partition_key
         self.path: Path = flowmatch.layout.asset_path(asset, self.partition)
-        if remove_stale_temps(self.path):
-            context.log.warning(
-                f"{self.partition}: removed the temp files of an earlier, killed {asset} run"
+        self._stack: contextlib.ExitStack | None = None
+        self._tx: atomic.Transaction | None = None
+
+    def owns(self, target: Path) -> bool:
+        """The partition's files: its shard, its preview, and its catalog records
+        (``<catalog>/<kind>/<asset>/<partition>.*``)."""
+        t = Path(os.path.abspath(target))
+        layout = self.flowmatch.layout
+        if t in (Path(os.path.abspath(self.path)),
+                 Path(os.path.abspath(layout.preview_path(self.asset, self.partition)))):  # fmt: skip
+            return True
+        return (
+            t.parent.name == self.asset
+            and t.parent.parent.parent == Path(os.path.abspath(layout.catalog_dir))
+            and t.name.startswith(f"{self.partition}.")
+        )
+
+    def __enter__(self) -> PartitionOutput:
+        stack = contextlib.ExitStack()
+        lock = self.flowmatch.layout.root / ".locks" / self.asset / f"{self.partition}.lock"
+        stack.enter_context(partition_lock(lock, self.context.log, self.partition, self.asset))
+        if remove_stale_temps(self.path):  # safe: no other run of this partition is writing
+            self.context.log.warning(
+                f"{self.partition}: removed the temp files of an earlier, killed {self.asset} run"
             )
+        self._tx = stack.enter_context(atomic.deferred(self.owns))
+        self._stack = stack
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        stack, self._stack = self._stack, None
+        try:
+            if stack is not None:
+                stack.__exit__(kind, exc, tb)  # commit (or discard) the writes, unlock
+        except OSError as e:  # the commit itself failed (a full disk while renaming)
+            raise self._failure(e) from e
+        if isinstance(exc, OSError):
+            raise self._failure(exc) from exc
+        return False
+
+    def _failure(self, e: OSError) -> dg.Failure:
+        what = e.strerror or str(e) or type(e).__name__
+        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+        return dg.Failure(
+            f"{self.asset} {self.partition}: {what}{where}; nothing was published (the previous "
+            "file and catalog records are unchanged)"
+        )
+
+    def written(self) -> Path:
+        """The file that holds the partition's new content (until the block ends: its temp)."""
+        return self._tx.path(self.path) if self._tx is not None else self.path
 
     def reject(self, rows: Iterable[RowOutcome]) -> None:
-        """Record a rejected attempt's outcomes (``rejected_attempts``); nothing else changes."""
+        """Record a rejected attempt's outcomes (``rejected_attempts``); nothing else changes:
+        whatever the attempt wrote is discarded."""
+        if self._tx is not None:
+            self._tx.discard()
         catalog.record_attempt(self.flowmatch.data_root, self.asset, self.partition, list(rows))
 
     def publish(
@@ -94,9 +173,8 @@ class PartitionOutput:
         fp = fingerprint or fingerprints.current(self.flowmatch, self.asset, self.partition)
         extra = {**dict(record.pop("extra", None) or {}), "fingerprint": fp.to_json()}  # type: ignore[call-overload]
         root = self.flowmatch.data_root
-        size = self.path.stat().st_size if stored_bytes is None else stored_bytes
+        size = self.written().stat().st_size if stored_bytes is None else stored_bytes
         catalog.record_rows(root, self.asset, self.partition, rows)
-        catalog.clear_attempt(root, self.asset, self.partition)
         catalog.record_materialization(
             root,
             MaterializationRecord(
@@ -111,6 +189,11 @@ class PartitionOutput:
                 **record,  # type: ignore[arg-type]
             ),
         )
+        clear = lambda: catalog.clear_attempt(root, self.asset, self.partition)  # noqa: E731
+        if self._tx is not None and self._tx.open:
+            self._tx.after(clear)  # a rejected attempt's records go when this one is published
+        else:
+            clear()
         return dg.MaterializeResult(
             asset_key=self.asset,
             metadata={
@@ -118,5 +201,5 @@ class PartitionOutput:
                 **fingerprints.metadata(fp),
                 "path": dg.MetadataValue.path(str(self.path)),
             },
-            data_version=fingerprints.data_version(fp, self.path),
+            data_version=fingerprints.data_version(fp, self.written()),
         )

@@ -119,8 +119,8 @@ def content_id(path: Path) -> str:
     """A cheap identity of a partition file's content: the store footer's header hash (which
     covers every array's checksum), or for parquet an xxh3 of its id, md5/hash, caption and
     image columns (the images_256 shard is still in the page cache when it is published)."""
-    if path.suffix == ".fms":
-        with open(path, "rb") as f:
+    with open(path, "rb") as f:  # by content: a file being published has its temp name
+        if f.read(4) != b"PAR1":
             f.seek(-32, 2)
             return f.read(32)[16:24].hex()
     import pyarrow.parquet as pq

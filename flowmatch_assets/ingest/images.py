@@ -38,7 +38,19 @@ A bad row never raises: it becomes a ``failed`` result whose ``reason`` is one o
     A relative file URL (``file:images/a.jpg``, as the sample writes) is resolved against
     ``file_root``, so a data root can be moved or copied.
 ``not_found``
-    A ``file://`` URL naming a missing file (HTTP 404 is ``http_404``).
+    A ``file://`` URL naming a missing file (HTTP 404 is ``http_404``), or a source's file that
+    is gone.
+``private_address``
+    The URL's host resolves (when connecting, on the first request and on every redirect) only
+    to addresses that are not public: loopback, private, link-local (the cloud metadata
+    endpoint 169.254.169.254), multicast, reserved, unspecified or shared (CGNAT) ones. Nothing
+    is sent to them. ``ingest.allow_networks`` (FLOWMATCH_ALLOW_NETWORKS) lists networks to
+    allow anyway, e.g. a local mirror.
+``outside_source``, ``not_regular_file``, ``unreadable``, ``corrupt_container``
+    A source's image (flowmatch_assets/ingest/sources) that leads outside its location, is not
+    a regular file (a FIFO, a device), cannot be read, or sits in a container that broke; a
+    ``file://`` URL to something that is not a regular file (``not_regular_file``) or cannot
+    be read (``unreadable``).
 ``bad_url``
     Missing, malformed or unsupported URL (not http, https or file).
 ``internal``
@@ -67,8 +79,12 @@ import contextlib
 import hashlib
 import heapq
 import io
+import ipaddress
 import math
+import os
 import socket
+import stat
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -88,7 +104,7 @@ try:  # libjpeg-turbo with M/8 DCT scaling; without it every JPEG takes the Pill
 except ImportError:  # pragma: no cover - simplejpeg is a declared dependency
     simplejpeg = None
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from flowmatch_models.buckets import GRID, Bucket, buckets_for, cover_box, nearest, square
 
@@ -144,6 +160,12 @@ class IngestConfig(BaseModel):
     min_side: int = Field(
         default=64, description="Decoded images with a shorter side fail as too_small."
     )
+    allow_networks: list[str] = Field(
+        default_factory=list,
+        description="Networks (CIDR, e.g. 127.0.0.0/8 or 10.1.0.0/16) that image URLs may "
+        "reach although they are not public; by default a URL whose host resolves only to "
+        "loopback, private, link-local or other non-public addresses fails as private_address.",
+    )
     file_root: str | None = Field(
         default=None,
         description="file:// URLs are allowed only under this folder (None: file:// refused).",
@@ -161,6 +183,18 @@ class IngestConfig(BaseModel):
     user_agent: str = Field(
         default="flowmatch/0.1 (+PD12M research)", description="HTTP User-Agent."
     )
+
+    @field_validator("allow_networks")
+    @classmethod
+    def _networks(cls, v: list[str]) -> list[str]:
+        for net in v:
+            try:
+                ipaddress.ip_network(net, strict=False)
+            except ValueError:
+                raise ValueError(
+                    f"ingest.allow_networks: {net!r} is not a network (e.g. 10.0.0.0/8)"
+                ) from None
+        return v
 
     @model_validator(mode="after")
     def _size_on_the_grid(self) -> IngestConfig:
@@ -198,6 +232,11 @@ REASONS: frozenset[str] = frozenset(
         "not_found",
         "bad_url",
         "internal",
+        "private_address",
+        "outside_source",
+        "not_regular_file",
+        "unreadable",
+        "corrupt_container",
     }
 )
 
@@ -265,14 +304,103 @@ class IngestResult:
 # --------------------------------------------------------------------------------------------
 
 
+def address_refusal(
+    ip: ipaddress.IPv4Address | ipaddress.IPv6Address,
+    allowed: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network] = (),
+) -> str | None:
+    """Why ``ip`` may not be fetched from (``"loopback"``, ``"private"``, ``"link-local"``,
+    ...), or None for a public address or one in ``allowed``. An IPv6 address that embeds an
+    IPv4 one (mapped, 6to4, Teredo) is judged by that too."""
+    if any(ip.version == net.version and ip in net for net in allowed):
+        return None
+    if isinstance(ip, ipaddress.IPv6Address):
+        embedded = [ip.ipv4_mapped, ip.sixtofour, ip.teredo[1] if ip.teredo else None]
+        for v4 in (e for e in embedded if e is not None):
+            why = address_refusal(v4, allowed)
+            if why is not None:
+                return why
+    for test, why in (
+        ("is_unspecified", "unspecified"),
+        ("is_loopback", "loopback"),
+        ("is_link_local", "link-local"),
+        ("is_multicast", "multicast"),
+        ("is_private", "private"),
+        ("is_reserved", "reserved"),
+    ):
+        if getattr(ip, test):
+            return why
+    return None if ip.is_global else "not public"
+
+
+def _guarded_new_conn(self) -> socket.socket:
+    """urllib3's ``HTTPConnection._new_conn`` that connects only to addresses
+    :func:`address_refusal` allows (the class's ``allowed_networks``): the host is resolved
+    here and the socket connects to the address that was checked, so neither a redirect nor a
+    DNS answer that changes between check and connect reaches a refused address."""
+    try:
+        infos = socket.getaddrinfo(self._dns_host, self.port, 0, socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise u3e.NameResolutionError(self.host, self, e) from e
+    ok, refused = [], []
+    for info in infos:
+        ip = ipaddress.ip_address(str(info[4][0]).split("%", 1)[0])
+        why = address_refusal(ip, self.allowed_networks)
+        (refused if why else ok).append((info, f"{ip} ({why})"))
+    if not ok:
+        raise IngestError(
+            "private_address",
+            f"{self.host} resolves to {', '.join(w for _, w in refused[:3])}: not fetched; "
+            "ingest.allow_networks (FLOWMATCH_ALLOW_NETWORKS) allows chosen networks",
+        )
+    err: OSError | None = None
+    for (family, socktype, proto, _name, sockaddr), _ in ok:
+        sock = None
+        try:
+            sock = socket.socket(family, socktype, proto)
+            for opt in self.socket_options or ():
+                sock.setsockopt(*opt)
+            if isinstance(self.timeout, int | float):
+                sock.settimeout(self.timeout)
+            if self.source_address:
+                sock.bind(self.source_address)
+            sock.connect(sockaddr)
+            sys.audit("http.client.connect", self, self.host, self.port)
+            return sock
+        except TimeoutError as e:
+            if sock is not None:
+                sock.close()
+            raise u3e.ConnectTimeoutError(
+                self, f"Connection to {self.host} timed out. (connect timeout={self.timeout})"
+            ) from e
+        except OSError as e:
+            err = e
+            if sock is not None:
+                sock.close()
+    raise u3e.NewConnectionError(self, f"Failed to establish a new connection: {err}")
+
+
 def make_pool(cfg: IngestConfig) -> urllib3.PoolManager:
-    """A thread-safe urllib3 pool sized for ``cfg.threads`` concurrent downloads."""
-    return urllib3.PoolManager(
+    """A thread-safe urllib3 pool sized for ``cfg.threads`` concurrent downloads, whose
+    connections reach public addresses only (and ``cfg.allow_networks``): a host that resolves
+    to a loopback, private, link-local or other non-public address fails as
+    ``private_address`` before anything is sent to it."""
+    from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
+
+    allowed = tuple(ipaddress.ip_network(n, strict=False) for n in cfg.allow_networks)
+    attrs = {"allowed_networks": allowed, "_new_conn": _guarded_new_conn}
+    conn = type("PublicHTTPConnection", (urllib3.connection.HTTPConnection,), attrs)
+    sconn = type("PublicHTTPSConnection", (urllib3.connection.HTTPSConnection,), attrs)
+    pm = urllib3.PoolManager(
         num_pools=max(64, cfg.threads * 4),
         maxsize=max(1, cfg.threads),
         block=False,
         headers={"User-Agent": cfg.user_agent, "Accept": "image/*,*/*;q=0.8"},
     )
+    pm.pool_classes_by_scheme = {
+        "http": type("PublicHTTPPool", (HTTPConnectionPool,), {"ConnectionCls": conn}),
+        "https": type("PublicHTTPSPool", (HTTPSConnectionPool,), {"ConnectionCls": sconn}),
+    }
+    return pm
 
 
 def _read_file(url: str, cfg: IngestConfig) -> bytes:
@@ -289,16 +417,23 @@ def _read_file(url: str, cfg: IngestConfig) -> bytes:
     if not path.is_relative_to(root):
         raise IngestError("file_not_allowed", f"{path} is outside file_root {root}")
     try:
-        size = path.stat().st_size
-        if not path.is_file():
-            raise IngestError("not_found", f"{path} is not a regular file")
-        if size > cfg.max_bytes:
-            raise IngestError("too_large", f"{size} bytes > max_bytes {cfg.max_bytes}")
-        return path.read_bytes()
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):  # a FIFO or device is never opened
+            raise IngestError("not_regular_file", f"{path} is not a regular file")
+        if st.st_size > cfg.max_bytes:
+            raise IngestError("too_large", f"{st.st_size} bytes > max_bytes {cfg.max_bytes}")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise IngestError("not_regular_file", f"{path} is not a regular file")
+            data = f.read(cfg.max_bytes + 1)  # at most the limit, whatever the size said
     except FileNotFoundError:
         raise IngestError("not_found", f"no file {path}") from None
     except OSError as e:
-        raise IngestError("not_found", f"cannot read {path}: {e}") from None
+        raise IngestError("unreadable", f"cannot read {path}: {e.strerror or e}") from None
+    if len(data) > cfg.max_bytes:
+        raise IngestError("too_large", f"{path} is above max_bytes {cfg.max_bytes}")
+    return data
 
 
 def _discard(resp: urllib3.BaseHTTPResponse) -> None:
@@ -576,6 +711,28 @@ def fetch_bytes(url: str, cfg: IngestConfig, pool: urllib3.PoolManager | None = 
 # --------------------------------------------------------------------------------------------
 
 
+def describe_bytes(data: bytes) -> str:
+    """What a body that is not an image was, never what it held: its length, a coarse kind
+    (HTML, text, binary) and a short md5 (failure details end up in the catalog; a body can be
+    a secret a server handed out)."""
+    if not data:
+        return "empty body"
+    head = bytes(data[:512]).lstrip().lower()
+    if head.startswith((b"<!doctype html", b"<html", b"<head", b"<body")):
+        kind = "HTML"
+    elif head.startswith((b"<?xml", b"<svg")):
+        kind = "XML/SVG"
+    elif head.startswith((b"{", b"[")):
+        kind = "JSON-like text"
+    else:
+        try:
+            bytes(data[:512]).decode("utf-8")
+            kind = "text"
+        except UnicodeDecodeError:
+            kind = "binary data"
+    return f"{kind}, {len(data)} bytes (md5 {hashlib.md5(data).hexdigest()[:12]}), not an image"
+
+
 def sniff_format(data: bytes) -> str | None:
     """The Pillow format name of ``data`` from its magic bytes, or None if not a known image."""
     head = data[:16]
@@ -784,8 +941,7 @@ def process_image(data: bytes, cfg: IngestConfig) -> tuple[bytes, int, int]:
         )
     fmt = sniff_format(data)
     if fmt is None:
-        what = "empty body" if not data else f"starts with {bytes(data[:16])!r}"
-        raise IngestError("not_image", what)
+        raise IngestError("not_image", describe_bytes(data))
     fast = _decode_jpeg_scaled(data, cfg) if fmt == "JPEG" else None
     if fast is not None:
         im, ow, oh, orientation = fast

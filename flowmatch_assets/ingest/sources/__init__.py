@@ -1,8 +1,9 @@
 """The user's own captioned images as partitions: image folders, Hugging Face-style parquet and
 WebDataset tars (no Dagster). ``config.py`` says how a source is configured and where,
 ``registry.py`` how its samples become partitions (manifests) and rows, one module per kind
-(``folder.py``, ``parquet.py``, ``webdataset.py``) how each format is read, ``common.py`` the
-rows and failure reasons they share."""
+(``folder.py``, ``parquet.py``, ``webdataset.py``) how each format is read, ``location.py`` the
+one way they reach bytes (confined to the location, regular files only, bounded), ``common.py``
+the rows and failure reasons they share."""
 
 from flowmatch_assets.ingest.sources.common import LISTING_REASONS
 from flowmatch_assets.ingest.sources.config import (
@@ -16,6 +17,8 @@ from flowmatch_assets.ingest.sources.config import (
 )
 from flowmatch_assets.ingest.sources.registry import (
     Manifest,
+    Scan,
+    forget,
     manifest,
     partition_images,
     partition_rows,
@@ -28,9 +31,11 @@ __all__ = [
     "KINDS",
     "LISTING_REASONS",
     "Manifest",
+    "Scan",
     "SourceConfig",
     "SourceError",
     "check_name",
+    "forget",
     "manifest",
     "partition_images",
     "partition_rows",

@@ -1,4 +1,4 @@
-"""What the three source kinds share: opening a location, and the rows and failures they list.
+"""What the three source kinds share: the rows and failures they list, and caption text.
 
 A source kind lists a partition's samples as rows in the PD12M metadata columns (so the filters,
 dedupe, the images stage and the data card treat them as they treat PD12M's): ``id``; ``url``
@@ -13,88 +13,42 @@ that cannot become a row is a failure ``{id, url, reason, detail}`` with one of:
                      a null column value, no ``.txt`` member or ``.json`` key)
 ``missing_image``    a caption without an image (an orphan sidecar, a tar sample without an
                      image member, a parquet row whose image has no bytes)
-``bad_caption``      a caption file that is not UTF-8 text
-``bad_metadata``     a metadata.jsonl line (or a tar sample's ``.json``) that is not a JSON object
+``bad_caption``      a caption that is not text: a file or bytes that are not UTF-8, or a value
+                     that is not a string (a number, a mapping; the detail names its type)
+``bad_metadata``     a metadata.jsonl line (or a tar sample's ``.json``) that is not UTF-8 JSON
+                     naming a ``file_name``
 ``duplicate_id``     a second sample with an id the partition has already (a parquet ``id_field``)
+``outside_source``   a name or link that leads outside the source's location (a ``../`` or
+                     absolute ``file_name``, a symlink out of the folder; ``follow_links`` opts in)
+``not_regular_file`` a FIFO, a device, a socket or a folder where a file should be
+``unreadable``       a file that cannot be read (permissions, I/O errors)
+``corrupt_container`` a tar or parquet file that cannot be read (truncated, a member lying about
+                     its size, a damaged footer): its samples fail, never the other files
+``too_large``        a caption or metadata file above its limit (an image's is the images stage's)
+``not_found``        a file named by the manifest or a jsonl line that is not there
+
+No detail holds bytes of a file: it names the file and what it is. ``flowmatch_assets/ingest/
+sources/location.py`` decides the confinement reasons for every read.
 """
 
 from __future__ import annotations
 
-import io
 import mimetypes
-import posixpath
 
-import fsspec
-
-from flowmatch_assets.ingest.sources.config import SourceConfig, SourceError
+from flowmatch_assets.ingest.sources.config import SourceConfig
 
 #: Failure reasons of the listing (the images stage adds its own: ingest/images.py).
 LISTING_REASONS = (
     "missing_caption", "missing_image", "bad_caption", "bad_metadata", "duplicate_id",
+    "outside_source", "not_regular_file", "unreadable", "corrupt_container", "too_large",
+    "not_found",
 )  # fmt: skip
 
-
-def open_location(cfg: SourceConfig):
-    """``(filesystem, root path)`` of the source's location; SourceError if it is not there."""
-    fs, root = fsspec.core.url_to_fs(cfg.location)
-    root = root.rstrip("/") or "/"
-    try:
-        ok = fs.exists(root)
-    except Exception as e:  # noqa: BLE001 - a remote that cannot be reached: say which
-        raise SourceError(f"source location {cfg.location!r} cannot be reached: {e}") from None
-    if not ok:
-        raise SourceError(
-            f"source location {cfg.location!r} does not exist; fix `location` in the sources "
-            "file (flowmatch sources list) or create it"
-        )
-    return fs, root
-
-
-def relative(root: str, path: str) -> str:
-    """``path`` relative to ``root`` (posix)."""
-    path = path.rstrip("/")
-    if "://" in path and "://" not in root:  # some filesystems return full URLs from find()
-        path = path.split("://", 1)[1]
-    r = root if root.endswith("/") else root + "/"
-    return path[len(r) :] if path.startswith(r) else posixpath.basename(path)
-
-
-def join(root: str, rel: str) -> str:
-    return f"{root.rstrip('/')}/{rel}" if root != "/" else f"/{rel}"
-
-
-def hidden(rel: str) -> bool:
-    """A path with a part that starts with a dot (``.git``, ``.DS_Store``, temp files)."""
-    return any(p.startswith(".") or p == "__pycache__" for p in rel.split("/"))
-
-
-def find_files(fs, root: str) -> list[str]:
-    """Every file under ``root`` (relative, sorted), hidden ones left out."""
-    return sorted(r for p in fs.find(root) if not hidden(r := relative(root, p)))
-
-
-def open_file(fs, path: str, stream_ok: bool = False):
-    """A binary file object of ``path``: random access where the filesystem offers it; on an
-    HTTP server without range requests (or without a size), a stream (``stream_ok``: a tar is
-    read front to back) or else the whole file read once into memory (a parquet file's footer
-    is at its end)."""
-    if "http" not in fs.protocol:
-        return fs.open(path, "rb")
-    f = fs.open(path, "rb")
-    try:
-        if not getattr(f, "size", None):
-            raise ValueError("no size: a streaming file")
-        f.seek(f.size - 8)
-        f.read(8)
-        f.seek(0)
-        return f
-    except ValueError:  # "doesn't appear to support range requests", or a stream
-        f.close()
-    if stream_ok:
-        stream = fs.open(path, "rb", block_size=0)
-        stream.seekable = lambda: False  # it says True, but cannot seek
-        return stream
-    return io.BytesIO(fs.cat_file(path))
+#: The largest caption file, caption member or ``.json`` member read (a caption is a sentence,
+#: PD12M's longest are ~2 KB); past it the sample fails as ``too_large``.
+CAPTION_MAX_BYTES = 1 << 20
+#: The largest metadata.jsonl read (a million lines of ~200 bytes).
+METADATA_MAX_BYTES = 1 << 30
 
 
 def mime_of(name: str) -> str | None:
@@ -121,9 +75,29 @@ def failure(sid: str, url: str | None, reason: str, detail: str) -> dict:
     return {"id": sid, "url": url, "reason": reason, "detail": detail}
 
 
-def decode_caption(data: bytes) -> str | None:
-    """A caption file's text (UTF-8, a BOM dropped, stripped), or None if it is not UTF-8."""
-    try:
-        return data.decode("utf-8-sig").strip()
-    except UnicodeDecodeError:
+class NotText(ValueError):
+    """A caption value that is not text; the message says what it is (never its content)."""
+
+
+def caption_text(value: object) -> str | None:
+    """A caption value as text: a string (stripped), UTF-8 bytes (a BOM dropped), or the first
+    of a list of them (several captions per image, COCO-style); None when there is none (null,
+    an empty list). Raises :class:`NotText` naming the type otherwise."""
+    if value is None:
         return None
+    if isinstance(value, str):
+        return value.strip()
+    if isinstance(value, bytes | bytearray | memoryview):
+        try:
+            return bytes(value).decode("utf-8-sig").strip()
+        except UnicodeDecodeError:
+            raise NotText(f"{len(value)} bytes that are not UTF-8 text") from None
+    if isinstance(value, list | tuple):
+        if not value:
+            return None
+        try:
+            return caption_text(value[0])
+        except NotText as e:
+            raise NotText(f"a list whose first caption is {e}") from None
+    what = {bool: "a boolean", int: "a number", float: "a number", dict: "a mapping"}
+    raise NotText(what.get(type(value), f"a {type(value).__name__}"))

@@ -78,6 +78,11 @@ class SourceConfig(BaseModel):
     license: str | None = Field(
         default=None, description="License recorded for every image (filters.licenses applies)."
     )
+    follow_links: bool = Field(
+        default=False,
+        description="Read files through links that leave the location (off: such a file is a "
+        "failed row, outside_source). Only regular files are read either way.",
+    )
 
     @field_validator("caption_extension")
     @classmethod
@@ -89,8 +94,10 @@ class SourceConfig(BaseModel):
         return self.caption_field or {"webdataset": "txt"}.get(self.kind, "text")
 
     def row_fields(self) -> dict:
-        """The settings that change what a partition's rows hold (its fingerprint)."""
-        return self.model_dump(exclude={"shard_size"}) | {"caption_field": self.caption()}
+        """The settings that change what a partition's rows hold (its fingerprint);
+        ``follow_links`` only when on, so sources made before it existed stay fresh."""
+        skip = {"shard_size"} | (set() if self.follow_links else {"follow_links"})
+        return self.model_dump(exclude=skip) | {"caption_field": self.caption()}
 
 
 def check_name(name: str) -> str:
@@ -140,12 +147,16 @@ def read_sources(path: str | Path) -> dict[str, dict]:
     return out
 
 
-def write_source(path: str | Path, name: str, cfg: SourceConfig) -> Path:
-    """Add or replace source ``name`` in the sources file (written atomically)."""
+def write_source(path: str | Path, name: str, cfg: SourceConfig | None) -> Path:
+    """Add or replace source ``name`` in the sources file, or remove it (``cfg`` None);
+    written atomically."""
     check_name(name)
     p = Path(path)
     sources = read_sources(p)
-    sources[name] = cfg.model_dump(exclude_defaults=True) | {"kind": cfg.kind}
+    if cfg is None:
+        sources.pop(name, None)
+    else:
+        sources[name] = cfg.model_dump(exclude_defaults=True) | {"kind": cfg.kind}
     atomic_write_text(p, yaml.safe_dump({"sources": sources}, sort_keys=False))
     return p
 

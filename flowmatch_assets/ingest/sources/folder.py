@@ -4,9 +4,12 @@ and/or diffusers' ImageFolder ``metadata.jsonl`` (``{"file_name": "a.jpg", "text
 
 A sample is an image file (its id is its path under the location, ``cats/a.jpg``), a caption
 sidecar without an image (a failure: ``missing_image``), a metadata.jsonl line naming a file
-(a missing one fails as ``not_found`` when the images are read) or a line that is not JSON
-(``bad_metadata``). The sidecar is looked for when the partition's rows are listed, so a caption
-written after registration is picked up by the next materialization.
+(a missing one fails as ``not_found`` when the images are read), a line that is not UTF-8 JSON
+with a ``file_name`` (``bad_metadata``) or one whose ``file_name`` leaves the folder
+(``outside_source``), or a metadata.jsonl that cannot be read itself (its reason). The sidecar is
+looked for when the partition's rows are listed, so a caption written after registration is
+picked up by the next materialization. Every read goes through :class:`Location` (confined,
+regular files only, bounded).
 """
 
 from __future__ import annotations
@@ -18,14 +21,15 @@ from collections.abc import Iterable, Iterator
 
 from flowmatch_assets.ingest.images import IngestError
 from flowmatch_assets.ingest.sources.common import (
-    decode_caption,
+    CAPTION_MAX_BYTES,
+    METADATA_MAX_BYTES,
+    NotText,
+    caption_text,
     failure,
-    find_files,
-    join,
-    open_location,
     row,
 )
 from flowmatch_assets.ingest.sources.config import IMAGE_EXTS, SourceConfig, SourceError
+from flowmatch_assets.ingest.sources.location import Location
 
 JSONL = "metadata.jsonl"
 
@@ -38,11 +42,16 @@ def _is_image(rel: str) -> bool:
     return posixpath.splitext(rel)[1].lower() in IMAGE_EXTS
 
 
-def _jsonl_lines(fs, path: str) -> Iterator[tuple[int, dict | None, str]]:
-    """``(line number, record or None, problem)`` of every non-empty line of a jsonl file."""
-    text = fs.cat_file(path).decode("utf-8", errors="replace")
-    for n, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
+def _jsonl_lines(data: bytes) -> Iterator[tuple[int, dict | None, str]]:
+    """``(line number, record or None, problem)`` of every non-empty line of a jsonl file; a
+    line must be UTF-8 JSON, an object with a string ``file_name``."""
+    for n, raw in enumerate(data.split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        try:
+            line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
+        except UnicodeDecodeError:
+            yield n, None, f"line {n} is not UTF-8 text"
             continue
         try:
             rec = json.loads(line)
@@ -55,15 +64,24 @@ def _jsonl_lines(fs, path: str) -> Iterator[tuple[int, dict | None, str]]:
         yield n, rec, ""
 
 
-def scan(cfg: SourceConfig, known: Iterable) -> list[tuple[str, int, int, list]]:
+def _target(loc: Location, base: str, file_name: str) -> str:
+    """The path under the location a jsonl line in folder ``base`` names (``outside_source``
+    if it is absolute or climbs out of the location)."""
+    if file_name.startswith("/"):
+        raise IngestError("outside_source", f"file_name {file_name!r} is not a relative path")
+    return loc.name_of(posixpath.join(base, file_name))
+
+
+def scan(cfg: SourceConfig, known: Iterable) -> tuple[list[tuple[str, int, int, list]], list]:
     """New partitions ``(unit, start, end, entries)`` for the samples under the location that
-    no registered partition (``known`` manifests) holds, ``shard_size`` each, in path order."""
-    fs, root = open_location(cfg)
-    if not fs.isdir(root):
+    no registered partition (``known`` manifests) holds, ``shard_size`` each, in path order;
+    and the units skipped (none: a folder's problems are its samples' rows)."""
+    loc = Location(cfg)
+    if loc.is_file:
         raise SourceError(
             f"source location {cfg.location!r} is a file; a folder source needs a folder"
         )
-    files = find_files(fs, root)
+    files = loc.files()
     images = [f for f in files if _is_image(f)]
     with_image = {_stem(f) for f in images}
     entries: dict[str, dict] = {}
@@ -74,11 +92,22 @@ def scan(cfg: SourceConfig, known: Iterable) -> list[tuple[str, int, int, list]]
             entries[f] = {"id": f, "image": None}  # a caption with no image: missing_image
     for jl in (f for f in files if posixpath.basename(f) == JSONL):
         base = posixpath.dirname(jl)
-        for n, rec, problem in _jsonl_lines(fs, join(root, jl)):
+        try:
+            data = loc.read(jl, METADATA_MAX_BYTES, "metadata file")
+        except IngestError as e:  # the whole file cannot be listed: one failed row says why
+            entries[jl] = {"id": jl, "image": None, "problem": e.detail, "reason": e.reason}
+            continue
+        for n, rec, problem in _jsonl_lines(data):
+            sid = f"{jl}#L{n}"
             if rec is None:
-                entries[f"{jl}#L{n}"] = {"id": f"{jl}#L{n}", "image": None, "problem": problem}
+                entries[sid] = {"id": sid, "image": None, "problem": problem}
                 continue
-            rel = posixpath.normpath(posixpath.join(base, rec["file_name"]))
+            try:
+                rel = _target(loc, base, rec["file_name"])
+            except IngestError as e:
+                entries[sid] = {"id": sid, "image": None, "reason": e.reason,
+                                "problem": f"line {n}: {e.detail}"}  # fmt: skip
+                continue
             entries.setdefault(rel, {"id": rel, "image": rel})  # absent files: not_found later
     held = {e["id"] for m in known for e in m.entries}
     new = [entries[k] for k in sorted(entries) if k not in held]
@@ -88,24 +117,36 @@ def scan(cfg: SourceConfig, known: Iterable) -> list[tuple[str, int, int, list]]
         dirs = {posixpath.dirname(e["id"]) for e in chunk}
         unit = posixpath.commonpath(list(dirs)) if "" not in dirs else ""
         out.append((unit, 0, len(chunk), chunk))
-    return out
+    return out, []
 
 
 @functools.lru_cache(maxsize=8)
-def _jsonl_captions(fs, path: str, rel_dir: str, version: str, field: str) -> dict[str, object]:
-    """``{image path under the location: caption value}`` of the metadata.jsonl at ``path``
-    (in the folder ``rel_dir`` under the location), cached per file version: a partition's
-    listing reads each file once."""
+def _jsonl_captions(
+    loc: Location, jl: str, rel_dir: str, version: str, field: str
+) -> tuple[dict[str, object], IngestError | None]:
+    """``({image path under the location: caption value}, None)`` of the metadata.jsonl
+    ``jl`` (in the folder ``rel_dir``), cached per file version: a partition's listing reads
+    each file once; ``({}, the error)`` when the file cannot be read."""
+    try:
+        data = loc.read(jl, METADATA_MAX_BYTES, "metadata file")
+    except IngestError as e:
+        return {}, e
     out = {}
-    for _n, rec, _problem in _jsonl_lines(fs, path):
+    for _n, rec, _problem in _jsonl_lines(data):
         if rec is not None and field in rec:
-            out[posixpath.normpath(posixpath.join(rel_dir, rec["file_name"]))] = rec[field]
-    return out
+            try:
+                out[_target(loc, rel_dir, rec["file_name"])] = rec[field]
+            except IngestError:
+                continue  # listed as its own failed row when registered
+    return out, None
 
 
-def _captions_from_jsonl(fs, root: str, images: list[str], field: str) -> dict[str, object]:
-    """Caption values for ``images`` (paths under ``root``) from every metadata.jsonl in their
-    folders or above; a deeper file's line wins."""
+def _captions_from_jsonl(
+    loc: Location, images: list[str], field: str
+) -> tuple[dict[str, object], dict[str, IngestError]]:
+    """Caption values for ``images`` (paths under the location) from every metadata.jsonl in
+    their folders or above (a deeper file's line wins), and the jsonl files that could not be
+    read (by folder)."""
     dirs = set()
     for img in images:
         d = posixpath.dirname(img)
@@ -115,71 +156,88 @@ def _captions_from_jsonl(fs, root: str, images: list[str], field: str) -> dict[s
                 break
             d = posixpath.dirname(d)
     out: dict[str, object] = {}
+    broken: dict[str, IngestError] = {}
     for d in sorted(dirs, key=lambda x: (x.count("/"), x)):
-        path = join(root, posixpath.join(d, JSONL) if d else JSONL)
+        jl = posixpath.join(d, JSONL) if d else JSONL
         try:
-            info = fs.info(path)
-        except (FileNotFoundError, OSError):
-            continue
-        if info.get("type") != "file":
+            info = loc.fs.info(loc.path(jl))
+        except (FileNotFoundError, OSError, IngestError):
             continue
         version = f"{info.get('size')}-{info.get('mtime') or info.get('Last-Modified') or ''}"
-        out.update(_jsonl_captions(fs, path, d, version, field))
-    return out
+        captions, err = _jsonl_captions(loc, jl, d, version, field)
+        if err is not None:
+            broken[d] = err
+        out.update(captions)
+    return out, broken
+
+
+def _broken_jsonl_of(img: str, broken: dict[str, IngestError]) -> IngestError | None:
+    d = posixpath.dirname(img)
+    while True:
+        if d in broken:
+            return broken[d]
+        if not d:
+            return None
+        d = posixpath.dirname(d)
 
 
 def rows(cfg: SourceConfig, name: str, m) -> tuple[list[dict], list[dict]]:
     """The partition's samples as rows, and the failures of those that cannot be (module doc)."""
-    fs, root = open_location(cfg)
+    loc = Location(cfg)
     field = cfg.caption()
     images = [e["image"] for e in m.entries if e.get("image")]
-    from_jsonl = _captions_from_jsonl(fs, root, images, field)
+    from_jsonl, broken = _captions_from_jsonl(loc, images, field)
     out, failed = [], []
     for i, e in enumerate(m.entries):
         sid = e["id"]
         if e.get("problem"):
-            failed.append(failure(sid, sid.split("#")[0], "bad_metadata", e["problem"]))
+            failed.append(failure(sid, sid.split("#")[0], e.get("reason", "bad_metadata"),
+                                  e["problem"]))  # fmt: skip
             continue
         if not e.get("image"):
             failed.append(
                 failure(sid, sid, "missing_image", f"caption {sid} has no image beside it")
             )
             continue
-        side = _stem(e["image"]) + cfg.caption_extension
+        img = e["image"]
+        side = _stem(img) + cfg.caption_extension
         caption = None
         try:
-            data = fs.cat_file(join(root, side))
-        except (FileNotFoundError, IsADirectoryError):
-            data = None
-        if data is not None:
-            caption = decode_caption(data)
-            if caption is None:
-                failed.append(failure(sid, e["image"], "bad_caption", f"{side} is not UTF-8 text"))
+            data = loc.read(side, CAPTION_MAX_BYTES, "caption file")
+        except IngestError as err:
+            if err.reason != "not_found":  # a link out, a FIFO, unreadable, too large
+                failed.append(failure(sid, img, err.reason, err.detail))
                 continue
-        elif e["image"] in from_jsonl and from_jsonl[e["image"]] is not None:
-            caption = str(from_jsonl[e["image"]]).strip()
+            data = None
+        try:
+            if data is not None:
+                caption = caption_text(data)
+            elif from_jsonl.get(img) is not None:
+                caption = caption_text(from_jsonl[img])
+        except NotText as err:
+            where = side if data is not None else f"its {JSONL} line's {field!r}"
+            failed.append(failure(sid, img, "bad_caption", f"{where} is {err}"))
+            continue
         if caption is None:
-            failed.append(failure(sid, e["image"], "missing_caption",
+            bad = _broken_jsonl_of(img, broken)
+            if bad is not None:
+                failed.append(failure(sid, img, bad.reason, f"no {side}, and {bad.detail}"))
+                continue
+            failed.append(failure(sid, img, "missing_caption",
                                   f"no {side} and no {JSONL} line with {field!r} for it"))  # fmt: skip
             continue
-        out.append(row(cfg, name, sid, e["image"], caption, i))
+        out.append(row(cfg, name, sid, img, caption, i))
     return out, failed
 
 
 def images(
     cfg: SourceConfig, m, rows: list[dict], max_bytes: int
 ) -> Iterator[tuple[dict, bytes | IngestError]]:
-    """The bytes of each row's image file, in order (``not_found``, ``too_large`` as failures)."""
-    fs, root = open_location(cfg)
+    """The bytes of each row's image file, in order (every refusal of :class:`Location`, and
+    ``too_large``, as the row's failure)."""
+    loc = Location(cfg)
     for r in rows:
-        path = join(root, r["url"])
         try:
-            size = fs.size(path)
-            if size is not None and size > max_bytes:
-                yield r, IngestError("too_large", f"{size} bytes > max_bytes {max_bytes}")
-                continue
-            yield r, fs.cat_file(path)
-        except (FileNotFoundError, IsADirectoryError):
-            yield r, IngestError("not_found", f"{r['url']} is not in {cfg.location}")
-        except OSError as e:
-            yield r, IngestError("connection_error", f"{type(e).__name__}: {e}")
+            yield r, loc.read(r["url"], max_bytes, "image")
+        except IngestError as e:
+            yield r, e

@@ -4,6 +4,13 @@ caption column whose name is configurable (``caption_field``, default ``text``).
 ``*.parquet`` under the location (local or any fsspec URL) is a unit; a file of R rows becomes
 ``ceil(R / shard_size)`` partitions. The listing reads only the caption (and id) column; the
 images stage streams the image column in row batches.
+
+A caption is text (a string, UTF-8 bytes, or the first of a list of them); anything else is
+``bad_caption`` naming its type. A file that cannot be opened as parquet when it is registered
+(a damaged footer, not parquet, a link out of the location) is skipped with its reason; one
+that breaks after registration fails its rows as ``corrupt_container``, never the partition. A
+cell with only a ``path`` (an image kept elsewhere) stays ``missing_image``: a dataset's paths
+are never followed.
 """
 
 from __future__ import annotations
@@ -16,46 +23,43 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from flowmatch_assets.ingest.images import IngestError
-from flowmatch_assets.ingest.sources.common import (
-    failure,
-    find_files,
-    join,
-    open_file,
-    open_location,
-    row,
-)
+from flowmatch_assets.ingest.sources.common import NotText, caption_text, failure, row
 from flowmatch_assets.ingest.sources.config import SourceConfig, SourceError
+from flowmatch_assets.ingest.sources.location import Location
 
 BATCH_ROWS = 64  # image rows decoded from parquet at a time (memory: 64 originals)
+#: What reading a damaged parquet file raises.
+_BROKEN = (pa.ArrowException, OSError, ValueError, EOFError)
 
 
-def scan(cfg: SourceConfig, known: Iterable) -> list[tuple[str, int, int, list]]:
+def _broken(rel: str, e: BaseException) -> IngestError:
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    return IngestError("corrupt_container", f"{rel} cannot be read as parquet: {first}")
+
+
+def scan(cfg: SourceConfig, known: Iterable) -> tuple[list[tuple[str, int, int, list]], list]:
     """New partitions ``(file, start row, end row, [])`` for every parquet file under the
-    location that is not registered yet, in path order."""
-    fs, root = open_location(cfg)
-    single = _single(fs, root)
-    files = [root] if single else [join(root, f) for f in find_files(fs, root)]
-    base = posixpath.dirname(root) if single else root
+    location that is not registered yet, in path order, and the files skipped
+    (``(file, reason, detail)``: they cannot be opened as parquet)."""
+    loc = Location(cfg)
     held = {m.unit for m in known}
-    out = []
-    for path in files:
-        rel = path[len(base.rstrip("/")) + 1 :] if path != base else posixpath.basename(path)
+    out, skipped = [], []
+    for rel in loc.files():
         if not rel.endswith(".parquet") or rel in held:
             continue
-        with open_file(fs, path) as f:
-            n = pq.ParquetFile(f).metadata.num_rows
+        try:
+            with loc.open(rel) as f:
+                n = pq.ParquetFile(f).metadata.num_rows
+        except IngestError as e:
+            skipped.append((rel, e.reason, e.detail))
+            continue
+        except _BROKEN as e:
+            e = _broken(rel, e)
+            skipped.append((rel, e.reason, e.detail))
+            continue
         for k in range(max(1, math.ceil(n / cfg.shard_size))):
             out.append((rel, k * cfg.shard_size, min(n, (k + 1) * cfg.shard_size), []))
-    return out
-
-
-def _single(fs, root: str) -> bool:
-    """The location is one parquet file (not a folder: over HTTP a folder's page is a file)."""
-    return root.endswith(".parquet") and fs.isfile(root)
-
-
-def _path(cfg: SourceConfig, fs, root: str, unit: str) -> str:
-    return root if _single(fs, root) else join(root, unit)
+    return out, skipped
 
 
 def _groups(pf: pq.ParquetFile, start: int, end: int) -> tuple[list[int], int]:
@@ -83,17 +87,31 @@ def _check_columns(pf: pq.ParquetFile, cfg: SourceConfig, path: str) -> None:
             )
 
 
+def _stem(m) -> str:
+    return posixpath.basename(m.unit).removesuffix(".parquet")
+
+
 def rows(cfg: SourceConfig, name: str, m) -> tuple[list[dict], list[dict]]:
-    """The partition's rows (caption and id columns only) and its ``missing_caption`` rows."""
-    fs, root = open_location(cfg)
-    path = _path(cfg, fs, root, m.unit)
-    stem = posixpath.basename(m.unit).removesuffix(".parquet")
-    with open_file(fs, path) as f:
-        pf = pq.ParquetFile(f)
-        _check_columns(pf, cfg, path)
-        cols = [cfg.caption()] + ([cfg.id_field] if cfg.id_field else [])
-        groups, first = _groups(pf, m.start, m.end)
-        t = pf.read_row_groups(groups, columns=cols) if groups else None
+    """The partition's rows (caption and id columns only) and the rows that cannot be
+    (``missing_caption``, ``bad_caption``; every row, with the reason, when the file cannot
+    be read any more)."""
+    loc = Location(cfg)
+    stem = _stem(m)
+    try:
+        with loc.open(m.unit) as f:
+            try:
+                pf = pq.ParquetFile(f)
+                _check_columns(pf, cfg, m.unit)
+                cols = [cfg.caption()] + ([cfg.id_field] if cfg.id_field else [])
+                groups, first = _groups(pf, m.start, m.end)
+                t = pf.read_row_groups(groups, columns=cols) if groups else None
+            except SourceError:
+                raise  # the source's settings name a column the file lacks: the user's fix
+            except _BROKEN as e:
+                raise _broken(m.unit, e) from None
+    except IngestError as e:  # the whole file: each of its rows fails with the reason
+        return [], [failure(f"{stem}/{r}", f"{m.unit}#{r}", e.reason, e.detail)
+                    for r in range(m.start, m.end)]  # fmt: skip
     if t is None:
         return [], []
     t = t.slice(m.start - first, m.end - m.start)
@@ -104,61 +122,74 @@ def rows(cfg: SourceConfig, name: str, m) -> tuple[list[dict], list[dict]]:
         r = m.start + i
         sid = str(rid) if rid is not None else f"{stem}/{r}"
         url = f"{m.unit}#{r}"
-        if cap is None or (isinstance(cap, list) and not cap):
+        try:
+            text = caption_text(cap)
+        except NotText as e:
+            failed.append(failure(sid, url, "bad_caption", f"{cfg.caption()} in row {r} is {e}"))
+            continue
+        if text is None:
             failed.append(
                 failure(sid, url, "missing_caption", f"{cfg.caption()} is null in row {r}")
             )
             continue
-        if isinstance(cap, list):  # several captions per image (e.g. COCO-style): the first
-            cap = cap[0]
-        out.append(row(cfg, name, sid, url, str(cap).strip(), i))
+        out.append(row(cfg, name, sid, url, text, i))
     return out, failed
 
 
 def _image_bytes(value) -> tuple[bytes | None, str | None]:
     """(bytes, path) of one image cell: the datasets struct, or plain binary."""
     if isinstance(value, dict):
-        return value.get("bytes"), value.get("path")
-    return value, None
+        data, path = value.get("bytes"), value.get("path")
+    else:
+        data, path = value, None
+    return (data if isinstance(data, bytes) else None), (path if isinstance(path, str) else None)
 
 
 def images(
     cfg: SourceConfig, m, rows: list[dict], max_bytes: int
 ) -> Iterator[tuple[dict, bytes | IngestError]]:
     """The image bytes of each row, in order, read from the file's image column in batches of
-    ``BATCH_ROWS``; a cell without bytes fails as ``missing_image``."""
-    fs, root = open_location(cfg)
-    path = _path(cfg, fs, root, m.unit)
+    ``BATCH_ROWS``; a cell without bytes fails as ``missing_image``; if the file cannot be
+    read (any more), the rows not read yet fail with the reason."""
+    loc = Location(cfg)
     want = {int(r["url"].rsplit("#", 1)[1]): r for r in rows}
     if not want:
         return
     lo, hi = min(want), max(want) + 1
-    with open_file(fs, path) as f:
-        pf = pq.ParquetFile(f)
-        _check_columns(pf, cfg, path)
-        groups, first = _groups(pf, lo, hi)
-        pos = first
-        for batch in pf.iter_batches(BATCH_ROWS, row_groups=groups, columns=[cfg.image_field]):
-            col: pa.Array = batch.column(0)
-            for j in range(len(col)):
-                r = pos + j
-                if r in want:
-                    data, p = _image_bytes(col[j].as_py())
-                    if data is None:
-                        err = IngestError(
-                            "missing_image",
-                            f"row {r} has no image bytes" + (f" (path {p!r})" if p else ""),
-                        )
-                        yield want.pop(r), err
-                    elif len(data) > max_bytes:
-                        yield (
-                            want.pop(r),
-                            IngestError("too_large", f"{len(data)} bytes > max_bytes {max_bytes}"),
-                        )
-                    else:
-                        yield want.pop(r), data
-            pos += len(col)
-            if pos >= hi:
-                break
+    broke: IngestError | None = None
+    try:
+        with loc.open(m.unit) as f:
+            try:
+                pf = pq.ParquetFile(f)
+                _check_columns(pf, cfg, m.unit)
+                groups, first = _groups(pf, lo, hi)
+                pos = first
+                batches = pf.iter_batches(BATCH_ROWS, row_groups=groups, columns=[cfg.image_field])
+                for batch in batches:
+                    col: pa.Array = batch.column(0)
+                    for j in range(len(col)):
+                        r = pos + j
+                        if r in want:
+                            yield want.pop(r), _one(col[j].as_py(), r, max_bytes)
+                    pos += len(col)
+                    if pos >= hi:
+                        break
+            except SourceError:
+                raise  # the source's settings name a column the file lacks: the user's fix
+            except _BROKEN as e:
+                raise _broken(m.unit, e) from None
+    except IngestError as e:
+        broke = e
     for r in sorted(want):  # rows beyond the file's end (it was replaced after registration)
-        yield want[r], IngestError("not_found", f"{m.unit} has no row {r}")
+        yield want[r], broke or IngestError("not_found", f"{m.unit} has no row {r}")
+
+
+def _one(value, r: int, max_bytes: int) -> bytes | IngestError:
+    data, p = _image_bytes(value)
+    if data is None:
+        return IngestError(
+            "missing_image", f"row {r} has no image bytes" + (f" (path {p!r})" if p else "")
+        )
+    if len(data) > max_bytes:
+        return IngestError("too_large", f"{len(data)} bytes > max_bytes {max_bytes}")
+    return data

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,29 +105,56 @@ def manifest(root: str | Path, key: str) -> Manifest:
     return Manifest(**json.loads(p.read_text()))
 
 
-def unregistered(root: str | Path, name: str, cfg: SourceConfig) -> list[Manifest]:
-    """What :func:`register` would add now (keys as it would number them), writing nothing."""
+@dataclass
+class Scan:
+    """What a scan of a source found: the partitions it would add (keys as :func:`register`
+    numbers them) and the files it skipped because they cannot be read whole (a truncated or
+    lying tar, a damaged parquet file, a link out of the location), each ``(file, reason,
+    detail)``. A skipped file is looked at again by the next scan."""
+
+    new: list[Manifest]
+    skipped: list[tuple[str, str, str]]
+
+    def skipped_line(self, name: str) -> str:
+        """One line: what was skipped and why (empty when nothing was)."""
+        return "; ".join(f"{name}: {u} ({r}: {d})" for u, r, d in self.skipped)
+
+
+def unregistered(root: str | Path, name: str, cfg: SourceConfig) -> Scan:
+    """What :func:`register` would add now, writing nothing."""
     index = registered(root, name)
     known = [manifest(root, s["key"]) for s in index]
-    return [
-        Manifest(partition_key(name, len(index) + i), name, cfg.kind, unit, start, end, entries)
-        for i, (unit, start, end, entries) in enumerate(KIND_MODULES[cfg.kind].scan(cfg, known))
-    ]
+    found, skipped = KIND_MODULES[cfg.kind].scan(cfg, known)
+    return Scan(
+        [
+            Manifest(partition_key(name, len(index) + i), name, cfg.kind, unit, start, end, ent)
+            for i, (unit, start, end, ent) in enumerate(found)
+        ],
+        skipped,
+    )
 
 
-def register(root: str | Path, name: str, cfg: SourceConfig) -> list[Manifest]:
+def register(root: str | Path, name: str, cfg: SourceConfig) -> Scan:
     """Scan source ``name`` and register partitions for every sample not in one yet; returns
-    the new partitions (none when nothing is new). Safe to call from several processes."""
+    the scan (``new``: none when nothing is new; ``skipped``: files that cannot be read whole).
+    Safe to call from several processes. Raises SourceError when the location is missing."""
     check_name(name)
     d = source_dir(root, name)
     with file_lock(d / ".register.lock"):
-        new = unregistered(root, name, cfg)
-        for m in new:  # the manifests first, then the index that lists them
+        scan = unregistered(root, name, cfg)
+        for m in scan.new:  # the manifests first, then the index that lists them
             atomic_write_text(d / "shards" / f"{m.key}.json", json.dumps(m.__dict__))
-        if new:
-            index = [*registered(root, name), *(m.summary() for m in new)]
+        if scan.new:
+            index = [*registered(root, name), *(m.summary() for m in scan.new)]
             atomic_write_text(d / "index.json", json.dumps(index, indent=0))
-    return new
+    return scan
+
+
+def forget(root: str | Path, name: str) -> None:
+    """Remove a source's manifests (``flowmatch sources remove --purge``)."""
+    d = source_dir(root, name)
+    if d.exists():
+        shutil.rmtree(d)
 
 
 # ---------------------------------------------------------------------------- a partition's data
@@ -158,7 +186,11 @@ def partition_rows(
             f"partition {key} was registered as a {m.kind} source, but {m.source} is configured "
             f"as {cfg.kind} now; register the new location under another source name"
         )
-    rows, failed = KIND_MODULES[cfg.kind].rows(cfg, m.source, m)
+    try:
+        rows, failed = KIND_MODULES[cfg.kind].rows(cfg, m.source, m)
+    except (IngestError, OSError) as e:  # the whole unit cannot be read: each sample says why
+        err = e if isinstance(e, IngestError) else IngestError("unreadable", f"{m.unit}: {e}")
+        rows, failed = [], [failure(i, m.unit, err.reason, err.detail) for i in _sample_ids(m)]
     seen: set[str] = set()
     unique = []
     for r in rows:  # an id names one row of the partition (catalog records, the images stage)
@@ -172,8 +204,30 @@ def partition_rows(
     return table, failed, m
 
 
+def _sample_ids(m: Manifest) -> list[str]:
+    """The ids a manifest's samples get when its unit cannot be read at all."""
+    if m.kind == "parquet":
+        stem = m.unit.rsplit("/", 1)[-1].removesuffix(".parquet")
+        return [f"{stem}/{r}" for r in range(m.start, m.end)]
+    return [e["id"] if isinstance(e, dict) else e for e in m.entries]
+
+
 def partition_images(
     root: str | Path, cfg: SourceConfig, key: str, rows: list[dict], max_bytes: int
 ) -> Iterator[tuple[dict, bytes | IngestError]]:
-    """``(row, the bytes of its image or the IngestError why not)`` for each of ``rows``."""
-    return KIND_MODULES[cfg.kind].images(cfg, manifest(root, key), rows, max_bytes)
+    """``(row, the bytes of its image or the IngestError why not)`` for each of ``rows``; a
+    read that fails in a way the kind did not foresee costs the rows not read yet (each a
+    failure with the error), never the partition."""
+    todo = {r["id"]: r for r in rows}
+    try:
+        for r, data in KIND_MODULES[cfg.kind].images(cfg, manifest(root, key), rows, max_bytes):
+            todo.pop(r["id"], None)
+            yield r, data
+    except IngestError as e:
+        err = e
+    except (OSError, ValueError, EOFError) as e:
+        err = IngestError("unreadable", f"{type(e).__name__}: {e}"[:300])
+    else:
+        return
+    for r in todo.values():
+        yield r, err

@@ -7,7 +7,12 @@ with extension ``caption_field`` (default ``txt``), else that key of its ``.json
 ``.json``'s ``caption`` (img2dataset writes it there too). Every
 ``*.tar`` under the location is a unit; one with more than ``shard_size`` samples becomes several
 partitions. A tar is read front to back (a local or seekable one skips the image data when only
-captions are wanted).
+captions are wanted); members are never extracted to disk, so their names cannot reach a path.
+
+A tar that cannot be read whole when it is registered (truncated, a damaged header, a member
+declaring more bytes than the file has, a link out of the location) is skipped with its reason
+(and registered once it is whole); one that breaks after registration fails the samples it no
+longer holds as ``corrupt_container``, never the partition.
 """
 
 from __future__ import annotations
@@ -16,21 +21,23 @@ import json
 import posixpath
 import re
 import tarfile
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 
 from flowmatch_assets.ingest.images import IngestError
 from flowmatch_assets.ingest.sources.common import (
-    decode_caption,
+    CAPTION_MAX_BYTES,
+    NotText,
+    caption_text,
     failure,
-    find_files,
-    join,
-    open_file,
-    open_location,
     row,
 )
-from flowmatch_assets.ingest.sources.config import IMAGE_EXTS, SourceConfig, SourceError
+from flowmatch_assets.ingest.sources.config import IMAGE_EXTS, SourceConfig
+from flowmatch_assets.ingest.sources.location import Location
 
 _KEY = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")  # WebDataset's base_plus_ext
+#: What reading a broken tar raises (tarfile, the decompressors, short reads).
+_BROKEN = (tarfile.TarError, EOFError, OSError, zlib.error, ValueError)
 
 
 def split_name(name: str) -> tuple[str, str] | None:
@@ -39,106 +46,167 @@ def split_name(name: str) -> tuple[str, str] | None:
     return (m.group(1), m.group(2).lower()) if m else None
 
 
+def _broken(rel: str, e: BaseException) -> IngestError:
+    msg = str(e).strip() or type(e).__name__
+    if isinstance(e, UnicodeDecodeError):
+        msg = "a member name is not text"
+    return IngestError("corrupt_container", f"{rel}: {msg}")
+
+
 def _members(
-    fs, path: str, read: Callable | None = None
+    loc: Location, rel: str, read: Callable | None = None
 ) -> Iterator[tuple[tarfile.TarInfo, bytes | None]]:
-    """Every regular member of a tar and, where ``read(member)`` says so, its bytes."""
-    with open_file(fs, path, stream_ok=True) as f:
+    """Every regular member of the tar ``rel`` and, where ``read(member)`` says so, its bytes.
+    Raises IngestError: the location's refusals, or ``corrupt_container`` when the tar breaks
+    (a member that claims more bytes than the file has breaks it before it is yielded)."""
+    with loc.open(rel, stream_ok=True) as f:
+        size = loc.size(f)
         seekable = getattr(f, "seekable", lambda: False)()
         try:
             tf = tarfile.open(fileobj=f, mode="r:*" if seekable else "r|*")
-        except tarfile.TarError as e:
-            raise SourceError(f"{path} is not a readable tar: {e}") from None
+        except _BROKEN as e:
+            raise _broken(rel, e) from None
         with tf:
-            for info in tf:
+            it = iter(tf)
+            while True:
+                try:
+                    info = next(it)
+                except StopIteration:
+                    return
+                except _BROKEN as e:
+                    raise _broken(rel, e) from None
+                if size is not None and info.offset_data + info.size > size:
+                    raise _broken(
+                        rel,
+                        ValueError(
+                            f"member {info.name!r} declares {info.size} bytes, past the end "
+                            f"of the file ({size} bytes)"
+                        ),
+                    )
                 if not info.isfile():
                     continue
                 data = None
                 if read is not None and read(info):
-                    fh = tf.extractfile(info)
-                    data = fh.read() if fh is not None else b""
+                    try:
+                        fh = tf.extractfile(info)
+                        data = fh.read() if fh is not None else b""
+                    except _BROKEN as e:
+                        raise _broken(rel, e) from None
+                    if len(data) != info.size:
+                        raise _broken(rel, ValueError(f"member {info.name!r} is cut short"))
                 yield info, data
 
 
-def _tars(fs, root: str) -> list[tuple[str, str]]:
-    """``(path, relative name)`` of every tar under ``root`` (or ``root`` if it is one)."""
-    if root.endswith(".tar") and fs.isfile(root):
-        return [(root, posixpath.basename(root))]
-    return [(join(root, f), f) for f in find_files(fs, root) if f.endswith(".tar")]
+def _tars(loc: Location) -> list[str]:
+    """The name of every tar under the location (or of the location, if it is one)."""
+    return [f for f in loc.files() if f.endswith(".tar")]
 
 
-def scan(cfg: SourceConfig, known: Iterable) -> list[tuple[str, int, int, list]]:
-    """New partitions ``(tar, start, end, sample keys)`` for every tar not registered yet."""
-    fs, root = open_location(cfg)
+def scan(cfg: SourceConfig, known: Iterable) -> tuple[list[tuple[str, int, int, list]], list]:
+    """New partitions ``(tar, start, end, sample keys)`` for every tar not registered yet, and
+    the tars skipped (``(tar, reason, detail)``: they cannot be read whole)."""
+    loc = Location(cfg)
     held = {m.unit for m in known}
-    out = []
-    for path, rel in _tars(fs, root):
+    out, skipped = [], []
+    for rel in _tars(loc):
         if rel in held:
             continue
         keys: list[str] = []
         seen: set[str] = set()
-        for info, _ in _members(fs, path):
-            kx = split_name(info.name)
-            if kx is None or posixpath.basename(info.name).startswith("."):
-                continue
-            if kx[0] not in seen:
-                seen.add(kx[0])
-                keys.append(kx[0])
+        try:
+            for info, _ in _members(loc, rel):
+                kx = split_name(info.name)
+                if kx is None or posixpath.basename(info.name).startswith("."):
+                    continue
+                if kx[0] not in seen:
+                    seen.add(kx[0])
+                    keys.append(kx[0])
+        except IngestError as e:
+            skipped.append((rel, e.reason, e.detail))
+            continue
         for k in range(0, len(keys), cfg.shard_size):  # an empty tar: no partition
             chunk = keys[k : k + cfg.shard_size]
             out.append((rel, k, k + len(chunk), chunk))
-    return out
-
-
-def _path(fs, root: str, unit: str) -> str:
-    return root if root.endswith(".tar") and fs.isfile(root) else join(root, unit)
+    return out, skipped
 
 
 def rows(cfg: SourceConfig, name: str, m) -> tuple[list[dict], list[dict]]:
     """The partition's samples as rows (their caption members read, images skipped)."""
-    fs, root = open_location(cfg)
+    loc = Location(cfg)
     field = cfg.caption()
     wanted = set(m.entries)
-    found: dict[str, dict] = {k: {"exts": [], "caption": None, "json": None} for k in m.entries}
+    found: dict[str, dict] = {
+        k: {"exts": [], "caption": None, "json": None, "big": []} for k in m.entries
+    }
 
     def small(info: tarfile.TarInfo) -> bool:
         kx = split_name(info.name)
-        return kx is not None and kx[0] in wanted and kx[1] in (field, "json")
+        return (
+            kx is not None
+            and kx[0] in wanted
+            and kx[1] in (field, "json")
+            and info.size <= CAPTION_MAX_BYTES
+        )
 
-    for info, data in _members(fs, _path(fs, root, m.unit), small):
-        kx = split_name(info.name)
-        if kx is None or kx[0] not in wanted:
-            continue
-        s = found[kx[0]]
-        s["exts"].append(kx[1])
-        if data is not None and kx[1] == field:
-            s["caption"] = data
-        elif data is not None and kx[1] == "json":
-            s["json"] = data
+    broke: IngestError | None = None
+    last = None  # the key being read when the tar broke: its members may be cut off
+    try:
+        for info, data in _members(loc, m.unit, small):
+            kx = split_name(info.name)
+            if kx is None or kx[0] not in wanted:
+                continue
+            last = kx[0]
+            s = found[kx[0]]
+            s["exts"].append(kx[1])
+            if kx[1] in (field, "json") and info.size > CAPTION_MAX_BYTES:
+                s["big"].append(f"{info.name} ({info.size} bytes)")
+            elif data is not None and kx[1] == field:
+                s["caption"] = data
+            elif data is not None and kx[1] == "json":
+                s["json"] = data
+    except IngestError as e:
+        broke = e
+    complete = set()  # keys whose members all came before the break
+    if broke is not None:
+        for k in m.entries:
+            if found[k]["exts"] and k != last:
+                complete.add(k)
     out, failed = [], []
     for i, key in enumerate(m.entries):
         s = found[key]
         img = next((e for e in s["exts"] if "." + e in IMAGE_EXTS), None)
         url = f"{m.unit}#{key}.{img}" if img else f"{m.unit}#{key}"
+        if broke is not None and key not in complete:
+            failed.append(failure(key, url, broke.reason, broke.detail))
+            continue
         if img is None:
             what = f"members {', '.join(s['exts'])}" if s["exts"] else "no members any more"
             failed.append(failure(key, url, "missing_image", f"sample {key} has no image ({what})"))
             continue
+        if s["big"]:
+            failed.append(failure(key, url, "too_large", f"{s['big'][0]} is above "
+                                  f"{CAPTION_MAX_BYTES} bytes"))  # fmt: skip
+            continue
         caption = None
-        if s["caption"] is not None:
-            caption = decode_caption(s["caption"])
-            if caption is None:
-                failed.append(failure(key, url, "bad_caption", f"{key}.{field} is not UTF-8 text"))
-                continue
-        elif s["json"] is not None:
-            try:
-                meta = json.loads(s["json"])
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                failed.append(failure(key, url, "bad_metadata", f"{key}.json is not JSON: {e}"))
-                continue
-            key_ = field if isinstance(meta, dict) and meta.get(field) is not None else "caption"
-            if isinstance(meta, dict) and meta.get(key_) is not None:
-                caption = str(meta[key_]).strip()
+        try:
+            if s["caption"] is not None:
+                caption = caption_text(s["caption"])
+            elif s["json"] is not None:
+                try:
+                    meta = json.loads(s["json"].decode("utf-8"))
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    what = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8"
+                    failed.append(
+                        failure(key, url, "bad_metadata", f"{key}.json is not JSON: {what}")
+                    )
+                    continue
+                if isinstance(meta, dict):
+                    key_ = field if meta.get(field) is not None else "caption"
+                    caption = caption_text(meta.get(key_))
+        except NotText as e:
+            where = f"{key}.{field}" if s["caption"] is not None else f"{key}.json's caption"
+            failed.append(failure(key, url, "bad_caption", f"{where} is {e}"))
+            continue
         if caption is None:
             failed.append(failure(key, url, "missing_caption",
                                   f"sample {key} has no .{field} member and no {field!r} in its .json"))  # fmt: skip
@@ -150,20 +218,36 @@ def rows(cfg: SourceConfig, name: str, m) -> tuple[list[dict], list[dict]]:
 def images(
     cfg: SourceConfig, m, rows: list[dict], max_bytes: int
 ) -> Iterator[tuple[dict, bytes | IngestError]]:
-    """Each row's image member, read in one pass through the tar (rows in tar order)."""
-    fs, root = open_location(cfg)
-    want = {r["url"].split("#", 1)[1]: r for r in rows}
+    """Each row's image member (the first member of its key with an image extension, as the
+    listing chose), read in one pass through the tar (rows in tar order). Rows are found by
+    their key (the row id), so names with ``#`` or ``?`` need no parsing; if the tar breaks,
+    the rows not read yet fail as ``corrupt_container``."""
+    loc = Location(cfg)
+    want = {r["id"]: r for r in rows}
+    done: set[str] = set()
 
-    def wanted(info: tarfile.TarInfo) -> bool:
-        return info.name in want and info.size <= max_bytes
+    def image_of(info: tarfile.TarInfo) -> str | None:
+        kx = split_name(info.name)
+        if kx is None or kx[0] not in want or kx[0] in done or "." + kx[1] not in IMAGE_EXTS:
+            return None
+        return kx[0]
 
-    for info, data in _members(fs, _path(fs, root, m.unit), wanted):
-        if info.name not in want:
-            continue
-        r = want.pop(info.name)
-        if data is None:
-            yield r, IngestError("too_large", f"{info.size} bytes > max_bytes {max_bytes}")
+    broke: IngestError | None = None
+    try:
+        for info, data in _members(loc, m.unit, lambda i: image_of(i) and i.size <= max_bytes):
+            key = image_of(info)
+            if key is None:
+                continue
+            done.add(key)
+            r = want.pop(key)
+            if data is None:
+                yield r, IngestError("too_large", f"{info.size} bytes > max_bytes {max_bytes}")
+            else:
+                yield r, data
+    except IngestError as e:
+        broke = e
+    for key, r in want.items():
+        if broke is not None:
+            yield r, broke
         else:
-            yield r, data
-    for name, r in want.items():
-        yield r, IngestError("not_found", f"{name} is not in {m.unit} any more")
+            yield r, IngestError("not_found", f"{key} is not in {m.unit} any more")
