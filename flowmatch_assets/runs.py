@@ -60,8 +60,11 @@ def step_failures(result) -> list[tuple[str, str]]:
             data = ev.step_failure_data
             if data.user_failure_data and data.user_failure_data.description:
                 msg = data.user_failure_data.description
-            else:
-                lines = (data.error.message if data.error else "").strip().splitlines()
+            else:  # the root cause, not Dagster's "Error occurred while executing op"
+                err = data.error
+                while err is not None and err.cause is not None:
+                    err = err.cause
+                lines = (err.message if err else "").strip().splitlines()
                 msg = lines[-1] if lines else "failed"
             out.append((ev.step_key, msg))
     return out
@@ -233,8 +236,9 @@ def materialize(
 
 
 def partition_files(res, keys: Sequence[str]) -> list[Path]:
-    """Every file made from these partitions: each partitioned asset's file, the previews and
-    the catalog's per-partition records (``<catalog>/<kind>/<asset>/<key>.parquet``)."""
+    """Every file made from these partitions: each partitioned asset's file, the previews, the
+    catalog's per-partition records (``<catalog>/<kind>/<asset>/<key>.parquet``) and their
+    locks."""
     from flowmatch_models.layout import PARTITIONED_ASSETS
 
     layout = res.layout
@@ -243,6 +247,7 @@ def partition_files(res, keys: Sequence[str]) -> list[Path]:
         out += [p for a in PARTITIONED_ASSETS if (p := layout.asset_path(a, key)).exists()]
         out += sorted(layout.root.joinpath("previews").glob(f"*/{key}.png"))
         out += sorted(layout.catalog_dir.glob(f"*/*/{key}.parquet"))
+        out += sorted(layout.root.joinpath(".locks").glob(f"*/{key}.lock"))
     return out
 
 

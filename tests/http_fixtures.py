@@ -108,9 +108,11 @@ class _Server(http.server.ThreadingHTTPServer):
 
 
 class LoopbackHTTPServer:
-    """A threaded HTTP server on 127.0.0.1 with an ephemeral port, serving canned routes."""
+    """A threaded HTTP server on 127.0.0.1 (or another loopback ``host``) with an ephemeral
+    port, serving canned routes."""
 
-    def __init__(self, routes: dict[str, Route] | None = None) -> None:
+    def __init__(self, routes: dict[str, Route] | None = None, host: str = "127.0.0.1") -> None:
+        self.host = host  # any loopback address (127.0.0.2 is a second host on Linux)
         self.routes: dict[str, Route] = dict(routes or {})
         self._hits: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
@@ -142,12 +144,12 @@ class LoopbackHTTPServer:
         return self._httpd.server_address[1]
 
     def url(self, path: str) -> str:
-        """The absolute http://127.0.0.1:<port><path> URL."""
-        return f"http://127.0.0.1:{self.port}{path}"
+        """The absolute http://<host>:<port><path> URL."""
+        return f"http://{self.host}:{self.port}{path}"
 
     def start(self) -> LoopbackHTTPServer:
         self.stopping.clear()
-        self._httpd = _Server(("127.0.0.1", 0), _Handler)
+        self._httpd = _Server((self.host, 0), _Handler)
         self._httpd.owner = self
         self._thread = threading.Thread(
             target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True

@@ -308,6 +308,7 @@ def test_retry_refetches_only_retryable_rows_and_merges_them_in_order(
             "DAGSTER_HOME": str(tmp_path),
             "FLOWMATCH_DATA_ROOT": str(data),
             "FLOWMATCH_METADATA": str(md),
+            "FLOWMATCH_ALLOW_NETWORKS": "127.0.0.0/8",  # the loopback image server
         }.items():
             monkeypatch.setenv(k, v)
         assert cli.main(["materialize", "-a", "pd12m_metadata", "-a", "images_256"]) == 0
@@ -455,3 +456,117 @@ def test_cli_mistakes_are_one_line_and_exit_2(tmp_path, small_sample, monkeypatc
     # --debug: the traceback
     with pytest.raises(cli.CliError):
         cli.main(["catalog", "sql", "--debug"])
+
+
+# --- a step publishes all of a partition or nothing; one run of a partition at a time ---------
+
+
+def _published(root: Path, key: str) -> dict[str, bytes]:
+    """Every published file of images_256 000-00: the shard, its records, its preview."""
+    c = root / "catalog"
+    files = [
+        root / "images_256" / f"{key}.parquet",
+        root / "previews" / "images_256" / f"{key}.png",
+    ]
+    files += [c / k / "images_256" / f"{key}.parquet"
+              for k in ("materializations", "rows", "content", "duplicates")]  # fmt: skip
+    return {str(f.relative_to(root)): f.read_bytes() for f in files if f.exists()}
+
+
+def _temps(root: Path) -> list[Path]:
+    return [p for p in root.rglob(".tmp-*")]
+
+
+def test_a_late_failure_publishes_nothing(tmp_path, small_sample):
+    """images_256 fails after its shard, content and duplicate records are written (the preview
+    cannot be written): none of them is published, the previous ones stay, no temp is left."""
+    from flowmatch_assets.runs import step_failures
+
+    root = tmp_path / "data"
+    res = make_resource(root, small_sample)
+    other = _res(root, small_sample, quality=70)  # a re-run that would change the shard
+    with dg.instance_for_test() as instance:
+        register_partitions(instance, res)
+        assert _mat(res, "000-00", instance).success
+        before = _published(root, "000-00")
+        assert len(before) == 6
+        previews = root / "previews" / "images_256"
+        shutil.rmtree(previews)
+        previews.write_text("a file where the previews folder should be")
+        result = _mat(other, "000-00", instance, selection=["images_256"])
+        assert not result.success
+        ((step, msg),) = step_failures(result)
+        assert step == "images_256" and "nothing was published" in msg, msg
+        assert "Not a directory" in msg or "File exists" in msg, msg
+        previews.unlink()
+        assert {k: v for k, v in _published(root, "000-00").items() if "previews" not in k} == {
+            k: v for k, v in before.items() if "previews" not in k
+        }
+        assert _temps(root) == []
+        assert _mat(other, "000-00", instance, selection=["images_256"]).success
+        after = _published(root, "000-00")
+        assert after["images_256/000-00.parquet"] != before["images_256/000-00.parquet"]
+
+
+def test_a_full_disk_is_named_and_publishes_nothing(tmp_path, small_sample):
+    """On a real full filesystem (a small tmpfs, as root) the step fails saying "No space left
+    on device", the previous shard and records stay, and nothing temporary is left."""
+    from flowmatch_assets.runs import step_failures
+    from tests.test_run_safety import _mount_tmpfs
+
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, "16m"):
+        pytest.skip("needs root to mount a tmpfs")
+    try:
+        root = disk / "data"
+        res = make_resource(root, small_sample)
+        with dg.instance_for_test() as instance:
+            register_partitions(instance, res)
+            assert _mat(res, "000-00", instance).success
+            before = _published(root, "000-00")
+            free = shutil.disk_usage(disk).free
+            with open(disk / "ballast", "wb") as f:
+                f.write(b"\0" * max(0, free - 64 * 1024))
+            result = _mat(_res(root, small_sample, quality=70), "000-00", instance,
+                          selection=["images_256"])  # fmt: skip
+            assert not result.success
+            ((step, msg),) = step_failures(result)
+            assert "No space left on device" in msg and "nothing was published" in msg, msg
+            assert _published(root, "000-00") == before
+            assert _temps(root) == []
+    finally:
+        import subprocess
+
+        subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_two_runs_of_one_partition_wait_for_each_other(tmp_path, small_sample):
+    """A run of a partition waits while another holds it, and never removes that run's temp
+    file (the second of two runs at once used to remove the first one's and fail it)."""
+    import fcntl
+
+    root = tmp_path / "data"
+    res = make_resource(root, small_sample)
+    with dg.instance_for_test() as instance:
+        register_partitions(instance, res)
+        assert _mat(res, "000-00", instance, selection=["pd12m_metadata"]).success
+        lock = root / ".locks" / "images_256" / "000-00.lock"
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        theirs = root / "images_256" / ".tmp-000-00.parquet.theirs.tmp"
+        theirs.parent.mkdir(parents=True, exist_ok=True)
+        results = []
+        with open(lock, "a+") as held:  # another run of images_256 000-00 is writing
+            fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+            theirs.write_bytes(b"half a shard")
+            t = threading.Thread(
+                target=lambda: results.append(_mat(res, "000-00", instance, ["images_256"]))
+            )
+            t.start()
+            time.sleep(3)
+            assert t.is_alive() and theirs.exists()  # it waits; their temp file is theirs
+            assert not (root / "images_256" / "000-00.parquet").exists()
+            fcntl.flock(held.fileno(), fcntl.LOCK_UN)
+        t.join(timeout=120)
+        assert results and results[0].success
+        assert not theirs.exists()  # stale once the lock was free: removed
+        assert pq.read_metadata(root / "images_256" / "000-00.parquet").num_rows == 10

@@ -76,7 +76,9 @@ def cmd_partitions(action: str, source: str | None, partition: list[str], orphan
         res.source(source)  # unknown: one line naming the configured ones
     if action == "register":
         skipped: list[str] = []
-        new = register_partitions(_instance(), res, source, log=skipped.append, strict=True)
+        new = register_partitions(
+            _instance(), res, source, log=skipped.append, strict=source is not None
+        )
         print(f"registered {len(new)} new partitions" + (f": {', '.join(new[:10])}" if new else ""))
         if skipped:  # what could not be read, one line, on stderr; the rest is registered
             print(f"flowmatch: {'; '.join(skipped)}", file=sys.stderr)
@@ -174,16 +176,16 @@ def _add_source(res, path: Path, name: str | None, kind: str | None, location: s
     cfg = src.SourceConfig.model_validate({k: v for k, v in given.items() if v is not None})
     src.check_name(name)
     parts = src.registered(res.data_root, name)
-    old = res.sources.get(name)
+    old = res.source(name) if name in res.sources else None
     if old is not None and not replace:
         raise CliError(
-            f"source {name} exists ({old['kind']} at {old['location']}, {len(parts)} partitions "
+            f"source {name} exists ({old.kind} at {old.location}, {len(parts)} partitions "
             "registered); `--replace` gives it these settings, or `flowmatch sources remove "
             f"{name}` first"
         )
-    if old is not None and parts and old["kind"] != cfg.kind:
+    if old is not None and parts and old.kind != cfg.kind:
         raise CliError(
-            f"source {name} has {len(parts)} partitions registered as {old['kind']}; a "
+            f"source {name} has {len(parts)} partitions registered as {old.kind}; a "
             f"{cfg.kind} source needs another name (or `flowmatch sources remove {name} --purge`)"
         )
     if not allow_missing:
@@ -1045,8 +1047,9 @@ def _one_line(e: BaseException) -> str | None:
     from flowmatch_assets.compat import dagster_error_type
 
     if isinstance(e, dagster_error_type()):
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return f"{type(e).__name__}: {first}"
+        cause = getattr(e, "user_exception", None) or e.__cause__ or e  # the root cause
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+        return f"{type(cause).__name__}: {first}" if first else type(cause).__name__
     return None
 
 

@@ -149,7 +149,10 @@ def _captions_from_jsonl(
     read (by folder)."""
     dirs = set()
     for img in images:
-        d = posixpath.dirname(img)
+        try:
+            d = posixpath.dirname(loc.name_of(img))
+        except IngestError:
+            continue  # a name outside the location (an old manifest): it fails when read
         while True:
             dirs.add(d)
             if not d:

@@ -46,11 +46,15 @@ def split_name(name: str) -> tuple[str, str] | None:
     return (m.group(1), m.group(2).lower()) if m else None
 
 
-def _broken(rel: str, e: BaseException) -> IngestError:
+def _broken(rel: str, e: BaseException, member: str | None = None) -> IngestError:
+    """``corrupt_container``; ``member``: the member whose header was read when it broke (the
+    samples before it are whole)."""
     msg = str(e).strip() or type(e).__name__
     if isinstance(e, UnicodeDecodeError):
         msg = "a member name is not text"
-    return IngestError("corrupt_container", f"{rel}: {msg}")
+    err = IngestError("corrupt_container", f"{rel}: {msg}")
+    err.member = member  # type: ignore[attr-defined]
+    return err
 
 
 def _members(
@@ -76,13 +80,8 @@ def _members(
                 except _BROKEN as e:
                     raise _broken(rel, e) from None
                 if size is not None and info.offset_data + info.size > size:
-                    raise _broken(
-                        rel,
-                        ValueError(
-                            f"member {info.name!r} declares {info.size} bytes, past the end "
-                            f"of the file ({size} bytes)"
-                        ),
-                    )
+                    what = f"member {info.name!r} declares {info.size} bytes, past the end of "
+                    raise _broken(rel, ValueError(f"{what}the file ({size} bytes)"), info.name)
                 if not info.isfile():
                     continue
                 data = None
@@ -91,9 +90,10 @@ def _members(
                         fh = tf.extractfile(info)
                         data = fh.read() if fh is not None else b""
                     except _BROKEN as e:
-                        raise _broken(rel, e) from None
+                        raise _broken(rel, e, info.name) from None
                     if len(data) != info.size:
-                        raise _broken(rel, ValueError(f"member {info.name!r} is cut short"))
+                        cut = ValueError(f"member {info.name!r} is cut short")
+                        raise _broken(rel, cut, info.name)
                 yield info, data
 
 
@@ -168,8 +168,10 @@ def rows(cfg: SourceConfig, name: str, m) -> tuple[list[dict], list[dict]]:
         broke = e
     complete = set()  # keys whose members all came before the break
     if broke is not None:
-        for k in m.entries:
-            if found[k]["exts"] and k != last:
+        at = getattr(broke, "member", None)
+        at_key = (split_name(at) or (None,))[0] if at else None
+        for k in m.entries:  # the last key read is whole if the break came at another's member
+            if found[k]["exts"] and (k != last or (at_key is not None and at_key != last)):
                 complete.add(k)
     out, failed = [], []
     for i, key in enumerate(m.entries):

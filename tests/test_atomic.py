@@ -1,0 +1,50 @@
+"""Atomic writes and the deferred publish of files that belong together."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from flowmatch_models.atomic import atomic_write_text, deferred, written
+
+
+def test_deferred_writes_are_renamed_together_in_order(tmp_path):
+    a, b, c = tmp_path / "a.txt", tmp_path / "b.txt", tmp_path / "c.txt"
+    a.write_text("old a")
+    with deferred(lambda p: p.name in ("a.txt", "b.txt")) as tx:
+        atomic_write_text(a, "new a")
+        atomic_write_text(b, "new b")
+        atomic_write_text(c, "c is not owned: written now")
+        assert a.read_text() == "old a" and not b.exists()  # not published yet
+        assert written(a).read_text() == "new a" and written(a) != a
+        assert c.read_text() == "c is not owned: written now"
+        assert list(tx.pending) == [a, b]
+    assert a.read_text() == "new a" and b.read_text() == "new b"
+    assert written(a) == a
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.txt", "c.txt"]
+
+
+def test_a_failure_in_the_block_publishes_nothing(tmp_path):
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("old a")
+    with pytest.raises(RuntimeError), deferred(lambda p: True):
+        atomic_write_text(a, "new a")
+        atomic_write_text(b, "new b")
+        raise RuntimeError("the preview could not be drawn")
+    assert a.read_text() == "old a" and not b.exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["a.txt"]  # no temp file left
+
+
+def test_a_failed_rename_restores_what_was_renamed(tmp_path):
+    a, blocked = tmp_path / "a.txt", tmp_path / "dir" / "b.txt"
+    a.write_text("old a")
+    blocked.parent.mkdir()
+    with pytest.raises(OSError), deferred(lambda p: True) as tx:
+        atomic_write_text(a, "new a")
+        atomic_write_text(blocked, "new b")
+        Path(blocked).mkdir()  # the rename onto a folder fails at commit
+        assert len(tx.pending) == 2
+    assert a.read_text() == "old a"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "dir"]
+    assert [p.name for p in blocked.parent.iterdir()] == ["b.txt"]  # the folder, no temp
