@@ -259,7 +259,8 @@ class ShardSource:
                 tokens.read([a], len(part), part, [0])
                 t = (transform_codec.decode(part, dev) if dev else part.float()).double().numpy()
                 at = firsts[(firsts >= a) & (firsts < a + len(t))] - a
-                t[at] = self.null_tokens[0]
+                if len(at):
+                    t[at] = self.null_tokens[0]
                 total = t.sum(0) if total is None else total + t.sum(0)
                 sq = (t**2).sum(0) if sq is None else sq + (t**2).sum(0)
             n += rows
