@@ -88,7 +88,12 @@ class OptimConfig(_Section):
     schedule: Literal["constant", "cosine"] = "constant"
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine floor as a fraction of lr.")
     grad_clip: float = Field(1.0, ge=0, description="Gradient-norm clip; 0 = none.")
-    ema_decay: float = Field(0.9999, ge=0, le=1)
+    ema_decay: float = Field(
+        0.9999, ge=0, le=1,
+        description="EMA decay per optimizer step, after a warm-up ramp (1+n)/(10+n) over the "
+        "EMA's age n: the run's steps, plus the parent's step for a fine-tune (its EMA goes on "
+        "from the parent's: choose the decay for the fine-tune's length).",
+    )  # fmt: skip
 
 
 class DataConfig(_Section):

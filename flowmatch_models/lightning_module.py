@@ -344,10 +344,19 @@ class FlowMatchModule(L.LightningModule):
         the sample grids, the evaluation and the export run."""
         return fold_text_norm(self.ema, self.model.text_norm())
 
+    def ema_steps(self) -> int:
+        """Optimizer steps the EMA has averaged: this run's, plus its parent's for a fine-tune
+        (its EMA starts as the parent's, already ``parent["step"]`` steps old)."""
+        return int(self.global_step) + (int(self.parent["step"]) if self.parent else 0)
+
     def update_ema(self) -> None:
-        """``ema = d ema + (1 - d) w`` with ``d = min(decay, (1 + step) / (10 + step))``;
-        a skipped step (non-finite gradients) weighs 0, on the device."""
-        d = min(self.config.optim.ema_decay, (1 + self.global_step) / (10 + self.global_step))
+        """``ema = d ema + (1 - d) w`` with ``d = min(decay, (1 + n) / (10 + n))``, ``n`` the
+        EMA's age (:meth:`ema_steps`): the warm-up ramp keeps a young EMA from averaging in its
+        random start; a fine-tune's continues its parent's instead of restarting (which put
+        ~90% of the fine-tune's first weights into it). A skipped step (non-finite gradients)
+        weighs 0, on the device."""
+        n = self.ema_steps()
+        d = min(self.config.optim.ema_decay, (1 + n) / (10 + n))
         ema = list(self.ema.parameters())
         src = [p.detach() for p in self.model.transformer.parameters()]
         if self._bad is None:
