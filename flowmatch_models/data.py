@@ -488,8 +488,8 @@ class ShardSource:
             "sizes": sizes,
         }  # fmt: skip
         if decode:
-            return decode_batch(out_batch, self.tables, self.scaling_factor, "cpu",
-                                self.null_first("cpu"))  # fmt: skip
+            tables = lambda k, p, key: self.tables(k, p, "cpu", key)  # noqa: E731
+            return decode_batch(out_batch, tables, self.scaling_factor, "cpu", self.null_first())
         return out_batch
 
     def buffers(self, b: int, tokens: int, first: dict | None = None, shared: bool = False) -> dict:

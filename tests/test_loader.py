@@ -207,11 +207,11 @@ def test_a_causal_encoders_first_state_is_fed_exactly(tmp_path):
     old = read_shard(path)  # the same data, written before the attr: no substitution
     assert "first_token_is_null" not in old.attrs
     null0 = torch.from_numpy(old["null_tokens"][0].astype(np.float32))
-    dm = EmbeddingDataModule(root, batch_size=16)
+    dm = EmbeddingDataModule(root, batch_size=16, heldout=(0.1, 3))
     seen = {"000-00": 0, "000-01": 0}
-    for b in dm.train_dataloader():
-        ids = b.pop("meta")["ids"]
-        d = dm.decode_batch(b, "cpu")
+    batches = [(b.pop("meta")["ids"], dm.decode_batch(b, "cpu")) for b in dm.train_dataloader()]
+    held = dm.source.heldout_batch(8)  # validation's: decoded on the host
+    for ids, d in [*batches, (held["ids"], held)]:
         for j, i in enumerate(ids):
             part, first, second = i.split("/")[0], d["text"][j, 0], d["text"][j, 1]
             seen[part] += 1
