@@ -66,8 +66,9 @@ class ModelConfig(_Section):
     gradient_checkpointing: bool = False
     compile: bool = Field(
         False,
-        description="torch.compile the model's forward (captions padded to data.text_max_len "
-        "so shapes never change).",
+        description="torch.compile the model's forward (captions padded to data.text_max_len): "
+        "one graph per aspect-ratio bucket, each compiled at its first batch (BENCHMARKS.md "
+        "'Compiled buckets': the warm-up it costs).",
     )
 
 
