@@ -49,7 +49,7 @@ from flowmatch_models.callbacks import (
 )
 from flowmatch_models.config import ConfigError, TrainConfig, load_config
 from flowmatch_models.curves import merge_metrics, plot_coverage, plot_loss_curve
-from flowmatch_models.data import EmbeddingDataModule, OrderChangedError
+from flowmatch_models.data import EmbeddingDataModule, OrderChangedError, PartitionChangedError
 from flowmatch_models.export import export_pipeline
 from flowmatch_models.layout import DataLayout, source_of
 from flowmatch_models.lightning_module import FlowMatchModule, NonFiniteStepsError
@@ -439,7 +439,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = train(request, pipes)
         except (ConfigError, OrderChangedError, FileNotFoundError) as e:
             return _error(f"error: {e}", 2)
-        except (NonFiniteStepsError, DiskFullError) as e:  # the run stopped itself: one line
+        except (NonFiniteStepsError, DiskFullError, PartitionChangedError) as e:  # stopped itself
             return _error(f"error: {e.strerror if isinstance(e, DiskFullError) else e}", 3)
         if pipes is not None and result.is_global_zero:
             pipes.report_custom_message({"train_result": result.to_dict()})

@@ -285,8 +285,8 @@ def test_the_training_step_never_reads_the_device(
 
     from flowmatch_models.lightning_module import FlowMatchModule
 
-    if storage == "default":
-        store = make_root(tmp_path / "coded", SIZES, "default")
+    if storage == "default":  # two partitions of a causal text encoder: exact first states
+        store = make_root(tmp_path / "coded", SIZES, "default", causal=["000-00", "000-02"])
     out = tmp_path / "nosync"
     cfg = tiny_config(store, out, trainer__max_steps=8, trainer__log_every=4,
                       trainer__max_skipped_steps=4)  # fmt: skip
