@@ -243,9 +243,7 @@ def test_ledger_epochs_view_reads_segments_recorded_before_buckets(tmp_path: Pat
 # --------------------------------------------------------------------------------------------
 
 
-def test_compiled_buckets_one_graph_each_no_eager_fallback_losses_of_eager(
-    tmp_path, monkeypatch
-) -> None:
+def test_compiled_buckets_one_graph_each_no_eager_fallback_losses_of_eager(tmp_path) -> None:
     """12 steps of the tiny preset compiled (inductor, CPU) on two buckets, the square in both
     layouts and a wide one: one static graph per bucket compiled at its first batch (no graph
     break, no recompile within a bucket, never Dynamo's fall back to eager), losses equal to
@@ -262,8 +260,8 @@ def test_compiled_buckets_one_graph_each_no_eager_fallback_losses_of_eager(
                           logging__record_sample_ids=False)  # fmt: skip
         torch._dynamo.reset()
         counters.clear()
-        monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
-        run_training(cfg, resume="none")
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):  # never eager
+            run_training(cfg, resume="none")
         rows = _csv(out / "metrics.csv")
         losses[compiled] = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
         keys[compiled] = {
@@ -290,7 +288,7 @@ class Grid(torch.nn.Module):
         return self.conv(x) * 2
 
 
-def test_every_bucket_gets_its_own_graph_before_dynamo_would_run_eager(monkeypatch) -> None:
+def test_every_bucket_gets_its_own_graph_before_dynamo_would_run_eager() -> None:
     """Dynamo compiles at most ``recompile_limit`` graphs of a function (8 by default) and then
     runs it eager: compile_per_bucket leaves room for all 13 default buckets (Dynamo's own
     eager backend here: the limit is Dynamo's, whatever compiles the graphs)."""
@@ -300,14 +298,13 @@ def test_every_bucket_gets_its_own_graph_before_dynamo_would_run_eager(monkeypat
     from flowmatch_models.buckets import buckets_for
     from flowmatch_models.train import compile_per_bucket
 
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # the default
-    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
-    conv = Grid()  # takes any latent grid, like the DiT
-    compile_per_bucket(conv, grids=2, backend="eager")
-    torch._dynamo.reset()
-    counters.clear()
-    for h, w in buckets_for():
-        for _ in range(2):
-            conv(torch.randn(2, 4, h // 32, w // 32))
+    with torch._dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=True):
+        conv = Grid()  # takes any latent grid, like the DiT
+        compile_per_bucket(conv, grids=2, backend="eager")  # 8: the default limit
+        torch._dynamo.reset()
+        counters.clear()
+        for h, w in buckets_for():
+            for _ in range(2):
+                conv(torch.randn(2, 4, h // 32, w // 32))
     assert len(buckets_for()) == 13 and counters["stats"]["unique_graphs"] == 13
     torch._dynamo.reset()
