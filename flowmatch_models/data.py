@@ -748,7 +748,8 @@ def decode_batch(
     :meth:`ShardSource.tables`; ``key``: the batch's ``<input>_tables``), or fp16 rows widened,
     then put in place (``index_copy_`` to ``<key>_dst``; text padding stays zero); the first
     caption state of a group flagged in ``text_first_null`` is ``null_first`` exactly (a
-    causal encoder's, :data:`~flowmatch_models.embeddings.FIRST_TOKEN_ATTR`). Tensors already on ``device`` stay there; nothing here waits on the device."""
+    causal encoder's, :data:`~flowmatch_models.embeddings.FIRST_TOKEN_ATTR`). Tensors already
+    on ``device`` stay there; nothing here waits on the device."""
     if "text_rows" not in batch:
         return batch  # decoded already
     out = {k: v for k, v in batch.items() if not k.startswith(("text_", "dino_"))}
