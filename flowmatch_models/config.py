@@ -66,8 +66,9 @@ class ModelConfig(_Section):
     gradient_checkpointing: bool = False
     compile: bool = Field(
         False,
-        description="torch.compile the model's forward (captions padded to data.text_max_len "
-        "so shapes never change).",
+        description="torch.compile the model's forward (captions padded to data.text_max_len): "
+        "one graph per aspect-ratio bucket, each compiled at its first batch (BENCHMARKS.md "
+        "'Compiled buckets': the warm-up it costs).",
     )
 
 
@@ -88,7 +89,12 @@ class OptimConfig(_Section):
     schedule: Literal["constant", "cosine"] = "constant"
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine floor as a fraction of lr.")
     grad_clip: float = Field(1.0, ge=0, description="Gradient-norm clip; 0 = none.")
-    ema_decay: float = Field(0.9999, ge=0, le=1)
+    ema_decay: float = Field(
+        0.9999, ge=0, le=1,
+        description="EMA decay per optimizer step, after a warm-up ramp (1+n)/(10+n) over the "
+        "EMA's age n: the run's steps, plus the parent's step for a fine-tune (its EMA goes on "
+        "from the parent's: choose the decay for the fine-tune's length).",
+    )  # fmt: skip
 
 
 class DataConfig(_Section):
@@ -174,7 +180,9 @@ class TrainerConfig(_Section):
     precision: str = Field("auto", description="auto = bf16-mixed on GPU, 32-true on CPU.")
     accelerator: str = "auto"
     devices: int | str = "auto"
-    strategy: str = "auto"
+    strategy: str = Field(
+        "auto", description="auto, ddp, ...: strategies that keep a whole model per device."
+    )
     num_nodes: int = Field(1, ge=1)
     log_every: int = Field(10, ge=1)
     checkpoint_every: int = Field(
@@ -198,6 +206,17 @@ class TrainerConfig(_Section):
     )
     sample_every: int = Field(500, ge=0, description="Sample grid (and wandb images); 0 = off.")
     progress_bar: bool = False
+
+    @field_validator("strategy")
+    @classmethod
+    def _whole_model_per_device(cls, v: str) -> str:
+        if any(s in v.lower() for s in ("fsdp", "deepspeed")):
+            raise ValueError(
+                "FSDP and DeepSpeed shard the gradients and weights: the gradient-norm clip, "
+                "the non-finite skip and the EMA would see one rank's shard; use ddp (a whole "
+                "model per GPU: base.yaml trains in ~14 GB)"
+            )
+        return v
 
 
 class LoggingConfig(_Section):

@@ -32,6 +32,7 @@ import xxhash
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from flowmatch_models import transform_codec
+from flowmatch_models.embeddings import FIRST_TOKEN_ATTR
 from flowmatch_models.fingerprint import ATTR as FINGERPRINT_ATTR
 from flowmatch_models.fingerprint import Fingerprint, diff, disagreement, hash_of
 from flowmatch_models.layout import DataLayout, source_of
@@ -62,6 +63,11 @@ class OrderChangedError(ValueError):
 
 class FingerprintMismatchError(ValueError):
     """Partitions of one embedding kind made by different settings (fingerprints)."""
+
+
+class PartitionChangedError(RuntimeError):
+    """A partition's file was re-made while a batch read from the old one was on its way: its
+    codes would be decoded with another file's tables. The run stops (it never trains on it)."""
 
 
 def shard_fingerprint(layout: DataLayout, kind: str, partition: str) -> Fingerprint | None:
@@ -238,14 +244,23 @@ class ShardSource:
         total = count = sq = None
         n, chunk = 0, 16_384
         for p in self.partitions:
-            tokens = _rows(self._shard("text_embeddings", p), "tokens")
+            shard = self._shard("text_embeddings", p)
+            tokens = _rows(shard, "tokens")
             rows = min(tokens.shape[0], max_tokens - n)
-            dev = tokens.coded and self.tables("text_embeddings", p)
+            dev = tokens.coded and self.tables("text_embeddings", p, key=shard.table_key("tokens"),
+                                               shard=shard)  # fmt: skip
+            # a causal encoder's first states: the null caption's, as training decodes them
+            firsts = (ragged_offsets(np.asarray(shard["lengths"]))[:-1]
+                      if shard.attrs.get(FIRST_TOKEN_ATTR) and self.null_tokens is not None
+                      else np.zeros(0, np.int64))  # fmt: skip
             for a in range(0, rows, chunk):
                 part = torch.from_numpy(np.empty((min(chunk, rows - a), *tokens.row_shape),
                                                  tokens.dtype))  # fmt: skip
                 tokens.read([a], len(part), part, [0])
                 t = (transform_codec.decode(part, dev) if dev else part.float()).double().numpy()
+                at = firsts[(firsts >= a) & (firsts < a + len(t))] - a
+                if len(at):
+                    t[at] = self.null_tokens[0]
                 total = t.sum(0) if total is None else total + t.sum(0)
                 sq = (t**2).sum(0) if sq is None else sq + (t**2).sum(0)
             n += rows
@@ -304,6 +319,12 @@ class ShardSource:
             dino = self._shard("dino_features", p)
             shards.append(dino)
             out["patch"] = _rows(dino, "patch", cells=True)
+        # the versions read: their tables decode the codes (tables(); never by path alone)
+        out["shards"] = dict(zip(self.kinds[1:], shards[1:]))
+        out["table_keys"] = {
+            key: out["shards"][kind].table_key(array) if out[rows].coded else None
+            for key, (kind, array, rows) in _INPUTS.items() if rows in out
+        }  # fmt: skip
         for kind, s in zip(self.kinds, shards):
             why = self.mismatch(kind, Fingerprint.from_json(s.attrs.get(FINGERPRINT_ATTR)), p)
             if why:  # re-made while this run trains on it
@@ -327,6 +348,9 @@ class ShardSource:
                 f"{self.partitions[0]!r}'s (the encoded empty prompts differ); re-materialize "
                 "text_embeddings so that every partition uses the same encoder"
             )
+        # a causal text encoder: every caption's first state is the null caption's (stored
+        # lossy, it is put back exactly where the batch is decoded, as CFG and sampling feed it)
+        out["first_null"] = null is not None and bool(text.attrs.get(FIRST_TOKEN_ATTR))
         sf = float(vae.attrs.get("scaling_factor", self.scaling_factor))
         if sf != self.scaling_factor:
             raise ValueError(f"partition {p!r}: scaling_factor {sf} != {self.scaling_factor}")
@@ -454,11 +478,18 @@ class ShardSource:
                 if v is not None and v.coded
             ],  # fmt: skip
             "text_counts": counts,
-            **({"dino_counts": [len(j) for _, j in groups]} if self.load_dino and latents else {}),
+            # the tables of the file versions these rows were read from, per group
+            "text_tables": [arrays[s]["table_keys"]["text"] for s, _ in groups],
+            # per group: its captions' first state is the null caption's (exact on decode)
+            "text_first_null": [arrays[s]["first_null"] for s, _ in groups],
+            **({"dino_counts": [len(j) for _, j in groups],
+                "dino_tables": [arrays[s]["table_keys"]["dino"] for s, _ in groups]}
+               if self.load_dino and latents else {}),
             "sizes": sizes,
-        }
+        }  # fmt: skip
         if decode:
-            return decode_batch(out_batch, self.tables, self.scaling_factor, "cpu")
+            tables = lambda k, p, key: self.tables(k, p, "cpu", key)  # noqa: E731
+            return decode_batch(out_batch, tables, self.scaling_factor, "cpu", self.null_first())
         return out_batch
 
     def buffers(self, b: int, tokens: int, first: dict | None = None, shared: bool = False) -> dict:
@@ -478,19 +509,57 @@ class ShardSource:
             out["dino_dst"] = _buffer((b,), np.int64, shared)
         return out
 
-    def tables(self, kind: str, partition: str, device="cpu") -> transform_codec.DeviceTables:
+    def tables(
+        self,
+        kind: str,
+        partition: str,
+        device="cpu",
+        key: str | None = None,
+        shard: Shard | None = None,
+    ) -> transform_codec.DeviceTables:
         """The decoding tables of ``kind``'s coded model input in ``partition`` as tensors on
-        ``device`` (small; kept for the newest 64). The tables are checked by their checksums;
-        the codes are not re-hashed here (see :func:`_rows`)."""
-        key = (kind, partition, str(device))
-        if key not in self._tables:
-            array = {k: a for k, a in MODEL_INPUTS.values()}[kind]
-            tables = self._shard(kind, partition).coded(array, verify=False).tables
-            self._tables[key] = transform_codec.DeviceTables.of(tables, device)
+        ``device`` (small; the newest 64 kept), by their :meth:`~Shard.table_key` ``key`` (the
+        version of the file the codes were read from; None: the file on disk now). Found in
+        ``shard``, in this process's open version of the partition, else in the file on disk;
+        a file re-made since the codes were read raises :class:`PartitionChangedError`. The
+        tables are checked by their checksums; the codes are not re-hashed (see :func:`_rows`)."""
+        array = {k: a for k, a in MODEL_INPUTS.values()}[kind]
+        if key is not None and (kind, key, str(device)) in self._tables:
+            self._tables.move_to_end((kind, key, str(device)))
+            return self._tables[(kind, key, str(device))]
+        opened = [a["shards"].get(kind) for i, a in self._open.items()
+                  if self.partitions[i] == partition]  # fmt: skip
+        found = None
+        for s in [shard, *opened]:
+            if s is not None and (key is None or s.table_key(array) == key):
+                found = s
+                break
+        found = found or self._shard(kind, partition)
+        have = found.table_key(array)
+        if key is not None and have != key:
+            raise PartitionChangedError(
+                f"partition {partition!r}: its {kind} file was re-made while this run read it "
+                f"(the batch's codes are of tables {key}, the file now has {have}); a batch is "
+                "never decoded with another file's tables: resume (--resume auto) to go on "
+                "from the last checkpoint with the new file"
+            )
+        cache = (kind, have, str(device))
+        if cache not in self._tables:
+            tables = found.coded(array, verify=False).tables
+            self._tables[cache] = transform_codec.DeviceTables.of(tables, device)
             while len(self._tables) > 64:
                 self._tables.popitem(last=False)
-        self._tables.move_to_end(key)
-        return self._tables[key]
+        self._tables.move_to_end(cache)
+        return self._tables[cache]
+
+    def null_first(self, device="cpu") -> torch.Tensor | None:
+        """The null caption's first state (float32 ``[D]``) on ``device``, cached: what a
+        causal text encoder's first state of every caption is (``text_first_null``)."""
+        if self.null_tokens is None:
+            return None
+        if getattr(self, "_null_first", (None,))[0] != str(device):
+            self._null_first = (str(device), torch.from_numpy(self.null_tokens[0]).to(device))
+        return self._null_first[1]
 
 
 class FileRows:
@@ -511,7 +580,7 @@ class FileRows:
         #: transform-coded: the rows are codes (:meth:`ShardSource.tables` decodes them)
         self.coded = "aux" in shard.info(name)
         self.path = shard.path
-        self.fd = os.open(shard.path, os.O_RDONLY)
+        self.fd = os.dup(shard.fileno())  # the version of the file the header came from
         weakref.finalize(self, os.close, self.fd)
 
     @property
@@ -664,15 +733,23 @@ class RingLoader(DataLoader):
 
 #: model input -> the store kind whose tables decode its codes
 _CODED = {"text": "text_embeddings", "dino": "dino_features"}
+#: model input -> (kind, array, the key of its rows in ShardSource._arrays)
+_INPUTS = {"text": ("text_embeddings", "tokens", "tokens"),
+           "dino": ("dino_features", "patch", "patch")}  # fmt: skip
 
 
-def decode_batch(batch: dict, tables, scaling_factor: float, device) -> dict:
+def decode_batch(
+    batch: dict, tables, scaling_factor: float, device, null_first: torch.Tensor | None = None
+) -> dict:
     """A stored batch (:meth:`ShardSource.gather` with ``decode=False``) as float32 model inputs
-    on ``device``: latents scaled; each group's text/DINO rows decoded with its partition's
-    tables (``tables(kind, partition)`` -> :class:`~flowmatch_models.transform_codec.DeviceTables`
-    on ``device``, :meth:`ShardSource.tables`), or fp16 rows widened, then put in place
-    (``index_copy_`` to ``<key>_dst``; text padding stays zero). Tensors already on
-    ``device`` stay there; nothing here waits on the device."""
+    on ``device``: latents scaled; each group's text/DINO rows decoded with the tables of the
+    file they were read from (``tables(kind, partition, key)`` ->
+    :class:`~flowmatch_models.transform_codec.DeviceTables` on ``device``,
+    :meth:`ShardSource.tables`; ``key``: the batch's ``<input>_tables``), or fp16 rows widened,
+    then put in place (``index_copy_`` to ``<key>_dst``; text padding stays zero); the first
+    caption state of a group flagged in ``text_first_null`` is ``null_first`` exactly (a
+    causal encoder's, :data:`~flowmatch_models.embeddings.FIRST_TOKEN_ATTR`). Tensors already
+    on ``device`` stay there; nothing here waits on the device."""
     if "text_rows" not in batch:
         return batch  # decoded already
     out = {k: v for k, v in batch.items() if not k.startswith(("text_", "dino_"))}
@@ -690,9 +767,10 @@ def decode_batch(batch: dict, tables, scaling_factor: float, device) -> dict:
         rows = batch[f"{key}_rows"].to(device)
         if key in batch["coded"]:
             parts, start = [], 0
-            for p, n in zip(batch["parts"], batch[f"{key}_counts"]):
+            keys = batch.get(f"{key}_tables") or [None] * len(batch["parts"])
+            for p, n, k in zip(batch["parts"], batch[f"{key}_counts"], keys):
                 parts.append(
-                    transform_codec.decode(rows[start : start + n], tables(_CODED[key], p))
+                    transform_codec.decode(rows[start : start + n], tables(_CODED[key], p, k))
                 )
                 start += n
             values = torch.cat(parts) if len(parts) > 1 else parts[0]
@@ -700,7 +778,17 @@ def decode_batch(batch: dict, tables, scaling_factor: float, device) -> dict:
             values = rows.float()
         lead = (b * width,) if key == "text" else (b,)
         x = torch.zeros((*lead, *values.shape[1:]), device=values.device)
-        x.index_copy_(0, batch[f"{key}_dst"].to(device), values)
+        dst = batch[f"{key}_dst"].to(device)
+        flags = batch.get("text_first_null") if key == "text" else None
+        if flags and any(flags):  # a caption's first row goes to position 0 of its sample
+            if null_first is None:
+                raise ValueError("a batch with exact first states needs null_first")
+            first = dst % width == 0
+            if not all(flags):  # partitions stored before the flag: as stored
+                first &= torch.cat([torch.full((n,), f, dtype=torch.bool, device=dst.device)
+                                    for f, n in zip(flags, batch["text_counts"])])  # fmt: skip
+            values = torch.where(first[:, None], null_first.to(values.device), values)
+        x.index_copy_(0, dst, values)
         out[key] = x.view(b, width, -1) if key == "text" else x
     return out
 
@@ -1069,11 +1157,13 @@ class EmbeddingDataModule(L.LightningDataModule):
 
     def decode_batch(self, batch: dict, device) -> dict:
         """A stored training batch as float32 model inputs on ``device`` (where it was moved):
-        codes decoded with each partition's tables (:meth:`ShardSource.tables`, on ``device``)."""
+        codes decoded with the tables of the file versions they were read from
+        (:meth:`ShardSource.tables`, on ``device``)."""
         src = self.source
         return decode_batch(
-            batch, lambda k, p: src.tables(k, p, device), src.scaling_factor, device
-        )
+            batch, lambda k, p, key: src.tables(k, p, device, key), src.scaling_factor, device,
+            src.null_first(device),
+        )  # fmt: skip
 
     def _available_counts(self) -> dict:
         """Partitions and trainable samples (held-out ones excluded, as in ``sizes``) complete

@@ -45,6 +45,13 @@ if TYPE_CHECKING:
 
 FP16 = 2
 ROWS = ("sample", "token", "once", "cell")
+#: a text shard's attr, true when every caption's first state is the null caption's first
+#: (a causal encoder: Gemma's token 0 sees only BOS); training then feeds that state exactly
+#: instead of its lossy decode, as CFG and sampling do (shards without it: as stored)
+FIRST_TOKEN_ATTR = "first_token_is_null"
+#: how close (relative L2) a caption's first state must be to the null's to count as it: the
+#: encoder's batch numerics only (the transform codec's error is ~6%)
+FIRST_TOKEN_RTOL = 1e-3
 
 
 # ------------------------------------------------------------------------------- the record
@@ -154,6 +161,19 @@ def _dino(enc: Encoders, images: np.ndarray) -> dict[str, np.ndarray]:
 def _text(enc: Encoders, captions: list[str]) -> dict[str, np.ndarray]:
     tokens, lengths = enc.encode_text(captions)
     return {"tokens": tokens, "lengths": lengths}
+
+
+def first_token_is_null(tokens: np.ndarray, lengths: np.ndarray, null: np.ndarray) -> bool:
+    """Every caption's first state (``tokens`` ragged by ``lengths``) is the null caption's
+    first within :data:`FIRST_TOKEN_RTOL` (relative L2): what a causal text encoder gives."""
+    lengths = np.asarray(lengths, np.int64)
+    if not len(lengths) or len(null) < 1 or (lengths < 1).any():
+        return False
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    first = np.asarray(tokens[starts], np.float32)
+    ref = np.asarray(null[0], np.float32)
+    err = np.linalg.norm(first - ref, axis=1)
+    return bool((err <= FIRST_TOKEN_RTOL * max(float(np.linalg.norm(ref)), 1e-12)).all())
 
 
 def _text_finish(enc: Encoders) -> tuple[dict[str, np.ndarray], dict]:
@@ -443,6 +463,10 @@ def encode_partition(
         arrays = {a.name: a.empty() for a in specs}  # an empty shard is still well-formed
         arrays.update({key: np.concatenate(v) for key, v in parts[k.name].items()})
         arrays.update(extra_arrays)
+        if {"tokens", "lengths", "null_tokens"} <= set(arrays):  # a caption kind
+            extra_attrs[FIRST_TOKEN_ATTR] = first_token_is_null(
+                arrays["tokens"], arrays["lengths"], arrays["null_tokens"]
+            )
         local = Path(model).expanduser().is_dir()
         attrs = {
             "model": model,

@@ -6,6 +6,8 @@ checkpoint (``init.weights: ema``, default) or the training weights of a full ``
 (``raw``) at ``init.step`` (default the parent's latest) -- with the parent's caption
 standardisation (``model.text_norm``: the model's input layer was trained on it), a fresh
 optimizer, learning-rate schedule and data order, its own run folder, ledger and wandb run.
+Its EMA goes on from the parent's: the EMA's warm-up ramp counts the parent's steps
+(``FlowMatchModule.ema_steps``), so ``optim.ema_decay`` holds from the first step.
 ``init.freeze`` keeps parameters fixed by name prefix.
 
 The parent is decided once by the launcher (:func:`resolve_parent`) and recorded as a small

@@ -12,8 +12,11 @@ run drew, independent of Lightning's RNG handling.
 A non-finite step never reaches the weights: the gradient norm is computed once on the device
 (it also clips), and a non-finite one sets the fused AdamW's ``found_inf`` (the mechanism
 ``GradScaler`` uses), so the update, the Adam moments and their step count are left untouched
-on the device, and the EMA update of that step is weighted by zero. Under DDP the gradients
-are all-reduced before this check, so every rank skips together. Skipped steps are counted on
+on the device, and the EMA update of that step is weighted by zero. Under ``16-mixed`` the
+gradients are unscaled first and the ``GradScaler`` makes the same decision from the same
+gradients. Under DDP the gradients are all-reduced before this check, so every rank skips
+together; strategies that shard gradients (FSDP, DeepSpeed) would see one rank's shard here
+and are refused by the config (``trainer.strategy``). Skipped steps are counted on
 the device and read at the logging cadence (no host sync per step); after
 ``trainer.max_skipped_steps`` consecutive ones the run stops with :class:`NonFiniteStepsError`.
 
@@ -152,19 +155,37 @@ class FlowMatchModule(L.LightningModule):
         self._skipped_before = int(checkpoint.get("flowmatch", {}).get("skipped_steps", 0))
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        """Gradient norm, clip and the skip decision, all on the device (no host sync)."""
+        """Gradient norm, clip and the skip decision, all on the device (no host sync).
+
+        Under ``16-mixed`` the gradients arrive multiplied by the loss scale: the fused AdamW
+        would divide it out in its step, so Lightning leaves them scaled. They are unscaled
+        here first (``GradScaler.unscale_``: on the device, and it records the scaler's own
+        non-finite check), so the norm logged, the clip and the update are the true ones; the
+        scaler then skips a non-finite step itself and lowers its scale."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         if not grads:
             return
+        opt = getattr(optimizer, "_optimizer", optimizer)
+        scaler = self._grad_scaler()
+        if scaler is not None:  # the fused AdamW unscales nothing after this
+            scaler.unscale_(opt)
         norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)).float())
         bad = ~torch.isfinite(norm)
         clip = self.config.optim.grad_clip
         if clip > 0:
             scale = (clip / (norm + 1e-6)).clamp(max=1.0)
             torch._foreach_mul_(grads, torch.where(bad, torch.ones_like(scale), scale))
-        getattr(optimizer, "_optimizer", optimizer).found_inf = bad.float()
+        if scaler is None:  # else the scaler sets it from its own check (the same gradients)
+            opt.found_inf = bad.float()
         self._grad_norm, self._bad = norm, bad
         self._count_skip(bad)
+
+    def _grad_scaler(self) -> torch.amp.GradScaler | None:
+        """The loss scaler of ``16-mixed`` (Lightning's precision plugin), else None."""
+        if self._trainer is None:
+            return None
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        return scaler if scaler is not None and scaler.is_enabled() else None
 
     def _count_skip(self, bad: torch.Tensor) -> None:
         if self._skipped is None:
@@ -323,10 +344,19 @@ class FlowMatchModule(L.LightningModule):
         the sample grids, the evaluation and the export run."""
         return fold_text_norm(self.ema, self.model.text_norm())
 
+    def ema_steps(self) -> int:
+        """Optimizer steps the EMA has averaged: this run's, plus its parent's for a fine-tune
+        (its EMA starts as the parent's, already ``parent["step"]`` steps old)."""
+        return int(self.global_step) + (int(self.parent["step"]) if self.parent else 0)
+
     def update_ema(self) -> None:
-        """``ema = d ema + (1 - d) w`` with ``d = min(decay, (1 + step) / (10 + step))``;
-        a skipped step (non-finite gradients) weighs 0, on the device."""
-        d = min(self.config.optim.ema_decay, (1 + self.global_step) / (10 + self.global_step))
+        """``ema = d ema + (1 - d) w`` with ``d = min(decay, (1 + n) / (10 + n))``, ``n`` the
+        EMA's age (:meth:`ema_steps`): the warm-up ramp keeps a young EMA from averaging in its
+        random start; a fine-tune's continues its parent's instead of restarting (which put
+        ~90% of the fine-tune's first weights into it). A skipped step (non-finite gradients)
+        weighs 0, on the device."""
+        n = self.ema_steps()
+        d = min(self.config.optim.ema_decay, (1 + n) / (10 + n))
         ema = list(self.ema.parameters())
         src = [p.detach() for p in self.model.transformer.parameters()]
         if self._bad is None:

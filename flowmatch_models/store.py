@@ -24,6 +24,12 @@ Integrity: a truncated file (footer missing or wrong length), a corrupted header
 corrupted array (per-array checksum of the stored bytes, checked on first decode or by
 ``Shard.verify``) raise :class:`StoreError` naming the file. Nothing is ever unpickled.
 
+One version of a file: a :class:`Shard` keeps the file it opened open and reads every array
+through it, so a partition re-made by an atomic rename while a reader holds it (a training run
+that grows) never mixes the old header with the new file's bytes; :meth:`Shard.table_key` names
+the decoding tables of a transform-coded array (from the header's checksums), so codes read from
+one version are never decoded with another's tables (``flowmatch_models.data``).
+
 Ragged text: ``tokens [T, D]`` holds only the valid tokens of all captions concatenated and
 ``lengths [N] int32`` their counts; :func:`ragged_offsets` and :func:`pad_ragged` turn that into
 padded batches plus attention masks for training.
@@ -37,6 +43,7 @@ import mmap
 import os
 import struct
 import sys
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -488,8 +495,11 @@ class Shard:
     transform-coded array's rows lie in the file) and :meth:`coded` (codes + tables).
     """
 
-    def __init__(self, path: Path, header: dict, data_start: int):
+    def __init__(self, path: Path, header: dict, data_start: int, fd: int | None = None):
         self.path = path
+        #: the file this shard was read from, held open: every read goes to that version of it
+        self._fd = os.open(path, os.O_RDONLY) if fd is None else fd
+        weakref.finalize(self, os.close, self._fd)
         self.ids: list[str] = header["ids"]
         self.attrs: dict = header["attrs"]
         self._entries: dict[str, dict] = header["arrays"]
@@ -507,6 +517,21 @@ class Shard:
 
     def __repr__(self) -> str:
         return f"Shard({str(self.path)!r}, n={len(self)}, arrays={self.names})"
+
+    def fileno(self) -> int:
+        """The descriptor of the file version this shard reads (``os.dup`` it to keep it)."""
+        return self._fd
+
+    def table_key(self, name: str) -> str:
+        """An id of the decoding tables of transform-coded ``name`` (xxh3 of their checksums
+        and code widths, from the header): codes are only ever decoded with tables of the same
+        key, whichever version of the partition's file is on disk by then."""
+        e = self._entry(name)
+        if "aux" not in e:
+            raise ValueError(f"{self.path}: array {name!r} is not transform-coded")
+        parts = [self._entries[e["aux"][r]]["checksum"] for r in ("mean", "weight", "lo", "step")]
+        counts = ",".join(f"{w}:{n}" for w, n in sorted(e["counts"].items()))
+        return f"{xxhash.xxh3_64_intdigest('/'.join([*parts, counts]).encode()):016x}"
 
     def info(self, name: str) -> dict:
         """Header entry of array ``name`` (dtype, shape, codec, stored/raw bytes, lossy mode);
@@ -526,7 +551,7 @@ class Shard:
     @property
     def stored_bytes(self) -> int:
         """Size of the file on disk."""
-        return self.path.stat().st_size
+        return os.fstat(self._fd).st_size
 
     def _entry(self, name: str) -> dict:
         if name not in self.names:
@@ -535,15 +560,12 @@ class Shard:
 
     def _mapped(self) -> mmap.mmap:
         if self._map is None:
-            with open(self.path, "rb") as f:
-                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
         return self._map
 
     def _read_stored(self, name: str) -> bytes:
         e = self._entries[name]
-        with open(self.path, "rb") as f:
-            f.seek(self._data_start + e["offset"])
-            buf = f.read(e["nbytes"])
+        buf = os.pread(self._fd, e["nbytes"], self._data_start + e["offset"])
         if len(buf) != e["nbytes"]:
             raise StoreError(f"{self.path}: array {name!r} is truncated; re-materialize it")
         return buf
@@ -678,10 +700,23 @@ def read_shard(path: str | os.PathLike, verify: bool = False) -> Shard:
     """
     path = Path(path)
     try:
-        size = path.stat().st_size
+        fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         raise StoreError(f"{path}: no such shard file; materialize the partition first") from None
-    with open(path, "rb") as f:
+    try:
+        shard = _open_shard(path, fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    if verify:
+        shard.verify()
+    return shard
+
+
+def _open_shard(path: Path, fd: int) -> Shard:
+    """The checks of :func:`read_shard` on an open file; the shard keeps ``fd``."""
+    size = os.fstat(fd).st_size
+    with open(fd, "rb", closefd=False) as f:
         prefix = f.read(_PREFIX.size)
         if len(prefix) < _PREFIX.size:
             raise StoreError(f"{path}: truncated ({size} bytes, shorter than the file prefix)")
@@ -717,10 +752,7 @@ def read_shard(path: str | os.PathLike, verify: bool = False) -> Shard:
     )
     if end > size - _FOOTER.size:
         raise StoreError(f"{path}: arrays extend past the end of the file; truncated")
-    shard = Shard(path, header, data_start)
-    if verify:
-        shard.verify()
-    return shard
+    return Shard(path, header, data_start, fd)
 
 
 # --------------------------------------------------------------------------------------------

@@ -49,7 +49,7 @@ from flowmatch_models.callbacks import (
 )
 from flowmatch_models.config import ConfigError, TrainConfig, load_config
 from flowmatch_models.curves import merge_metrics, plot_coverage, plot_loss_curve
-from flowmatch_models.data import EmbeddingDataModule, OrderChangedError
+from flowmatch_models.data import EmbeddingDataModule, OrderChangedError, PartitionChangedError
 from flowmatch_models.export import export_pipeline
 from flowmatch_models.layout import DataLayout, source_of
 from flowmatch_models.lightning_module import FlowMatchModule, NonFiniteStepsError
@@ -244,7 +244,7 @@ def _fit(request: TrainRequest, cfg: TrainConfig, pipes) -> TrainResult:
         module.model.set_text_stats(*dm.source.text_stats())
     module.flow.null_text = dm.source.null_text
     if cfg.model.compile:  # whole FlowDiT forward (REPA output included); fixed text width
-        module.model.compile()
+        compile_per_bucket(module.model, len(dm.source.grids))
     cuda = torch.cuda.is_available() and t.accelerator in ("auto", "gpu", "cuda")
     precision = t.precision if t.precision != "auto" else ("bf16-mixed" if cuda else "32-true")
     coverage = {
@@ -313,6 +313,22 @@ def _fit(request: TrainRequest, cfg: TrainConfig, pipes) -> TrainResult:
         flush=True,
     )
     return result
+
+
+def compile_per_bucket(model: torch.nn.Module, grids: int, backend: str = "inductor") -> None:
+    """``torch.compile`` the model's forward with one static graph per latent grid (aspect-ratio
+    bucket; captions are padded to ``data.text_max_len``, so nothing else changes shape): each
+    bucket is compiled at its first batch, and never with dynamic shapes (Inductor's dynamic
+    graph of this DiT fails to build: "cannot determine truth value of Relational"). Dynamo's
+    recompile limit (8 graphs a function by default, then it silently runs eager) is raised to
+    every bucket a run can meet: the default bucket list's and this run's, plus one.
+    ``backend``: torch.compile's."""
+    from torch._dynamo import config as dynamo
+
+    from flowmatch_models.buckets import buckets_for
+
+    dynamo.recompile_limit = max(dynamo.recompile_limit, len(buckets_for()) + 1, grids + 1)
+    model.compile(dynamic=False, backend=backend)
 
 
 def folder_bytes(folder: Path) -> int:
@@ -423,7 +439,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = train(request, pipes)
         except (ConfigError, OrderChangedError, FileNotFoundError) as e:
             return _error(f"error: {e}", 2)
-        except (NonFiniteStepsError, DiskFullError) as e:  # the run stopped itself: one line
+        except (NonFiniteStepsError, DiskFullError, PartitionChangedError) as e:  # stopped itself
             return _error(f"error: {e.strerror if isinstance(e, DiskFullError) else e}", 3)
         if pipes is not None and result.is_global_zero:
             pipes.report_custom_message({"train_result": result.to_dict()})

@@ -193,3 +193,17 @@ def test_null_caption_is_the_encoded_empty_prompt(enc):
     tokens, lengths = enc.encode_text([""])
     assert lengths.tolist() == [1] and np.array_equal(null, tokens)
     assert np.abs(null).sum() > 0  # not the zero token it replaces
+
+
+def test_a_causal_encoders_first_states_are_the_null_captions(enc, minilm):
+    """Gemma (causal): every caption's first state is the BOS state, i.e. the null caption's,
+    to the batch's float noise (the shard says so: training then feeds it exactly). MiniLM
+    (BERT, bidirectional): its [CLS] state depends on the caption; nothing is substituted."""
+    from flowmatch_models.embeddings import first_token_is_null
+
+    captions = ["a red circle", "a small blue star on the left of a very large sandy field", ""]
+    tokens, lengths = enc.encode_text(captions)
+    assert first_token_is_null(tokens, lengths, enc.encode_null())
+    bert = Encoders(EncoderSpec(text=minilm, device="cpu"))
+    tokens, lengths = bert.encode_text(captions)
+    assert not first_token_is_null(tokens, lengths, bert.encode_null())

@@ -198,3 +198,38 @@ def test_source_selection_and_weights_and_init_mistakes(tmp_path):
     init = load_config(REPO / "configs" / "tiny.yaml", ["init.from_run=ghost"]).init
     with pytest.raises(ConfigError, match="init.from_run 'ghost': no run folder"):
         resolve_parent(init, tmp_path, tmp_path / "runs" / "x")
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_finetunes_ema_goes_on_from_its_parents(tmp_path):
+    """The EMA's warm-up ramp counts the parent's steps: after each fine-tune step n its EMA is
+    ``d * EMA + (1 - d) * weights`` with ``d = min(decay, (1 + S + n) / (10 + S + n))``, S the
+    parent's step (a ramp restarted at 0 gave d = 0.1: 90% the fine-tune's first weights),
+    in the first session and after a resume alike."""
+    from test_train import make_store, tiny_config
+
+    from flowmatch_models.train import TrainRequest, train
+
+    store = make_store(tmp_path / "store", {"000-00": 24, "000-01": 20})
+    parent = tmp_path / "parent"
+    one = dict(trainer__accumulate_grad_batches=1, trainer__checkpoint_every=100)
+    train(TrainRequest(config=tiny_config(store, parent, trainer__max_steps=10, **one)))
+    ema = _load(parent / "checkpoints" / "last.ckpt")["state_dict"]
+    names = [k.removeprefix("ema.") for k in ema if k.startswith("ema.")]
+    for steps in (1, 2):  # a session of one step, then a resume for one more
+        cfg = tiny_config(store, tmp_path / "tuned", trainer__max_steps=steps, **one)
+        cfg["init"] = {"from_run": str(parent)}
+        train(TrainRequest(config=cfg))  # resumes the run's last checkpoint when it has one
+        ckpt = _load(tmp_path / "tuned" / "checkpoints" / "last.ckpt")
+        assert ckpt["global_step"] == steps and ckpt["flowmatch"]["parent"]["step"] == 10
+        d = min(0.99, (1 + 10 + steps - 1) / (10 + 10 + steps - 1))  # 0.55, then 0.57
+        sd, moved, to_before, to_weights = ckpt["state_dict"], 0, 0.0, 0.0
+        for k in names:
+            new, before, w = sd[f"ema.{k}"], ema[f"ema.{k}"], sd[f"model.transformer.{k}"]
+            torch.testing.assert_close(new, d * before + (1 - d) * w, rtol=0, atol=1e-6)
+            moved += not torch.equal(new, before)
+            to_before += float((new - before).square().sum())
+            to_weights += float((new - w).square().sum())
+        assert moved > len(names) // 2
+        assert to_before < to_weights  # still mostly the EMA it went on from
+        ema = sd

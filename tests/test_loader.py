@@ -4,6 +4,7 @@ shared batch ring that refuses to hand out a batch twice."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ from flowmatch_models.data import (
     BatchStream,
     EmbeddingDataModule,
     OrderChangedError,
+    PartitionChangedError,
     epoch_windows,
 )
 from flowmatch_models.encoder_spec import DEFAULT_LOSSY
@@ -37,9 +39,12 @@ def _states(rng, rows: int, width: int) -> np.ndarray:
     return x.astype(np.float16)
 
 
-def make_root(root: Path, sizes: dict[str, int], storage: str, seed: int = 0, mean_len: int = 20):
+def make_root(root: Path, sizes: dict[str, int], storage: str, seed: int = 0, mean_len: int = 20,
+              causal: Sequence[str] = (), flip: Sequence[str] = ()):  # fmt: skip
     """Well-formed training shards of ``sizes`` in a storage of :data:`STORAGES`; the arrays
-    depend only on ``seed``, not on the storage."""
+    depend only on ``seed``, not on the storage. ``causal`` partitions: every caption's first
+    state is the null caption's (a causal encoder's, to fp16 batch noise), as the shard says
+    (``first_token_is_null``); ``flip``: their text states negated (another fit, same ids)."""
     codec, lossy = STORAGES[storage]
     layout = DataLayout(root)
     rng = np.random.default_rng(seed)
@@ -47,18 +52,28 @@ def make_root(root: Path, sizes: dict[str, int], storage: str, seed: int = 0, me
     for p, n in sizes.items():
         ids = [f"{p}/{j}" for j in range(n)]
         lengths = rng.integers(2, 2 * mean_len, n).astype(np.int32)
+        tokens = _states(rng, int(lengths.sum()), 640)
+        starts = np.cumsum(lengths) - lengths
+        attrs = {}
+        if p in causal:
+            noise = 1e-4 * np.random.default_rng(n).standard_normal((n, 640))
+            tokens[starts] = (null[0].astype(np.float32) + noise).astype(np.float16)
+            attrs = {"first_token_is_null": True}
+        if p in flip:
+            tokens = -tokens
         arrays = {
             "vae_latents": {"latents": (rng.standard_normal((n, 32, 8, 8)) / SF).astype(np.float16)},
             "dino_features": {"patch": _states(rng, n * 64, 384).reshape(n, 64, 384),
                               "cls": _states(rng, n, 384)},
-            "text_embeddings": {"tokens": _states(rng, int(lengths.sum()), 640), "lengths": lengths,
-                                "null_tokens": null},
+            "text_embeddings": {"tokens": tokens, "lengths": lengths,
+                                "null_tokens": -null if p in flip else null},
         }  # fmt: skip
         for kind, arrs in arrays.items():
             mode = lossy.get(kind)
             write_shard(
                 layout.asset_path(kind, p), arrs, ids, codec=codec,
-                attrs={"scaling_factor": SF} if kind == "vae_latents" else {},
+                attrs={"scaling_factor": SF} if kind == "vae_latents" else
+                attrs if kind == "text_embeddings" else {},
                 lossy={"patch" if kind == "dino_features" else "tokens": mode} if mode else None,
             )  # fmt: skip
     return root
@@ -180,3 +195,75 @@ def test_loader_memory_does_not_grow_with_partition_size_or_workers(tmp_path):
     assert big3 - big1 < 2 * 60, (big1, big3)  # two more interpreters, no more data
     # 3 x 900 captions x 40 tokens x 640 + 3 x 900 x 64 x 384 fp16: ~270 MB decoded
     assert old1 - big1 > 150, (big1, old1)  # decoding partitions whole: the growth the test sees
+
+
+def test_a_causal_encoders_first_state_is_fed_exactly(tmp_path):
+    """Gemma's first state of every caption is the null caption's (token 0 sees only BOS).
+    Stored transform-coded like every token it decodes lossy; training puts it back exactly,
+    as CFG and sampling feed it, for a shard that says so (``first_token_is_null``); a shard
+    written before the attr existed reads as stored, and both train together."""
+    root = make_root(tmp_path / "r", {"000-00": 40, "000-01": 40}, "default", causal=["000-00"])
+    path = DataLayout(root).asset_path("text_embeddings", "000-01")
+    old = read_shard(path)  # the same data, written before the attr: no substitution
+    assert "first_token_is_null" not in old.attrs
+    null0 = torch.from_numpy(old["null_tokens"][0].astype(np.float32))
+    dm = EmbeddingDataModule(root, batch_size=16, heldout=(0.1, 3))
+    seen = {"000-00": 0, "000-01": 0}
+    batches = [(b.pop("meta")["ids"], dm.decode_batch(b, "cpu")) for b in dm.train_dataloader()]
+    held = dm.source.heldout_batch(8)  # validation's: decoded on the host
+    for ids, d in [*batches, (held["ids"], held)]:
+        for j, i in enumerate(ids):
+            part, first, second = i.split("/")[0], d["text"][j, 0], d["text"][j, 1]
+            seen[part] += 1
+            if part == "000-00":
+                assert torch.equal(first, null0), i  # exactly the state inference feeds
+            else:
+                assert not torch.equal(first, null0)  # lossy, as stored
+            assert not torch.equal(second, null0)
+    assert min(seen.values()) > 0
+    # the caption standardisation sees the first states as training does
+    mean, _ = dm.source.text_stats()
+    rows = []
+    for p in ("000-00", "000-01"):
+        shard = read_shard(DataLayout(root).asset_path("text_embeddings", p))
+        t = np.asarray(shard["tokens"], np.float64)  # host decode (fp16), as stored
+        if p == "000-00":
+            t[np.cumsum(shard["lengths"]) - shard["lengths"]] = null0.double().numpy()
+        rows.append(t)
+    np.testing.assert_allclose(mean.numpy(), np.concatenate(rows).mean(0), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_partition_remade_between_gather_and_decode_keeps_its_tables(tmp_path, workers):
+    """A partition re-made while a run reads it (atomic rename; the same ids, another fit):
+    codes read from the old file are never decoded with the new file's tables. In the process
+    that read them they decode with the old tables (the version it holds open); in a
+    multi-worker run, where the main process never opened the old file, the batch stops the
+    run in one line instead of training on it."""
+    sizes = {"000-00": 40, "000-01": 40}
+    root = make_root(tmp_path / "r", sizes, "default")
+    want = {i: d for b in _epoch(root, workers=0, batch=8, window=2)
+            for i, d in zip(b["ids"], b["text"])}  # fmt: skip
+    dm = EmbeddingDataModule(root, batch_size=8, num_workers=workers, shuffle_window=2,
+                             heldout=(0.05, 4))  # fmt: skip
+    it = iter(dm.train_dataloader())
+    batch = next(it)  # read (codes of the files as they are now), not yet decoded
+    ids = batch.pop("meta")["ids"]
+    assert any(i.startswith("000-01/") for i in ids)
+    path = DataLayout(root).asset_path("text_embeddings", "000-01")
+    before = read_shard(path).coded("tokens").tables.mean
+    # re-made: the same ids, another fit (every axis's sign flipped), by an atomic rename
+    make_root(tmp_path / "r", sizes, "default", flip=["000-01"])
+    assert read_shard(path).ids == [f"000-01/{j}" for j in range(40)]
+    np.testing.assert_allclose(read_shard(path).coded("tokens").tables.mean, -before, atol=1e-3)
+    if workers == 0:
+        got = dm.decode_batch(batch, "cpu")["text"]
+        for j, i in enumerate(ids):
+            assert torch.equal(got[j], want[i]), i  # the old file's values exactly
+        return
+    with pytest.raises(PartitionChangedError) as e:  # the main process never opened 000-01
+        dm.decode_batch(batch, "cpu")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("partition '000-01': its text_embeddings file was "
+                                              "re-made while this run read it")  # fmt: skip
+    assert "resume (--resume auto)" in msg

@@ -111,6 +111,7 @@ def test_real_gemma_text_embeddings(tmp_path, small_sample, zoo, real_gemma):
     want = [len(x) for x in enc.tokenize(captions)]
     assert shard["lengths"].tolist() == want  # BOS + SentencePiece pieces of the real tokenizer
     assert shard["null_tokens"].shape == (1, 640)  # the BOS state: the null caption
+    assert shard.attrs["first_token_is_null"] is True  # causal: every caption's first state
     # real hidden states are not noise: two captions that differ in one word are closer to
     # each other than to a caption about something else
     a, b, c = (
@@ -148,6 +149,7 @@ def test_minilm_text_encoder_through_configuration_alone(
         shard = read_shard(res.layout.asset_path("text_embeddings", "000-00"))
         assert shard["tokens"].shape[1] == shard["null_tokens"].shape[1] == 384
         assert shard.attrs["model"] == minilm and shard.attrs["weights"] == ""
+        assert shard.attrs["first_token_is_null"] is False  # BERT's [CLS] reads the caption
         assert run(["flow_model"], run_config=_train_cfg(max_steps=3)).success
     run_dir = tmp_path / "data" / "runs" / "t"
     ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)

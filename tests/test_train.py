@@ -468,6 +468,10 @@ def test_config_is_typed_with_one_set_of_defaults(tmp_path: Path, monkeypatch) -
         load_config({}, ["data.batch_size=0"])
     with pytest.raises(ConfigError, match=r"^--set optim.lr.x: 'lr' is a value, not a section"):
         load_config({}, ["optim.lr.x=1"])
+    for strategy in ("fsdp", "deepspeed_stage_2"):  # sharded gradients: refused in one line
+        with pytest.raises(ConfigError, match=r"^--set trainer.strategy: .*use ddp") as e:
+            load_config({}, [f"trainer.strategy={strategy}"])
+        assert "\n" not in str(e.value)
     # the defaults live in TrainConfig alone: the module reads them, it has no fallbacks
     cfg = load_config({"optim": {"lr": 1e-3}})
     assert cfg.optim.warmup_steps == 1000 and cfg.optim.ema_decay == 0.9999
