@@ -177,7 +177,7 @@ def materialize(
     ``partitions``. Prints one line per partition. Returns partition -> success."""
     from flowmatch_assets.defs.partitions import register_partitions
     from flowmatch_assets.freshness.state import partition_states
-    from flowmatch_models.layout import PARTITIONED_ASSETS, source_of
+    from flowmatch_models.storage.layout import PARTITIONED_ASSETS, source_of
 
     inst = instance()
     res = res or resource()
@@ -239,7 +239,7 @@ def partition_files(res, keys: Sequence[str]) -> list[Path]:
     """Every file made from these partitions: each partitioned asset's file, the previews, the
     catalog's per-partition records (``<catalog>/<kind>/<asset>/<key>.parquet``) and their
     locks."""
-    from flowmatch_models.layout import PARTITIONED_ASSETS
+    from flowmatch_models.storage.layout import PARTITIONED_ASSETS
 
     layout = res.layout
     out: list[Path] = []
@@ -331,7 +331,7 @@ def finetune(
     res=None,
 ) -> bool:
     """Materialize ``fine_tune`` (and ``samples``): a new run ``run_name`` from ``parent``'s
-    weights (flowmatch_models/finetune.py) on ``sources`` (default every source), weighted."""
+    weights (flowmatch_models/train/finetune.py) on ``sources`` (default every source), weighted."""
     cfg: dict = {
         "run_name": run_name, "parent_run": parent, "parent_step": parent_step,
         "weights": weights, "freeze": list(freeze or []), "sources": sources,

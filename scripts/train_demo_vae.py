@@ -36,7 +36,7 @@ from PIL import Image
 from flowmatch_assets.demo import DEMO_VAE
 from flowmatch_assets.demo.images import images_256
 from flowmatch_assets.reports.caption_eval import score
-from flowmatch_models.zoo import DCAE_F32C32_SANA_1_0, DEMO_WEIGHTS_MARKER
+from flowmatch_models.encoders.zoo import DCAE_F32C32_SANA_1_0, DEMO_WEIGHTS_MARKER
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -55,7 +55,7 @@ def one_thread():
 @pytest.fixture(scope="session")
 def zoo(tmp_path_factory) -> dict:
     """The tiny random model zoo (same classes as the real encoders), built once per session."""
-    from flowmatch_models.zoo import create_zoo
+    from flowmatch_models.encoders.zoo import create_zoo
 
     return {k: str(v) for k, v in create_zoo(tmp_path_factory.mktemp("zoo")).items()}
 
@@ -65,7 +65,7 @@ def real_gemma(tmp_path_factory) -> str:
     """The real Gemma3-270M (dequantized from the PyPI GGUF), converted once per session
     (~50 s). A stale ``.tmp-*`` folder, as a killed conversion leaves it, is planted beside it
     first: the conversion must remove it."""
-    from flowmatch_models.zoo import GEMMA_FOLDER, create_real_gemma
+    from flowmatch_models.encoders.zoo import GEMMA_FOLDER, create_real_gemma
 
     parent = tmp_path_factory.mktemp("gemma")
     (parent / f".tmp-{GEMMA_FOLDER}-1" / "gguf").mkdir(parents=True)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from flowmatch_models.atomic import atomic_write_text, deferred, written
+from flowmatch_models.storage.atomic import atomic_write_text, deferred, written
 
 
 def test_deferred_writes_are_renamed_together_in_order(tmp_path):

@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from flowmatch_models.data import BatchStream, ShardSource, epoch_order
-from flowmatch_models.layout import DataLayout
-from flowmatch_models.store import read_shard, write_shard
+from flowmatch_models.data.order import epoch_order
+from flowmatch_models.data.source import ShardSource
+from flowmatch_models.data.stream import BatchStream
+from flowmatch_models.storage.layout import DataLayout
+from flowmatch_models.storage.store import read_shard, write_shard
 from tests.test_train import SF, _csv, read_records, run_training, tiny_config
 
 #: latent grids (h, w) in cells: the square, a wide and a tall bucket
@@ -159,8 +161,8 @@ def test_training_on_buckets_resumes_exactly_with_ledger_and_per_bucket_loss(
     assert {float(r["val/samples"]) for r in rows if r.get("val/samples")} == {float(n_held)}
 
     # the ledger reconstructs the samples and steps of the batches (grids read from the shards)
-    from flowmatch_models.data import sample_grids
-    from flowmatch_models.ledger import expand
+    from flowmatch_models.data.rows import sample_grids
+    from flowmatch_models.train.ledger import expand
 
     layout = DataLayout(root)
     ckpt = torch.load(split / "checkpoints" / "last.ckpt", weights_only=True)
@@ -197,8 +199,8 @@ def test_an_elastic_resume_with_a_larger_batch_keeps_batches_one_bucket(
     assert [r["position"] for r in recs][3] == 32  # realigned from 24
     for r in recs:
         assert len({truth[i][0].shape for i in r["ids"]}) == 1  # one bucket a batch
-    from flowmatch_models.data import sample_grids
-    from flowmatch_models.ledger import expand
+    from flowmatch_models.data.rows import sample_grids
+    from flowmatch_models.train.ledger import expand
 
     layout = DataLayout(root)
     shard = lambda p: read_shard(layout.asset_path("vae_latents", p))  # noqa: E731
@@ -296,8 +298,8 @@ def test_every_bucket_gets_its_own_graph_before_dynamo_would_run_eager() -> None
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from flowmatch_models.buckets import buckets_for
-    from flowmatch_models.train import compile_per_bucket
+    from flowmatch_models.data.buckets import buckets_for
+    from flowmatch_models.train.run import compile_per_bucket
 
     with torch._dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=True):
         conv = Grid()  # takes any latent grid, like the DiT

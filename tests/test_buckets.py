@@ -22,10 +22,10 @@ from flowmatch_assets.defs.partitions import register_partitions
 from flowmatch_assets.defs.resources import FlowmatchResource
 from flowmatch_assets.freshness.fingerprints import staleness
 from flowmatch_assets.ingest.images import IngestConfig, process_image
-from flowmatch_models.buckets import buckets_for, kept_fraction, label, nearest
-from flowmatch_models.embeddings import EncoderSpec
-from flowmatch_models.image_shard import read_image_meta
-from flowmatch_models.store import read_shard
+from flowmatch_models.data.buckets import buckets_for, kept_fraction, label, nearest
+from flowmatch_models.encoders.spec import EncoderSpec
+from flowmatch_models.storage.image_shard import read_image_meta
+from flowmatch_models.storage.store import read_shard
 from tests.conftest import make_resource
 
 
@@ -229,7 +229,7 @@ def test_aspect_buckets_through_images_256_and_the_data_card(tmp_path, small_sam
     cells = grid.prod(1)
     offsets = np.concatenate([[0], np.cumsum(cells)])
     assert vae["latents"].shape == (offsets[-1], 32)
-    from flowmatch_models.encoders import Encoders
+    from flowmatch_models.encoders.frozen import Encoders
 
     encoders = Encoders(EncoderSpec(**zoo, device="cpu"))
     for i in (0, int(np.argmax(cells != 64)), len(rows) - 1):
@@ -259,7 +259,7 @@ def test_shards_from_before_buckets_read_as_squares(tmp_path):
                 "md5": ["0", "1"], "url": ["u", "v"],
             },
             schema=pa.schema([(f.name, f.type) for f in
-                              __import__("flowmatch_models.image_shard").image_shard.IMAGE_SHARD_SCHEMA
+                              __import__("flowmatch_models.storage.image_shard").storage.image_shard.IMAGE_SHARD_SCHEMA
                               if f.name not in ("height", "width", "kept")]),
         ),
         p,
@@ -277,7 +277,7 @@ def test_shards_from_before_buckets_read_as_squares(tmp_path):
 
 
 def test_sampling_sizes_are_whole_latent_grids():
-    from flowmatch_models.sample import latent_grid
+    from flowmatch_models.inference.sample import latent_grid
 
     assert latent_grid((224, 320)) == (7, 10) and latent_grid(None) is None
     with pytest.raises(ValueError, match="multiples of 32.*192x384"):
@@ -288,7 +288,7 @@ def test_the_size_check_fails_on_a_wrong_or_unknown_size(tmp_path):
     """images_256_complete's size check: a row whose image is not the size it says, and a size
     that is no bucket of the settings, are both reported."""
     from flowmatch_assets.defs.data_assets import _size_problems
-    from flowmatch_models.image_shard import write_image_shard
+    from flowmatch_models.storage.image_shard import write_image_shard
 
     def row(i, img_hw, says_hw):
         buf = io.BytesIO()
@@ -368,7 +368,7 @@ def test_wide_and_tall_evaluation_prompts_keep_the_draws_and_take_their_orientat
 
 
 def test_sizes_to_generate_at_are_checked_in_one_place():
-    from flowmatch_models.buckets import parse_sizes
+    from flowmatch_models.data.buckets import parse_sizes
 
     assert parse_sizes(["256x256", "224x320"]) == [(256, 256), (224, 320)]
     for bad in ([], ["256"], ["250x256"], ["0x256"]):

@@ -24,7 +24,7 @@ from flowmatch_assets.reports.caption_eval import (
     prompts,
     score,
 )
-from flowmatch_models.zoo import DEMO_WEIGHTS_MARKER
+from flowmatch_models.encoders.zoo import DEMO_WEIGHTS_MARKER
 
 
 @pytest.fixture(scope="module")

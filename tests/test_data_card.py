@@ -15,8 +15,8 @@ from flowmatch_assets import cli
 from flowmatch_assets.catalog import Catalog
 from flowmatch_assets.defs.definitions import all_assets_and_checks, resources_for
 from flowmatch_assets.defs.partitions import register_partitions
-from flowmatch_models.embeddings import EncoderSpec
-from flowmatch_models.store import read_shard
+from flowmatch_models.encoders.spec import EncoderSpec
+from flowmatch_models.storage.store import read_shard
 from tests.conftest import make_resource
 
 MAX_TOKENS = 22  # the sample's good captions are 19-28 zoo tokens: some are cut short

@@ -6,7 +6,7 @@ import multiprocessing as mp
 
 import pytest
 
-from flowmatch_models.devices import lease_device
+from flowmatch_models.encoders.devices import lease_device
 
 
 def _hold(q, lease_env: str, n: int) -> None:

@@ -19,9 +19,10 @@ from flowmatch_assets.defs.training_assets import coverage_or_fail
 from flowmatch_assets.freshness.fingerprints import stored as shard_fp
 from flowmatch_assets.ingest.metadata import FilterConfig
 from flowmatch_assets.reports.budget import measure
-from flowmatch_models.embeddings import KINDS, EncoderSpec, registered
-from flowmatch_models.image_shard import read_image_meta
-from flowmatch_models.store import read_shard
+from flowmatch_models.embeddings.kinds import KINDS, registered
+from flowmatch_models.encoders.spec import EncoderSpec
+from flowmatch_models.storage.image_shard import read_image_meta
+from flowmatch_models.storage.store import read_shard
 from tests.conftest import make_resource
 
 EMB = ["vae_latents", "dino_features", "text_embeddings"]

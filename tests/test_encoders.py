@@ -9,14 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from flowmatch_models.encoders import (
-    Encoders,
-    EncoderSpec,
-    MissingWeightsError,
-    decode_latents,
-)
-from flowmatch_models.store import pad_ragged, read_shard, write_shard
-from flowmatch_models.zoo import RANDOM_WEIGHTS_MARKER, create_zoo, main
+from flowmatch_models.encoders.frozen import Encoders, decode_latents
+from flowmatch_models.encoders.loading import MissingWeightsError
+from flowmatch_models.encoders.spec import EncoderSpec
+from flowmatch_models.encoders.zoo import RANDOM_WEIGHTS_MARKER, create_zoo, main
+from flowmatch_models.storage.store import pad_ragged, read_shard, write_shard
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +196,7 @@ def test_a_causal_encoders_first_states_are_the_null_captions(enc, minilm):
     """Gemma (causal): every caption's first state is the BOS state, i.e. the null caption's,
     to the batch's float noise (the shard says so: training then feeds it exactly). MiniLM
     (BERT, bidirectional): its [CLS] state depends on the caption; nothing is substituted."""
-    from flowmatch_models.embeddings import first_token_is_null
+    from flowmatch_models.embeddings.kinds import first_token_is_null
 
     captions = ["a red circle", "a small blue star on the left of a very large sandy field", ""]
     tokens, lengths = enc.encode_text(captions)

@@ -17,9 +17,9 @@ import torch
 from flowmatch_assets.catalog import Catalog
 from flowmatch_assets.cli import main as cli_main
 from flowmatch_assets.cli.commands import build_parser
-from flowmatch_models.config import ConfigError, load_config
-from flowmatch_models.finetune import ema_digest, freeze
-from flowmatch_models.train import select_sources
+from flowmatch_models.train.config import ConfigError, load_config
+from flowmatch_models.train.finetune import ema_digest, freeze
+from flowmatch_models.train.run import select_sources
 from tests.byo_data import readme_commands
 from tests.wandb_records import config as wandb_config
 
@@ -47,7 +47,7 @@ def _load(p: Path) -> dict:
 def _train(data: Path, name: str, steps: int, *sets: str) -> None:
     """A training session in this process, as ``python -m flowmatch_models.train`` runs it
     (resumes the run's last checkpoint if it has one)."""
-    from flowmatch_models.train import TrainRequest, train
+    from flowmatch_models.train.run import TrainRequest, train
 
     over = [f"data.root={data}", f"run.name={name}", "logging.wandb=false", *FAST, *sets]
     train(TrainRequest(config=str(REPO / "configs" / "tiny.yaml"), overrides=over, max_steps=steps))
@@ -186,14 +186,14 @@ def test_source_selection_and_weights_and_init_mistakes(tmp_path):
     cfg = load_config(REPO / "configs" / "tiny.yaml", ["data.sources=[nope]"])
     with pytest.raises(ConfigError, match=r"data.sources \['nope'\]: no complete partition"):
         select_sources(["000-00"], cfg)
-    from flowmatch_models.dit import build_model
+    from flowmatch_models.model.dit import build_model
 
     model = build_model("tiny", repa=False)
     with pytest.raises(ConfigError, match="init.freeze 'transformer.nope' matches no parameter"):
         freeze(model, ["transformer.nope"])
     assert freeze(model, ["transformer.caption_projection"]) == sum(
         p.numel() for p in model.transformer.caption_projection.parameters())  # fmt: skip
-    from flowmatch_models.finetune import resolve_parent
+    from flowmatch_models.train.finetune import resolve_parent
 
     init = load_config(REPO / "configs" / "tiny.yaml", ["init.from_run=ghost"]).init
     with pytest.raises(ConfigError, match="init.from_run 'ghost': no run folder"):
@@ -208,7 +208,7 @@ def test_a_finetunes_ema_goes_on_from_its_parents(tmp_path):
     in the first session and after a resume alike."""
     from test_train import make_store, tiny_config
 
-    from flowmatch_models.train import TrainRequest, train
+    from flowmatch_models.train.run import TrainRequest, train
 
     store = make_store(tmp_path / "store", {"000-00": 24, "000-01": 20})
     parent = tmp_path / "parent"

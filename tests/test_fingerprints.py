@@ -19,8 +19,9 @@ from dagster._utils.test.data_versions import get_stale_status_resolver
 from flowmatch_assets import cli
 from flowmatch_assets.defs.definitions import build_definitions
 from flowmatch_assets.freshness.fingerprints import fresh_status
-from flowmatch_models.data import EmbeddingDataModule, FingerprintMismatchError
-from flowmatch_models.fingerprint import Fingerprint, diff, disagreement, folder_sha256
+from flowmatch_models.data.module import EmbeddingDataModule
+from flowmatch_models.data.source import FingerprintMismatchError
+from flowmatch_models.storage.fingerprint import Fingerprint, diff, disagreement, folder_sha256
 
 PARTS = ["000-00", "001-00"]
 KINDS = ["vae_latents", "dino_features", "text_embeddings"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flowmatch_models.dit import build_model
-from flowmatch_models.flow import FlowMatching, null_caption, sample
+from flowmatch_models.model.dit import build_model
+from flowmatch_models.model.flow import FlowMatching, null_caption, sample
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one intra-op thread
 
@@ -161,7 +161,7 @@ def test_sana_init_and_positional_embedding() -> None:
     bound = (6 / (w.shape[0] + w.shape[1])) ** 0.5
     assert w.abs().max() <= bound and w.abs().max() > 0.95 * bound
     for preset in ("tiny", "small", "base"):
-        from flowmatch_models.dit import transformer_config
+        from flowmatch_models.model.dit import transformer_config
 
         assert transformer_config(preset)["interpolation_scale"] == 1  # PE on everywhere
     assert tr.patch_embed.pos_embed.shape == (1, 64, 384)
@@ -191,7 +191,7 @@ def test_sampler_integrates_a_known_velocity_field() -> None:
 def test_caption_standardisation_folds_into_a_plain_sana_transformer(batch: dict) -> None:
     """model.text_norm: the training model standardises caption states per channel; the folded
     copy (what sampling, evaluation and the export run) gives the same velocity on raw states."""
-    from flowmatch_models.dit import fold_text_norm
+    from flowmatch_models.model.dit import fold_text_norm
 
     torch.manual_seed(0)
     model = build_model("tiny", init="default").eval()

@@ -17,10 +17,11 @@ from flowmatch_assets.demo import DEMO_VAE
 from flowmatch_assets.demo.images import images_256
 from flowmatch_assets.reports.caption_eval import CHANCE
 from flowmatch_assets.reports.evaluation import evaluate_checkpoint, fd_dinov2, heldout_set
-from flowmatch_models.encoders import Encoders, EncoderSpec
-from flowmatch_models.layout import DataLayout
-from flowmatch_models.store import write_shard
-from flowmatch_models.train import TrainRequest, train
+from flowmatch_models.encoders.frozen import Encoders
+from flowmatch_models.encoders.spec import EncoderSpec
+from flowmatch_models.storage.layout import DataLayout
+from flowmatch_models.storage.store import write_shard
+from flowmatch_models.train.run import TrainRequest, train
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -12,18 +12,15 @@ import pytest
 import torch
 
 from flowmatch_assets.bench.loader import measure_in_subprocess
-from flowmatch_models.data import (
-    ORDER,
-    BatchRing,
-    BatchStream,
-    EmbeddingDataModule,
-    OrderChangedError,
-    PartitionChangedError,
-    epoch_windows,
-)
-from flowmatch_models.encoder_spec import DEFAULT_LOSSY
-from flowmatch_models.layout import DataLayout
-from flowmatch_models.store import lossy_error, read_shard, write_shard
+from flowmatch_models.data.module import EmbeddingDataModule
+from flowmatch_models.data.order import ORDER, OrderChangedError, epoch_windows
+from flowmatch_models.data.ring import BatchRing
+from flowmatch_models.data.source import PartitionChangedError
+from flowmatch_models.data.stream import BatchStream
+from flowmatch_models.encoders.spec import DEFAULT_LOSSY
+from flowmatch_models.storage.layout import DataLayout
+from flowmatch_models.storage.lossy import lossy_error
+from flowmatch_models.storage.store import read_shard, write_shard
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one intra-op thread
 SF = 0.41407

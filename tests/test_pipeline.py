@@ -17,7 +17,7 @@ from flowmatch_assets.definitions import defs
 from flowmatch_assets.defs.definitions import resources_for
 from flowmatch_assets.defs.partitions import SHARDS, register_partitions
 from flowmatch_assets.defs.resources import FlowmatchResource
-from flowmatch_models.image_shard import iter_image_batches
+from flowmatch_models.storage.image_shard import iter_image_batches
 from tests.conftest import REPO, make_resource
 
 

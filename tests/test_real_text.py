@@ -20,11 +20,9 @@ from flowmatch_assets.definitions import defs
 from flowmatch_assets.defs.definitions import resources_for
 from flowmatch_assets.defs.partitions import register_partitions
 from flowmatch_assets.freshness.fingerprints import model_staleness, staleness
-from flowmatch_models.embeddings import EncoderSpec
-from flowmatch_models.encoders import Encoders
-from flowmatch_models.image_shard import read_image_meta
-from flowmatch_models.store import read_shard
-from flowmatch_models.zoo import (
+from flowmatch_models.encoders.frozen import Encoders
+from flowmatch_models.encoders.spec import EncoderSpec
+from flowmatch_models.encoders.zoo import (
     GEMMA_FOLDER,
     GEMMA_LABEL,
     PRETRAINED_MARKER,
@@ -32,6 +30,8 @@ from flowmatch_models.zoo import (
     is_random_weights,
     weights_label,
 )
+from flowmatch_models.storage.image_shard import read_image_meta
+from flowmatch_models.storage.store import read_shard
 from tests.conftest import make_resource
 from tests.test_training_assets import _pipeline_matches_sampler, _train_cfg
 
@@ -71,7 +71,7 @@ def test_real_gemma_folder_is_the_pretrained_model(real_gemma, one_thread):
 
 def test_a_killed_conversion_leaves_nothing_half_written(tmp_path):
     dest = tmp_path / "zoo" / GEMMA_FOLDER
-    cmd = [sys.executable, "-m", "flowmatch_models.zoo", "gemma", str(dest)]
+    cmd = [sys.executable, "-m", "flowmatch_models.encoders.zoo", "gemma", str(dest)]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -17,12 +17,12 @@ import yaml
 from lightning.pytorch.callbacks import Callback
 from test_train import REPO, SIZES, _cli_run, make_store, read_records, tiny_config
 
-from flowmatch_models.callbacks import DiskFullError
-from flowmatch_models.layout import DataLayout
-from flowmatch_models.lightning_module import NonFiniteStepsError
-from flowmatch_models.sample import load_model
-from flowmatch_models.store import read_shard, write_shard
-from flowmatch_models.train import TrainRequest, _fit, decide, main
+from flowmatch_models.inference.sample import load_model
+from flowmatch_models.storage.layout import DataLayout
+from flowmatch_models.storage.store import read_shard, write_shard
+from flowmatch_models.train.callbacks import DiskFullError
+from flowmatch_models.train.module import NonFiniteStepsError
+from flowmatch_models.train.run import TrainRequest, _fit, decide, main
 
 
 @pytest.fixture(scope="module")
@@ -283,7 +283,7 @@ def test_the_training_step_never_reads_the_device(
     where values are read."""
     from test_loader import make_root
 
-    from flowmatch_models.lightning_module import FlowMatchModule
+    from flowmatch_models.train.module import FlowMatchModule
 
     if storage == "default":  # two partitions of a causal text encoder: exact first states
         store = make_root(tmp_path / "coded", SIZES, "default", causal=["000-00", "000-02"])
@@ -345,7 +345,7 @@ def test_retention_keeps_exactly_the_policy_and_resumes_exactly(store: Path, tmp
     # evaluation and export read the EMA-only snapshot
     model, meta = load_model(checkpoint=ck / "step0000008-ema.ckpt")
     assert meta["step"] == 8 and meta["preset"] == "tiny"
-    from flowmatch_models.export import export_checkpoint
+    from flowmatch_models.inference.export import export_checkpoint
 
     exported = export_checkpoint(ck / "step0000008-ema.ckpt", tmp_path / "exp")
     assert (exported / "transformer" / "config.json").is_file()
@@ -460,8 +460,8 @@ def test_the_cli_says_a_stopped_run_in_one_line(tmp_path: Path, capsys) -> None:
 
 
 def test_heldout_samples_are_never_trained_and_validation_is_fixed(store, tmp_path) -> None:
-    from flowmatch_models import ledger
-    from flowmatch_models.data import OrderChangedError, heldout_rows
+    from flowmatch_models.data.order import OrderChangedError, heldout_rows
+    from flowmatch_models.train import ledger
 
     out = tmp_path / "val"
     over = dict(data__heldout_fraction=0.15, data__heldout_max_per_partition=3,
@@ -500,7 +500,7 @@ def test_heldout_samples_are_never_trained_and_validation_is_fixed(store, tmp_pa
     with pytest.raises(OrderChangedError, match="data.heldout_fraction"):
         fit_with(cfg, [])
     # a checkpoint from before held-out splits (no rule recorded) held nothing out
-    from flowmatch_models.data import EmbeddingDataModule
+    from flowmatch_models.data.module import EmbeddingDataModule
 
     state = {k: v for k, v in ckpt["EmbeddingDataModule"].items() if k != "heldout"}
     dm = EmbeddingDataModule(store, batch_size=8, heldout=(0.15, 3))
@@ -511,9 +511,9 @@ def test_heldout_samples_are_never_trained_and_validation_is_fixed(store, tmp_pa
 
 def test_base_yaml_keeps_a_400k_step_run_under_60_gb() -> None:
     """base.yaml's retention, priced with the real parameter counts of the base preset."""
-    from flowmatch_models.callbacks import checkpoint_disk_plan
-    from flowmatch_models.config import load_config
-    from flowmatch_models.dit import build_model, count_params
+    from flowmatch_models.model.dit import build_model, count_params
+    from flowmatch_models.train.callbacks import checkpoint_disk_plan
+    from flowmatch_models.train.config import load_config
 
     cfg = load_config(REPO / "configs" / "base.yaml")
     with torch.device("meta"):

@@ -21,7 +21,7 @@ import pytest
 
 from flowmatch_assets.catalog import Catalog
 from flowmatch_assets.cli import main as cli_main
-from flowmatch_models.store import read_shard
+from flowmatch_models.storage.store import read_shard
 from tests.byo_data import (
     encode,
     photo,

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flowmatch_models.store import (
-    CODECS,
+from flowmatch_models.storage.codecs import CODECS
+from flowmatch_models.storage.lossy import lossy_error
+from flowmatch_models.storage.store import (
     StoreError,
-    lossy_error,
     pad_ragged,
     ragged_offsets,
     read_shard,
@@ -215,7 +215,7 @@ def _hidden_states(rng: np.random.Generator, rows: int, width: int = 640) -> np.
 
 @pytest.mark.parametrize("mode,bits", [("pca4", 4.0), ("pca4.5", 4.5), ("pca2", 2.0)])
 def test_transform_coding_is_fixed_rate_and_records_its_error(tmp_path, mode, bits):
-    from flowmatch_models.transform_codec import bits_of
+    from flowmatch_models.storage.transform import bits_of
 
     rng = np.random.default_rng(1)
     lengths = rng.integers(5, 60, 40).astype(np.int32)

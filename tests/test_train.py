@@ -15,10 +15,13 @@ import pytest
 import torch
 import yaml
 
-from flowmatch_models.data import BatchStream, EmbeddingDataModule, ShardSource
-from flowmatch_models.layout import DataLayout
-from flowmatch_models.store import read_shard, write_shard
-from flowmatch_models.train import ConfigError, TrainRequest, TrainResult, main, train
+from flowmatch_models.data.module import EmbeddingDataModule
+from flowmatch_models.data.source import ShardSource
+from flowmatch_models.data.stream import BatchStream
+from flowmatch_models.storage.layout import DataLayout
+from flowmatch_models.storage.store import read_shard, write_shard
+from flowmatch_models.train.config import ConfigError
+from flowmatch_models.train.run import TrainRequest, TrainResult, main, train
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = {"000-00": 24, "000-01": 20, "000-02": 28, "001-00": 24}
@@ -213,7 +216,7 @@ def test_resume_is_exact_and_edited_yaml_wins(store: Path, tmp_path: Path, worke
     # accumulation 2) reconstructs exactly the samples the loader yielded, and their steps
     _ledger_matches_records(store, torch.load(ckpt, weights_only=True), a, accumulate=2)
     # a later checkpoint's ledger is its base checkpoint's plus a delta (what the catalog stores)
-    from flowmatch_models.ledger import delta, expand, is_prefix
+    from flowmatch_models.train.ledger import delta, expand, is_prefix
 
     base = torch.load(tmp_path / "edited" / "checkpoints" / "last.ckpt", weights_only=True)
     base = base["EmbeddingDataModule"]["ledger"]
@@ -244,8 +247,8 @@ def test_resume_is_exact_and_edited_yaml_wins(store: Path, tmp_path: Path, worke
 
 
 def _ledger_matches_records(store: Path, ckpt: dict, records: list[dict], accumulate: int) -> None:
-    from flowmatch_models.ledger import expand
-    from flowmatch_models.store import read_shard
+    from flowmatch_models.storage.store import read_shard
+    from flowmatch_models.train.ledger import expand
 
     layout = DataLayout(store)
     got = expand(
@@ -322,7 +325,7 @@ def test_ddp_cli_run_writes_everything(store: Path, tmp_path: Path) -> None:
 
     model = SanaTransformer2DModel.from_pretrained(out / "pipeline" / "transformer")
     assert not (out / "pipeline" / "model_index.json").exists()  # no encoders: not a pipeline
-    from flowmatch_models.dit import fold_text_norm
+    from flowmatch_models.model.dit import fold_text_norm
 
     ema = SanaTransformer2DModel(**ckpt["flowmatch"]["transformer_config"])
     ema.load_state_dict({k[4:]: v for k, v in ckpt["state_dict"].items() if k.startswith("ema.")})
@@ -377,8 +380,8 @@ def test_sample_grids_from_checkpoint_and_export_with_zoo_encoders(
     """Prompts -> Gemma3 (tiny random zoo) -> EMA sampler -> DC-AE decode -> the same PNG."""
     from PIL import Image
 
-    from flowmatch_models.sample import main as sample_main
-    from flowmatch_models.zoo import create_zoo
+    from flowmatch_models.encoders.zoo import create_zoo
+    from flowmatch_models.inference.sample import main as sample_main
 
     zoo = create_zoo(tmp_path / "zoo")
     cfg = tiny_config(store, tmp_path / "run", trainer__max_steps=2, trainer__sample_every=2)
@@ -398,7 +401,7 @@ def test_sample_grids_from_checkpoint_and_export_with_zoo_encoders(
 
 
 def test_configs_load_and_base_is_effective_batch_1024() -> None:
-    from flowmatch_models.train import load_config
+    from flowmatch_models.train.config import load_config
 
     tiny = load_config(REPO / "configs" / "tiny.yaml", ["optim.lr=0.01", "data.partitions=[a, b]"])
     assert tiny.optim.lr == 0.01 and tiny.data.partitions == ["a", "b"]
@@ -457,8 +460,8 @@ def test_training_cli_mistakes_are_one_line(store: Path, tmp_path: Path, capsys)
 
 
 def test_config_is_typed_with_one_set_of_defaults(tmp_path: Path, monkeypatch) -> None:
-    from flowmatch_models.config import load_config
-    from flowmatch_models.lightning_module import FlowMatchModule
+    from flowmatch_models.train.config import load_config
+    from flowmatch_models.train.module import FlowMatchModule
 
     with pytest.raises(ConfigError, match=r"^optim\.lr: Input should be a valid number.*'fast'"):
         load_config({"optim": {"lr": "fast"}})
@@ -657,7 +660,7 @@ def test_training_grows_with_coverage_and_resumes_exactly_after_a_kill(tmp_path:
     firsts = {s["epoch"]: s for s in reversed(final["ledger"])}
     assert [firsts[e]["available_partitions"] for e in (0, grown_epoch)] == [1, 3]
     # trainable samples: the 24 and 64 samples less tiny.yaml's 10% held out by id hash
-    from flowmatch_models.data import train_rows
+    from flowmatch_models.data.order import train_rows
 
     trainable = {p: len(train_rows(read_shard(DataLayout(root).asset_path("vae_latents", p)).ids,
                                    0.1, 50)) for p in ("000-00", "001-00", "002-00")}  # fmt: skip

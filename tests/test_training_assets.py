@@ -17,7 +17,7 @@ from flowmatch_assets.definitions import defs
 from flowmatch_assets.defs.definitions import resources_for
 from flowmatch_assets.defs.partitions import register_partitions
 from flowmatch_assets.freshness.fingerprints import model_staleness
-from flowmatch_models.embeddings import EncoderSpec
+from flowmatch_models.encoders.spec import EncoderSpec
 from tests.conftest import make_resource
 from tests.wandb_records import config as wandb_config
 from tests.wandb_records import history
@@ -305,7 +305,7 @@ def _pipeline_matches_sampler(pipeline: Path, tmp_path: Path, zoo: dict) -> None
     import numpy as np
     import torch
 
-    from flowmatch_models.sample import generate, load_model, load_vae, prompt_embeddings
+    from flowmatch_models.inference.sample import generate, load_model, load_vae, prompt_embeddings
 
     block = (REPO / "README.md").read_text().split("<!-- use-the-model -->")[1]
     code = re.search(r"```python\n(.*?)```", block, re.S).group(1)

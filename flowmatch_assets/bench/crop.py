@@ -57,7 +57,7 @@ def stored_vs_captions(data_root: Path, partitions: Sequence[str], sample_dest: 
     import pyarrow.parquet as pq
 
     from flowmatch_assets.reports.caption_eval import analyse_image, parse_caption
-    from flowmatch_models.image_shard import decode
+    from flowmatch_models.storage.image_shard import decode
 
     out = []
     for p in partitions:
@@ -178,9 +178,9 @@ def train_both(
     from flowmatch_assets.demo import DEMO_VAE
     from flowmatch_assets.ingest.images import IngestConfig
     from flowmatch_assets.runs import run_assets
-    from flowmatch_models.embeddings import EncoderSpec
-    from flowmatch_models.train import TrainRequest, train
-    from flowmatch_models.zoo import create_zoo
+    from flowmatch_models.encoders.spec import EncoderSpec
+    from flowmatch_models.encoders.zoo import create_zoo
+    from flowmatch_models.train.run import TrainRequest, train
 
     repo = Path(__file__).resolve().parents[2]
     zoo = create_zoo(work / "zoo")
@@ -225,7 +225,7 @@ def evaluate_sizes(
     """Caption following of one checkpoint generated at each of ``sizes`` (``"224x320"``: a
     wide bucket takes landscape prompts, a tall one portrait; reports/evaluation.py)."""
     from flowmatch_assets.reports.evaluation import evaluate_checkpoint
-    from flowmatch_models.buckets import parse
+    from flowmatch_models.data.buckets import parse
 
     out = {}
     for size in sizes:

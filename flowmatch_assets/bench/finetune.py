@@ -33,7 +33,7 @@ from pathlib import Path
 
 from flowmatch_assets.demo.dataset import NEW_SHAPES, SHAPES, write_shapes2
 from flowmatch_assets.reports.evaluation import checkpoints, evaluate_checkpoint
-from flowmatch_models.atomic import atomic_path, atomic_write_text
+from flowmatch_models.storage.atomic import atomic_path, atomic_write_text
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCE = "shapes2"
@@ -82,7 +82,7 @@ def score(path: Path, encoders: dict, n_prompts: int) -> dict:
 def run_variant(name: str, root: Path, out: Path, parent: Path, steps: int, every: int,
                 encoders: dict, n_prompts: int, config: Path, extra: list[str]) -> list[dict]:  # fmt: skip
     """Train one variant and score each checkpoint (the parent's as step 0 of a fine-tune)."""
-    from flowmatch_models.train import TrainRequest, train
+    from flowmatch_models.train.run import TrainRequest, train
 
     v = VARIANTS[name]
     run = out / name

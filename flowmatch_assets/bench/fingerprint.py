@@ -48,7 +48,7 @@ def _data_root(root: Path, n: int, rng: np.random.Generator) -> dict:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from flowmatch_models.store import write_shard
+    from flowmatch_models.storage.store import write_shard
 
     ids = [f"{i:08d}" for i in range(n)]
     md = pa.table({"id": ids, "url": [f"https://x/{i}.jpg" for i in ids], "hash": ids,
@@ -88,8 +88,8 @@ def run(samples: int, hash_mb: int, repeat: int, images_per_core_s: float, pairs
     from flowmatch_assets.defs.partitions import shard_partitions
     from flowmatch_assets.defs.resources import FlowmatchResource
     from flowmatch_assets.freshness import fingerprints
-    from flowmatch_models import fingerprint as fpmod
-    from flowmatch_models.embeddings import EncoderSpec
+    from flowmatch_models.encoders.spec import EncoderSpec
+    from flowmatch_models.storage import fingerprint as fpmod
 
     rng = np.random.default_rng(0)
     out: dict = {"bench": "fingerprint", "samples": samples}

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from flowmatch_models.atomic import atomic_write_text
+from flowmatch_models.storage.atomic import atomic_write_text
 
 TARGETS = {"precalc_pairs_per_s": 1100.0, "train_mfu": 0.40}
 

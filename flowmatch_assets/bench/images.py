@@ -34,7 +34,7 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
 from flowmatch_assets.ingest.images import IngestConfig, count_reasons, ingest_rows
-from flowmatch_models.atomic import atomic_write_bytes
+from flowmatch_models.storage.atomic import atomic_write_bytes
 
 CORPUS_VERSION = 1
 _ASPECTS = (1.0, 5 / 4, 4 / 3, 3 / 2, 16 / 9, 2.0)

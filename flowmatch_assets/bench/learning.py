@@ -24,7 +24,7 @@ import yaml
 
 from flowmatch_assets.demo import DEMO_VAE
 from flowmatch_assets.reports.evaluation import checkpoints, evaluate_checkpoint
-from flowmatch_models.atomic import atomic_path, atomic_write_text
+from flowmatch_models.storage.atomic import atomic_path, atomic_write_text
 
 REPO = Path(__file__).resolve().parents[2]
 VARIANTS = {
@@ -61,7 +61,7 @@ def run_variant(
     extra: list[str] = (),
 ) -> list[dict]:
     """Train one variant from scratch and score every saved checkpoint."""
-    from flowmatch_models.train import TrainRequest, train
+    from flowmatch_models.train.run import TrainRequest, train
 
     run = out / name
     sets = {
@@ -93,8 +93,8 @@ def toy_position(pos_embed: bool, steps: int = 400, seed: int = 0) -> dict[str, 
     perfect samples), and ``mean_mse``, that of the samples' average (0 for perfect samples)."""
     import torch
 
-    from flowmatch_models.dit import build_model
-    from flowmatch_models.flow import FlowMatching
+    from flowmatch_models.model.dit import build_model
+    from flowmatch_models.model.flow import FlowMatching
 
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed + 1)
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
         }
         print(f"positional toy (sample-to-class-mean MSE; perfect: mse 0.09, mean_mse 0): {toy}")
     from flowmatch_assets.reports import caption_eval
-    from flowmatch_models.layout import DataLayout
+    from flowmatch_models.storage.layout import DataLayout
 
     root = Path(a.data_root).resolve()
     if not DataLayout(root).complete_partitions():
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = yaml.safe_load(Path(a.config).read_text())
     steps = a.steps or int(cfg["trainer"]["max_steps"])
     every = a.eval_every or max(1, steps // 4)
-    from flowmatch_models.zoo import GEMMA_FOLDER, is_real_gemma
+    from flowmatch_models.encoders.zoo import GEMMA_FOLDER, is_real_gemma
 
     # the prompts must be encoded by the text encoder the data's captions were: the demo's
     # real Gemma where it made one, else the zoo's random one (as resource_from_env decides)

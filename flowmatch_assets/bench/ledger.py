@@ -24,7 +24,7 @@ def run(partitions: int, per_partition: int, checkpoint_every: int, global_batch
     """One checkpoint's ledger (the samples of ``checkpoint_every`` steps, mid-epoch, as a delta
     on the previous checkpoint) against the training time of those steps."""
     from flowmatch_assets import catalog
-    from flowmatch_models.ledger import delta, expand
+    from flowmatch_models.train.ledger import delta, expand
 
     names = [f"{i // 100:03d}-{i % 100:02d}" for i in range(partitions)]
     n = partitions * per_partition

@@ -153,7 +153,7 @@ def gemma_states(n: int, workdir: Path, gemma: Path | None) -> tuple[np.ndarray,
         z = np.load(cache)
         return z["tokens"], z["lengths"]
     from flowmatch_assets.bench.store import gemma_hidden_states, pd12m_like_captions
-    from flowmatch_models.zoo import GEMMA_FOLDER, create_real_gemma
+    from flowmatch_models.encoders.zoo import GEMMA_FOLDER, create_real_gemma
 
     folder = create_real_gemma(gemma or Path("data") / "zoo" / GEMMA_FOLDER)
     print(f"encoding {n} PD12M-like captions with the real Gemma3-270M ...", file=sys.stderr)
@@ -167,7 +167,7 @@ def gemma_states(n: int, workdir: Path, gemma: Path | None) -> tuple[np.ndarray,
 
 def storage_options(storage: str) -> tuple[str, dict[str, str]]:
     """``(codec, lossy per kind)`` of a storage name."""
-    from flowmatch_models.encoder_spec import EncoderSpec
+    from flowmatch_models.encoders.spec import EncoderSpec
 
     if storage == "default":
         spec = EncoderSpec()
@@ -184,7 +184,7 @@ def partition_arrays(
 ) -> dict[str, dict[str, np.ndarray]]:
     """One partition's arrays per kind: the base captions tiled to ``size`` samples."""
     from flowmatch_assets.bench.store import image_arrays
-    from flowmatch_models.store import ragged_offsets
+    from flowmatch_models.storage.store import ragged_offsets
 
     base = len(lengths)
     pick = np.arange(size) % base
@@ -205,9 +205,9 @@ def write_partitions(
 ) -> dict[str, int]:
     """``partitions`` partitions of ``size`` samples under the data root ``root`` (the first
     written, the others copies of it); returns stored bytes per kind of one partition."""
-    from flowmatch_models.embeddings import KINDS
-    from flowmatch_models.layout import DataLayout
-    from flowmatch_models.store import write_shard
+    from flowmatch_models.embeddings.kinds import KINDS
+    from flowmatch_models.storage.layout import DataLayout
+    from flowmatch_models.storage.store import write_shard
 
     layout = DataLayout(root)
     codec, lossy = storage_options(storage)
@@ -249,7 +249,7 @@ def measure(
     measure memory, CPU and batch times as the module doc says."""
     import torch
 
-    from flowmatch_models.data import EmbeddingDataModule
+    from flowmatch_models.data.module import EmbeddingDataModule
 
     torch.set_num_threads(1)
     dm = EmbeddingDataModule(
@@ -334,7 +334,8 @@ def device_decode_rate(root: Path, batch_size: int = 64, batches: int = 8) -> di
     """Decode of stored batches to float32 on this CPU (one thread): samples/s."""
     import torch
 
-    from flowmatch_models.data import BatchStream, EmbeddingDataModule
+    from flowmatch_models.data.module import EmbeddingDataModule
+    from flowmatch_models.data.stream import BatchStream
 
     torch.set_num_threads(1)
     dm = EmbeddingDataModule(root, batch_size=batch_size, num_workers=0, shuffle_window=8,

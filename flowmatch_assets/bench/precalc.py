@@ -39,8 +39,9 @@ import numpy as np
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from flowmatch_models.encoders import Encoders, EncoderSpec
-from flowmatch_models.zoo import DCAE_F32C32_SANA_1_0, build_tokenizer, caption_corpus
+from flowmatch_models.encoders.frozen import Encoders
+from flowmatch_models.encoders.spec import EncoderSpec
+from flowmatch_models.encoders.zoo import DCAE_F32C32_SANA_1_0, build_tokenizer, caption_corpus
 
 DINOV2_SMALL: dict = {
     "hidden_size": 384,

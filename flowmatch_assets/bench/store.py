@@ -40,7 +40,8 @@ import numpy as np
 import torch
 
 from flowmatch_assets.catalog import PD12M_PAIRS
-from flowmatch_models.store import lossy_error, pad_ragged, ragged_offsets, read_shard, write_shard
+from flowmatch_models.storage.lossy import lossy_error
+from flowmatch_models.storage.store import pad_ragged, ragged_offsets, read_shard, write_shard
 
 SEED_MAX_TOKENS = 128
 BATCH = 256
@@ -157,7 +158,8 @@ def gemma_hidden_states(
 ) -> tuple[np.ndarray, np.ndarray, dict]:
     """The real Gemma3-270M's states of ``captions`` as the pipeline stores them (valid tokens,
     fp16, saturation counted), plus the token-length statistics before truncation."""
-    from flowmatch_models.encoders import Encoders, EncoderSpec
+    from flowmatch_models.encoders.frozen import Encoders
+    from flowmatch_models.encoders.spec import EncoderSpec
 
     enc = Encoders(EncoderSpec(text=str(folder), device="cpu", text_dtype="fp32",
                                max_tokens=max_tokens, batch_size=32))  # fmt: skip
@@ -339,7 +341,7 @@ def run(
     captions = pd12m_like_captions(n)
     text_stats: dict = {}
     if text == "gemma":
-        from flowmatch_models.zoo import GEMMA_FOLDER, GEMMA_LABEL, create_real_gemma
+        from flowmatch_models.encoders.zoo import GEMMA_FOLDER, GEMMA_LABEL, create_real_gemma
 
         folder = create_real_gemma(gemma or Path("data") / "zoo" / GEMMA_FOLDER)
         tokens, lengths, text_stats = gemma_hidden_states(captions, folder)
@@ -428,10 +430,11 @@ def default_storage(root: Path, arrays: dict, ids: list[str], tokens, seed_bytes
     into batch buffers as stored (the host's work; decoding happens on the GPU), and, for
     scale, decoded to float32 on this CPU too. Bytes are reported as written (its per-shard
     tables weigh a lot on a few hundred samples) and at PD12M's 10,000 samples a shard."""
-    from flowmatch_models.data import ShardSource, decode_batch
-    from flowmatch_models.embeddings import KINDS
-    from flowmatch_models.encoder_spec import EncoderSpec
-    from flowmatch_models.layout import DataLayout
+    from flowmatch_models.data.decode import decode_batch
+    from flowmatch_models.data.source import ShardSource
+    from flowmatch_models.embeddings.kinds import KINDS
+    from flowmatch_models.encoders.spec import EncoderSpec
+    from flowmatch_models.storage.layout import DataLayout
 
     spec, layout, n = EncoderSpec(), DataLayout(root / "default"), len(ids)
     shards = {

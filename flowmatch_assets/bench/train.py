@@ -22,9 +22,9 @@ from collections.abc import Sequence
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from flowmatch_models.config import ModelConfig
-from flowmatch_models.dit import PRESETS, build_model, count_params
-from flowmatch_models.flow import FlowMatching
+from flowmatch_models.model.dit import PRESETS, build_model, count_params
+from flowmatch_models.model.flow import FlowMatching
+from flowmatch_models.train.config import ModelConfig
 
 
 def _conv_backward_flop(
@@ -188,9 +188,10 @@ def bench_loader(
 
     import numpy as np
 
-    from flowmatch_models.data import BatchStream, ShardSource
-    from flowmatch_models.layout import DataLayout
-    from flowmatch_models.store import write_shard
+    from flowmatch_models.data.source import ShardSource
+    from flowmatch_models.data.stream import BatchStream
+    from flowmatch_models.storage.layout import DataLayout
+    from flowmatch_models.storage.store import write_shard
 
     tmp = None
     if root is None:

@@ -21,8 +21,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from flowmatch_models.atomic import atomic_path
-from flowmatch_models.layout import DataLayout
+from flowmatch_models.storage.atomic import atomic_path
+from flowmatch_models.storage.layout import DataLayout
 
 OUTCOMES = ("stored", "filtered", "failed")
 

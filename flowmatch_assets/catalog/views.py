@@ -45,8 +45,8 @@ from flowmatch_assets.catalog.records import (
     VALIDATION_SCHEMA,
     _write_parquet,
 )
-from flowmatch_models.atomic import atomic_path
-from flowmatch_models.layout import PARTITIONED_ASSETS, DataLayout
+from flowmatch_models.storage.atomic import atomic_path
+from flowmatch_models.storage.layout import PARTITIONED_ASSETS, DataLayout
 
 
 def _sql_str(s: str | Path) -> str:

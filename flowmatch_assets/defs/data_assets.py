@@ -29,10 +29,10 @@ from flowmatch_assets.ingest.metadata import (
 )
 from flowmatch_assets.ingest.shard import NothingToRetry, TooFewStored, make_image_shard
 from flowmatch_assets.ingest.sources import SourceError, partition_images, partition_rows
-from flowmatch_models.atomic import atomic_path
-from flowmatch_models.grid import make_grid, markdown_image, save_png
-from flowmatch_models.image_shard import decode, read_image_meta, write_image_shard
-from flowmatch_models.layout import PD12M, source_of
+from flowmatch_models.figures.grid import make_grid, markdown_image, save_png
+from flowmatch_models.storage.atomic import atomic_path
+from flowmatch_models.storage.image_shard import decode, read_image_meta, write_image_shard
+from flowmatch_models.storage.layout import PD12M, source_of
 
 GROUP = "data"
 

@@ -12,16 +12,16 @@ from flowmatch_assets.defs.partitions import shard_partitions
 from flowmatch_assets.defs.resources import FlowmatchResource
 from flowmatch_assets.ingest.sources import partition_rows
 from flowmatch_assets.reports.data_card import DATASET, card, card_rows, markdown, render
-from flowmatch_models.atomic import atomic_write_text
-from flowmatch_models.grid import markdown_image, save_png
-from flowmatch_models.layout import PD12M, source_of
+from flowmatch_models.figures.grid import markdown_image, save_png
+from flowmatch_models.storage.atomic import atomic_write_text
+from flowmatch_models.storage.layout import PD12M, source_of
 
 GROUP = "reports"
 
 
 def _token_counter(flowmatch: FlowmatchResource, log):
     """The text encoder's tokenizer as a counter, or None (logged) when it cannot load."""
-    from flowmatch_models.encoders import Encoders
+    from flowmatch_models.encoders.frozen import Encoders
 
     enc = Encoders(flowmatch.encoders)
     try:

@@ -25,7 +25,7 @@ from flowmatch_assets.defs.resources import FlowmatchResource, flowmatch_from_en
 from flowmatch_assets.defs.sensors import build_verify_sensor
 from flowmatch_assets.defs.training_assets import evaluation, fine_tune, flow_model, samples
 from flowmatch_assets.freshness.fingerprints import code_version
-from flowmatch_models.embeddings import KINDS, TRAINING_INPUTS
+from flowmatch_models.embeddings.kinds import KINDS, TRAINING_INPUTS
 
 
 def assets() -> list:

@@ -20,12 +20,14 @@ from flowmatch_assets.defs.partitions import shard_partitions
 from flowmatch_assets.defs.resources import FlowmatchResource
 from flowmatch_assets.defs.routine import PartitionOutput, run_partitions, shards_check_result
 from flowmatch_assets.freshness import fingerprints
-from flowmatch_models.devices import lease_device
-from flowmatch_models.embeddings import KINDS, EmbeddingKind, encode_partition, shard_problems
-from flowmatch_models.fingerprint import ATTR as FINGERPRINT_ATTR
-from flowmatch_models.fingerprint import Fingerprint, weights_cache_file
-from flowmatch_models.image_shard import read_image_meta
-from flowmatch_models.store import read_shard, write_shard
+from flowmatch_models.embeddings.checks import shard_problems
+from flowmatch_models.embeddings.kinds import KINDS, EmbeddingKind
+from flowmatch_models.embeddings.precalc import encode_partition
+from flowmatch_models.encoders.devices import lease_device
+from flowmatch_models.storage.fingerprint import ATTR as FINGERPRINT_ATTR
+from flowmatch_models.storage.fingerprint import Fingerprint, weights_cache_file
+from flowmatch_models.storage.image_shard import read_image_meta
+from flowmatch_models.storage.store import read_shard, write_shard
 
 GROUP = "embeddings"
 

@@ -20,7 +20,7 @@ from flowmatch_assets.catalog import read_partitions, record_partitions
 from flowmatch_assets.defs.resources import FlowmatchResource
 from flowmatch_assets.ingest import sources as src
 from flowmatch_assets.ingest.metadata import MetadataError, discover_shards, metadata_exists
-from flowmatch_models.layout import PD12M
+from flowmatch_models.storage.layout import PD12M
 
 SHARDS = "pd12m_shards"
 _LOG = logging.getLogger(__name__)

@@ -21,8 +21,8 @@ from flowmatch_assets.demo import DEMO_VAE
 from flowmatch_assets.ingest.images import IngestConfig
 from flowmatch_assets.ingest.metadata import FilterConfig
 from flowmatch_assets.ingest.sources import SourceConfig, SourceError, read_sources, sources_file
-from flowmatch_models.embeddings import EncoderSpec
-from flowmatch_models.layout import DataLayout
+from flowmatch_models.encoders.spec import EncoderSpec
+from flowmatch_models.storage.layout import DataLayout
 
 
 def dagster_config(model: type[BaseModel]) -> type:
@@ -164,7 +164,7 @@ def resource_from_env(
             # backfills after the demo agree with it): the committed demo VAE, the real Gemma
             # where the demo made it, the zoo's others
             encoders[field] = str(DEMO_VAE if field == "vae" else Path(root) / "zoo" / field)
-            from flowmatch_models.zoo import GEMMA_FOLDER, is_real_gemma  # (imports torch)
+            from flowmatch_models.encoders.zoo import GEMMA_FOLDER, is_real_gemma
 
             if field == "text" and is_real_gemma(Path(root) / "zoo" / GEMMA_FOLDER):
                 encoders[field] = str(Path(root) / "zoo" / GEMMA_FOLDER)

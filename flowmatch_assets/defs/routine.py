@@ -31,9 +31,9 @@ from flowmatch_assets import catalog
 from flowmatch_assets.catalog import MaterializationRecord, RowOutcome
 from flowmatch_assets.defs.resources import FlowmatchResource
 from flowmatch_assets.freshness import fingerprints
-from flowmatch_models import atomic
-from flowmatch_models.atomic import remove_stale_temps
-from flowmatch_models.fingerprint import Fingerprint
+from flowmatch_models.storage import atomic
+from flowmatch_models.storage.atomic import remove_stale_temps
+from flowmatch_models.storage.fingerprint import Fingerprint
 
 
 @contextlib.contextmanager

@@ -19,8 +19,8 @@ from flowmatch_assets.defs.partitions import SHARDS
 from flowmatch_assets.defs.resources import FlowmatchResource
 from flowmatch_assets.freshness.fingerprints import trained_on
 from flowmatch_assets.reports.budget import logged_rates, steady_rate
-from flowmatch_models.embeddings import TRAINING_INPUTS
-from flowmatch_models.layout import DataLayout, source_of
+from flowmatch_models.embeddings.kinds import TRAINING_INPUTS
+from flowmatch_models.storage.layout import DataLayout, source_of
 
 GROUP = "training"
 REPO = Path(__file__).resolve().parents[2]
@@ -104,8 +104,8 @@ def write_ledgers(data_root: str | Path, run_name: str, run: Path) -> list[int]:
     checkpoint's chain of deltas. Returns the steps written."""
     import torch
 
-    from flowmatch_models import ledger
-    from flowmatch_models.store import read_shard
+    from flowmatch_models.storage.store import read_shard
+    from flowmatch_models.train import ledger
 
     layout = DataLayout(data_root)
     ids: dict[str, list[str]] = {}
@@ -116,7 +116,7 @@ def write_ledgers(data_root: str | Path, run_name: str, run: Path) -> list[int]:
         return ids[p]
 
     def grids_of(p: str):
-        from flowmatch_models.data import sample_grids
+        from flowmatch_models.data.rows import sample_grids
 
         return sample_grids(read_shard(layout.asset_path("vae_latents", p)))
 
@@ -220,7 +220,7 @@ def fine_tune(
     flowmatch: FlowmatchResource,
     pipes_subprocess_client: dg.PipesSubprocessClient,
 ) -> dg.MaterializeResult:
-    """flow_model's training with ``init`` set from the launchpad (flowmatch_models/finetune.py);
+    """flow_model's training with ``init`` set from the launchpad (flowmatch_models/train/finetune.py);
     recorded as a run like any other (catalog, ledger, wandb), with its parent."""
     init = [f"init.from_run={json.dumps(config.parent_run)}", f"init.weights={config.weights}",
             f"init.freeze={json.dumps(config.freeze)}"]  # fmt: skip
@@ -238,7 +238,7 @@ def train_run(
 ) -> dg.MaterializeResult:
     """One training session through Pipes (flow_model, fine_tune): decide the partitions once,
     send a TrainRequest, record the TrainResult in the catalog (run record, validation, ledger)."""
-    from flowmatch_models.train import TrainRequest, TrainResult
+    from flowmatch_models.train.run import TrainRequest, TrainResult
 
     known = list(context.instance.get_dynamic_partitions(SHARDS))
     parts, frac = coverage_or_fail(flowmatch, known, config.min_coverage, config.sources)
@@ -353,7 +353,7 @@ def train_run(
         if p and Path(p).exists():
             from PIL import Image
 
-            from flowmatch_models.grid import markdown_image
+            from flowmatch_models.figures.grid import markdown_image
 
             md[f"{key}_png"] = dg.MetadataValue.path(p)
             md[key] = dg.MetadataValue.md(markdown_image(Image.open(p), label, max_side=640))
@@ -394,9 +394,14 @@ def samples(
 ) -> dg.MaterializeResult:
     from PIL import Image
 
-    from flowmatch_models.buckets import label, parse_sizes
-    from flowmatch_models.grid import markdown_image
-    from flowmatch_models.sample import load_model, load_vae, prompt_embeddings, sample_grid
+    from flowmatch_models.data.buckets import label, parse_sizes
+    from flowmatch_models.figures.grid import markdown_image
+    from flowmatch_models.inference.sample import (
+        load_model,
+        load_vae,
+        prompt_embeddings,
+        sample_grid,
+    )
 
     export = run_dir(flowmatch, config.run_name) / "pipeline"
     if not export.exists():
@@ -476,8 +481,8 @@ def evaluation(
         rows_for_catalog,
         summary_line,
     )
-    from flowmatch_models.buckets import label, parse_sizes
-    from flowmatch_models.grid import markdown_image
+    from flowmatch_models.data.buckets import label, parse_sizes
+    from flowmatch_models.figures.grid import markdown_image
 
     out = run_dir(flowmatch, config.run_name)
     found = checkpoints(out, config.checkpoints)

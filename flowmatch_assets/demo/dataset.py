@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image, ImageDraw
 
-from flowmatch_models.atomic import atomic_path, atomic_write_bytes, atomic_write_text
+from flowmatch_models.storage.atomic import atomic_path, atomic_write_bytes, atomic_write_text
 
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (220, 40, 40),

@@ -24,7 +24,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 
-from flowmatch_models.layout import PARTITIONED_ASSETS
+from flowmatch_models.storage.layout import PARTITIONED_ASSETS
 
 #: The data assets of one partition, in lineage order (the default of ``--assets``; read live,
 #: so every registered embedding kind is in it).
@@ -254,7 +254,7 @@ def _missing_on_disk(
     from flowmatch_assets.defs.resources import resource_from_env
     from flowmatch_assets.freshness.state import missing_partitions as _missing
     from flowmatch_assets.freshness.state import partition_states
-    from flowmatch_models.layout import DataLayout
+    from flowmatch_models.storage.layout import DataLayout
 
     layout = DataLayout(data_root) if data_root else resource_from_env().layout
     known = [a for a in asset_keys if a in DEFAULT_ASSETS]

@@ -29,10 +29,16 @@ import dagster as dg
 from flowmatch_assets import catalog, compat
 from flowmatch_assets.defs.resources import FlowmatchResource
 from flowmatch_assets.ingest.sources import SourceError
-from flowmatch_models.buckets import label
-from flowmatch_models.embeddings import KINDS, TRAINING_INPUTS, kind_fingerprint
-from flowmatch_models.fingerprint import UNKNOWN, Fingerprint, diff, hash_of, weights_cache_file
-from flowmatch_models.layout import PARTITIONED_ASSETS, PD12M, source_of
+from flowmatch_models.data.buckets import label
+from flowmatch_models.embeddings.kinds import KINDS, TRAINING_INPUTS, kind_fingerprint
+from flowmatch_models.storage.fingerprint import (
+    UNKNOWN,
+    Fingerprint,
+    diff,
+    hash_of,
+    weights_cache_file,
+)
+from flowmatch_models.storage.layout import PARTITIONED_ASSETS, PD12M, source_of
 
 #: Bump when the asset's code changes its output for the same settings (a fingerprint field).
 #: Embedding kinds carry theirs in the registry (EmbeddingKind.code_version).
@@ -255,7 +261,7 @@ def _feeds(a: str, b: str) -> bool:
 def trained_on(res: FlowmatchResource, partitions: Iterable[str]) -> dict[str, dict[str, list]]:
     """``{kind: {fingerprint hash: [partitions]}}`` of the training inputs' shards now (what a
     training run that used ``partitions`` records as its input fingerprints)."""
-    from flowmatch_models.store import read_shard
+    from flowmatch_models.storage.store import read_shard
 
     out: dict[str, dict[str, list]] = {}
     for kind in TRAINING_INPUTS:
@@ -274,8 +280,8 @@ def model_staleness(res: FlowmatchResource, runs: Sequence[str] | None = None) -
     """Training runs (``flow_model`` records) that trained on a partition that is stale now,
     or whose shard was re-made with another fingerprint since; and fine-tunes whose parent was
     re-trained since they started from it (its weights at that step changed, or are gone), or
-    is stale itself (flowmatch_models/finetune.py)."""
-    from flowmatch_models.finetune import parent_changed  # (imports torch)
+    is stale itself (flowmatch_models/train/finetune.py)."""
+    from flowmatch_models.train.finetune import parent_changed
 
     rows = catalog.Catalog(res.data_root).query(
         "SELECT partition AS run, extra FROM materializations WHERE asset = 'flow_model' "
@@ -355,7 +361,7 @@ def fresh_result(
 
 
 def finetuned_runs(res: FlowmatchResource) -> list[str]:
-    """The runs recorded with a parent (fine-tunes: flowmatch_models/finetune.py)."""
+    """The runs recorded with a parent (fine-tunes: flowmatch_models/train/finetune.py)."""
     rows = catalog.Catalog(res.data_root).query(
         "SELECT partition AS run, extra FROM materializations WHERE asset = 'flow_model'"
     )

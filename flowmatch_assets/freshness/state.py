@@ -31,7 +31,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from flowmatch_assets import compat
-from flowmatch_models.layout import PARTITIONED_ASSETS, DataLayout
+from flowmatch_models.storage.layout import PARTITIONED_ASSETS, DataLayout
 
 PRESENT = "present"
 #: The check whose failure `verify` reports per asset (None: the asset has no check); every
@@ -69,7 +69,7 @@ def file_state(
         if path.suffix == ".parquet":
             pq.read_metadata(path)
         else:
-            from flowmatch_models.store import read_shard
+            from flowmatch_models.storage.store import read_shard
 
             shard = read_shard(path, verify=deep)
             len(shard)

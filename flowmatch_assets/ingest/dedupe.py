@@ -54,8 +54,8 @@ from flowmatch_assets.ingest.metadata import (
     list_metadata_files,
     shard_key,
 )
-from flowmatch_models.atomic import atomic_path
-from flowmatch_models.layout import DataLayout
+from flowmatch_models.storage.atomic import atomic_path
+from flowmatch_models.storage.layout import DataLayout
 
 #: Filter fields that are not row-local (they do not decide which rows are eligible winners).
 _DEDUPE_FIELDS = {"drop_duplicate_hash", "drop_duplicate_content"}

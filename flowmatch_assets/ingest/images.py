@@ -1,7 +1,7 @@
 """Image ingest for the ``images_256`` stage: download, decode, resize, centre-crop, encode.
 
 The crop is a centred square (``ingest.buckets: square``) or, in ``aspect`` mode, the image's
-nearest aspect-ratio bucket (flowmatch_models/buckets.py), which crops the least.
+nearest aspect-ratio bucket (flowmatch_models/data/buckets.py), which crops the least.
 
 Pure functions, no Dagster: ``fetch_bytes`` gets the bytes of one URL, ``process_image`` turns
 them into an encoded ``size`` x ``size`` RGB image, ``ingest_rows`` does both for a list of
@@ -106,7 +106,7 @@ except ImportError:  # pragma: no cover - simplejpeg is a declared dependency
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from flowmatch_models.buckets import GRID, Bucket, buckets_for, cover_box, nearest, square
+from flowmatch_models.data.buckets import GRID, Bucket, buckets_for, cover_box, nearest, square
 
 __all__ = [
     "IngestConfig",
@@ -135,7 +135,7 @@ class IngestConfig(BaseModel):
     buckets: Literal["square", "aspect"] = Field(
         default="square",
         description="square: every image cut to a centred size x size square. aspect: each "
-        "image resized to cover its nearest aspect-ratio bucket (flowmatch_models/buckets.py: "
+        "image resized to cover its nearest aspect-ratio bucket (flowmatch_models/data/buckets.py: "
         "multiples of 32 within 12.5% of size x size pixels, 1:2 to 2:1) and centre-cropped, "
         "the smallest crop; the bucket is stored per row (height, width).",
     )

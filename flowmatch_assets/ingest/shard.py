@@ -30,9 +30,9 @@ from flowmatch_assets.ingest.images import (
     is_retryable,
 )
 from flowmatch_assets.ingest.metadata import FilterConfig, size_reason
-from flowmatch_models.buckets import kept_fraction
-from flowmatch_models.image_shard import read_image_meta
-from flowmatch_models.layout import DataLayout
+from flowmatch_models.data.buckets import kept_fraction
+from flowmatch_models.storage.image_shard import read_image_meta
+from flowmatch_models.storage.layout import DataLayout
 
 
 class NothingToRetry(Exception):

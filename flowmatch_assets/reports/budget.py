@@ -34,7 +34,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from flowmatch_assets.catalog import PD12M_PAIRS, Catalog, format_table
-from flowmatch_models.embeddings import EMBEDDING_ASSETS
+from flowmatch_models.embeddings.kinds import EMBEDDING_ASSETS
 
 #: The seeds' published figures (shared/context/seed-flow-matching-on-a-budget.txt).
 SEED_PRECALC_PAIRS_S = 200.0  # 2x RTX 3090, both fully used
@@ -409,9 +409,9 @@ def checkpoint_row(cfg: BudgetConfig) -> dict:
     with the base preset's real parameter counts."""
     import torch
 
-    from flowmatch_models.callbacks import checkpoint_disk_plan
-    from flowmatch_models.config import load_config
-    from flowmatch_models.dit import build_model, count_params
+    from flowmatch_models.model.dit import build_model, count_params
+    from flowmatch_models.train.callbacks import checkpoint_disk_plan
+    from flowmatch_models.train.config import load_config
 
     base = load_config(Path(__file__).resolve().parents[2] / "configs" / "base.yaml")
     base.trainer.max_steps = cfg.updates

@@ -35,8 +35,8 @@ from PIL import Image
 
 from flowmatch_assets.catalog import CARD_SECTIONS, Catalog, format_table
 from flowmatch_assets.ingest.metadata import ids_as_strings, read_metadata_shard
-from flowmatch_models.image_shard import read_image_meta
-from flowmatch_models.layout import DataLayout
+from flowmatch_models.storage.image_shard import read_image_meta
+from flowmatch_models.storage.layout import DataLayout
 
 DATASET = "dataset"
 

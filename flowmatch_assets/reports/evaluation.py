@@ -23,7 +23,7 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
 from flowmatch_assets.reports import caption_eval
-from flowmatch_models.grid import save_png
+from flowmatch_models.figures.grid import save_png
 
 ATTRIBUTES = ("colour", "shape", "size", "position")  # what captions ask of the object
 
@@ -74,7 +74,7 @@ def evaluate_checkpoint(
     """Score the EMA model of ``checkpoint`` on ``n_prompts`` grammar prompts (see module doc)
     whose shapes are ``prompt_shapes``, read back with templates of ``analyser_shapes`` (the
     second dataset's fine-tune: ``NEW_SHAPES``, and the demo's six plus ``cross``). ``size``
-    ``(height, width)``: generate at that aspect-ratio bucket (flowmatch_models/buckets.py)
+    ``(height, width)``: generate at that aspect-ratio bucket (flowmatch_models/data/buckets.py)
     instead of the square; a wide size takes landscape prompts only (left / centre / right), a
     tall one portrait prompts (top / centre / bottom).
 
@@ -83,7 +83,7 @@ def evaluate_checkpoint(
     """
     import torch
 
-    from flowmatch_models.sample import generate, load_model
+    from flowmatch_models.inference.sample import generate, load_model
 
     model, meta = load_model(checkpoint=checkpoint)
     orientation = None
@@ -110,7 +110,7 @@ def evaluate_checkpoint(
 @functools.lru_cache(maxsize=2)
 def _prompt_embeddings(prompts: tuple[str, ...], text_encoder: str):
     """The prompts' text embeddings, encoded once per process for all checkpoints."""
-    from flowmatch_models.sample import prompt_embeddings
+    from flowmatch_models.inference.sample import prompt_embeddings
 
     text, mask, _ = prompt_embeddings(list(prompts), text_encoder)
     return text, mask
@@ -119,7 +119,7 @@ def _prompt_embeddings(prompts: tuple[str, ...], text_encoder: str):
 @functools.lru_cache(maxsize=1)
 def _vae(path: str):
     """The decoder, loaded once per process for all checkpoints."""
-    from flowmatch_models.sample import load_vae
+    from flowmatch_models.inference.sample import load_vae
 
     return load_vae(path)
 
@@ -250,9 +250,9 @@ def heldout_set(data_root: str | Path, checkpoint: str | Path, max_samples: int 
     (``n`` 0) when the run holds nothing out."""
     import torch
 
-    from flowmatch_models.data import ShardSource
-    from flowmatch_models.layout import DataLayout
-    from flowmatch_models.store import read_shard
+    from flowmatch_models.data.source import ShardSource
+    from flowmatch_models.storage.layout import DataLayout
+    from flowmatch_models.storage.store import read_shard
 
     state = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)
     data = state.get("EmbeddingDataModule") or {}
@@ -291,8 +291,8 @@ def fd_dinov2(
     label says whether the DINOv2 weights are real (:func:`flowmatch_models.zoo.weights_label`)."""
     import torch
 
-    from flowmatch_models.sample import generate, load_model
-    from flowmatch_models.zoo import weights_label
+    from flowmatch_models.encoders.zoo import weights_label
+    from flowmatch_models.inference.sample import generate, load_model
 
     held = held if held is not None else heldout_set(data_root, checkpoint)
     label = weights_label(dino)
@@ -313,6 +313,7 @@ def fd_dinov2(
 @functools.lru_cache(maxsize=1)
 def _dino(path: str):
     """The DINOv2 encoder, loaded once per process for all checkpoints."""
-    from flowmatch_models.encoders import Encoders, EncoderSpec
+    from flowmatch_models.encoders.frozen import Encoders
+    from flowmatch_models.encoders.spec import EncoderSpec
 
     return Encoders(EncoderSpec(dino=path))

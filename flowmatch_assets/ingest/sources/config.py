@@ -36,8 +36,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
-from flowmatch_models.atomic import atomic_write_text
-from flowmatch_models.layout import PD12M, SOURCE_NAME
+from flowmatch_models.storage.atomic import atomic_write_text
+from flowmatch_models.storage.layout import PD12M, SOURCE_NAME
 
 KINDS = ("folder", "parquet", "webdataset")
 #: The file extensions a folder or tar sample's image may have.

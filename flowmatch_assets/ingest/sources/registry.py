@@ -39,7 +39,7 @@ from flowmatch_assets.catalog import file_lock
 from flowmatch_assets.ingest.images import IngestError
 from flowmatch_assets.ingest.sources.common import failure
 from flowmatch_assets.ingest.sources.config import SourceConfig, SourceError, check_name
-from flowmatch_models.atomic import atomic_write_text
+from flowmatch_models.storage.atomic import atomic_write_text
 
 KIND_MODULES = {"folder": folder, "parquet": parquet, "webdataset": webdataset}
 

@@ -1,0 +1,1 @@
+"""The training loader: epoch order (order.py), shards and their tables (source.py), row readers (rows.py), the batch ring (ring.py), device decode (decode.py), the stream (stream.py), the data module (module.py), aspect-ratio buckets (buckets.py)."""

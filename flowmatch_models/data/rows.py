@@ -1,0 +1,124 @@
+"""Row readers: a batch's rows read straight from a shard's arrays into its buffer."""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+
+import numpy as np
+import torch
+
+from flowmatch_models.storage.store import Shard, StoreError
+
+log = logging.getLogger(__name__)
+
+
+class FileRows:
+    """Rows of one array as stored in a shard file (raw values, or codes of a transform-coded
+    array), read with ``pread`` straight into a batch buffer: the process maps nothing of the
+    file and holds nothing of it between batches. A row is everything after the first axis
+    (a sample's latents, its 64 DINO patches, one caption token)."""
+
+    def __init__(self, shard: Shard, name: str, width: int | None = 0):
+        """``width``: 0 rows as stored; else rows of ``width`` stored values (None: the last
+        axis), the file's bytes cut so."""
+        self.dtype, shape, self.base = shard.stored_rows(name)
+        if width != 0:
+            w = int(width or shape[-1])
+            shape = (int(np.prod(shape, dtype=np.int64)) // w, w)
+        self.rows, self.row_shape = shape[0], tuple(shape[1:])
+        self.row_bytes = int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
+        #: transform-coded: the rows are codes (:meth:`ShardSource.tables` decodes them)
+        self.coded = "aux" in shard.info(name)
+        self.path = shard.path
+        self.fd = os.dup(shard.fileno())  # the version of the file the header came from
+        weakref.finalize(self, os.close, self.fd)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.rows, *self.row_shape)
+
+    def read(self, start: np.ndarray, count, out: torch.Tensor, dst: np.ndarray) -> None:
+        """Rows ``start[i] .. start[i] + count[i]`` into ``out``'s rows from ``dst[i]`` on
+        (``count``: an int or one per item). One ``preadv`` per item, nothing else per row."""
+        mv = memoryview(out.numpy()).cast("B")
+        rb, base, fd = self.row_bytes, self.base, self.fd
+        if int(np.prod(out.shape[1:])) * out.element_size() != rb:
+            raise StoreError(
+                f"{self.path}: rows of {rb} bytes, the batch's differ: its "
+                "partitions were stored differently; re-make them with one storage setting"
+            )
+        starts, dsts = np.asarray(start).tolist(), np.asarray(dst).tolist()
+        counts = [count] * len(starts) if np.ndim(count) == 0 else np.asarray(count).tolist()
+        preadv = os.preadv
+        for s, n, d in zip(starts, counts, dsts):
+            if preadv(fd, [mv[d * rb : (d + n) * rb]], base + s * rb) != n * rb:
+                raise StoreError(f"{self.path}: short read at row {s}; the file is truncated")
+
+
+class ArrayRows:
+    """Rows of an array in memory (stored compressed: decoded whole), read like
+    :class:`FileRows`."""
+
+    def __init__(self, array: np.ndarray):
+        self.array, self.coded = array, False
+        self.dtype, self.shape, self.row_shape = array.dtype, array.shape, array.shape[1:]
+
+    def read(self, start: np.ndarray, count, out: torch.Tensor, dst: np.ndarray) -> None:
+        counts = np.broadcast_to(count, np.shape(start)).astype(np.int64)
+        within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        out.numpy()[np.repeat(dst, counts) + within] = self.array[np.repeat(start, counts) + within]
+
+
+def _rows(shard: Shard, name: str, cells: bool = False, width: int | None = None):
+    """``name`` of ``shard`` for reading rows: from the file (raw or coded), or (stored
+    compressed) decoded whole. ``cells``: as one row per latent cell, of ``width`` values (the
+    last axis when None) -- a one-size shard's ``[N, 32, h, w]`` latents and ``[N, c, D]``
+    patches read exactly as the cell layout's rows (the same bytes), so a batch reads a
+    sample's cells as one run from its cell offset whichever layout stored it. Rows are read
+    without hashing the whole array (every worker would re-read every file at each window
+    boundary, together: the stall this loader avoids); the file's header, footer and length are
+    checked at open, its decoding tables by checksum, and every checksum when the shard is
+    made (the asset's blocking check) and by ``flowmatch verify``."""
+    if shard.is_row_readable(name):
+        return FileRows(shard, name, width if cells else 0)
+    log.debug("%s: %s is stored %s; decoding it whole", shard.path, name, shard.info(name)["codec"])
+    array = np.asarray(shard[name])
+    return ArrayRows(array.reshape(-1, width or array.shape[-1]) if cells else array)
+
+
+def sample_grids(vae: Shard) -> np.ndarray:
+    """Every sample's latent grid ``(h, w)`` in cells, int32 ``[N, 2]``: the ``grid`` array of a
+    shard of several buckets, else the one size of its ``[N, 32, h, w]`` latents."""
+    if "grid" in vae:
+        return np.asarray(vae["grid"]).astype(np.int32)
+    shape = vae.info("latents")["shape"]
+    return np.tile(np.array([shape[2], shape[3]], np.int32), (int(shape[0]), 1))
+
+
+def _buffer(shape: tuple[int, ...], dtype, shared: bool) -> torch.Tensor:
+    """An empty tensor to fill from the files (in shared memory for a :class:`BatchRing`)."""
+    t = torch.from_numpy(np.empty(shape, np.dtype(dtype)))
+    return t.share_memory_() if shared and t.numel() else t
+
+
+def slot_views(buf: dict, sizes: dict) -> dict:
+    """The stored batch's tensors: views of ``buf`` cut to the batch's ``sizes``."""
+    b, width, n = sizes["b"], sizes["width"], sizes["text"]
+    out = {
+        "mask": buf["mask"][:b, :width],
+        "text_rows": buf["text_rows"][:n],
+        "text_dst": buf["text_dst"][:n],
+    }
+    if sizes.get("grid") is None:  # captions only
+        return out
+    gh, gw = sizes["grid"]
+    c = gh * gw
+    lat = buf["latents"]  # [cells, 32]: each sample's [32, h, w] values back to back
+    out["latents"] = lat[: b * c].view(b, lat.shape[1], gh, gw)
+    if "dino_rows" in buf:
+        rows = buf["dino_rows"]
+        out["dino_rows"] = rows[: b * c].view(b, c, *rows.shape[1:])
+        out["dino_dst"] = buf["dino_dst"][:b]
+    return out

@@ -1,0 +1,515 @@
+"""The partitions a run trains on: their shards opened and checked, widths, fingerprints, decoding tables."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from flowmatch_models.data.decode import _INPUTS, decode_batch
+from flowmatch_models.data.order import epoch_order, heldout_rows
+from flowmatch_models.data.rows import _buffer, _rows, sample_grids, slot_views
+from flowmatch_models.embeddings.kinds import FIRST_TOKEN_ATTR
+from flowmatch_models.storage import transform as transform_codec
+from flowmatch_models.storage.fingerprint import ATTR as FINGERPRINT_ATTR
+from flowmatch_models.storage.fingerprint import Fingerprint, diff, disagreement, hash_of
+from flowmatch_models.storage.layout import DataLayout, source_of
+from flowmatch_models.storage.store import Shard, StoreError, ragged_offsets, read_shard
+
+log = logging.getLogger(__name__)
+
+
+#: What the DiT reads of the registry's kinds: its caption states and its REPA target, as
+#: ``(kind, array)``. The model's ``text_dim``/``repa_dim`` are these arrays' widths in the shards
+#: the run trains on (:attr:`ShardSource.widths`), so an encoder swaps by configuration alone.
+MODEL_INPUTS = {"text": ("text_embeddings", "tokens"), "repa": ("dino_features", "patch")}
+
+
+def array_width(shard: Shard, array: str) -> int:
+    """The last dimension of ``array`` in ``shard`` (from its header; nothing decoded)."""
+    return int(shard.info(array)["shape"][-1])
+
+
+class FingerprintMismatchError(ValueError):
+    """Partitions of one embedding kind made by different settings (fingerprints)."""
+
+
+class PartitionChangedError(RuntimeError):
+    """A partition's file was re-made while a batch read from the old one was on its way: its
+    codes would be decoded with another file's tables. The run stops (it never trains on it)."""
+
+
+def shard_fingerprint(layout: DataLayout, kind: str, partition: str) -> Fingerprint | None:
+    """The fingerprint in a shard's attrs (None: made before fingerprints, or unreadable)."""
+    try:
+        attrs = read_shard(layout.asset_path(kind, partition)).attrs
+    except (OSError, StoreError):
+        return None
+    return Fingerprint.from_json(attrs.get(FINGERPRINT_ATTR))
+
+
+class ShardSource:
+    """The partitions' three aligned shards (latents, DINO, text), opened lazily and cached.
+
+    Rows are read from the files, never whole partitions: raw arrays (codec ``none``) and
+    transform-coded ones (lossy ``pcaB``, the default storage) are read row by row with
+    ``pread`` straight into the batch's buffers (:class:`FileRows`): the process maps nothing
+    of the files and keeps no decoded partition, so a loader's memory is its batches, whatever
+    the partition size, window or worker count (the OS page cache holds the files). Arrays
+    stored compressed (``zstd``/``xz``, or int8/fp8) cannot be read by row: they are decoded
+    whole per partition (``cache_shards`` partitions kept; memory grows with them).
+
+    A batch comes out *stored* (:meth:`gather` with ``decode=False``: fp16 latents, codes of
+    coded arrays, the partitions whose tables decode them) or decoded to float32 model inputs
+    (:func:`decode_batch`, on any device: the GPU in training).
+
+    ``heldout = (fraction, cap)`` holds out :func:`heldout_rows` of every partition: ``sizes``
+    count the trainable rows, :meth:`gather_train` maps a trainable index to its row and
+    :meth:`heldout_batch` serves the held-out ones (validation, FD)."""
+
+    def __init__(
+        self,
+        root: str | Path,
+        partitions: Sequence[str],
+        text_max_len: int = 128,
+        load_dino: bool = True,
+        cache_shards: int = 4,
+        fixed_text_len: bool = False,
+        heldout: tuple[float, int] = (0.0, 0),
+    ):
+        self.layout = DataLayout(root)
+        self.heldout = (float(heldout[0]), int(heldout[1]))
+        self.fixed_text_len = fixed_text_len  # pad every batch to text_max_len (torch.compile)
+        self.partitions = list(partitions)
+        if not self.partitions:
+            raise ValueError(
+                f"no complete partitions under {self.layout.root}: training needs vae_latents, "
+                "dino_features and text_embeddings for the same partition; materialize them first"
+            )
+        self.text_max_len = text_max_len
+        self.load_dino = load_dino
+        self.cache_shards = max(1, cache_shards)
+        self._open: OrderedDict[int, dict] = OrderedDict()
+        self._tables: OrderedDict[tuple[str, str, str], transform_codec.DeviceTables] = (
+            OrderedDict()
+        )
+        #: kind -> the fingerprint hash every partition of this source shares
+        self.fingerprints = self._agreed_fingerprints()
+        ids = [self._shard("vae_latents", p).ids for p in self.partitions]
+        self.heldout_rows = [heldout_rows(i, *self.heldout) for i in ids]
+        self.sizes = np.array(
+            [len(i) - len(h) for i, h in zip(ids, self.heldout_rows)], dtype=np.int64
+        )
+        del ids  # 10k strings a partition: not kept (nor copied into every worker)
+        # every trainable sample's bucket: an index into ``grids``, the (h, w) latent grids
+        # found (one byte a sample: 12 MB for PD12M, beside the order)
+        every = [sample_grids(self._shard("vae_latents", p)) for p in self.partitions]
+        trained = np.concatenate(
+            [np.delete(g, h, axis=0) for g, h in zip(every, self.heldout_rows)]
+        ).reshape(-1, 2)
+        found, code = np.unique(trained, axis=0, return_inverse=True)
+        #: the buckets (latent grids) of the trainable samples; ``buckets`` indexes them
+        self.grids: list[tuple[int, int]] = [(int(h), int(w)) for h, w in found]
+        if len(found) > 255:
+            raise ValueError(f"{len(found)} latent grids: at most 255 buckets are supported")
+        self.buckets = code.reshape(-1).astype(np.uint8)
+        # buffers hold the largest sample, held-out ones included
+        self.max_cells = max((int(g.prod(1).max()) for g in every if len(g)), default=64)
+        del every, trained, code
+        first = self._shard("vae_latents", self.partitions[0])
+        if "scaling_factor" not in first.attrs:
+            raise ValueError(
+                f"{first.path}: attrs has no 'scaling_factor'; re-materialize vae_latents"
+            )
+        self.scaling_factor = float(first.attrs["scaling_factor"])
+        #: the widths the DiT is built for: {"text": caption width, "repa": REPA target width}
+        self.widths = self._agreed_widths()
+        text0 = self._shard("text_embeddings", self.partitions[0])
+        self.null_tokens: np.ndarray | None = (
+            np.asarray(text0["null_tokens"], np.float32) if "null_tokens" in text0 else None
+        )
+        if self.null_tokens is None:
+            log.warning(
+                "%s has no null_tokens (encoded empty prompt): caption dropout and CFG use a "
+                "zero token; re-materialize text_embeddings to store it",
+                text0.path,
+            )
+
+    def epoch_order(self, epoch: int, seed: int, window: int, chunk: int) -> np.ndarray:
+        """:func:`epoch_order` of these partitions' trainable samples (with their buckets when
+        there are several, in chunks of ``chunk``)."""
+        multi = len(self.grids) > 1
+        return epoch_order(self.sizes, epoch, seed, window, self.buckets if multi else None,
+                           chunk if multi else 0)  # fmt: skip
+
+    def __getstate__(self) -> dict:
+        """Pickled (a DataLoader worker under ``spawn``): without open files; reopened there."""
+        return {**self.__dict__, "_open": OrderedDict(), "_tables": OrderedDict()}
+
+    @property
+    def kinds(self) -> list[str]:
+        return ["vae_latents", "text_embeddings", *(["dino_features"] if self.load_dino else [])]
+
+    def _agreed_fingerprints(self) -> dict[str, dict[str, str]]:
+        """Per kind and source (flowmatch_models.layout.source_of), the one fingerprint hash of
+        every partition; refuses a mix, naming the partitions that disagree and the fields they
+        disagree on. Partitions of different sources agree on the kind's fields (their rows
+        stages record their own source's settings). Shards without a fingerprint (made before
+        them) are ``unknown``: trainable together, never with known ones."""
+        out, self.fingerprint_of = {}, {}
+        for kind in self.kinds:
+            fps = {p: shard_fingerprint(self.layout, kind, p) for p in self.partitions}
+            why = disagreement(fps, source_of)
+            if why:
+                raise FingerprintMismatchError(
+                    f"{kind}: partitions made with different settings: {why}. Training never "
+                    "mixes fingerprints within one kind: re-make the stale ones (`flowmatch "
+                    "stale` lists them, `flowmatch backfill --stale` re-runs them) or train on "
+                    "partitions that agree"
+                )
+            self.fingerprint_of[kind] = {source_of(p): fp for p, fp in reversed(fps.items())}
+            out[kind] = {s: hash_of(fp) for s, fp in self.fingerprint_of[kind].items()}
+        return out
+
+    def _agreed_widths(self) -> dict[str, int]:
+        """Per model input (:data:`MODEL_INPUTS`), the one width of every partition's array."""
+        out = {}
+        for role, (kind, array) in MODEL_INPUTS.items():
+            if role == "repa" and not self.load_dino:
+                continue
+            widths = {p: array_width(self._shard(kind, p), array) for p in self.partitions}
+            if len(set(widths.values())) > 1:
+                raise FingerprintMismatchError(
+                    f"{kind}.{array}: partitions of different widths {widths} (made by different "
+                    "encoders); re-make them with one encoder"
+                )
+            out[role] = next(iter(widths.values()))
+        return out
+
+    def text_stats(self, max_tokens: int = 200_000) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-channel mean and std of the caption states (``text_embeddings.tokens``) over the
+        first partitions, up to ``max_tokens`` tokens (float64 sums): the caption
+        standardisation of ``model.text_norm``."""
+        total = count = sq = None
+        n, chunk = 0, 16_384
+        for p in self.partitions:
+            shard = self._shard("text_embeddings", p)
+            tokens = _rows(shard, "tokens")
+            rows = min(tokens.shape[0], max_tokens - n)
+            dev = tokens.coded and self.tables("text_embeddings", p, key=shard.table_key("tokens"),
+                                               shard=shard)  # fmt: skip
+            # a causal encoder's first states: the null caption's, as training decodes them
+            firsts = (ragged_offsets(np.asarray(shard["lengths"]))[:-1]
+                      if shard.attrs.get(FIRST_TOKEN_ATTR) and self.null_tokens is not None
+                      else np.zeros(0, np.int64))  # fmt: skip
+            for a in range(0, rows, chunk):
+                part = torch.from_numpy(np.empty((min(chunk, rows - a), *tokens.row_shape),
+                                                 tokens.dtype))  # fmt: skip
+                tokens.read([a], len(part), part, [0])
+                t = (transform_codec.decode(part, dev) if dev else part.float()).double().numpy()
+                at = firsts[(firsts >= a) & (firsts < a + len(t))] - a
+                if len(at):
+                    t[at] = self.null_tokens[0]
+                total = t.sum(0) if total is None else total + t.sum(0)
+                sq = (t**2).sum(0) if sq is None else sq + (t**2).sum(0)
+            n += rows
+            if n >= max_tokens:
+                break
+        count = max(n, 1)
+        mean = total / count
+        std = np.sqrt(np.maximum(sq / count - mean**2, 0.0))
+        return torch.from_numpy(mean).float(), torch.from_numpy(std).float()
+
+    def mismatch(self, kind: str, fp: Fingerprint | None, partition: str) -> str | None:
+        """Why ``partition``'s shard of ``kind`` with fingerprint ``fp`` does not belong with
+        this source (a data source this run has no partition of yet: the kind's fields)."""
+        refs = self.fingerprint_of[kind]
+        if source_of(partition) not in refs:
+            ref = next(iter(refs.values()))
+            fp, ours = (Fingerprint(x.fields) if x else None for x in (fp, ref))
+            if hash_of(fp) == hash_of(ours):
+                return None
+        elif hash_of(fp) == self.fingerprints[kind][source_of(partition)]:
+            return None
+        else:
+            ours = refs[source_of(partition)]
+        if fp is None or ours is None:
+            return f"{kind}: fingerprint {hash_of(fp)} vs this run's {hash_of(ours)}"
+        return f"{kind}: " + (
+            "; ".join(diff(ours.fields, fp.fields)) or f"inputs {ours.inputs} -> {fp.inputs}"
+        )
+
+    @property
+    def null_text(self) -> torch.Tensor | None:
+        """The encoded empty prompt ``[L0, D]`` (float32) shared by every partition, or None."""
+        return None if self.null_tokens is None else torch.from_numpy(self.null_tokens)
+
+    def _shard(self, asset: str, partition: str) -> Shard:
+        return read_shard(self.layout.asset_path(asset, partition))
+
+    def _arrays(self, i: int) -> dict:
+        """Row-readable arrays of partition ``i`` (views, codes, or arrays decoded whole when
+        stored compressed); an LRU of ``cache_shards`` partitions."""
+        if i in self._open:
+            self._open.move_to_end(i)
+            return self._open[i]
+        p = self.partitions[i]
+        vae, text = self._shard("vae_latents", p), self._shard("text_embeddings", p)
+        shards = [vae, text]
+        grids = sample_grids(vae)
+        channels = int(vae.info("latents")["shape"][1])
+        out = {"ids": vae.ids, "tokens": _rows(text, "tokens"), "grids": grids,
+               "latents": _rows(vae, "latents", cells=True, width=channels)}  # fmt: skip
+        out["lengths"] = np.asarray(text["lengths"]).astype(np.int64)
+        out["offsets"] = ragged_offsets(out["lengths"])
+        # a sample's latent cells and its DINO rows start at the same cell offset
+        out["cells"] = ragged_offsets(grids.astype(np.int64).prod(1))
+        if self.load_dino:
+            dino = self._shard("dino_features", p)
+            shards.append(dino)
+            out["patch"] = _rows(dino, "patch", cells=True)
+        # the versions read: their tables decode the codes (tables(); never by path alone)
+        out["shards"] = dict(zip(self.kinds[1:], shards[1:]))
+        out["table_keys"] = {
+            key: out["shards"][kind].table_key(array) if out[rows].coded else None
+            for key, (kind, array, rows) in _INPUTS.items() if rows in out
+        }  # fmt: skip
+        for kind, s in zip(self.kinds, shards):
+            why = self.mismatch(kind, Fingerprint.from_json(s.attrs.get(FINGERPRINT_ATTR)), p)
+            if why:  # re-made while this run trains on it
+                raise FingerprintMismatchError(
+                    f"partition {p!r} was re-made with other settings during training ({why}); "
+                    "training never mixes fingerprints within one kind: resume to start the "
+                    "next epoch (data.grow skips it) or re-make every partition alike"
+                )
+        for s in shards[1:]:
+            if s.ids != vae.ids:
+                raise ValueError(
+                    f"partition {p!r}: ids of {s.path.name} in {s.path.parent.name} differ from "
+                    "vae_latents; re-materialize the partition's embedding assets"
+                )
+        null = text["null_tokens"] if "null_tokens" in text else None
+        if (null is None) != (self.null_tokens is None) or (
+            null is not None and not np.array_equal(np.asarray(null, np.float32), self.null_tokens)
+        ):
+            raise ValueError(
+                f"partition {p!r}: its text_embeddings were made by another text encoder than "
+                f"{self.partitions[0]!r}'s (the encoded empty prompts differ); re-materialize "
+                "text_embeddings so that every partition uses the same encoder"
+            )
+        # a causal text encoder: every caption's first state is the null caption's (stored
+        # lossy, it is put back exactly where the batch is decoded, as CFG and sampling feed it)
+        out["first_null"] = null is not None and bool(text.attrs.get(FIRST_TOKEN_ATTR))
+        sf = float(vae.attrs.get("scaling_factor", self.scaling_factor))
+        if sf != self.scaling_factor:
+            raise ValueError(f"partition {p!r}: scaling_factor {sf} != {self.scaling_factor}")
+        self._open[i] = out
+        while len(self._open) > self.cache_shards:
+            self._open.popitem(last=False)
+        return out
+
+    def gather_train(self, shard_idx: np.ndarray, local: np.ndarray, decode: bool = True) -> dict:
+        """:meth:`gather` of trainable samples: ``local[j]`` indexes partition
+        ``shard_idx[j]``'s trainable rows (all rows when nothing is held out)."""
+        return self.gather(shard_idx, self.train_to_rows(shard_idx, local), decode=decode)
+
+    def train_to_rows(self, shard_idx: np.ndarray, local: np.ndarray) -> np.ndarray:
+        """Rows of the trainable indices ``local`` (held-out rows skipped)."""
+        rows = np.asarray(local, np.int64).copy()
+        for s in np.unique(shard_idx):
+            h = self.heldout_rows[int(s)]
+            if len(h):
+                j = shard_idx == s
+                rows[j] += np.searchsorted(h - np.arange(len(h)), rows[j], side="right")
+        return rows
+
+    def heldout_batch(self, max_samples: int, latents: bool = True) -> dict | None:
+        """The held-out samples (partition order, at most ``max_samples``) as one batch (of one
+        bucket; ``latents=False``: their captions only, any buckets)."""
+        pairs = self._heldout_pairs(max_samples)
+        if not pairs:
+            return None
+        shard, rows = (np.array(x, np.int64) for x in zip(*pairs))
+        return self.gather(shard, rows, latents=latents)
+
+    def heldout_batches(self, max_samples: int) -> list[dict]:
+        """The held-out samples (the first ``max_samples`` in partition order) as one batch per
+        latent grid (bucket), by grid; each in partition order."""
+        pairs = self._heldout_pairs(max_samples)
+        if not pairs:
+            return []
+        shard, rows = (np.array(x, np.int64) for x in zip(*pairs))
+        grids = np.array([self._arrays(int(s))["grids"][r] for s, r in pairs])
+        out = []
+        for g in np.unique(grids, axis=0):
+            j = np.flatnonzero((grids == g).all(1))
+            out.append(self.gather(shard[j], rows[j]))
+        return out
+
+    def _heldout_pairs(self, max_samples: int) -> list[tuple[int, int]]:
+        return [(i, r) for i, rows in enumerate(self.heldout_rows) for r in rows][:max_samples]
+
+    def gather(
+        self,
+        shard_idx: np.ndarray,
+        rows: np.ndarray,
+        decode: bool = True,
+        out: dict | None = None,
+        latents: bool = True,
+    ) -> dict:
+        """Batch of samples ``(shard_idx[j], rows[j])`` in that order; text padded to the
+        batch's longest caption, or to ``text_max_len`` with ``fixed_text_len``. ``decode``:
+        float32 model inputs on the host (:func:`decode_batch`); else the stored batch:
+
+        - ``latents`` fp16 ``[B, ...]`` (unscaled), ``mask`` ``[B, W]``, ``ids``, ``shard``;
+        - per coded-or-not input (``text``, ``dino``): ``<key>_rows`` — the stored rows of
+          the batch grouped by partition (text: only its valid tokens, ragged; codes, or fp16
+          values), ``<key>_dst`` — where each row goes in the flat padded ``[B * W]`` (text) or
+          ``[B]`` (DINO) batch, ``<key>_counts`` — rows per group;
+        - ``parts``: the partition of each group (whose tables decode its codes).
+
+        Each sample's rows are read with one ``pread`` per array straight from the files into
+        the buffers (:class:`FileRows`): no padding or decoding on the host. ``out``: buffers
+        to fill (a :class:`BatchRing` slot, :meth:`buffers`), else new ones.
+
+        The samples share one latent grid ``(h, w)`` (one aspect-ratio bucket; ``sizes["grid"]``):
+        ``latents`` ``[B, 32, h, w]`` and DINO rows ``[B, h*w, ...]``, each sample's cells read
+        as one run from its cell offset. ``latents=False``: captions only (any buckets)."""
+        shard_idx = np.asarray(shard_idx, np.int64)
+        rows = np.asarray(rows, np.int64)
+        groups = [(int(s), np.flatnonzero(shard_idx == s)) for s in np.unique(shard_idx)]
+        arrays = {s: self._arrays(s) for s, _ in groups}
+        lengths = [np.minimum(arrays[s]["lengths"][rows[j]], self.text_max_len) for s, j in groups]
+        width = max(int(n.max(initial=1)) for n in lengths)
+        width = self.text_max_len if self.fixed_text_len else max(1, width)
+        b, first = len(rows), arrays[groups[0][0]]
+        grids = np.unique(np.concatenate([arrays[s]["grids"][rows[j]] for s, j in groups]), axis=0)
+        if latents and len(grids) > 1:
+            raise ValueError(
+                f"a batch of samples of {len(grids)} latent grids "
+                f"({', '.join(f'{h}x{w}' for h, w in grids)}): a batch is of one bucket "
+                "(epoch_order keeps them so; heldout_batches groups by bucket)"
+            )
+        gh, gw = (int(x) for x in grids[0])
+        cells = gh * gw
+        counts = [int(n.sum()) for n in lengths]
+        buf = out or self.buffers(b, sum(counts), first)
+        text_dst, mask = buf["text_dst"].numpy(), buf["mask"].numpy()[:b, :width]
+        mask[:] = False
+        ids: list[str] = [""] * b
+        t0 = d0 = 0
+        for (s, j), n, c in zip(groups, lengths, counts):
+            a, r = arrays[s], rows[j]
+            if latents:  # a sample's cells are one run of rows in both layouts
+                a["latents"].read(a["cells"][r], cells, buf["latents"], j * cells)
+            # the valid tokens of each selected caption, in order, then where they go
+            a["tokens"].read(a["offsets"][r], n, buf["text_rows"], t0 + np.cumsum(n) - n)
+            within = np.arange(c) - np.repeat(np.cumsum(n) - n, n)
+            text_dst[t0 : t0 + c] = np.repeat(j * width, n) + within
+            mask[np.repeat(j, n), within] = True
+            if self.load_dino and latents:
+                dst = (d0 + np.arange(len(r))) * cells
+                a["patch"].read(a["cells"][r], cells, buf["dino_rows"], dst)
+                buf["dino_dst"].numpy()[d0 : d0 + len(r)] = j
+            ids_p = a["ids"]
+            for jj, rr in zip(j.tolist(), r.tolist()):
+                ids[jj] = ids_p[rr]
+            t0, d0 = t0 + c, d0 + len(r)
+        sizes = {"b": b, "width": width, "text": t0, "grid": (gh, gw) if latents else None}
+        out_batch = {
+            **slot_views(buf, sizes),
+            "ids": ids,
+            "shard": shard_idx,  # host bookkeeping (a tensor would cost a shared-memory segment)
+            "parts": [self.partitions[s] for s, _ in groups],
+            "coded": [
+                k
+                for k, v in (("text", first["tokens"]), ("dino", first.get("patch")))
+                if v is not None and v.coded
+            ],  # fmt: skip
+            "text_counts": counts,
+            # the tables of the file versions these rows were read from, per group
+            "text_tables": [arrays[s]["table_keys"]["text"] for s, _ in groups],
+            # per group: its captions' first state is the null caption's (exact on decode)
+            "text_first_null": [arrays[s]["first_null"] for s, _ in groups],
+            **({"dino_counts": [len(j) for _, j in groups],
+                "dino_tables": [arrays[s]["table_keys"]["dino"] for s, _ in groups]}
+               if self.load_dino and latents else {}),
+            "sizes": sizes,
+        }  # fmt: skip
+        if decode:
+            tables = lambda k, p, key: self.tables(k, p, "cpu", key)  # noqa: E731
+            return decode_batch(out_batch, tables, self.scaling_factor, "cpu", self.null_first())
+        return out_batch
+
+    def buffers(self, b: int, tokens: int, first: dict | None = None, shared: bool = False) -> dict:
+        """Empty buffers for a stored batch of ``b`` samples and ``tokens`` caption tokens."""
+        first = first or self._arrays(0)
+        lat, text = first["latents"], first["tokens"]
+        cells = b * self.max_cells  # the largest bucket's
+        out = {
+            "latents": _buffer((cells, *lat.row_shape), lat.dtype, shared),
+            "mask": _buffer((b, self.text_max_len), np.bool_, shared),
+            "text_rows": _buffer((tokens, *text.row_shape), text.dtype, shared),
+            "text_dst": _buffer((tokens,), np.int64, shared),
+        }
+        if self.load_dino:
+            dino = first["patch"]
+            out["dino_rows"] = _buffer((cells, *dino.row_shape), dino.dtype, shared)
+            out["dino_dst"] = _buffer((b,), np.int64, shared)
+        return out
+
+    def tables(
+        self,
+        kind: str,
+        partition: str,
+        device="cpu",
+        key: str | None = None,
+        shard: Shard | None = None,
+    ) -> transform_codec.DeviceTables:
+        """The decoding tables of ``kind``'s coded model input in ``partition`` as tensors on
+        ``device`` (small; the newest 64 kept), by their :meth:`~Shard.table_key` ``key`` (the
+        version of the file the codes were read from; None: the file on disk now). Found in
+        ``shard``, in this process's open version of the partition, else in the file on disk;
+        a file re-made since the codes were read raises :class:`PartitionChangedError`. The
+        tables are checked by their checksums; the codes are not re-hashed (see :func:`_rows`)."""
+        array = {k: a for k, a in MODEL_INPUTS.values()}[kind]
+        if key is not None and (kind, key, str(device)) in self._tables:
+            self._tables.move_to_end((kind, key, str(device)))
+            return self._tables[(kind, key, str(device))]
+        opened = [a["shards"].get(kind) for i, a in self._open.items()
+                  if self.partitions[i] == partition]  # fmt: skip
+        found = None
+        for s in [shard, *opened]:
+            if s is not None and (key is None or s.table_key(array) == key):
+                found = s
+                break
+        found = found or self._shard(kind, partition)
+        have = found.table_key(array)
+        if key is not None and have != key:
+            raise PartitionChangedError(
+                f"partition {partition!r}: its {kind} file was re-made while this run read it "
+                f"(the batch's codes are of tables {key}, the file now has {have}); a batch is "
+                "never decoded with another file's tables: resume (--resume auto) to go on "
+                "from the last checkpoint with the new file"
+            )
+        cache = (kind, have, str(device))
+        if cache not in self._tables:
+            tables = found.coded(array, verify=False).tables
+            self._tables[cache] = transform_codec.DeviceTables.of(tables, device)
+            while len(self._tables) > 64:
+                self._tables.popitem(last=False)
+        self._tables.move_to_end(cache)
+        return self._tables[cache]
+
+    def null_first(self, device="cpu") -> torch.Tensor | None:
+        """The null caption's first state (float32 ``[D]``) on ``device``, cached: what a
+        causal text encoder's first state of every caption is (``text_first_null``)."""
+        if self.null_tokens is None:
+            return None
+        if getattr(self, "_null_first", (None,))[0] != str(device):
+            self._null_first = (str(device), torch.from_numpy(self.null_tokens[0]).to(device))
+        return self._null_first[1]

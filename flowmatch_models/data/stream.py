@@ -1,0 +1,154 @@
+"""The stream of batches of a rank and worker: one global sequence across epochs, windows opened ahead."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import numpy as np
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from flowmatch_models.data.order import epoch_windows
+from flowmatch_models.data.ring import BatchRing
+from flowmatch_models.data.source import ShardSource
+
+log = logging.getLogger(__name__)
+
+
+class BatchStream(IterableDataset):
+    """This rank's batches from ``(start_epoch, start_sample)`` on: endless, or to the end of
+    ``end_epoch`` (the data module streams one epoch per loader, so that the next epoch's
+    partition set can be decided at the boundary)."""
+
+    def __init__(
+        self,
+        source: ShardSource,
+        batch_size: int,
+        seed: int = 0,
+        shuffle_window: int = 4,
+        rank: int = 0,
+        world_size: int = 1,
+        start_epoch: int = 0,
+        start_sample: int = 0,
+        end_epoch: int | None = None,
+        decode: bool = True,
+        ring: BatchRing | None = None,
+        bucket_chunk: int = 256,
+    ):
+        self.source, self.batch_size, self.seed = source, batch_size, seed
+        #: samples of several buckets: chunks of this many, one bucket each (epoch_order)
+        self.chunk = bucket_chunk if len(source.grids) > 1 else 0
+        self.decode = decode  # False: stored batches, decoded where they go (decode_batch)
+        self.ring = ring  # stored batches written into its slots (RingLoader opens them)
+        self.end_epoch = end_epoch
+        self.window, self.rank, self.world_size = shuffle_window, rank, world_size
+        self.start_epoch, self.start_sample = start_epoch, start_sample
+        self.global_batch = batch_size * world_size
+        self.starts = np.concatenate([[0], np.cumsum(source.sizes)])
+        if self.global_batch > int(source.sizes.sum()):
+            raise ValueError(
+                f"global batch {self.global_batch} (batch_size x {world_size} ranks) exceeds the "
+                f"{int(source.sizes.sum())} samples of {len(source.sizes)} partitions; "
+                "lower data.batch_size or add partitions"
+            )
+        if self.chunk and start_sample % self.global_batch:
+            raise ValueError(
+                f"start position {start_sample} is not a multiple of the global batch "
+                f"{self.global_batch}: with aspect-ratio buckets batches are one bucket only there"
+            )
+        if self.chunk and self.chunk % self.global_batch:
+            raise ValueError(
+                f"global batch {self.global_batch} (batch_size x {world_size} ranks) does not "
+                f"divide data.bucket_chunk {self.chunk}: with aspect-ratio buckets every batch "
+                "is cut from one chunk of one bucket; pick a batch size that divides it (or a "
+                "chunk that is a multiple of every global batch the run will use)"
+            )
+        self._order: tuple[int, np.ndarray] | None = None
+        if self.chunk and len(self.order(start_epoch)) < self.global_batch:
+            raise ValueError(
+                f"no bucket has a chunk of data.bucket_chunk {self.chunk} samples in an epoch "
+                f"({int(source.sizes.sum())} samples in {len(source.grids)} buckets): lower "
+                "data.bucket_chunk (and data.batch_size, which divides it) or add partitions"
+            )
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The epoch's sample order (:func:`epoch_order`; the newest epoch's kept)."""
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, self.source.epoch_order(epoch, self.seed, self.window,
+                                                          self.chunk))  # fmt: skip
+        return self._order[1]
+
+    def positions(self) -> Iterator[tuple[int, int]]:
+        """``(epoch, position)`` of every global batch from the start on, in training order.
+
+        The k-th item is the k-th batch of the stream whatever the number of workers: each epoch
+        holds ``n // G`` full global batches from position 0 (the tail is dropped), the first
+        epoch those from ``start_sample`` on.
+        """
+        epoch, pos = self.start_epoch, self.start_sample
+        while self.end_epoch is None or epoch <= self.end_epoch:
+            n_total = len(self.order(epoch)) if self.chunk else int(self.starts[-1])
+            while pos + self.global_batch <= n_total:
+                yield epoch, pos
+                pos += self.global_batch
+            epoch, pos = epoch + 1, 0
+
+    def __iter__(self) -> Iterator[dict]:
+        info = get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info else (0, 1)
+        order_epoch, order, produced = -1, None, 0
+        # The DataLoader asks worker k % nw for the k-th batch of the whole iterator (not of the
+        # epoch), so worker w takes items w, w + nw, ... of one global sequence across epochs.
+        for k, (epoch, g0) in enumerate(self.positions()):
+            if k % nw != wid:
+                continue
+            if epoch != order_epoch:
+                order_epoch = epoch
+                order = self.order(epoch)
+                windows = epoch_windows(self.source.sizes, epoch, self.seed, self.window)
+                ends = np.cumsum([self.source.sizes[w].sum() for w in windows])
+            # open the next window's partitions spread over this window (the j-th of n once
+            # j/(n+1) of the window has passed), so that no worker opens a whole window when
+            # the boundary comes (a stall: ~10 ms a partition, in every worker at once)
+            w = int(np.searchsorted(ends, g0, side="right"))
+            if w + 1 < len(windows):
+                start = ends[w - 1] if w else 0
+                due = int((g0 - start) / max(ends[w] - start, 1) * (len(windows[w + 1]) + 1))
+                todo = [int(p) for p in windows[w + 1][:due] if int(p) not in self.source._open]
+                if todo:
+                    self.source._arrays(todo[0])
+            lo = g0 + self.rank * self.batch_size
+            idx = order[lo : lo + self.batch_size]
+            shard = np.searchsorted(self.starts, idx, side="right") - 1
+            local = idx - self.starts[shard]
+            if self.ring is not None:
+                slot = self.ring.slot(wid, produced)
+                buf = self.ring.buffers[slot]
+                batch = self.source.gather(
+                    shard, self.source.train_to_rows(shard, local), decode=False, out=buf
+                )
+                batch = {k: v for k, v in batch.items() if k not in buf}  # the ring holds those
+                self.ring.seq[slot] = k
+                batch.update(slot=slot, seq=k)
+            else:
+                batch = self.source.gather_train(shard, local, self.decode)
+            produced += 1
+            # bookkeeping as host values beside the tensors: the module takes it off the batch
+            # before the transfer, so reading it never waits on the device
+            batch["meta"] = {"epoch": int(epoch), "position": int(g0),
+                             "global_batch": int(self.global_batch), "ids": batch.pop("ids"),
+                             "shard": batch.pop("shard")}  # fmt: skip
+            yield batch
+
+
+class RingLoader(DataLoader):
+    """A DataLoader whose workers fill a :class:`BatchRing`: iterating it yields the batches
+    as views of the ring (opened in the main process)."""
+
+    def __init__(self, stream: BatchStream, ring: BatchRing, **kwargs):
+        super().__init__(stream, batch_size=None, **kwargs)
+        self.ring = ring
+
+    def __iter__(self):
+        for item in super().__iter__():
+            yield self.ring.open(item)

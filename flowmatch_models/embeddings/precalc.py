@@ -1,0 +1,147 @@
+"""The precalc: one images shard encoded by every kind's encoder role, batched per image size."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from flowmatch_models.encoders.spec import EncoderSpec
+from flowmatch_models.storage.fingerprint import ATTR as FINGERPRINT_ATTR
+
+if TYPE_CHECKING:
+    pass
+from flowmatch_models.embeddings.kinds import (
+    CELL,
+    FIRST_TOKEN_ATTR,
+    EmbeddingKind,
+    first_token_is_null,
+    kind_fingerprint,
+)
+
+
+@dataclass
+class Encoded:
+    """One kind's arrays and attrs for one partition, and the encoder seconds they took."""
+
+    kind: EmbeddingKind
+    arrays: dict[str, np.ndarray]
+    attrs: dict
+    seconds: float
+
+
+def encode_partition(
+    images_path: str | Path,
+    kinds: Sequence[EmbeddingKind],
+    spec: EncoderSpec,
+    device: str,
+    log: Callable[[str], None] = print,
+    inputs: dict[str, str | None] | None = None,
+    weights_cache: str | Path | None = None,
+) -> dict[str, Encoded]:
+    """Compute ``kinds`` for the images_256 shard at ``images_path`` on ``device``: one pass
+    over the images for every image kind, one over the captions for every caption kind.
+    Arrays in the shard's row order, attrs with the model, its weights label, the device and
+    the fingerprint (:func:`kind_fingerprint`; ``inputs``: the images_256 partition's
+    fingerprint hash, which the caller knows)."""
+    from flowmatch_models.encoders.frozen import Encoders
+    from flowmatch_models.encoders.zoo import weights_label
+    from flowmatch_models.storage.image_shard import iter_image_batches, read_image_meta
+
+    meta = read_image_meta(images_path)
+    n = meta.num_rows
+    encs = {k.name: Encoders(spec.for_kind(k).model_copy(update={"device": device})) for k in kinds}
+    parts: dict[str, dict[str, list[np.ndarray]]] = {k.name: {} for k in kinds}
+    secs = dict.fromkeys(parts, 0.0)
+
+    def run(kind: EmbeddingKind, batch: Any) -> dict[str, np.ndarray]:
+        t0 = time.perf_counter()
+        got = kind.role.encode(encs[kind.name], batch)
+        secs[kind.name] += time.perf_counter() - t0
+        return got
+
+    image_kinds = [k for k in kinds if k.role.input == "images"]
+    sizes = np.stack([meta.column("height").to_numpy(), meta.column("width").to_numpy()], 1)
+    one_size = len(np.unique(sizes, axis=0)) <= 1
+    if image_kinds:
+        # each bucket (image size) encoded in batches of its own; rows back in shard order
+        rows: dict[str, dict[str, list[np.ndarray | None]]] = {k.name: {} for k in image_kinds}
+        pending: dict[tuple[int, int], list[tuple[int, np.ndarray]]] = {}
+
+        def flush(size: tuple[int, int]) -> None:
+            batch = pending.pop(size)
+            imgs = np.stack([im for _, im in batch])
+            for k in image_kinds:
+                for key, arr in run(k, imgs).items():
+                    col = rows[k.name].setdefault(key, [None] * n)
+                    for (i, _), x in zip(batch, arr):
+                        col[i] = x
+
+        done = 0
+        for _, _, imgs in iter_image_batches(images_path, batch_size=spec.batch_size):
+            for im in imgs:
+                pending.setdefault(im.shape[:2], []).append((done, im))
+                if len(pending[im.shape[:2]]) >= spec.batch_size:
+                    flush(im.shape[:2])
+                done += 1
+            log(f"images {done}/{n}")
+        for size in list(pending):
+            flush(size)
+        for k in image_kinds:
+            for key, col in rows[k.name].items():
+                if one_size:
+                    parts[k.name][key] = [np.stack(col)]
+                else:
+                    parts[k.name][key] = [_cells(key, col)]
+            if not one_size:
+                parts[k.name]["grid"] = [(sizes // CELL).astype(np.int32)]
+    captions = meta.column("caption").to_pylist()
+    for k in (k for k in kinds if k.role.input == "captions"):
+        for i in range(0, len(captions), spec.batch_size):
+            for key, arr in run(k, captions[i : i + spec.batch_size]).items():
+                parts[k.name].setdefault(key, []).append(arr)
+
+    out = {}
+    for k in kinds:
+        enc, model = encs[k.name], spec.model_of(k)
+        t0 = time.perf_counter()
+        extra_arrays, extra_attrs = k.role.finish(enc)
+        secs[k.name] += time.perf_counter() - t0
+        specs = k.arrays_of(parts[k.name])
+        arrays = {a.name: a.empty() for a in specs}  # an empty shard is still well-formed
+        arrays.update({key: np.concatenate(v) for key, v in parts[k.name].items()})
+        arrays.update(extra_arrays)
+        if {"tokens", "lengths", "null_tokens"} <= set(arrays):  # a caption kind
+            extra_attrs[FIRST_TOKEN_ATTR] = first_token_is_null(
+                arrays["tokens"], arrays["lengths"], arrays["null_tokens"]
+            )
+        local = Path(model).expanduser().is_dir()
+        attrs = {
+            "model": model,
+            "weights": weights_label(model) if local else "",
+            "random_weights": enc.random_weights[k.encoder],
+            "device": device,
+            "dtype": str(enc.dtype),
+            "source": f"images_256/{Path(images_path).stem}",
+            **extra_attrs,
+            FINGERPRINT_ATTR: kind_fingerprint(k, spec, inputs, weights_cache).to_json(),
+        }
+        out[k.name] = Encoded(k, arrays, attrs, secs[k.name])
+    return out
+
+
+def _cells(key: str, col: list[np.ndarray]) -> np.ndarray:
+    """One image array of samples of several sizes as per-cell rows (the cell layout, see
+    ``cell_arrays``): DINO patches ``[c, D]`` are cell rows already; a latent ``[32, h, w]`` is
+    kept channel-first and cut into ``h * w`` rows of 32 values (its bytes as a one-size shard
+    stores them); per-sample arrays (``cls``) stay per sample."""
+    first = col[0]
+    if key == "latents":
+        return np.concatenate([x.reshape(-1, x.shape[0]) for x in col])
+    if first.ndim == 2:
+        return np.concatenate(col)
+    return np.stack(col)

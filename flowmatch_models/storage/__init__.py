@@ -1,0 +1,1 @@
+"""Files on disk: the .fms embedding store (store.py) with its codecs (codecs.py), lossy modes (lossy.py) and transform coding (transform.py), the images shard (image_shard.py), the data root (layout.py), fingerprints (fingerprint.py), atomic writes (atomic.py)."""

@@ -1,0 +1,332 @@
+"""The training configuration: one typed object, every knob with its default and meaning.
+
+``load_config(path_or_dict, ["optim.lr=3e-4", ...])`` reads a YAML (``configs/tiny.yaml``),
+applies ``--set key.sub=value`` overrides (values parsed as YAML) and validates: an unknown key
+or a bad value raises :class:`ConfigError` naming it. The YAML is read anew on every start and
+never frozen into checkpoints, so resuming with an edited file uses the new values.
+
+The run folder is ``run.out_dir`` if set, else ``<data.root>/runs/<run.name>``; ``data.root``
+defaults to ``$FLOWMATCH_DATA_ROOT`` (else ``./data``), the same data root the Dagster assets
+use, so a run started from the UI is found by ``python -m flowmatch_models.train --resume auto``
+with the same ``run.name`` and the other way round.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class ConfigError(ValueError):
+    """A config key or value the training does not know; the message names it and the fix."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def default_data_root() -> Path:
+    """``$FLOWMATCH_DATA_ROOT`` or ``./data``, absolute (the Dagster resource's rule)."""
+    return Path(os.environ.get("FLOWMATCH_DATA_ROOT") or "data").expanduser().resolve()
+
+
+class RunConfig(_Section):
+    name: str = Field("default", description="Run name: the folder <data.root>/runs/<name>.")
+    out_dir: str | None = Field(None, description="Run folder; null = <data.root>/runs/<name>.")
+    seed: int = Field(0, description="Seeds the data order, t, noise and caption dropout.")
+
+
+class ModelConfig(_Section):
+    preset: Literal["tiny", "demo", "small", "base"] = Field(
+        "tiny", description="Model size (flowmatch_models.dit.PRESETS)."
+    )
+    repa_encoder_depth: int | None = Field(
+        None, ge=1, description="REPA aligns block k counted from 1; null = preset default."
+    )
+    projector_hidden: int | None = Field(None, ge=1, description="REPA MLP width; null = preset.")
+    pos_embed: bool = Field(True, description="Sin-cos positional embedding on the 8x8 grid.")
+    init: Literal["sana", "default"] = Field("sana", description="Sana init or PyTorch default.")
+    qk_norm: bool = Field(
+        True, description="RMSNorm on queries/keys across heads (SANA 256 px/Sana 1.5 qk_norm)."
+    )
+    fp32_attention: bool = Field(
+        True, description="Linear-attention matmuls in fp32, autocast off (SANA: against NaN)."
+    )
+    text_norm: bool = Field(
+        True,
+        description="Standardise caption states per channel with the training shards' mean/std "
+        "(Gemma's few huge channels otherwise dominate early; BENCHMARKS.md 'Real text'); "
+        "folded into caption_projection.linear_1 for sampling and export (plain SANA).",
+    )
+    gradient_checkpointing: bool = False
+    compile: bool = Field(
+        False,
+        description="torch.compile the model's forward (captions padded to data.text_max_len): "
+        "one graph per aspect-ratio bucket, each compiled at its first batch (BENCHMARKS.md "
+        "'Compiled buckets': the warm-up it costs).",
+    )
+
+
+class FlowConfig(_Section):
+    t_mean: float = Field(0.0, description="Logit-normal t ~ sigmoid(N(t_mean, t_std)).")
+    t_std: float = Field(1.0, gt=0)
+    shift: float = Field(1.0, gt=0, description="SD3 timestep shift (1 = none), also sampling.")
+    caption_dropout: float = Field(0.1, ge=0, le=1, description="Null-caption fraction (CFG).")
+    repa_lambda: float = Field(0.5, ge=0, description="REPA loss weight; 0 = no REPA head.")
+    n_bins: int = Field(10, ge=1, description="Per-t-bin loss logging.")
+
+
+class OptimConfig(_Section):
+    lr: float = Field(1e-4, gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(1000, ge=0, description="Linear warmup from lr/warmup_steps.")
+    schedule: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine floor as a fraction of lr.")
+    grad_clip: float = Field(1.0, ge=0, description="Gradient-norm clip; 0 = none.")
+    ema_decay: float = Field(
+        0.9999, ge=0, le=1,
+        description="EMA decay per optimizer step, after a warm-up ramp (1+n)/(10+n) over the "
+        "EMA's age n: the run's steps, plus the parent's step for a fine-tune (its EMA goes on "
+        "from the parent's: choose the decay for the fine-tune's length).",
+    )  # fmt: skip
+
+
+class DataConfig(_Section):
+    root: str | None = Field(None, description="Data root; null = $FLOWMATCH_DATA_ROOT or ./data.")
+    partitions: list[str] | None = Field(
+        None, description="Partition keys; null = every partition with all three embeddings."
+    )
+    batch_size: int = Field(64, ge=1, description="Per device.")
+    num_workers: int = Field(2, ge=0)
+    shuffle_window: int = Field(4, ge=1, description="Shards mixed in one shuffle window.")
+    bucket_chunk: int = Field(
+        256, ge=1,
+        description="With aspect-ratio buckets: each window's samples of one bucket are cut in "
+        "chunks of this many and every global batch (batch_size x devices) is cut from one, so "
+        "it must divide this (resume with another global batch that divides it too).",
+    )  # fmt: skip
+    text_max_len: int = Field(128, ge=1, description="Caption tokens kept per sample.")
+    heldout_fraction: float = Field(
+        0.005, ge=0, le=0.5,
+        description="Held out of every partition by id hash, never trained on (validation, "
+        "FD); 0 = none. Changing it changes the data order (like run.seed).",
+    )  # fmt: skip
+    heldout_max_per_partition: int = Field(50, ge=0, description="Cap on held-out per partition.")
+    allow_order_change: bool = Field(
+        False, description="Resume although run.seed/shuffle_window changed (next epoch)."
+    )
+    grow: bool = Field(
+        True,
+        description="Unless partitions are listed: each epoch uses every partition complete at "
+        "its start (a run started at low coverage picks up new partitions).",
+    )
+    sources: list[str] | None = Field(
+        None,
+        description="Train only on partitions of these sources (pd12m, or the names of your "
+        "own image sources: the key prefix <name>-NNNNN); null = every source. The partitions "
+        "are those complete when a session starts (a resume picks up new ones).",
+    )
+    source_weights: dict[str, int] = Field(
+        default_factory=dict,
+        description="Whole-number weight per source (default 1): each of its partitions is "
+        "taken that many times per epoch, so its samples are drawn that many times as often "
+        "as a weight-1 source's (and counted so in the ledger).",
+    )
+
+    @field_validator("partitions", mode="before")
+    @classmethod
+    def _keys_as_text(cls, v: Any) -> Any:
+        return [str(p) for p in v] if isinstance(v, list) else v
+
+
+class InitConfig(_Section):
+    """Start from another run's weights (a fine-tune) instead of a random initialisation."""
+
+    from_run: str | None = Field(
+        None, description="A run name under <data.root>/runs (or a run folder) to start from."
+    )
+    from_checkpoint: str | None = Field(
+        None, description="Or a checkpoint file (.ckpt) to start from."
+    )
+    step: int | None = Field(
+        None, ge=0, description="The parent's step; null = its latest checkpoint."
+    )
+    weights: Literal["ema", "raw"] = Field(
+        "ema",
+        description="ema: the parent's EMA weights (any checkpoint); raw: its training weights "
+        "(a full stepN.ckpt).",
+    )
+    freeze: list[str] = Field(
+        default_factory=list,
+        description="Parameter-name prefixes of the model kept fixed, e.g. "
+        "transformer.caption_projection, transformer.transformer_blocks.0 "
+        "(flowmatch_models/train/module.py lists the top-level names on a mistake).",
+    )
+
+    @property
+    def on(self) -> bool:
+        return bool(self.from_run or self.from_checkpoint)
+
+
+class TrainerConfig(_Section):
+    max_steps: int = Field(1000, ge=0)
+    accumulate_grad_batches: int = Field(1, ge=1)
+    precision: str = Field("auto", description="auto = bf16-mixed on GPU, 32-true on CPU.")
+    accelerator: str = "auto"
+    devices: int | str = "auto"
+    strategy: str = Field(
+        "auto", description="auto, ddp, ...: strategies that keep a whole model per device."
+    )
+    num_nodes: int = Field(1, ge=1)
+    log_every: int = Field(10, ge=1)
+    checkpoint_every: int = Field(
+        500, ge=1, description="EMA-only snapshot stepN-ema.ckpt (evaluation, export) cadence."
+    )
+    full_every: int | None = Field(
+        None, ge=1,
+        description="Full resumable state stepN.ckpt (weights, Adam, EMA) cadence; null = "
+        "checkpoint_every. Also at the end of every session.",
+    )  # fmt: skip
+    keep_full: int = Field(2, ge=1, description="Newest full states kept (last.ckpt links one).")
+    keep_ema: int = Field(0, ge=0, description="Newest EMA snapshots kept; 0 = all.")
+    val_every: int = Field(
+        0,
+        ge=0,
+        description="Validation flow loss (EMA, held-out, fixed noise and t grid); 0 = off.",
+    )
+    val_max_samples: int = Field(256, ge=1, description="Held-out samples validation uses.")
+    max_skipped_steps: int = Field(
+        20, ge=1, description="Stop after this many consecutive non-finite (skipped) steps."
+    )
+    sample_every: int = Field(500, ge=0, description="Sample grid (and wandb images); 0 = off.")
+    progress_bar: bool = False
+
+    @field_validator("strategy")
+    @classmethod
+    def _whole_model_per_device(cls, v: str) -> str:
+        if any(s in v.lower() for s in ("fsdp", "deepspeed")):
+            raise ValueError(
+                "FSDP and DeepSpeed shard the gradients and weights: the gradient-norm clip, "
+                "the non-finite skip and the EMA would see one rank's shard; use ddp (a whole "
+                "model per GPU: base.yaml trains in ~14 GB)"
+            )
+        return v
+
+
+class LoggingConfig(_Section):
+    wandb: bool = True
+    wandb_project: str = "flowmatch"
+    wandb_mode: Literal["auto", "online", "offline"] = Field(
+        "auto", description="auto = online iff WANDB_API_KEY is set, else offline."
+    )
+    record_sample_ids: bool = Field(False, description="Per-rank JSONL of each batch's ids.")
+
+
+class SampleConfig(_Section):
+    prompts: list[str] = [
+        "a photograph of a lighthouse on a cliff at sunset",
+        "an oil painting of a bowl of fruit",
+        "a black and white photo of a city street",
+        "a watercolor of mountains and a lake",
+    ]
+    steps: int = Field(30, ge=1)
+    cfg_scale: float = 4.0
+    seed: int = 0
+
+
+class EncodersConfig(_Section):
+    vae: str | None = Field(None, description="DC-AE folder/hub id (decode grids; export).")
+    text: str | None = Field(None, description="Gemma3 folder/hub id (encode prompts; export).")
+
+
+class TrainConfig(_Section):
+    """Every hyperparameter of a training run (``configs/tiny.yaml`` shows them all)."""
+
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    flow: FlowConfig = Field(default_factory=FlowConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    sample: SampleConfig = Field(default_factory=SampleConfig)
+    encoders: EncodersConfig = Field(default_factory=EncodersConfig)
+    init: InitConfig = Field(default_factory=InitConfig)
+
+    def data_root(self) -> Path:
+        return (
+            Path(self.data.root).expanduser().resolve() if self.data.root else default_data_root()
+        )
+
+    def run_dir(self) -> Path:
+        """``run.out_dir``, else ``<data root>/runs/<run.name>`` (absolute)."""
+        if self.run.out_dir:
+            return Path(self.run.out_dir).expanduser().resolve()
+        return self.data_root() / "runs" / self.run.name
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict (wandb config, TrainRequest files)."""
+        return self.model_dump(mode="json")
+
+
+def _error_line(e: ValidationError, where: str = "") -> str:
+    err = e.errors()[0]
+    key = ".".join(str(p) for p in err["loc"])
+    if err["type"] == "extra_forbidden":
+        section = err["loc"][:-1]
+        node: Any = TrainConfig
+        for p in section:
+            node = node.model_fields[p].annotation
+        known = sorted(node.model_fields)
+        return f"{where}unknown config key '{key}'; known: {known} (see configs/tiny.yaml)"
+    return f"{where}{key}: {err['msg']} (got {err.get('input')!r})"
+
+
+def load_config(
+    config: TrainConfig | dict | str | os.PathLike,
+    overrides: Sequence[str] = (),
+    max_steps: int | None = None,
+) -> TrainConfig:
+    """Defaults <- YAML (path or dict) <- ``key.sub=value`` overrides (values parsed as YAML)."""
+    if isinstance(config, TrainConfig):
+        raw: dict = config.to_dict()
+    elif isinstance(config, dict):
+        raw = config
+    else:
+        path = Path(config)
+        if not path.is_file():
+            raise FileNotFoundError(f"config {path} not found; start from configs/tiny.yaml")
+        raw = yaml.safe_load(path.read_text()) or {}
+    try:
+        cfg = TrainConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_error_line(e)) from None
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set {item!r}: expected key.sub=value")
+        parts = key.split(".")
+        node: Any = cfg
+        for i, p in enumerate(parts):
+            fields = type(node).model_fields
+            if p not in fields:
+                what = "config key" if i == len(parts) - 1 else "config section"
+                raise ConfigError(f"--set {key}: unknown {what}; known: {sorted(fields)}")
+            if i < len(parts) - 1:
+                node = getattr(node, p)
+                if not isinstance(node, BaseModel):
+                    raise ConfigError(f"--set {key}: '{p}' is a value, not a section")
+        try:
+            setattr(node, parts[-1], yaml.safe_load(value))
+        except ValidationError as e:
+            err = e.errors()[0]
+            raise ConfigError(f"--set {key}: {err['msg']} (got {value!r})") from None
+    if max_steps is not None:
+        cfg.trainer.max_steps = int(max_steps)
+    return cfg

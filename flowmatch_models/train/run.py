@@ -1,0 +1,455 @@
+"""Train (or resume) a flow-matching DiT: ``python -m flowmatch_models.train --config run.yaml``.
+
+A :class:`TrainRequest` (config, overrides, partitions, steps, run folder) goes in, a
+:class:`TrainResult` (device, steps, samples, checkpoint, export, metrics) comes out; the
+Dagster ``flow_model`` asset sends the request and receives the result through Dagster Pipes.
+Hyperparameters are a :class:`~flowmatch_models.config.TrainConfig` (``configs/tiny.yaml``),
+``--set key.sub=value`` overrides single entries. The run folder is ``run.out_dir``, else
+``<data root>/runs/<run.name>`` (the folder ``flow_model`` uses), and holds:
+
+    request.json                              the decided request (partitions, steps) of this session
+    lineage.json                              a fine-tune's parent: run, step, weights, digest
+    checkpoints/step0000100.ckpt, last.ckpt   model, EMA, optimizer, scheduler, data position
+    checkpoints/trained_counts.json           samples trained per partition at the last save
+    logs/segNNN/metrics.csv, metrics.csv      one CSV per (re)start, merged into metrics.csv
+    wandb/offline-run-*                       W&B (online iff WANDB_API_KEY is set)
+    loss_curve.png, samples/step*.png         pictures (also in wandb at the sample cadence)
+    coverage.png                              partitions/samples available vs used per epoch
+    pipeline/                                 ``SanaPipeline.from_pretrained`` (EMA transformer)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import errno
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import lightning as L
+import torch
+
+from flowmatch_models.data.module import EmbeddingDataModule
+from flowmatch_models.data.order import OrderChangedError
+from flowmatch_models.data.source import PartitionChangedError
+from flowmatch_models.figures.curves import merge_metrics, plot_coverage, plot_loss_curve
+from flowmatch_models.inference.export import export_pipeline
+from flowmatch_models.storage.atomic import atomic_write_text
+from flowmatch_models.storage.layout import DataLayout, source_of
+from flowmatch_models.train import distributed, finetune, wandb_run
+from flowmatch_models.train.callbacks import (
+    AtomicCheckpointIO,
+    CheckpointPolicy,
+    DiskFullError,
+    ProgressPrinter,
+    SampleGridCallback,
+    SampleIdRecorder,
+    disk_full_message,
+    log_images,
+)
+from flowmatch_models.train.config import ConfigError, TrainConfig, load_config
+from flowmatch_models.train.module import FlowMatchModule, NonFiniteStepsError
+
+__all__ = ["TrainRequest", "TrainResult", "main", "train"]
+
+# --------------------------------------------------------------------------------------------
+# the boundary: what goes in, what comes out
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainRequest:
+    """One training session: which config, on which partitions, for how many steps, where."""
+
+    config: str | dict = "configs/tiny.yaml"  # YAML path (read anew on each start) or a dict
+    overrides: list[str] = field(default_factory=list)  # ``key.sub=value`` items
+    partitions: list[str] | None = None  # None: every complete partition, decided at start
+    max_steps: int | None = None  # total steps (None: the config's trainer.max_steps)
+    extra_steps: int | None = None  # or: this many beyond the checkpoint resumed from
+    run_dir: str | None = None  # None: the config's (run.out_dir or <data root>/runs/<name>)
+    resume: str = "auto"  # auto (last.ckpt if any), none, or a checkpoint path
+    coverage: dict = field(default_factory=dict)  # what the caller knew (logged to wandb)
+    log_segment: int | None = None  # logs/segNNN of this session (decided by the launcher)
+    parent: dict | None = None  # a fine-tune's parent (decided by the launcher: finetune.py)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TrainRequest:
+        return cls(**d)
+
+
+@dataclass
+class TrainResult:
+    """What a session did, measured (never guessed by the caller)."""
+
+    run_dir: str
+    is_global_zero: bool = True
+    device: str = ""  # e.g. "cuda (NVIDIA H200) x 2, bf16-mixed", from the trainer
+    step: int = 0
+    start_step: int = 0
+    samples_session: int = 0  # samples trained in this session (all ranks)
+    samples_total: int = 0  # since the run began
+    trained_counts: dict[str, int] = field(default_factory=dict)
+    partitions: list[str] = field(default_factory=list)
+    data_position: dict[str, int] = field(default_factory=dict)
+    metrics: dict[str, float | None] = field(default_factory=dict)  # last logged train/*
+    wall_s: float = 0.0
+    resumed_from: str | None = None
+    checkpoint: str | None = None
+    export_dir: str | None = None  # the SanaPipeline folder
+    metrics_csv: str | None = None
+    loss_curve: str | None = None
+    coverage_curve: str | None = None  # partitions/samples available vs used per epoch
+    sample_grid: str | None = None
+    wandb_dir: str | None = None
+    skipped_steps: int = 0  # optimizer steps skipped for non-finite gradients, since the run began
+    disk_bytes: int = 0  # the run folder on disk (checkpoints, exports, logs), hard links once
+    parent: dict | None = None  # a fine-tune's parent run, step and digest (finetune.py)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TrainResult:
+        return cls(**d)
+
+    def materialization_metadata(self) -> dict:
+        """Scalars for a Dagster materialization (Pipes)."""
+        keep = {"step": self.step, "device": self.device, "checkpoint": self.checkpoint,
+                "samples_session": self.samples_session, "samples_total": self.samples_total,
+                "wall_s": round(self.wall_s, 1), "export_dir": self.export_dir,
+                "skipped_steps": self.skipped_steps, "disk_bytes": self.disk_bytes,
+                "wandb_dir": self.wandb_dir, **self.metrics}  # fmt: skip
+        if self.parent:
+            keep["parent_run"], keep["parent_step"] = self.parent["run"], self.parent["step"]
+        return {k: v for k, v in keep.items() if v is not None}
+
+
+def _checkpoint_step(path: str) -> int:
+    """The global step of a checkpoint, read without loading its tensors (mmap)."""
+    ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return int(ckpt.get("global_step", 0))
+
+
+def _resolve_resume(resume: str | None, run_dir: Path) -> str | None:
+    if resume in (None, "", "none"):
+        return None
+    if resume == "auto":
+        last = run_dir / "checkpoints" / "last.ckpt"
+        return str(last) if last.is_file() else None
+    if not Path(resume).is_file():
+        raise FileNotFoundError(f"--resume {resume}: no such checkpoint; use --resume auto")
+    return resume
+
+
+def decide(request: TrainRequest) -> tuple[TrainRequest, TrainConfig]:
+    """The launcher's decisions, made once: the config, the run folder, the partitions, the
+    checkpoint to resume and the step budget. Returns the decided request and its config."""
+    cfg = load_config(request.config, request.overrides, request.max_steps)
+    run_dir = Path(request.run_dir).expanduser().resolve() if request.run_dir else cfg.run_dir()
+    cfg.run.out_dir, cfg.data.root = str(run_dir), str(cfg.data_root())
+    resume = _resolve_resume(request.resume, run_dir)
+    if request.extra_steps is not None:
+        cfg.trainer.max_steps = (_checkpoint_step(resume) if resume else 0) + request.extra_steps
+    partitions = request.partitions or cfg.data.partitions
+    cfg.data.grow = cfg.data.grow and not (request.partitions is None and cfg.data.partitions)
+    if not partitions:
+        partitions = DataLayout(cfg.data.root).complete_partitions()
+    partitions = select_sources(partitions, cfg)
+    cfg.data.partitions = list(partitions)
+    parent = finetune.read_lineage(run_dir) if resume else None
+    if resume and cfg.init.on and parent is None:
+        print(f"note: init is ignored: {run_dir.name} resumes from its own checkpoint", flush=True)
+    if not resume and cfg.init.on:  # a fine-tune's first session: its parent's weights
+        parent = finetune.resolve_parent(cfg.init, cfg.data_root(), run_dir)
+    decided = dataclasses.replace(
+        request,
+        config=cfg.to_dict(),
+        overrides=[],
+        partitions=list(partitions),
+        max_steps=cfg.trainer.max_steps,
+        extra_steps=None,
+        run_dir=str(run_dir),
+        resume=resume or "none",
+        log_segment=len(list((run_dir / "logs").glob("seg*"))),
+        parent=parent,
+    )
+    return decided, cfg
+
+
+def select_sources(partitions: Sequence[str], cfg: TrainConfig) -> list[str]:
+    """``partitions`` of ``data.sources`` only (all when unset), each taken ``data.source_weights``
+    times (a per-source weight: its samples drawn that many times as often); either one fixes
+    the list for the session (``data.grow`` off: a resume picks up new partitions)."""
+    d = cfg.data
+    if not d.sources and not d.source_weights:
+        return list(partitions)
+    picked = [p for p in partitions if d.sources is None or source_of(p) in d.sources]
+    if not picked:
+        have = sorted({source_of(p) for p in partitions})
+        raise ConfigError(f"data.sources {d.sources}: no complete partition of them (complete "
+                          f"partitions are of {have}); materialize their embeddings first")  # fmt: skip
+    d.grow = False
+    return [p for p in picked for _ in range(d.source_weights.get(source_of(p), 1))]
+
+
+# --------------------------------------------------------------------------------------------
+# the run
+# --------------------------------------------------------------------------------------------
+
+
+def train(request: TrainRequest, pipes=None) -> TrainResult:
+    """Run one training session; in the launcher first decide and publish the request."""
+    published = distributed.published_request()
+    if published is not None:  # a DDP rank: the launcher has decided
+        request = TrainRequest.from_dict(json.loads(published.read_text()))
+        cfg = load_config(request.config)
+    else:
+        request, cfg = decide(request)
+        path = cfg.run_dir() / "request.json"
+        atomic_write_text(path, json.dumps(request.to_dict(), indent=1))
+        if request.resume == "none":  # a new run (or a restart): its parent, or none
+            finetune.write_lineage(cfg.run_dir(), request.parent)
+        distributed.publish_request(path)
+    return _fit(request, cfg, pipes)
+
+
+def _fit(request: TrainRequest, cfg: TrainConfig, pipes) -> TrainResult:
+    run_dir = cfg.run_dir()
+    ckpt_path = None if request.resume == "none" else request.resume
+    L.seed_everything(cfg.run.seed, workers=True, verbose=False)
+    d, t = cfg.data, cfg.trainer
+    dm = EmbeddingDataModule(
+        cfg.data.root, request.partitions, batch_size=d.batch_size, num_workers=d.num_workers,
+        seed=cfg.run.seed, shuffle_window=d.shuffle_window, text_max_len=d.text_max_len,
+        load_dino=cfg.flow.repa_lambda > 0, allow_order_change=d.allow_order_change,
+        grow=d.grow, accumulate=t.accumulate_grad_batches, fixed_text_len=cfg.model.compile,
+        heldout=(d.heldout_fraction, d.heldout_max_per_partition), bucket_chunk=d.bucket_chunk,
+    )  # fmt: skip
+    module = FlowMatchModule(cfg, widths=dm.source.widths)
+    module.parent = request.parent
+    if request.parent and ckpt_path is None:  # a fine-tune: the parent's weights and text_norm
+        for note in finetune.load_parent(module, request.parent, dm.source.widths):
+            print(f"init from {request.parent['run']} step {request.parent['step']} "
+                  f"({request.parent['weights']}): {note}", flush=True)  # fmt: skip
+    elif request.parent:  # a resume: the weights are its own; the same parts stay frozen
+        finetune.freeze(module.model, request.parent.get("freeze") or [])
+    elif cfg.model.text_norm and ckpt_path is None:  # a resume keeps its first session's
+        module.model.set_text_stats(*dm.source.text_stats())
+    module.flow.null_text = dm.source.null_text
+    if cfg.model.compile:  # whole FlowDiT forward (REPA output included); fixed text width
+        compile_per_bucket(module.model, len(dm.source.grids))
+    cuda = torch.cuda.is_available() and t.accelerator in ("auto", "gpu", "cuda")
+    precision = t.precision if t.precision != "auto" else ("bf16-mixed" if cuda else "32-true")
+    coverage = {
+        **request.coverage,
+        "partitions": len(dm.partitions),
+        "samples": int(dm.source.sizes.sum()),
+    }
+    loggers: list = [
+        L.pytorch.loggers.CSVLogger(
+            run_dir / "logs", name="", version=f"seg{request.log_segment:03d}"
+        )
+    ]
+    if cfg.logging.wandb:
+        loggers.append(wandb_run.make_logger(cfg, run_dir, distributed.is_launcher(), coverage,
+                                             request.parent))  # fmt: skip
+    ckpt_io = AtomicCheckpointIO()
+    ckpt_cb = CheckpointPolicy(
+        run_dir / "checkpoints", ckpt_io, t.checkpoint_every, t.full_every or t.checkpoint_every,
+        t.keep_full, t.keep_ema,
+    )  # fmt: skip
+    grid_cb = SampleGridCallback(cfg, dm)
+    callbacks = [ckpt_cb, ProgressPrinter(t.log_every, pipes), grid_cb]
+    if cfg.logging.record_sample_ids:
+        callbacks.append(SampleIdRecorder(run_dir))
+    trainer = L.Trainer(
+        accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes,
+        strategy=t.strategy, precision=precision, max_steps=t.max_steps, max_epochs=-1,
+        accumulate_grad_batches=t.accumulate_grad_batches,
+        log_every_n_steps=t.log_every,  # gradients clipped by the module (with the skip check)
+        logger=loggers, callbacks=callbacks, plugins=[ckpt_io], enable_checkpointing=False,
+        use_distributed_sampler=False, enable_progress_bar=t.progress_bar,
+        enable_model_summary=False, num_sanity_val_steps=0,
+        reload_dataloaders_every_n_epochs=1,  # one loader per epoch: its partitions decided at its start
+    )  # fmt: skip
+    samples_before = _samples_in(ckpt_path)
+    t0 = time.perf_counter()
+    trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
+    total = int(sum(dm.trained_counts.values()))
+    result = TrainResult(
+        run_dir=str(run_dir),
+        is_global_zero=trainer.is_global_zero,
+        device=distributed.device_description(trainer),
+        step=int(trainer.global_step),
+        start_step=_checkpoint_step(ckpt_path) if ckpt_path else 0,
+        samples_session=total - samples_before,
+        samples_total=total,
+        trained_counts=dict(dm.trained_counts),
+        partitions=list(dm.partitions),
+        data_position={"epoch": dm.epoch, "position": dm.position},
+        metrics={
+            k: float(v) if (v := trainer.callback_metrics.get(f"train/{k}")) is not None else None
+            for k in ("loss", "fm", "repa", "samples_per_s", "lr")
+        },
+        wall_s=time.perf_counter() - t0,
+        resumed_from=ckpt_path,
+        skipped_steps=module.skipped_steps(),
+        parent=request.parent,
+    )
+    result.metrics["val_loss"] = module.last_validation.get("val/loss")
+    if not trainer.is_global_zero:
+        return result
+    _finish_outputs(result, cfg, trainer, module, dm, grid_cb, loggers)
+    print(
+        f"done: step {result.step} loss {result.metrics['loss']} on {result.device} in "
+        f"{result.wall_s:.0f}s; checkpoint {result.checkpoint}; export {result.export_dir}",
+        flush=True,
+    )
+    return result
+
+
+def compile_per_bucket(model: torch.nn.Module, grids: int, backend: str = "inductor") -> None:
+    """``torch.compile`` the model's forward with one static graph per latent grid (aspect-ratio
+    bucket; captions are padded to ``data.text_max_len``, so nothing else changes shape): each
+    bucket is compiled at its first batch, and never with dynamic shapes (Inductor's dynamic
+    graph of this DiT fails to build: "cannot determine truth value of Relational"). Dynamo's
+    recompile limit (8 graphs a function by default, then it silently runs eager) is raised to
+    every bucket a run can meet: the default bucket list's and this run's, plus one.
+    ``backend``: torch.compile's."""
+    from torch._dynamo import config as dynamo
+
+    from flowmatch_models.data.buckets import buckets_for
+
+    dynamo.recompile_limit = max(dynamo.recompile_limit, len(buckets_for()) + 1, grids + 1)
+    model.compile(dynamic=False, backend=backend)
+
+
+def folder_bytes(folder: Path) -> int:
+    """Bytes a folder takes on disk, each hard-linked file once (``last.ckpt`` is a link)."""
+    seen, total = set(), 0
+    for p in Path(folder).rglob("*"):
+        try:
+            st = p.lstat()
+        except OSError:
+            continue
+        if p.is_file() and (st.st_dev, st.st_ino) not in seen:
+            seen.add((st.st_dev, st.st_ino))
+            total += st.st_size
+    return total
+
+
+def _samples_in(ckpt_path: str | None) -> int:
+    """Samples trained up to a checkpoint (its data-module state), without its tensors."""
+    if not ckpt_path:
+        return 0
+    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
+    counts = (ckpt.get("EmbeddingDataModule") or {}).get("trained_counts") or {}
+    return int(sum(counts.values()))
+
+
+def _finish_outputs(result, cfg, trainer, module, dm, grid_cb, loggers) -> None:
+    """Rank 0 after fit: checkpoint path, metrics + loss curve, last grid, export, wandb."""
+    run_dir = cfg.run_dir()
+    final = run_dir / "checkpoints" / "last.ckpt"
+    result.checkpoint = str(final) if final.is_file() else None
+    metrics = merge_metrics(run_dir)
+    result.metrics_csv = str(metrics) if metrics else None
+    if metrics:
+        result.loss_curve = str(plot_loss_curve(metrics, run_dir / "loss_curve.png"))
+    coverage = plot_coverage(dm.state_dict()["ledger"], run_dir / "coverage.png")
+    result.coverage_curve = str(coverage) if coverage else None
+    if cfg.trainer.sample_every > 0:
+        if grid_cb.last_step != result.step:  # the end is off the cadence: one more grid
+            grid_cb.render(trainer, module)
+            curve = Path(result.loss_curve) if result.loss_curve else None
+            log_images(trainer, result.step, samples=grid_cb.last_path, loss_curve=curve)
+        result.sample_grid = str(grid_cb.last_path)
+    try:
+        result.export_dir = str(
+            export_pipeline(
+                module.sampling_transformer(), run_dir / "pipeline", scaling_factor=dm.scaling_factor,
+                preset=cfg.model.preset, shift=cfg.flow.shift, null_text=module.flow.null_text,
+                vae=cfg.encoders.vae, text_encoder=cfg.encoders.text, parent=result.parent,
+            )
+        )  # fmt: skip
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        need = sum(p.numel() * p.element_size() for p in module.ema.parameters())
+        raise DiskFullError(
+            e.errno, disk_full_message(run_dir / "pipeline", need, final)
+            .replace("nothing half-written was left", "the previous pipeline/ is unchanged"),
+        ) from None  # fmt: skip
+    result.disk_bytes = folder_bytes(run_dir)
+    result.wandb_dir = wandb_run.finish(loggers)
+
+
+def _pipes():
+    """Dagster Pipes when launched by Dagster (``DAGSTER_PIPES_CONTEXT``), in the launcher."""
+    if os.environ.get("DAGSTER_PIPES_CONTEXT") and distributed.is_launcher():
+        from dagster_pipes import open_dagster_pipes
+
+        return open_dagster_pipes()
+    return contextlib.nullcontext(None)
+
+
+def _error(line: str, code: int) -> int:
+    """Print the one-line error; also into ``$FLOWMATCH_ERROR_FILE`` when the caller (the
+    training assets) asked for it, so that the UI's failure names it."""
+    print(line, file=sys.stderr)
+    if os.environ.get("FLOWMATCH_ERROR_FILE") and distributed.is_launcher():
+        atomic_write_text(os.environ["FLOWMATCH_ERROR_FILE"], line)
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI: flags -> TrainRequest -> :func:`train` -> TrainResult (and Pipes, under Dagster)."""
+    ap = argparse.ArgumentParser(prog="python -m flowmatch_models.train", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--config", help="run YAML (see configs/tiny.yaml)")
+    ap.add_argument("--resume", default="auto", help="auto (last.ckpt if any), none, or a path")
+    ap.add_argument("--max-steps", type=int, default=None, help="total steps")
+    ap.add_argument("--extra-steps", type=int, default=None, help="steps beyond the checkpoint")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--pipes-request", action="store_true",
+                    help="read the TrainRequest from the Dagster Pipes extras (flow_model)")  # fmt: skip
+    ap.add_argument("--result-json", default=None, help="also write the TrainResult here")
+    args = ap.parse_args(argv)
+    with _pipes() as pipes:
+        try:  # a user's mistake (bad key or value, changed order on resume): one line, exit 2
+            if args.pipes_request:
+                if pipes is None and distributed.published_request() is None:
+                    raise ConfigError("--pipes-request needs a Dagster Pipes launch")
+                extras = pipes.extras["train_request"] if pipes is not None else {}
+                request = TrainRequest.from_dict(extras) if extras else TrainRequest()
+            elif args.config:
+                request = TrainRequest(
+                    config=args.config, overrides=list(args.set), max_steps=args.max_steps,
+                    extra_steps=args.extra_steps, resume=args.resume,
+                )  # fmt: skip
+            else:
+                raise ConfigError("pass --config run.yaml (see configs/tiny.yaml)")
+            result = train(request, pipes)
+        except (ConfigError, OrderChangedError, FileNotFoundError) as e:
+            return _error(f"error: {e}", 2)
+        except (NonFiniteStepsError, DiskFullError, PartitionChangedError) as e:  # stopped itself
+            return _error(f"error: {e.strerror if isinstance(e, DiskFullError) else e}", 3)
+        if pipes is not None and result.is_global_zero:
+            pipes.report_custom_message({"train_result": result.to_dict()})
+            pipes.report_asset_materialization(metadata=result.materialization_metadata())
+    if args.result_json and result.is_global_zero:
+        atomic_write_text(args.result_json, json.dumps(result.to_dict(), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
