@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from flowmatch_models.storage.store import Shard
 from flowmatch_models.embeddings.kinds import EmbeddingKind
+from flowmatch_models.storage.store import Shard
 
 
 def shard_problems(kind: EmbeddingKind, shard: Shard, ids: Sequence[str]) -> list[str]:

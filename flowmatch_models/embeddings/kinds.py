@@ -143,6 +143,14 @@ class EmbeddingKind:
         layout where it has a ``grid``."""
         return self.cell_arrays if self.cell_arrays and "grid" in shard_arrays else self.arrays
 
+    def model_in(self, spec: EncoderSpec) -> str:
+        """The model (hub id or folder) that computes this kind under ``spec``."""
+        return spec.models.get(self.name) or self.model or getattr(spec, self.encoder)
+
+    def spec_for(self, spec: EncoderSpec) -> EncoderSpec:
+        """``spec`` with this kind's model in its encoder role (what ``Encoders`` loads)."""
+        return spec.model_copy(update={self.encoder: self.model_in(spec)})
+
 
 def _vae(enc: Encoders, images: np.ndarray) -> dict[str, np.ndarray]:
     return {"latents": enc.encode_vae(images)}
@@ -346,7 +354,7 @@ def kind_fingerprint(
     preprocessing settings, compute and storage dtype, codec and the kind's code version;
     ``inputs``: the fingerprint hash of the images_256 partition it is made from. Weights are
     hashed once per process (flowmatch_models.fingerprint.folder_sha256)."""
-    model = spec.model_of(kind)
+    model = kind.model_in(spec)
     lossy = spec.lossy.get(kind.name) if kind.lossy else None
     fields = {
         "kind": kind.name,

@@ -6,15 +6,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from flowmatch_models.encoders.spec import EncoderSpec
-from flowmatch_models.storage.fingerprint import ATTR as FINGERPRINT_ATTR
-
-if TYPE_CHECKING:
-    pass
 from flowmatch_models.embeddings.kinds import (
     CELL,
     FIRST_TOKEN_ATTR,
@@ -22,6 +17,8 @@ from flowmatch_models.embeddings.kinds import (
     first_token_is_null,
     kind_fingerprint,
 )
+from flowmatch_models.encoders.spec import EncoderSpec
+from flowmatch_models.storage.fingerprint import ATTR as FINGERPRINT_ATTR
 
 
 @dataclass
@@ -54,7 +51,7 @@ def encode_partition(
 
     meta = read_image_meta(images_path)
     n = meta.num_rows
-    encs = {k.name: Encoders(spec.for_kind(k).model_copy(update={"device": device})) for k in kinds}
+    encs = {k.name: Encoders(k.spec_for(spec).model_copy(update={"device": device})) for k in kinds}
     parts: dict[str, dict[str, list[np.ndarray]]] = {k.name: {} for k in kinds}
     secs = dict.fromkeys(parts, 0.0)
 
@@ -107,7 +104,7 @@ def encode_partition(
 
     out = {}
     for k in kinds:
-        enc, model = encs[k.name], spec.model_of(k)
+        enc, model = encs[k.name], k.model_in(spec)
         t0 = time.perf_counter()
         extra_arrays, extra_attrs = k.role.finish(enc)
         secs[k.name] += time.perf_counter() - t0

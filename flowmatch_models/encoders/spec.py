@@ -1,17 +1,13 @@
 """Which encoders compute the embeddings and how they are stored: :class:`EncoderSpec`.
 
-Its own module so that the registry (``embeddings.py``) and the encoders (``encoders.py``) both
-read it without importing each other.
+Its own module so that the registry (``embeddings/kinds.py``) and the encoders
+(``encoders/frozen.py``) both read it without importing each other; which model computes a kind
+is the kind's to say (``EmbeddingKind.model_in``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pydantic import BaseModel, Field
-
-if TYPE_CHECKING:
-    from flowmatch_models.embeddings.kinds import EmbeddingKind
 
 #: The default storage of the lossy-capable training inputs: caption states at 4.5 bits per
 #: value (<= 46 KB for 128 tokens of 640), DINOv2 patches at 4 (12 KB for 64 x 384); with fp16
@@ -75,11 +71,3 @@ class EncoderSpec(BaseModel):
         "rate, decoded on the GPU), int8 or fp8 for its lossy-capable arrays, error recorded; "
         "absent: lossless. Default: all of PD12M within 64 KB per sample (docs/DESIGN.md).",
     )
-
-    def model_of(self, kind: EmbeddingKind) -> str:
-        """The model (hub id or folder) that computes ``kind``."""
-        return self.models.get(kind.name) or kind.model or getattr(self, kind.encoder)
-
-    def for_kind(self, kind: EmbeddingKind) -> EncoderSpec:
-        """This spec with the kind's model in its encoder role (what :class:`Encoders` loads)."""
-        return self.model_copy(update={kind.encoder: self.model_of(kind)})
