@@ -26,6 +26,8 @@ from collections.abc import Sequence
 
 Bucket = tuple[int, int]  # (height, width) in pixels
 
+#: The pixels of one latent cell (DC-AE f32: a 256 px side is 8 cells): every stored and
+#: generated size is a multiple of it. The one definition; everything else imports it.
 GRID = 32
 
 

@@ -6,17 +6,10 @@ import logging
 
 import torch
 
+from flowmatch_models.embeddings.kinds import model_inputs
 from flowmatch_models.storage import transform as transform_codec
 
 log = logging.getLogger(__name__)
-
-
-#: model input -> the store kind whose tables decode its codes
-_CODED = {"text": "text_embeddings", "dino": "dino_features"}
-
-#: model input -> (kind, array, the key of its rows in ShardSource._arrays)
-_INPUTS = {"text": ("text_embeddings", "tokens", "tokens"),
-           "dino": ("dino_features", "patch", "patch")}  # fmt: skip
 
 
 def decode_batch(
@@ -42,6 +35,7 @@ def decode_batch(
     out["mask"] = mask
     b, width = mask.shape
 
+    inputs = model_inputs()
     for key in ("text", "dino"):
         if f"{key}_rows" not in batch:
             continue
@@ -51,7 +45,7 @@ def decode_batch(
             keys = batch.get(f"{key}_tables") or [None] * len(batch["parts"])
             for p, n, k in zip(batch["parts"], batch[f"{key}_counts"], keys):
                 parts.append(
-                    transform_codec.decode(rows[start : start + n], tables(_CODED[key], p, k))
+                    transform_codec.decode(rows[start : start + n], tables(inputs[key].name, p, k))
                 )
                 start += n
             values = torch.cat(parts) if len(parts) > 1 else parts[0]

@@ -32,6 +32,7 @@ from flowmatch_models.data.order import ORDER, OrderChangedError, train_rows
 from flowmatch_models.data.ring import BatchRing
 from flowmatch_models.data.source import ShardSource, shard_fingerprint
 from flowmatch_models.data.stream import BatchStream, RingLoader
+from flowmatch_models.embeddings.kinds import model_inputs
 from flowmatch_models.storage.fingerprint import Fingerprint
 from flowmatch_models.storage.layout import DataLayout
 from flowmatch_models.storage.store import read_shard
@@ -240,7 +241,12 @@ class EmbeddingDataModule(L.LightningDataModule):
         else:
             layout = DataLayout(self.root)
             samples = sum(
-                len(train_rows(read_shard(layout.asset_path("vae_latents", p)).ids, *self.heldout))
+                len(
+                    train_rows(
+                        read_shard(layout.asset_path(model_inputs()["latents"].name, p)).ids,
+                        *self.heldout,
+                    )
+                )
                 for p in avail
             )
         return {"available_partitions": len(avail), "available_samples": samples}

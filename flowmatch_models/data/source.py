@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flowmatch_models.data.decode import _INPUTS, decode_batch
+from flowmatch_models.data.decode import decode_batch
 from flowmatch_models.data.order import epoch_order, heldout_rows
 from flowmatch_models.data.rows import _buffer, _rows, sample_grids, slot_views
-from flowmatch_models.embeddings.kinds import FIRST_TOKEN_ATTR
+from flowmatch_models.embeddings.kinds import FIRST_TOKEN_ATTR, KINDS, model_inputs
 from flowmatch_models.storage import transform as transform_codec
 from flowmatch_models.storage.fingerprint import ATTR as FINGERPRINT_ATTR
 from flowmatch_models.storage.fingerprint import Fingerprint, diff, disagreement, hash_of
@@ -21,12 +21,6 @@ from flowmatch_models.storage.layout import DataLayout, source_of
 from flowmatch_models.storage.store import Shard, StoreError, ragged_offsets, read_shard
 
 log = logging.getLogger(__name__)
-
-
-#: What the DiT reads of the registry's kinds: its caption states and its REPA target, as
-#: ``(kind, array)``. The model's ``text_dim``/``repa_dim`` are these arrays' widths in the shards
-#: the run trains on (:attr:`ShardSource.widths`), so an encoder swaps by configuration alone.
-MODEL_INPUTS = {"text": ("text_embeddings", "tokens"), "repa": ("dino_features", "patch")}
 
 
 def array_width(shard: Shard, array: str) -> int:
@@ -82,13 +76,15 @@ class ShardSource:
         heldout: tuple[float, int] = (0.0, 0),
     ):
         self.layout = DataLayout(root)
+        inputs = model_inputs()  # which kinds hold the latents, caption states, DINO target
+        self.latents, self.text, self.dino = (inputs[k].name for k in ("latents", "text", "dino"))
         self.heldout = (float(heldout[0]), int(heldout[1]))
         self.fixed_text_len = fixed_text_len  # pad every batch to text_max_len (torch.compile)
         self.partitions = list(partitions)
         if not self.partitions:
             raise ValueError(
-                f"no complete partitions under {self.layout.root}: training needs vae_latents, "
-                "dino_features and text_embeddings for the same partition; materialize them first"
+                f"no complete partitions under {self.layout.root}: training needs "
+                f"{', '.join(self.kinds)} for the same partition; materialize them first"
             )
         self.text_max_len = text_max_len
         self.load_dino = load_dino
@@ -99,7 +95,7 @@ class ShardSource:
         )
         #: kind -> the fingerprint hash every partition of this source shares
         self.fingerprints = self._agreed_fingerprints()
-        ids = [self._shard("vae_latents", p).ids for p in self.partitions]
+        ids = [self._shard(self.latents, p).ids for p in self.partitions]
         self.heldout_rows = [heldout_rows(i, *self.heldout) for i in ids]
         self.sizes = np.array(
             [len(i) - len(h) for i, h in zip(ids, self.heldout_rows)], dtype=np.int64
@@ -107,7 +103,7 @@ class ShardSource:
         del ids  # 10k strings a partition: not kept (nor copied into every worker)
         # every trainable sample's bucket: an index into ``grids``, the (h, w) latent grids
         # found (one byte a sample: 12 MB for PD12M, beside the order)
-        every = [sample_grids(self._shard("vae_latents", p)) for p in self.partitions]
+        every = [sample_grids(self._shard(self.latents, p)) for p in self.partitions]
         trained = np.concatenate(
             [np.delete(g, h, axis=0) for g, h in zip(every, self.heldout_rows)]
         ).reshape(-1, 2)
@@ -120,7 +116,7 @@ class ShardSource:
         # buffers hold the largest sample, held-out ones included
         self.max_cells = max((int(g.prod(1).max()) for g in every if len(g)), default=64)
         del every, trained, code
-        first = self._shard("vae_latents", self.partitions[0])
+        first = self._shard(self.latents, self.partitions[0])
         if "scaling_factor" not in first.attrs:
             raise ValueError(
                 f"{first.path}: attrs has no 'scaling_factor'; re-materialize vae_latents"
@@ -128,7 +124,7 @@ class ShardSource:
         self.scaling_factor = float(first.attrs["scaling_factor"])
         #: the widths the DiT is built for: {"text": caption width, "repa": REPA target width}
         self.widths = self._agreed_widths()
-        text0 = self._shard("text_embeddings", self.partitions[0])
+        text0 = self._shard(self.text, self.partitions[0])
         self.null_tokens: np.ndarray | None = (
             np.asarray(text0["null_tokens"], np.float32) if "null_tokens" in text0 else None
         )
@@ -152,7 +148,8 @@ class ShardSource:
 
     @property
     def kinds(self) -> list[str]:
-        return ["vae_latents", "text_embeddings", *(["dino_features"] if self.load_dino else [])]
+        """The kinds read: latents, caption states and (with REPA) the DINO target."""
+        return [self.latents, self.text, *([self.dino] if self.load_dino else [])]
 
     def _agreed_fingerprints(self) -> dict[str, dict[str, str]]:
         """Per kind and source (flowmatch_models.layout.source_of), the one fingerprint hash of
@@ -176,10 +173,12 @@ class ShardSource:
         return out
 
     def _agreed_widths(self) -> dict[str, int]:
-        """Per model input (:data:`MODEL_INPUTS`), the one width of every partition's array."""
+        """Per model input with a width (``model_inputs``: ``text``, ``repa``), the one width
+        of every partition's array."""
         out = {}
-        for role, (kind, array) in MODEL_INPUTS.items():
-            if role == "repa" and not self.load_dino:
+        for k in model_inputs().values():
+            role, kind, array = k.model_input.width, k.name, k.model_input.array
+            if role is None or kind not in self.kinds:
                 continue
             widths = {p: array_width(self._shard(kind, p), array) for p in self.partitions}
             if len(set(widths.values())) > 1:
@@ -197,10 +196,10 @@ class ShardSource:
         total = count = sq = None
         n, chunk = 0, 16_384
         for p in self.partitions:
-            shard = self._shard("text_embeddings", p)
+            shard = self._shard(self.text, p)
             tokens = _rows(shard, "tokens")
             rows = min(tokens.shape[0], max_tokens - n)
-            dev = tokens.coded and self.tables("text_embeddings", p, key=shard.table_key("tokens"),
+            dev = tokens.coded and self.tables(self.text, p, key=shard.table_key("tokens"),
                                                shard=shard)  # fmt: skip
             # a causal encoder's first states: the null caption's, as training decodes them
             firsts = (ragged_offsets(np.asarray(shard["lengths"]))[:-1]
@@ -258,7 +257,7 @@ class ShardSource:
             self._open.move_to_end(i)
             return self._open[i]
         p = self.partitions[i]
-        vae, text = self._shard("vae_latents", p), self._shard("text_embeddings", p)
+        vae, text = self._shard(self.latents, p), self._shard(self.text, p)
         shards = [vae, text]
         grids = sample_grids(vae)
         channels = int(vae.info("latents")["shape"][1])
@@ -269,15 +268,16 @@ class ShardSource:
         # a sample's latent cells and its DINO rows start at the same cell offset
         out["cells"] = ragged_offsets(grids.astype(np.int64).prod(1))
         if self.load_dino:
-            dino = self._shard("dino_features", p)
+            dino = self._shard(self.dino, p)
             shards.append(dino)
             out["patch"] = _rows(dino, "patch", cells=True)
         # the versions read: their tables decode the codes (tables(); never by path alone)
         out["shards"] = dict(zip(self.kinds[1:], shards[1:]))
         out["table_keys"] = {
-            key: out["shards"][kind].table_key(array) if out[rows].coded else None
-            for key, (kind, array, rows) in _INPUTS.items() if rows in out
-        }  # fmt: skip
+            key: out["shards"][k.name].table_key(a) if out[a].coded else None
+            for key, k in model_inputs().items()
+            if key in ("text", "dino") and (a := k.model_input.array) in out
+        }
         for kind, s in zip(self.kinds, shards):
             why = self.mismatch(kind, Fingerprint.from_json(s.attrs.get(FINGERPRINT_ATTR)), p)
             if why:  # re-made while this run trains on it
@@ -476,7 +476,7 @@ class ShardSource:
         ``shard``, in this process's open version of the partition, else in the file on disk;
         a file re-made since the codes were read raises :class:`PartitionChangedError`. The
         tables are checked by their checksums; the codes are not re-hashed (see :func:`_rows`)."""
-        array = {k: a for k, a in MODEL_INPUTS.values()}[kind]
+        array = KINDS[kind].model_input.array
         if key is not None and (kind, key, str(device)) in self._tables:
             self._tables.move_to_end((kind, key, str(device)))
             return self._tables[(kind, key, str(device))]

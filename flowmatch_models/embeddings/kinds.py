@@ -39,8 +39,6 @@ if TYPE_CHECKING:
     from flowmatch_models.encoders.frozen import Encoders
 
 
-CELL = 32  # pixels of one latent cell (DC-AE f32)
-
 FP16 = 2
 
 ROWS = ("sample", "token", "once", "cell")
@@ -103,6 +101,17 @@ class Role:
 
 
 @dataclass(frozen=True)
+class ModelInput:
+    """What the DiT reads of a kind: ``array``, under the key ``batch`` of a training batch,
+    and, for an input whose width the model is built for, the name of that width (``text``:
+    caption channels, ``repa``: the REPA target's; checkpoints record ``{width: n}``)."""
+
+    array: str
+    batch: str
+    width: str | None = None
+
+
+@dataclass(frozen=True)
 class EmbeddingKind:
     """Everything the pipeline needs to know about one kind of embedding."""
 
@@ -117,9 +126,10 @@ class EmbeddingKind:
     lossy: tuple[str, ...] = ()  # arrays that may be stored in 1 byte (EncoderSpec.lossy)
     warnings: tuple[WarnRule, ...] = ()
     tags: frozenset[str] = field(default_factory=lambda: frozenset({"pytorch"}))
-    # flow_model waits for it: a partition trains only once this kind is there (TRAINING_INPUTS);
-    # what the DiT reads of the kinds is chosen in data.py
+    # flow_model waits for it: a partition trains only once this kind is there (TRAINING_INPUTS)
     training_input: bool = True
+    #: what the DiT reads of this kind (None: nothing; :func:`model_inputs`)
+    model_input: ModelInput | None = None
     #: bump when the kind's code changes its values (a fingerprint field: shards made by an
     #: older version turn stale)
     code_version: str = "1"
@@ -285,6 +295,14 @@ EMBEDDING_ASSETS = KindNames()
 
 TRAINING_INPUTS = KindNames(training_only=True)
 
+
+def model_inputs() -> dict[str, EmbeddingKind]:
+    """What the DiT reads, by batch key (``latents``, ``text``, ``dino``): the kind that holds
+    it (its ``model_input`` names the array and the width). The one place the training data
+    path learns which kind is which; an encoder swaps by configuration alone."""
+    return {k.model_input.batch: k for k in KINDS.values() if k.model_input is not None}
+
+
 register(
     EmbeddingKind(
         name="vae_latents",
@@ -295,6 +313,7 @@ register(
         # one-size shard's rows), counted in cells of 32 values; grid = (h, w) in cells
         cell_arrays=(ArraySpec("latents", (32,), rows="cell"), ArraySpec("grid", (2,), "int32")),
         seed_bytes=dense_bytes("latents"),
+        model_input=ModelInput("latents", batch="latents"),
         tags=frozenset({"pytorch", "diffusers"}),
     )
 )
@@ -313,6 +332,7 @@ register(
         ),  # fmt: skip
         seed_bytes=dense_bytes("patch", "cls"),
         lossy=("patch",),
+        model_input=ModelInput("patch", batch="dino", width="repa"),
         tags=frozenset({"pytorch", "transformers"}),
     )
 )
@@ -323,7 +343,7 @@ register(
         description="Text encoder (Gemma3-270M) last hidden states of each caption: only the valid tokens (<=128) plus lengths.",
         encoder="text",
         # width None: the text encoder's hidden size (640 for Gemma3-270M, 384 for MiniLM-L6);
-        # the DiT's caption input follows it (flowmatch_models.data.MODEL_INPUTS)
+        # the DiT's caption input follows it (its model_input's width)
         arrays=(
             ArraySpec("tokens", (None,), rows="token"),
             ArraySpec("lengths", (), "int32"),
@@ -331,6 +351,7 @@ register(
         ),
         seed_bytes=padded_text_bytes(),
         lossy=("tokens",),
+        model_input=ModelInput("tokens", batch="text", width="text"),
         warnings=(
             WarnRule(
                 "fp16_saturation",

@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from flowmatch_models.data.buckets import GRID
 from flowmatch_models.embeddings.kinds import (
-    CELL,
     FIRST_TOKEN_ATTR,
     EmbeddingKind,
     first_token_is_null,
@@ -95,7 +95,7 @@ def encode_partition(
                 else:
                     parts[k.name][key] = [_cells(key, col)]
             if not one_size:
-                parts[k.name]["grid"] = [(sizes // CELL).astype(np.int32)]
+                parts[k.name]["grid"] = [(sizes // GRID).astype(np.int32)]
     captions = meta.column("caption").to_pylist()
     for k in (k for k in kinds if k.role.input == "captions"):
         for i in range(0, len(captions), spec.batch_size):

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from flowmatch_models.data.buckets import GRID
 from flowmatch_models.encoders.loading import _resolve_device, _resolve_dtype, load_pretrained
 from flowmatch_models.encoders.spec import EncoderSpec
 from flowmatch_models.encoders.zoo import is_random_weights
@@ -37,11 +38,9 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
-LATENT_GRID = 8  # 256 px / DC-AE factor 32
-
-CELL = 32  # pixels of one latent cell (DC-AE f32)
-
 IMAGE_SIZE = 256
+
+LATENT_GRID = IMAGE_SIZE // GRID  # the latent grid of a 256 px square: 8 cells a side
 
 DINO_POOLS = ("avg2x2", "resize112")
 
@@ -193,10 +192,10 @@ class Encoders:
         images = np.asarray(images)
         if (
             images.dtype != np.uint8 or images.ndim != 4 or images.shape[3] != 3
-            or images.shape[1] % CELL or images.shape[2] % CELL
+            or images.shape[1] % GRID or images.shape[2] % GRID
         ):  # fmt: skip
             raise ValueError(
-                f"expected uint8 images [N, H, W, 3] with H and W multiples of {CELL} (256 x 256 "
+                f"expected uint8 images [N, H, W, 3] with H and W multiples of {GRID} (256 x 256 "
                 f"or an aspect-ratio bucket), got {images.dtype} {images.shape}"
             )
         return images
@@ -215,7 +214,7 @@ class Encoders:
             out.append(_to_fp16(vae.encode(x).latent))
         if not out:
             c = int(vae.config.latent_channels)
-            return np.zeros((0, c, images.shape[1] // CELL, images.shape[2] // CELL), np.float16)
+            return np.zeros((0, c, images.shape[1] // GRID, images.shape[2] // GRID), np.float16)
         return np.concatenate(out)
 
     @property
@@ -238,7 +237,7 @@ class Encoders:
         pools evenly onto the ``(H/32) x (W/32)`` latent grid (HF Dinov2 interpolates its
         position embedding to any grid)."""
         per_cell = self.dino_input_size // LATENT_GRID
-        return height // CELL * per_cell, width // CELL * per_cell
+        return height // GRID * per_cell, width // GRID * per_cell
 
     @torch.inference_mode()
     def encode_dino(self, images_uint8: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -247,7 +246,7 @@ class Encoders:
         (``[N, 64, D]`` at 256 x 256)."""
         images = self._check_images(images_uint8)
         dino = self.dino
-        gh, gw = images.shape[1] // CELL, images.shape[2] // CELL  # the latent grid
+        gh, gw = images.shape[1] // GRID, images.shape[2] // GRID  # the latent grid
         size = self.dino_input_hw(images.shape[1], images.shape[2])
         ph, pw = (s // int(dino.config.patch_size) for s in size)
         mean = torch.tensor(IMAGENET_MEAN, device=self._device).view(1, 3, 1, 1)
