@@ -170,8 +170,10 @@ def _add_source(res, path: Path, name: str | None, kind: str | None, location: s
     from flowmatch_assets.ingest.sources.location import Location
 
     if not name or not kind or not location:
-        raise CliError("sources add needs NAME, --kind folder|parquet|webdataset and "
+        raise CliError(f"sources add needs NAME, --kind {'|'.join(src.KINDS)} and "
                        "--location FOLDER_OR_URL")  # fmt: skip
+    if kind not in src.KINDS:
+        raise CliError(f"--kind {kind!r}: choose one of {', '.join(src.KINDS)}")
     given = {"kind": kind, "location": src.config.absolute(location), **options}
     cfg = src.SourceConfig.model_validate({k: v for k, v in given.items() if v is not None})
     src.check_name(name)
@@ -707,7 +709,11 @@ COMMANDS: dict[str, Command] = {
             arg(
                 "name", nargs="?", help="add/remove: the source's name (starts its partition keys)"
             ),
-            arg("--kind", choices=["folder", "parquet", "webdataset"], default=None),
+            arg(
+                "--kind",
+                default=None,
+                help="folder, parquet or webdataset (the kinds: ingest/sources/config.py KINDS)",
+            ),
             arg("--location", default=None, help="a folder or an fsspec URL"),
             arg(
                 "--caption-field",

@@ -39,6 +39,8 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 from flowmatch_models.storage.atomic import atomic_write_text
 from flowmatch_models.storage.layout import PD12M, SOURCE_NAME
 
+#: The source kinds, the one list: each is the module ``flowmatch_assets/ingest/sources/<kind>.py``
+#: (``scan``, ``rows``, ``images``); the config, the registry and the CLI read it.
 KINDS = ("folder", "parquet", "webdataset")
 #: The file extensions a folder or tar sample's image may have.
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
@@ -51,7 +53,7 @@ class SourceError(ValueError):
 class SourceConfig(BaseModel):
     """One source of captioned images (``kind`` at ``location``) and how to read it."""
 
-    kind: Literal["folder", "parquet", "webdataset"] = Field(
+    kind: Literal[KINDS] = Field(  # type: ignore[valid-type]
         description="folder (images + .txt sidecars and/or metadata.jsonl), parquet (Hugging "
         "Face datasets layout, image bytes inside) or webdataset (img2dataset's tar shards)."
     )

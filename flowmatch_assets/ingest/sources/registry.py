@@ -24,6 +24,7 @@ sample keys.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import shutil
 from collections.abc import Iterator
@@ -32,16 +33,14 @@ from pathlib import Path
 
 import pyarrow as pa
 
-import flowmatch_assets.ingest.sources.folder as folder
-import flowmatch_assets.ingest.sources.parquet as parquet
-import flowmatch_assets.ingest.sources.webdataset as webdataset
 from flowmatch_assets.catalog import file_lock
 from flowmatch_assets.ingest.images import IngestError
 from flowmatch_assets.ingest.sources.common import failure
-from flowmatch_assets.ingest.sources.config import SourceConfig, SourceError, check_name
+from flowmatch_assets.ingest.sources.config import KINDS, SourceConfig, SourceError, check_name
 from flowmatch_models.storage.atomic import atomic_write_text
 
-KIND_MODULES = {"folder": folder, "parquet": parquet, "webdataset": webdataset}
+#: kind -> its module (config.KINDS: ``flowmatch_assets/ingest/sources/<kind>.py``)
+KIND_MODULES = {k: importlib.import_module(f"flowmatch_assets.ingest.sources.{k}") for k in KINDS}
 
 
 @dataclass
