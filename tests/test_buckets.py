@@ -21,7 +21,8 @@ from flowmatch_assets.defs.definitions import all_assets_and_checks, resources_f
 from flowmatch_assets.defs.partitions import register_partitions
 from flowmatch_assets.defs.resources import FlowmatchResource
 from flowmatch_assets.freshness.fingerprints import staleness
-from flowmatch_assets.ingest.images import IngestConfig, process_image
+from flowmatch_assets.ingest.decode import process_image
+from flowmatch_assets.ingest.images import IngestConfig
 from flowmatch_models.data.buckets import buckets_for, kept_fraction, label, nearest
 from flowmatch_models.encoders.spec import EncoderSpec
 from flowmatch_models.storage.image_shard import read_image_meta
@@ -99,7 +100,7 @@ def test_every_exif_orientation_is_cut_like_the_picture_as_shown(orientation, pa
     libjpeg-turbo path and on Pillow's: the output equals the reference (turn the full picture
     as a viewer shows it, pick its nearest bucket, resize to cover, crop the centre) within JPEG
     noise, and the mark is where the reference has it."""
-    import flowmatch_assets.ingest.images as images
+    import flowmatch_assets.ingest.decode as images
 
     if path == "pillow":
         monkeypatch.setattr(images, "simplejpeg", None)

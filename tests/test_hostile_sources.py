@@ -22,7 +22,8 @@ import pytest
 
 from flowmatch_assets.catalog import Catalog
 from flowmatch_assets.cli import main as cli_main
-from flowmatch_assets.ingest.images import IngestConfig, IngestError, fetch_bytes
+from flowmatch_assets.ingest.fetch import fetch_bytes
+from flowmatch_assets.ingest.images import IngestConfig, IngestError
 from tests import hostile_sources as hs
 from tests.http_fixtures import LoopbackHTTPServer, Reply
 
@@ -269,7 +270,7 @@ def test_hostile_sources_stay_confined_bounded_and_isolated(env, capsys):
 def test_which_addresses_are_refused(ip, why):
     import ipaddress
 
-    from flowmatch_assets.ingest.images import address_refusal
+    from flowmatch_assets.ingest.fetch import address_refusal
 
     assert address_refusal(ipaddress.ip_address(ip)) == why
     allowed = [ipaddress.ip_network("10.0.0.0/8"), ipaddress.ip_network("::1/128")]
@@ -300,7 +301,7 @@ def test_non_public_addresses_are_never_sent_a_byte():
 
 
 def test_a_body_that_is_not_an_image_is_described_never_quoted():
-    from flowmatch_assets.ingest.images import describe_bytes, process_image
+    from flowmatch_assets.ingest.decode import describe_bytes, process_image
 
     for body, kind in [(b"<!DOCTYPE html><p>secret-123</p>", "HTML"),
                        (b"secret-123 token", "text"), (b"\x00\x01secret-123\xff", "binary data"),

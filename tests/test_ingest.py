@@ -13,16 +13,11 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw, ImageFile, ImageOps
 
-from flowmatch_assets.ingest import images as ingest
-from flowmatch_assets.ingest.images import (
-    IngestConfig,
-    IngestError,
-    count_reasons,
-    fetch_bytes,
-    ingest_rows,
-    process_image,
-    sniff_format,
-)
+from flowmatch_assets.ingest import decode as ingest
+from flowmatch_assets.ingest.batch import count_reasons, ingest_rows
+from flowmatch_assets.ingest.decode import process_image, sniff_format
+from flowmatch_assets.ingest.fetch import fetch_bytes
+from flowmatch_assets.ingest.images import IngestConfig, IngestError
 from tests.http_fixtures import LoopbackHTTPServer, Reply
 
 MAX_BYTES = 300_000

@@ -33,7 +33,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
-from flowmatch_assets.ingest.images import IngestConfig, count_reasons, ingest_rows
+from flowmatch_assets.ingest.batch import count_reasons, ingest_rows
+from flowmatch_assets.ingest.images import IngestConfig
 from flowmatch_models.storage.atomic import atomic_write_bytes
 
 CORPUS_VERSION = 1

@@ -2,7 +2,7 @@
 
 ``images_256(seed, n)`` draws ``n`` images with :func:`flowmatch_assets.demo.dataset.draw_image`
 (one seeded generator), encodes each as the sample writes most rows (JPEG, quality 90) and runs
-the bytes through the stage's own :func:`flowmatch_assets.ingest.images.process_image` (decode with DCT
+the bytes through the stage's own :func:`flowmatch_assets.ingest.decode.process_image` (decode with DCT
 scaling, short side to 256, centre crop, JPEG q95), so the pixels are exactly what the pipeline
 would store. For the demo VAE's training data and the caption analyser's ground truth.
 """
@@ -15,7 +15,8 @@ import numpy as np
 from PIL import Image
 
 from flowmatch_assets.demo.dataset import draw_image
-from flowmatch_assets.ingest.images import IngestConfig, process_image
+from flowmatch_assets.ingest.decode import process_image
+from flowmatch_assets.ingest.images import IngestConfig
 
 
 def images_256(

@@ -20,15 +20,9 @@ import pyarrow.parquet as pq
 
 from flowmatch_assets import catalog
 from flowmatch_assets.catalog import RowOutcome
+from flowmatch_assets.ingest.batch import ingest_blobs, ingest_rows
 from flowmatch_assets.ingest.dedupe import drop_content_duplicates, stored_before
-from flowmatch_assets.ingest.images import (
-    IngestConfig,
-    IngestError,
-    IngestResult,
-    ingest_blobs,
-    ingest_rows,
-    is_retryable,
-)
+from flowmatch_assets.ingest.images import IngestConfig, IngestError, IngestResult, is_retryable
 from flowmatch_assets.ingest.metadata import FilterConfig, size_reason
 from flowmatch_models.data.buckets import kept_fraction
 from flowmatch_models.storage.image_shard import read_image_meta

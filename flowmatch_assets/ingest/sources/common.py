@@ -37,7 +37,7 @@ import mimetypes
 
 from flowmatch_assets.ingest.sources.config import SourceConfig
 
-#: Failure reasons of the listing (the images stage adds its own: ingest/images.py).
+#: Failure reasons of the listing (the images stage adds its own: ingest/images.py REASONS).
 LISTING_REASONS = (
     "missing_caption", "missing_image", "bad_caption", "bad_metadata", "duplicate_id",
     "outside_source", "not_regular_file", "unreadable", "corrupt_container", "too_large",
