@@ -156,9 +156,24 @@ def _write_rows(
     data_root: str | Path, kind: str, asset: str, partition: str, rows: Iterable[RowOutcome]
 ) -> Path:
     path = DataLayout(data_root).catalog_dir / kind / asset / f"{partition}.parquet"
-    data = [{"asset": asset, "partition": partition, **asdict(r)} for r in rows]
-    _write_parquet(path, pa.Table.from_pylist(data, schema=ROW_SCHEMA))
+    _write_parquet(path, _rows_table(asset, partition, list(rows)))
     return path
+
+
+def _rows_table(asset: str, partition: str, rows: Sequence[RowOutcome]) -> pa.Table:
+    """The ``ROW_SCHEMA`` table of ``rows``, built column by column (a dict per row costs
+    ~0.4 s for a 10k-row partition; this ~10 ms)."""
+    n = len(rows)
+    cols = {
+        "asset": pa.repeat(pa.scalar(asset, pa.string()), n),
+        "partition": pa.repeat(pa.scalar(partition, pa.string()), n),
+        "id": pa.array([r.id for r in rows], pa.string()),
+        "url": pa.array([r.url for r in rows], pa.string()),
+        "outcome": pa.array([r.outcome for r in rows], pa.string()),
+        "reason": pa.array([r.reason for r in rows], pa.string()),
+        "detail": pa.array([r.detail for r in rows], pa.string()),
+    }
+    return pa.Table.from_pydict(cols, schema=ROW_SCHEMA)
 
 
 def clear_attempt(data_root: str | Path, asset: str, partition: str) -> None:
