@@ -459,7 +459,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             if name == "catalog_build":  # the first build: no catalog yet
                 data = Path(env["FLOWMATCH_DATA_ROOT"])
                 (data / "catalog.duckdb").unlink(missing_ok=True)
-                shutil.rmtree(data / "catalog" / "index", ignore_errors=True)
+                shutil.rmtree(data / "catalog" / "summary", ignore_errors=True)
             r = run_verb(args, {**env, **extra}, code, a.timeout, a.mem_cap_gb, core)
             r["per_partition_ms"] = round(r["cpu_s"] / a.partitions * 1000, 2)
             out[name] = r
