@@ -287,10 +287,15 @@ CARD_SECTIONS = (
 
 def record_card_rows(data_root: str | Path, partition: str, rows: Sequence[dict]) -> Path:
     """Write (replace) the data card's per-row record of one partition
-    (flowmatch_assets/reports/data_card.py)."""
-    path = DataLayout(data_root).catalog_dir / "cards" / "data_card" / f"{partition}.parquet"
+    (flowmatch_assets/reports/data_card.py), and its summary (catalog/summary.py: the card
+    as counts, statistics and bins, from the partition's row records as they are now)."""
+    from flowmatch_assets.catalog.summary import write_card_summary
+
+    layout = DataLayout(data_root)
+    path = layout.catalog_dir / "cards" / "data_card" / f"{partition}.parquet"
     data = [{"asset": "data_card", "partition": partition, **r} for r in rows]
     _write_parquet(path, pa.Table.from_pylist(data, schema=CARD_SCHEMA))
+    write_card_summary(layout, partition)  # the partition's card, so no query has to
     return path
 
 

@@ -5,21 +5,24 @@ records beside it), lock-free and atomic: that is what lets parallel partitions 
 But a report that opened every record file would cost ~5 files a partition per query (PD12M:
 ~6,200), and the data card would join ~12M per-row records each time. So the catalog keeps
 derived tables under ``<root>/catalog/summary/``, brought up to date from the records that
-changed since (``refresh``, under a file lock, before every catalog query):
+changed since (:func:`refresh`, under a file lock, before every catalog query):
 
     materializations.parquet   every materialization record, one row each (older record
                                schemas padded with NULLs: ``union_by_name``)
     outcomes.parquet           rows per (asset, partition, outcome, reason) of the row records
     content/<partition>.u64    the sorted 64-bit hashes of a partition's stored md5s
     content_losers.parquet     stored rows whose bytes an earlier row (dataset order) stored too
-    cards/<partition>.parquet  a partition's data card: counts per item, and per value of each
-                               distribution (exact histograms: quantiles of any scope are exact)
-    state/<dir>.json           what each summary was made from: per record file its inode,
-                               size and mtime, and whether it has today's schema
+    state/                     per record folder its mtime when last listed and which files
+                               have an older schema; per file its inode, size and mtime
+
+and, beside the card records, ``<root>/catalog/card_summaries/<partition>.parquet``: one
+partition's data card (counts, exact statistics, and bins that merge into the dataset's),
+written with the card records (``record_card_rows``) and redone here only when one of its
+inputs changed since (its card, metadata or image row records, its content losers).
 
 A record file is re-read only when its identity changed (a rewrite is an atomic rename: a new
-inode); a directory whose mtime did not change is not even listed. Nothing here is a source of
-truth: deleting the folder rebuilds it (``SUMMARY_VERSION`` or another DuckDB rebuilds it too).
+inode); a folder whose mtime did not change is not even listed. Nothing here is a source of
+truth: deleting ``summary/`` rebuilds it (so does a new ``SUMMARY_VERSION`` or DuckDB).
 """
 
 from __future__ import annotations
@@ -85,8 +88,8 @@ CARD_SUMMARY_SCHEMA = pa.schema(
         ("n", pa.int64()),
     ]
 )
-#: Partitions summarised per DuckDB query (bounds the memory of the first build).
-BATCH = 64
+#: Record files read per DuckDB query (bounds the memory of the first build).
+BATCH = 256
 #: Hashes held at once while looking for repeated md5s (x 8 bytes).
 HASHES_PER_PASS = 8_000_000
 #: A directory changed less than this long ago is listed even if its mtime looks unchanged
@@ -96,6 +99,12 @@ FRESH_DIR_S = 2.0
 
 def summary_dir(layout: DataLayout) -> Path:
     return layout.catalog_dir / "summary"
+
+
+def card_summary_path(layout: DataLayout, partition: str) -> Path:
+    """A partition's data card summary: written with its card records (``record_card_rows``),
+    redone by :func:`refresh` when one of its inputs changed since."""
+    return layout.catalog_dir / "card_summaries" / f"{partition}.parquet"
 
 
 def _version() -> str:
@@ -314,9 +323,9 @@ def _refresh(layout: DataLayout, s: Path) -> frozenset[str]:
         _write_bytes(marker, _version().encode())
     state = _State(s)
     changes, listed = _scan(layout, state, ["materializations", *ROW_KINDS])
-    made = ("materializations.parquet", "outcomes.parquet", "content_losers.parquet",
-            "cards/_empty.parquet")  # fmt: skip
-    if changes.changed or changes.gone or not all((s / m).exists() for m in made):
+    made = ("materializations.parquet", "outcomes.parquet", "content_losers.parquet")
+    if (changes.changed or changes.gone or not all((s / m).exists() for m in made)
+            or not card_summary_path(layout, "_empty").exists()):  # fmt: skip
         _update(layout, s, state, changes)
     for kind, schema in ROW_KINDS.items():  # which files are of an older schema
         for p in changes.changed.get(kind, []):
@@ -341,7 +350,7 @@ def _update(layout: DataLayout, s: Path, state: _State, changes: _Changes) -> No
             if changes.any("rows") or not (s / "outcomes.parquet").exists():
                 _refresh_outcomes(con, s, changes)
             losers_changed = _refresh_content(con, layout, s, changes)
-            _refresh_cards(con, layout, s, state, changes, losers_changed)
+            _refresh_cards(layout, s, state, changes, losers_changed)
     finally:
         shutil.rmtree(spill, ignore_errors=True)
 
@@ -390,15 +399,15 @@ def _refresh_content(con, layout: DataLayout, s: Path, changes: _Changes) -> boo
     for p in changes.gone.get("content", []):
         (d / f"{p.stem}.u64").unlink(missing_ok=True)
     changed = changes.changed.get("content", [])
-    for i in range(0, len(changed), BATCH * 4):
-        t = _read(con, changed[i : i + BATCH * 4],
+    for i in range(0, len(changed), BATCH):
+        t = _read(con, changed[i : i + BATCH],
                   "parse_filename(filename, true) AS p, list(hash(md5) ORDER BY hash(md5)) AS h",
                   "WHERE asset IS NOT NULL AND md5 IS NOT NULL GROUP BY ALL")  # fmt: skip
         done = set()
         for p, h in zip(t.column("p").to_pylist(), t.column("h").to_numpy(zero_copy_only=False)):
             _write_bytes(d / f"{p}.u64", np.asarray(h, np.uint64).tobytes())
             done.add(p)
-        for p in changed[i : i + BATCH * 4]:  # no stored md5 at all
+        for p in changed[i : i + BATCH]:  # no stored md5 at all
             if p.stem not in done:
                 _write_bytes(d / f"{p.stem}.u64", b"")
     images_changed = any("/images_256/" in str(p) for p in [
@@ -479,105 +488,229 @@ def _files_with(d: Path, parts: Sequence[str], hashes: np.ndarray) -> list[bool]
 
 # -------------------------------------------------------------------------------- data cards
 
-_ASPECT = "greatest(orig_width, orig_height) / least(orig_width, orig_height)"
+#: The data card's distributions: section -> how a stored row's value is read.
+CARD_STATS = ("kept", "caption_chars", "caption_tokens", "orig_long_side", "orig_short_side")
+#: Values of a distribution are kept exactly below this (whole numbers) ...
+EXACT_BELOW = 256
+#: ... and above it in bins of this relative width (a mergeable sketch: the dataset's
+#: quantiles are within half a bin, 0.5%, of the exact ones; a partition's are exact).
+BIN_RATIO = 1.01
+_LOG_RATIO = float(np.log(BIN_RATIO))
 
 
-def _card_sql(cards: str, meta: str, images: str) -> str:
-    """Per partition of the card records ``cards``: its card as counts and exact histograms,
-    from each row's final outcome (the ``dataset_rows`` rules: the metadata's, else the image
-    stage's, pending before it ran, a content duplicate's ``filtered: duplicate_content``)."""
-    stored = "FROM r WHERE outcome = 'stored'"
-
-    def counts(section: str, expr: str, where: str = "") -> str:
-        return (f"SELECT partition, '{section}', coalesce(CAST({expr} AS VARCHAR), '(none)'), "
-                f"NULL::DOUBLE, count(*) {stored} {where} GROUP BY ALL")  # fmt: skip
-
-    def hist(section: str, expr: str) -> str:
-        return (f"SELECT partition, '{section}', NULL, ({expr})::DOUBLE AS v, count(*) {stored} "
-                f"AND v IS NOT NULL GROUP BY ALL")  # fmt: skip
-
-    bucket = f"""CASE WHEN {_ASPECT} < 1.25 THEN '1-1.25' WHEN {_ASPECT} < 1.5 THEN '1.25-1.5'
-                      WHEN {_ASPECT} < 2 THEN '1.5-2' WHEN {_ASPECT} < 3 THEN '2-3'
-                      ELSE '>=3' END"""
-    return f"""
-    WITH r AS MATERIALIZED (
-      SELECT c.* EXCLUDE (asset, id),
-             CASE WHEN m.outcome != 'stored' THEN m.outcome
-                  WHEN i.id IS NULL THEN 'pending'
-                  WHEN l.id IS NOT NULL THEN 'filtered'
-                  ELSE i.outcome END AS outcome,
-             CASE WHEN m.outcome != 'stored' THEN m.reason
-                  WHEN l.id IS NOT NULL THEN 'duplicate_content'
-                  ELSE i.reason END AS reason
-      FROM read_parquet({cards}, union_by_name=true) c
-      JOIN (SELECT partition, id, outcome, reason FROM read_parquet({meta}, union_by_name=true)
-            WHERE asset = 'pd12m_metadata') m ON m.partition = c.partition AND m.id = c.id
-      LEFT JOIN (SELECT partition, id, outcome, reason FROM read_parquet({images},
-                 union_by_name=true) WHERE asset = 'images_256') i
-             ON i.partition = c.partition AND i.id = c.id
-      LEFT JOIN losers l ON l.partition = c.partition AND l.id = c.id
-      WHERE c.asset IS NOT NULL)
-    SELECT partition, 'outcome' AS section, outcome || coalesce(':' || reason, '') AS item,
-           NULL::DOUBLE AS value, count(*) AS n FROM r GROUP BY ALL
-    UNION ALL {counts("license", "license")}
-    UNION ALL {counts("source", "source")}
-    UNION ALL {counts("aspect", bucket, "AND orig_width IS NOT NULL")}
-    UNION ALL {counts("bucket", "bucket", "AND bucket IS NOT NULL")}
-    UNION ALL {hist("kept", "kept")}
-    UNION ALL {hist("caption_chars", "caption_chars")}
-    UNION ALL {hist("caption_tokens", "caption_tokens")}
-    UNION ALL {hist("orig_long_side", "greatest(orig_width, orig_height)")}
-    UNION ALL {hist("orig_short_side", "least(orig_width, orig_height)")}
-    UNION ALL {hist("aspect_value", f"round({_ASPECT}, 3)")}
-    UNION ALL {hist("max_tokens", "max_tokens")}
-    UNION ALL SELECT partition, 'text', 'captions_over_max_tokens', NULL,
-                     count(*) FILTER (caption_tokens > max_tokens) {stored} GROUP BY ALL
-    UNION ALL SELECT partition, 'text', 'tokenized', NULL, count(caption_tokens) {stored}
-              GROUP BY ALL"""
+def _bins(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(bin value, rows) of the values ``x``: whole numbers below :data:`EXACT_BELOW` exactly,
+    others at the nearest power of :data:`BIN_RATIO`."""
+    exact = (x == np.floor(x)) & (x < EXACT_BELOW)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        binned = np.exp(np.round(np.log(x) / _LOG_RATIO) * _LOG_RATIO)
+    v = np.where(exact | (x <= 0), x, binned)
+    return np.unique(v, return_counts=True)
 
 
-def _refresh_cards(con, layout: DataLayout, s: Path, state: _State, changes: _Changes,
+def _aspect_bucket(a: np.ndarray) -> np.ndarray:
+    edges = np.array([1.25, 1.5, 2.0, 3.0])
+    names = np.array(["1-1.25", "1.25-1.5", "1.5-2", "2-3", ">=3"], dtype=object)
+    return names[np.searchsorted(edges, a, side="right")]
+
+
+def _outcomes(cards: pa.Table, meta: pa.Table | None, images: pa.Table | None,
+              losers: set[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    """Each card row's final outcome and reason by the ``dataset_rows`` rules (the metadata's;
+    else the image stage's, ``pending`` before it ran, a content duplicate's ``filtered:
+    duplicate_content``), and which card rows have a metadata row at all."""
+    import pyarrow.compute as pc
+
+    ids = cards.column("id")
+    n = len(ids)
+
+    def lookup(t: pa.Table | None):
+        if t is None or not t.num_rows:
+            return np.zeros(n, bool), np.full(n, None, object), np.full(n, None, object)
+        idx = pc.index_in(ids, value_set=t.column("id"))
+        has = pc.is_valid(idx).to_numpy(zero_copy_only=False)
+        take = pc.fill_null(idx, 0)
+        out = t.column("outcome").take(take).to_numpy(zero_copy_only=False)
+        why = t.column("reason").take(take).to_numpy(zero_copy_only=False)
+        return has, out, why
+
+    has_m, m_out, m_why = lookup(meta)
+    has_i, i_out, i_why = lookup(images)
+    lost = (pc.is_in(ids, value_set=pa.array(sorted(losers), pa.string())).to_numpy(
+        zero_copy_only=False) if losers else np.zeros(n, bool))  # fmt: skip
+    by_meta = m_out != "stored"
+    outcome = np.where(by_meta, m_out, np.where(~has_i, "pending",
+                       np.where(lost, "filtered", i_out)))  # fmt: skip
+    reason = np.where(by_meta, m_why, np.where(lost, "duplicate_content",
+                      np.where(has_i, i_why, None)))  # fmt: skip
+    return outcome, reason, has_m
+
+
+def card_summary(partition: str, cards: pa.Table, meta: pa.Table | None,
+                 images: pa.Table | None, losers: set[str]) -> pa.Table:  # fmt: skip
+    """One partition's data card from its card records and its metadata and image row
+    records (``losers``: its stored rows whose bytes an earlier row stored): rows per item of
+    each count section, each distribution's exact p10 / p50 / p90 / mean / max (+ sum and
+    count, which merge) and its bins (:func:`_bins`, which merge into the dataset's)."""
+    import pyarrow.compute as pc
+
+    outcome, reason, has_m = _outcomes(cards, meta, images, losers)
+    keep = np.flatnonzero(has_m)  # a card row without a metadata row is no input row
+    outcome, reason = outcome[keep], reason[keep]
+    stored = outcome == "stored"
+    rows = cards.take(pa.array(keep[stored], pa.int64()))
+    out: list[tuple] = []
+
+    def counts(section: str, values) -> None:
+        vc = pc.value_counts(pa.array(values) if not isinstance(values, pa.ChunkedArray)
+                             else values.combine_chunks())  # fmt: skip
+        for v, k in zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist()):
+            out.append((section, "(none)" if v is None else str(v), None, int(k)))
+
+    def floats(name: str) -> np.ndarray:
+        if name not in rows.column_names:
+            return np.full(rows.num_rows, np.nan)
+        return rows.column(name).cast(pa.float64()).to_numpy(zero_copy_only=False)
+
+    items = np.where(reason == None, outcome, outcome + ":" + reason.astype(str))  # noqa: E711
+    counts("outcome", items.astype(str))
+    for section in ("license", "source"):
+        if section in rows.column_names:
+            counts(section, rows.column(section).cast(pa.string()))
+        else:
+            counts(section, pa.nulls(rows.num_rows, pa.string()))
+    w, h = floats("orig_width"), floats("orig_height")
+    long_side, short_side = np.fmax(w, h), np.fmin(w, h)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        aspect = long_side / short_side
+    counts("aspect", _aspect_bucket(aspect[~np.isnan(w)]).astype(str))
+    if "bucket" in rows.column_names:
+        counts("bucket", rows.column("bucket").drop_null())
+    values = {
+        "kept": floats("kept"),
+        "caption_chars": floats("caption_chars"),
+        "caption_tokens": floats("caption_tokens"),
+        "orig_long_side": long_side,
+        "orig_short_side": short_side,
+    }
+    for section, x in values.items():
+        x = x[~np.isnan(x)]
+        if not len(x):
+            continue
+        q = np.quantile(x, [0.1, 0.5, 0.9])
+        for item, v in zip(("p10", "p50", "p90", "mean", "max", "sum", "count"),
+                           (*q, x.mean(), x.max(), x.sum(), len(x))):  # fmt: skip
+            out.append((section, item, float(v), None))
+        out += [(section, "bin", float(v), int(k)) for v, k in zip(*_bins(x))]
+    for section, x in (("aspect_value", aspect), ("max_tokens", floats("max_tokens"))):
+        x = x[~np.isnan(x)]
+        out += [(section, "bin", float(v), int(k)) for v, k in zip(*_bins(x))]
+    if rows.num_rows:
+        tokens, most = floats("caption_tokens"), floats("max_tokens")
+        with np.errstate(invalid="ignore"):
+            over = int(np.sum(tokens > most))
+        out.append(("text", "captions_over_max_tokens", None, over))
+        out.append(("text", "tokenized", None, int(np.sum(~np.isnan(tokens)))))
+    sections, items_, vals, ns = zip(*out) if out else ((), (), (), ())
+    return pa.table({"partition": pa.repeat(pa.scalar(partition, pa.string()), len(out)),
+                     "section": pa.array(sections, pa.string()),
+                     "item": pa.array(items_, pa.string()),
+                     "value": pa.array(vals, pa.float64()),
+                     "n": pa.array(ns, pa.int64())}, schema=CARD_SUMMARY_SCHEMA)  # fmt: skip
+
+
+def _ident(path: Path) -> list | None:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return [st.st_ino, st.st_size, st.st_mtime_ns]
+
+
+def _card_inputs(layout: DataLayout, partition: str, losers: set[str]) -> dict:
+    """What a partition's card summary is made from: its card, metadata and image row records
+    (inode, size, mtime) and its content losers."""
+    c = layout.catalog_dir
+    return {
+        "cards": _ident(c / "cards" / "data_card" / f"{partition}.parquet"),
+        "meta": _ident(c / "rows" / "pd12m_metadata" / f"{partition}.parquet"),
+        "images": _ident(c / "rows" / "images_256" / f"{partition}.parquet"),
+        "losers": sorted(losers),
+    }
+
+
+def _losers_of(s: Path, partitions: Iterable[str]) -> dict[str, set[str]]:
+    p = s / "content_losers.parquet"
+    want = set(partitions)
+    out: dict[str, set[str]] = {k: set() for k in want}
+    if p.exists():
+        t = pq.read_table(p, columns=["partition", "id"])
+        for k, i in zip(t.column("partition").to_pylist(), t.column("id").to_pylist()):
+            if k in want:
+                out[k].add(i)
+    return out
+
+
+def write_card_summary(layout: DataLayout, partition: str, losers: set[str] | None = None) -> None:
+    """Summarise one partition's data card from its records as they are now (the data card
+    asset calls it when it writes the card records, so that no catalog query has to); its
+    inputs' identities go into the file, so a refresh redoes it only when one changed."""
+    s = summary_dir(layout)
+    if losers is None:
+        losers = _losers_of(s, [partition])[partition]
+    inputs = _card_inputs(layout, partition, losers)  # before reading: a later change shows
+    c = layout.catalog_dir
+
+    def read(path: Path, columns=None) -> pa.Table | None:
+        try:
+            return pq.read_table(path, columns=columns)
+        except FileNotFoundError:
+            return None
+
+    cards = read(c / "cards" / "data_card" / f"{partition}.parquet")
+    if cards is None:
+        card_summary_path(layout, partition).unlink(missing_ok=True)
+        return
+    cols = ["id", "outcome", "reason"]
+    t = card_summary(partition, cards, read(c / "rows" / "pd12m_metadata" / f"{partition}.parquet",
+                                             cols),
+                     read(c / "rows" / "images_256" / f"{partition}.parquet", cols), losers)  # fmt: skip
+    t = t.replace_schema_metadata({"flowmatch_inputs": json.dumps(inputs)})
+    _write_table(card_summary_path(layout, partition), t)
+
+
+def _card_is_current(layout: DataLayout, s: Path, partition: str, losers: set[str]) -> bool:
+    try:
+        meta = pq.read_schema(card_summary_path(layout, partition)).metadata or {}
+        made = json.loads(meta.get(b"flowmatch_inputs", b"null"))
+    except (OSError, ValueError, pa.ArrowInvalid):
+        return False
+    return made == _card_inputs(layout, partition, losers)
+
+
+def _refresh_cards(layout: DataLayout, s: Path, state: _State, changes: _Changes,
                    losers_changed: bool) -> None:  # fmt: skip
-    """Re-summarise the cards whose inputs changed: the card records, the partition's metadata
-    and image row records, or its content losers."""
-    c, d = layout.catalog_dir, s / "cards"
-    if not (d / "_empty.parquet").exists():  # so that the view's glob always matches
-        _write_table(d / "_empty.parquet", CARD_SUMMARY_SCHEMA.empty_table())
+    """Re-summarise the cards whose inputs changed (their card records, their metadata or
+    image row records, their content losers) and whose summary was not written with them."""
+    empty = card_summary_path(layout, "_empty")
+    if not empty.exists():  # so that the view's glob always matches
+        _write_table(empty, CARD_SUMMARY_SCHEMA.empty_table())
     for p in changes.gone.get("cards", []):
-        (d / f"{p.stem}.parquet").unlink(missing_ok=True)
+        card_summary_path(layout, p.stem).unlink(missing_ok=True)
     rows = [*changes.changed.get("rows", []), *changes.gone.get("rows", [])]
     touched = {p.stem for p in changes.changed.get("cards", [])}
     touched |= {p.stem for p in rows if p.parent.name in ("pd12m_metadata", "images_256")}
-    if not (touched or losers_changed):
-        return
-    card_files = {Path(n).stem: c / "cards" / "data_card" / n
-                  for n in state.listing("cards/data_card")}  # fmt: skip
-    losers = pq.read_table(s / "content_losers.parquet", columns=["partition", "id"])
     if losers_changed:  # a partition whose losers changed: its card changes
-        now = set(losers.column("partition").to_pylist())
+        t = pq.read_table(s / "content_losers.parquet", columns=["partition"])
+        now = set(t.column("partition").to_pylist())
         prev = s / "content_losers.partitions.json"
         touched |= now | (set(json.loads(prev.read_text())) if prev.exists() else set())
         _write_bytes(prev, json.dumps(sorted(now)).encode())
-    todo = sorted(p for p in touched if p in card_files)
-    con.register("losers", losers)
-    meta_dir, img_dir = c / "rows" / "pd12m_metadata", c / "rows" / "images_256"
-    empty = c / "rows" / "_empty" / "_empty.parquet"
-    for i in range(0, len(todo), BATCH):
-        batch = todo[i : i + BATCH]
-        meta = [meta_dir / f"{p}.parquet" for p in batch if (meta_dir / f"{p}.parquet").exists()]
-        imgs = [img_dir / f"{p}.parquet" for p in batch if (img_dir / f"{p}.parquet").exists()]
-        sql = _card_sql(_sql_list([card_files[p] for p in batch]), _sql_list([empty, *meta]),
-                        _sql_list([empty, *imgs]))  # fmt: skip
-        t = con.sql(sql).to_arrow_table()
-        t = t.rename_columns(CARD_SUMMARY_SCHEMA.names).cast(CARD_SUMMARY_SCHEMA)
-        t = t.sort_by([("partition", "ascending"), ("section", "ascending"),
-                       ("value", "ascending")])  # fmt: skip
-        parts = t.column("partition").to_numpy(zero_copy_only=False)
-        bounds = np.flatnonzero(np.r_[True, parts[1:] != parts[:-1], True])
-        made = set()
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            _write_table(d / f"{parts[a]}.parquet", t.slice(a, b - a))
-            made.add(parts[a])
-        for p in batch:  # a card with no rows joined (no metadata records): an empty card
-            if p not in made:
-                _write_table(d / f"{p}.parquet", CARD_SUMMARY_SCHEMA.empty_table())
+    if not touched:
+        return
+    cards = {Path(n).stem for n in state.listing("cards/data_card")}
+    todo = sorted(p for p in touched if p in cards)
+    losers = _losers_of(s, todo)
+    for p in todo:
+        if not _card_is_current(layout, s, p, losers[p]):
+            write_card_summary(layout, p, losers[p])

@@ -96,7 +96,7 @@ def _view_sql(layout: DataLayout) -> list[str]:
     s = summary.summary_dir(layout)
     mat = _sql_str(s / "materializations.parquet")
     outcomes = _sql_str(s / "outcomes.parquet")
-    cards_summary = _sql_str(s / "cards" / "*.parquet")
+    cards_summary = _sql_str(c / "card_summaries" / "*.parquet")
     losers = _sql_str(s / "content_losers.parquet")
     parts = _sql_str(c / "partitions.parquet")
     evals = _sql_str(c / "evaluations" / "*" / "*.parquet")
@@ -257,25 +257,24 @@ def _dedupe_views(layout: DataLayout, legacy: frozenset[str], losers: str) -> li
     ]
 
 
-#: The data card's distributions (p10 / p50 / p90 / mean / max of the stored rows).
-CARD_STATS = ("kept", "caption_chars", "caption_tokens", "orig_long_side", "orig_short_side")
-#: Its count sections whose shares are of the section's total.
+#: The data card's count sections whose shares are of the section's total.
 CARD_SHARED = ("outcome", "license", "source", "aspect", "bucket")
 
 
 def _quantile(q: float) -> str:
-    """``quantile_cont(value, q)`` of an exact histogram (``lo<q>``: the value at row
+    """``quantile_cont(value, q)`` over the dataset's merged bins (``lo<q>``: the value at row
     floor((n - 1) q), ``hi<q>``: the next row's), interpolated as DuckDB's quantile_cont."""
-    k = f"((total - 1) * {q})"
-    return f"lo{int(q * 100)} + ({k} - floor({k})) * (coalesce(hi{int(q * 100)}, lo{int(q * 100)}) - lo{int(q * 100)})"
+    k, c = f"((total - 1) * {q})", int(q * 100)
+    return f"lo{c} + ({k} - floor({k})) * (coalesce(hi{c}, lo{c}) - lo{c})"
 
 
 def _data_card_views(layout: DataLayout, legacy: frozenset[str], summaries: str) -> list[str]:
     """The data card (flowmatch_assets/reports/data_card.py): per partition and whole dataset,
-    from each partition's summary (catalog/summary.py: counts and exact histograms, so the
-    dataset's quantiles are exact without reading a per-row record)."""
+    from each partition's summary (catalog/summary.py: counts, exact statistics and bins), so
+    no per-row record is read; the dataset's quantiles come from the merged bins (within 0.5%;
+    whole numbers below 256 exactly), its mean and max are exact."""
     order = ", ".join(f"('{s}', {i})" for i, s in enumerate(CARD_SECTIONS))
-    stats = ", ".join(f"'{x}'" for x in CARD_STATS)
+    stats = ", ".join(f"'{x}'" for x in summary.CARD_STATS)
     shared = ", ".join(f"'{x}'" for x in CARD_SHARED)
     bounds = ", ".join(
         f"min(value) FILTER (cum > floor((total - 1) * {q})) AS lo{int(q * 100)}, "
@@ -283,14 +282,9 @@ def _data_card_views(layout: DataLayout, legacy: frozenset[str], summaries: str)
         for q in (0.1, 0.5, 0.9)
     )
     outcome = "split_part(item, ':', 1)"
-    share = ", ".join(
-        f"coalesce(sum(n) FILTER ({outcome} = '{o}'), 0) / sum(n)"
-        for o in ("stored", "filtered", "failed", "pending")
-    )
-    counts = ", ".join(
-        f"coalesce(sum(n) FILTER ({outcome} = '{o}'), 0)"
-        for o in ("stored", "filtered", "failed", "pending")
-    )
+    outcomes = ("stored", "filtered", "failed", "pending")
+    counts = ", ".join(f"coalesce(sum(n) FILTER ({outcome} = '{o}'), 0)" for o in outcomes)
+    share = ", ".join(f"coalesce(sum(n) FILTER ({outcome} = '{o}'), 0) / sum(n)" for o in outcomes)
     return [
         # every row of every card: its facts and its final outcome (per row; the card itself
         # reads data_card_summary)
@@ -299,58 +293,67 @@ def _data_card_views(layout: DataLayout, legacy: frozenset[str], summaries: str)
             FROM {_glob(layout, "cards", legacy)} c
             JOIN dataset_rows d ON d.partition = c.partition AND d.id = c.id
             WHERE c.asset IS NOT NULL""",
-        # each partition's card: rows per item of a count section, per value of a distribution
+        # each partition's card: rows per item of a count section; per distribution its
+        # statistics (p10, p50, p90, mean, max, sum, count: value) and bins (item 'bin')
         f"""CREATE OR REPLACE VIEW data_card_summary AS
             SELECT * FROM read_parquet({summaries}) WHERE partition IS NOT NULL""",
-        # the distributions as histograms, per partition and for the dataset (the picture)
+        # the distributions' bins, per partition and for the dataset (the card's picture)
         """CREATE OR REPLACE VIEW data_card_histograms AS
             SELECT partition AS scope, section, value, n FROM data_card_summary
-            WHERE value IS NOT NULL
+            WHERE item = 'bin'
             UNION ALL
             SELECT 'dataset', section, value, sum(n) FROM data_card_summary
-            WHERE value IS NOT NULL GROUP BY section, value""",
+            WHERE item = 'bin' GROUP BY section, value""",
         f"""CREATE OR REPLACE VIEW data_card AS
-            WITH s AS (
-              SELECT partition AS scope, section, item, value, n FROM data_card_summary
+            WITH s AS MATERIALIZED (SELECT * FROM data_card_summary),
+            counts AS (
+              SELECT partition AS scope, section, item, n FROM s WHERE n IS NOT NULL
+                AND item != 'bin'
               UNION ALL
-              SELECT 'dataset', section, item, value, sum(n) FROM data_card_summary
-              GROUP BY section, item, value),
+              SELECT 'dataset', section, item, sum(n) FROM s WHERE n IS NOT NULL
+                AND item != 'bin' GROUP BY section, item),
             h AS (
-              SELECT scope, section, value, n,
-                     sum(n) OVER (PARTITION BY scope, section ORDER BY value) AS cum,
-                     sum(n) OVER (PARTITION BY scope, section) AS total
-              FROM s WHERE section IN ({stats})),
-            q AS (
-              SELECT scope, section, any_value(total) AS total,
-                     sum(value * n) / sum(n) AS mean, max(value) AS max, {bounds}
-              FROM h GROUP BY scope, section),
+              SELECT section, value, n,
+                     sum(n) OVER (PARTITION BY section ORDER BY value) AS cum,
+                     sum(n) OVER (PARTITION BY section) AS total
+              FROM (SELECT section, value, sum(n) AS n FROM s
+                    WHERE item = 'bin' AND section IN ({stats}) GROUP BY section, value)),
+            q AS (SELECT section, any_value(total) AS total, {bounds} FROM h GROUP BY section),
+            m AS (
+              SELECT section, sum(value) FILTER (item = 'sum')
+                              / sum(value) FILTER (item = 'count') AS mean,
+                     max(value) FILTER (item = 'max') AS max
+              FROM s WHERE section IN ({stats}) GROUP BY section),
             parts AS (
               SELECT scope, 'rows' AS section,
                      unnest(['input', 'stored', 'filtered', 'failed', 'pending']) AS item,
                      unnest([sum(n), {counts}])::DOUBLE AS value,
                      unnest([1.0, {share}]) AS share
-              FROM s WHERE section = 'outcome' GROUP BY scope
+              FROM counts WHERE section = 'outcome' GROUP BY scope
               UNION ALL
-              SELECT scope, section, item, n::DOUBLE, NULL::DOUBLE FROM s
+              SELECT scope, section, item, n::DOUBLE, NULL::DOUBLE FROM counts
               WHERE section IN ({shared})
               UNION ALL
-              SELECT scope, section, unnest(['p10', 'p50', 'p90', 'mean', 'max']),
+              SELECT partition, section, item, value, NULL::DOUBLE FROM s
+              WHERE section IN ({stats}) AND item IN ('p10', 'p50', 'p90', 'mean', 'max')
+              UNION ALL
+              SELECT 'dataset', section, unnest(['p10', 'p50', 'p90', 'mean', 'max']),
                      unnest([{_quantile(0.1)}, {_quantile(0.5)}, {_quantile(0.9)},
                              mean, max])::DOUBLE, NULL::DOUBLE
-              FROM q
+              FROM q JOIN m USING (section)
               UNION ALL
               SELECT scope, 'text', 'captions_over_max_tokens',
                      sum(n) FILTER (item = 'captions_over_max_tokens')::DOUBLE,
                      sum(n) FILTER (item = 'captions_over_max_tokens')
                        / nullif(sum(n) FILTER (item = 'tokenized'), 0)
-              FROM s WHERE section = 'text' GROUP BY scope
+              FROM counts WHERE section = 'text' GROUP BY scope
               UNION ALL
               SELECT CASE WHEN grouping(partition) = 1 THEN 'dataset' ELSE partition END,
                      'text', 'fp16_saturated_values',
                      sum(CAST(extra->>'$.fp16_saturated' AS BIGINT))::DOUBLE, NULL
               FROM materializations
               WHERE extra->>'$.fp16_saturated' IS NOT NULL
-                AND partition IN (SELECT partition FROM data_card_summary)
+                AND partition IN (SELECT partition FROM s)
               GROUP BY GROUPING SETS ((partition), ())
             )
             SELECT p.scope, p.section, p.item, p.value,
