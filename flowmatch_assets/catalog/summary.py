@@ -46,6 +46,7 @@ from flowmatch_assets.catalog.records import (
     DUPLICATE_SCHEMA,
     MATERIALIZATION_SCHEMA,
     ROW_SCHEMA,
+    SUMMARY_KEY,
 )
 from flowmatch_models.layout import DataLayout
 
@@ -229,14 +230,23 @@ def _scan(layout: DataLayout, state: _State, kinds: Sequence[str]) -> tuple[_Cha
     return changes, listed
 
 
-def _current(path: Path, schema: pa.Schema) -> bool:
-    """Whether a record file has every column of today's ``schema`` (else: an older record,
-    read with ``union_by_name``)."""
-    try:
-        names = set(pq.read_schema(path).names)
-    except Exception:  # noqa: BLE001 - unreadable or gone: the views' glob will say so
-        return True
-    return set(schema.names) <= names
+def _footers(paths: Iterable[Path]) -> dict[Path, pq.FileMetaData]:
+    """The parquet footer of each file (a file gone meanwhile is left out)."""
+    out = {}
+    for p in paths:
+        try:
+            out[p] = pq.read_metadata(p)
+        except FileNotFoundError:
+            continue
+        except Exception:  # noqa: BLE001 - unreadable: the views' glob will say so
+            continue
+    return out
+
+
+def _own_summary(md: pq.FileMetaData):
+    """The summary a record file carries in its footer (records.SUMMARY_KEY), or None."""
+    raw = (md.metadata or {}).get(SUMMARY_KEY)
+    return None if raw is None else json.loads(raw)
 
 
 # --------------------------------------------------------------------------------- refresh
@@ -271,9 +281,10 @@ def _read(con, paths: Sequence[Path], select: str, tail: str = "") -> pa.Table:
             paths = present
 
 
-def _replace_rows(path: Path, keep_out: set[str], new: pa.Table | None, schema: pa.Schema):
+def _replace_rows(path: Path, keep_out: set[str], news: Sequence[pa.Table | None],
+                  schema: pa.Schema) -> None:  # fmt: skip
     """A summary table (with a ``filename`` column) without the rows of ``keep_out`` files,
-    plus ``new``'s rows; written atomically."""
+    plus the rows of ``news``; written atomically."""
     full = schema.append(pa.field("filename", pa.string()))
     old = pq.read_table(path) if path.exists() else full.empty_table()
     if keep_out and old.num_rows:
@@ -282,7 +293,9 @@ def _replace_rows(path: Path, keep_out: set[str], new: pa.Table | None, schema: 
         mask = pc.invert(pc.is_in(old.column("filename"), value_set=pa.array(sorted(keep_out))))
         old = old.filter(mask)
     parts = [old.select(full.names).cast(full)]
-    if new is not None and new.num_rows:
+    for new in news:
+        if new is None or not new.num_rows:
+            continue
         cols = {
             f.name: (new.column(f.name).cast(f.type) if f.name in new.column_names
                      else pa.nulls(new.num_rows, f.type))
@@ -323,16 +336,20 @@ def _refresh(layout: DataLayout, s: Path) -> frozenset[str]:
         _write_bytes(marker, _version().encode())
     state = _State(s)
     changes, listed = _scan(layout, state, ["materializations", *ROW_KINDS])
+    footers = _footers(p for k in ("materializations", *ROW_KINDS)
+                       for p in changes.changed.get(k, []))  # fmt: skip
     made = ("materializations.parquet", "outcomes.parquet", "content_losers.parquet")
     if (changes.changed or changes.gone or not all((s / m).exists() for m in made)
             or not card_summary_path(layout, "_empty").exists()):  # fmt: skip
-        _update(layout, s, state, changes)
+        _update(layout, s, state, changes, footers)
     for kind, schema in ROW_KINDS.items():  # which files are of an older schema
         for p in changes.changed.get(kind, []):
-            d = state.dirs.get(f"{kind}/{p.parent.name}")
-            if d is not None and not _current(p, schema):
+            d, md = state.dirs.get(f"{kind}/{p.parent.name}"), footers.get(p)
+            if d is None or md is None:
+                continue
+            if not set(schema.names) <= set(md.schema.names):
                 d["legacy"] = sorted({*d["legacy"], p.name})
-            elif d is not None and p.name in d["legacy"]:
+            elif p.name in d["legacy"]:
                 d["legacy"].remove(p.name)
     if listed:
         state.save(listed)
@@ -341,15 +358,16 @@ def _refresh(layout: DataLayout, s: Path) -> frozenset[str]:
     return legacy
 
 
-def _update(layout: DataLayout, s: Path, state: _State, changes: _Changes) -> None:
+def _update(layout: DataLayout, s: Path, state: _State, changes: _Changes,
+            footers: dict[Path, pq.FileMetaData]) -> None:  # fmt: skip
     spill = s / ".tmp-duckdb"
     try:
         with _con(spill) as con:
             if changes.any("materializations") or not (s / "materializations.parquet").exists():
-                _refresh_materializations(con, s, changes)
+                _refresh_materializations(con, s, changes, footers)
             if changes.any("rows") or not (s / "outcomes.parquet").exists():
-                _refresh_outcomes(con, s, changes)
-            losers_changed = _refresh_content(con, layout, s, changes)
+                _refresh_outcomes(con, s, changes, footers)
+            losers_changed = _refresh_content(layout, s, state, changes)
             _refresh_cards(layout, s, state, changes, losers_changed)
     finally:
         shutil.rmtree(spill, ignore_errors=True)
@@ -370,73 +388,151 @@ def legacy_kinds(layout: DataLayout) -> frozenset[str]:
         return frozenset()
 
 
-def _refresh_materializations(con, s: Path, changes: _Changes) -> None:
+def _refresh_materializations(con, s: Path, changes: _Changes, footers: dict) -> None:
+    """Every changed record's row from its footer; a record written before footers carried
+    it (an older flowmatch) is read whole, by name."""
+    import datetime as dt
+
     changed = changes.changed.get("materializations", [])
     out = {str(p) for p in [*changed, *changes.gone.get("materializations", [])]}
-    new = _read(con, changed, "*", "WHERE asset IS NOT NULL") if changed else None
+    rows, legacy = [], []
+    for p in changed:
+        row = _own_summary(footers[p]) if p in footers else None
+        if row is None:
+            legacy.append(p)
+            continue
+        if row.get("written_at"):
+            row["written_at"] = dt.datetime.fromisoformat(row["written_at"])
+        rows.append({**row, "filename": str(p)})
+    schema = MATERIALIZATION_SCHEMA.append(pa.field("filename", pa.string()))
+    new = [pa.Table.from_pylist(rows, schema=schema)]
+    if legacy:
+        new.append(_read(con, legacy, "*", "WHERE asset IS NOT NULL"))
     _replace_rows(s / "materializations.parquet", out, new, MATERIALIZATION_SCHEMA)
 
 
-def _refresh_outcomes(con, s: Path, changes: _Changes) -> None:
+def _refresh_outcomes(con, s: Path, changes: _Changes, footers: dict) -> None:
+    """Rows per outcome and reason of every changed row record, from its footer (a record
+    written before footers carried them: from its rows)."""
     changed = changes.changed.get("rows", [])
     out = {str(p) for p in [*changed, *changes.gone.get("rows", [])]}
-    new = None
-    if changed:
-        new = _read(con, changed, "asset, partition, outcome, reason, count(*) AS rows, filename",
-                    "WHERE asset IS NOT NULL GROUP BY ALL")  # fmt: skip
+    rows, legacy = [], []
+    for p in changed:
+        own = _own_summary(footers[p]) if p in footers else None
+        if own is None:
+            legacy.append(p)
+            continue
+        rows += [{"asset": p.parent.name, "partition": p.stem, "outcome": o, "reason": why,
+                  "rows": n, "filename": str(p)} for o, why, n in own["outcomes"]]  # fmt: skip
+    schema = OUTCOME_SCHEMA.append(pa.field("filename", pa.string()))
+    new = [pa.Table.from_pylist(rows, schema=schema)]
+    for i in range(0, len(legacy), BATCH):
+        new.append(_read(con, legacy[i : i + BATCH],
+                         "asset, partition, outcome, reason, count(*) AS rows, filename",
+                         "WHERE asset IS NOT NULL GROUP BY ALL"))  # fmt: skip
     _replace_rows(s / "outcomes.parquet", out, new, OUTCOME_SCHEMA)
 
 
 # ------------------------------------------------------------------------ content duplicates
 
+_HEX = np.full(256, 255, np.uint8)
+for _i, _c in enumerate(b"0123456789abcdef"):
+    _HEX[_c] = _HEX[ord(chr(_c).upper())] = _i
 
-def _refresh_content(con, layout: DataLayout, s: Path, changes: _Changes) -> bool:
-    """Per changed content record its sorted md5 hashes; then, if any changed (or which
-    partitions have images_256 changed), the rows whose bytes an earlier row stored too.
-    Returns whether the losers were recomputed."""
-    d = s / "content"
-    d.mkdir(exist_ok=True)
-    for p in changes.gone.get("content", []):
-        (d / f"{p.stem}.u64").unlink(missing_ok=True)
-    changed = changes.changed.get("content", [])
-    for i in range(0, len(changed), BATCH):
-        t = _read(con, changed[i : i + BATCH],
-                  "parse_filename(filename, true) AS p, list(hash(md5) ORDER BY hash(md5)) AS h",
-                  "WHERE asset IS NOT NULL AND md5 IS NOT NULL GROUP BY ALL")  # fmt: skip
-        done = set()
-        for p, h in zip(t.column("p").to_pylist(), t.column("h").to_numpy(zero_copy_only=False)):
-            _write_bytes(d / f"{p}.u64", np.asarray(h, np.uint64).tobytes())
-            done.add(p)
-        for p in changed[i : i + BATCH]:  # no stored md5 at all
-            if p.stem not in done:
-                _write_bytes(d / f"{p.stem}.u64", b"")
-    images_changed = any("/images_256/" in str(p) for p in [
+
+def md5_hashes(md5: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """A 64-bit hash of each md5 (its first 16 hex digits; another string: sha256 of it),
+    nulls left out: what finds the repeated md5s without holding the strings."""
+    import hashlib
+
+    import pyarrow.compute as pc
+
+    arr = md5.combine_chunks() if isinstance(md5, pa.ChunkedArray) else md5
+    arr = arr.drop_null().cast(pa.string())
+    n = len(arr)
+    if not n:
+        return np.zeros(0, np.uint64)
+    hexed = pc.fill_null(pc.match_substring_regex(arr, "^[0-9a-fA-F]{16}"), False)
+    head = pc.utf8_slice_codeunits(pc.if_else(hexed, arr, pa.scalar("0" * 16)), 0, 16)
+    fixed = head.cast(pa.binary()).cast(pa.binary(16))
+    raw = np.frombuffer(fixed.buffers()[1], np.uint8)[fixed.offset * 16 : (fixed.offset + n) * 16]
+    nib = _HEX[raw.reshape(n, 16)].astype(np.uint64)
+    h = np.zeros(n, np.uint64)
+    for k in range(16):
+        h = (h << np.uint64(4)) | nib[:, k]
+    for i in np.flatnonzero(~hexed.to_numpy(zero_copy_only=False)):
+        digest = hashlib.sha256(arr[int(i)].as_py().encode()).digest()
+        h[i] = np.frombuffer(digest[:8], ">u8")[0]
+    return h
+
+
+def content_hashes_path(layout: DataLayout, partition: str) -> Path:
+    """A partition's sorted md5 hashes: ``[inode, size, mtime_ns]`` of the content record they
+    were made from (3 x uint64), then the hashes (uint64)."""
+    return layout.catalog_dir / "content_hashes" / f"{partition}.u64"
+
+
+def write_content_hashes(layout: DataLayout, partition: str, md5, ident: list[int]) -> None:
+    """Write a partition's md5 hashes (``record_content`` calls it with the record it wrote)."""
+    h = np.sort(md5_hashes(md5), kind="stable")
+    _write_bytes(content_hashes_path(layout, partition),
+                 np.asarray(ident, np.uint64).tobytes() + h.tobytes())  # fmt: skip
+
+
+def _content_hashes(layout: DataLayout, partition: str, ident: list[int] | None) -> np.ndarray:
+    """The partition's md5 hashes for its content record of identity ``ident`` (made again
+    from the record when the file beside it was made from another)."""
+    p = content_hashes_path(layout, partition)
+    try:
+        raw = np.fromfile(p, np.uint64)
+        if ident is not None and len(raw) >= 3 and raw[:3].tolist() == list(ident):
+            return raw[3:]
+    except (OSError, ValueError):
+        pass
+    rec = layout.catalog_dir / "content" / "images_256" / f"{partition}.parquet"
+    try:
+        md5 = pq.read_table(rec, columns=["md5"]).column("md5")
+    except (OSError, pa.ArrowInvalid, KeyError):
+        return np.zeros(0, np.uint64)
+    if ident is not None:
+        write_content_hashes(layout, partition, md5, ident)
+    return np.sort(md5_hashes(md5), kind="stable")
+
+
+def _refresh_content(layout: DataLayout, s: Path, state: _State, changes: _Changes) -> bool:
+    """If a content record changed (or which partitions have images_256 did), find the stored
+    rows whose bytes an earlier row (dataset order) stored too: the repeated hashes over every
+    partition's, then the exact md5s of the rows that have one. Returns whether they changed."""
+    import pyarrow.compute as pc
+
+    images_changed = any(p.parent.name == "images_256" for p in [
         *changes.changed.get("materializations", []), *changes.gone.get("materializations", [])])  # fmt: skip
     losers = s / "content_losers.parquet"
-    if not (changed or changes.gone.get("content") or images_changed or not losers.exists()):
+    if not (changes.any("content") or images_changed or not losers.exists()):
         return False
     made = _materialized(s, "images_256")
-    parts = sorted(p.stem for p in d.glob("*.u64") if p.stem in made)
-    dup = _repeated_hashes([d / f"{p}.u64" for p in parts])
+    listing = state.listing("content/images_256")
+    parts = sorted(Path(n).stem for n in listing if Path(n).stem in made)
+    hashes = {p: _content_hashes(layout, p, listing[f"{p}.parquet"]) for p in parts}
+    dup = _repeated_hashes(list(hashes.values()))
     rows = LOSER_SCHEMA.empty_table()
     if len(dup):
         c = layout.catalog_dir / "content" / "images_256"
-        con.register("dup_hashes", pa.table({"h": pa.array(dup, pa.uint64())}))
-        hit = [c / f"{p}.parquet" for p, f in zip(parts, _files_with(d, parts, dup)) if f]
-        t = _read(con, hit, "partition, id, position, md5",
-                  "WHERE asset IS NOT NULL AND md5 IS NOT NULL "
-                  "AND hash(md5) IN (SELECT h FROM dup_hashes)")  # fmt: skip
-        con.register("cand", t)
-        rows = (
-            con.sql(
-                """SELECT partition, id, md5, first(partition ORDER BY partition, position)
-                   OVER w AS kept_partition, first(id ORDER BY partition, position) OVER w AS
-                   kept_id FROM cand WINDOW w AS (PARTITION BY md5)
-               QUALIFY (partition, id) <> (kept_partition, kept_id)"""
-            )
-            .to_arrow_table()
-            .cast(LOSER_SCHEMA)
-        )
+        hit = [p for p in parts if np.isin(hashes[p], dup).any()]
+        cand = []
+        for p in hit:
+            t = pq.read_table(c / f"{p}.parquet", columns=["partition", "id", "position", "md5"])
+            t = t.filter(pc.is_valid(t.column("md5")))
+            mask = np.isin(md5_hashes(t.column("md5")), dup)
+            cand.append(t.filter(pa.array(mask)))
+        first: dict[str, tuple] = {}
+        allc = pa.concat_tables(cand).to_pylist()
+        for r in sorted(allc, key=lambda r: (r["partition"], r["position"])):
+            first.setdefault(r["md5"], (r["partition"], r["id"]))
+        rows = pa.Table.from_pylist([
+            {"partition": r["partition"], "id": r["id"], "md5": r["md5"],
+             "kept_partition": first[r["md5"]][0], "kept_id": first[r["md5"]][1]}
+            for r in allc if (r["partition"], r["id"]) != first[r["md5"]]], schema=LOSER_SCHEMA)  # fmt: skip
     old = pq.read_table(losers) if losers.exists() else None
     if old is None or not old.sort_by([("partition", "ascending"), ("id", "ascending")]).equals(
         rows.sort_by([("partition", "ascending"), ("id", "ascending")])
@@ -455,35 +551,23 @@ def _materialized(s: Path, asset: str) -> set[str]:
             if a == asset}  # fmt: skip
 
 
-def _repeated_hashes(files: Sequence[Path]) -> np.ndarray:
-    """The hashes found more than once across ``files`` (each sorted uint64), in passes over
-    ranges of the hash space so that at most ``HASHES_PER_PASS`` are in memory at once."""
-    total = sum(p.stat().st_size for p in files) // 8
+def _repeated_hashes(parts: Sequence[np.ndarray]) -> np.ndarray:
+    """The hashes found more than once across ``parts`` (each sorted), in passes over ranges
+    of the hash space so that at most ``HASHES_PER_PASS`` are sorted at once."""
+    total = sum(len(h) for h in parts)
     passes = max(1, -(-total // HASHES_PER_PASS))
     edges = [2**64 * k // passes for k in range(passes + 1)]
     out = []
     for lo, hi in zip(edges[:-1], edges[1:]):
-        lo_, hi_ = np.uint64(lo), np.uint64(min(hi, 2**64 - 1))
         chunk = []
-        for p in files:
-            h = np.fromfile(p, np.uint64)
-            a, b = np.searchsorted(h, lo_), len(h) if hi >= 2**64 else np.searchsorted(h, hi_)
+        for h in parts:
+            a = np.searchsorted(h, np.uint64(lo))
+            b = len(h) if hi >= 2**64 else np.searchsorted(h, np.uint64(hi))
             chunk.append(h[a:b])
-        if not chunk:
-            continue
-        h = np.concatenate(chunk)
-        h.sort()
+        h = np.concatenate(chunk) if chunk else np.zeros(0, np.uint64)
+        h.sort(kind="stable")  # a radix sort for integers
         out.append(np.unique(h[1:][h[1:] == h[:-1]]))
     return np.concatenate(out) if out else np.zeros(0, np.uint64)
-
-
-def _files_with(d: Path, parts: Sequence[str], hashes: np.ndarray) -> list[bool]:
-    """Which partitions' hash files hold any of ``hashes`` (sorted)."""
-    out = []
-    for p in parts:
-        h = np.fromfile(d / f"{p}.u64", np.uint64)
-        out.append(bool(len(h)) and bool(np.isin(h, hashes, assume_unique=False).any()))
-    return out
 
 
 # -------------------------------------------------------------------------------- data cards
@@ -500,11 +584,13 @@ _LOG_RATIO = float(np.log(BIN_RATIO))
 
 def _bins(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(bin value, rows) of the values ``x``: whole numbers below :data:`EXACT_BELOW` exactly,
-    others at the nearest power of :data:`BIN_RATIO`."""
-    exact = (x == np.floor(x)) & (x < EXACT_BELOW)
+    others at the nearest power of :data:`BIN_RATIO` (rounded, if all are whole numbers)."""
+    whole = x == np.floor(x)
     with np.errstate(divide="ignore", invalid="ignore"):
         binned = np.exp(np.round(np.log(x) / _LOG_RATIO) * _LOG_RATIO)
-    v = np.where(exact | (x <= 0), x, binned)
+    if whole.all():  # whole numbers stay whole (a bin above EXACT_BELOW is > 2 wide)
+        binned = np.round(binned)
+    v = np.where((whole & (x < EXACT_BELOW)) | (x <= 0), x, binned)
     return np.unique(v, return_counts=True)
 
 
