@@ -34,6 +34,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import duckdb
 import numpy as np
@@ -139,12 +140,20 @@ def _write_table(path: Path, table: pa.Table) -> None:
 # ---------------------------------------------------------------------------- record files
 
 
+class _File(NamedTuple):
+    """A record file: its path, its folder's name (the asset) and its stem (the partition)."""
+
+    path: str
+    asset: str
+    partition: str
+
+
 @dataclass
 class _Changes:
     """Per kind: the record files changed or new (re-read them) and gone (drop them)."""
 
-    changed: dict[str, list[Path]] = field(default_factory=dict)
-    gone: dict[str, list[Path]] = field(default_factory=dict)
+    changed: dict[str, list[_File]] = field(default_factory=dict)
+    gone: dict[str, list[_File]] = field(default_factory=dict)
 
     def any(self, kind: str) -> bool:
         return bool(self.changed.get(kind) or self.gone.get(kind))
@@ -206,8 +215,10 @@ def _scan(layout: DataLayout, state: _State, kinds: Sequence[str]) -> tuple[_Cha
                 continue  # the folder did not change since it was listed
             old = state.listing(rel)
             new: dict[str, list] = {}
+            base = str(folder)
             if st is not None:
-                for e in os.scandir(folder):
+                changed = changes.changed.setdefault(kind, [])
+                for e in os.scandir(base):
                     if not e.name.endswith(".parquet") or e.name.startswith("."):
                         continue
                     try:
@@ -216,9 +227,10 @@ def _scan(layout: DataLayout, state: _State, kinds: Sequence[str]) -> tuple[_Cha
                         continue
                     new[e.name] = [t.st_ino, t.st_size, t.st_mtime_ns]
                     if old.get(e.name) != new[e.name]:
-                        changes.changed.setdefault(kind, []).append(folder / e.name)
+                        changed.append(_File(e.path, asset, e.name[: -len(".parquet")]))
             for name in old.keys() - new.keys():
-                changes.gone.setdefault(kind, []).append(folder / name)
+                path = os.path.join(base, name)
+                changes.gone.setdefault(kind, []).append(_File(path, asset, name[:-8]))
             state.files[rel] = new
             if st is None:
                 state.dirs.pop(rel, None)
@@ -230,23 +242,68 @@ def _scan(layout: DataLayout, state: _State, kinds: Sequence[str]) -> tuple[_Cha
     return changes, listed
 
 
-def _footers(paths: Iterable[Path]) -> dict[Path, pq.FileMetaData]:
-    """The parquet footer of each file (a file gone meanwhile is left out)."""
+def _thrift_string(b: bytes) -> bytes:
+    """``b`` as a thrift compact-protocol string: its length (varint), then its bytes."""
+    n, out = len(b), bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out) + b
+
+
+_SUMMARY = _thrift_string(SUMMARY_KEY)
+
+
+class _Footer:
+    """A parquet file's footer, read as bytes (a tenth of what parsing it costs): whether it
+    names a column, and the record's own summary (``records.SUMMARY_KEY``)."""
+
+    def __init__(self, path: str):
+        with open(path, "rb") as f:
+            f.seek(-8, os.SEEK_END)
+            tail = f.read(8)
+            if tail[4:] != b"PAR1":
+                raise ValueError(f"{path}: not a parquet file")
+            n = int.from_bytes(tail[:4], "little")
+            f.seek(-8 - n, os.SEEK_END)
+            self.raw = f.read(n)
+        self.path = path
+
+    def has_columns(self, names: Iterable[str]) -> bool:
+        return all(_thrift_string(n.encode()) in self.raw for n in names)
+
+    def summary(self):
+        """The summary the writer put in the footer (a key-value pair: key, then field 2 of
+        type binary, 0x18, its length and bytes); None if there is none."""
+        i = self.raw.find(_SUMMARY)
+        if i < 0:
+            return None
+        j = i + len(_SUMMARY)
+        if self.raw[j] != 0x18:  # not laid out as pyarrow writes it: parse it properly
+            raw = (pq.read_metadata(self.path).metadata or {}).get(SUMMARY_KEY)
+            return None if raw is None else json.loads(raw)
+        j, n, shift = j + 1, 0, 0
+        while True:
+            b = self.raw[j]
+            j += 1
+            n |= (b & 0x7F) << shift
+            shift += 7
+            if b < 0x80:
+                break
+        return json.loads(self.raw[j : j + n])
+
+
+def _footers(files: Iterable[_File]) -> dict[str, _Footer]:
+    """The footer of each file (a file gone meanwhile, or unreadable, is left out: the views'
+    globs will say so)."""
     out = {}
-    for p in paths:
+    for f in files:
         try:
-            out[p] = pq.read_metadata(p)
-        except FileNotFoundError:
-            continue
-        except Exception:  # noqa: BLE001 - unreadable: the views' glob will say so
+            out[f.path] = _Footer(f.path)
+        except (OSError, ValueError):
             continue
     return out
-
-
-def _own_summary(md: pq.FileMetaData):
-    """The summary a record file carries in its footer (records.SUMMARY_KEY), or None."""
-    raw = (md.metadata or {}).get(SUMMARY_KEY)
-    return None if raw is None else json.loads(raw)
 
 
 # --------------------------------------------------------------------------------- refresh
@@ -260,23 +317,23 @@ def _con(spill: Path) -> duckdb.DuckDBPyConnection:
     return con
 
 
-def _sql_list(paths: Iterable[Path]) -> str:
+def _sql_list(paths: Iterable[str | Path]) -> str:
     return "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in paths) + "]"
 
 
-def _read(con, paths: Sequence[Path], select: str, tail: str = "") -> pa.Table:
+def _read(con, paths: Sequence[str], select: str, tail: str = "") -> pa.Table | None:
     """``select`` over the record files ``paths`` (``union_by_name``: older schemas too); a file
     that vanished meanwhile is skipped (a partition re-made or cleared while we read)."""
     paths = list(paths)
     while True:
-        present = [p for p in paths if p.exists()]
+        present = [p for p in paths if os.path.exists(p)]
         if not present:
             return None
         try:
             src = f"read_parquet({_sql_list(present)}, union_by_name=true, filename=true)"
             return con.sql(f"SELECT {select} FROM {src} {tail}").to_arrow_table()
         except duckdb.IOException:
-            if all(p.exists() for p in present):
+            if all(os.path.exists(p) for p in present):
                 raise
             paths = present
 
@@ -336,21 +393,22 @@ def _refresh(layout: DataLayout, s: Path) -> frozenset[str]:
         _write_bytes(marker, _version().encode())
     state = _State(s)
     changes, listed = _scan(layout, state, ["materializations", *ROW_KINDS])
-    footers = _footers(p for k in ("materializations", *ROW_KINDS)
-                       for p in changes.changed.get(k, []))  # fmt: skip
+    footers = _footers(f for k in ("materializations", *ROW_KINDS)
+                       for f in changes.changed.get(k, []))  # fmt: skip
     made = ("materializations.parquet", "outcomes.parquet", "content_losers.parquet")
     if (changes.changed or changes.gone or not all((s / m).exists() for m in made)
             or not card_summary_path(layout, "_empty").exists()):  # fmt: skip
         _update(layout, s, state, changes, footers)
     for kind, schema in ROW_KINDS.items():  # which files are of an older schema
-        for p in changes.changed.get(kind, []):
-            d, md = state.dirs.get(f"{kind}/{p.parent.name}"), footers.get(p)
-            if d is None or md is None:
+        for f in changes.changed.get(kind, []):
+            d, foot = state.dirs.get(f"{kind}/{f.asset}"), footers.get(f.path)
+            if d is None or foot is None:
                 continue
-            if not set(schema.names) <= set(md.schema.names):
-                d["legacy"] = sorted({*d["legacy"], p.name})
-            elif p.name in d["legacy"]:
-                d["legacy"].remove(p.name)
+            name = f"{f.partition}.parquet"
+            if not foot.has_columns(schema.names):
+                d["legacy"] = sorted({*d["legacy"], name})
+            elif name in d["legacy"]:
+                d["legacy"].remove(name)
     if listed:
         state.save(listed)
     legacy = frozenset(r.split("/", 1)[0] for r, d in state.dirs.items() if d["legacy"])
@@ -359,7 +417,7 @@ def _refresh(layout: DataLayout, s: Path) -> frozenset[str]:
 
 
 def _update(layout: DataLayout, s: Path, state: _State, changes: _Changes,
-            footers: dict[Path, pq.FileMetaData]) -> None:  # fmt: skip
+            footers: dict[str, _Footer]) -> None:  # fmt: skip
     spill = s / ".tmp-duckdb"
     try:
         with _con(spill) as con:
@@ -394,20 +452,20 @@ def _refresh_materializations(con, s: Path, changes: _Changes, footers: dict) ->
     import datetime as dt
 
     changed = changes.changed.get("materializations", [])
-    out = {str(p) for p in [*changed, *changes.gone.get("materializations", [])]}
+    out = {f.path for f in [*changed, *changes.gone.get("materializations", [])]}
     rows, legacy = [], []
-    for p in changed:
-        row = _own_summary(footers[p]) if p in footers else None
+    for f in changed:
+        row = footers[f.path].summary() if f.path in footers else None
         if row is None:
-            legacy.append(p)
+            legacy.append(f.path)
             continue
         if row.get("written_at"):
             row["written_at"] = dt.datetime.fromisoformat(row["written_at"])
-        rows.append({**row, "filename": str(p)})
+        rows.append({**row, "filename": f.path})
     schema = MATERIALIZATION_SCHEMA.append(pa.field("filename", pa.string()))
     new = [pa.Table.from_pylist(rows, schema=schema)]
-    if legacy:
-        new.append(_read(con, legacy, "*", "WHERE asset IS NOT NULL"))
+    for i in range(0, len(legacy), BATCH):
+        new.append(_read(con, legacy[i : i + BATCH], "*", "WHERE asset IS NOT NULL"))
     _replace_rows(s / "materializations.parquet", out, new, MATERIALIZATION_SCHEMA)
 
 
@@ -415,17 +473,20 @@ def _refresh_outcomes(con, s: Path, changes: _Changes, footers: dict) -> None:
     """Rows per outcome and reason of every changed row record, from its footer (a record
     written before footers carried them: from its rows)."""
     changed = changes.changed.get("rows", [])
-    out = {str(p) for p in [*changed, *changes.gone.get("rows", [])]}
-    rows, legacy = [], []
-    for p in changed:
-        own = _own_summary(footers[p]) if p in footers else None
+    out = {f.path for f in [*changed, *changes.gone.get("rows", [])]}
+    cols: dict[str, list] = {k: [] for k in ("asset", "partition", "outcome", "reason", "rows",
+                                             "filename")}  # fmt: skip
+    legacy = []
+    for f in changed:
+        own = footers[f.path].summary() if f.path in footers else None
         if own is None:
-            legacy.append(p)
+            legacy.append(f.path)
             continue
-        rows += [{"asset": p.parent.name, "partition": p.stem, "outcome": o, "reason": why,
-                  "rows": n, "filename": str(p)} for o, why, n in own["outcomes"]]  # fmt: skip
+        for o, why, n in own["outcomes"]:
+            for k, v in zip(cols, (f.asset, f.partition, o, why, n, f.path)):
+                cols[k].append(v)
     schema = OUTCOME_SCHEMA.append(pa.field("filename", pa.string()))
-    new = [pa.Table.from_pylist(rows, schema=schema)]
+    new = [pa.table(cols, schema=schema)]
     for i in range(0, len(legacy), BATCH):
         new.append(_read(con, legacy[i : i + BATCH],
                          "asset, partition, outcome, reason, count(*) AS rows, filename",
@@ -474,7 +535,7 @@ def content_hashes_path(layout: DataLayout, partition: str) -> Path:
 
 def write_content_hashes(layout: DataLayout, partition: str, md5, ident: list[int]) -> None:
     """Write a partition's md5 hashes (``record_content`` calls it with the record it wrote)."""
-    h = np.sort(md5_hashes(md5), kind="stable")
+    h = np.sort(md5_hashes(md5))
     _write_bytes(content_hashes_path(layout, partition),
                  np.asarray(ident, np.uint64).tobytes() + h.tobytes())  # fmt: skip
 
@@ -496,7 +557,7 @@ def _content_hashes(layout: DataLayout, partition: str, ident: list[int] | None)
         return np.zeros(0, np.uint64)
     if ident is not None:
         write_content_hashes(layout, partition, md5, ident)
-    return np.sort(md5_hashes(md5), kind="stable")
+    return np.sort(md5_hashes(md5))
 
 
 def _refresh_content(layout: DataLayout, s: Path, state: _State, changes: _Changes) -> bool:
@@ -505,14 +566,14 @@ def _refresh_content(layout: DataLayout, s: Path, state: _State, changes: _Chang
     partition's, then the exact md5s of the rows that have one. Returns whether they changed."""
     import pyarrow.compute as pc
 
-    images_changed = any(p.parent.name == "images_256" for p in [
+    images_changed = any(f.asset == "images_256" for f in [
         *changes.changed.get("materializations", []), *changes.gone.get("materializations", [])])  # fmt: skip
     losers = s / "content_losers.parquet"
     if not (changes.any("content") or images_changed or not losers.exists()):
         return False
     made = _materialized(s, "images_256")
     listing = state.listing("content/images_256")
-    parts = sorted(Path(n).stem for n in listing if Path(n).stem in made)
+    parts = sorted(p for p in (n[: -len(".parquet")] for n in listing) if p in made)
     hashes = {p: _content_hashes(layout, p, listing[f"{p}.parquet"]) for p in parts}
     dup = _repeated_hashes(list(hashes.values()))
     rows = LOSER_SCHEMA.empty_table()
@@ -565,7 +626,7 @@ def _repeated_hashes(parts: Sequence[np.ndarray]) -> np.ndarray:
             b = len(h) if hi >= 2**64 else np.searchsorted(h, np.uint64(hi))
             chunk.append(h[a:b])
         h = np.concatenate(chunk) if chunk else np.zeros(0, np.uint64)
-        h.sort(kind="stable")  # a radix sort for integers
+        h.sort()
         out.append(np.unique(h[1:][h[1:] == h[:-1]]))
     return np.concatenate(out) if out else np.zeros(0, np.uint64)
 
@@ -781,11 +842,11 @@ def _refresh_cards(layout: DataLayout, s: Path, state: _State, changes: _Changes
     empty = card_summary_path(layout, "_empty")
     if not empty.exists():  # so that the view's glob always matches
         _write_table(empty, CARD_SUMMARY_SCHEMA.empty_table())
-    for p in changes.gone.get("cards", []):
-        card_summary_path(layout, p.stem).unlink(missing_ok=True)
+    for f in changes.gone.get("cards", []):
+        card_summary_path(layout, f.partition).unlink(missing_ok=True)
     rows = [*changes.changed.get("rows", []), *changes.gone.get("rows", [])]
-    touched = {p.stem for p in changes.changed.get("cards", [])}
-    touched |= {p.stem for p in rows if p.parent.name in ("pd12m_metadata", "images_256")}
+    touched = {f.partition for f in changes.changed.get("cards", [])}
+    touched |= {f.partition for f in rows if f.asset in ("pd12m_metadata", "images_256")}
     if losers_changed:  # a partition whose losers changed: its card changes
         t = pq.read_table(s / "content_losers.parquet", columns=["partition"])
         now = set(t.column("partition").to_pylist())
@@ -794,7 +855,7 @@ def _refresh_cards(layout: DataLayout, s: Path, state: _State, changes: _Changes
         _write_bytes(prev, json.dumps(sorted(now)).encode())
     if not touched:
         return
-    cards = {Path(n).stem for n in state.listing("cards/data_card")}
+    cards = {n[: -len(".parquet")] for n in state.listing("cards/data_card")}
     todo = sorted(p for p in touched if p in cards)
     losers = _losers_of(s, todo)
     for p in todo:

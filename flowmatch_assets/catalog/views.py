@@ -80,12 +80,15 @@ def view_names() -> list[str]:
     return [m.group(1) for sql in _view_sql(DataLayout("/")) for m in [_CREATED.match(sql)] if m]
 
 
-def _glob(layout: DataLayout, kind: str, legacy: frozenset[str]) -> str:
-    """``read_parquet`` of a per-row record kind's files: by name (``union_by_name``) only
-    when some of them have an older schema (binding it opens every file; today's files all
-    have the schema of the first one, the ``_empty`` placeholder)."""
-    glob = _sql_str(layout.catalog_dir / kind / "*" / "*.parquet")
-    return f"read_parquet({glob}{', union_by_name=true' if kind in legacy else ''})"
+def _glob(layout: DataLayout, kind: str, legacy: frozenset[str], asset: str = "*") -> str:
+    """``read_parquet`` of a per-row record kind's files (of one ``asset``): by name
+    (``union_by_name``) only when some of them have an older schema (binding it opens every
+    file; today's files all have the schema of the first one, the ``_empty`` placeholder)."""
+    files = [layout.catalog_dir / kind / asset / "*.parquet"]
+    if asset != "*":  # the placeholder first: a glob of no file is an error
+        files.insert(0, layout.catalog_dir / kind / "_empty" / "_empty.parquet")
+    src = _sql_str(files[0]) if len(files) == 1 else "[" + ", ".join(map(_sql_str, files)) + "]"
+    return f"read_parquet({src}{', union_by_name=true' if kind in legacy else ''})"
 
 
 def _view_sql(layout: DataLayout) -> list[str]:
@@ -229,7 +232,13 @@ def _dedupe_views(layout: DataLayout, legacy: frozenset[str], losers: str) -> li
            UNION ALL
            SELECT d.partition, d.id, 'content', d.hash,
                   coalesce(f.kept_partition, d.kept_partition), coalesce(f.kept_id, d.kept_id), false
-           FROM duplicate_records d LEFT JOIN content_first f ON f.md5 = d.hash
+           FROM duplicate_records d LEFT JOIN (
+               -- the first stored row of each dropped row's md5 (of those md5s only)
+               SELECT md5, arg_min(partition, (partition, position)) AS kept_partition,
+                      arg_min(id, (partition, position)) AS kept_id
+               FROM content_md5 WHERE md5 IN
+                    (SELECT hash FROM duplicate_records WHERE kind = 'content')
+               GROUP BY md5) f ON f.md5 = d.hash
            WHERE d.kind = 'content'
            UNION ALL
            SELECT partition, id, 'content', md5, kept_partition, kept_id, true
@@ -237,7 +246,7 @@ def _dedupe_views(layout: DataLayout, legacy: frozenset[str], losers: str) -> li
         # every input row's final outcome: filtered by the metadata filters (or failed when a
         # source's listing cannot make it a row: a missing caption, ...), else the image
         # stage's outcome (pending before it ran), a content duplicate counted as filtered
-        """CREATE OR REPLACE VIEW dataset_rows AS
+        f"""CREATE OR REPLACE VIEW dataset_rows AS
            SELECT m.partition, m.id, m.url,
                   CASE WHEN m.outcome != 'stored' THEN 'metadata'
                        WHEN i.id IS NOT NULL THEN 'images' END AS stage,
@@ -249,8 +258,9 @@ def _dedupe_views(layout: DataLayout, legacy: frozenset[str], losers: str) -> li
                        WHEN c.id IS NOT NULL THEN 'duplicate_content'
                        ELSE i.reason END AS reason,
                   d.kept_partition, d.kept_id
-           FROM rows m
-           LEFT JOIN rows i ON i.asset = 'images_256' AND i.partition = m.partition AND i.id = m.id
+           FROM {_glob(layout, "rows", legacy, "pd12m_metadata")} m
+           LEFT JOIN {_glob(layout, "rows", legacy, "images_256")} i
+                  ON i.partition = m.partition AND i.id = m.id
            LEFT JOIN content_duplicates c ON c.partition = m.partition AND c.id = m.id
            LEFT JOIN duplicates d ON d.partition = m.partition AND d.id = m.id
            WHERE m.asset = 'pd12m_metadata'""",
@@ -415,6 +425,11 @@ def file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
+#: What one catalog query may hold in memory; beyond it DuckDB spills to disk (a per-row view
+#: over PD12M's ~12M rows per asset), so a query stays within ~1 GB of RSS.
+QUERY_MEMORY = "600MB"
+
+
 class Catalog:
     """Read access to the catalog of one data root (``<root>/catalog.duckdb``)."""
 
@@ -495,6 +510,7 @@ class Catalog:
         spill = Path(tempfile.mkdtemp(prefix=".tmp-duckdb-", dir=self.layout.catalog_dir))
         try:
             con.execute(f"SET temp_directory = {_sql_str(spill)}")
+            con.execute(f"SET memory_limit = '{QUERY_MEMORY}'")
             yield con
         finally:
             con.close()
