@@ -282,19 +282,8 @@ def _data_card_views(layout: DataLayout, legacy: frozenset[str], summaries: str)
     """The data card (flowmatch_assets/reports/data_card.py): per partition and whole dataset,
     from each partition's summary (catalog/summary.py: counts, exact statistics and bins), so
     no per-row record is read; the dataset's quantiles come from the merged bins (within 0.5%;
-    whole numbers below 256 exactly), its mean and max are exact."""
-    order = ", ".join(f"('{s}', {i})" for i, s in enumerate(CARD_SECTIONS))
-    stats = ", ".join(f"'{x}'" for x in summary.CARD_STATS)
-    shared = ", ".join(f"'{x}'" for x in CARD_SHARED)
-    bounds = ", ".join(
-        f"min(value) FILTER (cum > floor((total - 1) * {q})) AS lo{int(q * 100)}, "
-        f"min(value) FILTER (cum > floor((total - 1) * {q}) + 1) AS hi{int(q * 100)}"
-        for q in (0.1, 0.5, 0.9)
-    )
-    outcome = "split_part(item, ':', 1)"
-    outcomes = ("stored", "filtered", "failed", "pending")
-    counts = ", ".join(f"coalesce(sum(n) FILTER ({outcome} = '{o}'), 0)" for o in outcomes)
-    share = ", ".join(f"coalesce(sum(n) FILTER ({outcome} = '{o}'), 0) / sum(n)" for o in outcomes)
+    whole numbers below 256 exactly), its mean and max are exact. ``data_card_of(partition)``
+    is one partition's card, reading its summary alone."""
     return [
         # every row of every card: its facts and its final outcome (per row; the card itself
         # reads data_card_summary)
@@ -314,14 +303,31 @@ def _data_card_views(layout: DataLayout, legacy: frozenset[str], summaries: str)
             UNION ALL
             SELECT 'dataset', section, value, sum(n) FROM data_card_summary
             WHERE item = 'bin' GROUP BY section, value""",
-        f"""CREATE OR REPLACE VIEW data_card AS
-            WITH s AS MATERIALIZED (SELECT * FROM data_card_summary),
-            counts AS (
-              SELECT partition AS scope, section, item, n FROM s WHERE n IS NOT NULL
-                AND item != 'bin'
-              UNION ALL
+        f"CREATE OR REPLACE VIEW data_card AS {_card_select('data_card_summary', True)}",
+        "CREATE OR REPLACE MACRO data_card_of(p) AS TABLE "
+        + _card_select("(SELECT * FROM data_card_summary WHERE partition = p)", False),
+    ]
+
+
+def _card_select(src: str, dataset: bool) -> str:
+    """The card's rows (scope, section, item, value, share, section_order) from the summaries
+    ``src``: per partition, and with ``dataset`` for the whole dataset too."""
+    order = ", ".join(f"('{s}', {i})" for i, s in enumerate(CARD_SECTIONS))
+    stats = ", ".join(f"'{x}'" for x in summary.CARD_STATS)
+    shared = ", ".join(f"'{x}'" for x in CARD_SHARED)
+    bounds = ", ".join(
+        f"min(value) FILTER (cum > floor((total - 1) * {q})) AS lo{int(q * 100)}, "
+        f"min(value) FILTER (cum > floor((total - 1) * {q}) + 1) AS hi{int(q * 100)}"
+        for q in (0.1, 0.5, 0.9)
+    )
+    outcome = "split_part(item, ':', 1)"
+    outcomes = ("stored", "filtered", "failed", "pending")
+    counts = ", ".join(f"coalesce(sum(n) FILTER ({outcome} = '{o}'), 0)" for o in outcomes)
+    share = ", ".join(f"coalesce(sum(n) FILTER ({outcome} = '{o}'), 0) / sum(n)" for o in outcomes)
+    whole_counts = """UNION ALL
               SELECT 'dataset', section, item, sum(n) FROM s WHERE n IS NOT NULL
-                AND item != 'bin' GROUP BY section, item),
+                AND item != 'bin' GROUP BY section, item"""
+    whole_stats = f""",
             h AS (
               SELECT section, value, n,
                      sum(n) OVER (PARTITION BY section ORDER BY value) AS cum,
@@ -333,7 +339,19 @@ def _data_card_views(layout: DataLayout, legacy: frozenset[str], summaries: str)
               SELECT section, sum(value) FILTER (item = 'sum')
                               / sum(value) FILTER (item = 'count') AS mean,
                      max(value) FILTER (item = 'max') AS max
-              FROM s WHERE section IN ({stats}) GROUP BY section),
+              FROM s WHERE section IN ({stats}) GROUP BY section)"""
+    whole_quantiles = f"""UNION ALL
+              SELECT 'dataset', section, unnest(['p10', 'p50', 'p90', 'mean', 'max']),
+                     unnest([{_quantile(0.1)}, {_quantile(0.5)}, {_quantile(0.9)},
+                             mean, max])::DOUBLE, NULL::DOUBLE
+              FROM q JOIN m USING (section)"""
+    sets = "GROUPING SETS ((partition), ())" if dataset else "partition"
+    return f"""
+            WITH s AS (SELECT * FROM {src}),
+            counts AS (
+              SELECT partition AS scope, section, item, n FROM s WHERE n IS NOT NULL
+                AND item != 'bin'
+              {whole_counts if dataset else ""}){whole_stats if dataset else ""},
             parts AS (
               SELECT scope, 'rows' AS section,
                      unnest(['input', 'stored', 'filtered', 'failed', 'pending']) AS item,
@@ -346,11 +364,7 @@ def _data_card_views(layout: DataLayout, legacy: frozenset[str], summaries: str)
               UNION ALL
               SELECT partition, section, item, value, NULL::DOUBLE FROM s
               WHERE section IN ({stats}) AND item IN ('p10', 'p50', 'p90', 'mean', 'max')
-              UNION ALL
-              SELECT 'dataset', section, unnest(['p10', 'p50', 'p90', 'mean', 'max']),
-                     unnest([{_quantile(0.1)}, {_quantile(0.5)}, {_quantile(0.9)},
-                             mean, max])::DOUBLE, NULL::DOUBLE
-              FROM q JOIN m USING (section)
+              {whole_quantiles if dataset else ""}
               UNION ALL
               SELECT scope, 'text', 'captions_over_max_tokens',
                      sum(n) FILTER (item = 'captions_over_max_tokens')::DOUBLE,
@@ -364,15 +378,14 @@ def _data_card_views(layout: DataLayout, legacy: frozenset[str], summaries: str)
               FROM materializations
               WHERE extra->>'$.fp16_saturated' IS NOT NULL
                 AND partition IN (SELECT partition FROM s)
-              GROUP BY GROUPING SETS ((partition), ())
+              GROUP BY {sets}
             )
             SELECT p.scope, p.section, p.item, p.value,
                    CASE WHEN p.section IN ({shared})
                         THEN p.value / sum(p.value) OVER (PARTITION BY p.scope, p.section)
                         ELSE p.share END AS share,
                    o.section_order
-            FROM parts p JOIN (VALUES {order}) o(section, section_order) USING (section)""",
-    ]
+            FROM parts p JOIN (VALUES {order}) o(section, section_order) USING (section)"""
 
 
 def _retryable_sql(col: str) -> str:

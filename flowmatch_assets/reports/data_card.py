@@ -82,9 +82,11 @@ def card_rows(
 
 
 def card(cat: Catalog, scope: str = DATASET) -> list[dict]:
-    """The ``data_card`` view's rows of one scope (a partition key, or ``"dataset"``)."""
+    """The ``data_card`` view's rows of one scope (a partition key, or ``"dataset"``; a
+    partition's from ``data_card_of``, which reads its summary alone)."""
+    src = "data_card WHERE scope = ?" if scope == DATASET else "data_card_of(?)"
     return cat.query(
-        "SELECT section, item, value, share FROM data_card WHERE scope = ? ORDER BY section_order, value DESC, item",
+        f"SELECT section, item, value, share FROM {src} ORDER BY section_order, value DESC, item",
         [scope],
     )
 
