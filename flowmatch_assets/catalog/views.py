@@ -80,15 +80,12 @@ def view_names() -> list[str]:
     return [m.group(1) for sql in _view_sql(DataLayout("/")) for m in [_CREATED.match(sql)] if m]
 
 
-def _glob(layout: DataLayout, kind: str, legacy: frozenset[str], asset: str = "*") -> str:
-    """``read_parquet`` of a per-row record kind's files (of one ``asset``): by name
-    (``union_by_name``) only when some of them have an older schema (binding it opens every
-    file; today's files all have the schema of the first one, the ``_empty`` placeholder)."""
-    files = [layout.catalog_dir / kind / asset / "*.parquet"]
-    if asset != "*":  # the placeholder first: a glob of no file is an error
-        files.insert(0, layout.catalog_dir / kind / "_empty" / "_empty.parquet")
-    src = _sql_str(files[0]) if len(files) == 1 else "[" + ", ".join(map(_sql_str, files)) + "]"
-    return f"read_parquet({src}{', union_by_name=true' if kind in legacy else ''})"
+def _glob(layout: DataLayout, kind: str, legacy: frozenset[str]) -> str:
+    """``read_parquet`` of a per-row record kind's files: by name (``union_by_name``) only
+    when some of them have an older schema (binding it opens every file; today's files all
+    have the schema of the first one, the ``_empty`` placeholder)."""
+    glob = _sql_str(layout.catalog_dir / kind / "*" / "*.parquet")
+    return f"read_parquet({glob}{', union_by_name=true' if kind in legacy else ''})"
 
 
 def _view_sql(layout: DataLayout) -> list[str]:
@@ -246,7 +243,7 @@ def _dedupe_views(layout: DataLayout, legacy: frozenset[str], losers: str) -> li
         # every input row's final outcome: filtered by the metadata filters (or failed when a
         # source's listing cannot make it a row: a missing caption, ...), else the image
         # stage's outcome (pending before it ran), a content duplicate counted as filtered
-        f"""CREATE OR REPLACE VIEW dataset_rows AS
+        """CREATE OR REPLACE VIEW dataset_rows AS
            SELECT m.partition, m.id, m.url,
                   CASE WHEN m.outcome != 'stored' THEN 'metadata'
                        WHEN i.id IS NOT NULL THEN 'images' END AS stage,
@@ -258,9 +255,8 @@ def _dedupe_views(layout: DataLayout, legacy: frozenset[str], losers: str) -> li
                        WHEN c.id IS NOT NULL THEN 'duplicate_content'
                        ELSE i.reason END AS reason,
                   d.kept_partition, d.kept_id
-           FROM {_glob(layout, "rows", legacy, "pd12m_metadata")} m
-           LEFT JOIN {_glob(layout, "rows", legacy, "images_256")} i
-                  ON i.partition = m.partition AND i.id = m.id
+           FROM rows m
+           LEFT JOIN rows i ON i.asset = 'images_256' AND i.partition = m.partition AND i.id = m.id
            LEFT JOIN content_duplicates c ON c.partition = m.partition AND c.id = m.id
            LEFT JOIN duplicates d ON d.partition = m.partition AND d.id = m.id
            WHERE m.asset = 'pd12m_metadata'""",
