@@ -22,6 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from flowmatch_assets.catalog.derived import write_card_summary, write_content_hashes
 from flowmatch_models.atomic import atomic_path
 from flowmatch_models.layout import DataLayout
 
@@ -253,8 +254,6 @@ def record_duplicates(
 def record_content(data_root: str | Path, partition: str, rows: Sequence[dict]) -> Path:
     """Write (replace) the md5 of the bytes of every row stored in one images_256 shard
     (``{id, position, md5}``): what content dedupe and the ``content_duplicates`` view read."""
-    from flowmatch_assets.catalog.summary import write_content_hashes
-
     layout = DataLayout(data_root)
     path = layout.catalog_dir / "content" / "images_256" / f"{partition}.parquet"
     data = [
@@ -312,8 +311,6 @@ def record_card_rows(data_root: str | Path, partition: str, rows: Sequence[dict]
     """Write (replace) the data card's per-row record of one partition
     (flowmatch_assets/reports/data_card.py), and its summary (catalog/summary.py: the card
     as counts, statistics and bins, from the partition's row records as they are now)."""
-    from flowmatch_assets.catalog.summary import write_card_summary
-
     layout = DataLayout(data_root)
     path = layout.catalog_dir / "cards" / "data_card" / f"{partition}.parquet"
     data = [{"asset": "data_card", "partition": partition, **r} for r in rows]

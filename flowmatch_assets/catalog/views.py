@@ -20,7 +20,6 @@ hash of it): an edited view, a newly registered embedding kind, a moved or copie
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import re
 import shutil
@@ -31,7 +30,7 @@ from pathlib import Path
 import duckdb
 import pyarrow.parquet as pq
 
-from flowmatch_assets.catalog import summary
+from flowmatch_assets.catalog import derived, summary
 from flowmatch_assets.catalog.records import (
     CARD_SCHEMA,
     CARD_SECTIONS,
@@ -48,6 +47,7 @@ from flowmatch_assets.catalog.records import (
     VALIDATION_SCHEMA,
     _write_parquet,
 )
+from flowmatch_assets.catalog.summary import file_lock
 from flowmatch_models.atomic import atomic_path
 from flowmatch_models.layout import PARTITIONED_ASSETS, DataLayout
 
@@ -309,7 +309,7 @@ def _card_select(src: str, dataset: bool) -> str:
     """The card's rows (scope, section, item, value, share, section_order) from the summaries
     ``src``: per partition, and with ``dataset`` for the whole dataset too."""
     order = ", ".join(f"('{s}', {i})" for i, s in enumerate(CARD_SECTIONS))
-    stats = ", ".join(f"'{x}'" for x in summary.CARD_STATS)
+    stats = ", ".join(f"'{x}'" for x in derived.CARD_STATS)
     shared = ", ".join(f"'{x}'" for x in CARD_SHARED)
     bounds = ", ".join(
         f"min(value) FILTER (cum > floor((total - 1) * {q})) AS lo{int(q * 100)}, "
@@ -421,17 +421,6 @@ def _ensure_placeholders(layout: DataLayout) -> None:
     p = c / "partitions.parquet"
     if not p.exists():
         _write_parquet(p, PARTITION_SCHEMA.empty_table())
-
-
-@contextlib.contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 #: What one catalog query may hold in memory; beyond it DuckDB spills to disk (a per-row view
