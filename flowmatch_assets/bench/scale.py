@@ -396,8 +396,13 @@ def run_verb(
     full_env = {**os.environ, **env, "PYTHONPATH": str(code)}
 
     def pin() -> None:
+        import resource
+
         if core is not None:
             os.sched_setaffinity(0, {core})
+        # a hard stop too (the RSS watch below samples): address space, 2x the cap
+        limit = int(2 * mem_cap_gb * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
     out = tempfile.TemporaryFile()
     t0 = time.perf_counter()
