@@ -543,7 +543,8 @@ class Catalog:
 
     def failures_by_reason(self) -> list[dict]:
         return self.query(
-            """SELECT asset, outcome, reason, retryable, count(*) AS rows FROM failures
+            """SELECT asset, outcome, reason, retryable, sum(rows)::BIGINT AS rows
+               FROM row_outcomes WHERE outcome IN ('failed', 'filtered')
                GROUP BY ALL ORDER BY asset, outcome, rows DESC, reason"""
         )
 
