@@ -226,64 +226,87 @@ def _thrift_string(b: bytes) -> bytes:
 _SUMMARY = _thrift_string(SUMMARY_KEY)
 
 
-class _Footer:
-    """A parquet file's footer, read as bytes (a tenth of what parsing it costs): whether it
-    names a column, and the record's own summary (``records.SUMMARY_KEY``)."""
-
-    def __init__(self, path: str):
+def _footer(path: str) -> bytes:
+    """A parquet file's footer as bytes (one read for the files the catalog writes)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        f.seek(max(0, size - 65536))
+        chunk = f.read()
+    if chunk[-4:] != b"PAR1":
+        raise ValueError(f"{path}: not a parquet file")
+    n = int.from_bytes(chunk[-8:-4], "little")
+    if n + 8 > len(chunk):
         with open(path, "rb") as f:
-            f.seek(-8, os.SEEK_END)
-            tail = f.read(8)
-            if tail[4:] != b"PAR1":
-                raise ValueError(f"{path}: not a parquet file")
-            n = int.from_bytes(tail[:4], "little")
             f.seek(-8 - n, os.SEEK_END)
-            self.raw = f.read(n)
-        self.path = path
-
-    def has_columns(self, names: Iterable[str]) -> bool:
-        return all(_thrift_string(n.encode()) in self.raw for n in names)
-
-    def summary(self):
-        """The summary the writer put in the footer (a key-value pair: key, then field 2 of
-        type binary, 0x18, its length and bytes); None if there is none."""
-        i = self.raw.find(_SUMMARY)
-        if i < 0:
-            return None
-        j = i + len(_SUMMARY)
-        if self.raw[j] != 0x18:  # not laid out as pyarrow writes it: parse it properly
-            raw = (pq.read_metadata(self.path).metadata or {}).get(SUMMARY_KEY)
-            return None if raw is None else json.loads(raw)
-        j, n, shift = j + 1, 0, 0
-        while True:
-            b = self.raw[j]
-            j += 1
-            n |= (b & 0x7F) << shift
-            shift += 7
-            if b < 0x80:
-                break
-        return json.loads(self.raw[j : j + n])
+            return f.read(n)
+    return chunk[-8 - n : -8]
 
 
-def _footers(files: Iterable[_File]) -> dict[str, _Footer]:
-    """The footer of each file (a file gone meanwhile, or unreadable, is left out: the views'
-    globs will say so)."""
+def _own_summary(raw: bytes, path: str):
+    """The summary the writer put in the footer (a key-value pair: the key, then field 2 of
+    type binary, 0x18, its length and bytes); None if there is none."""
+    i = raw.find(_SUMMARY)
+    if i < 0:
+        return None
+    j = i + len(_SUMMARY)
+    if raw[j] != 0x18:  # not laid out as pyarrow writes it: parse it properly
+        value = (pq.read_metadata(path).metadata or {}).get(SUMMARY_KEY)
+        return None if value is None else json.loads(value)
+    j, n, shift = j + 1, 0, 0
+    while True:
+        b = raw[j]
+        j += 1
+        n |= (b & 0x7F) << shift
+        shift += 7
+        if b < 0x80:
+            break
+    return json.loads(raw[j : j + n])
+
+
+class _Seen(NamedTuple):
+    """What a changed record file's footer says: its own summary (materializations and row
+    records), and whether it has today's columns (per-row records)."""
+
+    summary: object
+    current: bool
+
+
+def _footers(changes: _Changes) -> dict[str, _Seen]:
+    """What the footer of each changed record file says (read as bytes, a tenth of what
+    parsing it costs; a file gone meanwhile, or unreadable, is left out: the views' globs will
+    say so)."""
+    names = {k: [_thrift_string(n.encode()) for n in sch.names] for k, sch in ROW_KINDS.items()}
     out = {}
-    for f in files:
-        try:
-            out[f.path] = _Footer(f.path)
-        except (OSError, ValueError):
-            continue
+    for kind in ("materializations", *ROW_KINDS):
+        own = kind in ("materializations", "rows")
+        for f in changes.changed.get(kind, []):
+            try:
+                raw = _footer(f.path)
+                out[f.path] = _Seen(_own_summary(raw, f.path) if own else None,
+                                    all(n in raw for n in names.get(kind, ())))  # fmt: skip
+            except (OSError, ValueError):
+                continue
     return out
 
 
 # --------------------------------------------------------------------------------- refresh
 
 
+def cores() -> int:
+    """The cores this process may run on (DuckDB's default counts the machine's: on a process
+    pinned to one core its threads only take turns)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def _con(spill: Path) -> duckdb.DuckDBPyConnection:
     con = duckdb.connect()
+    con.execute(f"SET threads = {cores()}")
     con.execute("SET memory_limit = '600MB'")
     con.execute("SET preserve_insertion_order = false")
+    con.execute("SET enable_progress_bar = false")
     con.execute("SET temp_directory = '" + str(spill).replace("'", "''") + "'")
     return con
 
@@ -374,19 +397,18 @@ def _refresh(layout: DataLayout, s: Path) -> frozenset[str]:
         _write_bytes(marker, _version().encode())
     state = _State(s)
     changes, listed = _scan(layout, state, ["materializations", *ROW_KINDS])
-    footers = _footers(f for k in ("materializations", *ROW_KINDS)
-                       for f in changes.changed.get(k, []))  # fmt: skip
+    footers = _footers(changes)
     made = ("materializations.parquet", "outcomes.parquet", "content_losers.parquet")
     if (changes.changed or changes.gone or not all((s / m).exists() for m in made)
             or not card_summary_path(layout, "_empty").exists()):  # fmt: skip
         _update(layout, s, state, changes, footers)
-    for kind, schema in ROW_KINDS.items():  # which files are of an older schema
+    for kind in ROW_KINDS:  # which files are of an older schema
         for f in changes.changed.get(kind, []):
             d, foot = state.dirs.get(f"{kind}/{f.asset}"), footers.get(f.path)
             if d is None or foot is None:
                 continue
             name = f"{f.partition}.parquet"
-            if not foot.has_columns(schema.names):
+            if not foot.current:
                 d["legacy"] = sorted({*d["legacy"], name})
             elif name in d["legacy"]:
                 d["legacy"].remove(name)
@@ -398,7 +420,7 @@ def _refresh(layout: DataLayout, s: Path) -> frozenset[str]:
 
 
 def _update(layout: DataLayout, s: Path, state: _State, changes: _Changes,
-            footers: dict[str, _Footer]) -> None:  # fmt: skip
+            footers: dict[str, _Seen]) -> None:  # fmt: skip
     spill = s / ".tmp-duckdb"
     try:
         with _con(spill) as con:
@@ -436,7 +458,7 @@ def _refresh_materializations(con, s: Path, changes: _Changes, footers: dict) ->
     out = {f.path for f in [*changed, *changes.gone.get("materializations", [])]}
     rows, legacy = [], []
     for f in changed:
-        row = footers[f.path].summary() if f.path in footers else None
+        row = footers[f.path].summary if f.path in footers else None
         if row is None:
             legacy.append(f.path)
             continue
@@ -459,7 +481,7 @@ def _refresh_outcomes(con, s: Path, changes: _Changes, footers: dict) -> None:
                                              "filename")}  # fmt: skip
     legacy = []
     for f in changed:
-        own = footers[f.path].summary() if f.path in footers else None
+        own = footers[f.path].summary if f.path in footers else None
         if own is None:
             legacy.append(f.path)
             continue

@@ -343,7 +343,7 @@ def _card_select(src: str, dataset: bool) -> str:
               FROM q JOIN m USING (section)"""
     sets = "GROUPING SETS ((partition), ())" if dataset else "partition"
     return f"""
-            WITH s AS (SELECT * FROM {src}),
+            WITH s AS {"MATERIALIZED " if dataset else ""}(SELECT * FROM {src}),
             counts AS (
               SELECT partition AS scope, section, item, n FROM s WHERE n IS NOT NULL
                 AND item != 'bin'
@@ -509,6 +509,8 @@ class Catalog:
         try:
             con.execute(f"SET temp_directory = {_sql_str(spill)}")
             con.execute(f"SET memory_limit = '{QUERY_MEMORY}'")
+            con.execute("SET enable_progress_bar = false")
+            con.execute(f"SET threads = {summary.cores()}")
             yield con
         finally:
             con.close()

@@ -138,16 +138,16 @@ def _bucket_order(item: str) -> float:
     return int(h) / int(w) if h.isdigit() and w.isdigit() else float("inf")
 
 
-def render(cat: Catalog, scope: str = DATASET) -> Image.Image:
+def render(cat: Catalog, scope: str = DATASET, rows: list[dict] | None = None) -> Image.Image:
     """The card as one picture: caption length (chars, tokens), original size and aspect,
     license/source mix, outcomes by reason, the stored sizes (buckets) and how much of each
-    original the crop kept."""
+    original the crop kept. ``rows``: the card's rows, if :func:`card` already read them."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = card(cat, scope)
+    rows = card(cat, scope) if rows is None else rows
     v = _values(cat, scope)
     get = {(r["section"], r["item"]): r for r in rows}
     fig, ax = plt.subplots(2, 4, figsize=(17, 7.5))
