@@ -425,7 +425,7 @@ def _ensure_placeholders(layout: DataLayout) -> None:
 
 #: What one catalog query may hold in memory; beyond it DuckDB spills to disk (a per-row view
 #: over PD12M's ~12M rows per asset), so a query stays within ~1 GB of RSS.
-QUERY_MEMORY = "600MB"
+QUERY_MEMORY = "500MB"
 
 
 class Catalog:
@@ -511,6 +511,8 @@ class Catalog:
             con.execute(f"SET memory_limit = '{QUERY_MEMORY}'")
             con.execute("SET enable_progress_bar = false")
             con.execute(f"SET threads = {summary.cores()}")
+            # (a query without ORDER BY has no order anyway; this lets big joins spill)
+            con.execute("SET preserve_insertion_order = false")
             yield con
         finally:
             con.close()
