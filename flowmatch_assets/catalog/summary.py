@@ -21,8 +21,10 @@ written with the card records (``record_card_rows``) and redone here only when o
 inputs changed since (its card, metadata or image row records, its content losers).
 
 A record file is re-read only when its identity changed (a rewrite is an atomic rename: a new
-inode); a folder whose mtime did not change is not even listed. Nothing here is a source of
-truth: deleting ``summary/`` rebuilds it (so does a new ``SUMMARY_VERSION`` or DuckDB).
+inode); a folder whose mtime did not change is not even listed (every writer renames into its
+folder, which changes its mtime; a file edited in place is seen when its folder next changes).
+Nothing here is a source of truth: deleting ``summary/`` rebuilds it (so does a new
+``SUMMARY_VERSION`` or DuckDB).
 """
 
 from __future__ import annotations
