@@ -425,7 +425,7 @@ def _ensure_placeholders(layout: DataLayout) -> None:
 
 #: What one catalog query may hold in memory; beyond it DuckDB spills to disk (a per-row view
 #: over PD12M's ~12M rows per asset), so a query stays within ~1 GB of RSS.
-QUERY_MEMORY = "500MB"
+QUERY_MEMORY = "600MB"
 
 
 class Catalog:
