@@ -463,7 +463,7 @@ def time_in_process(root: Path, names: Sequence[str], repeat: int = 2) -> dict[s
     saved = {k: os.environ.get(k) for k in env}
     out: dict[str, dict] = {}
     try:
-        for name in names:
+        for name in (n for n in names if n != "metadata"):
             args, extra = todo[name]
             os.environ.update({**env, **extra})
             best = {"cpu_s": float("inf"), "wall_s": float("inf")}
@@ -544,9 +544,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
         out["build"] = json.loads((root / "built.json").read_text())
         env = _env(root)
         todo = verbs(root)
-        names = a.verbs.split(",") if a.verbs else list(todo)
+        names = a.verbs.split(",") if a.verbs else [*todo, "metadata"]
+        unknown = [n for n in names if n not in todo and n != "metadata"]
+        if unknown:
+            p.error(f"unknown verbs {unknown}; choose from {', '.join([*todo, 'metadata'])}")
         code = Path(a.code).resolve()
-        for name in names:
+        for name in (n for n in names if n != "metadata"):
             args, extra = todo[name]
             if name == "catalog_build":
                 _first_build(root)
@@ -554,7 +557,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             r["per_partition_ms"] = round(r["cpu_s"] / a.partitions * 1000, 2)
             out[name] = r
             print(f"{name}: {json.dumps(r)}", flush=True)
-        if a.metadata_parts and (a.verbs is None or "metadata" in names):
+        if a.metadata_parts and "metadata" in names:
             r = time_metadata(root, code, a.metadata_parts, a.timeout, a.mem_cap_gb, core)
             out["pd12m_metadata"] = r
             print(f"pd12m_metadata x{a.metadata_parts}: {json.dumps(r)}", flush=True)
