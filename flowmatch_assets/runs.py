@@ -202,11 +202,14 @@ def materialize(
         from flowmatch_assets.freshness.fingerprints import staleness
 
         stale = {(s.asset, s.partition) for s in staleness(res, keys, names)}
+    missing: set[tuple[str, str]] = set()
+    if missing_only:  # every partition's state at once (Dagster asked once per asset)
+        states = partition_states(res.layout, keys, names, inst)
+        missing = {(s.asset, s.partition) for s in states if s.missing}
     for i, key in enumerate(keys):
         todo = names if not (missing_only or stale_only) else []
         if missing_only:
-            states = partition_states(res.layout, [key], names, inst)
-            todo = [s.asset for s in states if s.missing]
+            todo = [a for a in names if (a, key) in missing]
         if stale_only:
             todo = [a for a in names if a in todo or (a, key) in stale]
         if not todo:

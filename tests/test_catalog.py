@@ -6,11 +6,14 @@ from __future__ import annotations
 import multiprocessing as mp
 
 import duckdb
+import pytest
 
 from flowmatch_assets.catalog import (
     Catalog,
     MaterializationRecord,
     RowOutcome,
+    record_card_rows,
+    record_content,
     record_materialization,
     record_partitions,
     record_rows,
@@ -96,3 +99,115 @@ def test_many_processes_write_and_read_without_lock_errors(tmp_path):
         "s": 1200,
     }
     assert cat.query("SELECT count(DISTINCT id) AS n FROM rows")[0]["n"] == 1200
+
+
+# ---------------------------------------------------------------- summaries (issue 28)
+
+
+def _partition(root, key: str, md5s: list[str], images: bool = True, card: bool = True) -> None:
+    """One partition's records as the assets write them: every row stored."""
+    ids = [f"{key}-{i}" for i in range(len(md5s))]
+    record_rows(root, "pd12m_metadata", key, [RowOutcome(i, "u", "stored") for i in ids])
+    record_materialization(root, MaterializationRecord("pd12m_metadata", key, samples=len(ids)))
+    if images:
+        record_rows(root, "images_256", key, [RowOutcome(i, "u", "stored") for i in ids])
+        record_content(root, key, [{"id": i, "position": k, "md5": m}
+                                   for k, (i, m) in enumerate(zip(ids, md5s))])  # fmt: skip
+        record_materialization(root, MaterializationRecord("images_256", key, samples=len(ids)))
+    if card:
+        record_card_rows(root, key, [
+            {"id": i, "caption_chars": 10 + k, "caption_tokens": 3, "max_tokens": 8, "width": 300,
+             "height": 300, "orig_width": 300 + k, "orig_height": 300, "bucket": "256x256",
+             "kept": 1.0, "license": "cc0-1.0", "source": "x"} for k, i in enumerate(ids)])  # fmt: skip
+
+
+def _outcomes(cat: Catalog, scope: str) -> dict:
+    rows = cat.query("SELECT item, value FROM data_card WHERE scope = ? AND section = 'outcome'",
+                     [scope])  # fmt: skip
+    return {r["item"]: r["value"] for r in rows}
+
+
+def test_the_card_follows_a_duplicate_found_later_and_a_retried_partition(tmp_path):
+    """The later partition's card is made before the earlier one has images; when it gets
+    them, the row with the same bytes becomes a duplicate in the later card (its summary is
+    redone); re-recording its images redoes it again."""
+    _partition(tmp_path, "000-01", ["b" * 32, "c" * 32])
+    _partition(tmp_path, "000-00", ["a" * 32, "b" * 32], images=False)
+    cat = Catalog(tmp_path)
+    assert _outcomes(cat, "000-01") == {"stored": 2}
+    assert cat.query("SELECT count(*) AS n FROM content_duplicates")[0]["n"] == 0
+    _partition(tmp_path, "000-00", ["a" * 32, "b" * 32])  # earlier in dataset order
+    assert _outcomes(cat, "000-01") == {"stored": 1, "filtered:duplicate_content": 1}
+    assert cat.query("SELECT partition, id, kept_partition, kept_id FROM content_duplicates") == [
+        {"partition": "000-01", "id": "000-01-0", "kept_partition": "000-00", "kept_id": "000-00-1"}
+    ]
+    assert _outcomes(cat, "dataset") == {"stored": 3, "filtered:duplicate_content": 1}
+    record_rows(tmp_path, "images_256", "000-01", [RowOutcome("000-01-0", "u", "stored"),
+                                                    RowOutcome("000-01-1", "u", "failed", "http_404")])  # fmt: skip
+    card = _outcomes(cat, "000-01")
+    assert card == {"failed:http_404": 1, "filtered:duplicate_content": 1}
+    assert cat.query("SELECT section, item, value FROM data_card_of('000-01') "
+                     "WHERE section = 'outcome' ORDER BY item") == [
+        {"section": "outcome", "item": k, "value": v} for k, v in sorted(card.items())]  # fmt: skip
+
+
+def test_records_of_older_schemas_still_read(tmp_path):
+    """Record files from before a column existed read with it empty: the materialization
+    record's, a card without bucket and kept, a row record without detail; the views switch
+    to reading by name while such a file is there."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from flowmatch_assets.catalog import CARD_SCHEMA, MATERIALIZATION_SCHEMA, ROW_SCHEMA
+
+    _partition(tmp_path, "000-00", ["a" * 32])
+    c = tmp_path / "catalog"
+    old_mat = pa.schema([f for f in MATERIALIZATION_SCHEMA if not f.name.startswith("lossy")])
+    pq.write_table(pa.Table.from_pylist([{"asset": "images_256", "partition": "000-01",
+                                          "samples": 5, "seconds": 1.0}], schema=old_mat),
+                   c / "materializations" / "images_256" / "000-01.parquet")  # fmt: skip
+    old_rows = pa.schema([f for f in ROW_SCHEMA if f.name != "detail"])
+    pq.write_table(pa.Table.from_pylist([{"asset": "images_256", "partition": "000-01", "id": "x",
+                                          "url": "u", "outcome": "failed",
+                                          "reason": "http_404"}], schema=old_rows),
+                   c / "rows" / "images_256" / "000-01.parquet")  # fmt: skip
+    old_card = pa.schema([f for f in CARD_SCHEMA if f.name not in ("bucket", "kept")])
+    card = pq.read_table(c / "cards" / "data_card" / "000-00.parquet").select(old_card.names)
+    pq.write_table(card, c / "cards" / "data_card" / "000-00.parquet")
+    cat = Catalog(tmp_path)
+    cov = {r["partition"]: r for r in cat.coverage()}
+    assert cov["000-01"]["images_256"] == 5 and cov["000-00"]["images_256"] == 1
+    assert cat.query("SELECT lossy_rel_rms FROM materializations WHERE partition = '000-01'") == [
+        {"lossy_rel_rms": None}
+    ]
+    assert cat.failures_by_reason() == [{"asset": "images_256", "outcome": "failed",
+                                         "reason": "http_404", "retryable": False, "rows": 1}]  # fmt: skip
+    assert cat.query("SELECT id, detail FROM rows WHERE partition = '000-01'") == [
+        {"id": "x", "detail": None}
+    ]
+    assert _outcomes(cat, "000-00") == {"stored": 1}
+    assert cat.query("SELECT count(*) AS n FROM data_card_summary WHERE section = 'bucket'") == [
+        {"n": 0}
+    ]
+    assert cat.query("SELECT count(bucket) AS n, count(*) AS rows FROM data_card_rows") == [
+        {"n": 0, "rows": 1}
+    ]
+
+
+def test_a_failed_build_or_query_leaves_nothing_behind(tmp_path, monkeypatch):
+    """A catalog build that fails (here: a view that does not bind; on a full disk: its
+    write) leaves no temp file or WAL; a query that fails leaves no spill folder."""
+    from flowmatch_assets.catalog import views
+
+    _partition(tmp_path, "000-00", ["a" * 32])
+    built = views._view_sql
+    monkeypatch.setattr(views, "_view_sql",
+                        lambda layout: [*built(layout), "CREATE VIEW broken AS SELECT * FROM nope"])  # fmt: skip
+    with pytest.raises(duckdb.Error):
+        Catalog(tmp_path).ensure()
+    monkeypatch.setattr(views, "_view_sql", built)
+    assert not list(tmp_path.glob(".tmp-*")) and not (tmp_path / "catalog.duckdb").exists()
+    with pytest.raises(duckdb.Error):
+        Catalog(tmp_path).query("SELECT * FROM no_such_view")
+    leftovers = [p for p in (tmp_path / "catalog").rglob("*") if p.name.startswith(".tmp-")]
+    assert leftovers == [] and not list(tmp_path.glob(".tmp-*"))

@@ -24,5 +24,6 @@ BENCHES = {
         "fingerprint",
         "finetune",
         "crop",
+        "scale",
     )
 }

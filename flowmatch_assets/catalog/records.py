@@ -13,6 +13,7 @@ are :mod:`flowmatch_assets.catalog.views`.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from flowmatch_assets.catalog.derived import write_card_summary, write_content_hashes
 from flowmatch_models.storage.atomic import atomic_path
 from flowmatch_models.storage.layout import DataLayout
 
@@ -125,16 +127,30 @@ def _now_utc():
     return _dt.datetime.now(_dt.timezone.utc)
 
 
-def _write_parquet(path: Path, table: pa.Table) -> None:
+#: The footer key of a record file's own summary (JSON): a materialization record's row, a row
+#: record's outcome counts. The catalog's summaries (catalog/summary.py) read footers, which
+#: costs a tenth of reading a small file's data; written with the file, so never out of step.
+SUMMARY_KEY = b"flowmatch.summary"
+
+
+def _write_parquet(path: Path, table: pa.Table, summary: object = None) -> list[int]:
+    """Write ``table`` atomically (with ``summary`` in its footer); returns the file's
+    identity, ``[inode, size, mtime_ns]`` (a rename keeps them)."""
+    if summary is not None:
+        meta = {**(table.schema.metadata or {}), SUMMARY_KEY: json.dumps(summary, default=str)}
+        table = table.replace_schema_metadata(meta)
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp)
+        st = tmp.stat()
+    return [st.st_ino, st.st_size, st.st_mtime_ns]
 
 
 def record_materialization(data_root: str | Path, record: MaterializationRecord) -> Path:
     """Write (replace) the materialization record of one asset partition, atomically."""
     layout = DataLayout(data_root)
     path = layout.catalog_dir / "materializations" / record.asset / f"{record.partition}.parquet"
-    _write_parquet(path, pa.Table.from_pylist([record.as_row()], schema=MATERIALIZATION_SCHEMA))
+    row = record.as_row()
+    _write_parquet(path, pa.Table.from_pylist([row], schema=MATERIALIZATION_SCHEMA), row)
     return path
 
 
@@ -156,9 +172,27 @@ def _write_rows(
     data_root: str | Path, kind: str, asset: str, partition: str, rows: Iterable[RowOutcome]
 ) -> Path:
     path = DataLayout(data_root).catalog_dir / kind / asset / f"{partition}.parquet"
-    data = [{"asset": asset, "partition": partition, **asdict(r)} for r in rows]
-    _write_parquet(path, pa.Table.from_pylist(data, schema=ROW_SCHEMA))
+    rows = list(rows)
+    counts = Counter((r.outcome, r.reason) for r in rows)
+    outcomes = [[o, why, n] for (o, why), n in sorted(counts.items(), key=str)]
+    _write_parquet(path, _rows_table(asset, partition, rows), {"outcomes": outcomes})
     return path
+
+
+def _rows_table(asset: str, partition: str, rows: Sequence[RowOutcome]) -> pa.Table:
+    """The ``ROW_SCHEMA`` table of ``rows``, built column by column (a dict per row costs
+    ~0.4 s for a 10k-row partition; this ~10 ms)."""
+    n = len(rows)
+    cols = {
+        "asset": pa.repeat(pa.scalar(asset, pa.string()), n),
+        "partition": pa.repeat(pa.scalar(partition, pa.string()), n),
+        "id": pa.array([r.id for r in rows], pa.string()),
+        "url": pa.array([r.url for r in rows], pa.string()),
+        "outcome": pa.array([r.outcome for r in rows], pa.string()),
+        "reason": pa.array([r.reason for r in rows], pa.string()),
+        "detail": pa.array([r.detail for r in rows], pa.string()),
+    }
+    return pa.Table.from_pydict(cols, schema=ROW_SCHEMA)
 
 
 def clear_attempt(data_root: str | Path, asset: str, partition: str) -> None:
@@ -220,7 +254,8 @@ def record_duplicates(
 def record_content(data_root: str | Path, partition: str, rows: Sequence[dict]) -> Path:
     """Write (replace) the md5 of the bytes of every row stored in one images_256 shard
     (``{id, position, md5}``): what content dedupe and the ``content_duplicates`` view read."""
-    path = DataLayout(data_root).catalog_dir / "content" / "images_256" / f"{partition}.parquet"
+    layout = DataLayout(data_root)
+    path = layout.catalog_dir / "content" / "images_256" / f"{partition}.parquet"
     data = [
         {
             "asset": "images_256",
@@ -229,7 +264,9 @@ def record_content(data_root: str | Path, partition: str, rows: Sequence[dict]) 
         }
         for r in rows
     ]
-    _write_parquet(path, pa.Table.from_pylist(data, schema=CONTENT_SCHEMA))
+    table = pa.Table.from_pylist(data, schema=CONTENT_SCHEMA)
+    ident = _write_parquet(path, table)
+    write_content_hashes(layout, partition, table.column("md5"), ident)  # what dedupe reads
     return path
 
 
@@ -272,10 +309,13 @@ CARD_SECTIONS = (
 
 def record_card_rows(data_root: str | Path, partition: str, rows: Sequence[dict]) -> Path:
     """Write (replace) the data card's per-row record of one partition
-    (flowmatch_assets/reports/data_card.py)."""
-    path = DataLayout(data_root).catalog_dir / "cards" / "data_card" / f"{partition}.parquet"
+    (flowmatch_assets/reports/data_card.py), and its summary (catalog/summary.py: the card
+    as counts, statistics and bins, from the partition's row records as they are now)."""
+    layout = DataLayout(data_root)
+    path = layout.catalog_dir / "cards" / "data_card" / f"{partition}.parquet"
     data = [{"asset": "data_card", "partition": partition, **r} for r in rows]
     _write_parquet(path, pa.Table.from_pylist(data, schema=CARD_SCHEMA))
+    write_card_summary(layout, partition)  # the partition's card, so no query has to
     return path
 
 

@@ -20,15 +20,17 @@ hash of it): an edited view, a newly registered embedding kind, a moved or copie
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import re
+import shutil
+import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import duckdb
 import pyarrow.parquet as pq
 
+from flowmatch_assets.catalog import derived, summary
 from flowmatch_assets.catalog.records import (
     CARD_SCHEMA,
     CARD_SECTIONS,
@@ -45,6 +47,7 @@ from flowmatch_assets.catalog.records import (
     VALIDATION_SCHEMA,
     _write_parquet,
 )
+from flowmatch_assets.catalog.summary import file_lock
 from flowmatch_models.storage.atomic import atomic_path
 from flowmatch_models.storage.layout import PARTITIONED_ASSETS, DataLayout
 
@@ -64,8 +67,8 @@ def _assets_key() -> str:
 
 def catalog_version(layout: DataLayout) -> str:
     """The version of ``catalog.duckdb``: a hash of the SQL that builds its views, so a view
-    whose SQL changes (an edit, a new embedding kind, a moved data root) rebuilds them all; no
-    number to bump by hand."""
+    whose SQL changes (an edit, a new embedding kind, a moved data root, records of an older
+    schema appearing) rebuilds them all; no number to bump by hand."""
     return hashlib.sha256("\n;\n".join(_view_sql(layout)).encode()).hexdigest()[:16]
 
 
@@ -77,11 +80,24 @@ def view_names() -> list[str]:
     return [m.group(1) for sql in _view_sql(DataLayout("/")) for m in [_CREATED.match(sql)] if m]
 
 
+def _glob(layout: DataLayout, kind: str, legacy: frozenset[str]) -> str:
+    """``read_parquet`` of a per-row record kind's files: by name (``union_by_name``) only
+    when some of them have an older schema (binding it opens every file; today's files all
+    have the schema of the first one, the ``_empty`` placeholder)."""
+    glob = _sql_str(layout.catalog_dir / kind / "*" / "*.parquet")
+    return f"read_parquet({glob}{', union_by_name=true' if kind in legacy else ''})"
+
+
 def _view_sql(layout: DataLayout) -> list[str]:
+    """The SQL of every view (a per-row record kind with files of an older schema, as the last
+    summary refresh found them, is read by name: :func:`_glob`)."""
+    legacy = summary.legacy_kinds(layout)
     c = layout.catalog_dir
-    mat = _sql_str(c / "materializations" / "*" / "*.parquet")
-    rows = _sql_str(c / "rows" / "*" / "*.parquet")
-    attempts = _sql_str(c / "attempts" / "*" / "*.parquet")
+    s = summary.summary_dir(layout)
+    mat = _sql_str(s / "materializations.parquet")
+    outcomes = _sql_str(s / "outcomes.parquet")
+    cards_summary = _sql_str(c / "card_summaries" / "*.parquet")
+    losers = _sql_str(s / "content_losers.parquet")
     parts = _sql_str(c / "partitions.parquet")
     evals = _sql_str(c / "evaluations" / "*" / "*.parquet")
     val = _sql_str(c / "validation" / "*.parquet")
@@ -91,8 +107,9 @@ def _view_sql(layout: DataLayout) -> list[str]:
     ledger_chain = _sql_str(c / "ledger_chain" / "*" / "*.parquet")
     assets = ", ".join(f"({_sql_str(a)}, {i})" for i, a in enumerate(PARTITIONED_ASSETS))
     return [
-        f"CREATE OR REPLACE VIEW materializations AS SELECT * FROM read_parquet({mat}, union_by_name=true) WHERE asset IS NOT NULL",
-        f"CREATE OR REPLACE VIEW rows AS SELECT * FROM read_parquet({rows}, union_by_name=true) WHERE asset IS NOT NULL",
+        # every materialization record (the summary of catalog/materializations/*/*.parquet)
+        f"CREATE OR REPLACE VIEW materializations AS SELECT * EXCLUDE (filename) FROM read_parquet({mat}) WHERE asset IS NOT NULL",
+        f"CREATE OR REPLACE VIEW rows AS SELECT * FROM {_glob(layout, 'rows', legacy)} WHERE asset IS NOT NULL",
         f"CREATE OR REPLACE VIEW partitions AS SELECT * FROM read_parquet({parts}) WHERE partition IS NOT NULL",
         # caption following per run, checkpoint step and attribute, beside the chance level
         f"CREATE OR REPLACE VIEW evaluations AS SELECT *, accuracy / nullif(chance, 0) AS x_chance FROM read_parquet({evals}, union_by_name=true) WHERE run IS NOT NULL",
@@ -134,6 +151,13 @@ def _view_sql(layout: DataLayout) -> list[str]:
         """CREATE OR REPLACE MACRO source_of(p) AS
            CASE WHEN regexp_full_match(split_part(p, '-', 1), '[a-z][a-z0-9_]{0,31}')
                 THEN split_part(p, '-', 1) ELSE 'pd12m' END""",
+        # rows per (asset, partition, outcome, reason): what the reports count, without
+        # opening the per-row records
+        f"""CREATE OR REPLACE VIEW row_outcomes AS
+           SELECT asset, partition, outcome, reason, rows,
+                  outcome = 'failed' AND retryable(reason) AS retryable,
+                  source_of(partition) AS source
+           FROM read_parquet({outcomes}) WHERE asset IS NOT NULL""",
         """CREATE OR REPLACE VIEW failures AS
            SELECT asset, partition, id, url, outcome, reason, detail,
                   outcome = 'failed' AND retryable(reason) AS retryable,
@@ -142,7 +166,7 @@ def _view_sql(layout: DataLayout) -> list[str]:
         f"""CREATE OR REPLACE VIEW rejected_attempts AS
            SELECT asset, partition, id, url, outcome, reason, detail,
                   outcome = 'failed' AND retryable(reason) AS retryable
-           FROM read_parquet({attempts}, union_by_name=true)
+           FROM {_glob(layout, "attempts", legacy)}
            WHERE asset IS NOT NULL AND outcome = 'failed'""",
         f"""CREATE OR REPLACE VIEW compression AS
            SELECT asset, any_value(codec) AS codec, count(*) AS partitions, sum(samples) AS samples,
@@ -174,21 +198,18 @@ def _view_sql(layout: DataLayout) -> list[str]:
                   CAST(json_extract(extra, '$.fingerprint') AS VARCHAR) AS fingerprint_json,
                   written_at
            FROM materializations WHERE asset != 'flow_model'""",
-        *_dedupe_views(layout),
-        *_data_card_views(layout),
+        *_dedupe_views(layout, legacy, losers),
+        *_data_card_views(layout, legacy, cards_summary),
     ]
 
 
-def _dedupe_views(layout: DataLayout) -> list[str]:
+def _dedupe_views(layout: DataLayout, legacy: frozenset[str], losers: str) -> list[str]:
     """Duplicates (flowmatch_assets/ingest/dedupe.py) and every input row's final outcome."""
-    c = layout.catalog_dir
-    dups = _sql_str(c / "duplicates" / "*" / "*.parquet")
-    content = _sql_str(c / "content" / "*" / "*.parquet")
     return [
-        f"CREATE OR REPLACE VIEW duplicate_records AS SELECT * FROM read_parquet({dups}, union_by_name=true) WHERE asset IS NOT NULL",
+        f"CREATE OR REPLACE VIEW duplicate_records AS SELECT * FROM {_glob(layout, 'duplicates', legacy)} WHERE asset IS NOT NULL",
         # md5 of the bytes of every row stored in a (materialized) images_256 shard
         f"""CREATE OR REPLACE VIEW content_md5 AS
-           SELECT partition, id, position, md5 FROM read_parquet({content}, union_by_name=true)
+           SELECT partition, id, position, md5 FROM {_glob(layout, "content", legacy)}
            WHERE asset IS NOT NULL AND md5 IS NOT NULL AND partition IN
                  (SELECT partition FROM materializations WHERE asset = 'images_256')""",
         """CREATE OR REPLACE VIEW content_first AS
@@ -197,10 +218,10 @@ def _dedupe_views(layout: DataLayout) -> list[str]:
                FROM content_md5) WHERE k = 1""",
         # stored rows whose bytes an earlier row (dataset order) also stored: the later ones
         # lose (their partition ran before the winner's, or at the same time)
-        """CREATE OR REPLACE VIEW content_duplicates AS
-           SELECT m.partition, m.id, m.md5, f.kept_partition, f.kept_id FROM content_md5 m
-           JOIN content_first f ON f.md5 = m.md5
-           WHERE (m.partition, m.id) <> (f.kept_partition, f.kept_id)""",
+        # (the summary of content_md5 x content_first: catalog/summary.py finds the repeated
+        # md5s by their hashes, so no query joins every stored md5)
+        f"""CREATE OR REPLACE VIEW content_duplicates AS
+           SELECT partition, id, md5, kept_partition, kept_id FROM read_parquet({losers})""",
         """CREATE OR REPLACE VIEW duplicates AS
            SELECT partition, id, 'hash' AS kind, hash, kept_partition, kept_id,
                   false AS still_stored
@@ -208,7 +229,13 @@ def _dedupe_views(layout: DataLayout) -> list[str]:
            UNION ALL
            SELECT d.partition, d.id, 'content', d.hash,
                   coalesce(f.kept_partition, d.kept_partition), coalesce(f.kept_id, d.kept_id), false
-           FROM duplicate_records d LEFT JOIN content_first f ON f.md5 = d.hash
+           FROM duplicate_records d LEFT JOIN (
+               -- the first stored row of each dropped row's md5 (of those md5s only)
+               SELECT md5, arg_min(partition, (partition, position)) AS kept_partition,
+                      arg_min(id, (partition, position)) AS kept_id
+               FROM content_md5 WHERE md5 IN
+                    (SELECT hash FROM duplicate_records WHERE kind = 'content')
+               GROUP BY md5) f ON f.md5 = d.hash
            WHERE d.kind = 'content'
            UNION ALL
            SELECT partition, id, 'content', md5, kept_partition, kept_id, true
@@ -236,88 +263,125 @@ def _dedupe_views(layout: DataLayout) -> list[str]:
     ]
 
 
-def _card_counts(section: str, expr: str, src: str) -> str:
-    """A count section of the data card: one item per value of ``expr``, per scope."""
-    return f"""SELECT CASE WHEN grouping(partition) = 1 THEN 'dataset' ELSE partition END AS scope,
-               '{section}' AS section, coalesce(CAST(k AS VARCHAR), '(none)') AS item,
-               count(*)::DOUBLE AS value, NULL::DOUBLE AS share
-               FROM (SELECT partition, {expr} AS k FROM {src})
-               GROUP BY GROUPING SETS ((partition, k), (k))"""
+#: The data card's count sections whose shares are of the section's total.
+CARD_SHARED = ("outcome", "license", "source", "aspect", "bucket")
 
 
-def _card_stats(section: str, col: str, src: str) -> str:
-    """A distribution section of the data card: p10 / p50 / p90 / mean / max, per scope."""
-    return f"""SELECT CASE WHEN grouping(partition) = 1 THEN 'dataset' ELSE partition END AS scope,
-               '{section}' AS section, unnest(['p10', 'p50', 'p90', 'mean', 'max']) AS item,
-               unnest([quantile_cont({col}, 0.1), quantile_cont({col}, 0.5),
-                       quantile_cont({col}, 0.9), avg({col}), max({col})])::DOUBLE AS value,
-               NULL::DOUBLE AS share
-               FROM {src} WHERE {col} IS NOT NULL GROUP BY GROUPING SETS ((partition), ())"""
+def _quantile(q: float) -> str:
+    """``quantile_cont(value, q)`` over the dataset's merged bins (``lo<q>``: the value at row
+    floor((n - 1) q), ``hi<q>``: the next row's), interpolated as DuckDB's quantile_cont."""
+    k, c = f"((total - 1) * {q})", int(q * 100)
+    return f"lo{c} + ({k} - floor({k})) * (coalesce(hi{c}, lo{c}) - lo{c})"
 
 
-def _data_card_views(layout: DataLayout) -> list[str]:
-    """The data card (flowmatch_assets/reports/data_card.py): per partition and whole dataset."""
-    cards = _sql_str(layout.catalog_dir / "cards" / "*" / "*.parquet")
-    stored = "(SELECT * FROM data_card_rows WHERE outcome = 'stored')"
-    aspect = """CASE WHEN orig_width IS NULL THEN NULL
-                     ELSE greatest(orig_width, orig_height) / least(orig_width, orig_height) END"""
-    bucket = f"""CASE WHEN {aspect} IS NULL THEN NULL WHEN {aspect} < 1.25 THEN '1-1.25'
-                      WHEN {aspect} < 1.5 THEN '1.25-1.5' WHEN {aspect} < 2 THEN '1.5-2'
-                      WHEN {aspect} < 3 THEN '2-3' ELSE '>=3' END"""
-    order = ", ".join(f"('{s}', {i})" for i, s in enumerate(CARD_SECTIONS))
-    shared = ("outcome", "license", "source", "aspect", "bucket")
+def _data_card_views(layout: DataLayout, legacy: frozenset[str], summaries: str) -> list[str]:
+    """The data card (flowmatch_assets/reports/data_card.py): per partition and whole dataset,
+    from each partition's summary (catalog/summary.py: counts, exact statistics and bins), so
+    no per-row record is read; the dataset's quantiles come from the merged bins (within 0.5%;
+    whole numbers below 256 exactly), its mean and max are exact. ``data_card_of(partition)``
+    is one partition's card, reading its summary alone."""
     return [
+        # every row of every card: its facts and its final outcome (per row; the card itself
+        # reads data_card_summary)
         f"""CREATE OR REPLACE VIEW data_card_rows AS
             SELECT c.* EXCLUDE (asset), d.outcome, d.reason, d.kept_id
-            FROM read_parquet({cards}, union_by_name=true) c
+            FROM {_glob(layout, "cards", legacy)} c
             JOIN dataset_rows d ON d.partition = c.partition AND d.id = c.id
             WHERE c.asset IS NOT NULL""",
-        f"""CREATE OR REPLACE VIEW data_card AS
-            WITH parts AS (
-              SELECT CASE WHEN grouping(partition) = 1 THEN 'dataset' ELSE partition END AS scope,
-                     'rows' AS section,
+        # each partition's card: rows per item of a count section; per distribution its
+        # statistics (p10, p50, p90, mean, max, sum, count: value) and bins (item 'bin')
+        f"""CREATE OR REPLACE VIEW data_card_summary AS
+            SELECT * FROM read_parquet({summaries}) WHERE partition IS NOT NULL""",
+        # the distributions' bins, per partition and for the dataset (the card's picture)
+        """CREATE OR REPLACE VIEW data_card_histograms AS
+            SELECT partition AS scope, section, value, n FROM data_card_summary
+            WHERE item = 'bin'
+            UNION ALL
+            SELECT 'dataset', section, value, sum(n) FROM data_card_summary
+            WHERE item = 'bin' GROUP BY section, value""",
+        f"CREATE OR REPLACE VIEW data_card AS {_card_select('data_card_summary', True)}",
+        "CREATE OR REPLACE MACRO data_card_of(p) AS TABLE "
+        + _card_select("(SELECT * FROM data_card_summary WHERE partition = p)", False),
+    ]
+
+
+def _card_select(src: str, dataset: bool) -> str:
+    """The card's rows (scope, section, item, value, share, section_order) from the summaries
+    ``src``: per partition, and with ``dataset`` for the whole dataset too."""
+    order = ", ".join(f"('{s}', {i})" for i, s in enumerate(CARD_SECTIONS))
+    stats = ", ".join(f"'{x}'" for x in derived.CARD_STATS)
+    shared = ", ".join(f"'{x}'" for x in CARD_SHARED)
+    bounds = ", ".join(
+        f"min(value) FILTER (cum > floor((total - 1) * {q})) AS lo{int(q * 100)}, "
+        f"min(value) FILTER (cum > floor((total - 1) * {q}) + 1) AS hi{int(q * 100)}"
+        for q in (0.1, 0.5, 0.9)
+    )
+    outcome = "split_part(item, ':', 1)"
+    outcomes = ("stored", "filtered", "failed", "pending")
+    counts = ", ".join(f"coalesce(sum(n) FILTER ({outcome} = '{o}'), 0)" for o in outcomes)
+    share = ", ".join(f"coalesce(sum(n) FILTER ({outcome} = '{o}'), 0) / sum(n)" for o in outcomes)
+    whole_counts = """UNION ALL
+              SELECT 'dataset', section, item, sum(n) FROM s WHERE n IS NOT NULL
+                AND item != 'bin' GROUP BY section, item"""
+    whole_stats = f""",
+            h AS (
+              SELECT section, value, n,
+                     sum(n) OVER (PARTITION BY section ORDER BY value) AS cum,
+                     sum(n) OVER (PARTITION BY section) AS total
+              FROM (SELECT section, value, sum(n) AS n FROM s
+                    WHERE item = 'bin' AND section IN ({stats}) GROUP BY section, value)),
+            q AS (SELECT section, any_value(total) AS total, {bounds} FROM h GROUP BY section),
+            m AS (
+              SELECT section, sum(value) FILTER (item = 'sum')
+                              / sum(value) FILTER (item = 'count') AS mean,
+                     max(value) FILTER (item = 'max') AS max
+              FROM s WHERE section IN ({stats}) GROUP BY section)"""
+    whole_quantiles = f"""UNION ALL
+              SELECT 'dataset', section, unnest(['p10', 'p50', 'p90', 'mean', 'max']),
+                     unnest([{_quantile(0.1)}, {_quantile(0.5)}, {_quantile(0.9)},
+                             mean, max])::DOUBLE, NULL::DOUBLE
+              FROM q JOIN m USING (section)"""
+    sets = "GROUPING SETS ((partition), ())" if dataset else "partition"
+    return f"""
+            WITH s AS {"MATERIALIZED " if dataset else ""}(SELECT * FROM {src}),
+            counts AS (
+              SELECT partition AS scope, section, item, n FROM s WHERE n IS NOT NULL
+                AND item != 'bin'
+              {whole_counts if dataset else ""}){whole_stats if dataset else ""},
+            parts AS (
+              SELECT scope, 'rows' AS section,
                      unnest(['input', 'stored', 'filtered', 'failed', 'pending']) AS item,
-                     unnest([count(*), count(*) FILTER (outcome = 'stored'),
-                             count(*) FILTER (outcome = 'filtered'),
-                             count(*) FILTER (outcome = 'failed'),
-                             count(*) FILTER (outcome = 'pending')])::DOUBLE AS value,
-                     unnest([1.0, count(*) FILTER (outcome = 'stored') / count(*),
-                             count(*) FILTER (outcome = 'filtered') / count(*),
-                             count(*) FILTER (outcome = 'failed') / count(*),
-                             count(*) FILTER (outcome = 'pending') / count(*)]) AS share
-              FROM data_card_rows GROUP BY GROUPING SETS ((partition), ())
-              UNION ALL {_card_counts("outcome", "outcome || coalesce(':' || reason, '')", "data_card_rows")}
-              UNION ALL {_card_counts("license", "license", stored)}
-              UNION ALL {_card_counts("source", "source", stored)}
-              UNION ALL {_card_counts("aspect", bucket, f"(SELECT * FROM {stored} WHERE orig_width IS NOT NULL)")}
-              UNION ALL {_card_counts("bucket", "bucket", f"(SELECT * FROM {stored} WHERE bucket IS NOT NULL)")}
-              UNION ALL {_card_stats("kept", "kept", stored)}
-              UNION ALL {_card_stats("caption_chars", "caption_chars", stored)}
-              UNION ALL {_card_stats("caption_tokens", "caption_tokens", stored)}
-              UNION ALL {_card_stats("orig_long_side", "greatest(orig_width, orig_height)", stored)}
-              UNION ALL {_card_stats("orig_short_side", "least(orig_width, orig_height)", stored)}
+                     unnest([sum(n), {counts}])::DOUBLE AS value,
+                     unnest([1.0, {share}]) AS share
+              FROM counts WHERE section = 'outcome' GROUP BY scope
               UNION ALL
-              SELECT CASE WHEN grouping(partition) = 1 THEN 'dataset' ELSE partition END,
-                     'text', 'captions_over_max_tokens',
-                     count(*) FILTER (caption_tokens > max_tokens)::DOUBLE,
-                     count(*) FILTER (caption_tokens > max_tokens) / nullif(count(caption_tokens), 0)
-              FROM {stored} GROUP BY GROUPING SETS ((partition), ())
+              SELECT scope, section, item, n::DOUBLE, NULL::DOUBLE FROM counts
+              WHERE section IN ({shared})
+              UNION ALL
+              SELECT partition, section, item, value, NULL::DOUBLE FROM s
+              WHERE section IN ({stats}) AND item IN ('p10', 'p50', 'p90', 'mean', 'max')
+              {whole_quantiles if dataset else ""}
+              UNION ALL
+              SELECT scope, 'text', 'captions_over_max_tokens',
+                     sum(n) FILTER (item = 'captions_over_max_tokens')::DOUBLE,
+                     sum(n) FILTER (item = 'captions_over_max_tokens')
+                       / nullif(sum(n) FILTER (item = 'tokenized'), 0)
+              FROM counts WHERE section = 'text' GROUP BY scope
               UNION ALL
               SELECT CASE WHEN grouping(partition) = 1 THEN 'dataset' ELSE partition END,
                      'text', 'fp16_saturated_values',
                      sum(CAST(extra->>'$.fp16_saturated' AS BIGINT))::DOUBLE, NULL
               FROM materializations
               WHERE extra->>'$.fp16_saturated' IS NOT NULL
-                AND partition IN (SELECT partition FROM data_card_rows)
-              GROUP BY GROUPING SETS ((partition), ())
+                AND partition IN (SELECT partition FROM s)
+              GROUP BY {sets}
             )
             SELECT p.scope, p.section, p.item, p.value,
-                   CASE WHEN p.section IN {shared}
+                   CASE WHEN p.section IN ({shared})
                         THEN p.value / sum(p.value) OVER (PARTITION BY p.scope, p.section)
                         ELSE p.share END AS share,
                    o.section_order
-            FROM parts p JOIN (VALUES {order}) o(section, section_order) USING (section)""",
-    ]
+            FROM parts p JOIN (VALUES {order}) o(section, section_order) USING (section)"""
 
 
 def _retryable_sql(col: str) -> str:
@@ -359,15 +423,9 @@ def _ensure_placeholders(layout: DataLayout) -> None:
         _write_parquet(p, PARTITION_SCHEMA.empty_table())
 
 
-@contextlib.contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+#: What one catalog query may hold in memory; beyond it DuckDB spills to disk (a per-row view
+#: over PD12M's ~12M rows per asset), so a query stays within ~1 GB of RSS.
+QUERY_MEMORY = "600MB"
 
 
 class Catalog:
@@ -377,50 +435,88 @@ class Catalog:
         self.layout = DataLayout(data_root)
         self.path = self.layout.catalog_db
 
-    def _is_current(self) -> bool:
-        if not self.path.exists():
-            return False
+    @staticmethod
+    def _meta_matches(con: duckdb.DuckDBPyConnection, want: tuple) -> bool:
         try:
-            with duckdb.connect(str(self.path), read_only=True) as con:
-                row = con.execute("SELECT version, root, assets FROM catalog_meta").fetchone()
-            return row == (catalog_version(self.layout), str(self.layout.root), _assets_key())
+            return con.execute("SELECT version, root, assets FROM catalog_meta").fetchone() == want
         except duckdb.Error:
             return False
 
-    def ensure(self) -> Path:
-        """Create or upgrade ``catalog.duckdb`` (views only); safe from many processes at once."""
+    def _want(self) -> tuple:
+        """What a current ``catalog.duckdb`` records (after bringing the summaries up to date)."""
         _ensure_placeholders(self.layout)
-        if self._is_current():
-            return self.path
+        summary.refresh(self.layout)
+        return (catalog_version(self.layout), str(self.layout.root), _assets_key())
+
+    def _open(self, want: tuple) -> duckdb.DuckDBPyConnection | None:
+        """A read-only connection to ``catalog.duckdb`` if it is current, else None."""
+        if not self.path.exists():
+            return None
+        try:
+            con = duckdb.connect(str(self.path), read_only=True)
+        except duckdb.Error:
+            return None
+        if self._meta_matches(con, want):
+            return con
+        con.close()
+        return None
+
+    def ensure(self) -> Path:
+        """Bring the summaries up to date with the records (catalog/summary.py) and create or
+        upgrade ``catalog.duckdb`` (views only); safe from many processes at once."""
+        want = self._want()
+        con = self._open(want)
+        if con is None:
+            self._build(want)
+        else:
+            con.close()
+        return self.path
+
+    def _build(self, want: tuple) -> None:
+        """Write ``catalog.duckdb`` anew (under a lock; another process may have just done it).
+        A failed build leaves nothing behind: no temp file, no WAL."""
         with file_lock(self.layout.catalog_dir / ".catalog.lock"):
-            if self._is_current():
-                return self.path
+            con = self._open(want)
+            if con is not None:
+                con.close()
+                return
             with atomic_path(self.path) as tmp:
                 tmp.unlink()  # duckdb wants to create the file itself
-                with duckdb.connect(str(tmp)) as con:
-                    for sql in _view_sql(self.layout):
-                        con.execute(sql)
-                    con.execute(
-                        "CREATE TABLE catalog_meta(version VARCHAR, root VARCHAR, assets VARCHAR)"
-                    )
-                    con.execute(
-                        "INSERT INTO catalog_meta VALUES (?, ?, ?)",
-                        [catalog_version(self.layout), str(self.layout.root), _assets_key()],
-                    )
-                    con.execute("CHECKPOINT")
                 wal = tmp.with_name(tmp.name + ".wal")
-                wal.unlink(missing_ok=True)
-        return self.path
+                try:
+                    with duckdb.connect(str(tmp)) as con:
+                        for sql in _view_sql(self.layout):
+                            con.execute(sql)
+                        con.execute(
+                            "CREATE TABLE catalog_meta(version VARCHAR, root VARCHAR, "
+                            "assets VARCHAR)"
+                        )
+                        con.execute("INSERT INTO catalog_meta VALUES (?, ?, ?)", list(want))
+                        con.execute("CHECKPOINT")
+                finally:
+                    wal.unlink(missing_ok=True)
 
     @contextlib.contextmanager
     def connect(self) -> Iterator[duckdb.DuckDBPyConnection]:
-        """A read-only connection; many may be open at once, also while partitions run."""
-        self.ensure()
-        con = duckdb.connect(str(self.path), read_only=True)
+        """A read-only connection; many may be open at once, also while partitions run. What a
+        query spills goes to a folder of its own, removed when it closes (also on failure)."""
+        want = self._want()
+        con = self._open(want)
+        if con is None:
+            self._build(want)
+            con = duckdb.connect(str(self.path), read_only=True)
+        spill = Path(tempfile.mkdtemp(prefix=".tmp-duckdb-", dir=self.layout.catalog_dir))
         try:
+            con.execute(f"SET temp_directory = {_sql_str(spill)}")
+            con.execute(f"SET memory_limit = '{QUERY_MEMORY}'")
+            con.execute("SET enable_progress_bar = false")
+            con.execute(f"SET threads = {summary.cores()}")
+            # (a query without ORDER BY has no order anyway; this lets big joins spill)
+            con.execute("SET preserve_insertion_order = false")
             yield con
         finally:
             con.close()
+            shutil.rmtree(spill, ignore_errors=True)
 
     def query(self, sql: str, params: Sequence | None = None) -> list[dict]:
         """Run SQL against the catalog views; rows as dicts."""
@@ -451,7 +547,8 @@ class Catalog:
 
     def failures_by_reason(self) -> list[dict]:
         return self.query(
-            """SELECT asset, outcome, reason, retryable, count(*) AS rows FROM failures
+            """SELECT asset, outcome, reason, retryable, sum(rows)::BIGINT AS rows
+               FROM row_outcomes WHERE outcome IN ('failed', 'filtered')
                GROUP BY ALL ORDER BY asset, outcome, rows DESC, reason"""
         )
 

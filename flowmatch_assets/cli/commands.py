@@ -377,24 +377,22 @@ def cmd_stale(partition: list[str], asset: list[str], as_json: bool, no_report: 
     rows += [{"asset": "flow_model", "partition": f"run {s.partition}", "reason": s.reason}
              for s in models]  # fmt: skip
     with_models = models if not asset or "flow_model" in asset else None
-    if not no_report and (assets or with_models is not None):
-        n = report(instance, res, found, partition or known, assets, runs.log_config(),
-                   with_models)  # fmt: skip
-        note = f"{n} `<asset>_fresh` check results reported to Dagster" if n else ""
-    else:
-        note = ""
     if as_json:
-        print(json.dumps(rows, indent=1))
-    else:
+        print(json.dumps(rows, indent=1), flush=True)
+    else:  # the answer first: recording many check results in Dagster takes a while
         print(format_table(rows) if rows else "nothing stale")
         parts = sorted({s.partition for s in found})
         print(
             f"{len(found)} stale asset partitions in {len(parts)} partitions"
             + (f", {len(models)} stale training runs" if models else "")
-            + (f"; {note}" if note else "")
             + ("; re-make them with `flowmatch backfill --stale` (or `flowmatch materialize "
-               "--stale`)" if found else "")
+               "--stale`)" if found else ""), flush=True,
         )  # fmt: skip
+    if not no_report and (assets or with_models is not None):
+        n = report(instance, res, found, partition or known, assets, runs.log_config(),
+                   with_models)  # fmt: skip
+        if n and not as_json:
+            print(f"{n} `<asset>_fresh` check results reported to Dagster")
     return 1 if rows else 0
 
 

@@ -77,7 +77,7 @@ def data_card(
     catalog.record_card_rows(flowmatch.data_root, part, rows)
     cat = Catalog(flowmatch.data_root)
     view = card(cat, part)
-    img = render(cat, part)
+    img = render(cat, part, view)
     png = save_png(img, layout.preview_path("data_card", part))
     context.log.info(f"{part}: data card of {len(rows)} rows in {time.perf_counter() - t0:.1f}s")
     return dg.MaterializeResult(
@@ -94,7 +94,7 @@ def write_dataset_card(data_root: str) -> tuple[str, str, object, list[dict]]:
     """Render the whole dataset's card: (markdown path, png path, image, view rows)."""
     cat = Catalog(data_root)
     view = card(cat, DATASET)
-    img = render(cat, DATASET)
+    img = render(cat, DATASET, view)
     reports = cat.layout.root / "reports"
     md_path, png_path = reports / "data_card.md", reports / "data_card.png"
     save_png(img, png_path)

@@ -194,11 +194,15 @@ def _records(
         [list(assets)],
     )
     want = set(partitions) if partitions is not None else None
-    return {
-        (r["asset"], r["partition"]): Fingerprint.from_json(r["fingerprint_json"])
-        for r in rows
-        if want is None or r["partition"] in want
-    }
+    parsed: dict[str | None, Fingerprint | None] = {}  # most partitions share a fingerprint
+    out = {}
+    for r in rows:
+        if want is None or r["partition"] in want:
+            j = r["fingerprint_json"]
+            if j not in parsed:
+                parsed[j] = Fingerprint.from_json(j)
+            out[(r["asset"], r["partition"])] = parsed[j]
+    return out
 
 
 def staleness(
@@ -215,6 +219,7 @@ def staleness(
     need = [a for a in lineage if any(_feeds(a, w) for w in wanted)]
     recs = _records(res, need, partitions)
     expected: dict[str, dict] = {}
+    diffs: dict[tuple, list[str]] = {}  # (fingerprint, expectation) -> the fields that differ
     parts = sorted({p for _, p in recs}) if partitions is None else list(partitions)
     out = []
     for p in parts:
@@ -233,7 +238,9 @@ def staleness(
                         expected[key] = expected_fields(res, a, p)
                     except SourceError as e:  # the source was removed, or its manifest
                         expected[key] = {"source": f"unavailable ({str(e).split(';')[0]})"}
-                reasons = diff(fp.fields, expected[key])
+                if (id(fp), key) not in diffs:
+                    diffs[(id(fp), key)] = diff(fp.fields, expected[key])
+                reasons = list(diffs[(id(fp), key)])
                 up = upstream_of(a)
                 if up in stale:
                     reasons.append(f"upstream {up} is stale ({stale[up][0]})")

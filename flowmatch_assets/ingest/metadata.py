@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -171,6 +172,30 @@ def discover_shards(source: str, shard_size: int) -> list[ShardSpec]:
     return specs
 
 
+#: The row groups of the metadata file read last, kept for the next partition of the same file
+#: (PD12M's files are one row group of 100k rows: ten partitions, one read, in one process).
+_LAST_READ: dict[tuple, pa.Table] = {}
+_LAST_READ_LOCK = threading.Lock()
+
+
+def _read_groups(pf: pq.ParquetFile, path: str, groups: list[int]) -> pa.Table:
+    """``groups`` of ``pf`` (the PD12M columns); the last file's are reused while its size and
+    modification time are the same."""
+    fs, p = fsspec.core.url_to_fs(path)
+    info = fs.info(p)
+    stamp = next((info[k] for k in ("mtime", "LastModified", "ETag", "etag") if k in info), None)
+    key = (path, info.get("size"), str(stamp), tuple(groups))
+    with _LAST_READ_LOCK:
+        if stamp is not None and key in _LAST_READ:
+            return _LAST_READ[key]
+    table = pf.read_row_groups(groups, columns=list(PD12M_COLUMNS))
+    if stamp is not None:
+        with _LAST_READ_LOCK:
+            _LAST_READ.clear()
+            _LAST_READ[key] = table
+    return table
+
+
 def read_metadata_shard(source: str, key: str, shard_size: int) -> tuple[pa.Table, ShardSpec]:
     """Read the rows of partition ``key`` (with a ``row_index`` column: position in the file)."""
     file_number, shard_index = parse_shard_key(key)
@@ -199,7 +224,7 @@ def read_metadata_shard(source: str, key: str, shard_size: int) -> tuple[pa.Tabl
                 groups.append(g)
                 first = offset if first is None else first
             offset += n
-        table = pf.read_row_groups(groups, columns=list(PD12M_COLUMNS)) if groups else None
+        table = _read_groups(pf, path, groups) if groups else None
     if table is None:
         table = pa.table({c: pa.array([], pa.string()) for c in PD12M_COLUMNS})
         first = start
@@ -236,19 +261,27 @@ def size_reason(w: int | None, h: int | None, cfg: FilterConfig) -> tuple[str, s
     return None
 
 
-def _row_reason(r: dict, cfg: FilterConfig, allowed: set | None) -> tuple[str, str] | None:
-    """The first row-local filter that drops ``r`` (reason, detail), or None."""
-    caption = (r.get("caption") or "").strip()
-    if not (r.get("url") or "").strip():
+def _row_reason(
+    url: str | None,
+    width: int | None,
+    height: int | None,
+    caption: str | None,
+    license: str | None,
+    cfg: FilterConfig,
+    allowed: set | None,
+) -> tuple[str, str] | None:
+    """The first row-local filter that drops a row (reason, detail), or None."""
+    caption = (caption or "").strip()
+    if not (url or "").strip():
         return "missing_url", "empty url"
-    if why := size_reason(r.get("width"), r.get("height"), cfg):
+    if why := size_reason(width, height, cfg):
         return why
     if len(caption) < cfg.min_caption_chars:
         return "caption_too_short", f"{len(caption)} chars < {cfg.min_caption_chars}"
     if len(caption) > cfg.max_caption_chars:
         return "caption_too_long", f"{len(caption)} chars > {cfg.max_caption_chars}"
-    if allowed is not None and r.get("license") not in allowed:
-        return "license", f"license {r.get('license')!r} not allowed"
+    if allowed is not None and license not in allowed:
+        return "license", f"license {license!r} not allowed"
     return None
 
 
@@ -258,34 +291,48 @@ def filter_rows(
     """Apply the row filters. Returns the kept rows and one ``{id, url, reason, detail,
     kept_id, kept_partition}`` per filtered row; every row is either kept or filtered with
     exactly one reason. Duplicate hashes: among the rows every other filter keeps, only each
-    hash's first occurrence stays (``winners``: across the dataset; default: within ``table``)."""
-    rows = table.to_pylist()
+    hash's first occurrence stays (``winners``: across the dataset; default: within ``table``).
+    Reads the table column by column (a dict per row cost ~0.1 s a 10k-row partition)."""
+    n = table.num_rows
+
+    def col(name: str) -> list:
+        return table.column(name).to_pylist() if name in table.column_names else [None] * n
+
+    urls, hashes = col("url"), col("hash")
     allowed = set(cfg.licenses) if cfg.licenses is not None else None
-    reasons: list[tuple | None] = [_row_reason(r, cfg, allowed) for r in rows]
+    reasons: list[tuple | None] = [
+        _row_reason(u, w, h, c, lic, cfg, allowed)
+        for u, w, h, c, lic in zip(
+            urls, col("width"), col("height"), col("caption"), col("license")
+        )
+    ]
     if cfg.drop_duplicate_hash:
-        eligible = [i for i, x in enumerate(reasons) if x is None and rows[i].get("hash")]
+        eligible = [i for i, x in enumerate(reasons) if x is None and hashes[i]]
         for i, (kp, kid) in (winners or _first_in_table)(table, eligible).items():
             where = f"{kp}, " if kp else ""
-            detail = f"hash {rows[i]['hash']} first kept as {where}id {kid}"
+            detail = f"hash {hashes[i]} first kept as {where}id {kid}"
             reasons[i] = ("duplicate_hash", detail, kid, kp or None)
     keep_idx: list[int] = []
     filtered: list[dict] = []
-    for i, (r, x) in enumerate(zip(rows, reasons)):
+    ids = col("id")
+    for i, x in enumerate(reasons):
         if x is None:
             keep_idx.append(i)
             continue
         reason, detail, kept_id, kept_partition = (*x, None, None)[:4]
         filtered.append(
             {
-                "id": str(r.get("id")),
-                "url": r.get("url"),
+                "id": str(ids[i]),
+                "url": urls[i],
                 "reason": reason,
                 "detail": detail,
                 "kept_id": kept_id,
                 "kept_partition": kept_partition,
-                "hash": r.get("hash"),
+                "hash": hashes[i],
             }
         )
+    if len(keep_idx) == n:
+        return table, filtered
     kept = table.take(pa.array(keep_idx, pa.int64())) if keep_idx else table.slice(0, 0)
     return kept, filtered
 

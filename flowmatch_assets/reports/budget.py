@@ -28,6 +28,7 @@ Honesty rules, enforced here:
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from pydantic import BaseModel, Field
 
 from flowmatch_assets.catalog import PD12M_PAIRS, Catalog, format_table
 from flowmatch_models.embeddings.kinds import EMBEDDING_ASSETS
+from flowmatch_models.storage.atomic import atomic_write_text
 
 #: The seeds' published figures (shared/context/seed-flow-matching-on-a-budget.txt).
 SEED_PRECALC_PAIRS_S = 200.0  # 2x RTX 3090, both fully used
@@ -403,27 +405,105 @@ def ssd_fit(embeddings_gb: float, worst_gb: float, checkpoints_gb: float, ssd_tb
             "gb": need, "note": verdict, "fits": fits, "fits_worst_case": fits_worst}  # fmt: skip
 
 
-def checkpoint_row(cfg: BudgetConfig) -> dict:
-    """Checkpoints of a run of ``updates`` steps with configs/base.yaml's retention (full
-    states + EMA snapshots, :func:`flowmatch_models.callbacks.checkpoint_disk_plan`), priced
-    with the base preset's real parameter counts."""
+#: Parameter counts of the DiT presets (flowmatch_models/model/dit.py), recorded so that the budget
+#: needs no torch: ``{"key": <dit.py + diffusers>, "counts": {"<preset>/<projector_hidden>":
+#: [params, transformer params]}}``. Re-record: ``python -m flowmatch_assets.reports.budget``
+#: (tests/test_budget.py fails when it is out of date; a stale table is computed at run time).
+PARAM_COUNTS = Path(__file__).with_name("param_counts.json")
+
+
+def _param_key() -> str:
+    """What the presets' parameter counts depend on: dit.py's source and diffusers' version."""
+    import hashlib
+    import importlib.metadata
+    import importlib.util
+
+    origin = importlib.util.find_spec("flowmatch_models.dit").origin
+    h = hashlib.sha256(Path(origin).read_bytes())
+    h.update(importlib.metadata.version("diffusers").encode())
+    return h.hexdigest()[:16]
+
+
+def count_params_of(preset: str, projector_hidden: int | None) -> tuple[int, int]:
+    """(every parameter, the transformer's) of a freshly built ``preset`` (on the meta device)."""
     import torch
 
     from flowmatch_models.model.dit import build_model, count_params
-    from flowmatch_models.train.callbacks import checkpoint_disk_plan
+
+    with torch.device("meta"):
+        model = build_model(preset, projector_hidden=projector_hidden)
+    return count_params(model), count_params(model.transformer)
+
+
+def param_counts(preset: str, projector_hidden: int | None) -> tuple[int, int]:
+    """The recorded counts (:data:`PARAM_COUNTS`) when they are current, else computed."""
+    try:
+        table = json.loads(PARAM_COUNTS.read_text())
+        if table["key"] == _param_key():
+            return tuple(table["counts"][f"{preset}/{projector_hidden}"])  # type: ignore[return-value]
+    except (OSError, ValueError, KeyError):
+        pass
+    return count_params_of(preset, projector_hidden)
+
+
+def record_param_counts(configs: Sequence[str | Path] = ()) -> dict:
+    """Write :data:`PARAM_COUNTS` for the model of every config in ``configs`` (default every
+    ``configs/*.yaml``)."""
+    from flowmatch_models.train.config import load_config
+
+    paths = list(configs) or sorted(
+        (Path(__file__).resolve().parents[2] / "configs").glob("*.yaml")
+    )
+    counts = {}
+    for p in paths:
+        m = load_config(p).model
+        counts[f"{m.preset}/{m.projector_hidden}"] = list(
+            count_params_of(m.preset, m.projector_hidden)
+        )
+    table = {"key": _param_key(), "counts": dict(sorted(counts.items()))}
+    atomic_write_text(PARAM_COUNTS, json.dumps(table, indent=1) + "\n")
+    return table
+
+
+def checkpoint_row(cfg: BudgetConfig) -> dict:
+    """Checkpoints of a run of ``updates`` steps with configs/base.yaml's retention (full
+    states + EMA snapshots, the arithmetic of
+    :func:`flowmatch_models.callbacks.checkpoint_disk_plan`), priced with the base preset's
+    real parameter counts (:func:`param_counts`: no torch import when they are recorded)."""
     from flowmatch_models.train.config import load_config
 
     base = load_config(Path(__file__).resolve().parents[2] / "configs" / "base.yaml")
     base.trainer.max_steps = cfg.updates
-    with torch.device("meta"):
-        model = build_model(base.model.preset, projector_hidden=base.model.projector_hidden)
-    plan = checkpoint_disk_plan(base, count_params(model), count_params(model.transformer))
+    params, transformer = param_counts(base.model.preset, base.model.projector_hidden)
+    plan = checkpoint_disk_plan(base, params, transformer)
     t = base.trainer
     note = (f"base.yaml: {plan['ema_snapshots_kept']} EMA snapshots (every {t.checkpoint_every:,}) "
             f"x {plan['ema_snapshot_bytes'] / 1e9:.2f} GB + {plan['full_states_kept']} full states "
             f"x {plan['full_state_bytes'] / 1e9:.2f} GB; last.ckpt a link")  # fmt: skip
     return {"what": f"checkpoints (SSD, {cfg.updates:,} updates)", "bytes_per_sample": None,
             "gb": plan["total_bytes"] / 1e9, "note": note}  # fmt: skip
+
+
+def checkpoint_disk_plan(cfg, params: int, transformer_params: int) -> dict:
+    """:func:`flowmatch_models.callbacks.checkpoint_disk_plan` without importing torch and
+    Lightning (~7 s) for ten lines of arithmetic (tests/test_budget.py holds the two equal):
+    a full state is fp32 weights + Adam moments (3 x 4 bytes per trained parameter) + the fp32
+    EMA transformer; an EMA snapshot is the EMA alone; ``last.ckpt`` is a link (0 bytes)."""
+    t = cfg.trainer
+    full_every = t.full_every or t.checkpoint_every
+    full = 12 * params + 4 * transformer_params
+    ema = 4 * transformer_params
+    n_ema = t.max_steps // t.checkpoint_every
+    kept_ema = n_ema if t.keep_ema == 0 else min(n_ema, t.keep_ema)
+    kept_full = min(max(1, t.max_steps // full_every), t.keep_full)
+    return {
+        "full_state_bytes": full,
+        "ema_snapshot_bytes": ema,
+        "full_states_kept": kept_full,
+        "ema_snapshots_kept": kept_ema,
+        "total_bytes": kept_full * full + kept_ema * ema,
+        "without_retention_bytes": (t.max_steps // t.checkpoint_every) * full + full,
+    }
 
 
 def payback_hours(cfg: BudgetConfig) -> float | None:
@@ -499,3 +579,7 @@ def budget(catalog: Catalog, cfg: BudgetConfig) -> tuple[str, dict]:
     }
     json.dumps(data)  # fail here, not in a caller, if something is not serialisable
     return render_markdown(rows, disk_rows, cfg), data
+
+
+if __name__ == "__main__":
+    print(json.dumps(record_param_counts(), indent=1))

@@ -82,9 +82,11 @@ def card_rows(
 
 
 def card(cat: Catalog, scope: str = DATASET) -> list[dict]:
-    """The ``data_card`` view's rows of one scope (a partition key, or ``"dataset"``)."""
+    """The ``data_card`` view's rows of one scope (a partition key, or ``"dataset"``; a
+    partition's from ``data_card_of``, which reads its summary alone)."""
+    src = "data_card WHERE scope = ?" if scope == DATASET else "data_card_of(?)"
     return cat.query(
-        "SELECT section, item, value, share FROM data_card WHERE scope = ? ORDER BY section_order, value DESC, item",
+        f"SELECT section, item, value, share FROM {src} ORDER BY section_order, value DESC, item",
         [scope],
     )
 
@@ -103,20 +105,31 @@ def markdown(rows: list[dict], scope: str) -> str:
     return "\n".join(out)
 
 
-def _values(cat: Catalog, scope: str) -> dict[str, np.ndarray]:
-    where = "" if scope == DATASET else "AND partition = ?"
+#: The picture's histograms: its key -> the data card section that holds the values.
+HISTOGRAMS = {
+    "caption_chars": "caption_chars",
+    "caption_tokens": "caption_tokens",
+    "max_tokens": "max_tokens",
+    "long_side": "orig_long_side",
+    "aspect": "aspect_value",
+    "kept": "kept",
+}
+
+
+def _values(cat: Catalog, scope: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The stored rows' distributions of ``scope`` as (values, how many rows have each): the
+    ``data_card_histograms`` view (per-partition summaries, never the per-row records)."""
     rows = cat.query(
-        f"""SELECT caption_chars, caption_tokens, max_tokens,
-                   greatest(orig_width, orig_height) AS long_side,
-                   greatest(orig_width, orig_height) / least(orig_width, orig_height) AS aspect,
-                   kept
-            FROM data_card_rows WHERE outcome = 'stored' {where}""",
-        [] if scope == DATASET else [scope],
+        "SELECT section, value, n FROM data_card_histograms WHERE scope = ? AND section IN "
+        "(SELECT unnest(?)) ORDER BY section, value",
+        [scope, list(HISTOGRAMS.values())],
     )
-    return {
-        k: np.array([r[k] for r in rows if r[k] is not None], dtype=float)
-        for k in ("caption_chars", "caption_tokens", "max_tokens", "long_side", "aspect", "kept")
-    }
+    out = {}
+    for key, section in HISTOGRAMS.items():
+        sub = [r for r in rows if r["section"] == section]
+        out[key] = (np.array([r["value"] for r in sub], float),
+                    np.array([r["n"] for r in sub], float))  # fmt: skip
+    return out
 
 
 def _bucket_order(item: str) -> float:
@@ -125,16 +138,16 @@ def _bucket_order(item: str) -> float:
     return int(h) / int(w) if h.isdigit() and w.isdigit() else float("inf")
 
 
-def render(cat: Catalog, scope: str = DATASET) -> Image.Image:
+def render(cat: Catalog, scope: str = DATASET, rows: list[dict] | None = None) -> Image.Image:
     """The card as one picture: caption length (chars, tokens), original size and aspect,
     license/source mix, outcomes by reason, the stored sizes (buckets) and how much of each
-    original the crop kept."""
+    original the crop kept. ``rows``: the card's rows, if :func:`card` already read them."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = card(cat, scope)
+    rows = card(cat, scope) if rows is None else rows
     v = _values(cat, scope)
     get = {(r["section"], r["item"]): r for r in rows}
     fig, ax = plt.subplots(2, 4, figsize=(17, 7.5))
@@ -146,13 +159,15 @@ def render(cat: Catalog, scope: str = DATASET) -> Image.Image:
         (ax[1, 3], "kept", "share of the original the crop kept"),
     )
     for a, key, title in hist:
-        if len(v[key]):
-            a.hist(v[key], bins=min(30, max(5, len(v[key]) // 3)), color="#4c72b0")
+        values, counts = v[key]
+        if len(values):
+            bins = min(30, max(5, int(counts.sum()) // 3))
+            a.hist(values, bins=bins, weights=counts, color="#4c72b0")
         else:
             a.text(0.5, 0.5, "not measured", ha="center", va="center", transform=a.transAxes)
         a.set_title(title, fontsize=10)
-    if len(v["max_tokens"]):
-        ax[0, 1].axvline(v["max_tokens"][0], color="#c44e52", ls="--", label="max_tokens")
+    if len(v["max_tokens"][0]):
+        ax[0, 1].axvline(v["max_tokens"][0][0], color="#c44e52", ls="--", label="max_tokens")
         ax[0, 1].legend(fontsize=8)
     mix = [r for r in rows if r["section"] in ("license", "source")]
     ax[0, 2].barh(
