@@ -262,7 +262,7 @@ def retry(
     partitions: list[str] | None = None, reasons: list[str] | None = None, res=None
 ) -> dict[str, bool]:
     """Re-fetch the failed rows (retryable reasons, or ``reasons``) of ``partitions`` (default:
-    every partition with such rows) and merge them into their images_256 shards."""
+    every partition with such rows) and merge them into their images shards."""
     from flowmatch_assets.catalog import Catalog
 
     res = res or resource()
@@ -270,7 +270,7 @@ def retry(
     params = [list(reasons)] if reasons else []
     rows = Catalog(res.data_root).query(
         f"""SELECT partition, count(*) AS n FROM failures
-            WHERE asset = 'images_256' AND outcome = 'failed' AND {where}
+            WHERE asset = 'images' AND outcome = 'failed' AND {where}
             GROUP BY partition ORDER BY partition""",
         params,
     )
@@ -283,9 +283,7 @@ def retry(
     for k in keys:
         print(f"{k}: retrying {todo[k]} failed rows")
     cfg = {"retry": True, "reasons": list(reasons) if reasons else None}
-    return materialize(
-        keys, ["images_256"], run_config={"ops": {"images_256": {"config": cfg}}}, res=res
-    )
+    return materialize(keys, ["images"], run_config={"ops": {"images": {"config": cfg}}}, res=res)
 
 
 def train(
@@ -385,7 +383,7 @@ def materialize_data_cards(partitions: list[str] | None = None, res=None) -> boo
     res = res or resource()
     inst = instance()
     register_partitions(inst, res, log=_warn)
-    have = res.layout.partitions_with("pd12m_metadata")
+    have = res.layout.partitions_with("metadata")
     check_partitions(list(partitions or []), have)
     tags = {"flowmatch/cli": "data-card"}
     for key in partitions or have:

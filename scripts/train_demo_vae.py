@@ -2,8 +2,8 @@
 
 The demo's zoo VAE is randomly initialised, so everything decoded through it is noise. This
 script trains a small diffusers ``AutoencoderDC`` (the real class, 5 down-sampling stages like
-DC-AE f32c32: 256 px -> 32 x 8 x 8 latents) on images made exactly as the ``images_256`` stage
-makes them from ``flowmatch_assets.demo.dataset.draw_image`` (``flowmatch_assets.demo.images.images_256``), on
+DC-AE f32c32: 256 px -> 32 x 8 x 8 latents) on images made exactly as the ``images`` stage
+makes them from ``flowmatch_assets.demo.dataset.draw_image`` (``flowmatch_assets.demo.images.sample_images``), on
 the CPU, with a fixed seed. It writes
 
     flowmatch_assets/demo/vae/                 save_pretrained folder (config.json, fp16 weights)
@@ -34,7 +34,7 @@ from diffusers import AutoencoderDC
 from PIL import Image
 
 from flowmatch_assets.demo import DEMO_VAE
-from flowmatch_assets.demo.images import images_256
+from flowmatch_assets.demo.images import sample_images
 from flowmatch_assets.reports.caption_eval import score
 from flowmatch_models.encoders.zoo import DCAE_F32C32_SANA_1_0, DEMO_WEIGHTS_MARKER
 
@@ -53,11 +53,11 @@ DEMO_VAE_CONFIG: dict = {
 
 
 def _chunk(args: tuple[int, int]) -> tuple[np.ndarray, list[str]]:
-    return images_256(*args)
+    return sample_images(*args)
 
 
 def make_images(seed: int, n: int, workers: int, chunk: int = 100) -> tuple[np.ndarray, list]:
-    """``n`` images_256 images from seeds ``seed * 1000 + i`` per chunk of ``chunk`` (parallel)."""
+    """``n`` images images from seeds ``seed * 1000 + i`` per chunk of ``chunk`` (parallel)."""
     jobs = [(seed * 1000 + i, min(chunk, n - i * chunk)) for i in range(math.ceil(n / chunk))]
     with ProcessPoolExecutor(workers) as ex:
         parts = list(ex.map(_chunk, jobs))

@@ -1,4 +1,4 @@
-"""Aspect-ratio buckets (issue 21, first part): the bucket table, images_256 cutting each image
+"""Aspect-ratio buckets (issue 21, first part): the bucket table, images cutting each image
 to its nearest bucket with the smallest crop, the stored size and kept share per row, the data
 card's bucket and crop panels, and the fingerprint: in a real Dagster instance and DuckDB file
 on the embedded sample (whose originals are 1:1 to 3:1, landscape and portrait)."""
@@ -148,7 +148,7 @@ def test_aspect_buckets_through_images_256_and_the_data_card(tmp_path, small_sam
         register_partitions(instance, aspect)
         result = dg.materialize(
             all_assets_and_checks(),
-            selection=["pd12m_metadata", "images_256", "data_card"],
+            selection=["metadata", "images", "data_card"],
             partition_key=key,
             instance=instance,
             resources=resources_for(aspect),
@@ -157,10 +157,10 @@ def test_aspect_buckets_through_images_256_and_the_data_card(tmp_path, small_sam
         checks = {
             e.check_name: e.passed for e in result.get_asset_check_evaluations()
         }  # the size check reads every stored size
-        assert checks["images_256_complete"] is True
-        md = result.asset_materializations_for_node("images_256")[0].metadata
+        assert checks["images_complete"] is True
+        md = result.asset_materializations_for_node("images")[0].metadata
 
-        shard = data / "images_256" / f"{key}.parquet"
+        shard = data / "images" / f"{key}.parquet"
         rows = pq.read_table(shard).to_pylist()
         assert len(rows) >= 5
         table = buckets_for(256)
@@ -193,23 +193,23 @@ def test_aspect_buckets_through_images_256_and_the_data_card(tmp_path, small_sam
         # the square mode's fingerprint is the one from before buckets: switching back makes
         # this shard stale, and the reason names the buckets
         square = make_resource(data, small_sample, encoders=enc)
-        (s,) = [x for x in staleness(square, [key], ["images_256"])]
-        assert s.asset == "images_256" and "buckets" in str(s.reason)
-        assert staleness(aspect, [key], ["images_256"]) == []
+        (s,) = [x for x in staleness(square, [key], ["images"])]
+        assert s.asset == "images" and "buckets" in str(s.reason)
+        assert staleness(aspect, [key], ["images"]) == []
 
         # a retry under the other mode would mix two crops in one shard: refused, one line
         retry = dg.materialize(
             all_assets_and_checks(),
-            selection=["images_256"],
+            selection=["images"],
             partition_key=key,
             instance=instance,
             resources=resources_for(square),
-            run_config={"ops": {"images_256": {"config": {"retry": True}}}},
+            run_config={"ops": {"images": {"config": {"retry": True}}}},
             raise_on_error=False,
         )
         assert not retry.success
         why = str(retry.get_step_failure_events()[0].event_specific_data.error)
-        assert "would not make; re-materialize images_256 without retry" in why
+        assert "would not make; re-materialize images without retry" in why
         assert pq.read_table(shard).to_pylist() == rows  # nothing replaced
 
         # the embeddings per bucket: one pass, the cell layout, every sample as encoded alone
@@ -247,7 +247,7 @@ def test_aspect_buckets_through_images_256_and_the_data_card(tmp_path, small_sam
 
 
 def test_shards_from_before_buckets_read_as_squares(tmp_path):
-    """An images_256 shard written before the size columns: its rows read as size x size
+    """An images shard written before the size columns: its rows read as size x size
     squares with kept = short side / long side."""
     import pyarrow as pa
 
@@ -286,7 +286,7 @@ def test_sampling_sizes_are_whole_latent_grids():
 
 
 def test_the_size_check_fails_on_a_wrong_or_unknown_size(tmp_path):
-    """images_256_complete's size check: a row whose image is not the size it says, and a size
+    """images_complete's size check: a row whose image is not the size it says, and a size
     that is no bucket of the settings, are both reported."""
     from flowmatch_assets.defs.data_assets import _size_problems
     from flowmatch_models.storage.image_shard import write_image_shard

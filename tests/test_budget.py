@@ -42,7 +42,7 @@ def _embeddings(root, part, device="cuda:0", n=1000, random_weights=False):
 def test_empty_catalog_says_not_measured_and_seed_references_are_exact(tmp_path):
     md, data = budget(Catalog(tmp_path), BudgetConfig(updates=400_000))
     rows = _rows(data)
-    for stage in ("images_256", "precalc", "training"):
+    for stage in ("images", "precalc", "training"):
         r = rows[(stage, "ours", "-")]
         assert r["rate"] == "not measured" and r["hours"] is None and r["cloud_usd"] is None
     assert md.count("not measured") >= 5  # three stages + two disk rows
@@ -68,7 +68,7 @@ def test_empty_catalog_says_not_measured_and_seed_references_are_exact(tmp_path)
 
 def test_projection_from_measured_rates(tmp_path):
     for p in ("000-00", "000-01"):
-        _rec(tmp_path, "images_256", p, 1000, 10.0, stored=13_000_000)  # 100 img/s, 13 kB each
+        _rec(tmp_path, "images", p, 1000, 10.0, stored=13_000_000)  # 100 img/s, 13 kB each
         _embeddings(tmp_path, p)  # 1000 pairs per 2+1+1 s = 250 pairs/s
     _embeddings(tmp_path, "000-02")
     _rec(tmp_path, "vae_latents", "000-03", 1000, 0.1, device="cuda:0")  # incomplete: ignored
@@ -79,7 +79,7 @@ def test_projection_from_measured_rates(tmp_path):
     )
     md, data = budget(Catalog(tmp_path), cfg)
     rows = _rows(data)
-    img = rows[("images_256", "ours", "cpu")]
+    img = rows[("images", "ours", "cpu")]
     assert img["hours"] == pytest.approx(12.4e6 / 100 / 3600)
     assert img["cloud_usd"] == pytest.approx(img["hours"] * 0.10)  # a CPU rate: CPU price
     pre = rows[("precalc", "ours", "cuda:0")]
@@ -99,15 +99,15 @@ def test_projection_from_measured_rates(tmp_path):
 
 
 def test_devices_are_never_mixed_and_zoo_is_flagged(tmp_path):
-    _rec(tmp_path, "images_256", "000-00", 100, 10.0, device="cpu")
-    _rec(tmp_path, "images_256", "000-01", 1000, 10.0, device="cuda:0")
+    _rec(tmp_path, "images", "000-00", 100, 10.0, device="cpu")
+    _rec(tmp_path, "images", "000-01", 1000, 10.0, device="cuda:0")
     _embeddings(tmp_path, "000-00", device="cpu", random_weights=True)
     m = measure(Catalog(tmp_path))
     assert {(r.device, r.per_s) for r in m["images"]} == {("cpu", 10.0), ("cuda:0", 100.0)}
     (pre,) = m["precalc"]
     assert pre.device == "cpu" and "RANDOM-WEIGHT" in pre.note
     rows = project(m, BudgetConfig())
-    assert [r["device"] for r in rows if r["stage"].startswith("images_256")] == ["cpu", "cuda:0"]
+    assert [r["device"] for r in rows if r["stage"].startswith("images")] == ["cpu", "cuda:0"]
 
 
 def test_resumed_run_uses_the_logged_rate_and_latest_run_wins(tmp_path):
@@ -132,7 +132,7 @@ def test_config_validation_and_payback():
 
 
 def test_asset_and_cli(tmp_path, capsys, monkeypatch):
-    _rec(tmp_path, "images_256", "000-00", 500, 5.0, stored=1000)
+    _rec(tmp_path, "images", "000-00", 500, 5.0, stored=1000)
     res = FlowmatchResource(data_root=str(tmp_path), metadata_source=str(tmp_path))
     result = dg.materialize(
         [budget_report],

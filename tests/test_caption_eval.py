@@ -11,7 +11,7 @@ import pytest
 
 from flowmatch_assets.demo import DEMO_VAE
 from flowmatch_assets.demo.dataset import BACKGROUNDS, COLOURS, SHAPES
-from flowmatch_assets.demo.images import images_256
+from flowmatch_assets.demo.images import sample_images
 from flowmatch_assets.reports.caption_eval import (
     ATTRIBUTES,
     CHANCE,
@@ -29,8 +29,8 @@ from flowmatch_models.encoders.zoo import DEMO_WEIGHTS_MARKER
 
 @pytest.fixture(scope="module")
 def ground_truth() -> tuple[np.ndarray, list[str]]:
-    """32 images exactly as images_256 stores them (seeded; ~6 s on one core)."""
-    return images_256(seed=20261202, n=32)
+    """32 images exactly as images stores them (seeded; ~6 s on one core)."""
+    return sample_images(seed=20261202, n=32)
 
 
 def test_parse_caption_round_trips_every_combination():

@@ -42,19 +42,19 @@ def test_records_replace_and_reports(tmp_path):
         record_materialization(
             tmp_path,
             MaterializationRecord(
-                "images_256", "000-00", samples=8, raw_bytes=800, stored_bytes=100, seconds=2.0
+                "images", "000-00", samples=8, raw_bytes=800, stored_bytes=100, seconds=2.0
             ),
         )
         record_rows(
             tmp_path,
-            "images_256",
+            "images",
             "000-00",
             [RowOutcome(f"i{k}", "u", "stored") for k in range(8)]
             + [RowOutcome("bad", "u", "failed", "http_404", "404")],
         )
     cat = Catalog(tmp_path)
     cov = {r["partition"]: r for r in cat.coverage()}
-    assert cov["000-00"]["images_256"] == 8 and cov["000-01"]["images_256"] is None
+    assert cov["000-00"]["images"] == 8 and cov["000-01"]["images"] is None
     assert cov["000-00"]["vae_latents"] is None
     comp = cat.compression()[0]
     assert comp["ratio"] == 8.0 and comp["samples"] == 8
@@ -62,7 +62,7 @@ def test_records_replace_and_reports(tmp_path):
     assert cat.throughput()[0]["samples_per_s"] == 4.0
     assert cat.failures_by_reason() == [
         {
-            "asset": "images_256",
+            "asset": "images",
             "outcome": "failed",
             "reason": "http_404",
             "retryable": False,
@@ -76,11 +76,9 @@ def _writer(root: str, k: int) -> None:
     for j in range(15):
         part = f"{k:03d}-{j:02d}"
         record_rows(
-            root, "images_256", part, [RowOutcome(f"{part}-{i}", None, "stored") for i in range(20)]
+            root, "images", part, [RowOutcome(f"{part}-{i}", None, "stored") for i in range(20)]
         )
-        record_materialization(
-            root, MaterializationRecord("images_256", part, samples=20, seconds=1.0)
-        )
+        record_materialization(root, MaterializationRecord("images", part, samples=20, seconds=1.0))
         # read the catalog while others write
         Catalog(root).query("SELECT count(*) FROM materializations")
 
@@ -107,13 +105,13 @@ def test_many_processes_write_and_read_without_lock_errors(tmp_path):
 def _partition(root, key: str, md5s: list[str], images: bool = True, card: bool = True) -> None:
     """One partition's records as the assets write them: every row stored."""
     ids = [f"{key}-{i}" for i in range(len(md5s))]
-    record_rows(root, "pd12m_metadata", key, [RowOutcome(i, "u", "stored") for i in ids])
-    record_materialization(root, MaterializationRecord("pd12m_metadata", key, samples=len(ids)))
+    record_rows(root, "metadata", key, [RowOutcome(i, "u", "stored") for i in ids])
+    record_materialization(root, MaterializationRecord("metadata", key, samples=len(ids)))
     if images:
-        record_rows(root, "images_256", key, [RowOutcome(i, "u", "stored") for i in ids])
+        record_rows(root, "images", key, [RowOutcome(i, "u", "stored") for i in ids])
         record_content(root, key, [{"id": i, "position": k, "md5": m}
                                    for k, (i, m) in enumerate(zip(ids, md5s))])  # fmt: skip
-        record_materialization(root, MaterializationRecord("images_256", key, samples=len(ids)))
+        record_materialization(root, MaterializationRecord("images", key, samples=len(ids)))
     if card:
         record_card_rows(root, key, [
             {"id": i, "caption_chars": 10 + k, "caption_tokens": 3, "max_tokens": 8, "width": 300,
@@ -142,7 +140,7 @@ def test_the_card_follows_a_duplicate_found_later_and_a_retried_partition(tmp_pa
         {"partition": "000-01", "id": "000-01-0", "kept_partition": "000-00", "kept_id": "000-00-1"}
     ]
     assert _outcomes(cat, "dataset") == {"stored": 3, "filtered:duplicate_content": 1}
-    record_rows(tmp_path, "images_256", "000-01", [RowOutcome("000-01-0", "u", "stored"),
+    record_rows(tmp_path, "images", "000-01", [RowOutcome("000-01-0", "u", "stored"),
                                                     RowOutcome("000-01-1", "u", "failed", "http_404")])  # fmt: skip
     card = _outcomes(cat, "000-01")
     assert card == {"failed:http_404": 1, "filtered:duplicate_content": 1}
@@ -163,24 +161,24 @@ def test_records_of_older_schemas_still_read(tmp_path):
     _partition(tmp_path, "000-00", ["a" * 32])
     c = tmp_path / "catalog"
     old_mat = pa.schema([f for f in MATERIALIZATION_SCHEMA if not f.name.startswith("lossy")])
-    pq.write_table(pa.Table.from_pylist([{"asset": "images_256", "partition": "000-01",
+    pq.write_table(pa.Table.from_pylist([{"asset": "images", "partition": "000-01",
                                           "samples": 5, "seconds": 1.0}], schema=old_mat),
-                   c / "materializations" / "images_256" / "000-01.parquet")  # fmt: skip
+                   c / "materializations" / "images" / "000-01.parquet")  # fmt: skip
     old_rows = pa.schema([f for f in ROW_SCHEMA if f.name != "detail"])
-    pq.write_table(pa.Table.from_pylist([{"asset": "images_256", "partition": "000-01", "id": "x",
+    pq.write_table(pa.Table.from_pylist([{"asset": "images", "partition": "000-01", "id": "x",
                                           "url": "u", "outcome": "failed",
                                           "reason": "http_404"}], schema=old_rows),
-                   c / "rows" / "images_256" / "000-01.parquet")  # fmt: skip
+                   c / "rows" / "images" / "000-01.parquet")  # fmt: skip
     old_card = pa.schema([f for f in CARD_SCHEMA if f.name not in ("bucket", "kept")])
     card = pq.read_table(c / "cards" / "data_card" / "000-00.parquet").select(old_card.names)
     pq.write_table(card, c / "cards" / "data_card" / "000-00.parquet")
     cat = Catalog(tmp_path)
     cov = {r["partition"]: r for r in cat.coverage()}
-    assert cov["000-01"]["images_256"] == 5 and cov["000-00"]["images_256"] == 1
+    assert cov["000-01"]["images"] == 5 and cov["000-00"]["images"] == 1
     assert cat.query("SELECT lossy_rel_rms FROM materializations WHERE partition = '000-01'") == [
         {"lossy_rel_rms": None}
     ]
-    assert cat.failures_by_reason() == [{"asset": "images_256", "outcome": "failed",
+    assert cat.failures_by_reason() == [{"asset": "images", "outcome": "failed",
                                          "reason": "http_404", "retryable": False, "rows": 1}]  # fmt: skip
     assert cat.query("SELECT id, detail FROM rows WHERE partition = '000-01'") == [
         {"id": "x", "detail": None}

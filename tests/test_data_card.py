@@ -40,7 +40,7 @@ def test_data_card_counts_what_was_injected_per_partition_and_for_the_dataset(
         for k in keys:
             result = dg.materialize(
                 all_assets_and_checks(),
-                selection=["pd12m_metadata", "images_256", "text_embeddings", "data_card"],
+                selection=["metadata", "images", "text_embeddings", "data_card"],
                 partition_key=k,
                 instance=instance,
                 resources=resources_for(res),
@@ -85,7 +85,7 @@ def test_data_card_counts_what_was_injected_per_partition_and_for_the_dataset(
         sat = read_shard(data / "text_embeddings" / f"{k}.fms").attrs["fp16_saturated"]
         assert card[("text", "fp16_saturated_values")]["value"] == sat
         # decoded original sizes of the stored rows
-        shard = pq.read_table(data / "images_256" / f"{k}.parquet").to_pylist()
+        shard = pq.read_table(data / "images" / f"{k}.parquet").to_pylist()
         long_sides = [max(r["orig_width"], r["orig_height"]) for r in shard]
         assert card[("orig_long_side", "max")]["value"] == max(long_sides)
         aspects = sum(r["value"] for (s, _), r in card.items() if s == "aspect")

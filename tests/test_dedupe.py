@@ -122,7 +122,7 @@ def _sequential(data: Path, md: Path, order: list[str]) -> dict[str, tuple]:
         for k in order:
             result = dg.materialize(
                 list(defs.assets),
-                selection=["pd12m_metadata", "images_256"],
+                selection=["metadata", "images"],
                 partition_key=k,
                 instance=instance,
                 resources=resources_for(res),
@@ -161,9 +161,9 @@ def test_duplicates_are_dropped_the_same_way_in_forward_and_reverse_order(tmp_pa
     # in reverse order the chain's later copies (001-00, 002-00 of a2; 002-00 of b4) are stored
     rev = Catalog(tmp_path / "rev").query("SELECT id, kept_id FROM content_duplicates ORDER BY id")
     assert [r["id"] for r in rev] == ["dup-b-bytes-a2", "dup-c-bytes-a2", "dup-c-bytes-b4"]
-    # forward: dropped at ingest, a row outcome of images_256 with the winner in its detail
+    # forward: dropped at ingest, a row outcome of images with the winner in its detail
     fwd = Catalog(tmp_path / "fwd").query(
-        "SELECT id, outcome, detail FROM rows WHERE asset = 'images_256' AND reason = 'duplicate_content' ORDER BY id"
+        "SELECT id, outcome, detail FROM rows WHERE asset = 'images' AND reason = 'duplicate_content' ORDER BY id"
     )
     assert [r["id"] for r in fwd] == sorted(
         i for i, e in expected.items() if e[1] == "duplicate_content"
@@ -191,7 +191,7 @@ def test_duplicates_are_dropped_the_same_way_when_partitions_run_in_parallel(tmp
     finally:
         del os.environ["DAGSTER_HOME"]
     cmd = [sys.executable, "-m", "dagster", "asset", "materialize", "-m"]
-    cmd += ["flowmatch_assets.definitions", "--select", "pd12m_metadata,images_256"]
+    cmd += ["flowmatch_assets.definitions", "--select", "metadata,images"]
     procs = [
         subprocess.Popen(
             [*cmd, "--partition", k],

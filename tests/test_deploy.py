@@ -27,7 +27,7 @@ def test_k8s_definitions_use_the_k8s_executor_and_gpu_requests():
         res = _k8s(defs, name)["resources"]
         assert res["limits"]["nvidia.com/gpu"] == "1", name
         assert _node(defs, name).assets_def.op.pool == "gpu"
-    img = _k8s(defs, "images_256")
+    img = _k8s(defs, "images")
     assert "nvidia.com/gpu" not in img["resources"]["requests"]
 
 
@@ -48,7 +48,7 @@ def test_eager_automation_is_opt_in():
     assert all(c is None for c in conditions(build_definitions(automation="off")).values())
     eager = conditions(build_definitions(automation="eager"))
     assert {k for k, c in eager.items() if c is not None} == {
-        "images_256",
+        "images",
         "vae_latents",
         "dino_features",
         "text_embeddings",

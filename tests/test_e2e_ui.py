@@ -21,7 +21,7 @@ from tests.conftest import make_resource
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = REPO / "test-artifacts"
-DATA_ASSETS = ["pd12m_metadata", "images_256"]
+DATA_ASSETS = ["metadata", "images"]
 EMBEDDINGS = ["vae_latents", "dino_features", "text_embeddings"]
 ASSETS = DATA_ASSETS + EMBEDDINGS
 BACKFILL_TIMEOUT = 420
@@ -57,15 +57,15 @@ def _final_outcomes(cat: Catalog) -> dict[str, str]:
     """id -> "stored" / "failed:<reason>" / "filtered:<reason>", as in expected_outcomes."""
     final = {}
     for r in cat.query("SELECT asset, id, outcome, reason FROM rows ORDER BY asset, id"):
-        if r["asset"] == "pd12m_metadata" and r["outcome"] == "filtered":
+        if r["asset"] == "metadata" and r["outcome"] == "filtered":
             final[r["id"]] = f"filtered:{r['reason']}"
-        elif r["asset"] == "images_256":
+        elif r["asset"] == "images":
             final[r["id"]] = "stored" if r["outcome"] == "stored" else f"failed:{r['reason']}"
     return final
 
 
 def _browse(url: str, log) -> list[Path]:
-    """Asset graph, images_256's page and its partitions in headless Chromium; screenshots."""
+    """Asset graph, images's page and its partitions in headless Chromium; screenshots."""
     from playwright.sync_api import Error as PlaywrightError
     from playwright.sync_api import sync_playwright
 
@@ -94,20 +94,20 @@ def _browse(url: str, log) -> list[Path]:
                 shot("asset_graph")
                 log("browser: global asset lineage shows groups data, embeddings")
 
-                # images_256's lineage graph: the asset and its upstream pd12m_metadata as nodes
-                page.goto(f"{url}/assets/images_256?view=lineage", wait_until="domcontentloaded")
+                # images's lineage graph: the asset and its upstream metadata as nodes
+                page.goto(f"{url}/assets/images?view=lineage", wait_until="domcontentloaded")
                 for name in DATA_ASSETS:
                     page.get_by_text(name, exact=True).first.wait_for(state="visible")
-                shot("images_256_lineage")
-                log("browser: images_256 lineage shows " + ", ".join(DATA_ASSETS))
+                shot("images_lineage")
+                log("browser: images lineage shows " + ", ".join(DATA_ASSETS))
 
-                # images_256's partitions view lists the shard partitions
-                page.goto(f"{url}/assets/images_256?view=partitions", wait_until="domcontentloaded")
+                # images's partitions view lists the shard partitions
+                page.goto(f"{url}/assets/images?view=partitions", wait_until="domcontentloaded")
                 for key in ("000-00", "001-00"):
                     page.get_by_text(key, exact=True).first.wait_for(state="visible")
                 page.get_by_text("Materialized (2)").first.wait_for(state="visible")
-                shot("images_256_partitions")
-                log("browser: images_256 partitions view shows 000-00, 001-00, Materialized (2)")
+                shot("images_partitions")
+                log("browser: images partitions view shows 000-00, 001-00, Materialized (2)")
             except Exception:
                 with contextlib.suppress(Exception):
                     shot("FAILED")
@@ -204,7 +204,7 @@ def test_dagster_dev_backfill_catalog_and_ui(tmp_path, small_sample, zoo, monkey
         cov = {r["partition"]: r for r in cat.coverage()}
         assert sorted(cov) == keys, cov
         n_stored = sum(1 for o in expected.values() if o == "stored")
-        for a in ["images_256", *EMBEDDINGS]:
+        for a in ["images", *EMBEDDINGS]:
             assert all(cov[k][a] for k in keys), (a, cov)
             assert sum(cov[k][a] for k in keys) == n_stored, (a, cov)
         assert _final_outcomes(cat) == expected

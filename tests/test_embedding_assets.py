@@ -63,10 +63,8 @@ def test_three_embedding_assets_align_by_id_rerun_is_idempotent_and_checks_pass(
     res = make_resource(tmp_path / "data", small_sample, encoders=EncoderSpec(**zoo, batch_size=8))
     with dg.instance_for_test() as instance:
         register_partitions(instance, res)
-        assert _run(res, "000-00", instance, ["pd12m_metadata", "images_256", *EMB]).success
-        ids = (
-            read_image_meta(res.layout.asset_path("images_256", "000-00")).column("id").to_pylist()
-        )
+        assert _run(res, "000-00", instance, ["metadata", "images", *EMB]).success
+        ids = read_image_meta(res.layout.asset_path("images", "000-00")).column("id").to_pylist()
         shards = {a: read_shard(res.layout.asset_path(a, "000-00"), verify=True) for a in EMB}
         for s in shards.values():
             assert list(s.ids) == ids
@@ -93,16 +91,13 @@ def test_three_embedding_assets_align_by_id_rerun_is_idempotent_and_checks_pass(
 
         checks = _checks(res, "000-00", instance)
         assert {n: c.passed for n, c in checks.items()} == {
-            "images_256_complete": True,
+            "images_complete": True,
             "vae_latents_valid": True,
             "dino_features_valid": True,
             "text_embeddings_valid": True,
             "text_embeddings_fp16_saturation": True,  # the zoo's states stay within fp16
             # made with the current settings (flowmatch_assets/freshness/fingerprints.py)
-            **{
-                f"{a}_fresh": True
-                for a in ["pd12m_metadata", "images_256", *EMB, "flow_model", "fine_tune"]
-            },
+            **{f"{a}_fresh": True for a in ["metadata", "images", *EMB, "flow_model", "fine_tune"]},
         }
         text = read_shard(res.layout.asset_path("text_embeddings", "000-00"))
         assert text.attrs["fp16_saturated"] == 0 and text.attrs["text_dtype"] == "torch.float32"
@@ -135,9 +130,7 @@ def test_bad_captions_are_embedded_not_crashed(tmp_path, small_sample, zoo):
     )
     with dg.instance_for_test() as instance:
         register_partitions(instance, res)
-        assert _run(
-            res, "005-00", instance, ["pd12m_metadata", "images_256", "text_embeddings"]
-        ).success
+        assert _run(res, "005-00", instance, ["metadata", "images", "text_embeddings"]).success
     shard = read_shard(res.layout.asset_path("text_embeddings", "005-00"))
     lengths = shard["lengths"]
     assert len(lengths) == len(captions)
@@ -177,7 +170,7 @@ def test_a_new_embedding_kind_is_one_registry_entry(tmp_path, small_sample, zoo)
                 resources=resources_for(res), raise_on_error=False,
             )  # fmt: skip
 
-        assert run(["pd12m_metadata", "images_256", *EMB]).success
+        assert run(["metadata", "images", *EMB]).success
         # training needs every training input: without the new kind the partition is not covered
         assert res.layout.complete_partitions() == []
         with pytest.raises(dg.Failure, match="missing caption_states"):

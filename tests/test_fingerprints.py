@@ -25,7 +25,7 @@ from flowmatch_models.storage.fingerprint import Fingerprint, diff, disagreement
 
 PARTS = ["000-00", "001-00"]
 KINDS = ["vae_latents", "dino_features", "text_embeddings"]
-ALL = ["pd12m_metadata", "images_256", *KINDS]
+ALL = ["metadata", "images", *KINDS]
 
 
 def _stale(capsys) -> dict[tuple[str, str], str]:
@@ -112,7 +112,7 @@ def test_one_changed_field_per_stage_marks_exactly_its_partitions_stale(env, cap
         (lambda: env["settings_are"](encoders={"dino_pool": "resize112"}), env["settings_are"],
          {"dino_features"}, "pooling: avg2x2 -> resize112"),
         (lambda: env["settings_are"](ingest={"quality": 80}), env["settings_are"],
-         {"images_256", *KINDS}, "quality: 95 -> 80"),
+         {"images", *KINDS}, "quality: 95 -> 80"),
         (lambda: env["settings_are"](filters={"min_width": 300}), env["settings_are"],
          set(ALL), "filters.min_width: 256 -> 300"),
     ]  # fmt: skip
@@ -134,10 +134,10 @@ def test_one_changed_field_per_stage_marks_exactly_its_partitions_stale(env, cap
     # follows the new data version downstream, ours says the upstream was re-made
     env["settings_are"](ingest={"quality": 80}, encoders={"max_tokens": 16})
     assert _dagster_stale() == set()
-    assert cli.main(["materialize", "--stale", "-a", "images_256"]) == 0
+    assert cli.main(["materialize", "--stale", "-a", "images"]) == 0
     found = _stale(capsys)
     assert set(found) == {(a, p) for a in KINDS for p in PARTS}
-    assert "images_256 was re-made with another fingerprint" in found[("vae_latents", "000-00")]
+    assert "images was re-made with another fingerprint" in found[("vae_latents", "000-00")]
     assert "max_tokens: 128 -> 16" in found[("text_embeddings", "000-00")]
     assert _dagster_stale() == {(a, p) for a in KINDS for p in PARTS}
 

@@ -110,7 +110,7 @@ def _no_secret_anywhere(data: Path, secret_md5s: set[str]) -> int:
             values = repr(pq.read_table(f).to_pylist())
             for m in hs.MARKERS:
                 assert m.decode() not in values, f"{m!r} in the values of {f}"
-            if f.parent == data / "images_256":
+            if f.parent == data / "images":
                 md5s = set(pq.read_table(f, columns=["md5"]).column("md5").to_pylist())
                 assert not md5s & secret_md5s, f"a picture from outside in {f}"
     return n
@@ -183,7 +183,7 @@ def test_hostile_sources_stay_confined_bounded_and_isolated(env, capsys):
         # ---- files that break after registration; then every partition, within its deadline
         hs.break_parquet(later_pq)
         hs.cut(later_tar)
-        rc, log, seconds = _materialize_subprocess(prefix or [], "-a", "pd12m_metadata", "-a", "images_256")  # fmt: skip
+        rc, log, seconds = _materialize_subprocess(prefix or [], "-a", "metadata", "-a", "images")  # fmt: skip
         assert rc == 0 and log.count(" ok (") == 10 and "Traceback" not in log, log
         assert seconds < 180, seconds  # a FIFO read would block until the test's timeout
         assert sum(srv.hits(p) for p in ("/token", "/ok.jpg", "/redirect")) == 0  # nothing sent
@@ -203,7 +203,7 @@ def test_hostile_sources_stay_confined_bounded_and_isolated(env, capsys):
     assert out.count(" ok (") == 1, out
     assert index.read_text() == before  # evilwds was not scanned: new.tar is not registered
     cov = {r["partition"]: r for r in cat.coverage()}
-    assert cov["good-00000"]["text_embeddings"] == cov["good-00000"]["images_256"] == 3
+    assert cov["good-00000"]["text_embeddings"] == cov["good-00000"]["images"] == 3
 
     # ---- the sensor keeps working for every source beside a missing one
     (tmp / "good" / "g9.jpg").write_bytes(hs.jpeg(89))
@@ -227,7 +227,7 @@ def test_hostile_sources_stay_confined_bounded_and_isolated(env, capsys):
     os.symlink("/dev/zero", linked / "zero.jpg")
     (linked / "zero.txt").write_text("still not a file")
     _cli(capsys, 0, *add, "linked", "--kind", "folder", "--location", str(linked), "--follow-links")
-    out, _ = _cli(capsys, 0, "materialize", "--source", "linked", "-a", "pd12m_metadata", "-a", "images_256")  # fmt: skip
+    out, _ = _cli(capsys, 0, "materialize", "--source", "linked", "-a", "metadata", "-a", "images")  # fmt: skip
     assert _final(cat, "linked") == {"out.jpg": "stored", "zero.jpg": "failed:not_regular_file"}
 
     # ---- removing sources: one with made files only with --purge, which deletes them

@@ -58,7 +58,7 @@ def test_kill_9_mid_partition_then_rerun(tmp_path, small_sample):
         )
         assert "000-00" in reg.stdout, reg.stdout + reg.stderr
         cmd = [sys.executable, "-m", "dagster", "asset", "materialize", "-m", "flowmatch_assets.definitions",
-               "--select", "pd12m_metadata,images_256", "--partition", "000-00"]  # fmt: skip
+               "--select", "metadata,images", "--partition", "000-00"]  # fmt: skip
         proc = subprocess.Popen(
             cmd,
             env=env,
@@ -71,13 +71,13 @@ def test_kill_9_mid_partition_then_rerun(tmp_path, small_sample):
             deadline = time.monotonic() + 180
             while sum(srv.hits(f"/img/{r['id']}.jpg") for r in src.to_pylist()) < 3:
                 assert proc.poll() is None, "the run ended before it could be killed"
-                assert time.monotonic() < deadline, "images_256 never started downloading"
+                assert time.monotonic() < deadline, "images never started downloading"
                 time.sleep(0.2)
         finally:
             os.killpg(proc.pid, signal.SIGKILL)  # the run and its step processes
             proc.wait(30)
 
-        layout_img = data / "images_256"
+        layout_img = data / "images"
         visible = (
             [p.name for p in layout_img.iterdir() if not p.name.startswith(".")]
             if layout_img.exists()
@@ -85,16 +85,14 @@ def test_kill_9_mid_partition_then_rerun(tmp_path, small_sample):
         )
         assert visible == []  # no partial shard
         cat = Catalog(data)
-        assert cat.query("SELECT * FROM materializations WHERE asset = 'images_256'") == []
-        assert cat.query("SELECT * FROM rows WHERE asset = 'images_256'") == []
+        assert cat.query("SELECT * FROM materializations WHERE asset = 'images'") == []
+        assert cat.query("SELECT * FROM rows WHERE asset = 'images'") == []
         cov = {r["partition"]: r for r in cat.coverage()}
-        assert cov["000-00"]["images_256"] is None
+        assert cov["000-00"]["images"] is None
 
         state["delay"] = 0.0
         done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert (layout_img / "000-00.parquet").exists()
     assert not list(layout_img.glob(".tmp-*"))
-    assert {r["partition"]: r for r in Catalog(data).coverage()}["000-00"][
-        "images_256"
-    ] == src.num_rows
+    assert {r["partition"]: r for r in Catalog(data).coverage()}["000-00"]["images"] == src.num_rows

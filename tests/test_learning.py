@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from flowmatch_assets.demo import DEMO_VAE
-from flowmatch_assets.demo.images import images_256
+from flowmatch_assets.demo.images import sample_images
 from flowmatch_assets.reports.caption_eval import CHANCE
 from flowmatch_assets.reports.evaluation import evaluate_checkpoint, fd_dinov2, heldout_set
 from flowmatch_models.encoders.frozen import Encoders
@@ -27,9 +27,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def encode_store(root: Path, zoo: dict, n: int = 256, parts: int = 2) -> None:
-    """images_256-stage images of the sample grammar -> the three embedding shards, as the
+    """images-stage images of the sample grammar -> the three embedding shards, as the
     embedding step writes them (demo VAE latents + scaling factor, zoo DINO, zoo text + null)."""
-    images, captions = images_256(seed=7, n=n)
+    images, captions = sample_images(seed=7, n=n)
     enc = Encoders(EncoderSpec(vae=str(DEMO_VAE), dino=zoo["dino"], text=zoo["text"]))
     layout = DataLayout(root)
     null = enc.encode_null()

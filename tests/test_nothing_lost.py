@@ -33,7 +33,7 @@ from flowmatch_models.storage.layout import PARTITIONED_ASSETS
 from tests.conftest import make_resource
 from tests.http_fixtures import LoopbackHTTPServer, Reply
 
-DATA = ["pd12m_metadata", "images_256"]
+DATA = ["metadata", "images"]
 
 
 def _res(root: Path, sample: dict, **ingest) -> FlowmatchResource:
@@ -99,21 +99,21 @@ def test_bad_attempt_keeps_the_shard_and_its_records_and_records_its_failures(
     with dg.instance_for_test() as instance:
         register_partitions(instance, good)
         assert _mat(good, "000-00", instance).success
-        shard = good.layout.asset_path("images_256", "000-00")
-        before, records = shard.read_bytes(), _records(tmp_path / "data", "images_256", "000-00")
-        n_mats = len(instance.fetch_materializations(dg.AssetKey("images_256"), limit=10).records)
+        shard = good.layout.asset_path("images", "000-00")
+        before, records = shard.read_bytes(), _records(tmp_path / "data", "images", "000-00")
+        n_mats = len(instance.fetch_materializations(dg.AssetKey("images"), limit=10).records)
 
-        result = _mat(bad, "000-00", instance, selection=["images_256"])
+        result = _mat(bad, "000-00", instance, selection=["images"])
         assert not result.success
         msg = _failure_message(result)
         assert "stored 0/16 images" in msg and "not_found x16" in msg, msg
         # the good shard, its catalog records and Dagster's latest materialization are untouched
         assert shard.read_bytes() == before
-        assert _records(tmp_path / "data", "images_256", "000-00") == records
-        n_after = len(instance.fetch_materializations(dg.AssetKey("images_256"), limit=10).records)
+        assert _records(tmp_path / "data", "images", "000-00") == records
+        n_after = len(instance.fetch_materializations(dg.AssetKey("images"), limit=10).records)
         assert n_after == n_mats
         cat = Catalog(good.data_root)
-        assert cat.query("SELECT samples FROM coverage WHERE asset='images_256' AND partition='000-00'") == [{"samples": 10}]  # fmt: skip
+        assert cat.query("SELECT samples FROM coverage WHERE asset='images' AND partition='000-00'") == [{"samples": 10}]  # fmt: skip
         # ... and the attempt's failures are inspectable
         rej = cat.query(
             "SELECT reason, retryable, count(*) AS n FROM rejected_attempts GROUP BY ALL"
@@ -121,7 +121,7 @@ def test_bad_attempt_keeps_the_shard_and_its_records_and_records_its_failures(
         assert rej == [{"reason": "not_found", "retryable": False, "n": 16}]
 
         # a good run afterwards replaces the records and clears the rejected attempt
-        assert _mat(good, "000-00", instance, selection=["images_256"]).success
+        assert _mat(good, "000-00", instance, selection=["images"]).success
         assert cat.query("SELECT count(*) AS n FROM rejected_attempts") == [{"n": 0}]
 
 
@@ -130,7 +130,7 @@ def test_zero_images_never_become_an_embedding_shard(tmp_path, small_sample):
     with dg.instance_for_test() as instance:
         register_partitions(instance, res)
         assert _mat(res, "001-00", instance).success  # floor 0: an empty images shard
-        assert pq.read_metadata(res.layout.asset_path("images_256", "001-00")).num_rows == 0
+        assert pq.read_metadata(res.layout.asset_path("images", "001-00")).num_rows == 0
         result = _mat(res, "001-00", instance, selection=["vae_latents"])
         assert not result.success
         assert "has 0 images, nothing to encode" in _failure_message(result)
@@ -148,7 +148,7 @@ def test_a_data_root_moves(tmp_path, zoo):
     with dg.instance_for_test() as instance:
         register_partitions(instance, res)
         assert _mat(res, "000-00", instance, list(PARTITIONED_ASSETS)).success
-        assert Catalog(old).query("SELECT sum(samples) AS n FROM coverage WHERE asset='images_256'") == [{"n": 6}]  # fmt: skip
+        assert Catalog(old).query("SELECT sum(samples) AS n FROM coverage WHERE asset='images'") == [{"n": 6}]  # fmt: skip
     new = tmp_path / "moved"
     shutil.move(old, new)
     where = {"metadata": str(new / "sample" / "metadata"), "dest": str(new / "sample")}
@@ -157,12 +157,12 @@ def test_a_data_root_moves(tmp_path, zoo):
         register_partitions(instance, moved)
         cat = Catalog(new)
         assert cat.query("SELECT asset, samples FROM coverage ORDER BY lineage_order") == [
-            {"asset": a, "samples": 6 if a != "pd12m_metadata" else 12} for a in PARTITIONED_ASSETS
+            {"asset": a, "samples": 6 if a != "metadata" else 12} for a in PARTITIONED_ASSETS
         ]
         result = _mat(moved, "000-00", instance, list(PARTITIONED_ASSETS))
         assert result.success, _failure_message(result)
         assert cat.query(
-            "SELECT outcome, count(*) AS n FROM rows WHERE asset='images_256' GROUP BY ALL ORDER BY ALL"
+            "SELECT outcome, count(*) AS n FROM rows WHERE asset='images' GROUP BY ALL ORDER BY ALL"
         ) == [  # fmt: skip
             {"outcome": "failed", "n": 6},  # the sample's deliberately bad rows
             {"outcome": "stored", "n": 6},
@@ -171,16 +171,16 @@ def test_a_data_root_moves(tmp_path, zoo):
         # changed"), a rejected attempt does not
         assert _stale(instance, "vae_latents", "000-00") == "FRESH"
         bad = make_resource(new, {**where, "dest": str(tmp_path)}, encoders=enc)
-        assert not _mat(bad, "000-00", instance, ["images_256"]).success
+        assert not _mat(bad, "000-00", instance, ["images"]).success
         assert _stale(instance, "vae_latents", "000-00") == "FRESH"
-        assert _mat(moved, "000-00", instance, ["images_256"]).success
+        assert _mat(moved, "000-00", instance, ["images"]).success
         # the same shard again: same data version (fingerprint + content), nothing to redo
         assert _stale(instance, "vae_latents", "000-00") == "FRESH"
         other = FlowmatchResource(  # another JPEG quality: another fingerprint, data version
             data_root=str(new), metadata_source=where["metadata"], encoders=enc,
             ingest=IngestConfig(file_root=where["dest"], threads=4, quality=80),
         )  # fmt: skip
-        assert _mat(other, "000-00", instance, ["images_256"]).success
+        assert _mat(other, "000-00", instance, ["images"]).success
         assert _stale(instance, "vae_latents", "000-00") == "STALE"
         overrides = ["data.batch_size=4", "trainer.log_every=1", "trainer.sample_every=1000",
                      "trainer.checkpoint_every=1000", "sample.steps=2"]  # fmt: skip
@@ -219,45 +219,43 @@ def test_verify_then_missing_recreates_exactly_the_deleted_and_the_corrupt_shard
         "FLOWMATCH_FILE_ROOT": small_sample["dest"],
     }.items():
         monkeypatch.setenv(k, v)
-    assert cli.main(["materialize", "-a", "pd12m_metadata", "-a", "images_256"]) == 0
+    assert cli.main(["materialize", "-a", "metadata", "-a", "images"]) == 0
     layout = make_resource(data, small_sample).layout
     with dg.DagsterInstance.get() as instance:
         # the checks ran with the CLI's materialization, and passed
         ev = instance.event_log_storage.get_latest_asset_check_execution_by_key(
-            [dg.AssetCheckKey(dg.AssetKey("images_256"), "images_256_complete")]
+            [dg.AssetCheckKey(dg.AssetKey("images"), "images_complete")]
         )
         assert list(ev.values())[0].status.value == "SUCCEEDED"
         assert backfill.missing_partitions(instance, DATA, str(data)) == []
-        layout.asset_path("images_256", "000-00").unlink()
-        p = layout.asset_path("images_256", "001-00")
+        layout.asset_path("images", "000-00").unlink()
+        p = layout.asset_path("images", "001-00")
         p.write_bytes(p.read_bytes()[:100])
         capsys.readouterr()
         assert cli.main(["verify"]) == 1
         out = capsys.readouterr().out
-        assert "000-00  images_256  gone" in out and "001-00  images_256  corrupt" in out
+        assert "000-00  images  gone" in out and "001-00  images  corrupt" in out
         assert "2 asset partitions missing" in out
         # Dagster, the catalog and the files now agree
         # Dagster's latest attempt for each is a failure recorded by verify (the UI: Failed)
-        assert dagster_materialized(instance, "images_256") == set()
+        assert dagster_materialized(instance, "images") == set()
         runs = instance.get_runs(dg.RunsFilter(tags={"flowmatch/cli": "verify"}))
         assert sorted(r.tags["dagster/partition"] for r in runs) == ["000-00", "001-00"]
         assert {r.status for r in runs} == {dg.DagsterRunStatus.FAILURE}
         assert backfill.missing_partitions(instance, DATA, str(data)) == ["000-00", "001-00"]
         cov = Catalog(data).query(
-            "SELECT partition, materialized FROM coverage WHERE asset IN ('images_256', 'pd12m_metadata') ORDER BY ALL"
+            "SELECT partition, materialized FROM coverage WHERE asset IN ('images', 'metadata') ORDER BY ALL"
         )
         assert [(r["partition"], r["materialized"]) for r in cov] == [
             ("000-00", False), ("000-00", True), ("001-00", False), ("001-00", True)
         ]  # fmt: skip
-        n_meta = len(
-            instance.fetch_materializations(dg.AssetKey("pd12m_metadata"), limit=10).records
-        )
+        n_meta = len(instance.fetch_materializations(dg.AssetKey("metadata"), limit=10).records)
     capsys.readouterr()
-    assert cli.main(["materialize", "--missing", "-a", "pd12m_metadata", "-a", "images_256"]) == 0
+    assert cli.main(["materialize", "--missing", "-a", "metadata", "-a", "images"]) == 0
     out = capsys.readouterr().out
-    assert "000-00: images_256 ok" in out and "001-00: images_256 ok" in out
+    assert "000-00: images ok" in out and "001-00: images ok" in out
     with dg.DagsterInstance.get() as instance:
-        assert n_meta == len(instance.fetch_materializations(dg.AssetKey("pd12m_metadata"), limit=10).records)  # fmt: skip
+        assert n_meta == len(instance.fetch_materializations(dg.AssetKey("metadata"), limit=10).records)  # fmt: skip
         assert backfill.missing_partitions(instance, DATA, str(data)) == []
     states = partition_states(layout, ["000-00", "001-00"], DATA)
     assert {s.state for s in states} == {"present"}
@@ -311,12 +309,12 @@ def test_retry_refetches_only_retryable_rows_and_merges_them_in_order(
             "FLOWMATCH_ALLOW_NETWORKS": "127.0.0.0/8",  # the loopback image server
         }.items():
             monkeypatch.setenv(k, v)
-        assert cli.main(["materialize", "-a", "pd12m_metadata", "-a", "images_256"]) == 0
+        assert cli.main(["materialize", "-a", "metadata", "-a", "images"]) == 0
         cat = Catalog(data)
         assert cat.query("SELECT reason, retryable, count(*) AS n FROM failures GROUP BY ALL") == [
             {"reason": "http_503", "retryable": True, "n": 3}
         ]  # fmt: skip
-        shard = data / "images_256" / "000-00.parquet"
+        shard = data / "images" / "000-00.parquet"
         first = {
             r["id"]: r["image"] for r in pq.read_table(shard, columns=["id", "image"]).to_pylist()
         }
@@ -330,8 +328,8 @@ def test_retry_refetches_only_retryable_rows_and_merges_them_in_order(
             assert t.is_alive() and time.monotonic() < deadline
             time.sleep(0.05)
         # mid-run (the retried rows are served 1.5 s late): the catalog shows the old records
-        assert cat.query("SELECT samples FROM coverage WHERE asset = 'images_256'") == [{"samples": 7}]  # fmt: skip
-        assert cat.query("SELECT count(*) AS n FROM rows WHERE asset = 'images_256'") == [{"n": 10}]  # fmt: skip
+        assert cat.query("SELECT samples FROM coverage WHERE asset = 'images'") == [{"samples": 7}]  # fmt: skip
+        assert cat.query("SELECT count(*) AS n FROM rows WHERE asset = 'images'") == [{"n": 10}]  # fmt: skip
         t.join(300)
         assert rc == [0]
         assert "000-00: retrying 3 failed rows" in capsys.readouterr().out
@@ -344,7 +342,7 @@ def test_retry_refetches_only_retryable_rows_and_merges_them_in_order(
     rec = cat.query(
         """SELECT samples, seconds, CAST(extra->>'$.retry.fetched' AS INT) AS fetched,
                   CAST(extra->>'$.retry.seconds' AS DOUBLE) AS retry_s
-           FROM materializations WHERE asset = 'images_256'"""
+           FROM materializations WHERE asset = 'images'"""
     )[0]
     assert (rec["samples"], rec["fetched"]) == (10, 3)
     assert rec["seconds"] > rec["retry_s"] >= 1.5  # both runs' seconds: honest images/s
@@ -361,9 +359,9 @@ def test_downloaded_bytes_are_the_bytes_read(tmp_path, small_sample):
     with dg.instance_for_test() as instance:
         register_partitions(instance, res)
         assert _mat(res, "001-00", instance).success
-        md = instance.fetch_materializations(dg.AssetKey("images_256"), limit=1).records[0]
+        md = instance.fetch_materializations(dg.AssetKey("images"), limit=1).records[0]
         got = md.asset_materialization.metadata["downloaded_bytes"].value
-    rows = pq.read_table(res.layout.asset_path("pd12m_metadata", "001-00")).to_pylist()
+    rows = pq.read_table(res.layout.asset_path("metadata", "001-00")).to_pylist()
     want = sum((Path(small_sample["dest"]) / r["url"][5:]).stat().st_size for r in rows)
     assert got == want and want > 100_000
 
@@ -415,7 +413,7 @@ def test_cli_mistakes_are_one_line_and_exit_2(tmp_path, small_sample, monkeypatc
         ["materialize", "-p", "000-0"]
     )
     e = err(["materialize", "-a", "images256"])
-    assert "unknown asset 'images256'; did you mean 'images_256'?" in e and "text_embeddings" in e
+    assert "unknown asset 'images256'; did you mean 'images'?" in e and "text_embeddings" in e
     assert 'catalog sql needs the SQL: flowmatch catalog sql "SELECT' in err(["catalog", "sql"])
     assert "the catalog rejected the SQL" in err(["catalog", "sql", "SELEC 1"])
     assert "unknown benchmark 'imgs'" in err(["bench", "imgs"])
@@ -429,8 +427,8 @@ def test_cli_mistakes_are_one_line_and_exit_2(tmp_path, small_sample, monkeypatc
     capsys.readouterr()
     assert cli.main(["backfill", "--missing", "--assets", "images256"]) == 2
     assert capsys.readouterr().err.strip() == (
-        "flowmatch backfill: unknown asset 'images256'; partitioned assets: pd12m_metadata, "
-        "images_256, vae_latents, dino_features, text_embeddings"
+        "flowmatch backfill: unknown asset 'images256'; partitioned assets: metadata, "
+        "images, vae_latents, dino_features, text_embeddings"
     )
     monkeypatch.setenv("FLOWMATCH_MIN_STORED_FRACTION", "2")
     e = err(["materialize", "-p", "000-00"])
@@ -446,7 +444,7 @@ def test_cli_mistakes_are_one_line_and_exit_2(tmp_path, small_sample, monkeypatc
     monkeypatch.delenv("FLOWMATCH_SHARD_SIZE")
     monkeypatch.setenv("FLOWMATCH_METADATA", str(tmp_path / "no-such-folder"))
     e = err(["partitions", "list"])
-    assert "FLOWMATCH_METADATA" in e and "flowmatch sample" in e
+    assert "FLOWMATCH_METADATA" in e and "flowmatch demo-data" in e
     # --help is help, not an error
     capsys.readouterr()
     assert cli.main(["bench", "--help"]) == 0
@@ -462,13 +460,13 @@ def test_cli_mistakes_are_one_line_and_exit_2(tmp_path, small_sample, monkeypatc
 
 
 def _published(root: Path, key: str) -> dict[str, bytes]:
-    """Every published file of images_256 000-00: the shard, its records, its preview."""
+    """Every published file of images 000-00: the shard, its records, its preview."""
     c = root / "catalog"
     files = [
-        root / "images_256" / f"{key}.parquet",
-        root / "previews" / "images_256" / f"{key}.png",
+        root / "images" / f"{key}.parquet",
+        root / "previews" / "images" / f"{key}.png",
     ]
-    files += [c / k / "images_256" / f"{key}.parquet"
+    files += [c / k / "images" / f"{key}.parquet"
               for k in ("materializations", "rows", "content", "duplicates")]  # fmt: skip
     return {str(f.relative_to(root)): f.read_bytes() for f in files if f.exists()}
 
@@ -478,7 +476,7 @@ def _temps(root: Path) -> list[Path]:
 
 
 def test_a_late_failure_publishes_nothing(tmp_path, small_sample):
-    """images_256 fails after its shard, content and duplicate records are written (the preview
+    """images fails after its shard, content and duplicate records are written (the preview
     cannot be written): none of them is published, the previous ones stay, no temp is left."""
     from flowmatch_assets.runs import step_failures
 
@@ -490,22 +488,22 @@ def test_a_late_failure_publishes_nothing(tmp_path, small_sample):
         assert _mat(res, "000-00", instance).success
         before = _published(root, "000-00")
         assert len(before) == 6
-        previews = root / "previews" / "images_256"
+        previews = root / "previews" / "images"
         shutil.rmtree(previews)
         previews.write_text("a file where the previews folder should be")
-        result = _mat(other, "000-00", instance, selection=["images_256"])
+        result = _mat(other, "000-00", instance, selection=["images"])
         assert not result.success
         ((step, msg),) = step_failures(result)
-        assert step == "images_256" and "nothing was published" in msg, msg
+        assert step == "images" and "nothing was published" in msg, msg
         assert "Not a directory" in msg or "File exists" in msg, msg
         previews.unlink()
         assert {k: v for k, v in _published(root, "000-00").items() if "previews" not in k} == {
             k: v for k, v in before.items() if "previews" not in k
         }
         assert _temps(root) == []
-        assert _mat(other, "000-00", instance, selection=["images_256"]).success
+        assert _mat(other, "000-00", instance, selection=["images"]).success
         after = _published(root, "000-00")
-        assert after["images_256/000-00.parquet"] != before["images_256/000-00.parquet"]
+        assert after["images/000-00.parquet"] != before["images/000-00.parquet"]
 
 
 def test_a_full_disk_is_named_and_publishes_nothing(tmp_path, small_sample):
@@ -528,7 +526,7 @@ def test_a_full_disk_is_named_and_publishes_nothing(tmp_path, small_sample):
             with open(disk / "ballast", "wb") as f:
                 f.write(b"\0" * max(0, free - 64 * 1024))
             result = _mat(_res(root, small_sample, quality=70), "000-00", instance,
-                          selection=["images_256"])  # fmt: skip
+                          selection=["images"])  # fmt: skip
             assert not result.success
             ((step, msg),) = step_failures(result)
             assert "No space left on device" in msg and "nothing was published" in msg, msg
@@ -549,24 +547,24 @@ def test_two_runs_of_one_partition_wait_for_each_other(tmp_path, small_sample):
     res = make_resource(root, small_sample)
     with dg.instance_for_test() as instance:
         register_partitions(instance, res)
-        assert _mat(res, "000-00", instance, selection=["pd12m_metadata"]).success
-        lock = root / ".locks" / "images_256" / "000-00.lock"
+        assert _mat(res, "000-00", instance, selection=["metadata"]).success
+        lock = root / ".locks" / "images" / "000-00.lock"
         lock.parent.mkdir(parents=True, exist_ok=True)
-        theirs = root / "images_256" / ".tmp-000-00.parquet.theirs.tmp"
+        theirs = root / "images" / ".tmp-000-00.parquet.theirs.tmp"
         theirs.parent.mkdir(parents=True, exist_ok=True)
         results = []
-        with open(lock, "a+") as held:  # another run of images_256 000-00 is writing
+        with open(lock, "a+") as held:  # another run of images 000-00 is writing
             fcntl.flock(held.fileno(), fcntl.LOCK_EX)
             theirs.write_bytes(b"half a shard")
             t = threading.Thread(
-                target=lambda: results.append(_mat(res, "000-00", instance, ["images_256"]))
+                target=lambda: results.append(_mat(res, "000-00", instance, ["images"]))
             )
             t.start()
             time.sleep(3)
             assert t.is_alive() and theirs.exists()  # it waits; their temp file is theirs
-            assert not (root / "images_256" / "000-00.parquet").exists()
+            assert not (root / "images" / "000-00.parquet").exists()
             fcntl.flock(held.fileno(), fcntl.LOCK_UN)
         t.join(timeout=120)
         assert results and results[0].success
         assert not theirs.exists()  # stale once the lock was free: removed
-        assert pq.read_metadata(root / "images_256" / "000-00.parquet").num_rows == 10
+        assert pq.read_metadata(root / "images" / "000-00.parquet").num_rows == 10

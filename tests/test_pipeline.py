@@ -29,18 +29,18 @@ def test_definitions_load_with_groups_kinds_and_descriptions():
     repo = defs.get_repository_def()
     graph = repo.asset_graph
     keys = {k.to_user_string() for k in graph.get_all_asset_keys()}
-    assert {"pd12m_metadata", "images_256"} <= keys
+    assert {"metadata", "images"} <= keys
     for k in graph.get_all_asset_keys():
         node = graph.get(k)
         assert node.group_name, k
         assert node.description, k
-    assert repo.get_sensor_def("pd12m_partition_sensor")
+    assert repo.get_sensor_def("metadata_partition_sensor")
 
 
 def _materialize(res, key, instance):
     return dg.materialize(
         _assets(),
-        selection=["pd12m_metadata", "images_256"],
+        selection=["metadata", "images"],
         partition_key=key,
         instance=instance,
         resources=resources_for(res),
@@ -63,9 +63,9 @@ def test_partition_materializes_every_row_gets_one_outcome_and_rerun_is_idempote
         # the final outcome of each input row: filtered by metadata, or the image stage's outcome
         final = {}
         for r in outcomes:
-            if r["asset"] == "pd12m_metadata" and r["outcome"] == "filtered":
+            if r["asset"] == "metadata" and r["outcome"] == "filtered":
                 final[r["id"]] = f"filtered:{r['reason']}"
-            elif r["asset"] == "images_256":
+            elif r["asset"] == "images":
                 final[r["id"]] = "stored" if r["outcome"] == "stored" else f"failed:{r['reason']}"
         want = {i: o for i, o in expected.items() if i in final}
         assert final == want
@@ -73,10 +73,10 @@ def test_partition_materializes_every_row_gets_one_outcome_and_rerun_is_idempote
         assert len(final) == n_rows_000  # every input row has exactly one final outcome
 
         # good rows are 256x256 RGB, aligned with captions
-        shard = resource.layout.asset_path("images_256", "000-00")
+        shard = resource.layout.asset_path("images", "000-00")
         ids, caps, imgs = next(iter_image_batches(shard, batch_size=100))
         assert {im.shape for im in imgs} == {(256, 256, 3)} and len(ids) == len(caps) == 10
-        assert resource.layout.preview_path("images_256", "000-00").exists()
+        assert resource.layout.preview_path("images", "000-00").exists()
 
         before = cat.query("SELECT count(*) AS n FROM rows")[0]["n"]
         assert _materialize(resource, "000-00", instance).success  # again
@@ -86,29 +86,29 @@ def test_partition_materializes_every_row_gets_one_outcome_and_rerun_is_idempote
             == 2
         )
 
-        mats = instance.fetch_materializations(dg.AssetKey("images_256"), limit=10).records
+        mats = instance.fetch_materializations(dg.AssetKey("images"), limit=10).records
         md = mats[0].asset_materialization.metadata
         assert md["stored"].value == 10 and md["failed"].value == 6
         assert "data:image/jpeg;base64" in md["preview"].value
 
 
 def test_sensor_registers_new_metadata_files(resource, small_sample):
-    from flowmatch_assets.defs.partitions import pd12m_partition_sensor
+    from flowmatch_assets.defs.partitions import metadata_partition_sensor
 
     with dg.instance_for_test() as instance:
         ctx = dg.build_sensor_context(instance=instance, resources={"flowmatch": resource})
-        result = pd12m_partition_sensor(ctx)
+        result = metadata_partition_sensor(ctx)
         assert isinstance(result, dg.SensorResult)
         assert result.dynamic_partitions_requests[0].partition_keys == ["000-00", "001-00"]
         instance.add_dynamic_partitions(SHARDS, ["000-00", "001-00"])
-        assert isinstance(pd12m_partition_sensor(ctx), dg.SkipReason)
+        assert isinstance(metadata_partition_sensor(ctx), dg.SkipReason)
         # no metadata source (yet): a skip that says how to fix it, not an error every tick
         gone = FlowmatchResource(
             data_root=resource.data_root, metadata_source=str(resource.data_root) + "/none"
         )
         ctx = dg.build_sensor_context(instance=instance, resources={"flowmatch": gone})
-        skip = pd12m_partition_sensor(ctx)
-        assert isinstance(skip, dg.SkipReason) and "flowmatch sample" in skip.skip_message
+        skip = metadata_partition_sensor(ctx)
+        assert isinstance(skip, dg.SkipReason) and "flowmatch demo-data" in skip.skip_message
 
 
 @pytest.mark.slow
@@ -146,7 +146,7 @@ def test_parallel_partitions_in_separate_processes_with_sqlite_home(tmp_path, sm
                 "-m",
                 "flowmatch_assets.definitions",
                 "--select",
-                "pd12m_metadata,images_256",
+                "metadata,images",
                 "--partition",
                 k,
             ],
@@ -168,11 +168,11 @@ def test_parallel_partitions_in_separate_processes_with_sqlite_home(tmp_path, sm
         "SELECT asset, partition, count(*) AS n FROM materializations GROUP BY ALL ORDER BY ALL"
     )
     assert [(r["asset"], r["partition"]) for r in rows] == [
-        (a, k) for a in ("images_256", "pd12m_metadata") for k in keys[:3]
+        (a, k) for a in ("images", "metadata") for k in keys[:3]
     ]
     assert all(r["n"] == 1 for r in rows)
     # 3 shards of 5 rows: every row has exactly one metadata outcome
-    n = cat.query(
-        "SELECT count(DISTINCT id) AS n, count(*) AS m FROM rows WHERE asset='pd12m_metadata'"
-    )[0]
+    n = cat.query("SELECT count(DISTINCT id) AS n, count(*) AS m FROM rows WHERE asset='metadata'")[
+        0
+    ]
     assert n == {"n": 15, "m": 15}

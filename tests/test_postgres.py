@@ -16,7 +16,7 @@ from flowmatch_assets.freshness import backfill
 from tests.conftest import REPO, make_resource
 from tests.postgres import pg_bin, postgres_server
 
-ASSETS = ["pd12m_metadata", "images_256"]
+ASSETS = ["metadata", "images"]
 
 
 @pytest.mark.slow
@@ -62,4 +62,4 @@ def test_backfill_on_postgres_storage(tmp_path, small_sample, monkeypatch):
             for a in ASSETS:
                 assert instance.get_materialized_partitions(dg.AssetKey(a)) == set(keys)
     cov = {r["partition"]: r for r in Catalog(tmp_path / "data").coverage()}
-    assert all(cov[k]["images_256"] for k in keys)
+    assert all(cov[k]["images"] for k in keys)

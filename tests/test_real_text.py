@@ -95,7 +95,7 @@ def test_real_gemma_text_embeddings(tmp_path, small_sample, zoo, real_gemma):
     with dg.instance_for_test() as instance:
         register_partitions(instance, res)
         result = dg.materialize(
-            list(defs.assets), selection=["pd12m_metadata", "images_256", "text_embeddings"],
+            list(defs.assets), selection=["metadata", "images", "text_embeddings"],
             partition_key="000-00", instance=instance, resources=resources_for(res),
         )  # fmt: skip
         assert result.success
@@ -105,7 +105,7 @@ def test_real_gemma_text_embeddings(tmp_path, small_sample, zoo, real_gemma):
     assert md["model"].value == f"{real_gemma} ({GEMMA_LABEL})"
     assert shard.attrs["fp16_saturated"] == 0
     assert shard["tokens"].shape == (int(shard["lengths"].sum()), 640)
-    captions = read_image_meta(res.layout.asset_path("images_256", "000-00"))
+    captions = read_image_meta(res.layout.asset_path("images", "000-00"))
     captions = captions.column("caption").to_pylist()
     enc = Encoders(EncoderSpec(text=real_gemma, device="cpu"))
     want = [len(x) for x in enc.tokenize(captions)]
@@ -145,7 +145,7 @@ def test_minilm_text_encoder_through_configuration_alone(
             )  # fmt: skip
 
         for p in ("000-00", "001-00"):
-            assert run(["pd12m_metadata", "images_256", *EMB], partition_key=p).success
+            assert run(["metadata", "images", *EMB], partition_key=p).success
         shard = read_shard(res.layout.asset_path("text_embeddings", "000-00"))
         assert shard["tokens"].shape[1] == shard["null_tokens"].shape[1] == 384
         assert shard.attrs["model"] == minilm and shard.attrs["weights"] == ""

@@ -92,7 +92,7 @@ def test_missing_asks_dagster_once_per_asset_and_finds_the_one_gone(env_of, monk
         return real(self, *a, **kw)
 
     monkeypatch.setattr(type(inst), "get_materialized_partitions", counted)
-    assert main(["materialize", "--missing", "-a", "pd12m_metadata"]) == 0
+    assert main(["materialize", "--missing", "-a", "metadata"]) == 0
     assert len(asked) == 1  # one asset: one question, whatever the partitions
     out = capsys.readouterr().out
     assert out.count("skipped") == len(keys) == SIZES[1]
@@ -100,7 +100,7 @@ def test_missing_asks_dagster_once_per_asset_and_finds_the_one_gone(env_of, monk
 
     gone.rename(gone.with_name("moved"))
     try:
-        states = partition_states(res.layout, keys, ["pd12m_metadata", "vae_latents"], inst)
+        states = partition_states(res.layout, keys, ["metadata", "vae_latents"], inst)
         assert [(s.partition, s.state) for s in states if s.missing] == [(keys[7], "gone")]
     finally:
         gone.with_name("moved").rename(gone)

@@ -102,26 +102,26 @@ def test_three_source_kinds_through_the_cli(byo_env, capsys):
     )
     assert got == dict(want)
     assert got[("photos", "missing_caption")] == got[("wds", "missing_image")] == 1
-    assert "| photos | images_256 | failed | corrupt | 1 |" in outs[8]
+    assert "| photos | images | failed | corrupt | 1 |" in outs[8]
     # coverage: every stored row has its 256px image and all three embeddings, aligned
     for part in cat.query("SELECT partition FROM partitions WHERE source != 'pd12m'"):
         p = part["partition"]
         stored = [r["id"] for r in cat.query(
             "SELECT id FROM dataset_rows WHERE partition = ? AND outcome = 'stored'", [p])]  # fmt: skip
-        shard = pq.read_table(tmp / "data" / "images_256" / f"{p}.parquet")
+        shard = pq.read_table(tmp / "data" / "images" / f"{p}.parquet")
         assert sorted(shard.column("id").to_pylist()) == sorted(stored), p
         for kind in EMB:
             assert (
                 read_shard(tmp / "data" / kind / f"{p}.fms").ids == shard.column("id").to_pylist()
             )
-    captions = dict(zip(*(pq.read_table(tmp / "data" / "images_256" / "wds-00001.parquet",
+    captions = dict(zip(*(pq.read_table(tmp / "data" / "images" / "wds-00001.parquet",
                                         columns=["id", "caption"]).to_pydict().values())))  # fmt: skip
     assert captions["000010002"] == "a close-up of gravel"  # the caption only in its .json
     coverage = {r["partition"]: r for r in cat.coverage()}
     assert sorted(coverage) == ["hf-00000", "hf-00001", "photos-00000", "wds-00000", "wds-00001"]
     for p, r in coverage.items():  # catalog coverage = what the shards hold
         n = len(read_shard(tmp / "data" / "vae_latents" / f"{p}.fms").ids)
-        assert r["images_256"] == r["text_embeddings"] == n > 0
+        assert r["images"] == r["text_embeddings"] == n > 0
     assert _cli(capsys, "stale", "--no-report").startswith("nothing stale")
     # the data card of a source's partition: every sample, its outcome, caption and license
     _cli(capsys, "data-card", "-p", "photos-00000")
@@ -160,7 +160,7 @@ def test_three_source_kinds_through_the_cli(byo_env, capsys):
         instance.add_dynamic_partitions(SHARDS, list(req.partition_keys))
 
     # a copied tar's samples are the same bytes as the first tar's: content duplicates
-    _cli(capsys, "materialize", "-p", "wds-00002", "-a", "pd12m_metadata", "-a", "images_256")
+    _cli(capsys, "materialize", "-p", "wds-00002", "-a", "metadata", "-a", "images")
     rows = cat.query("SELECT outcome, reason, count(*) AS n FROM dataset_rows "
                      "WHERE partition = 'wds-00002' GROUP BY ALL")  # fmt: skip
     assert {(r["outcome"], r["reason"]): r["n"] for r in rows} == {
@@ -171,12 +171,12 @@ def test_three_source_kinds_through_the_cli(byo_env, capsys):
     sources = tmp / "data" / "sources.yaml"
     sources.write_text(sources.read_text().replace("caption_field: caption", "caption_field: text"))
     stale = json.loads(_cli_rc(capsys, 1, "stale", "--no-report", "--json"))
-    parts = {s["partition"] for s in stale if s["asset"] == "pd12m_metadata"}
+    parts = {s["partition"] for s in stale if s["asset"] == "metadata"}
     assert parts == {"hf-00000", "hf-00001"}
     assert "source_settings.caption_field: caption -> text" in stale[0]["reason"]
     # a misconfigured source fails its partition with one line that names the fix
     capsys.readouterr()
-    assert cli_main(["materialize", "-p", "hf-00000", "-a", "pd12m_metadata"]) == 1
+    assert cli_main(["materialize", "-p", "hf-00000", "-a", "metadata"]) == 1
     assert "has no column 'text'" in capsys.readouterr().out
 
 
@@ -209,7 +209,7 @@ def test_parquet_and_tars_over_http(byo_env, capsys):
         out = _cli(capsys, "partitions", "register")
         assert "registered 2 new partitions: tars-00000, web-00000" in out
         out = _cli(capsys, "materialize", "--source", "web", "--source", "tars",
-                   "-a", "pd12m_metadata", "-a", "images_256")  # fmt: skip
+                   "-a", "metadata", "-a", "images")  # fmt: skip
         assert out.count(" ok (") == 2, out
     finally:
         server.shutdown()

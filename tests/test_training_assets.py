@@ -93,7 +93,7 @@ def test_coverage_rule_then_train_resume_and_sample(tmp_path, small_sample, zoo,
     with dg.instance_for_test() as instance:
         register_partitions(instance, res)
         assert _materialize(
-            res, instance, ["pd12m_metadata", "images_256", *EMB], partition_key="000-00"
+            res, instance, ["metadata", "images", *EMB], partition_key="000-00"
         ).success
 
         # 1 of 2 partitions covered: refused, and the message names what is missing

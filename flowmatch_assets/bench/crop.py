@@ -3,7 +3,7 @@
 The procedural sample in its ``sides`` layout (``SampleSpec(layout="sides")``: pictures of 1.3:1
 to 2:1, landscape and portrait, a shape on the left/right or top/bottom at that end of the long
 side, or in the centre; captions in the demo's grammar) goes through the pipeline twice, into two
-data roots: ``pd12m_metadata`` + ``images_256`` with ``ingest.buckets: square`` and with
+data roots: ``metadata`` + ``images`` with ``ingest.buckets: square`` and with
 ``aspect`` (in-process Dagster runs on an ephemeral instance). The caption analyser
 (``reports/caption_eval.analyse_image``) then reads every stored image and compares what it
 sees with the image's caption:
@@ -61,7 +61,7 @@ def stored_vs_captions(data_root: Path, partitions: Sequence[str], sample_dest: 
 
     out = []
     for p in partitions:
-        for r in pq.read_table(Path(data_root) / "images_256" / f"{p}.parquet").to_pylist():
+        for r in pq.read_table(Path(data_root) / "images" / f"{p}.parquet").to_pylist():
             want, got = parse_caption(r["caption"]), analyse_image(decode(r["image"]))
             original = Path(sample_dest) / r["url"].removeprefix("file:")
             out.append(
@@ -140,7 +140,7 @@ def run(work: Path, files: int, rows: int, seed: int, threads: int = 2) -> dict:
             register_partitions(inst, res)
             for k in keys:
                 r = run_assets(
-                    ["pd12m_metadata", "images_256"], k, res=res, dagster_instance=inst, steps=False
+                    ["metadata", "images"], k, res=res, dagster_instance=inst, steps=False
                 )
                 if not r.success:
                     raise RuntimeError(f"{mode} {k}: the pipeline failed")

@@ -4,7 +4,7 @@ steps than training from scratch, and does it keep the old ones?
 The second procedural dataset (:func:`flowmatch_assets.demo.dataset.write_shapes2`: the demo's
 caption grammar with a shape the demo never saw, ``cross``, in half of its images) is written as
 an image folder with ``.txt`` captions, added as the source ``shapes2`` of the demo's data root,
-registered and materialized through the pipeline (``images_256`` and the three embeddings, with
+registered and materialized through the pipeline (``images`` and the three embeddings, with
 the demo's encoders). Then, with the same config (``configs/tiny.yaml``), data, seed and
 schedule, on the ``shapes2`` partitions only:
 

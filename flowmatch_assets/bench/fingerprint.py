@@ -1,7 +1,7 @@
 """Benchmark: what fingerprints cost per partition, against the stage they belong to.
 
 Per partition of ``--samples`` rows, with the pipeline's own functions on synthetic files of
-the real sizes (an images_256 shard of ~15 KB JPEG-sized blobs, the three embedding shards with
+the real sizes (an images shard of ~15 KB JPEG-sized blobs, the three embedding shards with
 their real shapes): the fingerprint work a materialization adds (``fingerprints.current`` /
 ``kind_fingerprint``, the catalog read of the upstream's fingerprint, the content id of the
 data version) and the ``<asset>_fresh`` checks that run with it -- their bodies, and the one
@@ -58,8 +58,8 @@ def _data_root(root: Path, n: int, rng: np.random.Generator) -> dict:
     blob = rng.integers(0, 255, 15_000, dtype=np.uint8).tobytes()
     images = md.append_column("image", pa.array([blob[i % 97 :] for i in range(n)], pa.binary()))
     images = images.append_column("md5", pa.array(ids))
-    (root / "images_256").mkdir()
-    pq.write_table(images, root / "images_256" / "000-00.parquet", row_group_size=512)
+    (root / "images").mkdir()
+    pq.write_table(images, root / "images" / "000-00.parquet", row_group_size=512)
     tokens = 30
     arrays = {
         "vae_latents": {"latents": rng.standard_normal((n, 32, 8, 8)).astype(np.float16)},
@@ -126,7 +126,7 @@ def run(samples: int, hash_mb: int, repeat: int, images_per_core_s: float, pairs
             data_root=str(root), metadata_source=str(tmp),
             encoders=EncoderSpec(**{k: str(v) for k, v in folders.items()}),
         )  # fmt: skip
-        data, kinds = ["pd12m_metadata", "images_256"], list(fingerprints.KINDS)
+        data, kinds = ["metadata", "images"], list(fingerprints.KINDS)
         for a in [*data, *kinds]:  # warm: the weights are hashed once per process anyway
             fp = fingerprints.current(res, a, "000-00")
             catalog.record_materialization(

@@ -7,7 +7,7 @@ PD12M-like captions (:func:`flowmatch_assets.bench.store.pd12m_like_captions`; e
 cached, then tiled to size), DC-AE latents and DINOv2 patches as smooth synthetic fields (no real
 weights offline), in the storage asked for (``default``: the pipeline's, see
 ``EncoderSpec``; ``lossless``: fp16, codec none; ``zstd``: fp16 byte-shuffled zstd, the old
-default). Then runs the real :class:`~flowmatch_models.data.EmbeddingDataModule` with
+default). Then runs the real :class:`~flowmatch_models.data.module.EmbeddingDataModule` with
 ``configs/base.yaml``'s loader settings (batch 64, 6 workers, shuffle window 8, 128 tokens,
 held-out 0.5%) over two windows, consuming batches as the training loop does, and reports:
 

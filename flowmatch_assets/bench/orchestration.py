@@ -162,8 +162,8 @@ def main(argv: list[str] | None = None) -> dict:
         prog="flowmatch bench orchestration", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--partitions", type=int, default=1240)
-    p.add_argument("--asset", default="pd12m_metadata", help="asset of the missing-only backfill")
-    p.add_argument("--status-asset", default="images_256")
+    p.add_argument("--asset", default="metadata", help="asset of the missing-only backfill")
+    p.add_argument("--status-asset", default="images")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument(
         "--images-per-s", type=float, default=216.0,
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
 
             # one tiny partition's run through the daemon: overhead = wall - compute
             key = keys[0]
-            run_id = launch_run(dev.url, ["pd12m_metadata", "images_256"], {},
+            run_id = launch_run(dev.url, ["metadata", "images"], {},
                                          tags={"dagster/partition": key})  # fmt: skip
             status = wait_run(dev.url, run_id, timeout=600, poll=0.5)
             t = backfill.graphql(dev.url, RUN_TIMES, {"runId": run_id})["runOrError"]

@@ -1,7 +1,7 @@
 """Benchmark: precalc throughput (image/caption pairs per second) with full-size random encoders.
 
 Builds, randomly initialised from their configs (no download), the three encoders of the real
-pipeline and runs them through :class:`flowmatch_models.encoders.Encoders` (the code path of the
+pipeline and runs them through :class:`flowmatch_models.encoders.frozen.Encoders` (the code path of the
 embedding assets: uint8 images and caption strings on the host in, fp16 numpy arrays out):
 
 - DC-AE f32c32-sana-1.0 (diffusers ``AutoencoderDC``). Config source: diffusers

@@ -40,7 +40,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 REPO = Path(__file__).resolve().parents[2]
-ASSETS = ("pd12m_metadata", "images_256", "vae_latents", "dino_features", "text_embeddings")
+ASSETS = ("metadata", "images", "vae_latents", "dino_features", "text_embeddings")
 KINDS = ASSETS[2:]
 #: Outcomes of the synthetic rows: (stage, outcome, reason, share of the stage's input rows).
 METADATA_OUTCOMES = [
@@ -111,14 +111,13 @@ def _metadata_file(path: Path, rows: int, rng: np.random.Generator) -> None:
 
 def _templates(root: Path) -> dict[str, Path]:
     """One tiny valid file per asset (hard-linked as every partition's)."""
-    from flowmatch_models.storage.store import write_shard
-
     from flowmatch_models.storage.image_shard import write_image_shard
+    from flowmatch_models.storage.store import write_shard
 
     t = root / "templates"
     t.mkdir(parents=True, exist_ok=True)
-    out = {"pd12m_metadata": t / "metadata.parquet", "images_256": t / "images.parquet"}
-    pq.write_table(pa.table({"id": ["a", "b"], "url": ["u", "v"]}), out["pd12m_metadata"])
+    out = {"metadata": t / "metadata.parquet", "images": t / "images.parquet"}
+    pq.write_table(pa.table({"id": ["a", "b"], "url": ["u", "v"]}), out["metadata"])
     import io
 
     from PIL import Image
@@ -128,7 +127,7 @@ def _templates(root: Path) -> dict[str, Path]:
     row = {"id": "a", "caption": "c", "image": buf.getvalue(), "format": "jpeg",
            "orig_width": 512, "orig_height": 384, "md5": "0" * 32, "url": "u", "height": 256,
            "width": 256, "kept": 0.75}  # fmt: skip
-    write_image_shard(out["images_256"], [row])
+    write_image_shard(out["images"], [row])
     for kind in KINDS:
         out[kind] = t / f"{kind}.fms"
         write_shard(out[kind], {"x": np.zeros((2, 4), np.float16)}, ["a", "b"], codec="none")
@@ -180,18 +179,18 @@ def _write_partition(root: str, p: _Partition, fps: dict, tmpl: dict, layout) ->
     n_rows = len(p.ids)
     n_kept = int((p.meta == "stored").sum())
     n_stored = len(p.stored)
-    catalog.record_rows(root, "pd12m_metadata", p.key, p.outcomes(p.meta, RowOutcome))
+    catalog.record_rows(root, "metadata", p.key, p.outcomes(p.meta, RowOutcome))
     dups = [{"id": p.ids[i], "hash": f"{i:032x}", "kept_partition": "000-00", "kept_id": p.ids[0]}
             for i in np.flatnonzero(p.meta == "filtered:duplicate_hash")]  # fmt: skip
-    catalog.record_duplicates(root, "pd12m_metadata", p.key, "hash", dups)
-    catalog.record_rows(root, "images_256", p.key, p.outcomes(p.images, RowOutcome))
+    catalog.record_duplicates(root, "metadata", p.key, "hash", dups)
+    catalog.record_rows(root, "images", p.key, p.outcomes(p.images, RowOutcome))
     md5 = rng.integers(0, 2**63, (n_stored, 2))
     catalog.record_content(root, p.key, [
         {"id": p.ids[i], "position": int(p.key[4:]) * n_rows + i, "md5": f"{a:016x}{b:016x}"}
         for i, (a, b) in zip(p.stored, md5)])  # fmt: skip
     cdups = [{"id": p.ids[i], "hash": "f" * 32, "kept_partition": p.key, "kept_id": p.ids[0]}
              for i in np.flatnonzero(p.images == "filtered:duplicate_content")]  # fmt: skip
-    catalog.record_duplicates(root, "images_256", p.key, "content", cdups)
+    catalog.record_duplicates(root, "images", p.key, "content", cdups)
     for kind in KINDS:
         catalog.record_rows(root, kind, p.key, [RowOutcome(p.ids[i], None, "stored")
                                                 for i in p.stored])  # fmt: skip
@@ -212,15 +211,15 @@ def _write_partition(root: str, p: _Partition, fps: dict, tmpl: dict, layout) ->
     extra_meta = {"source_file": "pd12m", "row_start": 0, "row_end": n_rows,
                   "filtered": {"small_original": 1}, "failed": {}}  # fmt: skip
     recs = [
-        MaterializationRecord("pd12m_metadata", samples=n_kept, input_rows=n_rows,
+        MaterializationRecord("metadata", samples=n_kept, input_rows=n_rows,
                               raw_bytes=n_kept * 400, stored_bytes=n_kept * 200, seconds=0.6,
-                              extra={**extra_meta, "fingerprint": fps["pd12m_metadata"]},
+                              extra={**extra_meta, "fingerprint": fps["metadata"]},
                               **common),
-        MaterializationRecord("images_256", samples=n_stored, input_rows=n_kept,
+        MaterializationRecord("images", samples=n_stored, input_rows=n_kept,
                               raw_bytes=n_stored * 196_608, stored_bytes=n_stored * 15_000,
                               seconds=n_kept / 180, codec="jpeg", device="cpu",
                               extra={"downloaded_bytes": n_kept * 440_000,
-                                     "fingerprint": fps["images_256"]}, **common),
+                                     "fingerprint": fps["images"]}, **common),
     ]  # fmt: skip
     for kind, b in zip(KINDS, (4096, 12_288, 36_000)):
         extra = {"model": kind, "random_weights": False, "weights": "", "array_bytes": b * n_stored,
@@ -495,19 +494,19 @@ def time_in_process(root: Path, names: Sequence[str], repeat: int = 2) -> dict[s
 
 def time_metadata(root: Path, code: Path, parts: int, timeout: float, mem_cap_gb: float,
                   core: int | None) -> dict:  # fmt: skip
-    """``pd12m_metadata`` for the first ``parts`` partitions of file 000, in one process, from
+    """``metadata`` for the first ``parts`` partitions of file 000, in one process, from
     no hash index: the first partition builds it over every metadata file; the others' wall
     seconds (each a whole Dagster run) are the per-partition cost."""
     import re
     import statistics
 
     shutil.rmtree(root / "data" / "dedupe", ignore_errors=True)
-    argv = ["materialize", "-a", "pd12m_metadata"]
+    argv = ["materialize", "-a", "metadata"]
     for k in keys_for(parts):
         argv += ["-p", k]
     r = run_verb(argv, _env(root), code, timeout, mem_cap_gb, core, keep_output=True)
     text = r.pop("output")
-    secs = [float(x) for x in re.findall(r"pd12m_metadata ok \(([0-9.]+)s\)", text)]
+    secs = [float(x) for x in re.findall(r"metadata ok \(([0-9.]+)s\)", text)]
     r["partition_s"] = secs
     if len(secs) > 1:
         r["first_s"] = secs[0]
@@ -526,7 +525,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--mem-cap-gb", type=float, default=6.0)
     p.add_argument("--core", type=int, default=0, help="pin each verb to this core (-1: none)")
     p.add_argument("--metadata-parts", type=int, default=5,
-                   help="partitions of pd12m_metadata materialized for real (0: none)")  # fmt: skip
+                   help="partitions of metadata materialized for real (0: none)")  # fmt: skip
     a = p.parse_args(argv)
     core = None if a.core < 0 else a.core
     tmp = None
@@ -560,8 +559,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
             print(f"{name}: {json.dumps(r)}", flush=True)
         if a.metadata_parts and "metadata" in names:
             r = time_metadata(root, code, a.metadata_parts, a.timeout, a.mem_cap_gb, core)
-            out["pd12m_metadata"] = r
-            print(f"pd12m_metadata x{a.metadata_parts}: {json.dumps(r)}", flush=True)
+            out["metadata"] = r
+            print(f"metadata x{a.metadata_parts}: {json.dumps(r)}", flush=True)
         print(json.dumps(out))
         return out
     finally:

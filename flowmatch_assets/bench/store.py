@@ -364,11 +364,11 @@ def run(
     t = time.perf_counter()
     seed_blobs = seed_encode(seed_samples(arrays, tokens, lengths))
     seed_encode_s = time.perf_counter() - t
-    seed_bytes = sum(len(b) for blobs in seed_blobs for b in blobs)
+    seed_format_bytes = sum(len(b) for blobs in seed_blobs for b in blobs)
     seed_dec = _best_time(lambda: seed_decode(seed_blobs), max(1, repeat - 1))
     result["seed"] = {
-        "bytes_per_sample": seed_bytes / n,
-        "pd12m_tb": seed_bytes / n * PD12M_PAIRS / 1e12,
+        "bytes_per_sample": seed_format_bytes / n,
+        "pd12m_tb": seed_format_bytes / n * PD12M_PAIRS / 1e12,
         "decode_samples_per_s": n / seed_dec,
         "encode_samples_per_s": n / seed_encode_s,
     }
@@ -388,7 +388,7 @@ def run(
             dec = _best_time(lambda tag=tag: ours_decode(root, tag), repeat)
             entry = {
                 "bytes_per_sample": stored / n,
-                "bytes_vs_seed": stored / seed_bytes,
+                "bytes_vs_seed": stored / seed_format_bytes,
                 "decode_samples_per_s": n / dec,
                 "decode_speedup_vs_seed": seed_dec / dec,
                 "encode_samples_per_s": n / enc_s,
@@ -412,7 +412,9 @@ def run(
                 if abs(check - worst["tokens"]["min_cosine"]) > 1e-5:
                     raise RuntimeError(f"recorded lossy error differs from re-measured {check}")
             result[tag] = entry
-        result["default"] = default_storage(root, arrays, ids, tokens, seed_bytes, seed_dec, repeat)
+        result["default"] = default_storage(
+            root, arrays, ids, tokens, seed_format_bytes, seed_dec, repeat
+        )
     lossless, default = result["zstd"], result["default"]
     result["targets"] = {
         "lossless_bytes_vs_seed<=0.8": lossless["bytes_vs_seed"] <= 0.8,
@@ -423,7 +425,7 @@ def run(
     return result
 
 
-def default_storage(root: Path, arrays: dict, ids: list[str], tokens, seed_bytes: int,
+def default_storage(root: Path, arrays: dict, ids: list[str], tokens, seed_format_bytes: int,
                     seed_dec: float, repeat: int) -> dict:  # fmt: skip
     """The pipeline's default storage (``EncoderSpec``: codec none, text and DINO transform-
     coded), written as a data root and read the way the training loader reads it: every row
@@ -488,8 +490,8 @@ def default_storage(root: Path, arrays: dict, ids: list[str], tokens, seed_bytes
         "bytes_per_sample": stored / n,
         "bytes_per_sample_at_pd12m_shards": at_pd12m,
         "table_bytes_per_shard": tables,
-        "bytes_vs_seed": stored / seed_bytes,
-        "bytes_vs_seed_at_pd12m_shards": at_pd12m * n / seed_bytes,
+        "bytes_vs_seed": stored / seed_format_bytes,
+        "bytes_vs_seed_at_pd12m_shards": at_pd12m * n / seed_format_bytes,
         "per_asset_bytes_per_sample": {k: s.stored_bytes / n for k, s in stats.items()},
         "pd12m_tb": at_pd12m * PD12M_PAIRS / 1e12,
         "decode_samples_per_s": n / host_s,

@@ -8,7 +8,7 @@
   PD12M's ~12M stored rows without reading their strings.
 
 Each records what it was made from (file identities), and :mod:`.summary` redoes it when one of
-those changed since (a retried images_256, a content duplicate found later). No DuckDB.
+those changed since (a retried images, a content duplicate found later). No DuckDB.
 """
 
 from __future__ import annotations
@@ -213,8 +213,8 @@ def card_inputs(layout: DataLayout, partition: str, losers: set[str]) -> dict:
     c = layout.catalog_dir
     return {
         "cards": _ident(c / "cards" / "data_card" / f"{partition}.parquet"),
-        "meta": _ident(c / "rows" / "pd12m_metadata" / f"{partition}.parquet"),
-        "images": _ident(c / "rows" / "images_256" / f"{partition}.parquet"),
+        "meta": _ident(c / "rows" / "metadata" / f"{partition}.parquet"),
+        "images": _ident(c / "rows" / "images" / f"{partition}.parquet"),
         "losers": sorted(losers),
     }
 
@@ -257,9 +257,9 @@ def write_card_summary(layout: DataLayout, partition: str, losers: set[str] | No
         card_summary_path(layout, partition).unlink(missing_ok=True)
         return
     cols = ["id", "outcome", "reason"]
-    t = card_summary(partition, cards, read(c / "rows" / "pd12m_metadata" / f"{partition}.parquet",
+    t = card_summary(partition, cards, read(c / "rows" / "metadata" / f"{partition}.parquet",
                                              cols),
-                     read(c / "rows" / "images_256" / f"{partition}.parquet", cols), losers)  # fmt: skip
+                     read(c / "rows" / "images" / f"{partition}.parquet", cols), losers)  # fmt: skip
     t = t.replace_schema_metadata({"flowmatch_inputs": json.dumps(inputs)})
     _write_table(card_summary_path(layout, partition), t)
 

@@ -252,13 +252,13 @@ def record_duplicates(
 
 
 def record_content(data_root: str | Path, partition: str, rows: Sequence[dict]) -> Path:
-    """Write (replace) the md5 of the bytes of every row stored in one images_256 shard
+    """Write (replace) the md5 of the bytes of every row stored in one images shard
     (``{id, position, md5}``): what content dedupe and the ``content_duplicates`` view read."""
     layout = DataLayout(data_root)
-    path = layout.catalog_dir / "content" / "images_256" / f"{partition}.parquet"
+    path = layout.catalog_dir / "content" / "images" / f"{partition}.parquet"
     data = [
         {
-            "asset": "images_256",
+            "asset": "images",
             "partition": partition,
             **{k: r[k] for k in ("id", "position", "md5")},
         }
@@ -402,7 +402,7 @@ def record_ledger(
 ) -> Path:
     """Write (replace) checkpoint ``step``'s ledger: its compact segments (``ledger_epochs``),
     the samples trained since its base checkpoint (``samples``: a delta, from
-    :func:`flowmatch_models.ledger.expand`) and its chain of deltas (``chain``: the base's chain
+    :func:`flowmatch_models.train.ledger.expand`) and its chain of deltas (``chain``: the base's chain
     plus ``step``), which the ``ledger_samples`` view sums. The chain is written last: a
     checkpoint counts as recorded only once it is there."""
     seg_rows = [

@@ -514,7 +514,7 @@ def _hash_count(layout: DataLayout, partition: str, ident: list[int]) -> int:
             return (p.stat().st_size - 24) // 8
     except (OSError, ValueError):
         pass
-    rec = layout.catalog_dir / "content" / "images_256" / f"{partition}.parquet"
+    rec = layout.catalog_dir / "content" / "images" / f"{partition}.parquet"
     try:
         md5 = pq.read_table(rec, columns=["md5"]).column("md5")
     except (OSError, pa.ArrowInvalid, KeyError):
@@ -524,24 +524,24 @@ def _hash_count(layout: DataLayout, partition: str, ident: list[int]) -> int:
 
 
 def _refresh_content(layout: DataLayout, s: Path, state: _State, changes: _Changes) -> bool:
-    """If a content record changed (or which partitions have images_256 did), find the stored
+    """If a content record changed (or which partitions have images did), find the stored
     rows whose bytes an earlier row (dataset order) stored too: the repeated hashes over every
     partition's, then the exact md5s of the rows that have one. Returns whether they changed."""
     import pyarrow.compute as pc
 
-    images_changed = any(f.asset == "images_256" for f in [
+    images_changed = any(f.asset == "images" for f in [
         *changes.changed.get("materializations", []), *changes.gone.get("materializations", [])])  # fmt: skip
     losers = s / "content_losers.parquet"
     if not (changes.any("content") or images_changed or not losers.exists()):
         return False
-    made = _materialized(s, "images_256")
-    listing = state.listing("content/images_256")
+    made = _materialized(s, "images")
+    listing = state.listing("content/images")
     parts = sorted(p for p in (n[: -len(".parquet")] for n in listing) if p in made)
     sizes = [_hash_count(layout, p, listing[f"{p}.parquet"]) for p in parts]
     dup = _repeated_hashes([content_hashes_path(layout, p) for p in parts], sizes)
     rows = LOSER_SCHEMA.empty_table()
     if len(dup):
-        c = layout.catalog_dir / "content" / "images_256"
+        c = layout.catalog_dir / "content" / "images"
         hit = [p for p in parts
                if np.isin(np.fromfile(content_hashes_path(layout, p), np.uint64)[3:], dup).any()]  # fmt: skip
         cand = []
@@ -611,7 +611,7 @@ def _refresh_cards(layout: DataLayout, s: Path, state: _State, changes: _Changes
         card_summary_path(layout, f.partition).unlink(missing_ok=True)
     rows = [*changes.changed.get("rows", []), *changes.gone.get("rows", [])]
     touched = {f.partition for f in changes.changed.get("cards", [])}
-    touched |= {f.partition for f in rows if f.asset in ("pd12m_metadata", "images_256")}
+    touched |= {f.partition for f in rows if f.asset in ("metadata", "images")}
     if losers_changed:  # a partition whose losers changed: its card changes
         t = pq.read_table(s / "content_losers.parquet", columns=["partition"])
         now = set(t.column("partition").to_pylist())

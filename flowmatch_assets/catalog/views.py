@@ -147,7 +147,7 @@ def _view_sql(layout: DataLayout) -> list[str]:
            FROM p CROSS JOIN assets a
            LEFT JOIN materializations m ON m.partition = p.partition AND m.asset = a.asset""",
         f"CREATE OR REPLACE MACRO retryable(r) AS {_retryable_sql('r')}",
-        # the source of a partition key (flowmatch_models.layout.source_of): photos-00003 -> photos
+        # the source of a partition key (flowmatch_models.storage.layout.source_of): photos-00003 -> photos
         """CREATE OR REPLACE MACRO source_of(p) AS
            CASE WHEN regexp_full_match(split_part(p, '-', 1), '[a-z][a-z0-9_]{0,31}')
                 THEN split_part(p, '-', 1) ELSE 'pd12m' END""",
@@ -207,11 +207,11 @@ def _dedupe_views(layout: DataLayout, legacy: frozenset[str], losers: str) -> li
     """Duplicates (flowmatch_assets/ingest/dedupe.py) and every input row's final outcome."""
     return [
         f"CREATE OR REPLACE VIEW duplicate_records AS SELECT * FROM {_glob(layout, 'duplicates', legacy)} WHERE asset IS NOT NULL",
-        # md5 of the bytes of every row stored in a (materialized) images_256 shard
+        # md5 of the bytes of every row stored in a (materialized) images shard
         f"""CREATE OR REPLACE VIEW content_md5 AS
            SELECT partition, id, position, md5 FROM {_glob(layout, "content", legacy)}
            WHERE asset IS NOT NULL AND md5 IS NOT NULL AND partition IN
-                 (SELECT partition FROM materializations WHERE asset = 'images_256')""",
+                 (SELECT partition FROM materializations WHERE asset = 'images')""",
         """CREATE OR REPLACE VIEW content_first AS
            SELECT md5, partition AS kept_partition, id AS kept_id FROM (
                SELECT *, row_number() OVER (PARTITION BY md5 ORDER BY partition, position) AS k
@@ -256,10 +256,10 @@ def _dedupe_views(layout: DataLayout, legacy: frozenset[str], losers: str) -> li
                        ELSE i.reason END AS reason,
                   d.kept_partition, d.kept_id
            FROM rows m
-           LEFT JOIN rows i ON i.asset = 'images_256' AND i.partition = m.partition AND i.id = m.id
+           LEFT JOIN rows i ON i.asset = 'images' AND i.partition = m.partition AND i.id = m.id
            LEFT JOIN content_duplicates c ON c.partition = m.partition AND c.id = m.id
            LEFT JOIN duplicates d ON d.partition = m.partition AND d.id = m.id
-           WHERE m.asset = 'pd12m_metadata'""",
+           WHERE m.asset = 'metadata'""",
     ]
 
 

@@ -1,8 +1,8 @@
-"""`flowmatch`: the command line of the pipeline (sample, partitions, materialize, retry, verify, demo, catalog, bench, ...).
+"""`flowmatch`: the command line of the pipeline (demo-data, partitions, materialize, retry, verify, demo, catalog, bench, ...).
 
 One table, :data:`COMMANDS`: a verb -> the function that runs it and its arguments; the function
 takes them as typed keyword arguments. Adding a verb is one entry and one function. Verbs whose
-module has its own parser (sample, zoo, budget, backfill, bench) take the rest of the line as
+module has its own parser (demo-data, zoo, budget, backfill, bench) take the rest of the line as
 ``argv``. The verbs are thin: the work is a library function (:mod:`flowmatch_assets.runs` for
 what runs the asset graph, else the folder of the concern), which the tests and the demo call too.
 Settings come from the same FLOWMATCH_* environment variables as `dagster dev`
@@ -170,10 +170,10 @@ def _add_source(res, path: Path, name: str | None, kind: str | None, location: s
     from flowmatch_assets.ingest.sources.location import Location
 
     if not name or not kind or not location:
-        raise CliError(f"sources add needs NAME, --kind {'|'.join(src.KINDS)} and "
+        raise CliError(f"sources add needs NAME, --kind {'|'.join(src.SOURCE_KINDS)} and "
                        "--location FOLDER_OR_URL")  # fmt: skip
-    if kind not in src.KINDS:
-        raise CliError(f"--kind {kind!r}: choose one of {', '.join(src.KINDS)}")
+    if kind not in src.SOURCE_KINDS:
+        raise CliError(f"--kind {kind!r}: choose one of {', '.join(src.SOURCE_KINDS)}")
     given = {"kind": kind, "location": src.config.absolute(location), **options}
     cfg = src.SourceConfig.model_validate({k: v for k, v in given.items() if v is not None})
     src.check_name(name)
@@ -613,7 +613,19 @@ def cmd_data_card(partition: list[str], refresh: bool, as_json: bool) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def cmd_sample(argv: list[str]) -> int:
+def cmd_upgrade() -> int:
+    """`flowmatch upgrade`: carry a data root and Dagster instance made before the renames
+    (pd12m_metadata -> metadata, images_256 -> images, pd12m_shards -> shards) over; safe to
+    run again."""
+    from flowmatch_assets.freshness.renames import upgrade_data_root, upgrade_instance
+
+    res = _resource()
+    done = upgrade_data_root(res.data_root) + upgrade_instance(_instance())
+    print("\n".join(done) or "nothing to upgrade: the data root and instance use today's names")
+    return 0
+
+
+def cmd_demo_data(argv: list[str]) -> int:
     from flowmatch_assets.demo.dataset import main
 
     main(argv)
@@ -678,7 +690,11 @@ class Command:
 PARTITION = arg("--partition", "-p", action="append", default=[], help="partition key (repeatable)")
 
 COMMANDS: dict[str, Command] = {
-    "sample": Command(cmd_sample, "write the demo dataset (PD12M format)", rest=True),
+    "demo-data": Command(cmd_demo_data, "write the demo dataset (PD12M format)", rest=True),
+    "upgrade": Command(
+        cmd_upgrade,
+        "carry a data root and Dagster instance made before the asset renames over (once)",
+    ),
     "partitions": Command(
         cmd_partitions,
         "list or register the partitions of PD12M and of your own image sources",
@@ -710,7 +726,7 @@ COMMANDS: dict[str, Command] = {
             arg(
                 "--kind",
                 default=None,
-                help="folder, parquet or webdataset (the kinds: ingest/sources/config.py KINDS)",
+                help="folder, parquet or webdataset (the kinds: ingest/sources/config.py SOURCE_KINDS)",
             ),
             arg("--location", default=None, help="a folder or an fsspec URL"),
             arg(

@@ -99,7 +99,7 @@ def dagster_dev(
     env: dict[str, str],
     log_path: Path,
     startup_timeout: float = 240,
-    ready_asset: str = "pd12m_metadata",
+    ready_asset: str = "metadata",
 ) -> Iterator[DagsterDev]:
     """Run ``python -m dagster dev -w workspace.yaml`` from the repo root with DAGSTER_HOME=home
     and ``env`` on top of os.environ; yields once GraphQL answers with ``ready_asset`` loaded."""

@@ -2,7 +2,7 @@
 ``fine_tune_fresh``.
 
 What stale means is :mod:`flowmatch_assets.freshness.fingerprints`; these only carry its verdict
-into the UI. (Each asset's shard checks live beside it: ``images_256_complete`` in
+into the UI. (Each asset's shard checks live beside it: ``images_complete`` in
 ``data_assets.py``, the embedding kinds' in ``embedding_assets.py``.)
 """
 

@@ -1,6 +1,6 @@
 """Data assets: raw shards -> 256px images, publishing what ``ingest/`` makes (``metadata.py``
-and ``dedupe.py`` for a PD12M partition's pd12m_metadata, ``sources/`` for a source's, ``shard.py``
-for images_256)."""
+and ``dedupe.py`` for a PD12M partition's metadata, ``sources/`` for a source's, ``shard.py``
+for images)."""
 
 import time
 from collections import Counter
@@ -45,12 +45,12 @@ GROUP = "data"
     "partition of your own images (folder, parquet, WebDataset) listed with its captions; "
     "filtered and failed rows counted by reason.",
 )
-def pd12m_metadata(
+def metadata(
     context: dg.AssetExecutionContext, flowmatch: FlowmatchResource
 ) -> dg.MaterializeResult:
     """Read the partition's rows (its metadata file's, or its source's), filter them, store the
-    kept ones. (The key is PD12M's from before sources existed; every partition has this stage.)"""
-    with PartitionOutput(context, flowmatch, "pd12m_metadata") as out:
+    kept ones."""
+    with PartitionOutput(context, flowmatch, "metadata") as out:
         return _metadata(context, flowmatch, out)
 
 
@@ -75,7 +75,7 @@ def _metadata(context, flowmatch: FlowmatchResource, out: PartitionOutput) -> dg
     by_reason = dict(Counter(f["reason"] for f in filtered))
     failed_by_reason = dict(Counter(f["reason"] for f in failed))
     dups = [f for f in filtered if f["reason"] == "duplicate_hash"]
-    catalog.record_duplicates(flowmatch.data_root, "pd12m_metadata", out.partition, "hash", dups)
+    catalog.record_duplicates(flowmatch.data_root, "metadata", out.partition, "hash", dups)
     input_rows = table.num_rows + len(failed)
     context.log.info(
         f"{out.partition}: {input_rows} rows, kept {kept.num_rows}, filtered {by_reason}"
@@ -135,7 +135,7 @@ def _source_rows(flowmatch: FlowmatchResource, part: str) -> tuple:
 
 
 class ImagesConfig(dg.Config):
-    """How one images_256 materialization treats the partition's existing shard."""
+    """How one images materialization treats the partition's existing shard."""
 
     retry: bool = Field(
         default=False,
@@ -150,13 +150,13 @@ class ImagesConfig(dg.Config):
 
 @dg.asset(
     partitions_def=shard_partitions,
-    deps=[pd12m_metadata],
+    deps=[metadata],
     group_name=GROUP,
     kinds={"parquet", "pillow"},
     op_tags=IMAGE_TAGS,
     description="The shard's images: downloaded (or read from their source), resized and centre-cropped to 256x256 (or, with ingest.buckets: aspect, to the nearest aspect-ratio bucket of ~256x256 pixels), encoded (JPEG q95); failures recorded with reasons.",
 )
-def images_256(
+def images(
     context: dg.AssetExecutionContext, config: ImagesConfig, flowmatch: FlowmatchResource
 ) -> dg.MaterializeResult:
     """Fetch and encode the partition's images (ingest/shard.py) and publish the shard. A run
@@ -165,7 +165,7 @@ def images_256(
     ``rejected_attempts``). With ``retry`` only the failed rows are fetched again and merged
     into the shard, in order. The shard, its content and duplicate records, its preview and its
     catalog records are published together, or (a failure anywhere) none of them."""
-    with PartitionOutput(context, flowmatch, "images_256") as out:
+    with PartitionOutput(context, flowmatch, "images") as out:
         return _images(context, config, flowmatch, out)
 
 
@@ -174,7 +174,7 @@ def _images(
 ) -> dg.MaterializeResult:
     t0 = time.perf_counter()
     part, root = out.partition, flowmatch.data_root
-    rows = pq.read_table(flowmatch.layout.asset_path("pd12m_metadata", part)).to_pylist()
+    rows = pq.read_table(flowmatch.layout.asset_path("metadata", part)).to_pylist()
 
     def progress(done: int, total: int) -> None:
         if done % max(1, total // 10) == 0 or done == total:
@@ -200,10 +200,10 @@ def _images(
         raise _rejected(out, e) from e
     write_image_shard(out.path, shard.stored)
     catalog.record_content(root, part, shard.content)
-    catalog.record_duplicates(root, "images_256", part, "content", shard.dropped)
+    catalog.record_duplicates(root, "images", part, "content", shard.dropped)
     seconds = time.perf_counter() - t0
     grid = make_grid([decode(s["image"]) for s in shard.stored[:64]], cell=96)
-    preview = save_png(grid, flowmatch.layout.preview_path("images_256", part))
+    preview = save_png(grid, flowmatch.layout.preview_path("images", part))
     record_seconds, extra = shard.record(seconds)
     context.log.info(f"{part}: {shard.summary(seconds)}")
     return out.publish(
@@ -227,7 +227,7 @@ def _images(
             "stored_bytes": out.written().stat().st_size,
             "images_per_s": round(shard.fetched / seconds, 1) if seconds else 0.0,
             "preview_png": dg.MetadataValue.path(str(preview)),
-            "preview": dg.MetadataValue.md(markdown_image(grid, f"images_256 {part}")),
+            "preview": dg.MetadataValue.md(markdown_image(grid, f"images {part}")),
             **shard.run_metadata(),
         },
     )
@@ -254,26 +254,24 @@ def _rejected(out: PartitionOutput, e: TooFewStored) -> dg.Failure:
 
 
 @dg.asset_check(
-    asset=images_256,
+    asset=images,
     blocking=True,
     description="Every kept metadata row has exactly one outcome; stored images are RGB at "
     "their row's size (256x256, or its aspect-ratio bucket), a size the settings allow.",
 )
-def images_256_complete(
+def images_complete(
     context: dg.AssetCheckExecutionContext, flowmatch: FlowmatchResource
 ) -> dg.AssetCheckResult:
     layout = flowmatch.layout
-    parts = run_partitions(context) or layout.partitions_with("images_256")
+    parts = run_partitions(context) or layout.partitions_with("images")
     problems = []
     for p in parts:
         md_ids = set(
-            pq.read_table(layout.asset_path("pd12m_metadata", p), columns=["id"])
-            .column("id")
-            .to_pylist()
+            pq.read_table(layout.asset_path("metadata", p), columns=["id"]).column("id").to_pylist()
         )
-        rows_file = layout.catalog_dir / "rows" / "images_256" / f"{p}.parquet"
-        if not layout.asset_path("images_256", p).exists():
-            problems.append(f"{p}: no images_256 shard")
+        rows_file = layout.catalog_dir / "rows" / "images" / f"{p}.parquet"
+        if not layout.asset_path("images", p).exists():
+            problems.append(f"{p}: no images shard")
             continue
         if not rows_file.exists():
             problems.append(f"{p}: no outcome records")
@@ -281,7 +279,7 @@ def images_256_complete(
         outcome_ids = pq.read_table(rows_file, columns=["id"]).column("id").to_pylist()
         if sorted(outcome_ids) != sorted(md_ids):
             problems.append(f"{p}: {len(outcome_ids)} outcomes for {len(md_ids)} rows")
-        problems += _size_problems(p, layout.asset_path("images_256", p), flowmatch.ingest)
+        problems += _size_problems(p, layout.asset_path("images", p), flowmatch.ingest)
     return shards_check_result(parts, problems)
 
 

@@ -7,7 +7,7 @@ import dagster as dg
 
 from flowmatch_assets import catalog
 from flowmatch_assets.catalog import Catalog
-from flowmatch_assets.defs.data_assets import images_256, pd12m_metadata
+from flowmatch_assets.defs.data_assets import images, metadata
 from flowmatch_assets.defs.partitions import shard_partitions
 from flowmatch_assets.defs.resources import FlowmatchResource
 from flowmatch_assets.ingest.sources import partition_rows
@@ -46,7 +46,7 @@ def _numbers(rows: list[dict]) -> dict:
 
 @dg.asset(
     partitions_def=shard_partitions,
-    deps=[pd12m_metadata, images_256],  # + the text kinds: definitions.assets()
+    deps=[metadata, images],  # + the text kinds: definitions.assets()
     group_name=GROUP,
     kinds={"duckdb", "matplotlib"},
     description="The shard's data card: caption length (chars, tokens), original size and aspect, license and source mix, outcomes by reason, text saturation.",

@@ -13,11 +13,11 @@ import dagster as dg
 
 from flowmatch_assets.defs.budget_assets import budget_report
 from flowmatch_assets.defs.checks import build_fresh_checks, fine_tune_fresh, flow_model_fresh
-from flowmatch_assets.defs.data_assets import images_256, images_256_complete, pd12m_metadata
+from flowmatch_assets.defs.data_assets import images, images_complete, metadata
 from flowmatch_assets.defs.data_card_assets import data_card, dataset_card
 from flowmatch_assets.defs.embedding_assets import build_embedding_checks, build_encode_embeddings
 from flowmatch_assets.defs.partitions import (
-    pd12m_partition_sensor,
+    metadata_partition_sensor,
     shard_partitions,
     source_partition_sensor,
 )
@@ -44,7 +44,7 @@ def assets() -> list:
     )
     data = dg.map_asset_specs(  # their code version is a fingerprint field too
         lambda spec: spec.replace_attributes(code_version=code_version(spec.key.to_user_string())),
-        [pd12m_metadata, images_256],
+        [metadata, images],
     )
     return [*data, encode, train, tune, samples, evaluation, budget_report, card, dataset_card]
 
@@ -52,7 +52,7 @@ def assets() -> list:
 def checks() -> list:
     """Every asset check, the embedding kinds' as registered now."""
     return [
-        images_256_complete,
+        images_complete,
         *build_embedding_checks(list(KINDS.values())),
         build_fresh_checks(shard_partitions),
         flow_model_fresh,
@@ -67,7 +67,7 @@ def all_assets_and_checks() -> list:
 
 ingest_job = dg.define_asset_job(
     "ingest_images",
-    selection=dg.AssetSelection.assets(pd12m_metadata, images_256),
+    selection=dg.AssetSelection.assets(metadata, images),
     description="Metadata and 256px images of the chosen partition(s).",
 )
 train_job = dg.define_asset_job(
@@ -94,7 +94,7 @@ def resources_for(flowmatch: FlowmatchResource | dg.ResourceDefinition) -> dict:
 
 
 #: Assets that may follow their upstream automatically (FLOWMATCH_AUTOMATION=eager).
-AUTOMATABLE = {"images_256", "vae_latents", "dino_features", "text_embeddings"}
+AUTOMATABLE = {"images", "vae_latents", "dino_features", "text_embeddings"}
 
 
 def with_automation(assets: list, mode: str) -> list:
@@ -132,7 +132,7 @@ def build_definitions(
     return dg.Definitions(
         assets=with_automation(assets(), mode),
         asset_checks=checks(),
-        sensors=[pd12m_partition_sensor, source_partition_sensor, build_verify_sensor()],
+        sensors=[metadata_partition_sensor, source_partition_sensor, build_verify_sensor()],
         jobs=[ingest_job, embed_job, train_job, finetune_job],
         resources=resources_for(flowmatch_from_env),
         executor=executor or local_executor,

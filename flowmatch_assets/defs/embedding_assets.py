@@ -1,10 +1,10 @@
 """Embedding assets: one step per partition computes every selected embedding kind
 (flowmatch_models.embeddings: DC-AE latents, DINOv2 features, Gemma3 caption embeddings and any
-kind registered since) from the partition's images_256 shard, each stored as one store file.
+kind registered since) from the partition's images shard, each stored as one store file.
 
 Everything here is built from the registry: the multi-asset's specs, its validity checks and
 the warning checks. The step runs in Dagster's ``gpu`` pool (at most as many at once as the pool
-allows: set it to the GPU count) and takes a device lease (flowmatch_models.devices), so two
+allows: set it to the GPU count) and takes a device lease (flowmatch_models.encoders.devices), so two
 partitions never share a GPU; without CUDA it runs on the CPU.
 """
 
@@ -14,7 +14,7 @@ import dagster as dg
 import numpy as np
 
 from flowmatch_assets.catalog import RowOutcome
-from flowmatch_assets.defs.data_assets import images_256
+from flowmatch_assets.defs.data_assets import images
 from flowmatch_assets.defs.deploy import ENCODER_TAGS
 from flowmatch_assets.defs.partitions import shard_partitions
 from flowmatch_assets.defs.resources import FlowmatchResource
@@ -39,7 +39,7 @@ def build_encode_embeddings(kinds: Sequence[EmbeddingKind]) -> dg.AssetsDefiniti
         specs=[
             dg.AssetSpec(
                 k.name,
-                deps=[images_256],
+                deps=[images],
                 description=k.description,
                 group_name=GROUP,
                 kinds=set(k.tags),
@@ -58,17 +58,17 @@ def build_encode_embeddings(kinds: Sequence[EmbeddingKind]) -> dg.AssetsDefiniti
         """Encode one partition with the selected kinds; write each kind's shard atomically."""
         part, spec = context.partition_key, flowmatch.encoders
         selected = [KINDS[k.to_user_string()] for k in context.selected_asset_keys]
-        src = flowmatch.layout.asset_path("images_256", part)
+        src = flowmatch.layout.asset_path("images", part)
         if not src.exists():
             raise dg.Failure(
-                f"partition {part} has no images_256 shard ({src}); materialize images_256 first"
+                f"partition {part} has no images shard ({src}); materialize images first"
             )
         ids = read_image_meta(src).column("id").to_pylist()
         if not ids:  # an empty shard never replaces a good one (nor is written at all)
             raise dg.Failure(
-                f"partition {part}: images_256 has 0 images, nothing to encode; the existing "
+                f"partition {part}: images has 0 images, nothing to encode; the existing "
                 f"{', '.join(k.name for k in selected)} shards (if any) are unchanged. "
-                "Re-materialize images_256 (see `flowmatch catalog failures`) first."
+                "Re-materialize images (see `flowmatch catalog failures`) first."
             )
         with lease_device(spec.device) as device:
             context.log.info(f"{part}: encoding {len(ids)} samples on {device}")
@@ -102,7 +102,7 @@ def _publish_kind(
     stats = write_shard(out.path, e.arrays, ids, codec=spec.codec, attrs=e.attrs, lossy=lossy,
                         fit_device=e.attrs["device"])  # fmt: skip
     errs = [a["lossy"] for a in stats.arrays.values() if "lossy" in a]
-    seed = kind.seed_bytes(len(ids), spec, e.arrays)
+    seed = kind.seed_format_bytes(len(ids), spec, e.arrays)
     counts = {w.attr: e.attrs[w.attr] for w in kind.warnings}
     ragged = {}  # a kind with token rows: how many, and the bytes of one (the SSD projection)
     for a in kind.arrays:
@@ -153,7 +153,7 @@ def _publish_kind(
 
 def check_shards(flowmatch: FlowmatchResource, asset: str, parts: list[str]) -> list[str]:
     """Problems of ``asset``'s shards: the kind's rules (shapes, dtypes, finiteness, rows,
-    ragged lengths), checksums, and ids aligned with images_256."""
+    ragged lengths), checksums, and ids aligned with images."""
     layout, kind = flowmatch.layout, KINDS[asset]
     problems = []
     for p in parts:
@@ -162,7 +162,7 @@ def check_shards(flowmatch: FlowmatchResource, asset: str, parts: list[str]) -> 
         except Exception as e:  # noqa: BLE001 - every problem is reported, not raised
             problems.append(f"{p}: {e}")
             continue
-        ids = read_image_meta(layout.asset_path("images_256", p)).column("id").to_pylist()
+        ids = read_image_meta(layout.asset_path("images", p)).column("id").to_pylist()
         problems += [f"{p}: {x}" for x in shard_problems(kind, shard, ids)]
     return problems
 
@@ -172,7 +172,7 @@ def _valid_check(kind: EmbeddingKind) -> dg.AssetChecksDefinition:
         asset=kind.name,
         name=f"{kind.name}_valid",
         blocking=True,
-        description=f"{kind.name}: shapes and dtypes, finite values, checksums, ids aligned with images_256.",
+        description=f"{kind.name}: shapes and dtypes, finite values, checksums, ids aligned with images.",
     )
     def _check(
         context: dg.AssetCheckExecutionContext, flowmatch: FlowmatchResource

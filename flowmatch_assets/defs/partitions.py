@@ -2,10 +2,10 @@
 
 PD12M's shards are discovered from its metadata files (keys ``NNN-KK``); a source of the user's
 own images registers its partitions (keys ``<name>-NNNNN``, flowmatch_assets/ingest/sources).
-All of them live in the one dynamic partitions definition (named ``pd12m_shards`` since before
-sources existed: renaming it would orphan every instance's registered partitions), so every
-partitioned asset, backfill and check treats them alike. Two sensors add new ones:
-``pd12m_partition_sensor`` for new metadata files, ``source_partition_sensor`` for new images,
+All of them live in the one dynamic partitions definition ``shards`` (``pd12m_shards`` before;
+``flowmatch upgrade`` carries an instance over), so every partitioned asset, backfill and check
+treats them alike. Two sensors add new ones:
+``metadata_partition_sensor`` for new metadata files, ``source_partition_sensor`` for new images,
 files or tars of the configured sources.
 """
 
@@ -22,7 +22,7 @@ from flowmatch_assets.ingest import sources as src
 from flowmatch_assets.ingest.metadata import MetadataError, discover_shards, metadata_exists
 from flowmatch_models.storage.layout import PD12M
 
-SHARDS = "pd12m_shards"
+SHARDS = "shards"
 _LOG = logging.getLogger(__name__)
 shard_partitions = dg.DynamicPartitionsDefinition(name=SHARDS)
 
@@ -136,12 +136,12 @@ def register_partitions(
 
 
 @dg.sensor(
-    name="pd12m_partition_sensor",
+    name="metadata_partition_sensor",
     minimum_interval_seconds=30,
     default_status=dg.DefaultSensorStatus.RUNNING,
     description="Registers a partition for every shard of every PD12M metadata file in the source.",
 )
-def pd12m_partition_sensor(
+def metadata_partition_sensor(
     context: dg.SensorEvaluationContext, flowmatch: FlowmatchResource
 ) -> dg.SensorResult | dg.SkipReason:
     try:

@@ -1,8 +1,8 @@
 """The Dagster resource: one typed object holding every data-pipeline knob.
 
 The knobs themselves are plain pydantic models that live with the code that uses them
-(``FilterConfig`` in metadata.py, ``IngestConfig`` in ingest.py, ``EncoderSpec`` in
-flowmatch_models/embeddings.py); :func:`dagster_config` makes each a ``dg.Config`` so that the
+(``FilterConfig`` in ingest/metadata.py, ``IngestConfig`` in ingest/images.py, ``EncoderSpec``
+in flowmatch_models/encoders/spec.py); :func:`dagster_config` makes each a ``dg.Config`` so that the
 resource can nest it and the launchpad can edit it. The FLOWMATCH_* environment is read when the
 resource is built (:func:`resource_from_env`: in a run, when its resources initialise), never
 when a module is imported.

@@ -1,13 +1,13 @@
 """The one routine every partitioned asset follows, and the run helpers assets and checks share.
 
-    with PartitionOutput(context, flowmatch, "images_256") as out:  # lock; clear killed temps
+    with PartitionOutput(context, flowmatch, "images") as out:  # lock; clear killed temps
         write_image_shard(out.path, rows)                           # written, not yet renamed
         return out.publish(record_fields..., rows=outcomes, metadata={...})
 
 Inside the block the partition is locked (a second run of the same asset and partition waits
 for the first, so neither removes the other's temp files or publishes half of a mix), and every
 file of the partition (its shard, its catalog records, its preview) is written to a temp file
-and published together when the block ends (``flowmatch_models.atomic.deferred``): a step that
+and published together when the block ends (``flowmatch_models.storage.atomic.deferred``): a step that
 fails at any point publishes nothing and leaves the previous files as they were, one that
 succeeds publishes all of them, the materialization record last. ``publish`` records the
 partition's row outcomes and its materialization, clears a rejected attempt's records and

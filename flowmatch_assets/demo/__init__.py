@@ -5,5 +5,5 @@ from pathlib import Path
 
 #: The committed demo VAE (an AutoencoderDC trained on the synthetic sample only, not the real
 #: DC-AE; `scripts/train_demo_vae.py`): the VAE of the demo's data root. Its marker file
-#: (``flowmatch_models.zoo.DEMO_WEIGHTS_MARKER``) says what it is and how it was trained.
+#: (``flowmatch_models.encoders.zoo.DEMO_WEIGHTS_MARKER``) says what it is and how it was trained.
 DEMO_VAE = Path(__file__).resolve().parent / "vae"

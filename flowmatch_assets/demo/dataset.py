@@ -330,7 +330,7 @@ def write_shapes2(dest: str | Path, n: int = 192, seed: int = 1, new_fraction: f
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="flowmatch sample", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="flowmatch demo-data", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "dest", nargs="?", default="data/sample", help="folder to write (default data/sample)"
     )

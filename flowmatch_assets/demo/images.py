@@ -1,6 +1,6 @@
-"""The sample's images as the ``images_256`` stage stores them, made in memory (no files).
+"""The sample's images as the ``images`` stage stores them, made in memory (no files).
 
-``images_256(seed, n)`` draws ``n`` images with :func:`flowmatch_assets.demo.dataset.draw_image`
+``sample_images(seed, n)`` draws ``n`` images with :func:`flowmatch_assets.demo.dataset.draw_image`
 (one seeded generator), encodes each as the sample writes most rows (JPEG, quality 90) and runs
 the bytes through the stage's own :func:`flowmatch_assets.ingest.decode.process_image` (decode with DCT
 scaling, short side to 256, centre crop, JPEG q95), so the pixels are exactly what the pipeline
@@ -19,10 +19,10 @@ from flowmatch_assets.ingest.decode import process_image
 from flowmatch_assets.ingest.images import IngestConfig
 
 
-def images_256(
+def sample_images(
     seed: int, n: int, progress: bool = False, cfg: IngestConfig | None = None
 ) -> tuple[np.ndarray, list[str]]:
-    """``n`` images_256-stage images (uint8 ``[n, size, size, 3]``) and their captions."""
+    """``n`` images-stage images (uint8 ``[n, size, size, 3]``) and their captions."""
     cfg = cfg or IngestConfig()
     rng = np.random.default_rng(seed)
     out = np.empty((n, cfg.size, cfg.size, 3), np.uint8)

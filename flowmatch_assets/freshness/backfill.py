@@ -132,7 +132,7 @@ def launch_backfill(
     title: str | None = None,
     tags: dict[str, str] | None = None,
 ) -> str:
-    """Launch an asset backfill of ``asset_keys`` (e.g. "images_256") over ``partition_keys``;
+    """Launch an asset backfill of ``asset_keys`` (e.g. "images") over ``partition_keys``;
     returns the backfill id. The daemon then launches the runs, upstream partitions first."""
     if not partition_keys or not asset_keys:
         raise ValueError("launch_backfill needs at least one partition key and one asset key")
@@ -182,7 +182,7 @@ def backfill_status(url: str, backfill_id: str) -> dict:
 
 
 def format_status(st: dict) -> str:
-    """One line: ``<status> images_256 2/3 (1 running, 0 failed) ...``."""
+    """One line: ``<status> images 2/3 (1 running, 0 failed) ...``."""
     parts = [
         f"{a} {c['materialized']}/{c['targeted']}"
         + (f" ({c['in_progress']} running)" if c["in_progress"] else "")

@@ -1,6 +1,6 @@
 """Fingerprints and exact staleness of every asset partition, and what Dagster sees of them.
 
-Every partitioned asset records the fingerprint of what made it (flowmatch_models.fingerprint):
+Every partitioned asset records the fingerprint of what made it (flowmatch_models.storage.fingerprint):
 the embedding kinds' comes from the registry (``kind_fingerprint``: model and weights, the
 role's preprocessing, dtypes, codec, code version), the data assets' from their settings below.
 Each also records the fingerprint hash of its upstream partition (``inputs``). It is stored in
@@ -42,7 +42,7 @@ from flowmatch_models.storage.layout import PARTITIONED_ASSETS, PD12M, source_of
 
 #: Bump when the asset's code changes its output for the same settings (a fingerprint field).
 #: Embedding kinds carry theirs in the registry (EmbeddingKind.code_version).
-CODE_VERSIONS = {"pd12m_metadata": "1", "images_256": "1"}
+CODE_VERSIONS = {"metadata": "1", "images": "1"}
 NO_FINGERPRINT = "no fingerprint recorded (made before fingerprints): unknown"
 
 
@@ -52,10 +52,10 @@ def code_version(asset: str) -> str:
 
 def upstream_of(asset: str) -> str | None:
     """The partitioned asset one partition of ``asset`` is made from (every embedding kind:
-    images_256; an asset this module does not know: none)."""
+    images; an asset this module does not know: none)."""
     if asset in KINDS:
-        return "images_256"
-    return {"images_256": "pd12m_metadata"}.get(asset)
+        return "images"
+    return {"images": "metadata"}.get(asset)
 
 
 def expected_fields(res: FlowmatchResource, asset: str, partition: str | None = None) -> dict:
@@ -65,20 +65,20 @@ def expected_fields(res: FlowmatchResource, asset: str, partition: str | None = 
     that change the rows (what a partition holds is fixed by its manifest when it is registered),
     the same for every partition of the source."""
     source = source_of(partition) if partition else PD12M
-    if asset == "pd12m_metadata" and source != PD12M:
+    if asset == "metadata" and source != PD12M:
         return {
             "code_version": code_version(asset),
             "source": source,
             "source_settings": res.source(source).row_fields(),
             "filters": res.filters.model_dump(),
         }
-    if asset == "pd12m_metadata":
+    if asset == "metadata":
         return {
             "code_version": code_version(asset),
             "shard_size": res.shard_size,
             "filters": res.filters.model_dump(),
         }
-    if asset == "images_256":
+    if asset == "images":
         ing = res.ingest
         return {
             "code_version": code_version(asset),
@@ -124,7 +124,7 @@ def current(res: FlowmatchResource, asset: str, partition: str) -> Fingerprint:
 def content_id(path: Path) -> str:
     """A cheap identity of a partition file's content: the store footer's header hash (which
     covers every array's checksum), or for parquet an xxh3 of its id, md5/hash, caption and
-    image columns (the images_256 shard is still in the page cache when it is published)."""
+    image columns (the images shard is still in the page cache when it is published)."""
     with open(path, "rb") as f:  # by content: a file being published has its temp name
         if f.read(4) != b"PAR1":
             f.seek(-32, 2)
@@ -232,7 +232,7 @@ def staleness(
                 reasons = [NO_FINGERPRINT]
             else:
                 # a source's rows depend on its settings; everything else on the asset's
-                key = (a, source_of(p)) if a == "pd12m_metadata" else a
+                key = (a, source_of(p)) if a == "metadata" else a
                 if key not in expected:
                     try:
                         expected[key] = expected_fields(res, a, p)

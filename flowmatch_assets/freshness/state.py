@@ -2,8 +2,8 @@
 
 An asset partition is **present** when all three hold:
 
-1. its file exists and is valid: a parquet footer that reads (``pd12m_metadata``,
-   ``images_256``), or a flowmatch store shard whose header reads and, with ``deep=True``, whose
+1. its file exists and is valid: a parquet footer that reads (``metadata``,
+   ``images``), or a flowmatch store shard whose header reads and, with ``deep=True``, whose
    checksums match (embeddings);
 2. the catalog holds its materialization record;
 3. Dagster has a materialization of it (skipped where no instance is given).
@@ -36,7 +36,7 @@ from flowmatch_models.storage.layout import PARTITIONED_ASSETS, DataLayout
 PRESENT = "present"
 #: The check whose failure `verify` reports per asset (None: the asset has no check); every
 #: embedding kind has ``<kind>_valid`` (flowmatch_assets/defs/embedding_assets.py).
-DATA_CHECKS = {"pd12m_metadata": None, "images_256": "images_256_complete"}
+DATA_CHECKS = {"metadata": None, "images": "images_complete"}
 
 
 def check_of(asset: str) -> str | None:

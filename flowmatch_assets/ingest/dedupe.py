@@ -19,8 +19,8 @@ the global arrays and looks its keys up (binary search). Adding a metadata file 
 global index from the cached per-file ones; earlier winners cannot change (a new file only adds
 later rows).
 
-**By content (after download).** ``images_256`` records the md5 of every stored row's bytes
-(``catalog/content/images_256/<partition>.parquet``). A row whose bytes were already stored by an
+**By content (after download).** ``images`` records the md5 of every stored row's bytes
+(``catalog/content/images/<partition>.parquet``). A row whose bytes were already stored by an
 earlier row (earlier in its own shard, or in an earlier partition materialized before it) is
 dropped there as ``duplicate_content``. When the earlier partition is materialized *after* the
 later one (reverse order, or in parallel), both are stored; the catalog's
@@ -255,7 +255,7 @@ def stored_before(root: str | Path, partition: str, md5s: list[str]) -> dict[str
     partition whose md5 hashes (catalog/derived.py, written with its record) hold none of
     them is not read: the cost per partition stays ~30 µs per earlier partition, not a read."""
     layout = DataLayout(root)
-    d = layout.catalog_dir / "content" / "images_256"
+    d = layout.catalog_dir / "content" / "images"
     files = sorted(p for p in d.glob("*.parquet") if p.stem < partition) if d.is_dir() else []
     wanted = pa.array(sorted({m for m in md5s if m}), pa.string())
     out: dict[str, tuple[str, str]] = {}

@@ -1,4 +1,4 @@
-"""Image ingest for the ``images_256`` stage: download, decode, resize, centre-crop, encode.
+"""Image ingest for the ``images`` stage: download, decode, resize, centre-crop, encode.
 
 The crop is a centred square (``ingest.buckets: square``) or, in ``aspect`` mode, the image's
 nearest aspect-ratio bucket (flowmatch_models/data/buckets.py), which crops the least.
@@ -71,7 +71,7 @@ from flowmatch_models.data.buckets import GRID, Bucket, buckets_for, nearest, sq
 
 
 class IngestConfig(BaseModel):
-    """Download, decode, resize and encode settings of the images_256 stage."""
+    """Download, decode, resize and encode settings of the images stage."""
 
     size: int = Field(
         default=256,

@@ -112,7 +112,7 @@ def list_metadata_files(source: str) -> dict[int, str]:
         raise MetadataError(
             f"metadata source {source!r} does not exist; point FLOWMATCH_METADATA (or the "
             "resource's metadata_source) at the folder of pd12m.NNN.parquet files, run "
-            "`flowmatch sample` to write the embedded sample, or add a source of your own "
+            "`flowmatch demo-data` to write the embedded sample, or add a source of your own "
             "images (`flowmatch sources add`)"
         )
     out: dict[int, str] = {}

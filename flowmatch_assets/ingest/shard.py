@@ -1,5 +1,5 @@
-"""One images_256 shard from its metadata rows: fetch, encode, dedupe by content, and (for a
-retry) merge into the existing shard. No Dagster: the ``images_256`` asset writes the result.
+"""One images shard from its metadata rows: fetch, encode, dedupe by content, and (for a
+retry) merge into the existing shard. No Dagster: the ``images`` asset writes the result.
 
 :func:`make_image_shard` returns one :class:`ImageShard` for a first run and for a retry (only
 the failed rows are fetched again and merged into the shard in metadata order; the other rows
@@ -30,7 +30,7 @@ from flowmatch_models.storage.layout import DataLayout
 
 
 class NothingToRetry(Exception):
-    """A retry of a partition that has no images_256 shard yet."""
+    """A retry of a partition that has no images shard yet."""
 
 
 class TooFewStored(Exception):
@@ -55,7 +55,7 @@ def top_reasons(results: list[IngestResult], n: int = 3) -> str:
 
 @dataclass
 class ImageShard:
-    """What one run made of a partition: the images_256 rows to store (metadata order, content
+    """What one run made of a partition: the images rows to store (metadata order, content
     duplicates dropped), every input row's outcome, and what the catalog records of it."""
 
     stored: list[dict]
@@ -125,7 +125,7 @@ def _retry_rows(
 def _shard_rows(
     results: list[IngestResult], rows: list[dict], ingest: IngestConfig
 ) -> dict[str, dict]:
-    """The images_256 rows of the stored results, by id (caption from the metadata row; the
+    """The images rows of the stored results, by id (caption from the metadata row; the
     stored size is the row's bucket, ``kept`` the share of the original the crop kept)."""
     caption = {r["id"]: r["caption"] for r in rows}
     out = {}
@@ -166,7 +166,7 @@ def _drop_content_duplicates(
 
 def _earlier_drops(root, part: str, ids: set[str], dropped: list[dict]) -> list[dict]:
     """The content-duplicate records of the shard's previous run that this run did not redo."""
-    p = DataLayout(root).catalog_dir / "duplicates" / "images_256" / f"{part}.parquet"
+    p = DataLayout(root).catalog_dir / "duplicates" / "images" / f"{part}.parquet"
     redone = {d["id"] for d in dropped}
     prev = pq.read_table(p).to_pylist() if p.exists() else []
     return [d for d in prev if d["id"] in ids and d["id"] not in redone]
@@ -202,7 +202,7 @@ def make_image_shard(
     log: Callable[[str], None] = lambda _msg: None,
     read: Reader | None = None,
 ) -> ImageShard:
-    """The images_256 shard of partition ``part`` from its kept metadata ``rows``: fetch and
+    """The images shard of partition ``part`` from its kept metadata ``rows``: fetch and
     encode them (``retry``: only the failed rows with a retryable reason, or one of
     ``reasons``, merged into the existing ``shard``), then drop content duplicates. ``read``:
     the partition's source reads the bytes (otherwise each row's ``url`` is fetched)."""
@@ -210,10 +210,10 @@ def make_image_shard(
     if retry:
         if not shard.exists():
             raise NothingToRetry(
-                f"{part} has no images_256 shard to retry into; materialize images_256 first"
+                f"{part} has no images shard to retry into; materialize images first"
             )
-        fetch, before = _retry_rows(rows, catalog.read_rows(root, "images_256", part), reasons)
-        previous = catalog.read_materialization(root, "images_256", part) or {}
+        fetch, before = _retry_rows(rows, catalog.read_rows(root, "images", part), reasons)
+        previous = catalog.read_materialization(root, "images", part) or {}
         log(f"{part}: retrying {len(fetch)} failed rows")
     if read is None:
         results = ingest_rows(fetch, ingest, progress=progress)
@@ -234,8 +234,8 @@ def make_image_shard(
         )
         if other:  # merging would mix two crops under one fingerprint
             raise NothingToRetry(
-                f"{part}: its images_256 shard holds sizes ({', '.join(other)}) that "
-                f"ingest.buckets={ingest.buckets} would not make; re-materialize images_256 "
+                f"{part}: its images shard holds sizes ({', '.join(other)}) that "
+                f"ingest.buckets={ingest.buckets} would not make; re-materialize images "
                 "without retry"
             )
         merged = {**kept, **new}

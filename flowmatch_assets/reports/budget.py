@@ -114,7 +114,7 @@ def _images(catalog: Catalog) -> list[Rate]:
     rows = catalog.query(
         """SELECT coalesce(device, 'unknown device') AS d, sum(samples) AS n,
                   sum(seconds) AS s, count(*) AS k
-           FROM materializations WHERE asset = 'images_256' AND seconds > 0
+           FROM materializations WHERE asset = 'images' AND seconds > 0
            GROUP BY 1 HAVING sum(samples) > 0 ORDER BY 1"""
     )
     return [
@@ -287,7 +287,7 @@ def project(measured: dict, cfg: BudgetConfig) -> list[dict]:
     cfg.validate_targets()
     P, U, B = cfg.dataset_pairs, cfg.updates, cfg.effective_batch
     label = {
-        "images": f"images_256: {P:,} images",
+        "images": f"images: {P:,} images",
         "precalc": f"precalc: {P:,} pairs",
         "training": f"training: {U:,} updates x {B:,}",
     }
@@ -342,11 +342,11 @@ def project_disk(measured: dict, cfg: BudgetConfig) -> list[dict]:
     ``max_tokens`` tokens: the stored bytes of a token are fixed); then the seed's figures."""
     per = measured.get("bytes") or {}
     out = []
-    images = per.get("images_256")
+    images = per.get("images")
     out.append({"what": "images (HDD)", "bytes_per_sample": images and images["bytes"],
                 "gb": images and images["bytes"] * cfg.dataset_pairs / 1e9,
-                "note": f"images_256 {images['codec'] or '?'}; from {images['samples']:,} samples"
-                if images else "not measured: images_256"})  # fmt: skip
+                "note": f"images {images['codec'] or '?'}; from {images['samples']:,} samples"
+                if images else "not measured: images"})  # fmt: skip
     missing = [a for a in EMBEDDING_ASSETS if a not in per]
     total = worst = 0.0
     for a in EMBEDDING_ASSETS:
@@ -418,7 +418,7 @@ def _param_key() -> str:
     import importlib.metadata
     import importlib.util
 
-    origin = importlib.util.find_spec("flowmatch_models.dit").origin
+    origin = importlib.util.find_spec("flowmatch_models.model.dit").origin
     h = hashlib.sha256(Path(origin).read_bytes())
     h.update(importlib.metadata.version("diffusers").encode())
     return h.hexdigest()[:16]
@@ -468,7 +468,7 @@ def record_param_counts(configs: Sequence[str | Path] = ()) -> dict:
 def checkpoint_row(cfg: BudgetConfig) -> dict:
     """Checkpoints of a run of ``updates`` steps with configs/base.yaml's retention (full
     states + EMA snapshots, the arithmetic of
-    :func:`flowmatch_models.callbacks.checkpoint_disk_plan`), priced with the base preset's
+    :func:`flowmatch_models.train.callbacks.checkpoint_disk_plan`), priced with the base preset's
     real parameter counts (:func:`param_counts`: no torch import when they are recorded)."""
     from flowmatch_models.train.config import load_config
 
@@ -485,7 +485,7 @@ def checkpoint_row(cfg: BudgetConfig) -> dict:
 
 
 def checkpoint_disk_plan(cfg, params: int, transformer_params: int) -> dict:
-    """:func:`flowmatch_models.callbacks.checkpoint_disk_plan` without importing torch and
+    """:func:`flowmatch_models.train.callbacks.checkpoint_disk_plan` without importing torch and
     Lightning (~7 s) for ten lines of arithmetic (tests/test_budget.py holds the two equal):
     a full state is fp32 weights + Adam moments (3 x 4 bytes per trained parameter) + the fp32
     EMA transformer; an EMA snapshot is the EMA alone; ``last.ckpt`` is a link (0 bytes)."""

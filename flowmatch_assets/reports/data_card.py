@@ -57,7 +57,7 @@ def card_rows(
         table, _ = read_metadata_shard(metadata_source, partition, shard_size)
         rows = ids_as_strings(table).to_pylist()
     decoded: dict[str, dict] = {}
-    shard = layout.asset_path("images_256", partition)
+    shard = layout.asset_path("images", partition)
     if shard.exists():
         decoded = {r["id"]: r for r in read_image_meta(shard, image_size).to_pylist()}
     captions = [r.get("caption") or "" for r in rows]

@@ -288,7 +288,7 @@ def fd_dinov2(
     noise), the VAE decodes them, DINOv2 gives their CLS features, and the Frechet distance to
     the stored CLS features of the held-out images themselves is returned (no extra pass over
     real images). ``fd_dinov2`` None (with ``reason``) when the run holds nothing out. The
-    label says whether the DINOv2 weights are real (:func:`flowmatch_models.zoo.weights_label`)."""
+    label says whether the DINOv2 weights are real (:func:`flowmatch_models.encoders.zoo.weights_label`)."""
     import torch
 
     from flowmatch_models.encoders.zoo import weights_label

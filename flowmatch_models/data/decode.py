@@ -18,11 +18,11 @@ def decode_batch(
     """A stored batch (:meth:`ShardSource.gather` with ``decode=False``) as float32 model inputs
     on ``device``: latents scaled; each group's text/DINO rows decoded with the tables of the
     file they were read from (``tables(kind, partition, key)`` ->
-    :class:`~flowmatch_models.transform_codec.DeviceTables` on ``device``,
+    :class:`~flowmatch_models.storage.transform.DeviceTables` on ``device``,
     :meth:`ShardSource.tables`; ``key``: the batch's ``<input>_tables``), or fp16 rows widened,
     then put in place (``index_copy_`` to ``<key>_dst``; text padding stays zero); the first
     caption state of a group flagged in ``text_first_null`` is ``null_first`` exactly (a
-    causal encoder's, :data:`~flowmatch_models.embeddings.FIRST_TOKEN_ATTR`). Tensors already
+    causal encoder's, :data:`~flowmatch_models.embeddings.kinds.FIRST_TOKEN_ATTR`). Tensors already
     on ``device`` stay there; nothing here waits on the device."""
     if "text_rows" not in batch:
         return batch  # decoded already

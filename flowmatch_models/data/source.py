@@ -152,7 +152,7 @@ class ShardSource:
         return [self.latents, self.text, *([self.dino] if self.load_dino else [])]
 
     def _agreed_fingerprints(self) -> dict[str, dict[str, str]]:
-        """Per kind and source (flowmatch_models.layout.source_of), the one fingerprint hash of
+        """Per kind and source (flowmatch_models.storage.layout.source_of), the one fingerprint hash of
         every partition; refuses a mix, naming the partitions that disagree and the fields they
         disagree on. Partitions of different sources agree on the kind's fields (their rows
         stages record their own source's settings). Shards without a fingerprint (made before

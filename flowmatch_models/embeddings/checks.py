@@ -11,7 +11,7 @@ from flowmatch_models.storage.store import Shard
 
 
 def shard_problems(kind: EmbeddingKind, shard: Shard, ids: Sequence[str]) -> list[str]:
-    """What is wrong with one of ``kind``'s shards against the images_256 ids it was made from:
+    """What is wrong with one of ``kind``'s shards against the images ids it was made from:
     ids, every array's shape and dtype, finite values, rows per sample and ragged lengths.
     Shapes come from the header; a transform-coded array is finite when its tables are (its
     codes are bounded integers), so nothing is decoded whole."""
@@ -27,7 +27,7 @@ def shard_problems(kind: EmbeddingKind, shard: Shard, ids: Sequence[str]) -> lis
     if len(set(widths.values())) > 1:  # the encoder's width, one per shard
         problems.append(f"arrays of the encoder's width disagree: {widths}")
     if list(shard.ids) != list(ids):
-        problems.append(f"{len(shard.ids)} ids do not match images_256's {len(ids)}")
+        problems.append(f"{len(shard.ids)} ids do not match images's {len(ids)}")
     n = len(shard.ids)
     cells = None
     if "grid" in shard and "grid" in {a.name for a in specs}:

@@ -9,7 +9,7 @@ the Dagster multi-asset and its checks (``flowmatch_assets/defs/embedding_assets
 coverage, the budget and training's coverage read it, and nothing else lists the kinds.
 
 :func:`encode_partition` is the whole precalc of one partition as a plain function (no Dagster,
-no catalog): one pass over the images_256 shard for every image kind, one over its captions
+no catalog): one pass over the images shard for every image kind, one over its captions
 for every caption kind. Torch is imported only when it runs.
 
 Add a kind (README "Add an encoder")::
@@ -19,7 +19,7 @@ Add a kind (README "Add an encoder")::
         encoder="text", model="google/t5-v1_1-base",
         arrays=(ArraySpec("tokens", (768,), rows="token"), ArraySpec("lengths", (), "int32"),
                 ArraySpec("null_tokens", (768,), rows="once")),
-        seed_bytes=padded_text_bytes(768), lossy=("tokens",)))
+        seed_format_bytes=padded_text_bytes(768), lossy=("tokens",)))
 """
 
 from __future__ import annotations
@@ -120,8 +120,8 @@ class EmbeddingKind:
     encoder: str  # role: "vae", "dino" or "text" (see ROLES)
     arrays: tuple[ArraySpec, ...]
     #: bytes the seed's format (dense fp16 per sample, text padded) would take for n samples
-    #: of these arrays: ``seed_bytes(n, spec, arrays)``
-    seed_bytes: Callable[[int, EncoderSpec, Mapping[str, np.ndarray]], int]
+    #: of these arrays: ``seed_format_bytes(n, spec, arrays)``
+    seed_format_bytes: Callable[[int, EncoderSpec, Mapping[str, np.ndarray]], int]
     model: str | None = None  # None: EncoderSpec's model of the role
     lossy: tuple[str, ...] = ()  # arrays that may be stored in 1 byte (EncoderSpec.lossy)
     warnings: tuple[WarnRule, ...] = ()
@@ -312,7 +312,7 @@ register(
         # several buckets: every sample's [32, h, w] values back to back (channel-first, as a
         # one-size shard's rows), counted in cells of 32 values; grid = (h, w) in cells
         cell_arrays=(ArraySpec("latents", (32,), rows="cell"), ArraySpec("grid", (2,), "int32")),
-        seed_bytes=dense_bytes("latents"),
+        seed_format_bytes=dense_bytes("latents"),
         model_input=ModelInput("latents", batch="latents"),
         tags=frozenset({"pytorch", "diffusers"}),
     )
@@ -330,7 +330,7 @@ register(
             ArraySpec("cls", (None,)),
             ArraySpec("grid", (2,), "int32"),
         ),  # fmt: skip
-        seed_bytes=dense_bytes("patch", "cls"),
+        seed_format_bytes=dense_bytes("patch", "cls"),
         lossy=("patch",),
         model_input=ModelInput("patch", batch="dino", width="repa"),
         tags=frozenset({"pytorch", "transformers"}),
@@ -349,7 +349,7 @@ register(
             ArraySpec("lengths", (), "int32"),
             ArraySpec("null_tokens", (None,), rows="once"),
         ),
-        seed_bytes=padded_text_bytes(),
+        seed_format_bytes=padded_text_bytes(),
         lossy=("tokens",),
         model_input=ModelInput("tokens", batch="text", width="text"),
         warnings=(
@@ -373,8 +373,8 @@ def kind_fingerprint(
 ) -> Fingerprint:
     """What makes ``kind``'s values under ``spec``: model and weights identity, the role's
     preprocessing settings, compute and storage dtype, codec and the kind's code version;
-    ``inputs``: the fingerprint hash of the images_256 partition it is made from. Weights are
-    hashed once per process (flowmatch_models.fingerprint.folder_sha256)."""
+    ``inputs``: the fingerprint hash of the images partition it is made from. Weights are
+    hashed once per process (flowmatch_models.storage.fingerprint.folder_sha256)."""
     model = kind.model_in(spec)
     lossy = spec.lossy.get(kind.name) if kind.lossy else None
     fields = {

@@ -40,10 +40,10 @@ def encode_partition(
     inputs: dict[str, str | None] | None = None,
     weights_cache: str | Path | None = None,
 ) -> dict[str, Encoded]:
-    """Compute ``kinds`` for the images_256 shard at ``images_path`` on ``device``: one pass
+    """Compute ``kinds`` for the images shard at ``images_path`` on ``device``: one pass
     over the images for every image kind, one over the captions for every caption kind.
     Arrays in the shard's row order, attrs with the model, its weights label, the device and
-    the fingerprint (:func:`kind_fingerprint`; ``inputs``: the images_256 partition's
+    the fingerprint (:func:`kind_fingerprint`; ``inputs``: the images partition's
     fingerprint hash, which the caller knows)."""
     from flowmatch_models.encoders.frozen import Encoders
     from flowmatch_models.encoders.zoo import weights_label
@@ -123,7 +123,7 @@ def encode_partition(
             "random_weights": enc.random_weights[k.encoder],
             "device": device,
             "dtype": str(enc.dtype),
-            "source": f"images_256/{Path(images_path).stem}",
+            "source": f"images/{Path(images_path).stem}",
             **extra_attrs,
             FINGERPRINT_ATTR: kind_fingerprint(k, spec, inputs, weights_cache).to_json(),
         }

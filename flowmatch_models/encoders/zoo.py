@@ -140,7 +140,7 @@ def _mark(folder: Path, model: str, config: dict) -> None:
         "random_weights": True,
         "model": model,
         "seed": ZOO_SEED,
-        "note": "randomly initialised by flowmatch_models.zoo; NOT a pretrained model",
+        "note": "randomly initialised by flowmatch_models.encoders.zoo; NOT a pretrained model",
         "config": config,
     }
     (folder / RANDOM_WEIGHTS_MARKER).write_text(json.dumps(info, indent=2, default=list) + "\n")

@@ -57,7 +57,7 @@ def write_transformer(
         "null_caption": (
             f"{NULL_FILE}: the encoded empty prompt (text_embeddings' null_tokens)"
             if null_text is not None
-            else "one all-zero token (mask [1]); see flowmatch_models.flow"
+            else "one all-zero token (mask [1]); see flowmatch_models.model.flow"
         ),
         "timestep_scale": "t in [0, 1] x 1000",
         "text_width": int(ema.config.caption_channels),  # the caption states it was trained on

@@ -134,7 +134,7 @@ def generate(
     model's square (256 x 256).
 
     ``null_text [L0, D]`` is the unconditional caption for CFG (the encoded empty prompt the
-    model was trained with; see :func:`flowmatch_models.flow.null_caption`)."""
+    model was trained with; see :func:`flowmatch_models.model.flow.null_caption`)."""
     param = next(model.parameters())
     gen = torch.Generator(device=param.device).manual_seed(seed)
     was_training = model.training

@@ -1,4 +1,4 @@
-"""The images_256 shard format: one parquet file per partition.
+"""The images shard format: one parquet file per partition.
 
 Columns: ``id, caption, image (encoded RGB), format, orig_width, orig_height, md5, url, height,
 width, kept``, row groups of 512 rows. ``height, width`` is the stored size (the square, or the

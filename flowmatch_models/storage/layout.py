@@ -3,8 +3,8 @@
 One folder per asset, one file per partition (shard); files appear only complete (atomic
 rename), so "the file exists" means "the partition is materialized".
 
-    <root>/metadata/<partition>.parquet        pd12m_metadata: the shard's kept rows
-    <root>/images_256/<partition>.parquet      images_256: encoded 256x256 images + metadata
+    <root>/metadata/<partition>.parquet        metadata: the shard's kept rows
+    <root>/images/<partition>.parquet      images: encoded 256x256 images + metadata
     <root>/<kind>/<partition>.fms              each embedding kind (flowmatch_models.embeddings:
                                                 vae_latents, dino_features, text_embeddings, ...)
     <root>/catalog/...                          per-partition catalog records (parquet)
@@ -22,8 +22,7 @@ from pathlib import Path
 from flowmatch_models.embeddings.kinds import KINDS, TRAINING_INPUTS
 
 #: The data assets before the embeddings, with the suffix of their per-partition files.
-DATA_ASSETS: dict[str, str] = {"pd12m_metadata": ".parquet", "images_256": ".parquet"}
-_DIRS = {"pd12m_metadata": "metadata"}
+DATA_ASSETS: dict[str, str] = {"metadata": ".parquet", "images": ".parquet"}
 
 
 class _PartitionedAssets(Mapping[str, str]):
@@ -68,7 +67,7 @@ class DataLayout:
         object.__setattr__(self, "root", Path(root).expanduser().resolve())
 
     def asset_dir(self, asset: str) -> Path:
-        return self.root / _DIRS.get(asset, asset)
+        return self.root / asset
 
     def asset_path(self, asset: str, partition: str) -> Path:
         return self.asset_dir(asset) / f"{partition}{PARTITIONED_ASSETS[asset]}"

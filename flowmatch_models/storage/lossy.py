@@ -145,7 +145,7 @@ def _pca_error(rows: np.ndarray, codes: np.ndarray, tables, device: str, chunk: 
 class Coded:
     """A transform-coded array as stored: its uint8 codes ``[..., row_bytes]`` (a zero-copy
     view of the file; rows sliced like the array they code) and the
-    :class:`~flowmatch_models.transform_codec.Tables` that decode them."""
+    :class:`~flowmatch_models.storage.transform.Tables` that decode them."""
 
     codes: np.ndarray
     tables: transform_codec.Tables

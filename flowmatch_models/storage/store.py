@@ -14,7 +14,7 @@ Codecs (per array): ``none`` (raw bytes, read zero-copy through one read-only ``
 file), ``zstd`` (byte-shuffle: the bytes of each element split into planes, then zstd level 3),
 ``xz`` (lzma preset 9, the seed-compatible baseline). Lossy 1-byte storage (``int8`` or ``fp8``
 e4m3) keeps a per-channel (last dim) fp32 scale array beside the data; lossy ``pcaB`` (transform
-coding at B bits per value, :mod:`flowmatch_models.transform_codec`) keeps fixed-rate codes and
+coding at B bits per value, :mod:`flowmatch_models.storage.transform`) keeps fixed-rate codes and
 their decoding tables, always uncompressed, so rows are read at their offsets
 (:meth:`Shard.coded`) and decoded where the batch goes (the GPU). Every lossy mode records its
 error in ``attrs["lossy"]``; ``shard[name]`` returns the decoded fp16 array transparently.

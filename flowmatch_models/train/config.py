@@ -43,7 +43,7 @@ class RunConfig(_Section):
 
 class ModelConfig(_Section):
     preset: Literal["tiny", "demo", "small", "base"] = Field(
-        "tiny", description="Model size (flowmatch_models.dit.PRESETS)."
+        "tiny", description="Model size (flowmatch_models.model.dit.PRESETS)."
     )
     repa_encoder_depth: int | None = Field(
         None, ge=1, description="REPA aligns block k counted from 1; null = preset default."

@@ -1,6 +1,6 @@
 """Lightning module: flow matching + REPA on a :class:`FlowDiT`, AdamW + warmup, EMA, logging.
 
-Hyperparameters (a :class:`~flowmatch_models.config.TrainConfig`) come from the run's YAML each time the module is built and are never frozen
+Hyperparameters (a :class:`~flowmatch_models.train.config.TrainConfig`) come from the run's YAML each time the module is built and are never frozen
 into the checkpoint: on resume, :meth:`on_load_checkpoint` rewrites the restored optimizer and
 scheduler learning rates, weight decay and betas with the current config, so an edited YAML
 takes effect. Checkpoints hold only tensors and primitive containers (``weights_only=True``).

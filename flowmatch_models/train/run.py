@@ -3,7 +3,7 @@
 A :class:`TrainRequest` (config, overrides, partitions, steps, run folder) goes in, a
 :class:`TrainResult` (device, steps, samples, checkpoint, export, metrics) comes out; the
 Dagster ``flow_model`` asset sends the request and receives the result through Dagster Pipes.
-Hyperparameters are a :class:`~flowmatch_models.config.TrainConfig` (``configs/tiny.yaml``),
+Hyperparameters are a :class:`~flowmatch_models.train.config.TrainConfig` (``configs/tiny.yaml``),
 ``--set key.sub=value`` overrides single entries. The run folder is ``run.out_dir``, else
 ``<data root>/runs/<run.name>`` (the folder ``flow_model`` uses), and holds:
 

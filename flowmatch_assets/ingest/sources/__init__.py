@@ -7,7 +7,7 @@ the rows and failure reasons they share."""
 
 from flowmatch_assets.ingest.sources.common import LISTING_REASONS
 from flowmatch_assets.ingest.sources.config import (
-    KINDS,
+    SOURCE_KINDS,
     SourceConfig,
     SourceError,
     check_name,
@@ -28,7 +28,7 @@ from flowmatch_assets.ingest.sources.registry import (
 )
 
 __all__ = [
-    "KINDS",
+    "SOURCE_KINDS",
     "LISTING_REASONS",
     "Manifest",
     "Scan",

@@ -41,7 +41,7 @@ from flowmatch_models.storage.layout import PD12M, SOURCE_NAME
 
 #: The source kinds, the one list: each is the module ``flowmatch_assets/ingest/sources/<kind>.py``
 #: (``scan``, ``rows``, ``images``); the config, the registry and the CLI read it.
-KINDS = ("folder", "parquet", "webdataset")
+SOURCE_KINDS = ("folder", "parquet", "webdataset")
 #: The file extensions a folder or tar sample's image may have.
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 
@@ -53,7 +53,7 @@ class SourceError(ValueError):
 class SourceConfig(BaseModel):
     """One source of captioned images (``kind`` at ``location``) and how to read it."""
 
-    kind: Literal[KINDS] = Field(  # type: ignore[valid-type]
+    kind: Literal[SOURCE_KINDS] = Field(  # type: ignore[valid-type]
         description="folder (images + .txt sidecars and/or metadata.jsonl), parquet (Hugging "
         "Face datasets layout, image bytes inside) or webdataset (img2dataset's tar shards)."
     )

@@ -36,11 +36,18 @@ import pyarrow as pa
 from flowmatch_assets.catalog import file_lock
 from flowmatch_assets.ingest.images import IngestError
 from flowmatch_assets.ingest.sources.common import failure
-from flowmatch_assets.ingest.sources.config import KINDS, SourceConfig, SourceError, check_name
+from flowmatch_assets.ingest.sources.config import (
+    SOURCE_KINDS,
+    SourceConfig,
+    SourceError,
+    check_name,
+)
 from flowmatch_models.storage.atomic import atomic_write_text
 
-#: kind -> its module (config.KINDS: ``flowmatch_assets/ingest/sources/<kind>.py``)
-KIND_MODULES = {k: importlib.import_module(f"flowmatch_assets.ingest.sources.{k}") for k in KINDS}
+#: kind -> its module (config.SOURCE_KINDS: ``flowmatch_assets/ingest/sources/<kind>.py``)
+KIND_MODULES = {
+    k: importlib.import_module(f"flowmatch_assets.ingest.sources.{k}") for k in SOURCE_KINDS
+}
 
 
 @dataclass
