@@ -240,8 +240,8 @@ def materialize(
 
 def partition_files(res, keys: Sequence[str]) -> list[Path]:
     """Every file made from these partitions: each partitioned asset's file, the previews, the
-    catalog's per-partition records (``<catalog>/<kind>/<asset>/<key>.parquet``) and their
-    locks."""
+    catalog's per-partition files (records, summaries, hashes: ``<key>.*`` under the catalog)
+    and the locks."""
     from flowmatch_models.storage.layout import PARTITIONED_ASSETS
 
     layout = res.layout
@@ -249,7 +249,7 @@ def partition_files(res, keys: Sequence[str]) -> list[Path]:
     for key in keys:
         out += [p for a in PARTITIONED_ASSETS if (p := layout.asset_path(a, key)).exists()]
         out += sorted(layout.root.joinpath("previews").glob(f"*/{key}.png"))
-        out += sorted(layout.catalog_dir.glob(f"*/*/{key}.parquet"))
+        out += sorted(layout.catalog_dir.rglob(f"{key}.*"))
         out += sorted(layout.root.joinpath(".locks").glob(f"*/{key}.lock"))
     return out
 

@@ -14,7 +14,6 @@ those changed since (a retried images, a content duplicate found later). No Duck
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -22,22 +21,18 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from flowmatch_models.storage.atomic import atomic_path
 from flowmatch_models.storage.layout import DataLayout
 
 # ------------------------------------------------------------------------------- writing
 
 
 def _replace(path: Path, write) -> None:
-    """``write(tmp)`` then rename onto ``path``: readers see the old file or the new one; a
-    failed write (a full disk) leaves no temp file. No fsync: a summary is derived data, and
-    one that does not read is rebuilt (:func:`refresh`)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{path.name}.{os.getpid()}")
-    try:
+    """``write(tmp)`` then rename onto ``path`` (:func:`atomic_path`): readers see the old file
+    or the new one, a failed write (a full disk) leaves no temp file, and inside a
+    partition's publish (defs/routine.py) the rename waits for the partition's other files."""
+    with atomic_path(path) as tmp:
         write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _write_bytes(path: Path, data: bytes) -> None:

@@ -34,6 +34,7 @@ from flowmatch_assets.freshness import fingerprints
 from flowmatch_models.storage import atomic
 from flowmatch_models.storage.atomic import remove_stale_temps
 from flowmatch_models.storage.fingerprint import Fingerprint
+from flowmatch_models.storage.layout import PARTITIONED_ASSETS
 
 
 @contextlib.contextmanager
@@ -99,18 +100,19 @@ class PartitionOutput:
         self._tx: atomic.Transaction | None = None
 
     def owns(self, target: Path) -> bool:
-        """The partition's files: its shard, its preview, and its catalog records
-        (``<catalog>/<kind>/<asset>/<partition>.*``)."""
+        """The partition's files: its shard, its preview, and its catalog files (named
+        ``<partition>.*`` anywhere under the catalog but in another asset's folders: records,
+        content hashes, ...)."""
         t = Path(os.path.abspath(target))
         layout = self.flowmatch.layout
         if t in (Path(os.path.abspath(self.path)),
                  Path(os.path.abspath(layout.preview_path(self.asset, self.partition)))):  # fmt: skip
             return True
-        return (
-            t.parent.name == self.asset
-            and t.parent.parent.parent == Path(os.path.abspath(layout.catalog_dir))
-            and t.name.startswith(f"{self.partition}.")
-        )
+        catalog = Path(os.path.abspath(layout.catalog_dir))
+        if not (t.is_relative_to(catalog) and t.name.startswith(f"{self.partition}.")):
+            return False
+        others = set(PARTITIONED_ASSETS) - {self.asset}
+        return not others & set(t.relative_to(catalog).parts[:-1])
 
     def __enter__(self) -> PartitionOutput:
         stack = contextlib.ExitStack()
