@@ -209,9 +209,10 @@ def write_webdataset(dest: Path, tars: int = 2) -> dict[str, str]:
     return exp
 
 
-def readme_commands(marker: str) -> list[list[str]]:
-    """The ``flowmatch`` commands of the README's bash block after ``<!-- marker -->``."""
-    block = (REPO / "README.md").read_text().split(f"<!-- {marker} -->")[1]
+def readme_commands(doc: str, marker: str) -> list[list[str]]:
+    """The ``flowmatch`` commands of the bash block after ``<!-- marker -->`` in the guide
+    ``doc`` (a path from the repo root, e.g. ``docs/own-images.md``)."""
+    block = (REPO / doc).read_text().split(f"<!-- {marker} -->")[1]
     code = re.search(r"```bash\n(.*?)```", block, re.S).group(1)
     out = []
     for line in code.splitlines():

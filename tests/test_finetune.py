@@ -73,9 +73,9 @@ def test_finetune_lineage_staleness_and_head_start(
     (tmp_path / "dagster_home").mkdir()
     (tmp_path / "dagster_home" / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
     monkeypatch.chdir(tmp_path)
-    readme = readme_commands("fine-tuning")
+    readme = readme_commands("docs/fine-tuning.md", "fine-tuning")
     sample, add, materialize, simple, mix, stale = readme
-    _cli(capsys, 0, *sample, "--images", "16")  # the README's, 16 images instead of 192
+    _cli(capsys, 0, *sample, "--images", "16")  # the guide's, 16 images instead of 192
     _cli(capsys, 0, *add)
     out = _cli(capsys, 0, "materialize", "--source", "pd12m")  # the parent's data
     out += _cli(capsys, 0, *materialize)
@@ -86,7 +86,7 @@ def test_finetune_lineage_staleness_and_head_start(
     parent = data / "runs" / "demo"
     p_ema = _load(parent / "checkpoints" / "step0000012-ema.ckpt")
 
-    # the README's mixed fine-tune: from its EMA, caption projection frozen, shapes2 weighted
+    # the guide's mixed fine-tune: from its EMA, caption projection frozen, shapes2 weighted
     # 2 beside PD12M (6 steps, not 500); the simpler line parses
     assert build_parser().parse_args(simple).parent == "demo"
     _cli(capsys, 0, *mix, "--steps", "6", "--no-samples",
@@ -163,7 +163,7 @@ def test_finetune_lineage_staleness_and_head_start(
 
     check = fine_tune_fresh(flowmatch=resource_from_env())
     assert not check.passed and "run demo-mix: its parent demo was re-trained" in check.description
-    # the README's `flowmatch stale` reports it to Dagster: the UI's checks say so too
+    # the guide's `flowmatch stale` reports it to Dagster: the UI's checks say so too
     import dagster as dg
 
     from flowmatch_assets import compat

@@ -68,7 +68,7 @@ def _final(cat: Catalog, source: str) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_three_source_kinds_through_the_cli(byo_env, capsys):
-    """The README's "Your own images" commands as written (the paths under /data/ moved to the
+    """docs/own-images.md's commands as written (the paths under /data/ moved to the
     test's folder), then what they must have done."""
     tmp = byo_env
     expected = {
@@ -77,7 +77,7 @@ def test_three_source_kinds_through_the_cli(byo_env, capsys):
         "wds": write_webdataset(tmp / "my_img2dataset_output"),
     }
     outs = []
-    for argv in readme_commands("your-own-images"):
+    for argv in readme_commands("docs/own-images.md", "your-own-images"):
         outs.append(_cli(capsys, *[a.replace("/data/", f"{tmp}/") for a in argv]))
     listed, new, registered_photos, registered, materialized = outs[3:8]
     assert "photos  folder" in listed and "hf  parquet" in listed and "caption 'caption'" in listed
@@ -94,7 +94,7 @@ def test_three_source_kinds_through_the_cli(byo_env, capsys):
     cat = Catalog(tmp / "data")
     for source, want in expected.items():
         assert _final(cat, source) == want, source
-    # failures by reason, per source, in the catalog's failures view (the README's query)
+    # failures by reason, per source, in the catalog's failures view (the guide's query)
     rows = cat.query("SELECT source, reason, count(*) AS n FROM failures GROUP BY ALL")
     got = {(r["source"], r["reason"]): r["n"] for r in rows}
     want = Counter(

@@ -292,7 +292,7 @@ def test_coverage_rule_then_train_resume_and_sample(tmp_path, small_sample, zoo,
         assert images[0]["samples/_type"] == images[0]["loss_curve/_type"] == "image-file"
 
         # the exported SanaPipeline, loaded by plain diffusers in another process with the
-        # README's lines, draws what the project's sampler draws (same noise, steps and CFG)
+        # lines in docs/training.md, draws what the project's sampler draws (same noise, steps and CFG)
         _pipeline_matches_sampler(run / "pipeline", tmp_path, zoo)
 
 
@@ -307,7 +307,7 @@ def _pipeline_matches_sampler(pipeline: Path, tmp_path: Path, zoo: dict) -> None
 
     from flowmatch_models.inference.sample import generate, load_model, load_vae, prompt_embeddings
 
-    block = (REPO / "README.md").read_text().split("<!-- use-the-model -->")[1]
+    block = (REPO / "docs" / "training.md").read_text().split("<!-- use-the-model -->")[1]
     code = re.search(r"```python\n(.*?)```", block, re.S).group(1)
     prompt = re.search(r'pipe\("([^"]+)"', code).group(1)
     code = code.replace("data/runs/demo/pipeline", str(pipeline))
@@ -320,7 +320,7 @@ def _pipeline_matches_sampler(pipeline: Path, tmp_path: Path, zoo: dict) -> None
     model, meta = load_model(model_dir=pipeline)
     assert [224, 320] in meta["buckets"] and [256, 256] in meta["buckets"]
     text, mask, _ = prompt_embeddings([prompt], zoo["text"])
-    # the square, and a wide aspect-ratio bucket (README's second line)
+    # the square, and a wide aspect-ratio bucket (the guide's second line)
     for png, size in (("red_circle.png", (256, 256)), ("red_circle_wide.png", (224, 320))):
         theirs = np.asarray(Image.open(tmp_path / png).convert("RGB")).astype(int)
         ours = generate(
