@@ -8,9 +8,9 @@ from flowmatch_assets.runs import UsageError
 CliError = UsageError  # a usage mistake: one line, exit code 2 (the library raises it too)
 
 
-def _instance():
+def dagster_instance():
     return runs.instance()
 
 
-def _resource(overrides: dict | None = None):
+def flowmatch_resource(overrides: dict | None = None):
     return runs.resource(overrides)  # bad settings: see _one_line

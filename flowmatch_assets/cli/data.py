@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from flowmatch_assets import runs
-from flowmatch_assets.cli.common import CliError, _instance, _resource
+from flowmatch_assets.cli.common import CliError, dagster_instance, flowmatch_resource
 from flowmatch_assets.runs import check_assets, check_partitions, known_partitions
 
 
@@ -21,19 +21,19 @@ def cmd_partitions(action: str, source: str | None, partition: list[str], orphan
     from flowmatch_assets.ingest import sources as src
     from flowmatch_models.storage.layout import PD12M
 
-    res = _resource()
+    res = flowmatch_resource()
     if source is not None and source != PD12M:
         res.source(source)  # unknown: one line naming the configured ones
     if action == "register":
         skipped: list[str] = []
         new = register_partitions(
-            _instance(), res, source, log=skipped.append, strict=source is not None
+            dagster_instance(), res, source, log=skipped.append, strict=source is not None
         )
         print(f"registered {len(new)} new partitions" + (f": {', '.join(new[:10])}" if new else ""))
         if skipped:  # what could not be read, one line, on stderr; the rest is registered
             print(f"flowmatch: {'; '.join(skipped)}", file=sys.stderr)
         return 0
-    inst = _instance()
+    inst = dagster_instance()
     found = discover(res)
     known = set(inst.get_dynamic_partitions(SHARDS))
     orphan = sorted(known - {p["partition"] for p in found.partitions})
@@ -93,7 +93,7 @@ def cmd_sources(action: str, name: str | None, kind: str | None, location: str |
     YAML file FLOWMATCH_SOURCES, default <data root>/sources.yaml)."""
     from flowmatch_assets.ingest import sources as src
 
-    res = _resource()
+    res = flowmatch_resource()
     path = src.sources_file(res.data_root)
     if action == "add":
         return _add_source(res, path, name, kind, location, replace, allow_missing, {
@@ -165,7 +165,7 @@ def _remove_source(res, path: Path, name: str | None, purge: bool) -> int:
         raise CliError("sources remove needs NAME (`flowmatch sources list`)")
     if name not in res.sources:
         res.source(name)  # unknown: one line naming the configured ones
-    inst = _instance()
+    inst = dagster_instance()
     keys = sorted({*(p["key"] for p in src.registered(res.data_root, name)),
                    *(k for k in inst.get_dynamic_partitions(SHARDS)
                      if k.startswith(f"{name}-"))})  # fmt: skip
@@ -197,7 +197,7 @@ def cmd_materialize(
 
 def cmd_retry(partition: list[str], reason: list[str]) -> int:
     if partition:
-        check_partitions(partition, known_partitions(_instance()))
+        check_partitions(partition, known_partitions(dagster_instance()))
     res = runs.retry(partition or None, reason or None)
     return 0 if all(res.values()) else 1
 
@@ -205,8 +205,8 @@ def cmd_retry(partition: list[str], reason: list[str]) -> int:
 def cmd_verify(partition: list[str], quick: bool) -> int:
     from flowmatch_assets.freshness.state import verify
 
-    res = _resource()
-    instance = _instance()
+    res = flowmatch_resource()
+    instance = dagster_instance()
     known = known_partitions(instance)
     check_partitions(partition, known)
     bad = verify(
@@ -230,7 +230,7 @@ def cmd_stale(partition: list[str], asset: list[str], as_json: bool, no_report: 
     from flowmatch_assets.freshness.fingerprints import model_staleness, report, staleness
     from flowmatch_models.storage.layout import PARTITIONED_ASSETS
 
-    res, instance = _resource(), _instance()
+    res, instance = flowmatch_resource(), dagster_instance()
     known = known_partitions(instance)
     check_partitions(partition, known)
     check_assets(asset, [*PARTITIONED_ASSETS, "flow_model"])
@@ -266,8 +266,8 @@ def cmd_upgrade() -> int:
     run again."""
     from flowmatch_assets.freshness.renames import upgrade_data_root, upgrade_instance
 
-    res = _resource()
-    done = upgrade_data_root(res.data_root) + upgrade_instance(_instance())
+    res = flowmatch_resource()
+    done = upgrade_data_root(res.data_root) + upgrade_instance(dagster_instance())
     print("\n".join(done) or "nothing to upgrade: the data root and instance use today's names")
     return 0
 

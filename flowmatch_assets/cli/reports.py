@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from flowmatch_assets import runs
-from flowmatch_assets.cli.common import CliError, _resource
+from flowmatch_assets.cli.common import CliError, flowmatch_resource
 
 
 def cmd_catalog(report: str, sql: str | None, as_json: bool) -> int:
@@ -15,7 +15,7 @@ def cmd_catalog(report: str, sql: str | None, as_json: bool) -> int:
     if report == "views":
         print("\n".join(view_names()))
         return 0
-    cat = Catalog(_resource().data_root)
+    cat = Catalog(flowmatch_resource().data_root)
     if report == "path":
         print(cat.ensure())
         return 0
@@ -66,7 +66,7 @@ def cmd_data_card(partition: list[str], refresh: bool, as_json: bool) -> int:
     and ``dataset_card``; print the whole dataset's card (``--no-refresh``: from the records)."""
     from flowmatch_assets.defs.data_card_assets import write_dataset_card
 
-    res = _resource()
+    res = flowmatch_resource()
     if refresh:
         runs.materialize_data_cards(partition or None, res)
     md_path, png_path, _, view = write_dataset_card(res.data_root)

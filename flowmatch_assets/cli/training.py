@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from flowmatch_assets import runs
-from flowmatch_assets.cli.common import CliError, _resource
+from flowmatch_assets.cli.common import CliError, flowmatch_resource
 
 
 def cmd_evaluate(
@@ -14,7 +14,7 @@ def cmd_evaluate(
     from flowmatch_assets.catalog import Catalog, format_table
 
     ok = runs.evaluate(run_name, checkpoints, prompts, sizes=sizes)
-    rows = Catalog(_resource().data_root).query(
+    rows = Catalog(flowmatch_resource().data_root).query(
         "SELECT step, coalesce(size, '256x256') AS size, attribute, round(accuracy, 3) AS "
         "accuracy, round(chance, 3) AS chance, round(x_chance, 1) AS x_chance FROM evaluations "
         "WHERE run = ? ORDER BY step, size, attribute",
@@ -27,7 +27,9 @@ def cmd_evaluate(
 def _run_dir(run: str) -> Path:
     """A run name (under <data root>/runs) or a run folder."""
     p = Path(run)
-    return p if (p / "checkpoints").is_dir() else Path(_resource().data_root) / "runs" / run
+    return (
+        p if (p / "checkpoints").is_dir() else Path(flowmatch_resource().data_root) / "runs" / run
+    )
 
 
 def cmd_export(
@@ -40,7 +42,7 @@ def cmd_export(
     if not ckpt.is_file():
         raise CliError(f"no checkpoint {ckpt}; train first (flowmatch train --run-name {run}) "
                        "or pass --checkpoint PATH")  # fmt: skip
-    enc = _resource().encoders
+    enc = flowmatch_resource().encoders
     folder = export_checkpoint(ckpt, out, vae, text, default_vae=enc.vae, default_text=enc.text)
     print(f"exported {ckpt} -> {folder}; SanaPipeline.from_pretrained({str(folder)!r}) "
           "(README: Use the model)")  # fmt: skip
@@ -52,7 +54,7 @@ def cmd_ledger(run: str) -> int:
     from flowmatch_assets.catalog import Catalog, format_table
     from flowmatch_assets.defs.training_assets import write_ledgers
 
-    res = _resource()
+    res = flowmatch_resource()
     name = Path(run).name
     steps = write_ledgers(res.data_root, name, _run_dir(run))
     rows = Catalog(res.data_root).query(

@@ -96,51 +96,39 @@ def _session_rates(out: Path) -> list[float]:
 
 
 def write_ledgers(data_root: str | Path, run_name: str, run: Path) -> list[int]:
-    """The catalog's ledger of every checkpoint of a run that has none yet (or an older one).
-
-    Each checkpoint records only the samples trained since its base -- the latest recorded
-    checkpoint its ledger continues (an earlier checkpoint of the same lineage) -- so the cost
-    is one expansion per trained sample, however many checkpoints; ``ledger_samples`` sums a
-    checkpoint's chain of deltas. Returns the steps written."""
-    import torch
-
+    """The catalog's ledger of every checkpoint of a run that has none yet (or an older one):
+    the deltas are the library's (``ledger.checkpoint_ledgers``), the records the catalog's.
+    Returns the steps written."""
+    from flowmatch_models.data.rows import sample_grids
+    from flowmatch_models.embeddings.kinds import model_inputs
     from flowmatch_models.storage.store import read_shard
     from flowmatch_models.train import ledger
 
     layout = DataLayout(data_root)
+    latents = model_inputs()["latents"].name
     ids: dict[str, list[str]] = {}
 
     def ids_of(p: str) -> list[str]:
         if p not in ids:
-            ids[p] = read_shard(layout.asset_path("vae_latents", p)).ids
+            ids[p] = read_shard(layout.asset_path(latents, p)).ids
         return ids[p]
 
     def grids_of(p: str):
-        from flowmatch_models.data.rows import sample_grids
+        return sample_grids(read_shard(layout.asset_path(latents, p)))
 
-        return sample_grids(read_shard(layout.asset_path("vae_latents", p)))
-
-    recorded: dict[int, tuple[list[dict], list[int]]] = {}
-    for f in (layout.catalog_dir / "ledger_chain" / run_name).glob("step*.parquet"):
-        step = int(f.stem[4:])
-        recorded[step] = catalog.read_ledger_segments(data_root, run_name, step)
-    ckpts = []
-    for ckpt in (run / "checkpoints").glob("*.ckpt"):
-        state = torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True)
-        ckpts.append((int(state["global_step"]), ckpt, state))
-    done = []
-    for step, ckpt, state in sorted(ckpts, key=lambda c: c[0]):
+    def is_recorded(step: int, ckpt: Path) -> bool:
         target = catalog.ledger_path(data_root, run_name, step, "ledger_chain")
-        if step in done or (target.exists() and target.stat().st_mtime >= ckpt.stat().st_mtime):
-            continue
-        segs = (state.get("EmbeddingDataModule") or {}).get("ledger") or []
-        bases = [b for b in sorted(recorded, reverse=True)
-                 if b < step and ledger.is_prefix(recorded[b][0], segs)]  # fmt: skip
-        base_segs, base_chain = recorded[bases[0]] if bases else ([], [])
-        rows = ledger.expand(ledger.delta(base_segs, segs), ids_of, grids_of)
-        chain = [*base_chain, step]
+        return target.exists() and target.stat().st_mtime >= ckpt.stat().st_mtime
+
+    recorded = {
+        int(f.stem[4:]): catalog.read_ledger_segments(data_root, run_name, int(f.stem[4:]))
+        for f in (layout.catalog_dir / "ledger_chain" / run_name).glob("step*.parquet")
+    }
+    done = []
+    for step, rows, segs, chain in ledger.checkpoint_ledgers(
+        run, recorded, ids_of, grids_of, is_recorded
+    ):
         catalog.record_ledger(data_root, run_name, step, rows, segs, chain)
-        recorded[step] = (segs, chain)
         done.append(step)
     return done
 
