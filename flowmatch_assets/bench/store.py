@@ -23,6 +23,9 @@ one JSON line ``{"bench": "store", ...}``.
 Run: ``flowmatch bench store [--n 256] [--text gemma|minilm] [--gemma DIR]``.
 """
 
+# Above ~500 lines on purpose: one benchmark (the store's bytes and decode speed against the
+# seed's format), its corpus, runs and report together, as every bench module is.
+
 from __future__ import annotations
 
 import argparse

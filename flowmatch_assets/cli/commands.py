@@ -1,7 +1,9 @@
 """`flowmatch`: the command line of the pipeline (demo-data, partitions, materialize, retry, verify, demo, catalog, bench, ...).
 
 One table, :data:`COMMANDS`: a verb -> the function that runs it and its arguments; the function
-takes them as typed keyword arguments. Adding a verb is one entry and one function. Verbs whose
+takes them as typed keyword arguments and lives in the module of its concern (``data.py``,
+``training.py``, ``reports.py``; ``common.py`` what they share). Adding a verb is one entry
+here and one function there. Verbs whose
 module has its own parser (demo-data, zoo, budget, backfill, bench) take the rest of the line as
 ``argv``. The verbs are thin: the work is a library function (:mod:`flowmatch_assets.runs` for
 what runs the asset graph, else the folder of the concern), which the tests and the demo call too.
@@ -16,7 +18,6 @@ or asset, bad setting, no metadata, ...) is one line naming the problem and the 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -25,18 +26,34 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flowmatch_assets import runs
+from flowmatch_assets.cli.common import CliError
+from flowmatch_assets.cli.data import (
+    cmd_demo_data,
+    cmd_materialize,
+    cmd_partitions,
+    cmd_retry,
+    cmd_sources,
+    cmd_stale,
+    cmd_upgrade,
+    cmd_verify,
+)
+from flowmatch_assets.cli.reports import (
+    cmd_backfill,
+    cmd_bench,
+    cmd_budget,
+    cmd_catalog,
+    cmd_data_card,
+    cmd_zoo,
+    print_reports,
+)
+from flowmatch_assets.cli.training import (
+    cmd_evaluate,
+    cmd_export,
+    cmd_finetune,
+    cmd_ledger,
+    cmd_train,
+)
 from flowmatch_assets.demo import DEMO_VAE
-from flowmatch_assets.runs import UsageError, check_assets, check_partitions, known_partitions
-
-CliError = UsageError  # a usage mistake: one line, exit code 2 (the library raises it too)
-
-
-def _instance():
-    return runs.instance()
-
-
-def _resource(overrides: dict | None = None):
-    return runs.resource(overrides)  # bad settings: see _one_line
 
 
 def _setting_message(e: Exception) -> str:
@@ -54,408 +71,6 @@ def _setting_message(e: Exception) -> str:
             "environment variable"
         )
     return f"bad setting {e}; fix that environment variable"
-
-
-# --------------------------------------------------------------------------------------------
-# partitions / materialize
-# --------------------------------------------------------------------------------------------
-
-
-def cmd_partitions(action: str, source: str | None, partition: list[str], orphans: bool) -> int:
-    """`flowmatch partitions [list|register|remove] [--source NAME]`: PD12M's shards and the
-    configured sources' partitions; ``register`` adds new ones (a source: its new images,
-    files or tars) to the Dagster instance, ``list`` shows what register would add as NEW and
-    the keys with no data behind them (ORPHAN: added by hand in the UI, a removed source);
-    ``remove -p KEY`` (or ``--orphans``) drops such keys from the instance."""
-    from flowmatch_assets.defs.partitions import SHARDS, discover, register_partitions
-    from flowmatch_assets.ingest import sources as src
-    from flowmatch_models.storage.layout import PD12M
-
-    res = _resource()
-    if source is not None and source != PD12M:
-        res.source(source)  # unknown: one line naming the configured ones
-    if action == "register":
-        skipped: list[str] = []
-        new = register_partitions(
-            _instance(), res, source, log=skipped.append, strict=source is not None
-        )
-        print(f"registered {len(new)} new partitions" + (f": {', '.join(new[:10])}" if new else ""))
-        if skipped:  # what could not be read, one line, on stderr; the rest is registered
-            print(f"flowmatch: {'; '.join(skipped)}", file=sys.stderr)
-        return 0
-    inst = _instance()
-    found = discover(res)
-    known = set(inst.get_dynamic_partitions(SHARDS))
-    orphan = sorted(known - {p["partition"] for p in found.partitions})
-    if action == "remove":
-        return _remove_partitions(inst, SHARDS, orphan if orphans else partition, orphan, found)
-    rows = [p for p in found.partitions if source is None or p["source"] == source]
-    scan = sorted(res.sources) if source is None else [s for s in [source] if s != PD12M]
-    notes = [p.line for p in found.problems]
-    for name in scan:
-        cfg = res.source(name)
-        try:
-            pending = src.unregistered(res.data_root, name, cfg)
-        except src.SourceError as e:
-            notes.append(f"{name}: {e}")
-            continue
-        rows += [{**m.as_partition(cfg.location), "new": True} for m in pending.new]
-        if pending.skipped:
-            notes.append(pending.skipped_line(name))
-    for p in rows:
-        mark = "NEW" if p.get("new") or p["partition"] not in known else "registered"
-        print(f"{p['partition']}  {p['source']}  rows [{p['row_start']}, {p['row_end']})  "
-              f"{p['source_file']}  {mark}")  # fmt: skip
-    for key in orphan if source is None else []:
-        print(f"{key}  ?  no data behind it (no PD12M shard, no registered source partition)  "
-              "ORPHAN: `flowmatch partitions remove --orphans`")  # fmt: skip
-    for line in notes:
-        print(f"skipped {line}")
-    return 0
-
-
-def _remove_partitions(inst, name: str, keys: list[str], orphan: list[str], found) -> int:
-    """Drop partition keys that have no data behind them from the Dagster instance."""
-    if not keys:
-        print("no partitions to remove" + ("" if orphan else " (no orphans)"))
-        return 0
-    owner = {p["partition"]: p["source"] for p in found.partitions}
-    for k in keys:
-        if k in owner:
-            raise CliError(
-                f"partition {k} has data behind it ({owner[k]}); only keys without any "
-                "(ORPHAN in `flowmatch partitions list`) are removed here. A source's "
-                f"partitions go with the source: `flowmatch sources remove {owner[k]} --purge`"
-            )
-        if k not in orphan:
-            raise CliError(f"unknown partition {k!r}: not in the Dagster instance")
-    for k in keys:
-        inst.delete_dynamic_partition(name, k)
-    print(f"removed {len(keys)} partitions: {', '.join(keys[:10])}")
-    return 0
-
-
-def cmd_sources(action: str, name: str | None, kind: str | None, location: str | None,
-                caption_field: str | None, shard_size: int | None, image_field: str | None,
-                id_field: str | None, license: str | None, follow_links: bool, replace: bool,
-                allow_missing: bool, purge: bool) -> int:  # fmt: skip
-    """`flowmatch sources [list|add NAME ...|remove NAME]`: the sources of your own images (the
-    YAML file FLOWMATCH_SOURCES, default <data root>/sources.yaml)."""
-    from flowmatch_assets.ingest import sources as src
-
-    res = _resource()
-    path = src.sources_file(res.data_root)
-    if action == "add":
-        return _add_source(res, path, name, kind, location, replace, allow_missing, {
-            "caption_field": caption_field, "shard_size": shard_size, "image_field": image_field,
-            "id_field": id_field, "license": license, "follow_links": follow_links or None})  # fmt: skip
-    if action == "remove":
-        return _remove_source(res, path, name, purge)
-    print(f"sources file: {path}" + ("" if path.is_file() else " (none yet)"))
-    print(f"pd12m  metadata  {res.metadata_source}")
-    for n in sorted(res.sources):
-        cfg = res.source(n)
-        parts = src.registered(res.data_root, n)
-        links = "  follows links" if cfg.follow_links else ""
-        print(f"{n}  {cfg.kind}  {cfg.location}  caption {cfg.caption()!r}  shard_size "
-              f"{cfg.shard_size}  {len(parts)} partitions registered{links}")  # fmt: skip
-    return 0
-
-
-def _add_source(res, path: Path, name: str | None, kind: str | None, location: str | None,
-                replace: bool, allow_missing: bool, options: dict) -> int:  # fmt: skip
-    """`sources add`: a new source (or, with ``replace``, new settings of an existing one);
-    its location must exist unless ``allow_missing``."""
-    from flowmatch_assets.ingest import sources as src
-    from flowmatch_assets.ingest.sources.location import Location
-
-    if not name or not kind or not location:
-        raise CliError(f"sources add needs NAME, --kind {'|'.join(src.SOURCE_KINDS)} and "
-                       "--location FOLDER_OR_URL")  # fmt: skip
-    if kind not in src.SOURCE_KINDS:
-        raise CliError(f"--kind {kind!r}: choose one of {', '.join(src.SOURCE_KINDS)}")
-    given = {"kind": kind, "location": src.config.absolute(location), **options}
-    cfg = src.SourceConfig.model_validate({k: v for k, v in given.items() if v is not None})
-    src.check_name(name)
-    parts = src.registered(res.data_root, name)
-    old = res.source(name) if name in res.sources else None
-    if old is not None and not replace:
-        raise CliError(
-            f"source {name} exists ({old.kind} at {old.location}, {len(parts)} partitions "
-            "registered); `--replace` gives it these settings, or `flowmatch sources remove "
-            f"{name}` first"
-        )
-    if old is not None and parts and old.kind != cfg.kind:
-        raise CliError(
-            f"source {name} has {len(parts)} partitions registered as {old.kind}; a "
-            f"{cfg.kind} source needs another name (or `flowmatch sources remove {name} --purge`)"
-        )
-    if not allow_missing:
-        Location(cfg)  # SourceError (one line) when it does not exist or cannot be reached
-    src.write_source(path, name, cfg)
-    if old is not None:
-        print(f"source {name} replaced: {cfg.kind} at {cfg.location} (in {path}). Its "
-              f"{len(parts)} registered partitions keep the samples they hold (their manifests) "
-              "and read them from the new location when next materialized (a file not there "
-              "fails as not_found; `flowmatch stale` shows which settings changed); new files "
-              "become new partitions")  # fmt: skip
-    else:
-        print(f"source {name}: {cfg.kind} at {cfg.location} (in {path}); next: "
-              f"`flowmatch partitions register --source {name}`")  # fmt: skip
-    return 0
-
-
-def _remove_source(res, path: Path, name: str | None, purge: bool) -> int:
-    """`sources remove NAME [--purge]`: the source, its registered partitions and manifests;
-    what was made from them is kept unless ``purge`` (then refused while any exists)."""
-    from flowmatch_assets.defs.partitions import SHARDS
-    from flowmatch_assets.ingest import sources as src
-
-    if not name:
-        raise CliError("sources remove needs NAME (`flowmatch sources list`)")
-    if name not in res.sources:
-        res.source(name)  # unknown: one line naming the configured ones
-    inst = _instance()
-    keys = sorted({*(p["key"] for p in src.registered(res.data_root, name)),
-                   *(k for k in inst.get_dynamic_partitions(SHARDS)
-                     if k.startswith(f"{name}-"))})  # fmt: skip
-    made = runs.partition_files(res, keys)
-    if made and not purge:
-        raise CliError(
-            f"source {name} has {len(made)} files made from its {len(keys)} partitions (shards, "
-            f"previews, catalog records); `flowmatch sources remove {name} --purge` deletes them "
-            "with the source, or keep the source"
-        )
-    for f in made:
-        f.unlink(missing_ok=True)
-    for k in keys:
-        inst.delete_dynamic_partition(SHARDS, k)
-    src.forget(res.data_root, name)
-    src.write_source(path, name, None)
-    print(f"source {name} removed: {len(keys)} partitions"
-          + (f", {len(made)} files deleted" if made else ""))  # fmt: skip
-    return 0
-
-
-def cmd_evaluate(
-    run_name: str, checkpoints: str, prompts: int, sizes: list[str] | None = None
-) -> int:
-    from flowmatch_assets.catalog import Catalog, format_table
-
-    ok = runs.evaluate(run_name, checkpoints, prompts, sizes=sizes)
-    rows = Catalog(_resource().data_root).query(
-        "SELECT step, coalesce(size, '256x256') AS size, attribute, round(accuracy, 3) AS "
-        "accuracy, round(chance, 3) AS chance, round(x_chance, 1) AS x_chance FROM evaluations "
-        "WHERE run = ? ORDER BY step, size, attribute",
-        [run_name],
-    )
-    print(format_table(rows))
-    return 0 if ok else 1
-
-
-def _run_dir(run: str) -> Path:
-    """A run name (under <data root>/runs) or a run folder."""
-    p = Path(run)
-    return p if (p / "checkpoints").is_dir() else Path(_resource().data_root) / "runs" / run
-
-
-def cmd_export(
-    run: str, out: str, checkpoint: str | None, vae: str | None, text: str | None
-) -> int:
-    """`flowmatch export RUN OUT`: a checkpoint's EMA weights as a SanaPipeline folder."""
-    from flowmatch_models.inference.export import export_checkpoint
-
-    ckpt = Path(checkpoint) if checkpoint else _run_dir(run) / "checkpoints" / "last.ckpt"
-    if not ckpt.is_file():
-        raise CliError(f"no checkpoint {ckpt}; train first (flowmatch train --run-name {run}) "
-                       "or pass --checkpoint PATH")  # fmt: skip
-    enc = _resource().encoders
-    folder = export_checkpoint(ckpt, out, vae, text, default_vae=enc.vae, default_text=enc.text)
-    print(f"exported {ckpt} -> {folder}; SanaPipeline.from_pretrained({str(folder)!r}) "
-          "(README: Use the model)")  # fmt: skip
-    return 0
-
-
-def cmd_ledger(run: str) -> int:
-    """`flowmatch ledger RUN`: the catalog ledger of every checkpoint of a run (per sample)."""
-    from flowmatch_assets.catalog import Catalog, format_table
-    from flowmatch_assets.defs.training_assets import write_ledgers
-
-    res = _resource()
-    name = Path(run).name
-    steps = write_ledgers(res.data_root, name, _run_dir(run))
-    rows = Catalog(res.data_root).query(
-        "SELECT checkpoint_step, partition, samples_seen, samples_trained, partition_size, "
-        "round(epochs, 2) AS epochs, first_step, last_step FROM ledger_partitions WHERE run = ? "
-        "ORDER BY checkpoint_step, partition",
-        [name],
-    )
-    print(f"ledger of {name}: {len(steps)} checkpoint(s) written")
-    print(format_table(rows))
-    return 0
-
-
-def cmd_train(
-    steps: int | None, run_name: str, config: str | None, overrides: list[str], no_samples: bool,
-    source: list[str], min_coverage: float,
-) -> int:  # fmt: skip
-    ok = runs.train(steps, run_name, config, overrides, not no_samples, sources=source or None,
-                    min_coverage=min_coverage)  # fmt: skip
-    return 0 if ok else 1
-
-
-def cmd_finetune(
-    run: str, parent: str, step: int | None, weights: str, freeze: list[str], source: list[str],
-    weight: list[str], steps: int | None, config: str | None, overrides: list[str],
-    min_coverage: float, no_samples: bool,
-) -> int:  # fmt: skip
-    """`flowmatch finetune RUN --from PARENT`: a new run from PARENT's weights (fine_tune)."""
-    weights_by = {}
-    for w in weight:
-        name, sep, value = w.partition("=")
-        if not sep or not value.isdigit() or int(value) < 1:
-            raise CliError(f"--weight {w!r}: expected SOURCE=N with a whole number N >= 1")
-        weights_by[name] = int(value)
-    ok = runs.finetune(
-        run, parent, steps, step, weights, freeze, source or None, weights_by, config,
-        overrides, min_coverage, not no_samples,
-    )  # fmt: skip
-    return 0 if ok else 1
-
-
-def cmd_materialize(
-    partition: list[str], asset: list[str], missing: bool, stale: bool, source: list[str]
-) -> int:
-    res = runs.materialize(partition or None, asset or None, missing_only=missing,
-                           stale_only=stale, sources=source or None)  # fmt: skip
-    return 0 if all(res.values()) else 1
-
-
-def cmd_retry(partition: list[str], reason: list[str]) -> int:
-    if partition:
-        check_partitions(partition, known_partitions(_instance()))
-    res = runs.retry(partition or None, reason or None)
-    return 0 if all(res.values()) else 1
-
-
-def cmd_verify(partition: list[str], quick: bool) -> int:
-    from flowmatch_assets.freshness.state import verify
-
-    res = _resource()
-    instance = _instance()
-    known = known_partitions(instance)
-    check_partitions(partition, known)
-    bad = verify(
-        res.layout, partition or known, instance, deep=not quick, run_config=runs.log_config()
-    )
-    for s in bad:
-        print(f"{s.partition}  {s.asset}  {s.state}  {s.detail}")
-    fixed = sum(s.state in ("gone", "corrupt") for s in bad)
-    print(
-        f"{len(bad)} asset partitions missing ({fixed} gone or corrupt: catalog records removed, "
-        "a failed materialization recorded in Dagster, check failed)"
-        + ("; re-create them with `flowmatch materialize --missing`" if bad else "")
-    )
-    return 1 if bad else 0
-
-
-def cmd_stale(partition: list[str], asset: list[str], as_json: bool, no_report: bool) -> int:
-    """List stale asset partitions and training runs with the fingerprint fields that changed;
-    report them to Dagster as the per-partition ``<asset>_fresh`` checks (unless --no-report)."""
-    from flowmatch_assets.catalog import format_table
-    from flowmatch_assets.freshness.fingerprints import model_staleness, report, staleness
-    from flowmatch_models.storage.layout import PARTITIONED_ASSETS
-
-    res, instance = _resource(), _instance()
-    known = known_partitions(instance)
-    check_partitions(partition, known)
-    check_assets(asset, [*PARTITIONED_ASSETS, "flow_model"])
-    assets = [a for a in (asset or PARTITIONED_ASSETS) if a != "flow_model"]
-    found = staleness(res, partition or None, assets) if assets else []
-    models = model_staleness(res) if not asset or "flow_model" in asset else []
-    rows = [{"asset": s.asset, "partition": s.partition, "reason": s.reason} for s in found]
-    rows += [{"asset": "flow_model", "partition": f"run {s.partition}", "reason": s.reason}
-             for s in models]  # fmt: skip
-    with_models = models if not asset or "flow_model" in asset else None
-    if as_json:
-        print(json.dumps(rows, indent=1), flush=True)
-    else:  # the answer first: recording many check results in Dagster takes a while
-        print(format_table(rows) if rows else "nothing stale")
-        parts = sorted({s.partition for s in found})
-        print(
-            f"{len(found)} stale asset partitions in {len(parts)} partitions"
-            + (f", {len(models)} stale training runs" if models else "")
-            + ("; re-make them with `flowmatch backfill --stale` (or `flowmatch materialize "
-               "--stale`)" if found else ""), flush=True,
-        )  # fmt: skip
-    if not no_report and (assets or with_models is not None):
-        n = report(instance, res, found, partition or known, assets, runs.log_config(),
-                   with_models)  # fmt: skip
-        if n and not as_json:
-            print(f"{n} `<asset>_fresh` check results reported to Dagster")
-    return 1 if rows else 0
-
-
-# --------------------------------------------------------------------------------------------
-# catalog
-# --------------------------------------------------------------------------------------------
-
-
-def cmd_catalog(report: str, sql: str | None, as_json: bool) -> int:
-    from flowmatch_assets.catalog import Catalog, format_table, view_names
-
-    if report == "views":
-        print("\n".join(view_names()))
-        return 0
-    cat = Catalog(_resource().data_root)
-    if report == "path":
-        print(cat.ensure())
-        return 0
-    if report == "sql":
-        if not sql:
-            raise CliError(
-                'catalog sql needs the SQL: flowmatch catalog sql "SELECT * FROM coverage"'
-            )
-        import duckdb
-
-        try:
-            rows = cat.query(sql)
-        except duckdb.Error as e:
-            first = str(e).strip().splitlines()[0]
-            raise CliError(
-                f"the catalog rejected the SQL: {first}; views: {', '.join(view_names())}"
-            ) from e
-    else:
-        rows = {
-            "coverage": cat.coverage,
-            "summary": cat.coverage_summary,
-            "failures": cat.failures_by_reason,
-            "compression": cat.compression,
-            "throughput": cat.throughput,
-        }[report]()
-    if as_json:
-        print(json.dumps(rows, default=str, indent=1))
-    else:
-        print(format_table(rows))
-    return 0
-
-
-def print_reports(data_root: str) -> None:
-    from flowmatch_assets.catalog import Catalog, format_table
-
-    cat = Catalog(data_root)
-    for title, rows in (
-        ("Coverage (samples per partition and asset)", cat.coverage()),
-        ("Failures and filtered rows by reason", cat.failures_by_reason()),
-        ("Compression", cat.compression()),
-        ("Throughput", cat.throughput()),
-    ):
-        print(f"\n## {title}\n{format_table(rows)}")
-
-
-# --------------------------------------------------------------------------------------------
-# demo
-# --------------------------------------------------------------------------------------------
 
 
 def cmd_demo(
@@ -589,86 +204,6 @@ def cmd_demo(
         "  UI:               DAGSTER_HOME=$PWD/dagster_home .venv/bin/dagster dev -w workspace.yaml"
     )
     return 0 if all(results.values()) and trained and evaluated and budget_ok else 1
-
-
-def cmd_data_card(partition: list[str], refresh: bool, as_json: bool) -> int:
-    """Materialize ``data_card`` for ``partition`` (default: every partition with metadata)
-    and ``dataset_card``; print the whole dataset's card (``--no-refresh``: from the records)."""
-    from flowmatch_assets.defs.data_card_assets import write_dataset_card
-
-    res = _resource()
-    if refresh:
-        runs.materialize_data_cards(partition or None, res)
-    md_path, png_path, _, view = write_dataset_card(res.data_root)
-    if as_json:
-        print(json.dumps(view, default=str, indent=1))
-    else:
-        print(Path(md_path).read_text())
-    print(f"card: {md_path} and {png_path}")
-    return 0
-
-
-# --------------------------------------------------------------------------------------------
-# verbs whose module has its own parser: they take the rest of the line
-# --------------------------------------------------------------------------------------------
-
-
-def cmd_upgrade() -> int:
-    """`flowmatch upgrade`: carry a data root and Dagster instance made before the renames
-    (pd12m_metadata -> metadata, images_256 -> images, pd12m_shards -> shards) over; safe to
-    run again."""
-    from flowmatch_assets.freshness.renames import upgrade_data_root, upgrade_instance
-
-    res = _resource()
-    done = upgrade_data_root(res.data_root) + upgrade_instance(_instance())
-    print("\n".join(done) or "nothing to upgrade: the data root and instance use today's names")
-    return 0
-
-
-def cmd_demo_data(argv: list[str]) -> int:
-    from flowmatch_assets.demo.dataset import main
-
-    main(argv)
-    return 0
-
-
-def cmd_zoo(argv: list[str]) -> int:
-    from flowmatch_models.encoders.zoo import main
-
-    return int(main(argv) or 0)
-
-
-def cmd_budget(argv: list[str]) -> int:
-    from flowmatch_assets.cli.budget import main
-
-    return main(argv)
-
-
-def cmd_backfill(argv: list[str]) -> int:
-    from flowmatch_assets.freshness.backfill import main
-
-    return main(argv)
-
-
-def cmd_bench(which: str | None, argv: list[str]) -> int:
-    """`flowmatch bench NAME [options]`: runs flowmatch_assets.bench.NAME (see its --help)."""
-    import importlib
-
-    from flowmatch_assets.bench import BENCHES
-
-    if which in (None, "-h", "--help"):
-        print("usage: flowmatch bench {" + ",".join(sorted(BENCHES)) + "} [options]")
-        print("  flowmatch bench <name> --help   shows that benchmark's options")
-        return 0
-    if which not in BENCHES:
-        raise CliError(f"unknown benchmark {which!r}; choose one of {', '.join(sorted(BENCHES))}")
-    importlib.import_module(BENCHES[which]).main(argv)
-    return 0
-
-
-# --------------------------------------------------------------------------------------------
-# the table: verb -> function and its arguments
-# --------------------------------------------------------------------------------------------
 
 
 def arg(*flags: str, **kw) -> tuple[tuple[str, ...], dict]:

@@ -16,6 +16,7 @@ from flowmatch_assets.defs.checks import build_fresh_checks, fine_tune_fresh, fl
 from flowmatch_assets.defs.data_assets import images, images_complete, metadata
 from flowmatch_assets.defs.data_card_assets import data_card, dataset_card
 from flowmatch_assets.defs.embedding_assets import build_embedding_checks, build_encode_embeddings
+from flowmatch_assets.defs.evaluation_assets import evaluation, samples
 from flowmatch_assets.defs.partitions import (
     metadata_partition_sensor,
     shard_partitions,
@@ -23,7 +24,7 @@ from flowmatch_assets.defs.partitions import (
 )
 from flowmatch_assets.defs.resources import FlowmatchResource, flowmatch_from_env
 from flowmatch_assets.defs.sensors import build_verify_sensor
-from flowmatch_assets.defs.training_assets import evaluation, fine_tune, flow_model, samples
+from flowmatch_assets.defs.training_assets import fine_tune, flow_model
 from flowmatch_assets.freshness.fingerprints import code_version
 from flowmatch_models.embeddings.kinds import KINDS, TRAINING_INPUTS
 

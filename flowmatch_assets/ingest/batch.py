@@ -8,7 +8,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, as_completed
 
 import urllib3
 
-from flowmatch_assets.ingest.decode import _ENCODERS, process_image
+from flowmatch_assets.ingest.decode import ENCODERS, process_image
 from flowmatch_assets.ingest.fetch import fetch_bytes, make_pool
 from flowmatch_assets.ingest.images import IngestConfig, IngestError, IngestResult
 
@@ -42,7 +42,7 @@ def ingest_rows(
     Returns one ``IngestResult`` per row, in input order; never raises for a bad row (only for
     a bad config). ``progress(done, total)`` is called from the calling thread as rows finish.
     """
-    if cfg.image_format.lower() not in _ENCODERS:
+    if cfg.image_format.lower() not in ENCODERS:
         raise ValueError(
             f"ingest.image_format {cfg.image_format!r} is not supported; use jpeg, webp or png"
         )
@@ -96,7 +96,7 @@ def ingest_blobs(
     ``cfg.threads`` threads decode; at most ``4 x threads`` read images wait in memory. Returns
     one ``IngestResult`` per row of ``rows``, in their order (a row ``blobs`` never yields fails
     as ``internal``)."""
-    if cfg.image_format.lower() not in _ENCODERS:
+    if cfg.image_format.lower() not in ENCODERS:
         raise ValueError(
             f"ingest.image_format {cfg.image_format!r} is not supported; use jpeg, webp or png"
         )

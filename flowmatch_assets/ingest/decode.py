@@ -34,7 +34,7 @@ except ImportError:  # pragma: no cover - simplejpeg is a declared dependency
     simplejpeg = None
 from flowmatch_models.data.buckets import cover_box
 
-_ENCODERS = {"jpeg": "JPEG", "webp": "WEBP", "png": "PNG"}
+ENCODERS = {"jpeg": "JPEG", "webp": "WEBP", "png": "PNG"}
 
 # Same mapping as PIL.ImageOps.exif_transpose.
 _EXIF_TRANSPOSE = {
@@ -273,7 +273,7 @@ def process_image(data: bytes, cfg: IngestConfig) -> tuple[bytes, int, int]:
             "PIL.ImageFile.LOAD_TRUNCATED_IMAGES is True somewhere in this process; truncated "
             "images would be stored silently. Leave it False."
         )
-    encoder = _ENCODERS.get(cfg.image_format.lower())
+    encoder = ENCODERS.get(cfg.image_format.lower())
     if encoder is None:
         raise ValueError(
             f"ingest.image_format {cfg.image_format!r} is not supported; use jpeg, webp or png"

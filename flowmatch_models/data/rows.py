@@ -71,7 +71,7 @@ class ArrayRows:
         out.numpy()[np.repeat(dst, counts) + within] = self.array[np.repeat(start, counts) + within]
 
 
-def _rows(shard: Shard, name: str, cells: bool = False, width: int | None = None):
+def open_rows(shard: Shard, name: str, cells: bool = False, width: int | None = None):
     """``name`` of ``shard`` for reading rows: from the file (raw or coded), or (stored
     compressed) decoded whole. ``cells``: as one row per latent cell, of ``width`` values (the
     last axis when None) -- a one-size shard's ``[N, 32, h, w]`` latents and ``[N, c, D]``
@@ -97,7 +97,7 @@ def sample_grids(vae: Shard) -> np.ndarray:
     return np.tile(np.array([shape[2], shape[3]], np.int32), (int(shape[0]), 1))
 
 
-def _buffer(shape: tuple[int, ...], dtype, shared: bool) -> torch.Tensor:
+def empty_buffer(shape: tuple[int, ...], dtype, shared: bool) -> torch.Tensor:
     """An empty tensor to fill from the files (in shared memory for a :class:`BatchRing`)."""
     t = torch.from_numpy(np.empty(shape, np.dtype(dtype)))
     return t.share_memory_() if shared and t.numel() else t

@@ -1,5 +1,8 @@
 """The partitions a run trains on: their shards opened and checked, widths, fingerprints, decoding tables."""
 
+# Above ~500 lines on purpose: ShardSource is one object (the partitions a run reads, their
+# checks, widths, tables and gather) whose parts share its open-file cache.
+
 from __future__ import annotations
 
 import logging
@@ -12,7 +15,7 @@ import torch
 
 from flowmatch_models.data.decode import decode_batch
 from flowmatch_models.data.order import epoch_order, heldout_rows
-from flowmatch_models.data.rows import _buffer, _rows, sample_grids, slot_views
+from flowmatch_models.data.rows import empty_buffer, open_rows, sample_grids, slot_views
 from flowmatch_models.embeddings.kinds import FIRST_TOKEN_ATTR, KINDS, model_inputs
 from flowmatch_models.storage import transform as transform_codec
 from flowmatch_models.storage.fingerprint import ATTR as FINGERPRINT_ATTR
@@ -197,7 +200,7 @@ class ShardSource:
         n, chunk = 0, 16_384
         for p in self.partitions:
             shard = self._shard(self.text, p)
-            tokens = _rows(shard, "tokens")
+            tokens = open_rows(shard, "tokens")
             rows = min(tokens.shape[0], max_tokens - n)
             dev = tokens.coded and self.tables(self.text, p, key=shard.table_key("tokens"),
                                                shard=shard)  # fmt: skip
@@ -261,8 +264,8 @@ class ShardSource:
         shards = [vae, text]
         grids = sample_grids(vae)
         channels = int(vae.info("latents")["shape"][1])
-        out = {"ids": vae.ids, "tokens": _rows(text, "tokens"), "grids": grids,
-               "latents": _rows(vae, "latents", cells=True, width=channels)}  # fmt: skip
+        out = {"ids": vae.ids, "tokens": open_rows(text, "tokens"), "grids": grids,
+               "latents": open_rows(vae, "latents", cells=True, width=channels)}  # fmt: skip
         out["lengths"] = np.asarray(text["lengths"]).astype(np.int64)
         out["offsets"] = ragged_offsets(out["lengths"])
         # a sample's latent cells and its DINO rows start at the same cell offset
@@ -270,7 +273,7 @@ class ShardSource:
         if self.load_dino:
             dino = self._shard(self.dino, p)
             shards.append(dino)
-            out["patch"] = _rows(dino, "patch", cells=True)
+            out["patch"] = open_rows(dino, "patch", cells=True)
         # the versions read: their tables decode the codes (tables(); never by path alone)
         out["shards"] = dict(zip(self.kinds[1:], shards[1:]))
         out["table_keys"] = {
@@ -366,7 +369,7 @@ class ShardSource:
         float32 model inputs on the host (:func:`decode_batch`); else the stored batch:
 
         - ``latents`` fp16 ``[B, ...]`` (unscaled), ``mask`` ``[B, W]``, ``ids``, ``shard``;
-        - per coded-or-not input (``text``, ``dino``): ``<key>_rows`` — the stored rows of
+        - per coded-or-not input (``text``, ``dino``): ``<key>open_rows`` — the stored rows of
           the batch grouped by partition (text: only its valid tokens, ragged; codes, or fp16
           values), ``<key>_dst`` — where each row goes in the flat padded ``[B * W]`` (text) or
           ``[B]`` (DINO) batch, ``<key>_counts`` — rows per group;
@@ -451,15 +454,15 @@ class ShardSource:
         lat, text = first["latents"], first["tokens"]
         cells = b * self.max_cells  # the largest bucket's
         out = {
-            "latents": _buffer((cells, *lat.row_shape), lat.dtype, shared),
-            "mask": _buffer((b, self.text_max_len), np.bool_, shared),
-            "text_rows": _buffer((tokens, *text.row_shape), text.dtype, shared),
-            "text_dst": _buffer((tokens,), np.int64, shared),
+            "latents": empty_buffer((cells, *lat.row_shape), lat.dtype, shared),
+            "mask": empty_buffer((b, self.text_max_len), np.bool_, shared),
+            "text_rows": empty_buffer((tokens, *text.row_shape), text.dtype, shared),
+            "text_dst": empty_buffer((tokens,), np.int64, shared),
         }
         if self.load_dino:
             dino = first["patch"]
-            out["dino_rows"] = _buffer((cells, *dino.row_shape), dino.dtype, shared)
-            out["dino_dst"] = _buffer((b,), np.int64, shared)
+            out["dino_rows"] = empty_buffer((cells, *dino.row_shape), dino.dtype, shared)
+            out["dino_dst"] = empty_buffer((b,), np.int64, shared)
         return out
 
     def tables(
@@ -475,7 +478,7 @@ class ShardSource:
         version of the file the codes were read from; None: the file on disk now). Found in
         ``shard``, in this process's open version of the partition, else in the file on disk;
         a file re-made since the codes were read raises :class:`PartitionChangedError`. The
-        tables are checked by their checksums; the codes are not re-hashed (see :func:`_rows`)."""
+        tables are checked by their checksums; the codes are not re-hashed (see :func:`open_rows`)."""
         array = KINDS[kind].model_input.array
         if key is not None and (kind, key, str(device)) in self._tables:
             self._tables.move_to_end((kind, key, str(device)))

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from flowmatch_models.data.buckets import GRID
-from flowmatch_models.encoders.loading import _resolve_device, _resolve_dtype, load_pretrained
+from flowmatch_models.encoders.loading import load_pretrained, resolve_device, resolve_dtype
 from flowmatch_models.encoders.spec import EncoderSpec
 from flowmatch_models.encoders.zoo import is_random_weights
 
@@ -54,9 +54,9 @@ class Encoders:
         self.spec = spec or EncoderSpec()
         if self.spec.dino_pool not in DINO_POOLS:
             raise ValueError(f"dino_pool {self.spec.dino_pool!r}; choose one of {DINO_POOLS}")
-        self._device = _resolve_device(self.spec.device)
-        self.dtype = _resolve_dtype(self.spec.dtype, self._device)
-        self.text_dtype = _resolve_dtype(self.spec.text_dtype, self._device)
+        self._device = resolve_device(self.spec.device)
+        self.dtype = resolve_dtype(self.spec.dtype, self._device)
+        self.text_dtype = resolve_dtype(self.spec.text_dtype, self._device)
         if self.text_dtype == torch.float16:
             raise ValueError(
                 "text_dtype fp16: Gemma3's hidden states overflow fp16 (values beyond 65504 become "

@@ -46,7 +46,7 @@ def _unshuffle(buf: bytes, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarra
     return np.ascontiguousarray(planes.reshape(itemsize, -1).T).view(dtype).reshape(shape)
 
 
-def _encode(arr: np.ndarray, codec: str) -> bytes:
+def encode(arr: np.ndarray, codec: str) -> bytes:
     if codec == "none":
         return np.ascontiguousarray(arr).tobytes()
     if codec == "zstd":
@@ -56,9 +56,7 @@ def _encode(arr: np.ndarray, codec: str) -> bytes:
     raise ValueError(f"unknown codec {codec!r}; choose one of {CODECS}")
 
 
-def _decode(
-    buf: bytes, codec: str, dtype: np.dtype, shape: tuple[int, ...], raw: int
-) -> np.ndarray:
+def decode(buf: bytes, codec: str, dtype: np.dtype, shape: tuple[int, ...], raw: int) -> np.ndarray:
     if codec == "zstd":
         out = zstandard.ZstdDecompressor().decompress(buf, max_output_size=raw)
         if len(out) != raw:

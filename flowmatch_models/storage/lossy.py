@@ -22,7 +22,7 @@ def _channel_absmax(x: np.ndarray) -> np.ndarray:
     return amax.astype(np.float32)
 
 
-def _quantize(x: np.ndarray, mode: str) -> tuple[np.ndarray, np.ndarray]:
+def quantize(x: np.ndarray, mode: str) -> tuple[np.ndarray, np.ndarray]:
     """Per-channel symmetric 1-byte quantization; returns (uint8/int8 data, fp32 scale [D])."""
     x32 = np.asarray(x, dtype=np.float32)
     if not np.isfinite(x32).all():
@@ -42,7 +42,7 @@ def _quantize(x: np.ndarray, mode: str) -> tuple[np.ndarray, np.ndarray]:
     raise ValueError(f"unknown lossy mode {mode!r}; choose one of {LOSSY_MODES}")
 
 
-def _dequantize(q: np.ndarray, scale: np.ndarray, mode: str) -> np.ndarray:
+def dequantize(q: np.ndarray, scale: np.ndarray, mode: str) -> np.ndarray:
     if mode == "int8":
         x = q.astype(np.float32)
     else:
@@ -127,7 +127,7 @@ def _pca_decode_np(
     return out.reshape(*lead, tables.width)
 
 
-def _pca_error(rows: np.ndarray, codes: np.ndarray, tables, device: str, chunk: int = 65_536):
+def pca_error(rows: np.ndarray, codes: np.ndarray, tables, device: str, chunk: int = 65_536):
     """:func:`lossy_error` of coded ``rows``, decoded (as reading will: fp16) on ``device`` a
     chunk at a time."""
     import torch

@@ -35,6 +35,9 @@ Ragged text: ``tokens [T, D]`` holds only the valid tokens of all captions conca
 padded batches plus attention masks for training.
 """
 
+# Above ~500 lines on purpose: the .fms container's writer and reader are one format, kept in
+# one file so the two cannot drift (codecs, lossy modes and transform coding live beside it).
+
 from __future__ import annotations
 
 import json
@@ -54,14 +57,14 @@ import zstandard
 
 from flowmatch_models.storage import transform as transform_codec
 from flowmatch_models.storage.atomic import atomic_path
-from flowmatch_models.storage.codecs import CODECS, _decode, _encode
+from flowmatch_models.storage.codecs import CODECS, decode, encode
 from flowmatch_models.storage.lossy import (
     LOSSY_MODES,
     Coded,
-    _dequantize,
-    _pca_error,
-    _quantize,
+    dequantize,
     lossy_error,
+    pca_error,
+    quantize,
 )
 
 FORMAT_VERSION = 1
@@ -180,7 +183,7 @@ def write_shard(
             rows = arr.reshape(-1, arr.shape[-1])
             tables = transform_codec.fit(rows, bits, fit_device)
             codes = transform_codec.encode(rows, tables, device=fit_device)
-            err = _pca_error(rows, codes, tables, fit_device)
+            err = pca_error(rows, codes, tables, fit_device)
             lossy_attrs[name] = {"mode": mode, **err,
                                  "bits_per_value": 8 * tables.row_bytes() / arr.shape[-1]}  # fmt: skip
             aux = {"codes": codes.reshape(*arr.shape[:-1], codes.shape[-1]), "mean": tables.mean,
@@ -194,8 +197,8 @@ def write_shard(
                     (f"{name}{_AUX}{role}__", a, {"raw_dtype": a.dtype.str, "codec": "none"})
                 )
             continue
-        q, scale = _quantize(arr, mode)
-        err = lossy_error(arr, _dequantize(q, scale, mode))
+        q, scale = quantize(arr, mode)
+        err = lossy_error(arr, dequantize(q, scale, mode))
         lossy_attrs[name] = {"mode": mode, **err}
         extra = {"raw_dtype": arr.dtype.str, "lossy": mode, "scale": name + _SCALE_SUFFIX}
         plan.append((name, q, extra))
@@ -210,7 +213,7 @@ def write_shard(
         extra = dict(extra)
         acodec = extra.pop("codec", None) or ("none" if extra.get("codes_none") else codec)
         extra.pop("codes_none", None)
-        blob = _encode(arr, acodec)
+        blob = encode(arr, acodec)
         entries[name] = {
             "dtype": arr.dtype.str,
             "shape": list(arr.shape),
@@ -411,7 +414,7 @@ class Shard:
         buf = self._read_stored(name)
         self._check(name, buf)
         try:
-            out = _decode(buf, e["codec"], dtype, shape, e["raw_nbytes"])
+            out = decode(buf, e["codec"], dtype, shape, e["raw_nbytes"])
         except (ValueError, lzma.LZMAError, zstandard.ZstdError) as exc:
             raise StoreError(f"{self.path}: cannot decode array {name!r}: {exc}") from exc
         out.flags.writeable = False
@@ -460,7 +463,7 @@ class Shard:
         else:
             arr = self._load_raw(name)
             if "lossy" in e:
-                arr = _dequantize(arr, self._load_raw(e["scale"]), e["lossy"])
+                arr = dequantize(arr, self._load_raw(e["scale"]), e["lossy"])
                 arr.flags.writeable = False
         self._cache[name] = arr
         return arr

@@ -11,7 +11,8 @@ weights at step ``step_from + k // A + 1``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -137,3 +138,37 @@ def expand(
         "last_step": np.maximum.reduceat(step, first) if len(key) else step,
         "partition_size": np.array([sizes[p] for p in names], np.int64)[part],
     }
+
+
+def checkpoint_ledgers(
+    run: Path,
+    recorded: dict[int, tuple[list[dict], list[int]]],
+    ids_of: Callable[[str], Sequence[str]],
+    grids_of: Callable[[str], np.ndarray] | None,
+    is_recorded: Callable[[int, Path], bool],
+) -> Iterator[tuple[int, list[dict], list[dict], list[int]]]:
+    """The ledgers of a run's checkpoints that are not recorded yet (``is_recorded(step,
+    checkpoint)`` says which are), in step order: ``(step, rows trained since its base, its
+    segments, its chain of steps)``. Each checkpoint records only the samples trained since its
+    base -- the latest recorded checkpoint its ledger continues (``recorded``: step ->
+    (segments, chain), updated as it goes) -- so the cost is one expansion per trained sample,
+    however many checkpoints; a checkpoint's samples are the sum of its chain's deltas."""
+    import torch
+
+    ckpts = []
+    for ckpt in (run / "checkpoints").glob("*.ckpt"):
+        state = torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True)
+        ckpts.append((int(state["global_step"]), ckpt, state))
+    done: set[int] = set()
+    for step, ckpt, state in sorted(ckpts, key=lambda c: c[0]):
+        if step in done or is_recorded(step, ckpt):
+            continue
+        segs = (state.get("EmbeddingDataModule") or {}).get("ledger") or []
+        bases = [b for b in sorted(recorded, reverse=True)
+                 if b < step and is_prefix(recorded[b][0], segs)]  # fmt: skip
+        base_segs, base_chain = recorded[bases[0]] if bases else ([], [])
+        rows = expand(delta(base_segs, segs), ids_of, grids_of)
+        chain = [*base_chain, step]
+        recorded[step] = (segs, chain)
+        done.add(step)
+        yield step, rows, segs, chain

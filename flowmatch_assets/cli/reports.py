@@ -1,0 +1,112 @@
+"""The verbs that report and measure: catalog, data-card, budget, backfill, zoo, bench."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from flowmatch_assets import runs
+from flowmatch_assets.cli.common import CliError, flowmatch_resource
+
+
+def cmd_catalog(report: str, sql: str | None, as_json: bool) -> int:
+    from flowmatch_assets.catalog import Catalog, format_table, view_names
+
+    if report == "views":
+        print("\n".join(view_names()))
+        return 0
+    cat = Catalog(flowmatch_resource().data_root)
+    if report == "path":
+        print(cat.ensure())
+        return 0
+    if report == "sql":
+        if not sql:
+            raise CliError(
+                'catalog sql needs the SQL: flowmatch catalog sql "SELECT * FROM coverage"'
+            )
+        import duckdb
+
+        try:
+            rows = cat.query(sql)
+        except duckdb.Error as e:
+            first = str(e).strip().splitlines()[0]
+            raise CliError(
+                f"the catalog rejected the SQL: {first}; views: {', '.join(view_names())}"
+            ) from e
+    else:
+        rows = {
+            "coverage": cat.coverage,
+            "summary": cat.coverage_summary,
+            "failures": cat.failures_by_reason,
+            "compression": cat.compression,
+            "throughput": cat.throughput,
+        }[report]()
+    if as_json:
+        print(json.dumps(rows, default=str, indent=1))
+    else:
+        print(format_table(rows))
+    return 0
+
+
+def print_reports(data_root: str) -> None:
+    from flowmatch_assets.catalog import Catalog, format_table
+
+    cat = Catalog(data_root)
+    for title, rows in (
+        ("Coverage (samples per partition and asset)", cat.coverage()),
+        ("Failures and filtered rows by reason", cat.failures_by_reason()),
+        ("Compression", cat.compression()),
+        ("Throughput", cat.throughput()),
+    ):
+        print(f"\n## {title}\n{format_table(rows)}")
+
+
+def cmd_data_card(partition: list[str], refresh: bool, as_json: bool) -> int:
+    """Materialize ``data_card`` for ``partition`` (default: every partition with metadata)
+    and ``dataset_card``; print the whole dataset's card (``--no-refresh``: from the records)."""
+    from flowmatch_assets.defs.data_card_assets import write_dataset_card
+
+    res = flowmatch_resource()
+    if refresh:
+        runs.materialize_data_cards(partition or None, res)
+    md_path, png_path, _, view = write_dataset_card(res.data_root)
+    if as_json:
+        print(json.dumps(view, default=str, indent=1))
+    else:
+        print(Path(md_path).read_text())
+    print(f"card: {md_path} and {png_path}")
+    return 0
+
+
+def cmd_zoo(argv: list[str]) -> int:
+    from flowmatch_models.encoders.zoo import main
+
+    return int(main(argv) or 0)
+
+
+def cmd_budget(argv: list[str]) -> int:
+    from flowmatch_assets.cli.budget import main
+
+    return main(argv)
+
+
+def cmd_backfill(argv: list[str]) -> int:
+    from flowmatch_assets.freshness.backfill import main
+
+    return main(argv)
+
+
+def cmd_bench(which: str | None, argv: list[str]) -> int:
+    """`flowmatch bench NAME [options]`: runs flowmatch_assets.bench.NAME (see its --help)."""
+    import importlib
+
+    from flowmatch_assets.bench import BENCHES
+
+    if which in (None, "-h", "--help"):
+        print("usage: flowmatch bench {" + ",".join(sorted(BENCHES)) + "} [options]")
+        print("  flowmatch bench <name> --help   shows that benchmark's options")
+        return 0
+    if which not in BENCHES:
+        raise CliError(f"unknown benchmark {which!r}; choose one of {', '.join(sorted(BENCHES))}")
+    importlib.import_module(BENCHES[which]).main(argv)
+    return 0
