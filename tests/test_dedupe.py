@@ -153,7 +153,7 @@ def test_duplicates_are_dropped_the_same_way_in_forward_and_reverse_order(tmp_pa
             ),
             {"kind": "hash", "still_stored": False, "n": 4},
         ]
-    # README's queries
+    # docs/catalog.md's queries
     cat = Catalog(tmp_path / "rev")
     assert cat.query("SELECT kind, still_stored, count(*) FROM duplicates GROUP BY ALL")
     readme = "SELECT partition, id, outcome, reason, kept_id FROM dataset_rows WHERE reason LIKE 'duplicate%'"

@@ -175,7 +175,7 @@ def cmd_demo(
         print(f"  coverage:         {run / 'coverage.png'}  (partitions/samples per epoch)")
         if (run / "pipeline" / "model_index.json").exists():
             print(f"  diffusers:        {run / 'pipeline'}  (SanaPipeline.from_pretrained; "
-                  "README: Use the model)")  # fmt: skip
+                  "docs/training.md: Use the model)")  # fmt: skip
         print("  ledger:           flowmatch ledger demo  (which samples each checkpoint trained)")
     figs = sorted((run / "evaluation").glob("step*.png"))
     if figs:

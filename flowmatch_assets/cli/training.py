@@ -45,7 +45,7 @@ def cmd_export(
     enc = flowmatch_resource().encoders
     folder = export_checkpoint(ckpt, out, vae, text, default_vae=enc.vae, default_text=enc.text)
     print(f"exported {ckpt} -> {folder}; SanaPipeline.from_pretrained({str(folder)!r}) "
-          "(README: Use the model)")  # fmt: skip
+          "(docs/training.md: Use the model)")  # fmt: skip
     return 0
 
 

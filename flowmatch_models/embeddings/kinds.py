@@ -12,7 +12,7 @@ coverage, the budget and training's coverage read it, and nothing else lists the
 no catalog): one pass over the images shard for every image kind, one over its captions
 for every caption kind. Torch is imported only when it runs.
 
-Add a kind (README "Add an encoder")::
+Add a kind (docs/storage.md, "Add an encoder")::
 
     register(EmbeddingKind(
         name="t5_text", description="T5 encoder states of each caption (valid tokens only).",

@@ -11,7 +11,7 @@ from pydantic import BaseModel, Field
 
 #: The default storage of the lossy-capable training inputs: caption states at 4.5 bits per
 #: value (<= 46 KB for 128 tokens of 640), DINOv2 patches at 4 (12 KB for 64 x 384); with fp16
-#: latents and CLS every sample is <= 64 KB, all of PD12M <= 800 GB (BENCHMARKS.md "Storage").
+#: latents and CLS every sample is <= 64 KB, all of PD12M <= 800 GB (BENCHMARKS.md "Storage at PD12M scale").
 DEFAULT_LOSSY = {"text_embeddings": "pca4.5", "dino_features": "pca4"}
 
 
