@@ -122,3 +122,32 @@ def test_sample_is_real_pd12m_format(small_sample):
     # long side 1,000-3,000 px for the good rows
     good = [r for r in t.to_pylist() if small_sample["expected_outcomes"][r["id"]] == "stored"]
     assert all(1000 <= max(r["width"], r["height"]) <= 3000 for r in good)
+
+
+def test_filters_by_column_agree_with_the_row_by_row_definition():
+    """The column-wise pass that keeps most rows (issue 28: the hash index filters every row of
+    PD12M) keeps exactly the rows the row-by-row definition keeps, odd values included."""
+    import random
+
+    from flowmatch_assets.ingest.metadata import _row_reason
+
+    rnd = random.Random(3)
+    odd_text = ["", " ", "\u3000x", "x\u2029", "x\x1f", "\tok", "ok\n", "é", "ok", "a b", None]
+    rows = []
+    for i in range(3000):
+        rows.append({
+            "id": f"id-{i}", "hash": None,
+            "url": rnd.choice([f"https://x/{i}.jpg", *odd_text]),
+            "caption": rnd.choice(["a small red square", "x" * rnd.randint(0, 30), *odd_text]),
+            "width": rnd.choice([None, 0, 1, 255, 256, 257, 768, 769, 2000, 3000]),
+            "height": rnd.choice([None, 0, 1, 255, 256, 257, 768, 2000, 1000]),
+            "license": rnd.choice(["cc0-1.0", "other", None]),
+        })  # fmt: skip
+    for cfg in (FilterConfig(), FilterConfig(licenses=["cc0-1.0"], max_caption_chars=20,
+                                             min_caption_chars=3, max_aspect_ratio=2.0)):  # fmt: skip
+        allowed = set(cfg.licenses) if cfg.licenses is not None else None
+        want = [r["id"] for r in rows if _row_reason(r["url"], r["width"], r["height"],
+                                                     r["caption"], r["license"], cfg, allowed) is None]  # fmt: skip
+        kept, filtered = filter_rows(pa.Table.from_pylist(rows), cfg)
+        assert kept.column("id").to_pylist() == want
+        assert len(filtered) == len(rows) - len(want) > 100

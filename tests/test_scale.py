@@ -48,7 +48,7 @@ def instances():
 
 
 def test_every_verb_costs_the_same_per_partition_at_4x_the_partitions(instances):
-    """(~30 s on 2 shared cores: building the instances is most of it, Dagster's event log.)"""
+    """(~15 s on 2 shared cores, half of it building the instances: Dagster's event log.)"""
     scale.time_in_process(instances[SIZES[0]], VERBS, repeat=1)  # imports, first-time caches
     cost = {n: scale.time_in_process(root, VERBS, repeat=1) for n, root in instances.items()}
     small, big = SIZES

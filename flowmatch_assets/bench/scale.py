@@ -92,7 +92,7 @@ def _metadata_file(path: Path, rows: int, rng: np.random.Generator) -> None:
     caption = [" ".join(words[rng.integers(0, len(words), k)]) for k in n_words]
     w = rng.integers(200, 4000, rows)
     h = (w * rng.uniform(0.3, 1.6, rows)).astype(np.int64)
-    hashes = [f"{x:032x}" for x in rng.integers(0, 2**62, rows) * 4_000_000_007]
+    hashes = [f"{a:016x}{b:016x}" for a, b in rng.integers(0, 2**63, (rows, 2))]  # md5-like
     table = pa.table(
         {
             "id": ids,

@@ -262,7 +262,7 @@ def cmd_stale(partition: list[str], asset: list[str], as_json: bool, no_report: 
 
 def cmd_upgrade() -> int:
     """`flowmatch upgrade`: carry a data root and Dagster instance made before the renames
-    (pd12m_metadata -> metadata, images_256 -> images, pd12m_shards -> shards) over; safe to
+    (metadata -> metadata, images -> images, shards -> shards) over; safe to
     run again."""
     from flowmatch_assets.freshness.renames import upgrade_data_root, upgrade_instance
 

@@ -2,7 +2,7 @@
 
 PD12M's shards are discovered from its metadata files (keys ``NNN-KK``); a source of the user's
 own images registers its partitions (keys ``<name>-NNNNN``, flowmatch_assets/ingest/sources).
-All of them live in the one dynamic partitions definition ``shards`` (``pd12m_shards`` before;
+All of them live in the one dynamic partitions definition ``shards`` (``shards`` before;
 ``flowmatch upgrade`` carries an instance over), so every partitioned asset, backfill and check
 treats them alike. Two sensors add new ones:
 ``metadata_partition_sensor`` for new metadata files, ``source_partition_sensor`` for new images,

@@ -92,7 +92,8 @@ def hash_keys(hashes: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarra
 
 def first_occurrences(keys: np.ndarray, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(distinct keys sorted, index into ``keys`` of each one's smallest ``order``)."""
-    idx = np.lexsort((order, keys))  # by key, then by order
+    halves = keys.view(">u8").reshape(len(keys), 2)  # big-endian: sorts as the bytes do
+    idx = np.lexsort((order, halves[:, 1], halves[:, 0]))  # by key, then by order
     sk = keys[idx]
     first = np.ones(len(sk), bool)
     first[1:] = sk[1:] != sk[:-1]
@@ -224,11 +225,18 @@ def _build_global(base, final, files, ident, cfg, log) -> None:
             parts_k.append(z["keys"])
             parts_r.append(z["row"])
         parts_f.append(np.full(len(parts_k[-1]), n, np.int32))
-    keys = np.concatenate(parts_k) if parts_k else np.zeros(0, "S16")
-    file_ = np.concatenate(parts_f) if parts_f else np.zeros(0, np.int32)
-    row = np.concatenate(parts_r) if parts_r else np.zeros(0, np.int32)
+
+    def joined(parts: list, empty: np.ndarray) -> np.ndarray:
+        out = np.concatenate(parts) if parts else empty
+        parts.clear()  # one copy at a time (PD12M: the keys are ~200 MB)
+        return out
+
+    keys = joined(parts_k, np.zeros(0, "S16"))
+    file_ = joined(parts_f, np.zeros(0, np.int32))
+    row = joined(parts_r, np.zeros(0, np.int32))
     # files are concatenated in file order, each key once per file: first by key, then file
     sk, first = first_occurrences(keys, file_)
+    del keys
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-global-", dir=base))
     try:
         for name, a in (("keys", sk), ("file", file_[first]), ("row", row[first])):

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import fsspec
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -285,6 +286,51 @@ def _row_reason(
     return None
 
 
+def _surely_kept(table: pa.Table, cfg: FilterConfig) -> np.ndarray | None:
+    """Which rows no row-local filter drops, found by column (a Python call per row costs ~3
+    µs: 40 s over PD12M's files when the hash index is built): only rows whose url and caption
+    begin and end with a printable ASCII character (so ``strip`` leaves them as they are) and
+    whose size is known and not zero; every other row is left to :func:`_row_reason`. None:
+    the table lacks a column."""
+    names = set(table.column_names)
+    if not {"url", "width", "height", "caption"} <= names or (
+        cfg.licenses is not None and "license" not in names
+    ):
+        return None
+
+    def plain(c) -> pa.ChunkedArray:  # non-empty, no whitespace at either end
+        c = c.cast(pa.string())
+        return pc.and_(pc.match_substring_regex(c, "^[!-~]"), pc.match_substring_regex(c, "[!-~]$"))
+
+    try:
+        w = table.column("width").cast(pa.float64())
+        h = table.column("height").cast(pa.float64())
+        cap = table.column("caption").cast(pa.string())
+        url = plain(table.column("url"))
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):  # odd types: row by row
+        return None
+    length = pc.utf8_length(cap)
+    ok = [
+        url,
+        plain(cap),
+        pc.greater_equal(length, cfg.min_caption_chars),
+        pc.less_equal(length, cfg.max_caption_chars),
+        pc.greater(w, 0),
+        pc.greater(h, 0),
+        pc.greater_equal(w, cfg.min_width),
+        pc.greater_equal(h, cfg.min_height),
+        pc.less_equal(
+            pc.divide(pc.max_element_wise(w, h), pc.min_element_wise(w, h)), cfg.max_aspect_ratio
+        ),  # fmt: skip
+    ]
+    if cfg.licenses is not None:
+        ok.append(pc.is_in(table.column("license"), value_set=pa.array(cfg.licenses)))
+    mask = ok[0]
+    for m in ok[1:]:
+        mask = pc.and_(mask, m)
+    return pc.fill_null(mask, False).to_numpy(zero_copy_only=False).astype(bool)
+
+
 def filter_rows(
     table: pa.Table, cfg: FilterConfig, winners: HashWinners | None = None
 ) -> tuple[pa.Table, list[dict]]:
@@ -292,49 +338,60 @@ def filter_rows(
     kept_id, kept_partition}`` per filtered row; every row is either kept or filtered with
     exactly one reason. Duplicate hashes: among the rows every other filter keeps, only each
     hash's first occurrence stays (``winners``: across the dataset; default: within ``table``).
-    Reads the table column by column (a dict per row cost ~0.1 s a 10k-row partition)."""
+    Works by column: the rows :func:`_surely_kept` cannot vouch for go through
+    :func:`_row_reason` one by one (a dict per row cost ~0.1 s a 10k-row partition)."""
     n = table.num_rows
 
-    def col(name: str) -> list:
-        return table.column(name).to_pylist() if name in table.column_names else [None] * n
+    def col(name: str, rows) -> list:
+        if name not in table.column_names:
+            return [None] * len(rows)
+        return table.column(name).take(pa.array(rows, pa.int64())).to_pylist()
 
-    urls, hashes = col("url"), col("hash")
     allowed = set(cfg.licenses) if cfg.licenses is not None else None
-    reasons: list[tuple | None] = [
-        _row_reason(u, w, h, c, lic, cfg, allowed)
-        for u, w, h, c, lic in zip(
-            urls, col("width"), col("height"), col("caption"), col("license")
-        )
-    ]
+    sure = _surely_kept(table, cfg)  # the rest: the one definition, row by row
+    ask = np.arange(n) if sure is None else np.flatnonzero(~sure)
+    reasons: dict[int, tuple] = {}
+    looked = zip(*(col(c, ask) for c in ("url", "width", "height", "caption", "license")))
+    for i, (u, w, h, c, lic) in zip(ask.tolist(), looked):
+        why = _row_reason(u, w, h, c, lic, cfg, allowed)
+        if why is not None:
+            reasons[i] = why
+    if "hash" in table.column_names:
+        hashes = table.column("hash").cast(pa.string())
+        present = pc.fill_null(pc.greater(pc.utf8_length(hashes), 0), False)
+        present = present.to_numpy(zero_copy_only=False).astype(bool)
+    else:
+        present = np.zeros(n, bool)
     if cfg.drop_duplicate_hash:
-        eligible = [i for i, x in enumerate(reasons) if x is None and hashes[i]]
-        for i, (kp, kid) in (winners or _first_in_table)(table, eligible).items():
+        flagged = np.zeros(n, bool)
+        flagged[list(reasons)] = True
+        eligible = np.flatnonzero(present & ~flagged).tolist()
+        dups = (winners or _first_in_table)(table, eligible)
+        dup_hash = dict(zip(dups, col("hash", list(dups))))
+        for i, (kp, kid) in dups.items():
             where = f"{kp}, " if kp else ""
-            detail = f"hash {hashes[i]} first kept as {where}id {kid}"
+            detail = f"hash {dup_hash[i]} first kept as {where}id {kid}"
             reasons[i] = ("duplicate_hash", detail, kid, kp or None)
-    keep_idx: list[int] = []
+    out = sorted(reasons)
     filtered: list[dict] = []
-    ids = col("id")
-    for i, x in enumerate(reasons):
-        if x is None:
-            keep_idx.append(i)
-            continue
-        reason, detail, kept_id, kept_partition = (*x, None, None)[:4]
+    for i, id_, url, h in zip(out, col("id", out), col("url", out), col("hash", out)):
+        reason, detail, kept_id, kept_partition = (*reasons[i], None, None)[:4]
         filtered.append(
             {
-                "id": str(ids[i]),
-                "url": urls[i],
+                "id": str(id_),
+                "url": url,
                 "reason": reason,
                 "detail": detail,
                 "kept_id": kept_id,
                 "kept_partition": kept_partition,
-                "hash": hashes[i],
+                "hash": h,
             }
         )
-    if len(keep_idx) == n:
+    if not out:
         return table, filtered
-    kept = table.take(pa.array(keep_idx, pa.int64())) if keep_idx else table.slice(0, 0)
-    return kept, filtered
+    keep = np.ones(n, bool)
+    keep[out] = False
+    return table.filter(pa.array(keep)), filtered
 
 
 def ids_as_strings(table: pa.Table) -> pa.Table:
