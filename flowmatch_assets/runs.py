@@ -268,8 +268,8 @@ def retry(
     res = res or resource()
     where = "reason IN (SELECT unnest(?))" if reasons else "retryable"
     params = [list(reasons)] if reasons else []
-    rows = Catalog(res.data_root).query(
-        f"""SELECT partition, count(*) AS n FROM failures
+    rows = Catalog(res.data_root).query(  # the per-partition counts, not every row's record
+        f"""SELECT partition, sum(rows)::BIGINT AS n FROM row_outcomes
             WHERE asset = 'images' AND outcome = 'failed' AND {where}
             GROUP BY partition ORDER BY partition""",
         params,
