@@ -1,4 +1,4 @@
-"""What the three source kinds share: the rows and failures they list, and caption text.
+"""What the source kinds share: the rows and failures they list, and caption text.
 
 A source kind lists a partition's samples as rows in the PD12M metadata columns (so the filters,
 dedupe, the images stage and the data card treat them as they treat PD12M's): ``id``; ``url``
