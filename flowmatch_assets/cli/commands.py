@@ -541,6 +541,7 @@ def cmd_demo(
             print("\nevaluating caption following of every checkpoint (48 prompts each) ...")
             evaluated = runs.evaluate(run_name="demo", which="all", res=res)
     budget_ok = runs.materialize_budget(res)
+    cards_ok = runs.materialize_data_cards(res=res)
     print_reports(str(root))
     layout = res.layout
     previews = sorted((layout.root / "previews").rglob("*.png"))
@@ -587,10 +588,21 @@ def cmd_demo(
             print(format_table(held))
     if budget_ok:
         print(f"  budget report:    {root / 'reports' / 'budget.md'}")
-    print(
-        "  UI:               DAGSTER_HOME=$PWD/dagster_home .venv/bin/dagster dev -w workspace.yaml"
-    )
-    return 0 if all(results.values()) and trained and evaluated and budget_ok else 1
+    if cards_ok:
+        print(f"  data card:        {root / 'reports' / 'data_card.md'}  (and .png; one per "
+              f"partition in {root / 'previews' / 'data_card'})")  # fmt: skip
+    left = runs.unmaterialized()
+    if left:
+        why = {"fine_tune": "a new run from another's weights: `flowmatch finetune NAME --from "
+                            "demo --source SOURCE`, README \"Fine-tuning\""}  # fmt: skip
+        print(
+            "  not materialized: " + "; ".join(f"{a} ({why[a]})" if a in why else a for a in left)
+        )
+    home = Path(os.environ.get("DAGSTER_HOME") or "dagster_home").resolve()
+    home_arg = "$PWD/dagster_home" if home == Path("dagster_home").resolve() else str(home)
+    print(f"  UI:               DAGSTER_HOME={home_arg} .venv/bin/dagster dev -w workspace.yaml")
+    ok = all(results.values()) and trained and evaluated and budget_ok and cards_ok
+    return 0 if ok else 1
 
 
 def cmd_data_card(partition: list[str], refresh: bool, as_json: bool) -> int:
@@ -1022,10 +1034,16 @@ def _main(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Run the command; a usage mistake is one line on stderr and exit code 2 (`--debug`:
     the traceback too). The runs a verb makes print one line per step; `--verbose` shows
-    Dagster's event log too."""
+    Dagster's event log too, and what the libraries print that tells a user nothing (their
+    progress bars and notices: runs.quiet_dagster, flowmatch_models.train.run.quiet_libraries,
+    flowmatch_models.encoders.loading.quiet_progress)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     runs.VERBOSE = "--verbose" in argv  # Dagster's event log of the runs a verb makes
+    if runs.VERBOSE:  # this process and the training process it starts (env is inherited)
+        from flowmatch_models.encoders.loading import VERBOSE_ENV
+
+        os.environ[VERBOSE_ENV] = "1"
     argv = [x for x in argv if x not in ("--debug", "--verbose")]
     try:
         return _main(argv)
