@@ -416,9 +416,24 @@ def evaluate(
 
 def materialize_budget(res=None) -> bool:
     """Materialize budget_report (the projection from what the catalog measured)."""
-    ok = run_assets(["budget_report"], tags={"flowmatch/cli": "demo"}, res=res).success
-    print(f"budget_report {'ok' if ok else 'FAILED'}")
-    return ok
+    result = run_assets(["budget_report"], tags={"flowmatch/cli": "demo"}, res=res, steps=False)
+    _print_outcome("budget_report", result)
+    return result.success
+
+
+def _print_outcome(what: str, result) -> None:
+    """``what: ok (1.2s)``, or ``what: FAILED`` and each failed step's message: one line a run."""
+    if not result.success:
+        print(f"{what}: FAILED")
+        for step, msg in step_failures(result):
+            print(f"    {step}: {msg}")
+        return
+    seconds = sum(
+        (ev.event_specific_data.duration_ms or 0) / 1000
+        for ev in result.all_events
+        if ev.is_step_success
+    )
+    print(f"{what}: ok ({seconds:.1f}s)")
 
 
 def materialize_data_cards(partitions: list[str] | None = None, res=None) -> bool:
@@ -433,11 +448,13 @@ def materialize_data_cards(partitions: list[str] | None = None, res=None) -> boo
     check_partitions(list(partitions or []), have)
     tags = {"flowmatch/cli": "data-card"}
     for key in partitions or have:
-        result = run_assets(["data_card"], key, tags=tags, res=res, dagster_instance=inst)
-        print(f"data_card {key}: {'ok' if result.success else 'FAILED'}")
-    ok = run_assets(["dataset_card"], tags=tags, res=res, dagster_instance=inst).success
-    print(f"dataset_card: {'ok' if ok else 'FAILED'}")
-    return ok
+        result = run_assets(
+            ["data_card"], key, tags=tags, res=res, dagster_instance=inst, steps=False
+        )
+        _print_outcome(f"data_card {key}", result)
+    result = run_assets(["dataset_card"], tags=tags, res=res, dagster_instance=inst, steps=False)
+    _print_outcome("dataset_card", result)
+    return result.success
 
 
 def unmaterialized(inst: dg.DagsterInstance | None = None) -> list[str]:

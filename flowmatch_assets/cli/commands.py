@@ -544,7 +544,7 @@ def cmd_demo(
     cards_ok = runs.materialize_data_cards(res=res)
     print_reports(str(root))
     layout = res.layout
-    previews = sorted((layout.root / "previews").rglob("*.png"))
+    previews = sorted((layout.root / "previews" / "images_256").glob("*.png"))
     print(
         f"\ndemo finished in {time.perf_counter() - t0:.0f}s; "
         f"{sum(results.values())}/{len(results)} partitions succeeded"
@@ -565,11 +565,13 @@ def cmd_demo(
             print(f"  diffusers:        {run / 'pipeline'}  (SanaPipeline.from_pretrained; "
                   "README: Use the model)")  # fmt: skip
         print("  ledger:           flowmatch ledger demo  (which samples each checkpoint trained)")
-    figs = sorted((run / "evaluation").glob("step*.png"))
+    # the square's first page of each step (not its size variants or _p2 pages)
+    figs = sorted(f for f in (run / "evaluation").glob("step*.png") if f.stem[4:].isdigit())
     if figs:
         from flowmatch_assets.catalog import Catalog, format_table
 
-        print(f"  evaluation:       {figs[-1]}  (generated images beside their prompts)")
+        print(f"  evaluation:       {figs[-1]}  (generated images beside their prompts; "
+              "the UI shows it too)")  # fmt: skip
         rows = Catalog(root).query(
             "SELECT step, attribute, round(accuracy, 2) AS accuracy, round(chance, 3) AS chance "
             "FROM evaluations WHERE run = 'demo' AND coalesce(size, '256x256') = '256x256' AND attribute IN ('colour', 'shape', 'size', "
@@ -1040,9 +1042,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     runs.VERBOSE = "--verbose" in argv  # Dagster's event log of the runs a verb makes
+    saved: tuple[str, str | None] | None = None
     if runs.VERBOSE:  # this process and the training process it starts (env is inherited)
         from flowmatch_models.encoders.loading import VERBOSE_ENV
 
+        saved = (VERBOSE_ENV, os.environ.get(VERBOSE_ENV))
         os.environ[VERBOSE_ENV] = "1"
     argv = [x for x in argv if x not in ("--debug", "--verbose")]
     try:
@@ -1053,6 +1057,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"flowmatch: {msg} (--debug for the traceback)", file=sys.stderr)
         return 2
+    finally:  # as it was (a caller that runs several commands in one process: the tests)
+        if saved is not None and saved[1] is None:
+            os.environ.pop(saved[0], None)
+        elif saved is not None:
+            os.environ[saved[0]] = saved[1]
 
 
 def _one_line(e: BaseException) -> str | None:

@@ -263,6 +263,7 @@ def _fit(request: TrainRequest, cfg: TrainConfig, pipes) -> TrainResult:
         )
     ]
     if cfg.logging.wandb:
+        _quiet_wandb()
         loggers.append(wandb_run.make_logger(cfg, run_dir, distributed.is_launcher(), coverage,
                                              request.parent))  # fmt: skip
     ckpt_io = AtomicCheckpointIO()
@@ -412,20 +413,32 @@ def quiet_libraries() -> None:
     """What the libraries print that tells a user of this run nothing, silenced in this process
     unless ``FLOWMATCH_VERBOSE`` is set (the CLI's ``--verbose``): Lightning's info lines
     ("GPU available ...", "TPU available ...", the litlogger tip, "max_steps reached"), the
-    :data:`EXPECTED_WARNINGS`, wandb's banner and notices (its errors still show; ``WANDB_*``
-    the user set win) and transformers' "Writing model shards" bar of the export. The run's
-    own lines (progress, checkpoints, errors) are printed by this package and always show."""
+    :data:`EXPECTED_WARNINGS` and transformers' "Writing model shards" bar of the export (wandb:
+    :func:`_quiet_wandb`). The run's own lines (progress, checkpoints, errors) are printed by
+    this package and always show; so does every other warning."""
     if verbose():
         return
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     for message in EXPECTED_WARNINGS:
         warnings.filterwarnings("ignore", message=message)
-    for key, value in (("WANDB_QUIET", "true"), ("WANDB_SHOW_INFO", "false"),
-                       ("WANDB_SHOW_WARNINGS", "false")):  # fmt: skip
-        os.environ.setdefault(key, value)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+
+
+def _quiet_wandb() -> None:
+    """wandb's banner, run summary and notices off, its errors on (unless ``FLOWMATCH_VERBOSE``;
+    ``WANDB_*`` variables the user set win): the run folder's ``wandb/`` is named by the caller.
+    Set up before the logger starts its run, whose settings check warns about the ``anonymous``
+    argument Lightning passes."""
+    if verbose():
+        return
+    for key, value in (("WANDB_QUIET", "true"), ("WANDB_SHOW_INFO", "false"),
+                       ("WANDB_SHOW_WARNINGS", "false")):  # fmt: skip
+        os.environ.setdefault(key, value)
+    import wandb
+
+    wandb.setup()
 
 
 def _pipes():
