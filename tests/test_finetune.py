@@ -113,11 +113,15 @@ def test_finetune_lineage_staleness_and_head_start(tmp_path, small_sample, zoo, 
     # the README's mixed fine-tune: from its EMA, caption projection frozen, shapes2 weighted
     # 2 beside PD12M (6 steps, not 500); the simpler line parses
     assert build_parser().parse_args(simple).parent == "demo"
+    # wandb offline as the demo has it: no API key, no WANDB_MODE (the logger sets it)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
     out, err = _run(capfd, 0, *mix, "--steps", "6", "--no-samples",
                     *_sets(*FAST, "trainer.checkpoint_every=3", "logging.wandb=true"))  # fmt: skip
     # its story only: the training process's step lines, no Lightning / wandb / Dagster notices
     assert _noise(out, err) == [], err
     assert "step 6/6 loss" in out and "fine-tune ok" in out, out
+    monkeypatch.setenv("WANDB_MODE", "offline")
     # the CLI's runs, under the code location's jobs (not __ephemeral_asset_job__)
     runs = dg.DagsterInstance.from_config(str(tmp_path / "dagster_home")).get_runs()
     assert {r.job_name for r in runs} == {"ingest_and_embed_job", "finetune_job"}

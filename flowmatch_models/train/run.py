@@ -429,8 +429,9 @@ def quiet_libraries() -> None:
 def _quiet_wandb() -> None:
     """wandb's banner, run summary and notices off, its errors on (unless ``FLOWMATCH_VERBOSE``;
     ``WANDB_*`` variables the user set win): the run folder's ``wandb/`` is named by the caller.
-    Set up before the logger starts its run, whose settings check warns about the ``anonymous``
-    argument Lightning passes."""
+    Its terminal is set up from them now, before the logger starts its run, whose settings
+    check warns about the ``anonymous`` argument Lightning passes. (Not ``wandb.setup()``: it
+    would read the environment before the logger sets ``WANDB_MODE`` for an offline run.)"""
     if verbose():
         return
     for key, value in (("WANDB_QUIET", "true"), ("WANDB_SHOW_INFO", "false"),
@@ -438,7 +439,9 @@ def _quiet_wandb() -> None:
         os.environ.setdefault(key, value)
     import wandb
 
-    wandb.setup()
+    settings = wandb.Settings()
+    settings.update_from_env_vars(dict(os.environ))
+    wandb.termsetup(settings, None)
 
 
 def _pipes():
