@@ -603,6 +603,8 @@ def cmd_demo(
     home = Path(os.environ.get("DAGSTER_HOME") or "dagster_home").resolve()
     home_arg = "$PWD/dagster_home" if home == Path("dagster_home").resolve() else str(home)
     print(f"  UI:               DAGSTER_HOME={home_arg} .venv/bin/dagster dev -w workspace.yaml")
+    print("                    Lineage: the asset graph; Catalog: each asset, its partitions and "
+          "metadata (evaluation: the figure); Runs: these runs, by job")  # fmt: skip
     ok = all(results.values()) and trained and evaluated and budget_ok and cards_ok
     return 0 if ok else 1
 
