@@ -10,10 +10,12 @@ over it. A usage mistake raises :class:`UsageError` (one line: the problem and t
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -79,6 +81,40 @@ def _print_steps(result, prefix: str = "  ") -> None:
         print(f"{prefix}{step}: FAILED: {msg}", file=sys.stderr)
 
 
+#: Dagster's implicit job of every asset (the UI's Materialize button): a selection no job holds.
+IMPLICIT_JOB = "__ASSET_JOB"
+
+
+def job_for(selection: Sequence[str], graph: list | None = None) -> str:
+    """The name of the code location's job a run of ``selection`` (asset names) is recorded
+    under: the first of ``definitions.JOBS`` whose selection holds every asset of it, else
+    Dagster's own asset job (:data:`IMPLICIT_JOB`). ``graph``: the assets (default: all)."""
+    import dagster as dg
+
+    from flowmatch_assets.defs.definitions import JOBS, assets
+
+    graph = assets() if graph is None else graph
+    wanted = {dg.AssetKey(a) for a in selection}
+    for job in JOBS:
+        if wanted <= job.selection.resolve(graph):
+            return job.name
+    return IMPLICIT_JOB
+
+
+@contextlib.contextmanager
+def quiet_dagster():
+    """Dagster's notices that an API is in preview or beta (e.g. ``PipesMessageReader.
+    expected_writer_count``, which its own Pipes client calls) silenced inside the block,
+    unless :data:`VERBOSE`: nothing a user of flowmatch can act on. Everything else shows."""
+    import dagster as dg
+
+    with warnings.catch_warnings():
+        if not VERBOSE:
+            warnings.filterwarnings("ignore", category=dg.PreviewWarning)
+            warnings.filterwarnings("ignore", category=dg.BetaWarning)
+        yield
+
+
 def run_assets(
     selection: Sequence[str],
     partition: str | None = None,
@@ -92,24 +128,35 @@ def run_assets(
 ):
     """Materialize ``selection`` (asset names) of the whole graph, for ``partition`` (or none),
     with ``config`` (run config: ``{"ops": ...}``) and ``tags``, in this process; the assets'
-    checks run in the same run (blocking ones stop downstream assets). ``res``: the
-    FlowmatchResource (default: from the environment). Prints one line per step (``steps``).
-    Returns Dagster's result (``.success``)."""
+    checks run in the same run (blocking ones stop downstream assets). The run is one of the
+    code location's jobs (:func:`job_for`: ``ingest_and_embed_job``, ``train_job``, ...), so the
+    UI lists it by that name. ``res``: the FlowmatchResource (default: from the environment).
+    Prints one line per step (``steps``). Returns Dagster's result (``.success``)."""
     import dagster as dg
 
-    from flowmatch_assets.defs.definitions import all_assets_and_checks, resources_for
+    from flowmatch_assets.defs.definitions import JOBS, assets, checks, resources_for
 
-    run_config = {**log_config(), **(config or {})}
-    result = dg.materialize(
-        all_assets_and_checks(),
-        selection=list(selection),
-        partition_key=partition,
-        instance=dagster_instance or instance(),
-        resources=resources_for(res or resource()),
-        raise_on_error=raise_on_error,
-        tags=tags,
-        run_config=run_config,
-    )
+    with quiet_dagster():
+        graph = assets()
+        defs = dg.Definitions(
+            assets=graph,
+            asset_checks=checks(),
+            jobs=JOBS,
+            resources=resources_for(res or resource()),
+        )
+        name = job_for(selection, graph)
+        if name == IMPLICIT_JOB:
+            job = defs.resolve_implicit_global_asset_job_def()
+        else:
+            job = defs.resolve_job_def(name)
+        result = job.execute_in_process(
+            run_config={**log_config(), **(config or {})},
+            instance=dagster_instance or instance(),
+            partition_key=partition,
+            raise_on_error=raise_on_error,
+            tags=tags,
+            asset_selection=[dg.AssetKey(a) for a in selection],
+        )
     if steps:
         _print_steps(result)
     return result
@@ -370,9 +417,24 @@ def evaluate(
 
 def materialize_budget(res=None) -> bool:
     """Materialize budget_report (the projection from what the catalog measured)."""
-    ok = run_assets(["budget_report"], tags={"flowmatch/cli": "demo"}, res=res).success
-    print(f"budget_report {'ok' if ok else 'FAILED'}")
-    return ok
+    result = run_assets(["budget_report"], tags={"flowmatch/cli": "demo"}, res=res, steps=False)
+    _print_outcome("budget_report", result)
+    return result.success
+
+
+def _print_outcome(what: str, result) -> None:
+    """``what: ok (1.2s)``, or ``what: FAILED`` and each failed step's message: one line a run."""
+    if not result.success:
+        print(f"{what}: FAILED")
+        for step, msg in step_failures(result):
+            print(f"    {step}: {msg}")
+        return
+    seconds = sum(
+        (ev.event_specific_data.duration_ms or 0) / 1000
+        for ev in result.all_events
+        if ev.is_step_success
+    )
+    print(f"{what}: ok ({seconds:.1f}s)")
 
 
 def materialize_data_cards(partitions: list[str] | None = None, res=None) -> bool:
@@ -387,8 +449,22 @@ def materialize_data_cards(partitions: list[str] | None = None, res=None) -> boo
     check_partitions(list(partitions or []), have)
     tags = {"flowmatch/cli": "data-card"}
     for key in partitions or have:
-        result = run_assets(["data_card"], key, tags=tags, res=res, dagster_instance=inst)
-        print(f"data_card {key}: {'ok' if result.success else 'FAILED'}")
-    ok = run_assets(["dataset_card"], tags=tags, res=res, dagster_instance=inst).success
-    print(f"dataset_card: {'ok' if ok else 'FAILED'}")
-    return ok
+        result = run_assets(
+            ["data_card"], key, tags=tags, res=res, dagster_instance=inst, steps=False
+        )
+        _print_outcome(f"data_card {key}", result)
+    result = run_assets(["dataset_card"], tags=tags, res=res, dagster_instance=inst, steps=False)
+    _print_outcome("dataset_card", result)
+    return result.success
+
+
+def unmaterialized(inst: dg.DagsterInstance | None = None) -> list[str]:
+    """The code location's assets that the instance holds no materialization of (of any
+    partition), sorted: what the demo says it left."""
+    import dagster as dg
+
+    from flowmatch_assets.defs.definitions import assets
+
+    inst = inst or instance()
+    names = sorted({k.to_user_string() for a in assets() for k in a.keys})
+    return [n for n in names if inst.get_latest_materialization_event(dg.AssetKey(n)) is None]

@@ -15,8 +15,8 @@ from pathlib import Path
 RECORD = Path(__file__).with_name("asset_graph.json")
 
 
-def graph() -> dict:
-    """The graph of the code location ``workspace.yaml`` names, as plain JSON."""
+def graph_repo():
+    """The repository of the code location ``workspace.yaml`` names."""
     import importlib
 
     import yaml
@@ -24,7 +24,12 @@ def graph() -> dict:
     workspace = yaml.safe_load((Path(__file__).resolve().parents[1] / "workspace.yaml").read_text())
     module = workspace["load_from"][0]["python_module"]
     defs = getattr(importlib.import_module(module["module_name"]), module["attribute"])
-    repo = defs.get_repository_def()
+    return defs.get_repository_def()
+
+
+def graph() -> dict:
+    """The graph of the code location ``workspace.yaml`` names, as plain JSON."""
+    repo = graph_repo()
     assets = {}
     for key, node in (
         (n.key, n) for n in sorted(repo.asset_graph.asset_nodes, key=lambda n: n.key)
@@ -76,6 +81,45 @@ def test_the_code_location_loads_the_recorded_asset_graph():
     assert now == recorded, (
         "the asset graph changed; if deliberate, rewrite the record: python tests/test_asset_graph.py"
     )
+
+
+#: What each library verb of flowmatch_assets/runs.py runs, and the job the UI lists it under.
+CLI_RUNS = {
+    "ingest_and_embed_job": [  # materialize (and the demo): a partition's whole lineage
+        ["metadata", "images", "vae_latents", "dino_features", "text_embeddings"],
+        ["images", "text_embeddings"],  # materialize --missing / --stale: what is left
+    ],
+    "ingest_images": [["images"]],  # retry
+    "encode_embeddings_job": [["vae_latents", "dino_features", "text_embeddings"]],
+    "train_job": [["flow_model", "samples"], ["flow_model"]],  # train (--no-samples)
+    "finetune_job": [["fine_tune", "samples"], ["fine_tune"]],  # finetune
+    "evaluation_job": [["evaluation"]],  # evaluate
+    "reports_job": [["budget_report"], ["data_card"], ["dataset_card"]],  # budget, data-card
+    "__ASSET_JOB": [["images", "flow_model"]],  # no job holds it: Dagster's own
+}
+
+
+def test_cli_runs_are_recorded_under_the_code_locations_jobs(tmp_path, monkeypatch):
+    """A run the CLI makes (runs.run_assets) is one of the code location's jobs, so the UI
+    lists it by name, not as ``__ephemeral_asset_job__``; a real run says so in the instance."""
+    import dagster as dg
+
+    from flowmatch_assets import runs
+    from flowmatch_assets.defs.definitions import assets
+
+    jobs, every = {j.name for j in graph_repo().get_all_jobs()}, assets()
+    for job, selections in CLI_RUNS.items():
+        assert job in jobs
+        for selection in selections:
+            assert runs.job_for(selection, every) == job, selection
+    monkeypatch.setenv("FLOWMATCH_DATA_ROOT", str(tmp_path / "data"))
+    with dg.DagsterInstance.ephemeral() as instance:
+        result = runs.run_assets(["budget_report"], dagster_instance=instance, steps=False)
+        assert result.success
+        (run,) = instance.get_runs()
+        assert run.job_name == "reports_job" and run.asset_selection == {
+            dg.AssetKey("budget_report")
+        }
 
 
 if __name__ == "__main__":

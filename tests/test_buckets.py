@@ -127,7 +127,7 @@ def test_every_exif_orientation_is_cut_like_the_picture_as_shown(orientation, pa
     assert (g & r).sum() >= 0.9 * r.sum() and (g & ~r).sum() <= 0.1 * r.sum()
 
 
-def test_aspect_buckets_through_images_256_and_the_data_card(tmp_path, small_sample, zoo):
+def test_aspect_buckets_through_the_images_asset_and_the_data_card(tmp_path, small_sample, zoo):
     """The sample's partition (originals 1:1 to 3:1, both orientations) with ingest.buckets:
     aspect: every stored row is at its original's nearest bucket and decodes to that size, the
     row's kept share is the crop's, the check passes, the catalog's data card counts the

@@ -24,7 +24,9 @@ from flowmatch_assets.reports.caption_eval import (
     prompts,
     score,
 )
+from flowmatch_assets.reports.evaluation import evaluation_figure
 from flowmatch_models.encoders.zoo import DEMO_WEIGHTS_MARKER
+from flowmatch_models.figures.grid import markdown_image
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +125,27 @@ def test_demo_vae_reconstructs_what_captions_say(ground_truth):
     assert 0.5 < scaled_std < 2.0, scaled_std  # scaled latents have ~unit variance
     recon = ((y.clamp(-1, 1) + 1) * 127.5).round().byte().permute(0, 2, 3, 1).numpy()
     assert score(captions, recon)["accuracy"]["colour"] >= 0.9
+
+
+def test_evaluation_figure_reads_at_the_size_the_ui_shows_it(ground_truth, tmp_path):
+    """The evaluation asset's figure is shown in the UI shrunk to 800 px a side (its ``figure``
+    metadata: markdown_image); each page is drawn no larger, 24 prompts a page, so the labels
+    (13 px) are read there at 1:1. What the analyser read right is green."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    images, captions = ground_truth
+    result = {**score(captions, images), "images": images, "step": 7}
+    out = evaluation_figure(result, tmp_path / "step0000007.png")
+    pages = sorted(tmp_path.glob("step0000007*.png"))
+    assert pages == [out, tmp_path / "step0000007_p2.png"]  # 32 prompts: 24 + 8
+    for page in pages:
+        size = Image.open(page).size
+        assert max(size) <= 800, size
+    shown = markdown_image(Image.open(out), "evaluation", 800)  # as the asset's metadata has it
+    jpeg = base64.b64decode(shown.split("base64,", 1)[1].rstrip(")"))
+    assert Image.open(io.BytesIO(jpeg)).size == Image.open(out).size  # not shrunk
+    px = np.asarray(Image.open(out).convert("RGB")).reshape(-1, 3)
+    assert (px == (0, 120, 0)).all(axis=1).sum() > 1000  # the readings, in green

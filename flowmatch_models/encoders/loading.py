@@ -2,12 +2,39 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+
+#: Set to 1 by the CLI's ``--verbose`` (and inherited by the training process): the progress bars
+#: and notices of the libraries we call (transformers, Lightning, wandb) show again.
+VERBOSE_ENV = "FLOWMATCH_VERBOSE"
+
+
+def verbose() -> bool:
+    """True when :data:`VERBOSE_ENV` asks for the libraries' own output."""
+    return os.environ.get(VERBOSE_ENV, "") not in ("", "0")
+
+
+@contextlib.contextmanager
+def quiet_progress() -> Iterator[None]:
+    """transformers' per-model progress bars ("Loading weights", "Writing model shards") off
+    inside the block, unless :func:`verbose`: for a local folder they tell a user nothing.
+    Used only where nothing is downloaded (a hub download's bar is the same switch)."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    if was_on and not verbose():
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on and not hf_logging.is_progress_bar_enabled():
+            hf_logging.enable_progress_bar()
 
 
 class MissingWeightsError(RuntimeError):
@@ -73,12 +100,14 @@ def _missing_message(kind: str, source: str, err: Exception | None) -> str:
 def load_pretrained(kind: str, source: str, loader: Callable[..., Any], **kwargs: Any) -> Any:
     """Call ``loader(source, ...)`` (a ``from_pretrained``) with clear errors for missing weights.
 
-    A local folder is loaded as is; a hub id is looked up in the HF cache (and on the hub
-    unless ``HF_HUB_OFFLINE=1``).
+    A local folder is loaded as is (without transformers' progress bar: :func:`quiet_progress`);
+    a hub id is looked up in the HF cache (and on the hub unless ``HF_HUB_OFFLINE=1``; its
+    download and loading bars show).
     """
     path = Path(source).expanduser()
     if path.is_dir():
-        return loader(str(path), **kwargs)
+        with quiet_progress():
+            return loader(str(path), **kwargs)
     if _looks_like_path(source):
         raise MissingWeightsError(
             f"{kind} encoder folder {path} does not exist; create it with `save_pretrained` "

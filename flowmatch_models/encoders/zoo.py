@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from flowmatch_models.encoders.loading import quiet_progress
+
 #: Name of the marker file that labels a model folder as randomly initialised.
 RANDOM_WEIGHTS_MARKER = "FLOWMATCH_RANDOM_WEIGHTS"
 ZOO_SEED = 0
@@ -256,7 +258,8 @@ def create_real_gemma(
         model = model.to(dtype).eval()
         del state
         out = tmp / "model"
-        model.save_pretrained(out)
+        with quiet_progress():
+            model.save_pretrained(out)
         tokenizer.save_pretrained(out)
         shutil.rmtree(src)
         info = {
@@ -331,14 +334,16 @@ def create_zoo(dest: str | Path) -> dict[str, Path]:
 
     torch.manual_seed(ZOO_SEED)
     dino = Dinov2Model(Dinov2Config(**TINY_DINO_CONFIG)).eval()
-    dino.save_pretrained(out["dino"])
+    with quiet_progress():  # transformers' "Writing model shards" bar of one small file
+        dino.save_pretrained(out["dino"])
     _mark(out["dino"], "Dinov2Model", TINY_DINO_CONFIG)
 
     tokenizer = build_tokenizer()
     torch.manual_seed(ZOO_SEED)
     text_cfg = Gemma3TextConfig(vocab_size=len(tokenizer), **TINY_TEXT_CONFIG)
     text = AutoModel.from_config(text_cfg).eval()
-    text.save_pretrained(out["text"])
+    with quiet_progress():
+        text.save_pretrained(out["text"])
     tokenizer.save_pretrained(out["text"])
     _mark(out["text"], type(text).__name__, {**TINY_TEXT_CONFIG, "vocab_size": len(tokenizer)})
     return out

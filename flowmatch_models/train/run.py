@@ -25,9 +25,11 @@ import contextlib
 import dataclasses
 import errno
 import json
+import logging
 import os
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +40,7 @@ import torch
 from flowmatch_models.data.module import EmbeddingDataModule
 from flowmatch_models.data.order import OrderChangedError
 from flowmatch_models.data.source import PartitionChangedError
+from flowmatch_models.encoders.loading import verbose
 from flowmatch_models.figures.curves import merge_metrics, plot_coverage, plot_loss_curve
 from flowmatch_models.inference.export import export_pipeline
 from flowmatch_models.storage.atomic import atomic_write_text
@@ -260,6 +263,7 @@ def _fit(request: TrainRequest, cfg: TrainConfig, pipes) -> TrainResult:
         )
     ]
     if cfg.logging.wandb:
+        _quiet_wandb()
         loggers.append(wandb_run.make_logger(cfg, run_dir, distributed.is_launcher(), coverage,
                                              request.parent))  # fmt: skip
     ckpt_io = AtomicCheckpointIO()
@@ -393,6 +397,53 @@ def _finish_outputs(result, cfg, trainer, module, dm, grid_cb, loggers) -> None:
     result.wandb_dir = wandb_run.finish(loggers)
 
 
+#: Lightning's and PyTorch's warnings about what this trainer does on purpose: the EMA copy and
+#: the frozen parts are in eval mode; the module moves and decodes batches itself (the data
+#: module's hooks are the default ones); Lightning's own pytree helper uses a deprecated torch
+#: check. Matched at the start of the message, so any other warning still shows.
+EXPECTED_WARNINGS = (
+    r"Found \d+ module\(s\) in eval mode at the start of training",
+    r"You have overridden `on_(before|after)_batch_transfer` in `LightningModule` but have "
+    r"passed in a `LightningDataModule`",
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+)
+
+
+def quiet_libraries() -> None:
+    """What the libraries print that tells a user of this run nothing, silenced in this process
+    unless ``FLOWMATCH_VERBOSE`` is set (the CLI's ``--verbose``): Lightning's info lines
+    ("GPU available ...", "TPU available ...", the litlogger tip, "max_steps reached"), the
+    :data:`EXPECTED_WARNINGS` and transformers' "Writing model shards" bar of the export (wandb:
+    :func:`_quiet_wandb`). The run's own lines (progress, checkpoints, errors) are printed by
+    this package and always show; so does every other warning."""
+    if verbose():
+        return
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    for message in EXPECTED_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def _quiet_wandb() -> None:
+    """wandb's banner, run summary and notices off, its errors on (unless ``FLOWMATCH_VERBOSE``;
+    ``WANDB_*`` variables the user set win): the run folder's ``wandb/`` is named by the caller.
+    Its terminal is set up from them now, before the logger starts its run, whose settings
+    check warns about the ``anonymous`` argument Lightning passes. (Not ``wandb.setup()``: it
+    would read the environment before the logger sets ``WANDB_MODE`` for an offline run.)"""
+    if verbose():
+        return
+    for key, value in (("WANDB_QUIET", "true"), ("WANDB_SHOW_INFO", "false"),
+                       ("WANDB_SHOW_WARNINGS", "false")):  # fmt: skip
+        os.environ.setdefault(key, value)
+    import wandb
+
+    settings = wandb.Settings()
+    settings.update_from_env_vars(dict(os.environ))
+    wandb.termsetup(settings, None)
+
+
 def _pipes():
     """Dagster Pipes when launched by Dagster (``DAGSTER_PIPES_CONTEXT``), in the launcher."""
     if os.environ.get("DAGSTER_PIPES_CONTEXT") and distributed.is_launcher():
@@ -424,6 +475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="read the TrainRequest from the Dagster Pipes extras (flow_model)")  # fmt: skip
     ap.add_argument("--result-json", default=None, help="also write the TrainResult here")
     args = ap.parse_args(argv)
+    quiet_libraries()
     with _pipes() as pipes:
         try:  # a user's mistake (bad key or value, changed order on resume): one line, exit 2
             if args.pipes_request:

