@@ -41,7 +41,7 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
 from flowmatch_assets.ingest import decode
-from flowmatch_assets.ingest.batch import _ingest_one, count_reasons, ingest_rows
+from flowmatch_assets.ingest.batch import count_reasons, ingest_one, ingest_rows
 from flowmatch_assets.ingest.fetch import fetch_bytes, make_pool
 from flowmatch_assets.ingest.images import IngestConfig
 from flowmatch_models.storage.atomic import atomic_write_bytes
@@ -66,6 +66,28 @@ print(srv.server_address[1], flush=True)
 srv.serve_forever()
 """
 
+# img2dataset's own image step (``Resizer``: cv2 decode, INTER_AREA resize, crop, encode) and
+# its full-size decode alone, timed on the corpus files in its virtualenv, one thread.
+_I2D_STEPS = r"""
+import io, json, sys, time
+import cv2, numpy as np
+from img2dataset.resizer import Resizer
+cv2.setNumThreads(1)
+datas = [open(p, "rb").read() for p in sys.argv[1:]]
+resizer = Resizer(image_size=256, resize_mode="center_crop", resize_only_if_bigger=False)
+def timed(fn):
+    best = float("inf")
+    for _ in range(3):
+        c0 = time.process_time()
+        for d in datas:
+            fn(d)
+        best = min(best, time.process_time() - c0)
+    return round(1e3 * best / len(datas), 3)
+print(json.dumps({
+    "resizer": timed(lambda d: resizer(io.BytesIO(d))),
+    "cv2_full_decode": timed(lambda d: cv2.imdecode(np.frombuffer(d, np.uint8), cv2.IMREAD_UNCHANGED)),
+}))
+"""
 
 # --------------------------------------------------------------------------------------------
 # Corpus
@@ -195,7 +217,7 @@ def run_ours(urls: list[str], threads: int) -> dict:
 def profile_stages(urls: list[str], reps: int = 3) -> dict[str, float]:
     """CPU ms per image of each step of our image stage, one thread, best of ``reps`` passes.
 
-    ``row`` is one whole row as ``ingest_rows`` does it (``_ingest_one``: fetch, md5, decode,
+    ``row`` is one whole row as ``ingest_rows`` does it (``ingest_one``: fetch, md5, decode,
     crop, encode, result); ``http_fetch``, ``md5`` and ``process_image`` are its parts, and
     ``jpeg_header_checks`` ... ``encode`` the parts of ``process_image`` on the JPEG path (the
     same functions it calls, in its order). ``other`` is ``row`` less the three parts (thread
@@ -217,7 +239,7 @@ def profile_stages(urls: list[str], reps: int = 3) -> dict[str, float]:
 
     rows = [{"id": str(i), "url": u} for i, u in enumerate(urls)]
     prof = {
-        "row": timed(lambda r: _ingest_one(r, cfg, pool), rows)[0],
+        "row": timed(lambda r: ingest_one(r, cfg, pool), rows)[0],
         "http_fetch": timed(lambda u: fetch_bytes(u, cfg, pool), urls)[0],
         "md5": timed(lambda b: hashlib.md5(b).hexdigest(), bodies)[0],
         "process_image": timed(lambda b: decode.process_image(b, cfg), bodies)[0],
@@ -230,11 +252,7 @@ def profile_stages(urls: list[str], reps: int = 3) -> dict[str, float]:
         )
         prof["to_pillow"], ims = timed(lambda ap: decode.to_pillow(*ap), list(zip(arrays, plans)))
         del arrays
-        jobs = [
-            (im, decode._EXIF_TRANSPOSE.get(pl.orientation),
-             decode._decoded_target(pl.orig_width, pl.orig_height, pl.orientation, cfg))
-            for im, pl in zip(ims, plans)
-        ]  # fmt: skip
+        jobs = [(im, pl.transpose, pl.target) for im, pl in zip(ims, plans)]
         del ims
         prof["crop_resize"], outs = timed(lambda job: decode.crop_resize(*job), jobs)
         del jobs
@@ -289,6 +307,20 @@ def _img2dataset_once(exe: Path, url_file: Path, out_dir: Path, threads: int) ->
             if k != "success":
                 failures[k] = failures.get(k, 0) + int(v)
     return {"stored": successes, "failures": failures, "cpu_s": cpu, "wall_s": wall}
+
+
+def profile_img2dataset(venv: Path, paths: list[Path]) -> dict[str, float]:
+    """CPU ms per image of img2dataset's image step (its ``Resizer``) and of OpenCV's full
+    decode within it, one thread, on the corpus files (no HTTP)."""
+    proc = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", _I2D_STEPS, *map(str, paths)],
+        env=dict(os.environ, NO_ALBUMENTATIONS_UPDATE="1"),
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"img2dataset step profile failed: {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def run_img2dataset(venv: Path, urls: list[str], work: Path, threads: int) -> dict:
@@ -374,6 +406,13 @@ def main(argv: list[str] | None = None) -> dict:
             print("ours, CPU ms per image by step (one thread):", flush=True)
             for k, v in profile.items():
                 print(f"  {k:20s} {v:7.3f}", flush=True)
+        i2d_profile = None
+        if args.profile and theirs:
+            i2d_profile = profile_img2dataset(args.img2dataset_venv, paths)
+            i2d_profile["steady_per_image"] = round(1e3 / theirs["per_core"], 3)
+            print("img2dataset, CPU ms per image (one thread; steady = the run above):", flush=True)
+            for k, v in i2d_profile.items():
+                print(f"  {k:20s} {v:7.3f}", flush=True)
 
     result: dict = {
         "bench": "images",
@@ -394,6 +433,9 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if profile:
         result["profile_ms_per_image"] = profile
+        result["ours_steady_ms_per_image"] = round(1e3 / ours["per_core"], 3)
+    if i2d_profile:
+        result["img2dataset_profile_ms_per_image"] = i2d_profile
     if theirs and theirs["stored"] != ours["stored"]:
         print(
             f"note: success counts differ (ours {ours['stored']}, img2dataset {theirs['stored']})"

@@ -191,6 +191,12 @@ class JpegPlan:
     colorspace: str  # simplejpeg's target: "RGB" or "GRAY"
     min_width: int  # libjpeg-turbo picks the smallest M/8 scale at least this large
     min_height: int
+    target: tuple[int, int]  # (width, height) the decoded image is resampled to, before orientation
+
+    @property
+    def transpose(self) -> Image.Transpose | None:
+        """The lossless transpose that applies the EXIF orientation to the small output."""
+        return _EXIF_TRANSPOSE.get(self.orientation)
 
 
 def jpeg_plan(data: bytes, cfg: IngestConfig) -> JpegPlan | None:
@@ -219,7 +225,7 @@ def jpeg_plan(data: bytes, cfg: IngestConfig) -> JpegPlan | None:
     scale = max(tw / w, th / h)
     return JpegPlan(
         w, h, ow, oh, orientation, target,
-        max(1, math.ceil(w * scale)), max(1, math.ceil(h * scale)),
+        max(1, math.ceil(w * scale)), max(1, math.ceil(h * scale)), (tw, th),
     )  # fmt: skip
 
 
