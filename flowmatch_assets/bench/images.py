@@ -12,13 +12,19 @@ own process so its CPU is charged to neither side.
   process spawns) is measured by a run on a one-URL list and subtracted, so the ratio compares
   steady-state per-image work; the uncorrected numbers are reported too.
 
-Usage: ``python -m flowmatch_assets.bench.images [--n 400] [--threads 16]``.
+``--profile`` adds where our CPU goes: each step of the image stage timed on its own
+(``time.process_time``, one thread, every corpus image fetched over the same loopback server),
+in ms per image; ``entropy_floor`` is a 1/8-scale decode of the same files, which still
+Huffman-decodes every coefficient: no libjpeg-turbo decode of these files costs less.
+
+Usage: ``python -m flowmatch_assets.bench.images [--n 400] [--threads 16] [--profile]``.
 The last line of output is one JSON object (``"bench": "images"``).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import io
 import json
 import os
@@ -27,13 +33,16 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
-from flowmatch_assets.ingest.batch import count_reasons, ingest_rows
+from flowmatch_assets.ingest import decode
+from flowmatch_assets.ingest.batch import count_reasons, ingest_one, ingest_rows
+from flowmatch_assets.ingest.fetch import fetch_bytes, make_pool
 from flowmatch_assets.ingest.images import IngestConfig
 from flowmatch_models.storage.atomic import atomic_write_bytes
 
@@ -57,6 +66,28 @@ print(srv.server_address[1], flush=True)
 srv.serve_forever()
 """
 
+# img2dataset's own image step (``Resizer``: cv2 decode, INTER_AREA resize, crop, encode) and
+# its full-size decode alone, timed on the corpus files in its virtualenv, one thread.
+_I2D_STEPS = r"""
+import io, json, sys, time
+import cv2, numpy as np
+from img2dataset.resizer import Resizer
+cv2.setNumThreads(1)
+datas = [open(p, "rb").read() for p in sys.argv[1:]]
+resizer = Resizer(image_size=256, resize_mode="center_crop", resize_only_if_bigger=False)
+def timed(fn):
+    best = float("inf")
+    for _ in range(3):
+        c0 = time.process_time()
+        for d in datas:
+            fn(d)
+        best = min(best, time.process_time() - c0)
+    return round(1e3 * best / len(datas), 3)
+print(json.dumps({
+    "resizer": timed(lambda d: resizer(io.BytesIO(d))),
+    "cv2_full_decode": timed(lambda d: cv2.imdecode(np.frombuffer(d, np.uint8), cv2.IMREAD_UNCHANGED)),
+}))
+"""
 
 # --------------------------------------------------------------------------------------------
 # Corpus
@@ -183,6 +214,58 @@ def run_ours(urls: list[str], threads: int) -> dict:
     }
 
 
+def profile_stages(urls: list[str], reps: int = 3) -> dict[str, float]:
+    """CPU ms per image of each step of our image stage, one thread, best of ``reps`` passes.
+
+    ``row`` is one whole row as ``ingest_rows`` does it (``ingest_one``: fetch, md5, decode,
+    crop, encode, result); ``http_fetch``, ``md5`` and ``process_image`` are its parts, and
+    ``jpeg_header_checks`` ... ``encode`` the parts of ``process_image`` on the JPEG path (the
+    same functions it calls, in its order). ``other`` is ``row`` less the three parts (thread
+    pool, result, URL checks). ``entropy_floor`` is not a step: a 1/8-scale decode of the same
+    bytes, which still Huffman-decodes every coefficient.
+    """
+    cfg = IngestConfig(threads=1, retries=0, allow_networks=["127.0.0.0/8"])  # loopback
+    pool = make_pool(cfg)
+    encoder = decode.ENCODERS[cfg.image_format.lower()]
+    bodies = [fetch_bytes(u, cfg, pool) for u in urls]  # warm the pool and the server's cache
+
+    def timed(fn: Callable, items: list) -> tuple[float, list]:
+        best, out = float("inf"), []
+        for _ in range(reps):
+            c0 = time.process_time()
+            out = [fn(x) for x in items]
+            best = min(best, time.process_time() - c0)
+        return 1e3 * best / len(items), out
+
+    rows = [{"id": str(i), "url": u} for i, u in enumerate(urls)]
+    prof = {
+        "row": timed(lambda r: ingest_one(r, cfg, pool), rows)[0],
+        "http_fetch": timed(lambda u: fetch_bytes(u, cfg, pool), urls)[0],
+        "md5": timed(lambda b: hashlib.md5(b).hexdigest(), bodies)[0],
+        "process_image": timed(lambda b: decode.process_image(b, cfg), bodies)[0],
+    }
+    plans = [decode.jpeg_plan(b, cfg) for b in bodies]
+    if all(pl is not None for pl in plans):  # every corpus file takes the simplejpeg path
+        prof["jpeg_header_checks"] = timed(lambda b: decode.jpeg_plan(b, cfg), bodies)[0]
+        prof["dct_scaled_decode"], arrays = timed(
+            lambda bp: decode.jpeg_decode_scaled(*bp), list(zip(bodies, plans))
+        )
+        prof["to_pillow"], ims = timed(lambda ap: decode.to_pillow(*ap), list(zip(arrays, plans)))
+        del arrays
+        jobs = [(im, pl.transpose, pl.target) for im, pl in zip(ims, plans)]
+        del ims
+        prof["crop_resize"], outs = timed(lambda job: decode.crop_resize(*job), jobs)
+        del jobs
+        prof["encode"] = timed(lambda o: decode.encode(o, cfg, encoder), outs)[0]
+    prof["other"] = prof["row"] - prof["http_fetch"] - prof["md5"] - prof["process_image"]
+    prof["entropy_floor"] = timed(
+        lambda b: decode.simplejpeg.decode_jpeg(b, colorspace="GRAY", min_width=1, min_height=1),
+        bodies,
+    )[0]
+    pool.clear()
+    return {k: round(v, 3) for k, v in prof.items()}
+
+
 def _img2dataset_once(exe: Path, url_file: Path, out_dir: Path, threads: int) -> dict:
     shutil.rmtree(out_dir, ignore_errors=True)
     cmd = [
@@ -224,6 +307,20 @@ def _img2dataset_once(exe: Path, url_file: Path, out_dir: Path, threads: int) ->
             if k != "success":
                 failures[k] = failures.get(k, 0) + int(v)
     return {"stored": successes, "failures": failures, "cpu_s": cpu, "wall_s": wall}
+
+
+def profile_img2dataset(venv: Path, paths: list[Path]) -> dict[str, float]:
+    """CPU ms per image of img2dataset's image step (its ``Resizer``) and of OpenCV's full
+    decode within it, one thread, on the corpus files (no HTTP)."""
+    proc = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", _I2D_STEPS, *map(str, paths)],
+        env=dict(os.environ, NO_ALBUMENTATIONS_UPDATE="1"),
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"img2dataset step profile failed: {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def run_img2dataset(venv: Path, urls: list[str], work: Path, threads: int) -> dict:
@@ -269,6 +366,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--work-dir", type=Path, default=Path(".bench/images-run"))
     p.add_argument("--img2dataset-venv", type=Path, default=Path(".bench/img2dataset-venv"))
     p.add_argument("--skip-img2dataset", action="store_true", help="only measure our stage")
+    p.add_argument(
+        "--profile", action="store_true", help="also time each step of our stage (one thread)"
+    )
     args = p.parse_args(argv)
 
     paths = build_corpus(args.corpus_dir, args.n)
@@ -301,6 +401,18 @@ def main(argv: list[str] | None = None) -> dict:
                 f"{theirs['wall_per_s']:.1f} img/s wall",
                 flush=True,
             )
+        profile = profile_stages(urls) if args.profile else None
+        if profile:
+            print("ours, CPU ms per image by step (one thread):", flush=True)
+            for k, v in profile.items():
+                print(f"  {k:20s} {v:7.3f}", flush=True)
+        i2d_profile = None
+        if args.profile and theirs:
+            i2d_profile = profile_img2dataset(args.img2dataset_venv, paths)
+            i2d_profile["steady_per_image"] = round(1e3 / theirs["per_core"], 3)
+            print("img2dataset, CPU ms per image (one thread; steady = the run above):", flush=True)
+            for k, v in i2d_profile.items():
+                print(f"  {k:20s} {v:7.3f}", flush=True)
 
     result: dict = {
         "bench": "images",
@@ -319,6 +431,11 @@ def main(argv: list[str] | None = None) -> dict:
         "corpus_mean_bytes": int(np.mean(sizes)),
         "cpu_count": os.cpu_count(),
     }
+    if profile:
+        result["profile_ms_per_image"] = profile
+        result["ours_steady_ms_per_image"] = round(1e3 / ours["per_core"], 3)
+    if i2d_profile:
+        result["img2dataset_profile_ms_per_image"] = i2d_profile
     if theirs and theirs["stored"] != ours["stored"]:
         print(
             f"note: success counts differ (ours {ours['stored']}, img2dataset {theirs['stored']})"

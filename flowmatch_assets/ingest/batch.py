@@ -13,7 +13,8 @@ from flowmatch_assets.ingest.fetch import fetch_bytes, make_pool
 from flowmatch_assets.ingest.images import IngestConfig, IngestError, IngestResult
 
 
-def _ingest_one(row: Mapping, cfg: IngestConfig, pool: urllib3.PoolManager) -> IngestResult:
+def ingest_one(row: Mapping, cfg: IngestConfig, pool: urllib3.PoolManager) -> IngestResult:
+    """One row (``id``, ``url``): fetch, md5, decode, crop, encode; never raises for bad data."""
     rid = str(row.get("id", ""))
     url = row.get("url")
     url_s = url if isinstance(url, str) else ""
@@ -55,7 +56,7 @@ def ingest_rows(
     pool = make_pool(cfg)
     try:
         with ThreadPoolExecutor(max_workers=cfg.threads, thread_name_prefix="ingest") as ex:
-            futures = {ex.submit(_ingest_one, row, cfg, pool): i for i, row in enumerate(rows)}
+            futures = {ex.submit(ingest_one, row, cfg, pool): i for i, row in enumerate(rows)}
             for done, fut in enumerate(as_completed(futures), start=1):
                 i = futures[fut]
                 results[i] = fut.result()

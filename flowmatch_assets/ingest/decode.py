@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+from dataclasses import dataclass
 
 import numpy as np
 from PIL import Image, ImageFile
@@ -178,13 +179,31 @@ def _decoded_target(ow: int, oh: int, orientation: int, cfg: IngestConfig) -> tu
     return (bh, bw) if orientation in (5, 6, 7, 8) else (bw, bh)
 
 
-def _decode_jpeg_scaled(data: bytes, cfg: IngestConfig) -> tuple[Image.Image, int, int, int] | None:
-    """simplejpeg (libjpeg-turbo) decode straight to the smallest M/8 scale >= the resize target.
+@dataclass(frozen=True)
+class JpegPlan:
+    """What the simplejpeg path decodes: the header's facts and the DCT-scaled size asked for."""
 
-    Returns ``(image, orig_width, orig_height, orientation)`` with an RGB or L image, or None
-    when this JPEG should take the Pillow path instead (no simplejpeg, CMYK/YCCK, a header or
-    data error of any kind, even a warning: strict mode, so Pillow decides what is corrupt).
-    Raises ``IngestError`` for ``decompression_bomb`` / ``too_small``, before decoding.
+    width: int  # as stored, before EXIF orientation
+    height: int
+    orig_width: int  # after EXIF orientation
+    orig_height: int
+    orientation: int
+    colorspace: str  # simplejpeg's target: "RGB" or "GRAY"
+    min_width: int  # libjpeg-turbo picks the smallest M/8 scale at least this large
+    min_height: int
+    target: tuple[int, int]  # (width, height) the decoded image is resampled to, before orientation
+
+    @property
+    def transpose(self) -> Image.Transpose | None:
+        """The lossless transpose that applies the EXIF orientation to the small output."""
+        return _EXIF_TRANSPOSE.get(self.orientation)
+
+
+def jpeg_plan(data: bytes, cfg: IngestConfig) -> JpegPlan | None:
+    """Header, EXIF orientation, bomb/size checks and the DCT scale of a JPEG, without decoding.
+
+    None when this JPEG should take the Pillow path (no simplejpeg, CMYK/YCCK, an unreadable
+    header). Raises ``IngestError`` for ``decompression_bomb`` / ``too_small``.
     """
     if simplejpeg is None:
         return None
@@ -193,9 +212,9 @@ def _decode_jpeg_scaled(data: bytes, cfg: IngestConfig) -> tuple[Image.Image, in
     except Exception:  # noqa: BLE001 - Pillow reports what is wrong with this file
         return None
     if colorspace in ("YCbCr", "RGB"):
-        target, mode = "RGB", "RGB"
+        target = "RGB"
     elif colorspace == "Gray":
-        target, mode = "GRAY", "L"
+        target = "GRAY"
     else:
         return None  # CMYK / YCCK (Adobe inversion): Pillow
     if Image.MAX_IMAGE_PIXELS and w * h > 2 * Image.MAX_IMAGE_PIXELS:
@@ -204,29 +223,56 @@ def _decode_jpeg_scaled(data: bytes, cfg: IngestConfig) -> tuple[Image.Image, in
     ow, oh = _check_size(w, h, orientation, cfg)
     tw, th = _decoded_target(ow, oh, orientation, cfg)
     scale = max(tw / w, th / h)
+    return JpegPlan(
+        w, h, ow, oh, orientation, target,
+        max(1, math.ceil(w * scale)), max(1, math.ceil(h * scale)), (tw, th),
+    )  # fmt: skip
+
+
+def jpeg_decode_scaled(data: bytes, plan: JpegPlan) -> np.ndarray | None:
+    """simplejpeg (libjpeg-turbo) decode at the smallest M/8 scale covering ``plan``'s size;
+    None on any libjpeg error or warning (strict: Pillow then decides what is corrupt)."""
     try:
-        arr = simplejpeg.decode_jpeg(
+        return simplejpeg.decode_jpeg(
             data,
-            colorspace=target,
-            min_width=max(1, math.ceil(w * scale)),
-            min_height=max(1, math.ceil(h * scale)),
+            colorspace=plan.colorspace,
+            min_width=plan.min_width,
+            min_height=plan.min_height,
             strict=True,
         )
     except Exception:  # noqa: BLE001 - truncated/damaged: Pillow decides (and says corrupt)
         return None
-    im = Image.fromarray(arr[:, :, 0] if mode == "L" else arr, mode)
-    return im, ow, oh, orientation
 
 
-def _finish(
-    im: Image.Image,
-    transpose: Image.Transpose | None,
-    cfg: IngestConfig,
-    encoder: str,
-    target: tuple[int, int],
-) -> bytes:
+def to_pillow(arr: np.ndarray, plan: JpegPlan) -> Image.Image:
+    """The decoded array as an RGB or L Pillow image (one copy)."""
+    if plan.colorspace == "GRAY":
+        return Image.fromarray(arr[:, :, 0], "L")
+    return Image.fromarray(arr, "RGB")
+
+
+def _decode_jpeg_scaled(data: bytes, cfg: IngestConfig) -> tuple[Image.Image, int, int, int] | None:
+    """simplejpeg (libjpeg-turbo) decode straight to the smallest M/8 scale >= the resize target.
+
+    Returns ``(image, orig_width, orig_height, orientation)`` with an RGB or L image, or None
+    when this JPEG should take the Pillow path instead (no simplejpeg, CMYK/YCCK, a header or
+    data error of any kind, even a warning: strict mode, so Pillow decides what is corrupt).
+    Raises ``IngestError`` for ``decompression_bomb`` / ``too_small``, before decoding.
+    """
+    plan = jpeg_plan(data, cfg)
+    if plan is None:
+        return None
+    arr = jpeg_decode_scaled(data, plan)
+    if arr is None:
+        return None
+    return to_pillow(arr, plan), plan.orig_width, plan.orig_height, plan.orientation
+
+
+def crop_resize(
+    im: Image.Image, transpose: Image.Transpose | None, target: tuple[int, int]
+) -> Image.Image:
     """Mode to RGB/L(A), resample the centred crop box to ``target`` (width, height, before
-    orientation), orient, encode."""
+    orientation), composite alpha over white, to RGB, orient: the image that is encoded."""
     mode = im.mode
     alpha = mode in ("RGBA", "LA", "PA") or (mode == "P" and "transparency" in im.info)
     if mode == "P" or mode == "PA":
@@ -252,6 +298,11 @@ def _finish(
         out = out.convert("RGB")
     if transpose is not None:
         out = out.transpose(transpose)
+    return out
+
+
+def encode(out: Image.Image, cfg: IngestConfig, encoder: str) -> bytes:
+    """The stored bytes of the output image (``encoder``: a Pillow format of ``ENCODERS``)."""
     buf = io.BytesIO()
     if encoder == "PNG":
         out.save(buf, encoder)
@@ -306,6 +357,7 @@ def process_image(data: bytes, cfg: IngestConfig) -> tuple[bytes, int, int]:
             raise IngestError("corrupt", f"{type(e).__name__}: {e}") from None
     try:
         target = _decoded_target(ow, oh, orientation, cfg)
-        return _finish(im, _EXIF_TRANSPOSE.get(orientation), cfg, encoder, target), ow, oh
+        out = crop_resize(im, _EXIF_TRANSPOSE.get(orientation), target)
+        return encode(out, cfg, encoder), ow, oh
     except Exception as e:  # noqa: BLE001 - lazily-decoded frames can still fail here
         raise IngestError("corrupt", f"{type(e).__name__}: {e}") from None
