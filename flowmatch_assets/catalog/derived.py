@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from flowmatch_models.storage.atomic import atomic_path
+from flowmatch_models.storage.atomic import atomic_path, write_parquet
 from flowmatch_models.storage.layout import DataLayout
 
 # ------------------------------------------------------------------------------- writing
@@ -40,7 +40,7 @@ def _write_bytes(path: Path, data: bytes) -> None:
 
 
 def _write_table(path: Path, table: pa.Table) -> None:
-    _replace(path, lambda tmp: pq.write_table(table, tmp))
+    _replace(path, lambda tmp: write_parquet(table, tmp))
 
 
 def card_summary_path(layout: DataLayout, partition: str) -> Path:

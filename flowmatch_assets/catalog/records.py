@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from flowmatch_assets.catalog.derived import write_card_summary, write_content_hashes
-from flowmatch_models.storage.atomic import atomic_path
+from flowmatch_models.storage.atomic import atomic_path, write_parquet
 from flowmatch_models.storage.layout import DataLayout
 
 OUTCOMES = ("stored", "filtered", "failed")
@@ -140,7 +140,7 @@ def _write_parquet(path: Path, table: pa.Table, summary: object = None) -> list[
         meta = {**(table.schema.metadata or {}), SUMMARY_KEY: json.dumps(summary, default=str)}
         table = table.replace_schema_metadata(meta)
     with atomic_path(path) as tmp:
-        pq.write_table(table, tmp)
+        write_parquet(table, tmp)
         st = tmp.stat()
     return [st.st_ino, st.st_size, st.st_mtime_ns]
 

@@ -30,7 +30,7 @@ from flowmatch_assets.ingest.metadata import (
 from flowmatch_assets.ingest.shard import NothingToRetry, TooFewStored, make_image_shard
 from flowmatch_assets.ingest.sources import SourceError, partition_images, partition_rows
 from flowmatch_models.figures.grid import make_grid, markdown_image, save_png
-from flowmatch_models.storage.atomic import atomic_path
+from flowmatch_models.storage.atomic import atomic_path, write_parquet
 from flowmatch_models.storage.image_shard import decode, read_image_meta, write_image_shard
 from flowmatch_models.storage.layout import PD12M, source_of
 
@@ -63,7 +63,7 @@ def _metadata(context, flowmatch: FlowmatchResource, out: PartitionOutput) -> dg
     winners = extra.pop("winners", None)
     kept, filtered = filter_rows(table, flowmatch.filters, winners)
     with atomic_path(out.path) as tmp:
-        pq.write_table(kept, tmp)
+        write_parquet(kept, tmp)
     outcomes = [
         RowOutcome(i, u, "stored")
         for i, u in zip(kept.column("id").to_pylist(), kept.column("url").to_pylist())

@@ -24,7 +24,7 @@ import dagster as dg
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from flowmatch_models.storage.atomic import atomic_path
+from flowmatch_models.storage.atomic import atomic_path, write_parquet
 
 #: old asset key -> new
 RENAMED_ASSETS = {"pd12m_metadata": "metadata", "images_256": "images"}
@@ -64,7 +64,7 @@ def upgrade_data_root(root: str | Path) -> list[str]:
                         i = t.column_names.index("asset")
                         t = t.set_column(i, "asset", pa.array([new] * t.num_rows, pa.string()))
                     with atomic_path(dst / f.name) as tmp:
-                        pq.write_table(t, tmp)
+                        write_parquet(t, tmp)
                     f.unlink()
                 else:
                     f.rename(dst / f.name)

@@ -176,3 +176,13 @@ def remove_stale_temps(target: str | os.PathLike) -> int:
         p.unlink(missing_ok=True)
         n += 1
     return n
+
+
+def write_parquet(table, path: str | os.PathLike, **kw) -> None:
+    """``pq.write_table(table, path, **kw)`` through a file this process opens and always
+    closes: when a write fails (a full disk), pyarrow's own handle stays open as long as the
+    exception is referenced, holding the deleted temp file's space and its filesystem busy."""
+    import pyarrow.parquet as pq
+
+    with open(path, "wb") as f:
+        pq.write_table(table, f, **kw)

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
-from flowmatch_models.storage.atomic import atomic_path, written
+from flowmatch_models.storage.atomic import atomic_path, write_parquet, written
 
 IMAGE_SHARD_SCHEMA = pa.schema(
     [
@@ -46,7 +46,7 @@ def write_image_shard(path: str | Path, rows: Sequence[dict]) -> int:
     table = pa.Table.from_pylist(list(rows), schema=IMAGE_SHARD_SCHEMA)
     with atomic_path(path) as tmp:
         # images are already compressed: don't spend time re-compressing that column
-        pq.write_table(
+        write_parquet(
             table,
             tmp,
             row_group_size=ROW_GROUP,
