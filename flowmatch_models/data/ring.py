@@ -1,4 +1,5 @@
-"""The batch ring: buffers in shared memory, filled by the workers, opened by the main process."""
+"""The batch ring: reusable batch buffers (in shared memory for worker processes), filled by the
+loader's workers or threads, opened where the batches are used."""
 
 from __future__ import annotations
 
@@ -31,12 +32,21 @@ class BatchRing:
     mix of two batches.
     """
 
-    def __init__(self, source: ShardSource, batch_size: int, workers: int, slots_per_worker: int):
+    def __init__(self, source: ShardSource, batch_size: int, workers: int, slots_per_worker: int,
+                 shared: bool = True):  # fmt: skip
+        """``shared`` False: ordinary memory, for threads of one process (:class:`ThreadLoader`),
+        faulted in here once (zeroed) rather than page by page under the first batches."""
         self.workers, self.slots = max(1, workers), slots_per_worker
         tokens = batch_size * source.text_max_len
         n = self.workers * self.slots
-        self.buffers = [source.buffers(batch_size, tokens, shared=True) for _ in range(n)]
-        self.seq = torch.full((n,), -1, dtype=torch.int64).share_memory_()
+        self.buffers = [source.buffers(batch_size, tokens, shared=shared) for _ in range(n)]
+        if not shared:
+            for buf in self.buffers:
+                for t in buf.values():
+                    t.zero_()
+        self.seq = torch.full((n,), -1, dtype=torch.int64)
+        if shared:
+            self.seq.share_memory_()
         self._held: tuple[int, int] | None = None
         self.nbytes = sum(t.nbytes for buf in self.buffers for t in buf.values())
 

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -93,6 +94,7 @@ class ShardSource:
         self.load_dino = load_dino
         self.cache_shards = max(1, cache_shards)
         self._open: OrderedDict[int, dict] = OrderedDict()
+        self._lock = threading.Lock()  # the caches, for a loader's threads (ThreadLoader)
         self._tables: OrderedDict[tuple[str, str, str], transform_codec.DeviceTables] = (
             OrderedDict()
         )
@@ -147,7 +149,16 @@ class ShardSource:
 
     def __getstate__(self) -> dict:
         """Pickled (a DataLoader worker under ``spawn``): without open files; reopened there."""
-        return {**self.__dict__, "_open": OrderedDict(), "_tables": OrderedDict()}
+        state = {**self.__dict__, "_open": OrderedDict(), "_tables": OrderedDict()}
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
+
+    def is_open(self, i: int) -> bool:
+        """Whether partition ``i``'s arrays are open (in the cache)."""
+        return i in self._open
 
     @property
     def kinds(self) -> list[str]:
@@ -255,10 +266,12 @@ class ShardSource:
 
     def _arrays(self, i: int) -> dict:
         """Row-readable arrays of partition ``i`` (views, codes, or arrays decoded whole when
-        stored compressed); an LRU of ``cache_shards`` partitions."""
-        if i in self._open:
-            self._open.move_to_end(i)
-            return self._open[i]
+        stored compressed); an LRU of ``cache_shards`` partitions. Safe from several threads:
+        a partition is opened outside the lock (two threads may both open it; one is kept)."""
+        with self._lock:
+            if i in self._open:
+                self._open.move_to_end(i)
+                return self._open[i]
         p = self.partitions[i]
         vae, text = self._shard(self.latents, p), self._shard(self.text, p)
         shards = [vae, text]
@@ -310,9 +323,11 @@ class ShardSource:
         sf = float(vae.attrs.get("scaling_factor", self.scaling_factor))
         if sf != self.scaling_factor:
             raise ValueError(f"partition {p!r}: scaling_factor {sf} != {self.scaling_factor}")
-        self._open[i] = out
-        while len(self._open) > self.cache_shards:
-            self._open.popitem(last=False)
+        with self._lock:
+            out = self._open.setdefault(i, out)
+            self._open.move_to_end(i)
+            while len(self._open) > self.cache_shards:
+                self._open.popitem(last=False)
         return out
 
     def gather_train(self, shard_idx: np.ndarray, local: np.ndarray, decode: bool = True) -> dict:
@@ -483,8 +498,9 @@ class ShardSource:
         if key is not None and (kind, key, str(device)) in self._tables:
             self._tables.move_to_end((kind, key, str(device)))
             return self._tables[(kind, key, str(device))]
-        opened = [a["shards"].get(kind) for i, a in self._open.items()
-                  if self.partitions[i] == partition]  # fmt: skip
+        with self._lock:
+            opened = [a["shards"].get(kind) for i, a in self._open.items()
+                      if self.partitions[i] == partition]  # fmt: skip
         found = None
         for s in [shard, *opened]:
             if s is not None and (key is None or s.table_key(array) == key):
