@@ -244,9 +244,11 @@ def measure(
     text_max_len: int = 128,
     heldout: tuple[float, int] = (0.005, 50),
     max_batches: int | None = None,
+    loader: str = "threads",
 ) -> dict:
-    """Run the real data module's loader over one epoch (or ``max_batches``) of ``root`` and
-    measure memory, CPU and batch times as the module doc says."""
+    """Run the real data module's loader (``loader``: ``data.loader``) over one epoch (or
+    ``max_batches``) of ``root`` and measure memory, CPU and batch times as the module doc
+    says."""
     import torch
 
     from flowmatch_models.data.module import EmbeddingDataModule
@@ -254,7 +256,7 @@ def measure(
     torch.set_num_threads(1)
     dm = EmbeddingDataModule(
         root, batch_size=batch_size, num_workers=num_workers, shuffle_window=shuffle_window,
-        text_max_len=text_max_len, heldout=heldout, load_dino=True,
+        text_max_len=text_max_len, heldout=heldout, load_dino=True, loader=loader,
     )  # fmt: skip
     sizes = dm.source.sizes
     per_window = int(sizes[:shuffle_window].sum())
@@ -296,14 +298,16 @@ def measure(
 
 
 def measure_in_subprocess(
-    root: Path, batch_size: int, num_workers: int, shuffle_window: int, max_batches: int | None
+    root: Path, batch_size: int, num_workers: int, shuffle_window: int, max_batches: int | None,
+    loader: str = "threads",
 ) -> dict:
     """:func:`measure` in a fresh Python process: what it measures is the loader alone, not
     the memory this process used to write the partitions."""
     import subprocess
 
     args = {"root": str(root), "batch_size": batch_size, "num_workers": num_workers,
-            "shuffle_window": shuffle_window, "max_batches": max_batches}  # fmt: skip
+            "shuffle_window": shuffle_window, "max_batches": max_batches,
+            "loader": loader}  # fmt: skip
     code = (
         "import json, sys; from pathlib import Path; from flowmatch_assets.bench.loader import "
         "measure; a = json.loads(sys.argv[1]); a['root'] = Path(a['root']); "
