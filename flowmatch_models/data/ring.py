@@ -49,6 +49,21 @@ class BatchRing:
             self.seq.share_memory_()
         self._held: tuple[int, int] | None = None
         self.nbytes = sum(t.nbytes for buf in self.buffers for t in buf.values())
+        self._views()
+
+    def _views(self) -> None:
+        #: numpy views of each slot's buffers (what the reads fill) and of ``seq``: made once
+        self.arrays = [{k: t.numpy() for k, t in buf.items()} for buf in self.buffers]
+        self.seqs = self.seq.numpy()
+
+    def __getstate__(self) -> dict:
+        """Pickled (a DataLoader worker under ``spawn``): the tensors by their shared memory,
+        the numpy views made again there (pickled they would be copies)."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("arrays", "seqs")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._views()
 
     def slot(self, worker: int, count: int) -> int:
         """The slot of a worker's ``count``-th batch."""
@@ -57,12 +72,12 @@ class BatchRing:
     def open(self, item: dict) -> dict:
         """The stored batch of a worker's hand-over ``item`` (views of the slot)."""
         slot, seq = item.pop("slot"), item.pop("seq")
-        if self._held is not None and int(self.seq[self._held[0]]) != self._held[1]:
+        if self._held is not None and int(self.seqs[self._held[0]]) != self._held[1]:
             raise RuntimeError(
                 f"loader slot {self._held[0]} was refilled while batch {self._held[1]} was in "
                 "use; the ring is too small for this DataLoader's prefetching"
             )
-        if int(self.seq[slot]) != seq:
-            raise RuntimeError(f"loader slot {slot} holds batch {int(self.seq[slot])}, not {seq}")
+        if int(self.seqs[slot]) != seq:
+            raise RuntimeError(f"loader slot {slot} holds batch {int(self.seqs[slot])}, not {seq}")
         self._held = (slot, seq)
         return {**slot_views(self.buffers[slot], item["sizes"]), **item}
