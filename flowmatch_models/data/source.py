@@ -16,7 +16,14 @@ import torch
 
 from flowmatch_models.data.decode import decode_batch
 from flowmatch_models.data.order import epoch_order, heldout_rows
-from flowmatch_models.data.rows import empty_buffer, open_rows, read_rows, sample_grids, slot_views
+from flowmatch_models.data.rows import (
+    ReadPool,
+    empty_buffer,
+    open_rows,
+    read_rows,
+    sample_grids,
+    slot_views,
+)
 from flowmatch_models.embeddings.kinds import FIRST_TOKEN_ATTR, KINDS, model_inputs
 from flowmatch_models.storage import transform as transform_codec
 from flowmatch_models.storage.fingerprint import ATTR as FINGERPRINT_ATTR
@@ -382,6 +389,7 @@ class ShardSource:
         out: dict | None = None,
         latents: bool = True,
         out_arrays: dict | None = None,
+        io: ReadPool | None = None,
     ) -> dict:
         """Batch of samples ``(shard_idx[j], rows[j])`` in that order; text padded to the
         batch's longest caption, or to ``text_max_len`` with ``fixed_text_len``. ``decode``:
@@ -398,7 +406,8 @@ class ShardSource:
         the buffers (:class:`FileRows`, :func:`read_rows`): no padding or decoding on the host.
         ``out``: buffers to fill (a :class:`BatchRing` slot, :meth:`buffers`; ``out_arrays``
         their numpy views), else new ones; with ``out`` and ``decode=False`` the batch leaves
-        the tensors out (they are ``out``'s, cut by ``sizes``: :func:`slot_views`).
+        the tensors out (they are ``out``'s, cut by ``sizes``: :func:`slot_views`). ``io``:
+        the reads that would wait on the disk go to its threads (:class:`ReadPool`).
 
         The samples share one latent grid ``(h, w)`` (one aspect-ratio bucket; ``sizes["grid"]``):
         ``latents`` ``[B, 32, h, w]`` and DINO rows ``[B, h*w, ...]``, each sample's cells read
@@ -440,13 +449,13 @@ class ShardSource:
         # each sample's rows: its caption's valid tokens as one run, its cells (latents, DINO
         # patches) as one run in both layouts; the text and DINO rows grouped by partition
         read_rows(views["text_rows"], [a["tokens"] for a in arrays], sizes_g, toks, n_tok,
-                  t_end - n_tok)  # fmt: skip
+                  t_end - n_tok, io)  # fmt: skip
         if latents:
             read_rows(views["latents"], [a["latents"] for a in arrays], sizes_g, cell0, cells,
-                      order * cells)  # fmt: skip
+                      order * cells, io)  # fmt: skip
             if self.load_dino:
                 read_rows(views["dino_rows"], [a["patch"] for a in arrays], sizes_g, cell0,
-                          cells, np.arange(b) * cells)  # fmt: skip
+                          cells, np.arange(b) * cells, io)  # fmt: skip
                 views["dino_dst"][:b] = order
         # where each token goes in the flat padded [B * W] batch, and the mask
         within = np.arange(t0) - np.repeat(t_end - n_tok, n_tok)

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from flowmatch_models.data.order import epoch_windows
 from flowmatch_models.data.ring import BatchRing
+from flowmatch_models.data.rows import ReadPool
 from flowmatch_models.data.source import ShardSource
 
 log = logging.getLogger(__name__)
@@ -123,10 +124,12 @@ class BatchStream(IterableDataset):
             yield k, epoch, g0, order[lo : lo + self.batch_size], todo
 
     def build(self, epoch: int, g0: int, idx: np.ndarray, todo: int | None,
-              slot: int | None = None, ring: BatchRing | None = None) -> dict:  # fmt: skip
+              slot: int | None = None, ring: BatchRing | None = None,
+              io: ReadPool | None = None) -> dict:  # fmt: skip
         """The batch of samples ``idx`` (of :meth:`plan`) with its ``meta``: stored into
         ``ring``'s ``slot`` (the batch then holds only what is not in the slot's buffers), or
-        new buffers (decoded on the host with ``decode``)."""
+        new buffers (decoded on the host with ``decode``). ``io``: reads that would wait on
+        the disk go to its threads (:class:`ReadPool`)."""
         if todo is not None:
             self.source._arrays(todo)
         shard = np.searchsorted(self.starts, idx, side="right") - 1
@@ -134,7 +137,7 @@ class BatchStream(IterableDataset):
         if ring is not None:
             batch = self.source.gather(
                 shard, self.source.train_to_rows(shard, local), decode=False,
-                out=ring.buffers[slot], out_arrays=ring.arrays[slot],
+                out=ring.buffers[slot], out_arrays=ring.arrays[slot], io=io,
             )  # fmt: skip
         else:
             batch = self.source.gather_train(shard, local, self.decode)
@@ -175,29 +178,29 @@ class RingLoader(DataLoader):
 
 
 class ThreadLoader:
-    """This rank's batches of ``stream`` built by a pool of ``threads`` threads of this process
-    into a :class:`BatchRing` of ordinary (not shared) buffers, handed out in the stream's
-    order: batch ``k`` is built by whichever thread is free into slot ``k mod slots`` and
-    yielded after batch ``k - 1``, so any thread count yields exactly the single-process
-    sequence. No worker processes: nothing is pickled or handed between processes, no
-    interpreter per worker, the buffers are faulted in once; the reads (``preadv``) release the
-    GIL. ``threads`` 0: built in the consuming thread. ``prefetch``: batches in flight (default
-    2 a thread: every thread busy, one more each to ride out a partition's opening); the ring
-    has ``prefetch + 3`` slots (the consumer holds the batch in use and the one fetched ahead,
-    :class:`BatchRing`). Fewer slots read faster: the buffers stay in the CPU's caches (27
-    slots cost ~10% more kernel time per sample than 3, measured).
-    Iterating is lazy: nothing starts before the first ``next``."""
+    """This rank's batches of ``stream`` built in a thread of this process into a
+    :class:`BatchRing` of ordinary (not shared) buffers, in the stream's order (so exactly the
+    single-process sequence, whatever ``threads``), with ``threads`` more threads for what
+    would wait: reads not in the page cache (:class:`ReadPool`) and the next window's
+    partitions, opened ahead (:meth:`BatchStream.plan`). No worker processes: nothing is
+    pickled or handed between processes, no interpreter per worker, the buffers are faulted in
+    once. One thread builds because building is CPU work under the GIL: several building
+    threads hand the GIL over at every read, and from the page cache a read is a few us.
+    ``threads`` 0: built in the consuming thread, every read blocking. ``prefetch``: batches
+    built ahead (default 4); the ring has ``prefetch + 3`` slots (the consumer holds the batch
+    in use and the one fetched ahead, :class:`BatchRing`). Fewer slots read faster: the
+    buffers stay in the CPU's caches (27 slots cost ~10% more kernel time a sample than 3,
+    measured). Iterating is lazy: nothing starts before the first ``next``."""
 
-    def __init__(self, stream: BatchStream, threads: int, prefetch: int | None = None):
-        self.stream, self.threads = stream, max(0, int(threads))
-        self.prefetch = prefetch if prefetch is not None else 2 * max(1, self.threads)
+    def __init__(self, stream: BatchStream, threads: int, prefetch: int = 4):
+        self.stream, self.threads, self.prefetch = stream, max(0, int(threads)), prefetch
         self.ring = BatchRing(stream.source, stream.batch_size, 1, self.prefetch + 3,
                               shared=False)  # fmt: skip
         stream.ring = None  # this loader fills its ring itself
 
-    def _task(self, k: int, epoch: int, g0: int, idx: np.ndarray, todo: int | None) -> dict:
+    def _task(self, k: int, epoch: int, g0: int, idx: np.ndarray, io: ReadPool | None) -> dict:
         slot = self.ring.slot(0, k)
-        batch = self.stream.build(epoch, g0, idx, todo, slot, self.ring)
+        batch = self.stream.build(epoch, g0, idx, None, slot, self.ring, io)
         self.ring.seqs[slot] = k
         batch.update(slot=slot, seq=k)
         return batch
@@ -206,14 +209,20 @@ class ThreadLoader:
         plan = self.stream.plan()
         self.ring._held = None  # a new pass over the stream
         if self.threads == 0:
-            for item in plan:
-                yield self.ring.open(self._task(*item))
+            for k, epoch, g0, idx, todo in plan:
+                if todo is not None:
+                    self.stream.source._arrays(todo)
+                yield self.ring.open(self._task(k, epoch, g0, idx, None))
             return
         pending: deque[Future] = deque()
-        pool = ThreadPoolExecutor(self.threads, thread_name_prefix="flowmatch-loader")
+        opening: dict[int, Future] = {}
+        builder = ThreadPoolExecutor(1, thread_name_prefix="flowmatch-loader")
+        io = ReadPool(self.threads)
         try:
-            for item in plan:
-                pending.append(pool.submit(self._task, *item))
+            for k, epoch, g0, idx, todo in plan:
+                if todo is not None and todo not in opening:  # opened by an io thread
+                    opening[todo] = io.submit(self.stream.source._arrays, todo)
+                pending.append(builder.submit(self._task, k, epoch, g0, idx, io))
                 if len(pending) > self.prefetch:
                     yield self.ring.open(pending.popleft().result())
             while pending:
@@ -221,4 +230,5 @@ class ThreadLoader:
         finally:
             for f in pending:
                 f.cancel()
-            pool.shutdown(wait=True)
+            builder.shutdown(wait=True)
+            io.shutdown()
