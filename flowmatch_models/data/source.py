@@ -291,6 +291,11 @@ class ShardSource:
         out["offsets"] = ragged_offsets(out["lengths"])
         # a sample's latent cells and its DINO rows start at the same cell offset
         out["cells"] = ragged_offsets(grids.astype(np.int64).prod(1))
+        #: per row what gather needs, one take a partition: caption length, first token, first
+        #: cell, latent grid (h, w); and the trainable rows (held-out ones left out)
+        out["rows"] = np.stack([out["lengths"], out["offsets"][:-1], out["cells"][:-1],
+                                *grids.astype(np.int64).T], axis=1)  # fmt: skip
+        out["train_rows"] = np.delete(np.arange(len(grids)), self.heldout_rows[i])
         if self.load_dino:
             dino = self._shard(self.dino, p)
             shards.append(dino)
@@ -390,6 +395,7 @@ class ShardSource:
         latents: bool = True,
         out_arrays: dict | None = None,
         io: ReadPool | None = None,
+        train: bool = False,
     ) -> dict:
         """Batch of samples ``(shard_idx[j], rows[j])`` in that order; text padded to the
         batch's longest caption, or to ``text_max_len`` with ``fixed_text_len``. ``decode``:
@@ -408,6 +414,7 @@ class ShardSource:
         their numpy views), else new ones; with ``out`` and ``decode=False`` the batch leaves
         the tensors out (they are ``out``'s, cut by ``sizes``: :func:`slot_views`). ``io``:
         the reads that would wait on the disk go to its threads (:class:`ReadPool`).
+        ``train``: ``rows`` index each partition's trainable rows (:meth:`train_to_rows`).
 
         The samples share one latent grid ``(h, w)`` (one aspect-ratio bucket; ``sizes["grid"]``):
         ``latents`` ``[B, 32, h, w]`` and DINO rows ``[B, h*w, ...]``, each sample's cells read
@@ -418,19 +425,24 @@ class ShardSource:
         # the samples grouped by partition (groups in partition order, samples in batch order
         # within): a group's rows are decoded with its partition's tables
         order = np.argsort(shard_idx, kind="stable")
-        parts, sizes_g = np.unique(shard_idx[order], return_counts=True)
-        parts, sizes_g = parts.tolist(), sizes_g.tolist()
+        s_sorted = shard_idx[order]
+        cut = np.flatnonzero(s_sorted[1:] != s_sorted[:-1]) + 1
+        parts = s_sorted[np.concatenate([[0], cut])].tolist() if b else []
+        ends = [*cut.tolist(), b]
+        sizes_g = np.diff([0, *ends]).tolist()
         arrays = [self._arrays(s) for s in parts]
         r_sorted = rows[order]
-        ends = np.cumsum(sizes_g).tolist()
-        lens, toks, cell0, grid = (np.empty(b, np.int64) for _ in range(4))
-        grid = np.empty((b, 2), np.int32)
+        info = np.empty((b, 5), np.int64)
         for a, hi, n in zip(arrays, ends, sizes_g):
             r = r_sorted[hi - n : hi]
-            np.take(a["lengths"], r, out=lens[hi - n : hi])
-            np.take(a["offsets"], r, out=toks[hi - n : hi])
-            np.take(a["cells"], r, out=cell0[hi - n : hi])
-            np.take(a["grids"], r, axis=0, out=grid[hi - n : hi])
+            if train:
+                r = r_sorted[hi - n : hi] = a["train_rows"].take(r)
+            a["rows"].take(r, axis=0, out=info[hi - n : hi])
+        if train:
+            rows = np.empty(b, np.int64)
+            rows[order] = r_sorted
+        lens, toks, cell0 = info[:, 0], info[:, 1], info[:, 2]
+        grid = info[:, 3:]
         n_tok = np.minimum(lens, self.text_max_len)
         width = self.text_max_len if self.fixed_text_len else max(1, int(n_tok.max(initial=1)))
         gh, gw = (int(x) for x in grid[0])

@@ -136,8 +136,8 @@ class BatchStream(IterableDataset):
         local = idx - self.starts[shard]
         if ring is not None:
             batch = self.source.gather(
-                shard, self.source.train_to_rows(shard, local), decode=False,
-                out=ring.buffers[slot], out_arrays=ring.arrays[slot], io=io,
+                shard, local, decode=False, out=ring.buffers[slot],
+                out_arrays=ring.arrays[slot], io=io, train=True,
             )  # fmt: skip
         else:
             batch = self.source.gather_train(shard, local, self.decode)
