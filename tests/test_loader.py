@@ -230,19 +230,19 @@ def test_a_causal_encoders_first_state_is_fed_exactly(tmp_path):
     np.testing.assert_allclose(mean.numpy(), np.concatenate(rows).mean(0), rtol=2e-3, atol=2e-3)
 
 
-@pytest.mark.parametrize("workers", [0, 1])
-def test_a_partition_remade_between_gather_and_decode_keeps_its_tables(tmp_path, workers):
+@pytest.mark.parametrize("workers, loader", [(0, "threads"), (1, "processes"), (2, "threads")])
+def test_a_partition_remade_between_gather_and_decode_keeps_its_tables(tmp_path, workers, loader):
     """A partition re-made while a run reads it (atomic rename; the same ids, another fit):
     codes read from the old file are never decoded with the new file's tables. In the process
-    that read them they decode with the old tables (the version it holds open); in a
-    multi-worker run, where the main process never opened the old file, the batch stops the
-    run in one line instead of training on it."""
+    that read them they decode with the old tables (the version it holds open: any thread
+    count of the thread loader); with worker processes, where the main process never opened
+    the old file, the batch stops the run in one line instead of training on it."""
     sizes = {"000-00": 40, "000-01": 40}
     root = make_root(tmp_path / "r", sizes, "default")
     want = {i: d for b in _epoch(root, workers=0, batch=8, window=2)
             for i, d in zip(b["ids"], b["text"])}  # fmt: skip
     dm = EmbeddingDataModule(root, batch_size=8, num_workers=workers, shuffle_window=2,
-                             heldout=(0.05, 4))  # fmt: skip
+                             heldout=(0.05, 4), loader=loader)  # fmt: skip
     it = iter(dm.train_dataloader())
     batch = next(it)  # read (codes of the files as they are now), not yet decoded
     ids = batch.pop("meta")["ids"]
@@ -253,7 +253,7 @@ def test_a_partition_remade_between_gather_and_decode_keeps_its_tables(tmp_path,
     make_root(tmp_path / "r", sizes, "default", flip=["000-01"])
     assert read_shard(path).ids == [f"000-01/{j}" for j in range(40)]
     np.testing.assert_allclose(read_shard(path).coded("tokens").tables.mean, -before, atol=1e-3)
-    if workers == 0:
+    if loader == "threads":
         got = dm.decode_batch(batch, "cpu")["text"]
         for j, i in enumerate(ids):
             assert torch.equal(got[j], want[i]), i  # the old file's values exactly
