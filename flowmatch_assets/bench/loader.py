@@ -301,7 +301,11 @@ def measure(
 
 
 def measure_in_subprocess(
-    root: Path, batch_size: int, num_workers: int, shuffle_window: int, max_batches: int | None,
+    root: Path,
+    batch_size: int,
+    num_workers: int,
+    shuffle_window: int,
+    max_batches: int | None,
     loader: str = "threads",
 ) -> dict:
     """:func:`measure` in a fresh Python process: what it measures is the loader alone, not
