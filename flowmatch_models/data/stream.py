@@ -187,12 +187,13 @@ class ThreadLoader:
     once. One thread builds because building is CPU work under the GIL: several building
     threads hand the GIL over at every read, and from the page cache a read is a few us.
     ``threads`` 0: built in the consuming thread, every read blocking. ``prefetch``: batches
-    built ahead (default 4); the ring has ``prefetch + 3`` slots (the consumer holds the batch
-    in use and the one fetched ahead, :class:`BatchRing`). Fewer slots read faster: the
-    buffers stay in the CPU's caches (27 slots cost ~10% more kernel time a sample than 3,
-    measured). Iterating is lazy: nothing starts before the first ``next``."""
+    built ahead (default 2: ~3 ms of batches at full speed, many training steps' worth); the
+    ring has ``prefetch + 3`` slots (the consumer holds the batch in use and the one fetched
+    ahead, :class:`BatchRing`). Fewer slots read faster: the buffers stay in the CPU's caches
+    (27 slots cost ~10% more kernel time a sample than 3, measured). Iterating is lazy:
+    nothing starts before the first ``next``."""
 
-    def __init__(self, stream: BatchStream, threads: int, prefetch: int = 4):
+    def __init__(self, stream: BatchStream, threads: int, prefetch: int = 2):
         self.stream, self.threads, self.prefetch = stream, max(0, int(threads)), prefetch
         self.ring = BatchRing(stream.source, stream.batch_size, 1, self.prefetch + 3,
                               shared=False)  # fmt: skip
