@@ -67,7 +67,7 @@ class ReadPool:
     """Threads for the reads that would wait on the disk. A loader's one building thread reads
     every run with ``RWF_NOWAIT`` (:func:`read_rows`): served from the page cache, as a
     warm window is, it never blocks and no other thread contends for the GIL (several
-    threads reading at once hand the GIL over at every ``preadv``: measured ~15-20% more CPU a
+    threads reading at once hand the GIL over at every ``preadv``: measured ~15-30% more CPU a
     sample at 6 threads); the runs not (all) in the page cache are read here, spread over
     ``threads`` threads, so that a cold window still has ``threads`` reads in flight."""
 
