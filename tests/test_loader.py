@@ -230,19 +230,19 @@ def test_a_causal_encoders_first_state_is_fed_exactly(tmp_path):
     np.testing.assert_allclose(mean.numpy(), np.concatenate(rows).mean(0), rtol=2e-3, atol=2e-3)
 
 
-@pytest.mark.parametrize("workers", [0, 1])
-def test_a_partition_remade_between_gather_and_decode_keeps_its_tables(tmp_path, workers):
+@pytest.mark.parametrize("workers, loader", [(0, "threads"), (1, "processes"), (2, "threads")])
+def test_a_partition_remade_between_gather_and_decode_keeps_its_tables(tmp_path, workers, loader):
     """A partition re-made while a run reads it (atomic rename; the same ids, another fit):
     codes read from the old file are never decoded with the new file's tables. In the process
-    that read them they decode with the old tables (the version it holds open); in a
-    multi-worker run, where the main process never opened the old file, the batch stops the
-    run in one line instead of training on it."""
+    that read them they decode with the old tables (the version it holds open: any thread
+    count of the thread loader); with worker processes, where the main process never opened
+    the old file, the batch stops the run in one line instead of training on it."""
     sizes = {"000-00": 40, "000-01": 40}
     root = make_root(tmp_path / "r", sizes, "default")
     want = {i: d for b in _epoch(root, workers=0, batch=8, window=2)
             for i, d in zip(b["ids"], b["text"])}  # fmt: skip
     dm = EmbeddingDataModule(root, batch_size=8, num_workers=workers, shuffle_window=2,
-                             heldout=(0.05, 4))  # fmt: skip
+                             heldout=(0.05, 4), loader=loader)  # fmt: skip
     it = iter(dm.train_dataloader())
     batch = next(it)  # read (codes of the files as they are now), not yet decoded
     ids = batch.pop("meta")["ids"]
@@ -253,7 +253,7 @@ def test_a_partition_remade_between_gather_and_decode_keeps_its_tables(tmp_path,
     make_root(tmp_path / "r", sizes, "default", flip=["000-01"])
     assert read_shard(path).ids == [f"000-01/{j}" for j in range(40)]
     np.testing.assert_allclose(read_shard(path).coded("tokens").tables.mean, -before, atol=1e-3)
-    if workers == 0:
+    if loader == "threads":
         got = dm.decode_batch(batch, "cpu")["text"]
         for j, i in enumerate(ids):
             assert torch.equal(got[j], want[i]), i  # the old file's values exactly
@@ -264,3 +264,66 @@ def test_a_partition_remade_between_gather_and_decode_keeps_its_tables(tmp_path,
     assert "\n" not in msg and msg.startswith("partition '000-01': its text_embeddings file was "
                                               "re-made while this run read it")  # fmt: skip
     assert "resume (--resume auto)" in msg
+
+
+def _stored(root: Path, loader: str, workers: int) -> list[dict]:
+    """Every stored batch of one epoch as the module's loader hands it over (copied out)."""
+    dm = EmbeddingDataModule(root, batch_size=8, num_workers=workers, shuffle_window=2,
+                             heldout=(0.05, 4), loader=loader)  # fmt: skip
+    out = []
+    for b in dm.train_dataloader():
+        meta = b.pop("meta")
+        out.append({"ids": list(meta["ids"]), "position": meta["position"],
+                    **{k: v.clone() for k, v in b.items() if torch.is_tensor(v)},
+                    **{k: v for k, v in b.items() if k in ("parts", "text_counts", "dino_counts",
+                                                           "text_tables", "dino_tables")}})  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("storage", ["default", "zstd"])
+def test_the_thread_loader_hands_over_the_worker_loaders_batches(roots, storage):
+    """``data.loader: threads`` (the default) yields exactly what the DataLoader's worker
+    processes (``processes``, the loader before it) yield: the same samples in the same order
+    and the same stored bytes, whatever the thread count (0: built in the consuming thread)."""
+    ref = _stored(roots[storage], "processes", 2)
+    assert len(ref) > 4
+    for workers in (0, 3):
+        got = _stored(roots[storage], "threads", workers)
+        assert len(got) == len(ref), workers
+        for a, b in zip(ref, got):
+            assert a.keys() == b.keys()
+            for k in a:
+                same = torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k]
+                assert same, (workers, k)
+
+
+def test_reads_not_in_the_page_cache_are_finished_by_the_io_threads(roots, monkeypatch):
+    """The thread loader's builder reads only what the page cache holds (``RWF_NOWAIT``); a
+    run it could not read, or read in part, is finished by the io threads: the batches are
+    the blocking reads' exactly. Simulated: every third read misses, every fifth stops short."""
+    import os
+
+    from flowmatch_models.data import rows as rows_mod
+
+    want = _stored(roots["default"], "threads", 0)  # blocking reads only
+    real, calls = os.preadv, {"nowait": 0, "missed": 0}
+
+    def preadv(fd, bufs, off, flags=0):
+        if not flags & rows_mod.NOWAIT:
+            return real(fd, bufs, off)
+        calls["nowait"] += 1
+        if calls["nowait"] % 3 == 0:
+            calls["missed"] += 1
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+        if calls["nowait"] % 5 == 0 and len(bufs[0]) > 1:
+            calls["missed"] += 1
+            return real(fd, [bufs[0][: len(bufs[0]) // 2]], off)
+        return real(fd, bufs, off, flags)
+
+    monkeypatch.setattr(rows_mod.os, "preadv", preadv)
+    got = _stored(roots["default"], "threads", 2)
+    assert calls["missed"] > 10
+    assert [b["ids"] for b in got] == [b["ids"] for b in want]
+    for a, b in zip(want, got):
+        for k in a:
+            assert torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k], k

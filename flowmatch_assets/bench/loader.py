@@ -9,7 +9,10 @@ weights offline), in the storage asked for (``default``: the pipeline's, see
 ``EncoderSpec``; ``lossless``: fp16, codec none; ``zstd``: fp16 byte-shuffled zstd, the old
 default). Then runs the real :class:`~flowmatch_models.data.module.EmbeddingDataModule` with
 ``configs/base.yaml``'s loader settings (batch 64, 6 workers, shuffle window 8, 128 tokens,
-held-out 0.5%) over two windows, consuming batches as the training loop does, and reports:
+held-out 0.5%) over two windows, consuming batches as the training loop does, once with each
+loader (``data.loader``: ``processes``, the DataLoader's worker processes, the old loader;
+``threads``, the default), alternated ``--repeats`` times on the same files in one run (so
+the ratio is from one box at one time), and reports for each:
 
 - peak host memory of the loader, summed over the main process and its workers: PSS (each
   shared page counted once over the processes), RSS and USS (private), sampled every 20 ms from
@@ -244,9 +247,11 @@ def measure(
     text_max_len: int = 128,
     heldout: tuple[float, int] = (0.005, 50),
     max_batches: int | None = None,
+    loader: str = "threads",
 ) -> dict:
-    """Run the real data module's loader over one epoch (or ``max_batches``) of ``root`` and
-    measure memory, CPU and batch times as the module doc says."""
+    """Run the real data module's loader (``loader``: ``data.loader``) over one epoch (or
+    ``max_batches``) of ``root`` and measure memory, CPU and batch times as the module doc
+    says."""
     import torch
 
     from flowmatch_models.data.module import EmbeddingDataModule
@@ -254,7 +259,7 @@ def measure(
     torch.set_num_threads(1)
     dm = EmbeddingDataModule(
         root, batch_size=batch_size, num_workers=num_workers, shuffle_window=shuffle_window,
-        text_max_len=text_max_len, heldout=heldout, load_dino=True,
+        text_max_len=text_max_len, heldout=heldout, load_dino=True, loader=loader,
     )  # fmt: skip
     sizes = dm.source.sizes
     per_window = int(sizes[:shuffle_window].sum())
@@ -296,14 +301,20 @@ def measure(
 
 
 def measure_in_subprocess(
-    root: Path, batch_size: int, num_workers: int, shuffle_window: int, max_batches: int | None
+    root: Path,
+    batch_size: int,
+    num_workers: int,
+    shuffle_window: int,
+    max_batches: int | None,
+    loader: str = "threads",
 ) -> dict:
     """:func:`measure` in a fresh Python process: what it measures is the loader alone, not
     the memory this process used to write the partitions."""
     import subprocess
 
     args = {"root": str(root), "batch_size": batch_size, "num_workers": num_workers,
-            "shuffle_window": shuffle_window, "max_batches": max_batches}  # fmt: skip
+            "shuffle_window": shuffle_window, "max_batches": max_batches,
+            "loader": loader}  # fmt: skip
     code = (
         "import json, sys; from pathlib import Path; from flowmatch_assets.bench.loader import "
         "measure; a = json.loads(sys.argv[1]); a['root'] = Path(a['root']); "
@@ -361,8 +372,12 @@ def run(
     gemma: Path | None = None,
     max_batches: int | None = None,
     keep: bool = False,
+    loaders: Sequence[str] = ("processes", "threads"),
+    repeats: int = 1,
 ) -> dict:
-    """Write the partitions, measure the loader, report (also printed)."""
+    """Write the partitions, measure each of ``loaders`` ``repeats`` times (alternated), report
+    (also printed): the top-level figures are the last loader's (its median run by samples/s
+    per core), ``loaders`` holds each one's, ``ratio_per_core`` the last over the first."""
     workdir = Path(workdir)
     tokens, lengths = gemma_states(captions, workdir, gemma)
     partitions = partitions or 2 * shuffle_window
@@ -371,13 +386,24 @@ def run(
         shutil.rmtree(root)
     try:
         per_kind = write_partitions(root, partitions, partition_size, storage, tokens, lengths)
-        m = measure_in_subprocess(root, batch_size, num_workers, shuffle_window, max_batches)
+        runs: dict[str, list[dict]] = {name: [] for name in loaders}
+        for _ in range(repeats):
+            for name in loaders:
+                runs[name].append(measure_in_subprocess(root, batch_size, num_workers,
+                                                        shuffle_window, max_batches, name))  # fmt: skip
         dec = device_decode_rate(root, batch_size) if storage == "default" else {}
     finally:
         if not keep:
             shutil.rmtree(root, ignore_errors=True)
     per_sample = {k: v / partition_size for k, v in per_kind.items()}
     total = sum(per_sample.values())
+    by_loader = {}
+    for name, ms in runs.items():
+        rates = sorted(m["samples_per_s_per_core"] for m in ms)
+        median = sorted(ms, key=lambda m: m["samples_per_s_per_core"])[(len(ms) - 1) // 2]
+        by_loader[name] = {**median, "samples_per_s_per_core_runs": rates,
+                           "boundary_vs_steady_runs": [m["boundary_vs_steady"] for m in ms]}  # fmt: skip
+    m = by_loader[loaders[-1]]
     stored = np.minimum(lengths, 128)
     return {
         "bench": "loader",
@@ -399,7 +425,12 @@ def run(
             **{k: round(v * PD12M_PAIRS / 1e9, 1) for k, v in per_sample.items()},
             "total": round(total * PD12M_PAIRS / 1e9, 1),
         },  # fmt: skip
+        "loader": loaders[-1],
         **m,
+        "loaders": by_loader,
+        "ratio_per_core": m["samples_per_s_per_core"]
+        / by_loader[loaders[0]]["samples_per_s_per_core"],
+        "repeats": repeats,
         "device_decode": dec,
         "cpu": os.cpu_count(),
     }
@@ -419,16 +450,27 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--gemma", type=Path, default=None)
     parser.add_argument("--max-batches", type=int, default=None)
     parser.add_argument("--keep", action="store_true", help="keep the written partitions")
+    parser.add_argument("--loaders", default="processes,threads",
+                        help="data.loader values to measure, in this order (the last is reported "
+                        "on top; the ratio is the last over the first)")  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="measure each loader this many times, alternated (median kept)")  # fmt: skip
     a = parser.parse_args(argv)
     r = run(a.storage, a.workdir, a.partition_size, a.partitions, a.workers, a.batch_size,
-            a.shuffle_window, a.captions, a.gemma, a.max_batches, a.keep)  # fmt: skip
+            a.shuffle_window, a.captions, a.gemma, a.max_batches, a.keep,
+            tuple(a.loaders.split(",")), a.repeats)  # fmt: skip
+    for name, m in r["loaders"].items():
+        print(
+            f"loader {name} ({r['storage']}, {a.workers} workers): peak PSS "
+            f"{m['peak_pss_gb']:.2f} GB (RSS {m['peak_rss_gb']:.2f}, USS {m['peak_uss_gb']:.2f}) "
+            f"over {m['processes']} processes; {m['samples_per_s_per_core']:,.0f} samples/s per "
+            f"core ({m['samples_per_s_wall']:,.0f}/s wall on {r['cpu']} cores); window boundary "
+            f"{m['boundary_vs_steady']:.2f}x steady batches/s",
+            file=sys.stderr,
+        )
     print(
-        f"loader ({r['storage']}, {a.workers} workers): peak PSS {r['peak_pss_gb']:.2f} GB "
-        f"(RSS {r['peak_rss_gb']:.2f}, USS {r['peak_uss_gb']:.2f}) over {r['processes']} "
-        f"processes; {r['samples_per_s_per_core']:,.0f} samples/s per core "
-        f"({r['samples_per_s_wall']:,.0f}/s wall on {r['cpu']} cores); window boundary "
-        f"{r['boundary_vs_steady']:.2f}x steady batches/s; {r['bytes_per_sample_total']:,} "
-        f"B/sample -> PD12M {r['pd12m_gb']['total']:.0f} GB",
+        f"{r['loader']} / {next(iter(r['loaders']))}: {r['ratio_per_core']:.2f}x samples/s per "
+        f"core; {r['bytes_per_sample_total']:,} B/sample -> PD12M {r['pd12m_gb']['total']:.0f} GB",
         file=sys.stderr,
     )
     print(json.dumps(r))

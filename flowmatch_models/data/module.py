@@ -31,13 +31,18 @@ from flowmatch_models.data.decode import decode_batch
 from flowmatch_models.data.order import ORDER, OrderChangedError, train_rows
 from flowmatch_models.data.ring import BatchRing
 from flowmatch_models.data.source import ShardSource, shard_fingerprint
-from flowmatch_models.data.stream import BatchStream, RingLoader
+from flowmatch_models.data.stream import BatchStream, RingLoader, ThreadLoader
 from flowmatch_models.embeddings.kinds import model_inputs
 from flowmatch_models.storage.fingerprint import Fingerprint
 from flowmatch_models.storage.layout import DataLayout
 from flowmatch_models.storage.store import read_shard
 
 log = logging.getLogger(__name__)
+
+#: how a rank's batches are built: ``threads`` of the training process (:class:`ThreadLoader`),
+#: or DataLoader worker ``processes`` (:class:`RingLoader`; the loader before threads). Both
+#: yield the same sequence of batches.
+LOADERS = ("threads", "processes")
 
 
 class EmbeddingDataModule(L.LightningDataModule):
@@ -70,8 +75,12 @@ class EmbeddingDataModule(L.LightningDataModule):
         fixed_text_len: bool = False,
         heldout: tuple[float, int] = (0.0, 0),
         bucket_chunk: int = 256,
+        loader: str = "threads",
     ):
         super().__init__()
+        if loader not in LOADERS:
+            raise ValueError(f"data.loader {loader!r}: choose one of {', '.join(LOADERS)}")
+        self.loader = loader
         self.bucket_chunk = int(bucket_chunk)
         self.fixed_text_len = fixed_text_len
         self.heldout = (float(heldout[0]), int(heldout[1]))
@@ -164,7 +173,7 @@ class EmbeddingDataModule(L.LightningDataModule):
                     break
         return out
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> DataLoader | ThreadLoader:
         self._decide_epoch()
         rank, world = self._rank_world()
         g = self.batch_size * world
@@ -190,7 +199,6 @@ class EmbeddingDataModule(L.LightningDataModule):
             decode=False,  # codes travel to the device; decode_batch runs there
             bucket_chunk=self.bucket_chunk,
         )
-        prefetch = 4 if self.num_workers > 0 else None
         trainer = getattr(self, "trainer", None)
         self.ledger.append(
             {
@@ -212,8 +220,15 @@ class EmbeddingDataModule(L.LightningDataModule):
             }
         )
         self._log_coverage(trainer)
+        if self.loader == "threads":
+            # num_workers threads of this process fill a ring of reusable buffers
+            loader = ThreadLoader(stream, self.num_workers)
+            log.info("loader: %d threads, %d batch buffers, %.0f MB", self.num_workers,
+                     len(loader.ring.buffers), loader.ring.nbytes / 1e6)  # fmt: skip
+            return loader
         # a ring of reusable shared buffers: batches are neither copied between processes
         # nor written to fresh memory (sized for the longest batch; memory as logged)
+        prefetch = 4 if self.num_workers > 0 else None
         stream.ring = BatchRing(self.source, self.batch_size, self.num_workers, (prefetch or 0) + 3)
         log.info("loader: %d workers, %d batch buffers, %.0f MB", self.num_workers,
                  len(stream.ring.buffers), stream.ring.nbytes / 1e6)  # fmt: skip

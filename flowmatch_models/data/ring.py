@@ -1,4 +1,5 @@
-"""The batch ring: buffers in shared memory, filled by the workers, opened by the main process."""
+"""The batch ring: reusable batch buffers (in shared memory for worker processes), filled by the
+loader's workers or threads, opened where the batches are used."""
 
 from __future__ import annotations
 
@@ -31,14 +32,38 @@ class BatchRing:
     mix of two batches.
     """
 
-    def __init__(self, source: ShardSource, batch_size: int, workers: int, slots_per_worker: int):
+    def __init__(self, source: ShardSource, batch_size: int, workers: int, slots_per_worker: int,
+                 shared: bool = True):  # fmt: skip
+        """``shared`` False: ordinary memory, for threads of one process (:class:`ThreadLoader`),
+        faulted in here once (zeroed) rather than page by page under the first batches."""
         self.workers, self.slots = max(1, workers), slots_per_worker
         tokens = batch_size * source.text_max_len
         n = self.workers * self.slots
-        self.buffers = [source.buffers(batch_size, tokens, shared=True) for _ in range(n)]
-        self.seq = torch.full((n,), -1, dtype=torch.int64).share_memory_()
+        self.buffers = [source.buffers(batch_size, tokens, shared=shared) for _ in range(n)]
+        if not shared:
+            for buf in self.buffers:
+                for t in buf.values():
+                    t.zero_()
+        self.seq = torch.full((n,), -1, dtype=torch.int64)
+        if shared:
+            self.seq.share_memory_()
         self._held: tuple[int, int] | None = None
         self.nbytes = sum(t.nbytes for buf in self.buffers for t in buf.values())
+        self._views()
+
+    def _views(self) -> None:
+        #: numpy views of each slot's buffers (what the reads fill) and of ``seq``: made once
+        self.arrays = [{k: t.numpy() for k, t in buf.items()} for buf in self.buffers]
+        self.seqs = self.seq.numpy()
+
+    def __getstate__(self) -> dict:
+        """Pickled (a DataLoader worker under ``spawn``): the tensors by their shared memory,
+        the numpy views made again there (pickled they would be copies)."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("arrays", "seqs")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._views()
 
     def slot(self, worker: int, count: int) -> int:
         """The slot of a worker's ``count``-th batch."""
@@ -47,12 +72,12 @@ class BatchRing:
     def open(self, item: dict) -> dict:
         """The stored batch of a worker's hand-over ``item`` (views of the slot)."""
         slot, seq = item.pop("slot"), item.pop("seq")
-        if self._held is not None and int(self.seq[self._held[0]]) != self._held[1]:
+        if self._held is not None and int(self.seqs[self._held[0]]) != self._held[1]:
             raise RuntimeError(
                 f"loader slot {self._held[0]} was refilled while batch {self._held[1]} was in "
                 "use; the ring is too small for this DataLoader's prefetching"
             )
-        if int(self.seq[slot]) != seq:
-            raise RuntimeError(f"loader slot {slot} holds batch {int(self.seq[slot])}, not {seq}")
+        if int(self.seqs[slot]) != seq:
+            raise RuntimeError(f"loader slot {slot} holds batch {int(self.seqs[slot])}, not {seq}")
         self._held = (slot, seq)
         return {**slot_views(self.buffers[slot], item["sizes"]), **item}

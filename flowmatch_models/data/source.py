@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,7 +16,14 @@ import torch
 
 from flowmatch_models.data.decode import decode_batch
 from flowmatch_models.data.order import epoch_order, heldout_rows
-from flowmatch_models.data.rows import empty_buffer, open_rows, sample_grids, slot_views
+from flowmatch_models.data.rows import (
+    ReadPool,
+    empty_buffer,
+    open_rows,
+    read_rows,
+    sample_grids,
+    slot_views,
+)
 from flowmatch_models.embeddings.kinds import FIRST_TOKEN_ATTR, KINDS, model_inputs
 from flowmatch_models.storage import transform as transform_codec
 from flowmatch_models.storage.fingerprint import ATTR as FINGERPRINT_ATTR
@@ -93,6 +101,7 @@ class ShardSource:
         self.load_dino = load_dino
         self.cache_shards = max(1, cache_shards)
         self._open: OrderedDict[int, dict] = OrderedDict()
+        self._lock = threading.Lock()  # the caches, for a loader's threads (ThreadLoader)
         self._tables: OrderedDict[tuple[str, str, str], transform_codec.DeviceTables] = (
             OrderedDict()
         )
@@ -100,6 +109,7 @@ class ShardSource:
         self.fingerprints = self._agreed_fingerprints()
         ids = [self._shard(self.latents, p).ids for p in self.partitions]
         self.heldout_rows = [heldout_rows(i, *self.heldout) for i in ids]
+        self._heldout_shift: list[np.ndarray] = []  # train_to_rows' (made at its first call)
         self.sizes = np.array(
             [len(i) - len(h) for i, h in zip(ids, self.heldout_rows)], dtype=np.int64
         )
@@ -147,7 +157,16 @@ class ShardSource:
 
     def __getstate__(self) -> dict:
         """Pickled (a DataLoader worker under ``spawn``): without open files; reopened there."""
-        return {**self.__dict__, "_open": OrderedDict(), "_tables": OrderedDict()}
+        state = {**self.__dict__, "_open": OrderedDict(), "_tables": OrderedDict()}
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
+
+    def is_open(self, i: int) -> bool:
+        """Whether partition ``i``'s arrays are open (in the cache)."""
+        return i in self._open
 
     @property
     def kinds(self) -> list[str]:
@@ -255,10 +274,12 @@ class ShardSource:
 
     def _arrays(self, i: int) -> dict:
         """Row-readable arrays of partition ``i`` (views, codes, or arrays decoded whole when
-        stored compressed); an LRU of ``cache_shards`` partitions."""
-        if i in self._open:
-            self._open.move_to_end(i)
-            return self._open[i]
+        stored compressed); an LRU of ``cache_shards`` partitions. Safe from several threads:
+        a partition is opened outside the lock (two threads may both open it; one is kept)."""
+        with self._lock:
+            if i in self._open:
+                self._open.move_to_end(i)
+                return self._open[i]
         p = self.partitions[i]
         vae, text = self._shard(self.latents, p), self._shard(self.text, p)
         shards = [vae, text]
@@ -270,6 +291,11 @@ class ShardSource:
         out["offsets"] = ragged_offsets(out["lengths"])
         # a sample's latent cells and its DINO rows start at the same cell offset
         out["cells"] = ragged_offsets(grids.astype(np.int64).prod(1))
+        #: per row what gather needs, one take a partition: caption length, first token, first
+        #: cell, latent grid (h, w); and the trainable rows (held-out ones left out)
+        out["rows"] = np.stack([out["lengths"], out["offsets"][:-1], out["cells"][:-1],
+                                *grids.astype(np.int64).T], axis=1)  # fmt: skip
+        out["train_rows"] = np.delete(np.arange(len(grids)), self.heldout_rows[i])
         if self.load_dino:
             dino = self._shard(self.dino, p)
             shards.append(dino)
@@ -310,9 +336,11 @@ class ShardSource:
         sf = float(vae.attrs.get("scaling_factor", self.scaling_factor))
         if sf != self.scaling_factor:
             raise ValueError(f"partition {p!r}: scaling_factor {sf} != {self.scaling_factor}")
-        self._open[i] = out
-        while len(self._open) > self.cache_shards:
-            self._open.popitem(last=False)
+        with self._lock:
+            out = self._open.setdefault(i, out)
+            self._open.move_to_end(i)
+            while len(self._open) > self.cache_shards:
+                self._open.popitem(last=False)
         return out
 
     def gather_train(self, shard_idx: np.ndarray, local: np.ndarray, decode: bool = True) -> dict:
@@ -323,11 +351,13 @@ class ShardSource:
     def train_to_rows(self, shard_idx: np.ndarray, local: np.ndarray) -> np.ndarray:
         """Rows of the trainable indices ``local`` (held-out rows skipped)."""
         rows = np.asarray(local, np.int64).copy()
+        if not self._heldout_shift:
+            self._heldout_shift = [h - np.arange(len(h)) for h in self.heldout_rows]
         for s in np.unique(shard_idx):
-            h = self.heldout_rows[int(s)]
+            h = self._heldout_shift[int(s)]
             if len(h):
                 j = shard_idx == s
-                rows[j] += np.searchsorted(h - np.arange(len(h)), rows[j], side="right")
+                rows[j] += np.searchsorted(h, rows[j], side="right")
         return rows
 
     def heldout_batch(self, max_samples: int, latents: bool = True) -> dict | None:
@@ -363,6 +393,9 @@ class ShardSource:
         decode: bool = True,
         out: dict | None = None,
         latents: bool = True,
+        out_arrays: dict | None = None,
+        io: ReadPool | None = None,
+        train: bool = False,
     ) -> dict:
         """Batch of samples ``(shard_idx[j], rows[j])`` in that order; text padded to the
         batch's longest caption, or to ``text_max_len`` with ``fixed_text_len``. ``decode``:
@@ -376,58 +409,87 @@ class ShardSource:
         - ``parts``: the partition of each group (whose tables decode its codes).
 
         Each sample's rows are read with one ``pread`` per array straight from the files into
-        the buffers (:class:`FileRows`): no padding or decoding on the host. ``out``: buffers
-        to fill (a :class:`BatchRing` slot, :meth:`buffers`), else new ones.
+        the buffers (:class:`FileRows`, :func:`read_rows`): no padding or decoding on the host.
+        ``out``: buffers to fill (a :class:`BatchRing` slot, :meth:`buffers`; ``out_arrays``
+        their numpy views), else new ones; with ``out`` and ``decode=False`` the batch leaves
+        the tensors out (they are ``out``'s, cut by ``sizes``: :func:`slot_views`). ``io``:
+        the reads that would wait on the disk go to its threads (:class:`ReadPool`).
+        ``train``: ``rows`` index each partition's trainable rows (:meth:`train_to_rows`).
 
         The samples share one latent grid ``(h, w)`` (one aspect-ratio bucket; ``sizes["grid"]``):
         ``latents`` ``[B, 32, h, w]`` and DINO rows ``[B, h*w, ...]``, each sample's cells read
         as one run from its cell offset. ``latents=False``: captions only (any buckets)."""
         shard_idx = np.asarray(shard_idx, np.int64)
         rows = np.asarray(rows, np.int64)
-        groups = [(int(s), np.flatnonzero(shard_idx == s)) for s in np.unique(shard_idx)]
-        arrays = {s: self._arrays(s) for s, _ in groups}
-        lengths = [np.minimum(arrays[s]["lengths"][rows[j]], self.text_max_len) for s, j in groups]
-        width = max(int(n.max(initial=1)) for n in lengths)
-        width = self.text_max_len if self.fixed_text_len else max(1, width)
-        b, first = len(rows), arrays[groups[0][0]]
-        grids = np.unique(np.concatenate([arrays[s]["grids"][rows[j]] for s, j in groups]), axis=0)
-        if latents and len(grids) > 1:
+        b = len(rows)
+        # the samples grouped by partition (groups in partition order, samples in batch order
+        # within): a group's rows are decoded with its partition's tables
+        order = np.argsort(shard_idx, kind="stable")
+        s_sorted = shard_idx[order]
+        cut = np.flatnonzero(s_sorted[1:] != s_sorted[:-1]) + 1
+        parts = s_sorted[np.concatenate([[0], cut])].tolist() if b else []
+        ends = [*cut.tolist(), b]
+        sizes_g = np.diff([0, *ends]).tolist()
+        arrays = [self._arrays(s) for s in parts]
+        r_sorted = rows[order]
+        info = np.empty((b, 5), np.int64)
+        for a, hi, n in zip(arrays, ends, sizes_g):
+            r = r_sorted[hi - n : hi]
+            if train:
+                r = r_sorted[hi - n : hi] = a["train_rows"].take(r)
+            a["rows"].take(r, axis=0, out=info[hi - n : hi])
+        if train:
+            rows = np.empty(b, np.int64)
+            rows[order] = r_sorted
+        lens, toks, cell0 = info[:, 0], info[:, 1], info[:, 2]
+        grid = info[:, 3:]
+        n_tok = np.minimum(lens, self.text_max_len)
+        width = self.text_max_len if self.fixed_text_len else max(1, int(n_tok.max(initial=1)))
+        gh, gw = (int(x) for x in grid[0])
+        if latents and not (grid == grid[0]).all():
+            grids = np.unique(grid, axis=0)
             raise ValueError(
                 f"a batch of samples of {len(grids)} latent grids "
                 f"({', '.join(f'{h}x{w}' for h, w in grids)}): a batch is of one bucket "
                 "(epoch_order keeps them so; heldout_batches groups by bucket)"
             )
-        gh, gw = (int(x) for x in grids[0])
         cells = gh * gw
-        counts = [int(n.sum()) for n in lengths]
-        buf = out or self.buffers(b, sum(counts), first)
-        text_dst, mask = buf["text_dst"].numpy(), buf["mask"].numpy()[:b, :width]
-        mask[:] = False
-        ids: list[str] = [""] * b
-        t0 = d0 = 0
-        for (s, j), n, c in zip(groups, lengths, counts):
-            a, r = arrays[s], rows[j]
-            if latents:  # a sample's cells are one run of rows in both layouts
-                a["latents"].read(a["cells"][r], cells, buf["latents"], j * cells)
-            # the valid tokens of each selected caption, in order, then where they go
-            a["tokens"].read(a["offsets"][r], n, buf["text_rows"], t0 + np.cumsum(n) - n)
-            within = np.arange(c) - np.repeat(np.cumsum(n) - n, n)
-            text_dst[t0 : t0 + c] = np.repeat(j * width, n) + within
-            mask[np.repeat(j, n), within] = True
-            if self.load_dino and latents:
-                dst = (d0 + np.arange(len(r))) * cells
-                a["patch"].read(a["cells"][r], cells, buf["dino_rows"], dst)
-                buf["dino_dst"].numpy()[d0 : d0 + len(r)] = j
-            ids_p = a["ids"]
-            for jj, rr in zip(j.tolist(), r.tolist()):
-                ids[jj] = ids_p[rr]
-            t0, d0 = t0 + c, d0 + len(r)
+        t_end = np.cumsum(n_tok)
+        t0 = int(t_end[-1]) if b else 0
+        buf = out or self.buffers(b, t0, arrays[0])
+        views = out_arrays or {k: v.numpy() for k, v in buf.items()}
+        # each sample's rows: its caption's valid tokens as one run, its cells (latents, DINO
+        # patches) as one run in both layouts; the text and DINO rows grouped by partition
+        read_rows(views["text_rows"], [a["tokens"] for a in arrays], sizes_g, toks, n_tok,
+                  t_end - n_tok, io)  # fmt: skip
+        if latents:
+            read_rows(views["latents"], [a["latents"] for a in arrays], sizes_g, cell0, cells,
+                      order * cells, io)  # fmt: skip
+            if self.load_dino:
+                read_rows(views["dino_rows"], [a["patch"] for a in arrays], sizes_g, cell0,
+                          cells, np.arange(b) * cells, io)  # fmt: skip
+                views["dino_dst"][:b] = order
+        # where each token goes in the flat padded [B * W] batch, and the mask
+        within = np.arange(t0) - np.repeat(t_end - n_tok, n_tok)
+        views["text_dst"][:t0] = np.repeat(order * width, n_tok) + within
+        per_sample = np.empty(b, np.int64)
+        per_sample[order] = n_tok
+        np.less(np.arange(width), per_sample[:, None], out=views["mask"][:b, :width])
+        group = np.empty(b, np.int64)
+        group[order] = np.repeat(np.arange(len(parts)), sizes_g)
+        id_lists = [a["ids"] for a in arrays]
+        ids = [id_lists[g][r] for g, r in zip(group.tolist(), rows.tolist())]
+        t_counts = np.add.reduceat(n_tok, np.cumsum([0, *sizes_g[:-1]])) if b else n_tok
+        counts = t_counts.tolist()
         sizes = {"b": b, "width": width, "text": t0, "grid": (gh, gw) if latents else None}
+        first = arrays[0]
         out_batch = {
-            **slot_views(buf, sizes),
+            # with ``out`` and not decoded: the stored fields are ``out``'s, cut by ``sizes``
+            # (slot_views; a ring opens them where the batch is used)
+            **(slot_views(buf, sizes) if out is None or decode else {}),
             "ids": ids,
             "shard": shard_idx,  # host bookkeeping (a tensor would cost a shared-memory segment)
-            "parts": [self.partitions[s] for s, _ in groups],
+            "parts": [self.partitions[s] for s in parts],
             "coded": [
                 k
                 for k, v in (("text", first["tokens"]), ("dino", first.get("patch")))
@@ -435,11 +497,11 @@ class ShardSource:
             ],  # fmt: skip
             "text_counts": counts,
             # the tables of the file versions these rows were read from, per group
-            "text_tables": [arrays[s]["table_keys"]["text"] for s, _ in groups],
+            "text_tables": [a["table_keys"]["text"] for a in arrays],
             # per group: its captions' first state is the null caption's (exact on decode)
-            "text_first_null": [arrays[s]["first_null"] for s, _ in groups],
-            **({"dino_counts": [len(j) for _, j in groups],
-                "dino_tables": [arrays[s]["table_keys"]["dino"] for s, _ in groups]}
+            "text_first_null": [a["first_null"] for a in arrays],
+            **({"dino_counts": sizes_g,
+                "dino_tables": [a["table_keys"]["dino"] for a in arrays]}
                if self.load_dino and latents else {}),
             "sizes": sizes,
         }  # fmt: skip
@@ -483,8 +545,9 @@ class ShardSource:
         if key is not None and (kind, key, str(device)) in self._tables:
             self._tables.move_to_end((kind, key, str(device)))
             return self._tables[(kind, key, str(device))]
-        opened = [a["shards"].get(kind) for i, a in self._open.items()
-                  if self.partitions[i] == partition]  # fmt: skip
+        with self._lock:
+            opened = [a["shards"].get(kind) for i, a in self._open.items()
+                      if self.partitions[i] == partition]  # fmt: skip
         found = None
         for s in [shard, *opened]:
             if s is not None and (key is None or s.table_key(array) == key):

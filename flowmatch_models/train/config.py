@@ -103,7 +103,17 @@ class DataConfig(_Section):
         None, description="Partition keys; null = every partition with all three embeddings."
     )
     batch_size: int = Field(64, ge=1, description="Per device.")
-    num_workers: int = Field(2, ge=0)
+    num_workers: int = Field(
+        2, ge=0,
+        description="Loader threads (data.loader threads) or DataLoader worker processes "
+        "(processes); 0: batches built in the training loop's thread.",
+    )  # fmt: skip
+    loader: Literal["threads", "processes"] = Field(
+        "threads",
+        description="How batches are built: threads of the training process (reads release "
+        "the GIL; no per-batch hand-off between processes) or DataLoader worker processes (the "
+        "loader before threads). The same batches in the same order either way.",
+    )
     shuffle_window: int = Field(4, ge=1, description="Shards mixed in one shuffle window.")
     bucket_chunk: int = Field(
         256, ge=1,

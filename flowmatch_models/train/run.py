@@ -236,6 +236,7 @@ def _fit(request: TrainRequest, cfg: TrainConfig, pipes) -> TrainResult:
         load_dino=cfg.flow.repa_lambda > 0, allow_order_change=d.allow_order_change,
         grow=d.grow, accumulate=t.accumulate_grad_batches, fixed_text_len=cfg.model.compile,
         heldout=(d.heldout_fraction, d.heldout_max_per_partition), bucket_chunk=d.bucket_chunk,
+        loader=d.loader,
     )  # fmt: skip
     module = FlowMatchModule(cfg, widths=dm.source.widths)
     module.parent = request.parent
