@@ -153,7 +153,7 @@ def cmd_demo(
     left = runs.unmaterialized()
     if left:
         why = {"fine_tune": "a new run from another's weights: `flowmatch finetune NAME --from "
-                            "demo --source SOURCE`, README \"Fine-tuning\""}  # fmt: skip
+                            "demo --source SOURCE`, docs/fine-tuning.md"}  # fmt: skip
         print(
             "  not materialized: " + "; ".join(f"{a} ({why[a]})" if a in why else a for a in left)
         )

@@ -160,15 +160,24 @@ def render(cat: Catalog, scope: str = DATASET, rows: list[dict] | None = None) -
     )
     for a, key, title in hist:
         values, counts = v[key]
-        if len(values):
+        if len(values) and key == "caption_tokens":  # integers: one bar a token count
+            lo, hi = int(min(values)), int(max(values))
+            a.hist(values, bins=np.arange(lo, hi + 2) - 0.5, weights=counts, color="#4c72b0")
+        elif len(values):
             bins = min(30, max(5, int(counts.sum()) // 3))
             a.hist(values, bins=bins, weights=counts, color="#4c72b0")
         else:
             a.text(0.5, 0.5, "not measured", ha="center", va="center", transform=a.transAxes)
         a.set_title(title, fontsize=10)
     if len(v["max_tokens"][0]):
-        ax[0, 1].axvline(v["max_tokens"][0][0], color="#c44e52", ls="--", label="max_tokens")
-        ax[0, 1].legend(fontsize=8)
+        limit = v["max_tokens"][0][0]
+        tokens = v["caption_tokens"][0]
+        if len(tokens) and max(tokens) < limit / 2:  # a line far right would squeeze the bars
+            ax[0, 1].set_title(f"caption length (tokens; max_tokens {limit:.0f}, all below)",
+                               fontsize=10)  # fmt: skip
+        else:
+            ax[0, 1].axvline(limit, color="#c44e52", ls="--", label="max_tokens")
+            ax[0, 1].legend(fontsize=8)
     mix = [r for r in rows if r["section"] in ("license", "source")]
     ax[0, 2].barh(
         [f"{r['section']}: {r['item']}" for r in mix], [r["share"] for r in mix], color="#55a868"
@@ -183,7 +192,7 @@ def render(cat: Catalog, scope: str = DATASET, rows: list[dict] | None = None) -
         (r for r in rows if r["section"] == "bucket"), key=lambda r: _bucket_order(r["item"])
     )
     ax[0, 3].barh([r["item"] for r in bk], [r["share"] or 0 for r in bk], color="#dd8452")
-    ax[0, 3].set_title("stored size, height x width (share of stored)", fontsize=10)
+    ax[0, 3].set_title("stored size, height x width (share)", fontsize=10)
     ax[0, 3].invert_yaxis()
     for a in (ax[0, 2], ax[1, 2], ax[0, 3]):
         a.tick_params(axis="y", labelsize=7)
