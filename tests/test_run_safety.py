@@ -512,8 +512,7 @@ def test_heldout_samples_are_never_trained_and_validation_is_fixed(store, tmp_pa
 def test_base_yaml_keeps_a_400k_step_run_under_60_gb() -> None:
     """base.yaml's retention, priced with the real parameter counts of the base preset."""
     from flowmatch_models.model.dit import build_model, count_params
-    from flowmatch_models.train.callbacks import checkpoint_disk_plan
-    from flowmatch_models.train.config import load_config
+    from flowmatch_models.train.config import checkpoint_disk_plan, load_config
 
     cfg = load_config(REPO / "configs" / "base.yaml")
     with torch.device("meta"):

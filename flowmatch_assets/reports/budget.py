@@ -468,9 +468,9 @@ def record_param_counts(configs: Sequence[str | Path] = ()) -> dict:
 def checkpoint_row(cfg: BudgetConfig) -> dict:
     """Checkpoints of a run of ``updates`` steps with configs/base.yaml's retention (full
     states + EMA snapshots, the arithmetic of
-    :func:`flowmatch_models.train.callbacks.checkpoint_disk_plan`), priced with the base preset's
+    :func:`flowmatch_models.train.config.checkpoint_disk_plan`), priced with the base preset's
     real parameter counts (:func:`param_counts`: no torch import when they are recorded)."""
-    from flowmatch_models.train.config import load_config
+    from flowmatch_models.train.config import checkpoint_disk_plan, load_config
 
     base = load_config(Path(__file__).resolve().parents[2] / "configs" / "base.yaml")
     base.trainer.max_steps = cfg.updates
@@ -482,28 +482,6 @@ def checkpoint_row(cfg: BudgetConfig) -> dict:
             f"x {plan['full_state_bytes'] / 1e9:.2f} GB; last.ckpt a link")  # fmt: skip
     return {"what": f"checkpoints (SSD, {cfg.updates:,} updates)", "bytes_per_sample": None,
             "gb": plan["total_bytes"] / 1e9, "note": note}  # fmt: skip
-
-
-def checkpoint_disk_plan(cfg, params: int, transformer_params: int) -> dict:
-    """:func:`flowmatch_models.train.callbacks.checkpoint_disk_plan` without importing torch and
-    Lightning (~7 s) for ten lines of arithmetic (tests/test_budget.py holds the two equal):
-    a full state is fp32 weights + Adam moments (3 x 4 bytes per trained parameter) + the fp32
-    EMA transformer; an EMA snapshot is the EMA alone; ``last.ckpt`` is a link (0 bytes)."""
-    t = cfg.trainer
-    full_every = t.full_every or t.checkpoint_every
-    full = 12 * params + 4 * transformer_params
-    ema = 4 * transformer_params
-    n_ema = t.max_steps // t.checkpoint_every
-    kept_ema = n_ema if t.keep_ema == 0 else min(n_ema, t.keep_ema)
-    kept_full = min(max(1, t.max_steps // full_every), t.keep_full)
-    return {
-        "full_state_bytes": full,
-        "ema_snapshot_bytes": ema,
-        "full_states_kept": kept_full,
-        "ema_snapshots_kept": kept_ema,
-        "total_bytes": kept_full * full + kept_ema * ema,
-        "without_retention_bytes": (t.max_steps // t.checkpoint_every) * full + full,
-    }
 
 
 def payback_hours(cfg: BudgetConfig) -> float | None:

@@ -337,24 +337,3 @@ def log_images(trainer, step: int, **images: Path | None) -> None:
 
             row = {k: wandb.Image(str(p), caption=f"step {step}") for k, p in images.items() if p}
             lg.log_metrics(row, step=step)
-
-
-def checkpoint_disk_plan(cfg: TrainConfig, params: int, transformer_params: int) -> dict:
-    """Bytes a run of ``trainer.max_steps`` keeps on disk under :class:`CheckpointPolicy`:
-    a full state is fp32 weights + Adam moments (3 x 4 bytes per trained parameter) + the fp32
-    EMA transformer; an EMA snapshot is the EMA alone; ``last.ckpt`` is a link (0 bytes)."""
-    t = cfg.trainer
-    full_every = t.full_every or t.checkpoint_every
-    full = 12 * params + 4 * transformer_params
-    ema = 4 * transformer_params
-    n_ema = t.max_steps // t.checkpoint_every
-    kept_ema = n_ema if t.keep_ema == 0 else min(n_ema, t.keep_ema)
-    kept_full = min(max(1, t.max_steps // full_every), t.keep_full)
-    return {
-        "full_state_bytes": full,
-        "ema_snapshot_bytes": ema,
-        "full_states_kept": kept_full,
-        "ema_snapshots_kept": kept_ema,
-        "total_bytes": kept_full * full + kept_ema * ema,
-        "without_retention_bytes": (t.max_steps // t.checkpoint_every) * full + full,
-    }

@@ -340,3 +340,26 @@ def load_config(
     if max_steps is not None:
         cfg.trainer.max_steps = int(max_steps)
     return cfg
+
+
+def checkpoint_disk_plan(cfg: TrainConfig, params: int, transformer_params: int) -> dict:
+    """Bytes a run of ``trainer.max_steps`` keeps on disk under
+    :class:`~flowmatch_models.train.callbacks.CheckpointPolicy` (torch-free: the budget report
+    prices it without importing the trainer):
+    a full state is fp32 weights + Adam moments (3 x 4 bytes per trained parameter) + the fp32
+    EMA transformer; an EMA snapshot is the EMA alone; ``last.ckpt`` is a link (0 bytes)."""
+    t = cfg.trainer
+    full_every = t.full_every or t.checkpoint_every
+    full = 12 * params + 4 * transformer_params
+    ema = 4 * transformer_params
+    n_ema = t.max_steps // t.checkpoint_every
+    kept_ema = n_ema if t.keep_ema == 0 else min(n_ema, t.keep_ema)
+    kept_full = min(max(1, t.max_steps // full_every), t.keep_full)
+    return {
+        "full_state_bytes": full,
+        "ema_snapshot_bytes": ema,
+        "full_states_kept": kept_full,
+        "ema_snapshots_kept": kept_ema,
+        "total_bytes": kept_full * full + kept_ema * ema,
+        "without_retention_bytes": (t.max_steps // t.checkpoint_every) * full + full,
+    }
