@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -292,3 +294,19 @@ def test_transform_coding_refuses_non_finite_and_detects_corrupt_codes(tmp_path)
         read_shard(path, verify=True)
     with pytest.raises(StoreError, match="checksum"):
         read_shard(path)["x"]
+
+
+def test_bench_store_runs_on_a_small_store(tmp_path, capsys) -> None:
+    """`flowmatch bench store` end to end on 24 samples (MiniLM text states): it crashed at
+    decode_batch (issue 35), and no test ran it. Every storage beats the seed's bytes, decodes
+    faster, and the default storage's lossy error is the recorded one (the bench re-measures)."""
+    from flowmatch_assets.bench import store
+
+    r = store.main(["--n", "24", "--repeat", "1", "--text", "minilm"])
+    assert r["bench"] == "store" and r["n"] == 24
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["default"]["bytes_per_sample"] == r["default"]["bytes_per_sample"]
+    assert 0 < r["default"]["bytes_vs_seed"] < 0.8
+    assert r["default"]["decode_speedup_vs_seed"] > 1
+    assert r["default"]["cpu_float32_decode_samples_per_s"] > 0
+    assert 0.95 < r["default"]["lossy_error"]["tokens"]["min_cosine"] < 1

@@ -475,10 +475,14 @@ def default_storage(root: Path, arrays: dict, ids: list[str], tokens, seed_forma
     def host() -> list[dict]:
         return [src.gather(np.zeros(len(b), np.int64), b, decode=False) for b in batches]
 
+    def cpu_tables(kind: str, partition: str, key: str):  # decode_batch's (kind, partition, key)
+        return src.tables(kind, partition, "cpu", key)
+
     host_s = _best_time(host, repeat)
     stored_batches = host()
     cpu_s = _best_time(
-        lambda: [decode_batch(b, src.tables, src.scaling_factor, "cpu") for b in stored_batches],
+        lambda: [decode_batch(b, cpu_tables, src.scaling_factor, "cpu", src.null_first())
+                 for b in stored_batches],
         max(1, repeat - 1),
     )
     errors = {name: {k: round(a["lossy"][k], 6) for k in ("min_cosine", "mean_cosine", "rel_rms")}
