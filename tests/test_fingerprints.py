@@ -22,6 +22,7 @@ from flowmatch_assets.freshness.fingerprints import fresh_status
 from flowmatch_models.data.module import EmbeddingDataModule
 from flowmatch_models.data.source import FingerprintMismatchError
 from flowmatch_models.storage.fingerprint import Fingerprint, diff, disagreement, folder_sha256
+from flowmatch_models.storage.layout import DataLayout
 
 PARTS = ["000-00", "001-00"]
 KINDS = ["vae_latents", "dino_features", "text_embeddings"]
@@ -86,7 +87,9 @@ def env(tmp_path, small_sample, zoo, monkeypatch):
     return {"data": data, "vae": vae, "settings_are": settings_are}
 
 
-def test_one_changed_field_per_stage_marks_exactly_its_partitions_stale(env, capsys):
+def test_one_changed_field_per_stage_marks_exactly_its_partitions_stale(
+    env, capsys, tmp_path, small_sample, monkeypatch
+):
     assert cli.main(["materialize"]) == 0
     assert _stale(capsys) == {}
     assert _failed_checks() == set()  # the <asset>_fresh checks ran with the materializations
@@ -111,8 +114,11 @@ def test_one_changed_field_per_stage_marks_exactly_its_partitions_stale(env, cap
         (perturb_vae, lambda: weights.write_bytes(original), {"vae_latents"}, "weights_sha256: "),
         (lambda: env["settings_are"](encoders={"dino_pool": "resize112"}), env["settings_are"],
          {"dino_features"}, "pooling: avg2x2 -> resize112"),
+        # the captions' encoder reads ids and captions only: the JPEG quality leaves it fresh
         (lambda: env["settings_are"](ingest={"quality": 80}), env["settings_are"],
-         {"images", *KINDS}, "quality: 95 -> 80"),
+         {"images", "vae_latents", "dino_features"}, "quality: 95 -> 80"),
+        (lambda: env["settings_are"](ingest={"min_side": 300}), env["settings_are"],
+         {"images", *KINDS}, "min_side: 64 -> 300"),
         (lambda: env["settings_are"](filters={"min_width": 300}), env["settings_are"],
          set(ALL), "filters.min_width: 256 -> 300"),
     ]  # fmt: skip
@@ -138,7 +144,7 @@ def test_one_changed_field_per_stage_marks_exactly_its_partitions_stale(env, cap
     found = _stale(capsys)
     assert set(found) == {(a, p) for a in KINDS for p in PARTS}
     assert "images was re-made with another fingerprint" in found[("vae_latents", "000-00")]
-    assert "max_tokens: 128 -> 16" in found[("text_embeddings", "000-00")]
+    assert found[("text_embeddings", "000-00")] == "max_tokens: 128 -> 16"  # not the images
     assert _dagster_stale() == {(a, p) for a in KINDS for p in PARTS}
 
     # training refuses to mix: only 000-00's text is re-made
@@ -163,6 +169,25 @@ def test_one_changed_field_per_stage_marks_exactly_its_partitions_stale(env, cap
     assert _dagster_stale() == set()
     EmbeddingDataModule(env["data"], batch_size=2)  # one fingerprint per kind again
 
+    # the same settings, another stored row set: one image of 000-00 is gone when images is
+    # re-made; every kind reads the rows (the caption kind: their ids and captions), so all three
+    # turn stale, and a re-made images partition with the same rows leaves them fresh
+    files = tmp_path / "files"
+    shutil.copytree(small_sample["dest"], files)
+    monkeypatch.setenv("FLOWMATCH_FILE_ROOT", str(files))
+    assert cli.main(["materialize", "-p", "000-00", "-a", "images"]) == 0
+    assert _stale(capsys) == {}
+    import pyarrow.parquet as pq
+
+    shard = DataLayout(env["data"]).asset_path("images", "000-00")
+    first = pq.read_table(shard, columns=["id"]).column("id")[0].as_py()
+    next((files / "images").glob(f"{first}.*")).unlink()
+    assert cli.main(["materialize", "-p", "000-00", "-a", "images"]) == 0
+    found = _stale(capsys)
+    assert set(found) == {(a, "000-00") for a in KINDS}, found
+    assert "images holds other captions since" in found[("text_embeddings", "000-00")]
+    assert "images holds other ids since" in found[("vae_latents", "000-00")]
+
 
 def test_fingerprint_fields_diff_and_disagreement(tmp_path):
     a = Fingerprint({"model": "m", "max_tokens": 128, "filters": {"min_width": 256}})
@@ -184,3 +209,32 @@ def test_fingerprint_fields_diff_and_disagreement(tmp_path):
     assert json.loads(cache.read_text()) == {next(iter(json.loads(cache.read_text()))): h}
     (tmp_path / "m" / "w.bin").write_bytes(b"1235")
     assert folder_sha256(tmp_path / "m", cache) != h
+
+
+def test_exact_inputs_per_kind_and_fingerprints_from_before_them():
+    """What each kind records as its inputs (issue 35): a caption kind the digest of the ids and
+    captions it read, not the images' fingerprint; an image kind both. Row digests stay outside
+    the hash (partitions of one source still share one), and a caption shard recorded before
+    exact inputs (the images' hash as its input) trains beside one recorded since."""
+    from flowmatch_models.data.source import agreeing
+    from flowmatch_models.embeddings.kinds import KINDS as REGISTRY
+    from flowmatch_models.embeddings.kinds import kind_fingerprint, kind_inputs
+    from flowmatch_models.encoders.spec import EncoderSpec
+    from flowmatch_models.storage.fingerprint import rows_digest
+
+    ids, caps = ["a", "b"], ["a red disc", None]
+    text, vae = REGISTRY["text_embeddings"], REGISTRY["vae_latents"]
+    assert kind_inputs(text, {"images": "h1"}, ids, caps) == (
+        {}, {"captions": rows_digest(ids, caps)}
+    )  # fmt: skip
+    assert kind_inputs(vae, {"images": "h1"}, ids, caps) == ({"images": "h1"}, {"ids": rows_digest(ids)})  # fmt: skip
+    assert rows_digest(ids, caps) != rows_digest(ids, ["a blue disc", None])
+    assert rows_digest(ids) != rows_digest(["b", "a"])
+    fp = kind_fingerprint(text, EncoderSpec(), {}).with_rows(captions=rows_digest(ids, caps))
+    other = fp.with_rows(captions=rows_digest(["c"], ["x"]))
+    assert fp.hash == other.hash and fp.rows != other.rows  # rows: outside the hash
+    assert Fingerprint.from_json(fp.to_json()).rows == fp.rows
+    old = Fingerprint(fp.fields, {"images": "h1"})  # recorded before exact inputs
+    assert old.hash != fp.hash and "rows" not in old.to_json()
+    assert agreeing("text_embeddings", old).hash == agreeing("text_embeddings", fp).hash
+    assert agreeing("vae_latents", old) is old  # image kinds: the whole fingerprint

@@ -16,6 +16,7 @@ from flowmatch_assets.defs.deploy import IMAGE_TAGS
 from flowmatch_assets.defs.partitions import shard_partitions
 from flowmatch_assets.defs.resources import FlowmatchResource
 from flowmatch_assets.defs.routine import PartitionOutput, run_partitions, shards_check_result
+from flowmatch_assets.freshness import fingerprints
 from flowmatch_assets.ingest.dedupe import (
     build_hash_index,
     hash_winners,
@@ -31,6 +32,7 @@ from flowmatch_assets.ingest.shard import NothingToRetry, TooFewStored, make_ima
 from flowmatch_assets.ingest.sources import SourceError, partition_images, partition_rows
 from flowmatch_models.figures.grid import make_grid, markdown_image, save_png
 from flowmatch_models.storage.atomic import atomic_path, write_parquet
+from flowmatch_models.storage.fingerprint import rows_digest
 from flowmatch_models.storage.image_shard import decode, read_image_meta, write_image_shard
 from flowmatch_models.storage.layout import PD12M, source_of
 
@@ -206,10 +208,15 @@ def _images(
     preview = save_png(grid, flowmatch.layout.preview_path("images", part))
     record_seconds, extra = shard.record(seconds)
     context.log.info(f"{part}: {shard.summary(seconds)}")
+    ids, captions = [s["id"] for s in shard.stored], [s["caption"] for s in shard.stored]
+    fp = fingerprints.current(flowmatch, "images", part).with_rows(
+        ids=rows_digest(ids), captions=rows_digest(ids, captions)
+    )  # what each embedding kind reads of it (EmbeddingKind inputs)
     return out.publish(
         samples=len(shard.stored),
         rows=shard.outcomes,
         seconds=record_seconds,
+        fingerprint=fp,
         input_rows=len(rows),
         raw_bytes=sum(s["height"] * s["width"] * 3 for s in shard.stored),
         codec=flowmatch.ingest.image_format,

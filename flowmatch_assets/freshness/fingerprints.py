@@ -44,6 +44,7 @@ from flowmatch_models.storage.layout import PARTITIONED_ASSETS, PD12M, source_of
 #: Embedding kinds carry theirs in the registry (EmbeddingKind.code_version).
 CODE_VERSIONS = {"metadata": "1", "images": "1"}
 NO_FINGERPRINT = "no fingerprint recorded (made before fingerprints): unknown"
+_NONE = object()  # an upstream partition with no record
 
 
 def code_version(asset: str) -> str:
@@ -224,12 +225,14 @@ def staleness(
     out = []
     for p in parts:
         stale: dict[str, tuple[str, ...]] = {}
+        row_stale: dict[str, tuple[str, ...]] = {}  # stale in a way that changes the rows
         for a in need:
             if (a, p) not in recs:
                 continue
             fp = recs[(a, p)]
             if fp is None:
                 reasons = [NO_FINGERPRINT]
+                row_reasons = list(reasons)
             else:
                 # a source's rows depend on its settings; everything else on the asset's
                 key = (a, source_of(p)) if a == "metadata" else a
@@ -240,19 +243,62 @@ def staleness(
                         expected[key] = {"source": f"unavailable ({str(e).split(';')[0]})"}
                 if (id(fp), key) not in diffs:
                     diffs[(id(fp), key)] = diff(fp.fields, expected[key])
-                reasons = list(diffs[(id(fp), key)])
-                up = upstream_of(a)
-                if up in stale:
-                    reasons.append(f"upstream {up} is stale ({stale[up][0]})")
-                elif up and (up, p) in recs and hash_of(recs[(up, p)]) != fp.inputs.get(up):
-                    reasons.append(
-                        f"{up} was re-made with another fingerprint since "
-                        f"({fp.inputs.get(up)} -> {hash_of(recs[(up, p)])})"
-                    )
+                changed = diffs[(id(fp), key)]
+                links = _upstream_reasons(a, fp, recs.get((up, p), _NONE) if (up := upstream_of(a)) else _NONE, stale, row_stale)  # fmt: skip
+                reasons = [*changed, *links]
+                keep = ROW_FIELDS.get(a)
+                row_reasons = [r for r in changed if keep is None or _field(r) in keep] + links
             if reasons:
                 stale[a] = tuple(reasons)
+                if row_reasons:
+                    row_stale[a] = tuple(row_reasons)
                 if a in wanted:
                     out.append(Stale(a, p, tuple(reasons)))
+    return out
+
+
+#: An asset's fingerprint fields that change which rows it holds (an images setting such as the
+#: JPEG quality changes the pixels, not the rows): only these reach a caption kind, which reads
+#: the rows' ids and captions alone. An asset not named here: every field.
+ROW_FIELDS = {"images": ("code_version", "min_side", "max_pixels")}
+
+
+def _field(reason: str) -> str:
+    """The top-level field a ``diff`` line names (``filters.min_width: 0 -> 64``: filters)."""
+    return reason.split(":", 1)[0].split(".", 1)[0]
+
+
+def _upstream_reasons(
+    asset: str,
+    fp: Fingerprint,
+    upfp: Fingerprint | None | object,
+    stale: dict[str, tuple[str, ...]],
+    row_stale: dict[str, tuple[str, ...]],
+) -> list[str]:
+    """Why ``asset``'s partition (fingerprint ``fp``) is stale through its upstream partition
+    (``upfp``: its record's fingerprint; ``_NONE``: no record): the upstream is stale, or was
+    re-made with another fingerprint, or holds other rows than ``fp`` was made from. A kind made
+    from exactly the rows it reads (a caption kind: ``rows`` and no upstream fingerprint in its
+    inputs, flowmatch_models.embeddings.kinds.kind_inputs) follows only the upstream changes
+    that change those rows; a fingerprint from before exact inputs reads as it always did."""
+    up = upstream_of(asset)
+    if up is None:
+        return []
+    out = []
+    if asset in KINDS and fp.rows and up not in fp.inputs:
+        if up in row_stale:
+            out.append(f"upstream {up} will hold other rows ({row_stale[up][0]})")
+    elif up in stale:
+        out.append(f"upstream {up} is stale ({stale[up][0]})")
+    elif upfp is not _NONE and hash_of(upfp) != fp.inputs.get(up):  # type: ignore[arg-type]
+        out.append(
+            f"{up} was re-made with another fingerprint since "
+            f"({fp.inputs.get(up)} -> {hash_of(upfp)})"  # type: ignore[arg-type]
+        )
+    now = upfp.rows if isinstance(upfp, Fingerprint) else {}
+    for what, digest in fp.rows.items():  # the rows it was made from, against the rows now
+        if asset in KINDS and now.get(what) not in (None, digest):
+            out.append(f"{up} holds other {what} since ({digest} -> {now[what]})")
     return out
 
 

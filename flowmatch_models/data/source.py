@@ -57,6 +57,17 @@ def shard_fingerprint(layout: DataLayout, kind: str, partition: str) -> Fingerpr
     return Fingerprint.from_json(attrs.get(FINGERPRINT_ATTR))
 
 
+def agreeing(kind: str, fp: Fingerprint | None) -> Fingerprint | None:
+    """What partitions of ``kind`` must share to be trained together: the fingerprint; for a
+    kind that reads only the rows' captions (its values do not depend on how the images were
+    stored), its fields alone (a shard from before exact inputs recorded the images partition's
+    fingerprint as its input; one made since, the rows it read: both train together)."""
+    k = KINDS.get(kind)
+    if fp is None or k is None or k.role.input != "captions":
+        return fp
+    return Fingerprint(fp.fields)
+
+
 class ShardSource:
     """The partitions' three aligned shards (latents, DINO, text), opened lazily and cached.
 
@@ -181,7 +192,9 @@ class ShardSource:
         them) are ``unknown``: trainable together, never with known ones."""
         out, self.fingerprint_of = {}, {}
         for kind in self.kinds:
-            fps = {p: shard_fingerprint(self.layout, kind, p) for p in self.partitions}
+            fps = {
+                p: agreeing(kind, shard_fingerprint(self.layout, kind, p)) for p in self.partitions
+            }
             why = disagreement(fps, source_of)
             if why:
                 raise FingerprintMismatchError(
@@ -248,7 +261,7 @@ class ShardSource:
     def mismatch(self, kind: str, fp: Fingerprint | None, partition: str) -> str | None:
         """Why ``partition``'s shard of ``kind`` with fingerprint ``fp`` does not belong with
         this source (a data source this run has no partition of yet: the kind's fields)."""
-        refs = self.fingerprint_of[kind]
+        fp, refs = agreeing(kind, fp), self.fingerprint_of[kind]
         if source_of(partition) not in refs:
             ref = next(iter(refs.values()))
             fp, ours = (Fingerprint(x.fields) if x else None for x in (fp, ref))

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from flowmatch_models.encoders.spec import EncoderSpec
-from flowmatch_models.storage.fingerprint import Fingerprint, weights_identity
+from flowmatch_models.storage.fingerprint import Fingerprint, rows_digest, weights_identity
 
 if TYPE_CHECKING:
     from flowmatch_models.encoders.frozen import Encoders
@@ -389,3 +389,20 @@ def kind_fingerprint(
         "codec": spec.codec,
     }
     return Fingerprint(fields, dict(inputs or {}))
+
+
+def kind_inputs(
+    kind: EmbeddingKind,
+    images_inputs: dict[str, str | None] | None,
+    ids: Sequence[str],
+    captions: Sequence[str | None],
+) -> tuple[dict[str, str | None], dict[str, str]]:
+    """Exactly what ``kind``'s encoder reads of an images partition, as the fingerprint's
+    ``(inputs, rows)``: a caption kind the stored rows' ids and captions (a digest: an images
+    setting such as the JPEG quality changes nothing it reads); an image kind the images
+    partition's fingerprint (``images_inputs``: its settings, and what its rows came from)
+    and the ids it holds. A different stored row set makes both stale
+    (flowmatch_assets/freshness/fingerprints.py)."""
+    if kind.role.input == "captions":
+        return {}, {"captions": rows_digest(ids, captions)}
+    return dict(images_inputs or {}), {"ids": rows_digest(ids)}

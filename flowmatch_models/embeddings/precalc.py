@@ -16,6 +16,7 @@ from flowmatch_models.embeddings.kinds import (
     EmbeddingKind,
     first_token_is_null,
     kind_fingerprint,
+    kind_inputs,
 )
 from flowmatch_models.encoders.spec import EncoderSpec
 from flowmatch_models.storage.fingerprint import ATTR as FINGERPRINT_ATTR
@@ -43,14 +44,16 @@ def encode_partition(
     """Compute ``kinds`` for the images shard at ``images_path`` on ``device``: one pass
     over the images for every image kind, one over the captions for every caption kind.
     Arrays in the shard's row order, attrs with the model, its weights label, the device and
-    the fingerprint (:func:`kind_fingerprint`; ``inputs``: the images partition's
-    fingerprint hash, which the caller knows)."""
+    the fingerprint (:func:`kind_fingerprint` over exactly what the kind reads,
+    :func:`kind_inputs`; ``inputs``: the images partition's fingerprint hash, which the caller
+    knows)."""
     from flowmatch_models.encoders.frozen import Encoders
     from flowmatch_models.encoders.zoo import weights_label
     from flowmatch_models.storage.image_shard import iter_image_batches, read_image_meta
 
     meta = read_image_meta(images_path)
     n = meta.num_rows
+    ids, captions = meta.column("id").to_pylist(), meta.column("caption").to_pylist()
     encs = {k.name: Encoders(k.spec_for(spec).model_copy(update={"device": device})) for k in kinds}
     parts: dict[str, dict[str, list[np.ndarray]]] = {k.name: {} for k in kinds}
     secs = dict.fromkeys(parts, 0.0)
@@ -96,7 +99,6 @@ def encode_partition(
                     parts[k.name][key] = [_cells(key, col)]
             if not one_size:
                 parts[k.name]["grid"] = [(sizes // GRID).astype(np.int32)]
-    captions = meta.column("caption").to_pylist()
     for k in (k for k in kinds if k.role.input == "captions"):
         for i in range(0, len(captions), spec.batch_size):
             for key, arr in run(k, captions[i : i + spec.batch_size]).items():
@@ -125,10 +127,16 @@ def encode_partition(
             "dtype": str(enc.dtype),
             "source": f"images/{Path(images_path).stem}",
             **extra_attrs,
-            FINGERPRINT_ATTR: kind_fingerprint(k, spec, inputs, weights_cache).to_json(),
+            FINGERPRINT_ATTR: _fingerprint(k, spec, inputs, weights_cache, ids, captions),
         }
         out[k.name] = Encoded(k, arrays, attrs, secs[k.name])
     return out
+
+
+def _fingerprint(kind, spec, images_inputs, weights_cache, ids, captions) -> dict:
+    """The kind's fingerprint with exactly its inputs (:func:`kind_inputs`), as stored."""
+    inputs, rows = kind_inputs(kind, images_inputs, ids, captions)
+    return kind_fingerprint(kind, spec, inputs, weights_cache).with_rows(**rows).to_json()
 
 
 def _cells(key: str, col: list[np.ndarray]) -> np.ndarray:

@@ -42,6 +42,10 @@ class Fingerprint:
 
     fields: dict
     inputs: dict[str, str | None] = field(default_factory=dict)
+    #: digests of the rows a partition holds, or was made from (:func:`rows_digest`:
+    #: ``{"ids": ..., "captions": ...}``): compared by staleness, outside the hash (every
+    #: partition's rows differ, its settings do not)
+    rows: dict[str, str] = field(default_factory=dict, compare=False)
 
     @property
     def hash(self) -> str:
@@ -49,7 +53,12 @@ class Fingerprint:
         return hashlib.sha256(body.encode()).hexdigest()[:_HASH_CHARS]
 
     def to_json(self) -> dict:
-        return {"hash": self.hash, "fields": dict(self.fields), "inputs": dict(self.inputs)}
+        out = {"hash": self.hash, "fields": dict(self.fields), "inputs": dict(self.inputs)}
+        return {**out, "rows": dict(self.rows)} if self.rows else out
+
+    def with_rows(self, **rows: str) -> Fingerprint:
+        """This fingerprint with row digests added (:attr:`rows`)."""
+        return Fingerprint(self.fields, self.inputs, {**self.rows, **rows})
 
     @classmethod
     def from_json(cls, d: dict | str | None) -> Fingerprint | None:
@@ -58,7 +67,20 @@ class Fingerprint:
             d = json.loads(d)
         if not d or "fields" not in d:
             return None
-        return cls(dict(d["fields"]), dict(d.get("inputs") or {}))
+        return cls(dict(d["fields"]), dict(d.get("inputs") or {}), dict(d.get("rows") or {}))
+
+
+def rows_digest(ids, captions=None) -> str:
+    """A short digest of a partition's rows: its ids in order (``captions``: each id with its
+    caption text). What a caption kind is made from is exactly ``rows_digest(ids, captions)``
+    of the images shard; an image kind's rows are ``rows_digest(ids)``."""
+    h = hashlib.sha256()
+    for i, row in enumerate(ids):
+        h.update(str(row).encode("utf-8", "surrogatepass") + b"\0")
+        if captions is not None:
+            c = captions[i]
+            h.update(("" if c is None else str(c)).encode("utf-8", "surrogatepass") + b"\1")
+    return h.hexdigest()[:_HASH_CHARS]
 
 
 def hash_of(fp: Fingerprint | None) -> str:
