@@ -7,6 +7,7 @@ working. Nothing else in flowmatch imports ``dagster._*`` or reaches into ``inst
 """
 
 # (no ``from __future__ import annotations``: Dagster reads the op's context hint as a type)
+import hashlib
 from collections.abc import Sequence
 
 import dagster as dg
@@ -119,3 +120,48 @@ def check_partition_status(instance: dg.DagsterInstance, key: dg.AssetCheckKey) 
         i.partition_key: i.latest_execution_status.value
         for i in instance.event_log_storage.get_asset_check_partition_info([key])
     }
+
+
+def partition_materialization_tags(
+    instance: dg.DagsterInstance,
+    data_version: dg.DataVersion,
+    code_version: str,
+    inputs: Sequence[tuple[str, str]],
+) -> dict[str, str]:
+    """The data-version tags Dagster puts on an output's materialization (code version, data
+    version given by the asset, and each input partition's data version and event pointer), for
+    an ``AssetMaterialization`` of one partition logged by a step that runs many (a
+    multi-partition run reports each partition it published on its own). ``inputs``: ``(asset,
+    partition)`` read. Private: ``dagster._core.definitions.data_version``."""
+    from dagster._core.definitions.data_version import (
+        CODE_VERSION_TAG,
+        DATA_VERSION_IS_USER_PROVIDED_TAG,
+        DATA_VERSION_TAG,
+        NULL_EVENT_POINTER,
+        get_input_data_version_tag,
+        get_input_event_pointer_tag,
+    )
+
+    tags = {
+        CODE_VERSION_TAG: code_version,
+        DATA_VERSION_TAG: data_version.value,
+        DATA_VERSION_IS_USER_PROVIDED_TAG: "true",
+    }
+    for asset, partition in inputs:
+        key = dg.AssetKey(asset)
+        got = instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=key, asset_partitions=[partition]), limit=1
+        ).records
+        event = got[0] if got else None
+        version = None
+        if event is not None and event.asset_materialization is not None:
+            version = (event.asset_materialization.tags or {}).get(DATA_VERSION_TAG)
+        # as Dagster versions a partitioned input: sha256 over its partitions' data versions
+        # (dagster._core.execution.context.data_version_cache), here the one partition read
+        tags[get_input_data_version_tag(key)] = (
+            hashlib.sha256(version.encode()).hexdigest() if version else "INITIAL"
+        )
+        tags[get_input_event_pointer_tag(key)] = (
+            str(event.storage_id) if event is not None else NULL_EVENT_POINTER
+        )
+    return tags

@@ -91,3 +91,29 @@ def test_a_runs_check_status_follows_its_latest_report():
         assert compat.check_status(instance, key) == "FAILED"
         compat.report_check_evaluations(instance, [ev(True)], job, {})
         assert compat.check_status(instance, key) == "SUCCEEDED"
+
+
+def test_partition_materialization_tags_version_an_input_as_dagster_does():
+    """compat.partition_materialization_tags: the input partition's data version hashed as
+    Dagster hashes a partitioned input's (tests/test_embedding_assets.py compares a whole
+    multi-partition run's materializations with one-partition runs')."""
+    import hashlib
+
+    @dg.asset(partitions_def=PARTS)
+    def up() -> dg.MaterializeResult:
+        return dg.MaterializeResult(data_version=dg.DataVersion("v-1"))
+
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("compat_parts", ["a"])
+        assert dg.materialize([up], instance=instance, partition_key="a").success
+        tags = compat.partition_materialization_tags(
+            instance, dg.DataVersion("mine"), "7", [("up", "a")]
+        )
+        never = compat.partition_materialization_tags(
+            instance, dg.DataVersion("x"), "7", [("up", "b")]
+        )
+        ev = instance.fetch_materializations(dg.AssetKey("up"), limit=1).records[0]
+    assert tags["dagster/data_version"] == "mine" and tags["dagster/code_version"] == "7"
+    assert tags["dagster/input_data_version/up"] == hashlib.sha256(b"v-1").hexdigest()
+    assert tags["dagster/input_event_pointer/up"] == str(ev.storage_id)
+    assert never["dagster/input_data_version/up"] == "INITIAL"  # no materialization of b

@@ -207,3 +207,107 @@ def test_a_new_embedding_kind_is_one_registry_entry(tmp_path, small_sample, zoo)
     assert "caption_states" not in [
         s.name for c in build_definitions().asset_checks for s in c.check_specs
     ]
+
+
+def _range_run(res, instance, keys: list[str]):
+    """One run of the embedding kinds over ``keys`` (as a backfill's multi-partition run)."""
+    d = build_definitions()
+    job = dg.Definitions(
+        assets=list(d.assets), asset_checks=list(d.asset_checks), resources=resources_for(res)
+    ).resolve_implicit_global_asset_job_def()
+    return job.execute_in_process(
+        instance=instance,
+        tags={
+            "dagster/asset_partition_range_start": keys[0],
+            "dagster/asset_partition_range_end": keys[-1],
+        },
+        asset_selection=[dg.AssetKey(a) for a in EMB],
+        raise_on_error=False,
+    )
+
+
+def _published(res, instance, part: str) -> dict:
+    """What one asset partition's publication left: shard arrays and attrs, the catalog record
+    and the Dagster materialization (what does not depend on when or by which run)."""
+    from flowmatch_assets.catalog import read_materialization
+
+    out = {}
+    for a in EMB:
+        shard = read_shard(res.layout.asset_path(a, part), verify=True)
+        rec = read_materialization(res.data_root, a, part)
+        ev = instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=dg.AssetKey(a), asset_partitions=[part]), limit=1
+        ).records[0]
+        m = ev.asset_materialization
+        out[a] = {
+            "arrays": {k: shard[k].tobytes() for k in shard.names},
+            "attrs": {k: v for k, v in shard.attrs.items() if k != "seconds"},
+            "record": {k: v for k, v in rec.items()
+                       if k not in ("run_id", "seconds", "samples_per_s", "written_at")},
+            "metadata": {k: v.value for k, v in m.metadata.items() if k != "samples_per_s"},
+            "data_version": m.tags["dagster/data_version"],
+            "code_version": m.tags["dagster/code_version"],
+            "input_version": m.tags["dagster/input_data_version/images"],
+        }  # fmt: skip
+    return out
+
+
+def test_one_run_of_many_partitions_publishes_each_as_a_run_of_one_does(
+    tmp_path, small_sample, zoo
+):
+    """A backfill's run over several partitions (issue 35) loads the encoders once and
+    publishes each partition as a one-partition run would: the same shard, catalog record and
+    Dagster materialization (data version, input version, metadata), its own ``_fresh`` check
+    evaluation; a partition made to fail (no images shard) fails alone."""
+    from flowmatch_models.embeddings import precalc
+
+    res = make_resource(tmp_path / "data", small_sample, encoders=EncoderSpec(**zoo, batch_size=8))
+    parts = ["000-00", "001-00"]
+    with dg.instance_for_test() as instance:
+        register_partitions(instance, res)
+        one = {}
+        for p in parts:
+            assert _run(res, p, instance, ["metadata", "images"]).success
+            assert _run(res, p, instance, EMB).success
+            one[p] = _published(res, instance, p)
+        precalc.clear_shared_encoders()
+        result = _range_run(res, instance, parts)
+        assert result.success
+        for p in parts:
+            now = _published(res, instance, p)
+            assert now.keys() == one[p].keys()
+            for a in EMB:
+                for what in now[a]:
+                    assert now[a][what] == one[p][a][what], (p, a, what)
+        # one load for the whole run: the kinds' encoders are the process's shared ones
+        assert len(precalc._SHARED) == len(EMB)
+        evals = [
+            e.asset_check_evaluation_data
+            for e in result.all_events
+            if e.event_type_value == "ASSET_CHECK_EVALUATION"
+        ]
+        fresh = {(e.asset_key.to_user_string(), e.partition) for e in evals if e.check_name.endswith("_fresh")}  # fmt: skip
+        assert fresh == {(a, p) for a in EMB for p in parts}
+        assert all(e.passed for e in evals)
+        valid = {e.check_name: e for e in evals if e.check_name.endswith("_valid")}
+        assert {k: v.metadata["partitions_checked"].value for k, v in valid.items()} == {
+            f"{a}_valid": 2 for a in EMB
+        }
+
+        # 000-00 has no images shard now: it fails alone, 001-00 is published by this run
+        res.layout.asset_path("images", "000-00").unlink()
+        result = _range_run(res, instance, parts)
+        assert not result.success
+        run_id = result.run_id
+        mats = {
+            (e.asset_key.to_user_string(), e.partition)
+            for e in instance.fetch_materializations(
+                dg.AssetRecordsFilter(asset_key=dg.AssetKey("text_embeddings")), limit=10
+            ).records
+            if e.run_id == run_id
+            for e in [e.asset_materialization]
+        }
+        assert mats == {("text_embeddings", "001-00")}
+        failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
+        msg = failure.step_failure_data.user_failure_data.description
+        assert msg.startswith("1 of 2 partitions failed (1 published): 000-00: partition 000-00 has no images shard")  # fmt: skip

@@ -8,11 +8,16 @@ allows: set it to the GPU count) and takes a device lease (flowmatch_models.enco
 partitions never share a GPU; without CUDA it runs on the CPU.
 """
 
+import os
+import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import dagster as dg
 import numpy as np
 
+from flowmatch_assets import compat
 from flowmatch_assets.catalog import RowOutcome
 from flowmatch_assets.defs.data_assets import images
 from flowmatch_assets.defs.deploy import ENCODER_TAGS
@@ -20,6 +25,8 @@ from flowmatch_assets.defs.partitions import shard_partitions
 from flowmatch_assets.defs.resources import FlowmatchResource
 from flowmatch_assets.defs.routine import PartitionOutput, run_partitions, shards_check_result
 from flowmatch_assets.freshness import fingerprints
+from flowmatch_assets.freshness.fingerprints import fresh_result, staleness
+from flowmatch_assets.freshness.fingerprints import stored as shard_fp
 from flowmatch_models.embeddings.checks import shard_problems
 from flowmatch_models.embeddings.kinds import KINDS, EmbeddingKind
 from flowmatch_models.embeddings.precalc import encode_partition
@@ -30,6 +37,12 @@ from flowmatch_models.storage.image_shard import read_image_meta
 from flowmatch_models.storage.store import read_shard, write_shard
 
 GROUP = "embeddings"
+
+
+#: Partitions one run of the embedding step encodes at most: a backfill over many partitions is
+#: cut into runs of this many (``BackfillPolicy.multi_run``), each loading its encoders once
+#: (``FLOWMATCH_EMBED_PARTITIONS_PER_RUN``; BENCHMARKS.md "Precompute").
+PARTITIONS_PER_RUN = int(os.environ.get("FLOWMATCH_EMBED_PARTITIONS_PER_RUN", "64"))
 
 
 def build_encode_embeddings(kinds: Sequence[EmbeddingKind]) -> dg.AssetsDefinition:
@@ -53,43 +66,202 @@ def build_encode_embeddings(kinds: Sequence[EmbeddingKind]) -> dg.AssetsDefiniti
         pool="gpu",
         op_tags=ENCODER_TAGS,
         name="encode_embeddings",
+        backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=PARTITIONS_PER_RUN),
     )
     def encode_embeddings(context: dg.AssetExecutionContext, flowmatch: FlowmatchResource):
-        """Encode one partition with the selected kinds; write each kind's shard atomically."""
-        part, spec = context.partition_key, flowmatch.encoders
+        """Encode the run's partitions with the selected kinds; write each kind's shard of each
+        partition atomically. A run of one partition yields its results (its checks run as
+        steps after it); a run of many (a backfill) publishes and reports each partition on its
+        own while the next one is encoded (:func:`encode_many`)."""
         selected = [KINDS[k.to_user_string()] for k in context.selected_asset_keys]
-        src = flowmatch.layout.asset_path("images", part)
-        if not src.exists():
-            raise dg.Failure(
-                f"partition {part} has no images shard ({src}); materialize images first"
-            )
-        ids = read_image_meta(src).column("id").to_pylist()
-        if not ids:  # an empty shard never replaces a good one (nor is written at all)
-            raise dg.Failure(
-                f"partition {part}: images has 0 images, nothing to encode; the existing "
-                f"{', '.join(k.name for k in selected)} shards (if any) are unchanged. "
-                "Re-materialize images (see `flowmatch catalog failures`) first."
-            )
-        with lease_device(spec.device) as device:
-            context.log.info(f"{part}: encoding {len(ids)} samples on {device}")
-            encoded = encode_partition(
-                src,
-                selected,
-                spec,
-                device,
-                log=lambda m: context.log.info(f"{part}: {m}"),
-                inputs=fingerprints.inputs_of(flowmatch, selected[0].name, part),
-                weights_cache=weights_cache_file(flowmatch.data_root),
-            )
+        if context.has_partition_key_range:
+            encode_many(context, flowmatch, selected)
+            return
+        part = context.partition_key
+        ids, encoded = _encode(context, flowmatch, part, selected)
         for e in encoded.values():
-            yield _store(context, flowmatch, e, ids)
+            yield _store(context, flowmatch, e, ids, part)
 
     return encode_embeddings
 
 
-def _store(context, flowmatch: FlowmatchResource, e, ids: list[str]) -> dg.MaterializeResult:
+def _encode(context, flowmatch: FlowmatchResource, part: str, selected: list[EmbeddingKind]):
+    """``(ids, {kind: Encoded})`` of one partition (encoders shared across partitions)."""
+    spec = flowmatch.encoders
+    src = flowmatch.layout.asset_path("images", part)
+    if not src.exists():
+        raise dg.Failure(f"partition {part} has no images shard ({src}); materialize images first")
+    ids = read_image_meta(src).column("id").to_pylist()
+    if not ids:  # an empty shard never replaces a good one (nor is written at all)
+        raise dg.Failure(
+            f"partition {part}: images has 0 images, nothing to encode; the existing "
+            f"{', '.join(k.name for k in selected)} shards (if any) are unchanged. "
+            "Re-materialize images (see `flowmatch catalog failures`) first."
+        )
+    with lease_device(spec.device) as device:
+        context.log.info(f"{part}: encoding {len(ids)} samples on {device}")
+        encoded = encode_partition(
+            src,
+            selected,
+            spec,
+            device,
+            log=lambda m: context.log.info(f"{part}: {m}"),
+            inputs=fingerprints.inputs_of(flowmatch, selected[0].name, part),
+            weights_cache=weights_cache_file(flowmatch.data_root),
+        )
+    return ids, encoded
+
+
+@dataclass
+class _Published:
+    """What the writer thread did with one partition: each kind's result or its error, and
+    what the kind's checks found in its new shard."""
+
+    partition: str
+    results: dict[str, dg.MaterializeResult] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    problems: dict[str, list[str]] = field(default_factory=dict)
+    warnings: dict[str, dict[str, int]] = field(default_factory=dict)
+    fresh: dict[str, dg.AssetCheckResult] = field(default_factory=dict)
+
+
+def _publish_partition(
+    context, flowmatch: FlowmatchResource, part: str, ids, encoded
+) -> _Published:
+    """Fit, write and publish every kind of one partition, then run its kinds' checks on what
+    was published (the writer thread's work: it overlaps the next partition's encoding)."""
+    out = _Published(part)
+    for name, e in encoded.items():
+        try:
+            out.results[name] = _store(context, flowmatch, e, ids, part)
+        except Exception as exc:  # noqa: BLE001 - a kind that fails fails alone
+            out.errors[name] = _one_line(exc)
+            continue
+        out.problems[name] = check_shards(flowmatch, name, [part])
+        attrs = read_shard(flowmatch.layout.asset_path(name, part)).attrs
+        out.warnings[name] = {w.attr: int(attrs.get(w.attr, 0)) for w in KINDS[name].warnings}
+    done = list(out.results)
+    if done:
+        found = {st.asset: st for st in staleness(flowmatch, [part], done)}
+        for name in done:
+            out.fresh[name] = fresh_result(part, found.get(name), shard_fp(flowmatch, name, part))
+    return out
+
+
+def encode_many(context, flowmatch: FlowmatchResource, selected: list[EmbeddingKind]) -> None:
+    """A run of many partitions (a backfill's): the encoders load once (for the whole run), and
+    while partition i+1 is encoded, partition i is fitted, written and published on a writer
+    thread. Each partition is published atomically on its own (``PartitionOutput``) and reported
+    as its own materialization, with its checks' evaluations: ``<kind>_fresh`` per partition,
+    ``<kind>_valid`` and the warnings once for the run's partitions. A partition that fails
+    fails alone: the others are published, and the run fails at the end naming it."""
+    keys = list(context.partition_keys)
+    t0, n = time.perf_counter(), len(keys)
+    failed: dict[str, str] = {}
+    published: list[_Published] = []
+    pending: tuple[str, Future] | None = None
+
+    def report(part: str, fut: Future) -> None:
+        try:
+            got = fut.result()
+        except Exception as exc:  # noqa: BLE001 - recorded below, the run goes on
+            failed[part] = _one_line(exc)
+            return
+        for name, r in got.results.items():
+            context.log_event(_materialization(context, flowmatch, name, part, r))
+            f = got.fresh[name]
+            context.log_event(
+                dg.AssetCheckEvaluation(
+                    asset_key=dg.AssetKey(name),
+                    check_name=fingerprints.fresh_check_name(name),
+                    passed=f.passed,
+                    partition=part,
+                    metadata=f.metadata,
+                    description=f.description,
+                )
+            )
+        for name, why in got.errors.items():
+            failed[part] = f"{name}: {why}"
+        published.append(got)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="flowmatch-publish") as writer:
+        for i, part in enumerate(keys):
+            try:
+                ids, encoded = _encode(context, flowmatch, part, selected)
+            except Exception as exc:  # noqa: BLE001 - this partition fails alone
+                failed[part] = _one_line(exc)
+                context.log.error(f"{part}: {failed[part]}")
+                encoded = None
+            if pending is not None:
+                report(*pending)
+                pending = None
+            if encoded is not None:
+                fut = writer.submit(_publish_partition, context, flowmatch, part, ids, encoded)
+                pending = (part, fut)
+            rate = (i + 1) / max(time.perf_counter() - t0, 1e-9)
+            context.log.info(f"[{i + 1}/{n}] {part} encoded ({rate * 60:.1f} partitions/min)")
+        if pending is not None:
+            report(*pending)
+    for ev in _run_checks(selected, published):
+        context.log_event(ev)
+    if failed:
+        ok = n - len(failed)
+        lines = [f"{p}: {why}" for p, why in failed.items()]
+        raise dg.Failure(
+            description=f"{len(failed)} of {n} partitions failed ({ok} published): "
+            + "; ".join(lines[:5])
+            + (" ..." if len(lines) > 5 else ""),
+            metadata={"failed": dg.MetadataValue.json(failed), "published": ok},
+        )
+
+
+def _materialization(context, flowmatch, name: str, part: str, r: dg.MaterializeResult):
+    """One partition's materialization event, as Dagster would record its output's."""
+    tags = compat.partition_materialization_tags(
+        context.instance, r.data_version, KINDS[name].code_version, [("images", part)]
+    )
+    backfill = context.run.tags.get("dagster/backfill") if context.run else None
+    return dg.AssetMaterialization(
+        asset_key=name,
+        partition=part,
+        metadata=r.metadata,
+        tags={**tags, **({"dagster/backfill": backfill} if backfill else {})},
+    )
+
+
+def _run_checks(selected: list[EmbeddingKind], published: list[_Published]):
+    """``<kind>_valid`` and the warning checks over the run's published partitions: one
+    evaluation each (as a run of one partition records one)."""
+    for k in selected:
+        parts = [p for p in published if k.name in p.results]
+        if not parts:
+            continue
+        problems = [x for p in parts for x in p.problems[k.name]]
+        r = shards_check_result([p.partition for p in parts], problems)
+        yield dg.AssetCheckEvaluation(
+            asset_key=dg.AssetKey(k.name), check_name=f"{k.name}_valid", passed=r.passed,
+            metadata=r.metadata, blocking=True,
+        )  # fmt: skip
+        for rule in k.warnings:
+            per = {p.partition: p.warnings[k.name][rule.attr] for p in parts}
+            w = _warn_result(rule, per)
+            yield dg.AssetCheckEvaluation(
+                asset_key=dg.AssetKey(k.name), check_name=f"{k.name}_{rule.name}",
+                passed=w.passed, metadata=w.metadata, description=w.description,
+                severity=dg.AssetCheckSeverity.WARN,
+            )  # fmt: skip
+
+
+def _one_line(exc: BaseException) -> str:
+    text = getattr(exc, "description", None) or str(exc) or type(exc).__name__
+    return text.strip().splitlines()[0][:500]
+
+
+def _store(
+    context, flowmatch: FlowmatchResource, e, ids: list[str], part: str
+) -> dg.MaterializeResult:
     """Write one kind's shard and publish it (catalog rows + record, metadata), together."""
-    with PartitionOutput(context, flowmatch, e.kind.name) as out:
+    with PartitionOutput(context, flowmatch, e.kind.name, part) as out:
         return _publish_kind(context, flowmatch, e, ids, out)
 
 
@@ -196,18 +368,22 @@ def _warn_check(kind: EmbeddingKind, rule) -> dg.AssetChecksDefinition:
             except Exception:  # noqa: BLE001 - the validity check reports unreadable shards
                 continue
             per_part[p] = int(attrs.get(rule.attr, 0))
-        total = sum(per_part.values())
-        return dg.AssetCheckResult(
-            passed=total == 0,
-            severity=dg.AssetCheckSeverity.WARN,
-            metadata={
-                f"{rule.attr}_values": total,
-                "partitions": dg.MetadataValue.json({k: v for k, v in per_part.items() if v}),
-            },
-            description=None if total == 0 else f"{total} {rule.attr} values: {rule.fix}",
-        )
+        return _warn_result(rule, per_part)
 
     return _check
+
+
+def _warn_result(rule, per_part: dict[str, int]) -> dg.AssetCheckResult:
+    total = sum(per_part.values())
+    return dg.AssetCheckResult(
+        passed=total == 0,
+        severity=dg.AssetCheckSeverity.WARN,
+        metadata={
+            f"{rule.attr}_values": total,
+            "partitions": dg.MetadataValue.json({k: v for k, v in per_part.items() if v}),
+        },
+        description=None if total == 0 else f"{total} {rule.attr} values: {rule.fix}",
+    )
 
 
 def build_embedding_checks(kinds: Sequence[EmbeddingKind]) -> list[dg.AssetChecksDefinition]:

@@ -171,8 +171,19 @@ def _dino(enc: Encoders, images: np.ndarray) -> dict[str, np.ndarray]:
     return {"patch": patch, "cls": cls}
 
 
-def _text(enc: Encoders, captions: list[str]) -> dict[str, np.ndarray]:
-    tokens, lengths = enc.encode_text(captions)
+@dataclass(frozen=True)
+class CaptionBatch:
+    """Captions with their token ids, tokenized ahead (flowmatch_models.embeddings.precalc)."""
+
+    captions: Sequence[str | None]
+    token_ids: Sequence[list[int]] | None = None
+
+
+def _text(enc: Encoders, batch: CaptionBatch | list[str]) -> dict[str, np.ndarray]:
+    if isinstance(batch, CaptionBatch):
+        tokens, lengths = enc.encode_text(batch.captions, token_ids=batch.token_ids)
+    else:
+        tokens, lengths = enc.encode_text(batch)
     return {"tokens": tokens, "lengths": lengths}
 
 

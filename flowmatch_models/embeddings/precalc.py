@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import queue
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,6 +18,7 @@ import numpy as np
 from flowmatch_models.data.buckets import GRID
 from flowmatch_models.embeddings.kinds import (
     FIRST_TOKEN_ATTR,
+    CaptionBatch,
     EmbeddingKind,
     first_token_is_null,
     kind_fingerprint,
@@ -20,6 +26,10 @@ from flowmatch_models.embeddings.kinds import (
 )
 from flowmatch_models.encoders.spec import EncoderSpec
 from flowmatch_models.storage.fingerprint import ATTR as FINGERPRINT_ATTR
+from flowmatch_models.storage.fingerprint import weights_identity
+
+#: tokenizes a partition's captions beside the image encoders' work
+_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flowmatch-tokenize")
 
 
 @dataclass
@@ -40,13 +50,20 @@ def encode_partition(
     log: Callable[[str], None] = print,
     inputs: dict[str, str | None] | None = None,
     weights_cache: str | Path | None = None,
+    shared: bool = True,
 ) -> dict[str, Encoded]:
     """Compute ``kinds`` for the images shard at ``images_path`` on ``device``: one pass
     over the images for every image kind, one over the captions for every caption kind.
     Arrays in the shard's row order, attrs with the model, its weights label, the device and
     the fingerprint (:func:`kind_fingerprint` over exactly what the kind reads,
     :func:`kind_inputs`; ``inputs``: the images partition's fingerprint hash, which the caller
-    knows)."""
+    knows).
+
+    The encoders are loaded once per process (``shared``: :func:`shared_encoders`, by kind,
+    settings and weights identity), so a run over many partitions pays each load once. The
+    device never waits on the host for long: the next image batch is read and decoded on a
+    thread while the current one is encoded, and the captions are tokenized on another thread
+    while the images are encoded."""
     from flowmatch_models.encoders.frozen import Encoders
     from flowmatch_models.encoders.zoo import weights_label
     from flowmatch_models.storage.image_shard import iter_image_batches, read_image_meta
@@ -54,9 +71,17 @@ def encode_partition(
     meta = read_image_meta(images_path)
     n = meta.num_rows
     ids, captions = meta.column("id").to_pylist(), meta.column("caption").to_pylist()
-    encs = {k.name: Encoders(k.spec_for(spec).model_copy(update={"device": device})) for k in kinds}
+    encs = {}
+    for k in kinds:
+        kspec = k.spec_for(spec).model_copy(update={"device": device})
+        encs[k.name] = shared_encoders(k, kspec, weights_cache) if shared else Encoders(kspec)
+        encs[k.name].text_saturated = 0  # counted per partition
     parts: dict[str, dict[str, list[np.ndarray]]] = {k.name: {} for k in kinds}
     secs = dict.fromkeys(parts, 0.0)
+    caption_kinds = [k for k in kinds if k.role.input == "captions"]
+    tokens = {  # tokenized while the images are encoded (the tokenizer loads on this thread)
+        k.name: _POOL.submit(encs[k.name].tokenize, captions) for k in caption_kinds
+    }
 
     def run(kind: EmbeddingKind, batch: Any) -> dict[str, np.ndarray]:
         t0 = time.perf_counter()
@@ -82,7 +107,8 @@ def encode_partition(
                         col[i] = x
 
         done = 0
-        for _, _, imgs in iter_image_batches(images_path, batch_size=spec.batch_size):
+        batches = iter_image_batches(images_path, batch_size=spec.batch_size)
+        for _, _, imgs in prefetched(batches, depth=2):
             for im in imgs:
                 pending.setdefault(im.shape[:2], []).append((done, im))
                 if len(pending[im.shape[:2]]) >= spec.batch_size:
@@ -99,9 +125,11 @@ def encode_partition(
                     parts[k.name][key] = [_cells(key, col)]
             if not one_size:
                 parts[k.name]["grid"] = [(sizes // GRID).astype(np.int32)]
-    for k in (k for k in kinds if k.role.input == "captions"):
+    for k in caption_kinds:
+        ids_of = tokens[k.name].result()
         for i in range(0, len(captions), spec.batch_size):
-            for key, arr in run(k, captions[i : i + spec.batch_size]).items():
+            batch = CaptionBatch(captions[i : i + spec.batch_size], ids_of[i : i + spec.batch_size])
+            for key, arr in run(k, batch).items():
                 parts[k.name].setdefault(key, []).append(arr)
 
     out = {}
@@ -131,6 +159,79 @@ def encode_partition(
         }
         out[k.name] = Encoded(k, arrays, attrs, secs[k.name])
     return out
+
+
+# --------------------------------------------------------------------- encoders, loaded once
+
+_SHARED: OrderedDict[str, tuple[str, Any]] = OrderedDict()
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_encoders(kind: EmbeddingKind, spec: EncoderSpec, weights_cache=None) -> Any:
+    """This process's :class:`~flowmatch_models.encoders.frozen.Encoders` for ``kind`` under
+    ``spec`` (device included): made once and kept while the settings and the model's weights
+    (:func:`weights_identity`, hashed once per process and folder state) stay the same; other
+    settings or weights replace it, so one kind never holds two models."""
+    from flowmatch_models.encoders.frozen import Encoders
+
+    model = kind.model_in(spec)
+    key = json.dumps(
+        [spec.model_dump(mode="json"), weights_identity(model, weights_cache)],
+        sort_keys=True,
+        default=str,
+    )
+    with _SHARED_LOCK:
+        got = _SHARED.get(kind.name)
+        if got is None or got[0] != key:
+            _SHARED[kind.name] = (key, Encoders(spec))
+        return _SHARED[kind.name][1]
+
+
+def clear_shared_encoders() -> None:
+    """Forget the loaded encoders (their memory is freed once nothing else holds them)."""
+    with _SHARED_LOCK:
+        _SHARED.clear()
+
+
+def prefetched(items: Iterable, depth: int = 2) -> Iterator:
+    """``items`` produced on a thread up to ``depth`` ahead of the consumer (reading and
+    decoding the next image batch while the device encodes this one); an error raised while
+    producing is raised here, in order."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    done = object()
+
+    def put(item) -> bool:  # False: the consumer has gone
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for x in items:
+                if not put((x, None)):
+                    return
+            put((done, None))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            put((done, e))
+
+    t = threading.Thread(target=produce, name="flowmatch-prefetch", daemon=True)
+    t.start()
+    try:
+        while True:
+            x, err = q.get()
+            if x is done:
+                if err is not None:
+                    raise err
+                return
+            yield x
+    finally:
+        stop.set()
+        t.join()
 
 
 def _fingerprint(kind, spec, images_inputs, weights_cache, ids, captions) -> dict:

@@ -296,13 +296,20 @@ class Encoders:
         return np.array([max(1, len(x)) for x in enc["input_ids"]], dtype=np.int32)
 
     @torch.inference_mode()
-    def encode_text(self, captions: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    def encode_text(
+        self, captions: Sequence[str], token_ids: Sequence[list[int]] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Last hidden states of the valid caption tokens: ``(tokens [T, D], lengths [N] int32)``.
 
         Captions are truncated to ``max_tokens`` tokens; empty/whitespace captions give the BOS
         token only (length 1). Batches are sorted by length so padding stays small.
+        ``token_ids``: the captions' :meth:`tokenize`, when done ahead (on another thread).
         """
-        ids = self.tokenize(list(captions))
+        ids = (
+            [list(x) for x in token_ids] if token_ids is not None else self.tokenize(list(captions))
+        )
+        if len(ids) != len(captions):
+            raise ValueError(f"{len(captions)} captions but {len(ids)} token id lists")
         lengths = np.array([len(x) for x in ids], dtype=np.int32)
         model = self.text_model
         hidden = int(model.config.hidden_size)
