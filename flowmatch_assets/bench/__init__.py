@@ -15,6 +15,7 @@ BENCHES = {
         "store",
         "loader",
         "precalc",
+        "precompute",
         "train",
         "orchestration",
         "learning",

@@ -152,6 +152,8 @@ def encode_partition(
             "weights": weights_label(model) if local else "",
             "random_weights": enc.random_weights[k.encoder],
             "device": device,
+            **({"simulated_gpu_pairs_per_s": enc.simulated_pairs_per_s}
+               if enc.simulated_pairs_per_s else {}),  # fmt: skip
             "dtype": str(enc.dtype),
             "source": f"images/{Path(images_path).stem}",
             **extra_attrs,

@@ -22,6 +22,8 @@ Each model is given as a hub id or a local folder. Loading is lazy (first use). 
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,6 +48,16 @@ DINO_POOLS = ("avg2x2", "resize112")
 
 FP16_MAX = 65504.0
 
+#: ``flowmatch bench precompute`` only: the pairs per second of a simulated GPU. When set, each
+#: encoder still loads its model (``from_pretrained``), tokenizes and checks its inputs, but its
+#: forward pass is replaced by a sleep of its share of a pair's time and arrays of the real
+#: shapes and dtype (noise): everything around the forward passes runs for real. Never set it
+#: for data you will train on; every shard made so says ``simulated`` in its attrs.
+SIMULATE_ENV = "FLOWMATCH_SIMULATE_GPU_PAIRS_PER_S"
+#: each encoder's share of a pair's FLOPs (ARCHITECTURE.md: DC-AE f32c32 ~324 G at 256 px,
+#: DINOv2-small ~11 G at 224 px, Gemma3-270M ~26 G at 128 tokens)
+SIMULATED_SHARE = {"vae": 324 / 361, "dino": 11 / 361, "text": 26 / 361}
+
 
 class Encoders:
     """Lazily loaded VAE, DINOv2 and text encoder with batched, inference-mode encode methods."""
@@ -64,6 +76,8 @@ class Encoders:
                 "Its outputs are still stored as fp16, clamped and counted."
             )
         self.text_saturated = 0  # caption values clamped to the fp16 range so far
+        rate = os.environ.get(SIMULATE_ENV)
+        self.simulated_pairs_per_s = float(rate) if rate else None
         self._vae: Any = None
         self._dino: Any = None
         self._text: Any = None
@@ -206,6 +220,10 @@ class Encoders:
         (``[N, 32, 8, 8]`` at 256 x 256)."""
         images = self._check_images(images_uint8)
         vae = self.vae
+        if self.simulated_pairs_per_s:
+            c = int(vae.config.latent_channels)
+            shape = (len(images), c, images.shape[1] // GRID, images.shape[2] // GRID)
+            return self._simulated("vae", len(images), shape)
         out = []
         for sl in self._batches(len(images)):
             x = self._images_to_tensor(images[sl]).mul_(2.0).sub_(1.0).to(self.dtype)
@@ -249,6 +267,10 @@ class Encoders:
         gh, gw = images.shape[1] // GRID, images.shape[2] // GRID  # the latent grid
         size = self.dino_input_hw(images.shape[1], images.shape[2])
         ph, pw = (s // int(dino.config.patch_size) for s in size)
+        if self.simulated_pairs_per_s:
+            d = int(dino.config.hidden_size)
+            patch = self._simulated("dino", len(images), (len(images), gh * gw, d))
+            return patch, _noise((len(images), d))
         mean = torch.tensor(IMAGENET_MEAN, device=self._device).view(1, 3, 1, 1)
         std = torch.tensor(IMAGENET_STD, device=self._device).view(1, 3, 1, 1)
         patches, clss = [], []
@@ -313,6 +335,8 @@ class Encoders:
         lengths = np.array([len(x) for x in ids], dtype=np.int32)
         model = self.text_model
         hidden = int(model.config.hidden_size)
+        if self.simulated_pairs_per_s:
+            return self._simulated("text", len(ids), (int(lengths.sum()), hidden)), lengths
         pad = self.tokenizer.pad_token_id or 0
         order = np.argsort(-lengths, kind="stable")
         per_sample: list[np.ndarray | None] = [None] * len(ids)
@@ -336,6 +360,12 @@ class Encoders:
             return np.zeros((0, hidden), np.float16), lengths
         return np.concatenate(per_sample), lengths  # type: ignore[arg-type]
 
+    def _simulated(self, role: str, pairs: int, shape: tuple[int, ...]) -> np.ndarray:
+        """The simulated forward pass (:data:`SIMULATE_ENV`): its share of ``pairs`` pairs'
+        time on the simulated GPU, then fp16 noise of ``shape``."""
+        time.sleep(pairs * SIMULATED_SHARE[role] / float(self.simulated_pairs_per_s or 1))
+        return _noise(shape)
+
     def encode_null(self) -> np.ndarray:
         """The encoded empty prompt ``[L0, D]`` fp16 (Gemma: the BOS token's state): the null
         caption of caption dropout and CFG, and SanaPipeline's default negative prompt."""
@@ -343,6 +373,22 @@ class Encoders:
         tokens, _ = self.encode_text([""])
         self.text_saturated = saturated  # the null caption is not a sample
         return tokens
+
+
+_NOISE: np.ndarray | None = None
+
+
+def _noise(shape: tuple[int, ...]) -> np.ndarray:
+    """fp16 N(0, 1) noise of ``shape``, cut from one pool made once (a simulation's arrays cost
+    a copy, not a random draw per value)."""
+    global _NOISE
+    if _NOISE is None:
+        _NOISE = (
+            np.random.default_rng(0).standard_normal(1 << 22, dtype=np.float32).astype(np.float16)
+        )
+    size = int(np.prod(shape))
+    start = (size * 7919) % len(_NOISE)  # varies with the shape, deterministic
+    return np.resize(_NOISE[start:], size).reshape(shape)
 
 
 def _clean_caption(caption: Any) -> str:
