@@ -282,6 +282,9 @@ def materialize(
         )
         for step, msg in step_failures(result):
             print(f"    {step}: {msg}")
+    from flowmatch_models.embeddings.precalc import clear_shared_encoders
+
+    clear_shared_encoders()  # loaded once for all these partitions; not held past them
     return out
 
 
