@@ -13,6 +13,9 @@ recorded as skipped), it measures:
   :mod:`flowmatch_assets.bench.train`) over a batch sweep with compile off, then compile on at
   the best batch: samples/s and MFU;
 - ``loader``: samples/s of the training loader over a synthetic store (page cache);
+- ``precompute``: a real backfill of the embedding kinds through ``dagster dev`` (4 partitions
+  of 4,000 images), one partition a run against runs of many, with the real forward passes
+  (:mod:`flowmatch_assets.bench.precompute` ``--real``);
 
 with the peak GPU memory of each, and the fraction of the targets reached (ARCHITECTURE.md:
 precalc >= 1,100 pairs/s and training >= 40% MFU on one H200). Without a CUDA GPU it says so and
@@ -119,6 +122,12 @@ def gpu_check(budget_s: float = 540.0, smoke: bool = False) -> dict:
     result["loader"] = _phase(budget, 30, lambda: bench_train.bench_loader(
         batch=256 if cuda else 16, batches=40 if cuda else 4,
         per_shard=2000 if cuda else 64), cuda)  # fmt: skip
+
+    if cuda:  # a real backfill of the embedding kinds with the real forward passes
+        from flowmatch_assets.bench import precompute as bench_precompute
+
+        result["precompute"] = _phase(budget, 240, lambda: bench_precompute.main(
+            ["--real", "--partitions", "4", "--rows", "4000"]), cuda)  # fmt: skip
 
     result["achieved"] = {
         "precalc_pairs_per_s": best["pairs_per_s"] if best else None,
