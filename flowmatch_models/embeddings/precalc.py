@@ -76,6 +76,7 @@ def encode_partition(
         kspec = k.spec_for(spec).model_copy(update={"device": device})
         encs[k.name] = shared_encoders(k, kspec, weights_cache) if shared else Encoders(kspec)
         encs[k.name].text_saturated = 0  # counted per partition
+        encs[k.name].load(k.encoder)  # here, before the threads below start
     parts: dict[str, dict[str, list[np.ndarray]]] = {k.name: {} for k in kinds}
     secs = dict.fromkeys(parts, 0.0)
     caption_kinds = [k for k in kinds if k.role.input == "captions"]

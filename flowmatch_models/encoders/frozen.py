@@ -128,6 +128,14 @@ class Encoders:
             vae.encoder = torch.compile(vae.encoder)
         return vae
 
+    def load(self, role: str) -> None:
+        """Load ``role``'s model now (``vae``, ``dino``, or ``text`` with its tokenizer), on
+        this thread: the lazy imports of diffusers and transformers are not safe to race."""
+        if role == "text":
+            _ = self.tokenizer, self.text_model
+        else:
+            getattr(self, role)
+
     # ---------------------------------------------------------------------------------- props
     @property
     def device(self) -> str:
