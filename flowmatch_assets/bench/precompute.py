@@ -109,7 +109,7 @@ def _runs(instance: dg.DagsterInstance, backfill_id: str) -> list:
 
 
 def one_backfill(tmp: Path, keys: list[str], encoders: dict, rows: int, rate: float | None,
-                 per_run: int, label: str) -> dict:  # fmt: skip
+                 per_run: int, label: str, settings: Path | None = None) -> dict:  # fmt: skip
     """One path at one simulated rate: a fresh data root copy's embeddings backfilled."""
     import shutil
 
@@ -126,6 +126,7 @@ def one_backfill(tmp: Path, keys: list[str], encoders: dict, rows: int, rate: fl
         "FLOWMATCH_DINO": encoders["dino"],
         "FLOWMATCH_TEXT": encoders["text"],
         "FLOWMATCH_EMBED_PARTITIONS_PER_RUN": str(per_run),
+        **({"FLOWMATCH_SETTINGS": str(settings)} if settings else {}),
         **({"FLOWMATCH_SIMULATE_GPU_PAIRS_PER_S": str(rate)} if rate else {}),
     }
     with dagster_dev(home, env, tmp / f"dagster-{label}.log", ready_asset="vae_latents") as dev:
@@ -172,6 +173,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--per-run", type=int, default=64, help="the new path's partitions per run")
     p.add_argument("--quick", action="store_true", help="Gemma with an 8k vocabulary")
     p.add_argument("--real", action="store_true", help="the real forward passes (CUDA)")
+    p.add_argument(
+        "--storage", choices=("default", "lossless"), default="default",
+        help="the shards' storage: the default (caption and DINO states transform-coded: their "
+        "fit runs on the encoders' device, the CPU here) or lossless zstd",
+    )  # fmt: skip
     p.add_argument("--out", default=None, help="also write the JSON here")
     a = p.parse_args(argv)
     rates: list[float | None] = [None] if a.real else [float(r) for r in a.rates.split(",")]
@@ -184,6 +190,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         ),
         "partitions": a.partitions,
         "rows_per_partition": a.rows,
+        "storage": a.storage,
         "cpu_count": os.cpu_count(),
         "results": [],
     }  # fmt: skip
@@ -194,10 +201,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
         encoders = save_encoders(tmp / "encoders", a.quick)
         print(f"{len(keys)} partitions of {a.rows} images and the encoders written in "
               f"{time.perf_counter() - t0:.0f}s", flush=True)  # fmt: skip
+        settings = None
+        if a.storage == "lossless":
+            settings = tmp / "lossless.yaml"
+            settings.write_text("encoders:\n  codec: zstd\n  lossy: {}\n")
         for rate in rates:
             for path, per_run in (("old", 1), ("new", a.per_run)):
                 label = f"{path}-{rate or 'real'}"
-                r = one_backfill(tmp, keys, encoders, a.rows, rate, per_run, label)
+                r = one_backfill(tmp, keys, encoders, a.rows, rate, per_run, label, settings)
                 result["results"].append(r)
                 busy = f"GPU busy {r['gpu_busy']:.1%}, " if "gpu_busy" in r else ""
                 print(f"{label:>10}: {r['runs']} runs, wall {r['wall_s']:.1f}s, {busy}"
