@@ -108,6 +108,22 @@ def _runs(instance: dg.DagsterInstance, backfill_id: str) -> list:
     return instance.get_run_records(dg.RunsFilter(tags={"dagster/backfill": backfill_id}))
 
 
+def _timeline(instance: dg.DagsterInstance, record) -> dict:
+    """When a run's partitions were encoded (its ``[i/n] <key> encoded`` lines), from its start."""
+    start, end = record.start_time, record.end_time
+    times = [
+        e.timestamp
+        for e in instance.all_logs(record.dagster_run.run_id)
+        if e.user_message and "] " in e.user_message and e.user_message.endswith("partitions/min)")
+    ]
+    times.sort()
+    return {
+        "first_encoded_s": (times[0] - start) if times else None,
+        "between_s": [b - a for a, b in zip(times, times[1:])],
+        "tail_s": (end - times[-1]) if times else end - start,
+    }
+
+
 def one_backfill(tmp: Path, keys: list[str], encoders: dict, rows: int, rate: float | None,
                  per_run: int, label: str, settings: Path | None = None) -> dict:  # fmt: skip
     """One path at one simulated rate: a fresh data root copy's embeddings backfilled."""
@@ -140,6 +156,7 @@ def one_backfill(tmp: Path, keys: list[str], encoders: dict, rows: int, rate: fl
             done = {
                 (k, p) for k in KINDS for p in instance.get_materialized_partitions(dg.AssetKey(k))
             }
+            timeline = [_timeline(instance, r) for r in runs]
     wall = end - start
     pairs = rows * len(keys)
     gpu = pairs / rate if rate else None
@@ -154,12 +171,26 @@ def one_backfill(tmp: Path, keys: list[str], encoders: dict, rows: int, rate: fl
         "wall_s": round(wall, 2),
     }
     if gpu is not None:
+        g = gpu / len(keys)  # one partition's GPU seconds
+        # a run: its start to its first partition encoded, less that partition's GPU time (the
+        # process, imports, model loads); between partitions encoded (steady state); after the
+        # last (its write and publish, not overlapped)
+        start_s = [t["first_encoded_s"] - g for t in timeline if t["first_encoded_s"] is not None]
+        steps = [x for t in timeline for x in t["between_s"]]
+        tails = [t["tail_s"] for t in timeline]
         out |= {
             "simulated_pairs_per_s": rate,
             "gpu_s": round(gpu, 2),
             "gpu_busy": round(gpu / wall, 4),
             "fixed_s_per_partition": round((wall - gpu) / len(keys), 2),
+            "run_start_s": round(float(np.median(start_s)), 2) if start_s else None,
+            "between_partitions_s": round(float(np.median(steps)), 2) if steps else None,
+            "run_tail_s": round(float(np.median(tails)), 2),
         }
+        if steps and start_s:  # a run of per_run partitions, from these parts
+            m = per_run
+            run = float(np.median(start_s)) + g + (m - 1) * float(np.median(steps)) + float(np.median(tails))  # fmt: skip
+            out["projected_gpu_busy_at_partitions_per_run"] = {str(m): round(m * g / run, 4)}
     else:
         out["pairs_per_s"] = round(pairs / wall, 1)
     return out
