@@ -45,8 +45,10 @@ A bad row never raises: it becomes a ``failed`` result whose ``reason`` is one o
 ``private_address``
     The URL's host resolves (when connecting, on the first request and on every redirect) only
     to addresses that are not public: loopback, private, link-local (the cloud metadata
-    endpoint 169.254.169.254), multicast, reserved, unspecified or shared (CGNAT) ones. Nothing
-    is sent to them. ``ingest.allow_networks`` (FLOWMATCH_ALLOW_NETWORKS) lists networks to
+    endpoint 169.254.169.254), multicast, reserved, unspecified or shared (CGNAT) ones, and
+    the rest of IANA's special-purpose blocks that are not globally reachable (all of
+    192.0.0.0/24, documentation and benchmarking ranges, ...) and Azure's 168.63.129.16, the
+    same on every Python version (fetch.SPECIAL_BLOCKS). Nothing is sent to them. ``ingest.allow_networks`` (FLOWMATCH_ALLOW_NETWORKS) lists networks to
     allow anyway, e.g. a local mirror.
 ``outside_source``, ``not_regular_file``, ``unreadable``, ``corrupt_container``
     A source's image (flowmatch_assets/ingest/sources) that leads outside its location, is not
