@@ -11,6 +11,7 @@ with :data:`MARKERS`: none of those bytes may reach a shard, a caption or the ca
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -268,8 +269,9 @@ def write_pd12m(md_dir: Path, images: Path, urls: dict[str, str]) -> dict[str, s
         (images / f"p{i}.jpg").write_bytes(jpeg(70 + i))
         rows.append({"id": f"p{i}", "url": f"file:p{i}.jpg", "caption": f"a PD12M picture {i}"})
     rows += [{"id": k, "url": u, "caption": f"a row pointing at {k}"} for k, u in urls.items()]
-    for n, r in enumerate(rows):
-        r.update(width=1024, height=768, mime_type="image/jpeg", hash=f"{n:032x}",
+    for n, r in enumerate(rows):  # the file rows' hash is their md5, as PD12M's
+        md5 = hashlib.md5(jpeg(70 + n)).hexdigest() if n < 3 else f"{n:032x}"
+        r.update(width=1024, height=768, mime_type="image/jpeg", hash=md5,
                  license="cc0", source="test")  # fmt: skip
     pq.write_table(pa.Table.from_pylist(rows), md_dir / "pd12m.000.parquet")
     return {f"p{i}": "stored" for i in range(3)}

@@ -13,8 +13,22 @@ from flowmatch_assets.ingest.fetch import fetch_bytes, make_pool
 from flowmatch_assets.ingest.images import IngestConfig, IngestError, IngestResult
 
 
+def _check_hash(row: Mapping, md5: str, cfg: IngestConfig) -> None:
+    """``hash_mismatch`` when the row's metadata ``hash`` is an md5 (32 hex digits) and the
+    downloaded bytes' md5 is another (``cfg.check_hash``)."""
+    want = row.get("hash")
+    if not cfg.check_hash or not isinstance(want, str):
+        return
+    want = want.strip().lower()
+    if len(want) == 32 and all(c in "0123456789abcdef" for c in want) and want != md5:
+        raise IngestError(
+            "hash_mismatch", f"the bytes' md5 is {md5}, the metadata's hash {want}: not this image"
+        )
+
+
 def ingest_one(row: Mapping, cfg: IngestConfig, pool: urllib3.PoolManager) -> IngestResult:
-    """One row (``id``, ``url``): fetch, md5, decode, crop, encode; never raises for bad data."""
+    """One row (``id``, ``url``, ``hash``): fetch, md5, decode, crop, encode, the md5 checked
+    against ``hash`` (:func:`_check_hash`); never raises for bad data."""
     rid = str(row.get("id", ""))
     url = row.get("url")
     url_s = url if isinstance(url, str) else ""
@@ -24,6 +38,7 @@ def ingest_one(row: Mapping, cfg: IngestConfig, pool: urllib3.PoolManager) -> In
         n = len(data)
         md5 = hashlib.md5(data).hexdigest()
         image, ow, oh = process_image(data, cfg)
+        _check_hash(row, md5, cfg)  # after decoding: bytes that are no image say so first
     except IngestError as e:
         return IngestResult(rid, url_s, "failed", e.reason, e.detail or None, bytes_downloaded=n)
     except Exception as e:  # noqa: BLE001 - a bad row must never crash the shard

@@ -48,13 +48,19 @@ A bad row never raises: it becomes a ``failed`` result whose ``reason`` is one o
     endpoint 169.254.169.254), multicast, reserved, unspecified or shared (CGNAT) ones, and
     the rest of IANA's special-purpose blocks that are not globally reachable (all of
     192.0.0.0/24, documentation and benchmarking ranges, ...) and Azure's 168.63.129.16, the
-    same on every Python version (fetch.SPECIAL_BLOCKS). Nothing is sent to them. ``ingest.allow_networks`` (FLOWMATCH_ALLOW_NETWORKS) lists networks to
-    allow anyway, e.g. a local mirror.
+    same on every Python version (fetch.SPECIAL_BLOCKS). Nothing is sent to them.
+    ``ingest.allow_networks`` (FLOWMATCH_ALLOW_NETWORKS) lists networks to allow anyway, e.g. a
+    local mirror.
 ``outside_source``, ``not_regular_file``, ``unreadable``, ``corrupt_container``
     A source's image (flowmatch_assets/ingest/sources) that leads outside its location, is not
     a regular file (a FIFO, a device), cannot be read, or sits in a container that broke; a
     ``file://`` URL to something that is not a regular file (``not_regular_file``) or cannot
     be read (``unreadable``).
+``hash_mismatch``
+    The downloaded bytes decode, but their md5 is not the metadata's ``hash`` (PD12M's md5 of
+    the image): the URL now serves something else (a CDN placeholder, a replaced file), so it
+    is not stored as that row's image. Permanent; ``ingest.check_hash: false`` turns the check
+    off; rows without an md5-like hash are never checked.
 ``bad_url``
     Missing, malformed or unsupported URL (not http, https or file).
 ``internal``
@@ -126,6 +132,13 @@ class IngestConfig(BaseModel):
         "fails and keeps the previous shard and its catalog records (its failures are recorded "
         "in the rejected_attempts view).",
     )
+    check_hash: bool = Field(
+        default=True,
+        description="Compare the downloaded bytes' md5 with the metadata's `hash` (PD12M "
+        "publishes one per image); a row whose bytes decode but differ fails as hash_mismatch "
+        "(a CDN placeholder, a replaced file). Rows without an md5-like hash (32 hex digits) "
+        "and sources' own images are not checked.",
+    )
     image_format: str = Field(default="jpeg", description="jpeg, webp or png.")
     quality: int = Field(default=95, description="JPEG/WebP quality.")
     user_agent: str = Field(
@@ -185,6 +198,7 @@ REASONS: frozenset[str] = frozenset(
         "not_regular_file",
         "unreadable",
         "corrupt_container",
+        "hash_mismatch",
     }
 )
 
