@@ -275,3 +275,22 @@ def write_pd12m(md_dir: Path, images: Path, urls: dict[str, str]) -> dict[str, s
                  license="cc0", source="test")  # fmt: skip
     pq.write_table(pa.Table.from_pylist(rows), md_dir / "pd12m.000.parquet")
     return {f"p{i}": "stored" for i in range(3)}
+
+
+def scan_bomb(size: tuple[int, int], scans: int) -> bytes:
+    """A progressive JPEG of ``size`` (flat grey, a few KB per 1,000 scans) whose last scan is
+    repeated until it has ``scans``: each one makes a decoder go over the whole image again."""
+    from flowmatch_assets.ingest.decode import _MARKER_IN_SCAN
+
+    buf = io.BytesIO()
+    Image.new("L", size, 128).save(buf, "JPEG", progressive=True, quality=90)
+    data = buf.getvalue()
+    starts, i = [], 2
+    while data[i + 1] != 0xD9:  # split at each SOS: header, scans, EOI
+        seg_end = i + 2 + int.from_bytes(data[i + 2 : i + 4], "big")
+        if data[i + 1] == 0xDA:
+            starts.append(i)
+            seg_end = _MARKER_IN_SCAN.search(data, seg_end).start()
+        i = seg_end
+    last = data[starts[-1] : i]
+    return data[: starts[-1]] + last * (scans - len(starts) + 1) + data[i:]
