@@ -9,6 +9,9 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -21,7 +24,7 @@ from flowmatch_assets.ingest.fetch import address_refusal, fetch_bytes
 from flowmatch_assets.ingest.images import IngestConfig, IngestError
 from tests import hostile_sources as hs
 from tests.http_fixtures import LoopbackHTTPServer, Reply
-from tests.test_hostile_sources import _cli, _final, env  # noqa: F401 - env is a fixture
+from tests.test_hostile_sources import REPO, _cli, _final, env  # noqa: F401 - env is a fixture
 
 # ------------------------------------------------------------------------ special-purpose blocks
 
@@ -130,3 +133,152 @@ def test_a_progressive_jpeg_of_thousands_of_scans_is_refused_before_decoding():
     image, w, h = process_image(hs.scan_bomb((400, 300), 100), IngestConfig())
     assert (w, h) == (400, 300) and image[:3] == b"\xff\xd8\xff"
     assert jpeg_scans(hs.jpeg(1), 10**6) == 1
+
+
+# ------------------------------------------------------------------------ small bugs (issue 36, 8)
+
+
+def test_a_file_url_with_a_nul_byte_is_a_permanent_bad_url(tmp_path):
+    from flowmatch_assets.ingest.images import is_retryable
+
+    with pytest.raises(IngestError) as e:
+        fetch_bytes("file:a%00.jpg", IngestConfig(file_root=str(tmp_path)))
+    assert e.value.reason == "bad_url" and not is_retryable(e.value.reason)
+
+
+def test_running_out_of_memory_while_decoding_is_retryable_not_corrupt():
+    """A MemoryError says the process was short of memory, not that the file is broken: a
+    PNG decoded under an address-space limit (in a subprocess) is out_of_memory, retryable."""
+    script = """
+import io, resource
+import numpy as np
+from PIL import Image
+from flowmatch_assets.ingest.decode import process_image
+from flowmatch_assets.ingest.images import IngestConfig, IngestError, is_retryable
+buf = io.BytesIO()
+Image.fromarray(np.zeros((6000, 6000, 3), np.uint8)).save(buf, "PNG", compress_level=1)
+data = buf.getvalue()
+soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+used = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (used + 60_000_000, hard))
+try:
+    process_image(data, IngestConfig())
+except IngestError as e:
+    print(e.reason, is_retryable(e.reason))
+"""
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO)
+    assert p.stdout.split() == ["out_of_memory", "True"], p.stderr[-2000:]
+
+
+def test_a_folder_linked_inside_the_source_is_listed_once(tmp_path):
+    from flowmatch_assets.ingest.sources import SourceConfig
+    from flowmatch_assets.ingest.sources.location import Location
+
+    src = tmp_path / "src"
+    (src / "real").mkdir(parents=True)
+    (src / "real" / "a.jpg").write_bytes(hs.jpeg(1))
+    (src / ".hidden").mkdir()
+    (src / ".hidden" / "b.jpg").write_bytes(hs.jpeg(2))
+    os.symlink("real", src / "again")
+    os.symlink(src / ".hidden", src / "shown")
+    assert Location(SourceConfig(kind="folder", location=str(src))).files() == [
+        "real/a.jpg", "shown/b.jpg",
+    ]  # fmt: skip
+
+
+def test_a_path_that_cannot_be_resolved_fails_its_row_not_the_read(tmp_path, monkeypatch):
+    """``realpath`` raising (EINVAL from a link swapped under it) is the row's ``unreadable``,
+    never an exception out of Location.read; without follow_links no realpath is needed."""
+    import errno
+
+    from flowmatch_assets.ingest.sources import SourceConfig
+    from flowmatch_assets.ingest.sources.location import Location
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.jpg").write_bytes(hs.jpeg(1))
+    followed = Location(SourceConfig(kind="folder", location=str(src), follow_links=True))
+    plain = Location(SourceConfig(kind="folder", location=str(src)))
+
+    def einval(path, *a, **k):
+        raise OSError(errno.EINVAL, "Invalid argument", path)
+
+    monkeypatch.setattr(os.path, "realpath", einval)
+    with pytest.raises(IngestError) as e:
+        followed.read("a.jpg", 10**6)
+    assert e.value.reason == "unreadable" and "Invalid argument" in e.value.detail
+    assert plain.read("a.jpg", 10**6) == hs.jpeg(1)
+
+
+# ------------------------------------------------------------------------ pseudo-filesystems, races
+
+
+def test_follow_links_never_reads_procfs_or_sysfs(tmp_path):
+    """With follow_links on, a caption linked to /proc/self/environ (the environment: cloud
+    keys; its size says 0) or an image linked into /sys is not_regular_file, unread."""
+    from flowmatch_assets.ingest.sources import SourceConfig
+    from flowmatch_assets.ingest.sources.folder import rows
+    from flowmatch_assets.ingest.sources.location import Location
+    from flowmatch_assets.ingest.sources.registry import Manifest
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.jpg").write_bytes(hs.jpeg(1))
+    os.symlink("/proc/self/environ", src / "a.txt")
+    os.symlink("/sys/kernel/uevent_seqnum", src / "b.jpg")
+    os.symlink("/proc/self", src / "proc")
+    cfg = SourceConfig(kind="folder", location=str(src), follow_links=True)
+    loc = Location(cfg)
+    assert loc.files() == ["a.jpg", "a.txt", "b.jpg"]  # the linked /proc is not walked
+    for name, fs in (("a.txt", "proc"), ("b.jpg", "sysfs")):
+        with pytest.raises(IngestError) as e:
+            loc.read(name, 10**6)
+        assert (
+            e.value.reason == "not_regular_file" and f"a {fs} pseudo-filesystem" in e.value.detail
+        )
+    m = Manifest("x-00000", "x", "folder", "", 0, 1, [{"id": "a.jpg", "image": "a.jpg"}])
+    listed, failed = rows(cfg, "x", m)
+    assert listed == [] and [f["reason"] for f in failed] == ["not_regular_file"]
+
+
+_SWAPPER = """
+import os, sys, time
+src, outside, until = sys.argv[1], sys.argv[2], time.monotonic() + float(sys.argv[3])
+sub, bak = os.path.join(src, "sub"), os.path.join(src, "sub.bak")
+while time.monotonic() < until:
+    os.rename(sub, bak)
+    os.symlink(outside, sub)
+    os.unlink(sub)
+    os.rename(bak, sub)
+"""
+
+
+def test_a_folder_swapped_for_a_link_while_reading_never_leads_out(tmp_path):
+    """A local writer swaps a folder for a link out (another process, as fast as it can) while
+    its file is read 2 s long: a read returns the file, or fails, never the outside file (the
+    old check-then-open let 4 of 20,000 reads out)."""
+    from flowmatch_assets.ingest.sources import SourceConfig
+    from flowmatch_assets.ingest.sources.location import Location
+
+    src, outside = tmp_path / "src", tmp_path / "outside"
+    (src / "sub").mkdir(parents=True)
+    outside.mkdir()
+    (src / "sub" / "a.jpg").write_bytes(b"inside")
+    (outside / "a.jpg").write_bytes(hs.SECRET.encode())
+    loc = Location(SourceConfig(kind="folder", location=str(src)))
+    swapper = subprocess.Popen([sys.executable, "-c", _SWAPPER, str(src), str(outside), "2"])
+    got: dict[str, int] = {}
+    try:
+        while swapper.poll() is None:
+            try:
+                key = loc.read("sub/a.jpg", 100).decode()
+            except IngestError as e:
+                key = e.reason
+            except OSError as e:  # escaped the read (the old code's FileNotFoundError)
+                key = type(e).__name__
+            got[key] = got.get(key, 0) + 1
+    finally:
+        swapper.wait(timeout=30)
+    assert swapper.returncode == 0
+    assert hs.SECRET not in got and got.get("inside", 0) > 100, got
+    assert set(got) <= {"inside", "not_found", "outside_source"}, got

@@ -344,6 +344,12 @@ def crop_resize(
     return out
 
 
+def _out_of_memory(size: tuple[int, int] | None = None) -> IngestError:
+    """``out_of_memory``: the process was short of memory, the file may be fine (retryable)."""
+    what = f"a {size[0]}x{size[1]} image" if size else "the image"
+    return IngestError("out_of_memory", f"decoding {what} ran out of memory")
+
+
 def encode(out: Image.Image, cfg: IngestConfig, encoder: str) -> bytes:
     """The stored bytes of the output image (``encoder``: a Pillow format of ``ENCODERS``)."""
     buf = io.BytesIO()
@@ -399,11 +405,15 @@ def process_image(data: bytes, cfg: IngestConfig) -> tuple[bytes, int, int]:
             raise
         except Image.DecompressionBombError as e:
             raise IngestError("decompression_bomb", str(e)) from None
+        except MemoryError:
+            raise _out_of_memory() from None
         except Exception as e:  # noqa: BLE001 - PIL raises many types for damaged data
             raise IngestError("corrupt", f"{type(e).__name__}: {e}") from None
     try:
         target = _decoded_target(ow, oh, orientation, cfg)
         out = crop_resize(im, _EXIF_TRANSPOSE.get(orientation), target)
         return encode(out, cfg, encoder), ow, oh
+    except MemoryError:
+        raise _out_of_memory(im.size) from None
     except Exception as e:  # noqa: BLE001 - lazily-decoded frames can still fail here
         raise IngestError("corrupt", f"{type(e).__name__}: {e}") from None

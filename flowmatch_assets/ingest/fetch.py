@@ -194,7 +194,10 @@ def _read_file(url: str, cfg: IngestConfig) -> bytes:
             "file_not_allowed", "file:// URLs are refused; set ingest.file_root to allow a folder"
         )
     root = Path(cfg.file_root).resolve()
-    raw = Path(unquote(parts.path))
+    name = unquote(parts.path)
+    if "\x00" in name:  # no file has such a name: permanent, never retried
+        raise IngestError("bad_url", "a file URL whose path holds a NUL byte (%00)")
+    raw = Path(name)
     path = (raw if raw.is_absolute() else root / raw).resolve()
     if not path.is_relative_to(root):
         raise IngestError("file_not_allowed", f"{path} is outside file_root {root}")

@@ -66,6 +66,9 @@ A bad row never raises: it becomes a ``failed`` result whose ``reason`` is one o
     off; rows without an md5-like hash are never checked.
 ``bad_url``
     Missing, malformed or unsupported URL (not http, https or file).
+``out_of_memory``
+    Decoding ran out of memory (a MemoryError: the process was short of it, the file may be
+    fine); retryable.
 ``internal``
     An unexpected exception (a bug, not bad data); ``detail`` names the exception.
 """
@@ -210,13 +213,14 @@ REASONS: frozenset[str] = frozenset(
         "corrupt_container",
         "hash_mismatch",
         "too_many_scans",
+        "out_of_memory",
     }
 )
 
 #: Reasons a later attempt may fix (the server or network was at fault): `flowmatch retry`
 #: re-fetches these by default; every other reason is permanent for the same bytes and config.
 #: HTTP 5xx, 408 and 429 are retryable too (see :func:`is_retryable`).
-RETRYABLE: frozenset[str] = frozenset({"timeout", "connection_error", "internal"})
+RETRYABLE: frozenset[str] = frozenset({"timeout", "connection_error", "internal", "out_of_memory"})
 
 
 def is_retryable(reason: str | None) -> bool:

@@ -22,6 +22,7 @@ what it is, never what it holds.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import os
@@ -53,6 +54,39 @@ def _kind_of(mode: int) -> str:
         if test(mode):
             return name
     return "not a regular file"
+
+
+#: Filesystems whose "files" are the kernel's or a process's state (procfs: /proc/self/environ
+#: holds the environment, and says its size is 0), never a dataset's.
+PSEUDO_FILESYSTEMS = frozenset(
+    """proc sysfs devtmpfs devpts debugfs tracefs securityfs cgroup cgroup2 configfs bpf pstore
+    efivarfs fusectl hugetlbfs mqueue autofs binfmt_misc rpc_pipefs nsfs selinuxfs
+    nfsd""".split()
+)
+_FS_OF_DEV: dict[int, str] = {}
+
+
+def _mount_types() -> dict[int, str]:
+    """Device number -> filesystem type of every mount (/proc/self/mountinfo)."""
+    out = {}
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                major, _, minor = left.split()[2].partition(":")
+                out[os.makedev(int(major), int(minor))] = right.split()[0]
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+def pseudo_filesystem(dev: int) -> str | None:
+    """The pseudo-filesystem type (``proc``, ``sysfs``, ...) the device ``dev`` is, or None
+    for an ordinary one (or where the mount table cannot be read)."""
+    if dev not in _FS_OF_DEV:
+        _FS_OF_DEV.update(_mount_types())
+    fs = _FS_OF_DEV.setdefault(dev, "")
+    return fs if fs in PSEUDO_FILESYSTEMS else None
 
 
 def _inside(path: str, root: str) -> bool:
@@ -136,6 +170,10 @@ class Location:
         return st.st_dev, st.st_ino
 
     def _walk(self, real_dir: str, rel_dir: str, seen: set, out: list[str]) -> None:
+        """List ``real_dir`` (as ``rel_dir``) into ``out``. A linked folder is followed when it
+        leads outside (with ``follow_links`` on) or to a folder inside that is not listed by
+        its own name (under a hidden one); each real folder once, none on a pseudo-filesystem
+        (procfs, sysfs, ...)."""
         try:
             entries = sorted(os.scandir(real_dir), key=lambda e: e.name)
         except OSError:
@@ -150,15 +188,27 @@ class Location:
             except OSError:
                 continue
             if is_dir:
+                with contextlib.suppress(OSError):
+                    seen.add(self._dir_id(e.path))
                 self._walk(e.path, rel, seen, out)
                 continue
             if is_link:
-                real = os.path.realpath(e.path)
-                if os.path.isdir(real):  # a linked folder: followed inside (or opted in), once
-                    if not (self.follow_links or _inside(real, self.real_root)):
+                try:
+                    real = os.path.realpath(e.path)
+                    linked_dir = os.path.isdir(real)
+                except (OSError, ValueError):
+                    continue
+                if linked_dir:
+                    inside = _inside(real, self.real_root)
+                    if not (self.follow_links or inside):
                         continue
-                    key = self._dir_id(real)
-                    if key not in seen:
+                    if inside and not hidden(posixpath.relpath(real, self.real_root)):
+                        continue  # listed under its own name already: not twice
+                    try:
+                        key = self._dir_id(real)
+                    except OSError:
+                        continue
+                    if key not in seen and pseudo_filesystem(key[0]) is None:
                         seen.add(key)
                         self._walk(real, rel, seen, out)
                     continue
@@ -167,37 +217,127 @@ class Location:
     # ------------------------------------------------------------------------------ reading
 
     def _local_fd(self, rel: str) -> tuple[int, os.stat_result]:
-        """A read-only descriptor of ``rel``'s regular file, confined (module doc)."""
-        path = self.path(rel)
-        real = os.path.realpath(path)
-        if not self.follow_links and not _inside(real, self.real_root):
-            raise IngestError(
-                "outside_source",
-                f"{rel} is a link that leaves the source's location (follow_links is off)",
-            )
+        """A read-only descriptor of ``rel``'s regular file, confined (module doc): opened one
+        path component at a time, each relative to the descriptor of the folder before it and
+        never following a link (links are resolved here, by hand), so a folder swapped for a
+        link while this runs cannot lead the read out; with ``follow_links`` on, a link out is
+        opened by its real path. Files on pseudo-filesystems (procfs, sysfs, ...) are refused
+        either way."""
+        if self.is_file:
+            self.path(rel)  # outside_source for any other name
+            fd = self._open_at(None, self.real_root, rel, last=True)
+        elif self.follow_links:
+            fd = self._open_followed(rel)
+        else:
+            fd = self._open_walk(rel)
         try:
-            st = os.stat(real)
-        except FileNotFoundError:
-            raise IngestError("not_found", f"{rel} is not in the source any more") from None
-        except OSError as e:
-            raise IngestError("unreadable", f"{rel}: {e.strerror or type(e).__name__}") from None
-        if not stat.S_ISREG(st.st_mode):
-            raise IngestError("not_regular_file", f"{rel} is {_kind_of(st.st_mode)}")
-        flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
-        try:
-            fd = os.open(real, flags)
-        except FileNotFoundError:
-            raise IngestError("not_found", f"{rel} is not in the source any more") from None
-        except OSError as e:
-            if e.errno == errno.ELOOP:  # replaced by a link since it was resolved
-                raise IngestError("outside_source", f"{rel} became a link") from None
-            raise IngestError("unreadable", f"{rel}: {e.strerror or type(e).__name__}") from None
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):  # swapped since the stat above
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise IngestError("not_regular_file", f"{rel} is {_kind_of(st.st_mode)}")
+            fs = pseudo_filesystem(st.st_dev)
+            if fs is not None:
+                raise IngestError(
+                    "not_regular_file", f"{rel} is on a {fs} pseudo-filesystem, not a file"
+                )
+            os.set_blocking(fd, True)
+        except BaseException:
             os.close(fd)
-            raise IngestError("not_regular_file", f"{rel} is {_kind_of(st.st_mode)}")
-        os.set_blocking(fd, True)
+            raise
         return fd, st
+
+    def _open_at(self, dir_fd: int | None, name: str, rel: str, last: bool) -> int:
+        """``open(name)`` (relative to ``dir_fd``) without following a link: a folder unless
+        ``last``; a FIFO never blocks, a device is refused by ``stat`` before it is opened."""
+        try:
+            if last:
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
+                    raise IngestError("not_regular_file", f"{rel} is {_kind_of(st.st_mode)}")
+            flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+            flags |= os.O_NONBLOCK if last else os.O_DIRECTORY
+            return os.open(name, flags, dir_fd=dir_fd)
+        except FileNotFoundError:
+            raise IngestError("not_found", f"{rel} is not in the source any more") from None
+        except OSError as e:
+            if e.errno == errno.ELOOP:  # turned into a link since it was looked at
+                raise IngestError("outside_source", f"{rel} became a link") from None
+            if e.errno == errno.ENOTDIR:
+                raise IngestError("not_found", f"{rel}: a folder on its path is not one") from None
+            raise IngestError("unreadable", f"{rel}: {e.strerror or type(e).__name__}") from None
+
+    def _open_walk(self, rel: str) -> int:
+        """:meth:`_local_fd`'s walk from the location's folder: ``..`` and links resolved
+        component by component against descriptors held open, ``outside_source`` the moment
+        the path leaves the location."""
+        todo = self.name_of(rel).split("/")
+        try:
+            fds = [os.open(self.real_root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)]
+        except OSError as e:
+            raise IngestError("unreadable", f"{rel}: the source's folder: {e.strerror}") from None
+        hops = 0
+        try:
+            while todo:
+                part = todo.pop(0)
+                if part in ("", "."):
+                    continue
+                if part == "..":
+                    if len(fds) == 1:
+                        raise IngestError("outside_source", f"{rel} leads out of the source")
+                    os.close(fds.pop())
+                    continue
+                try:
+                    st = os.stat(part, dir_fd=fds[-1], follow_symlinks=False)
+                except FileNotFoundError:
+                    raise IngestError("not_found", f"{rel} is not in the source any more") from None
+                except OSError as e:
+                    raise IngestError("unreadable", f"{rel}: {e.strerror}") from None
+                if stat.S_ISLNK(st.st_mode):
+                    hops += 1
+                    if hops > 40:
+                        raise IngestError("unreadable", f"{rel}: too many levels of links")
+                    try:
+                        target = os.readlink(part, dir_fd=fds[-1])
+                    except FileNotFoundError:
+                        raise IngestError(
+                            "not_found", f"{rel} is not in the source any more"
+                        ) from None
+                    except OSError as e:  # swapped since the stat: looked at again
+                        if e.errno != errno.EINVAL:
+                            raise IngestError("unreadable", f"{rel}: {e.strerror}") from None
+                        todo.insert(0, part)
+                        continue
+                    if target.startswith("/"):
+                        target = posixpath.normpath(target)
+                        if not _inside(target, self.real_root):  # by another path to it?
+                            with contextlib.suppress(OSError, ValueError):
+                                target = os.path.realpath(target)
+                        if not _inside(target, self.real_root):
+                            raise IngestError(
+                                "outside_source",
+                                f"{rel} is a link that leaves the source's location "
+                                "(follow_links is off)",
+                            )
+                        while len(fds) > 1:
+                            os.close(fds.pop())
+                        target = posixpath.relpath(target, self.real_root)
+                    todo[:0] = target.split("/")
+                    continue
+                fds.append(self._open_at(fds[-1], part, rel, last=not todo))
+            if len(fds) == 1:
+                raise IngestError("not_regular_file", f"{rel} is a folder")
+            return fds.pop()
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _open_followed(self, rel: str) -> int:
+        """:meth:`_local_fd` with ``follow_links`` on: the real path opened (its last component
+        without following a link)."""
+        try:
+            real = os.path.realpath(self.path(rel))
+        except (OSError, ValueError) as e:
+            raise IngestError("unreadable", f"{rel}: {getattr(e, 'strerror', None) or e}") from None
+        return self._open_at(None, real, rel, last=True)
 
     def read(self, rel: str, limit: int, what: str = "file") -> bytes:
         """The bytes of ``rel``: at most ``limit`` (``too_large`` past it, whatever the size
