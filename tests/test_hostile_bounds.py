@@ -6,12 +6,18 @@ sources behind the downloads' address guard. Each test fails on the code before 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
+import http.server
+import io
 import ipaddress
 import json
 import os
 import subprocess
 import sys
+import tarfile
+import threading
 import time
 from pathlib import Path
 
@@ -282,3 +288,81 @@ def test_a_folder_swapped_for_a_link_while_reading_never_leads_out(tmp_path):
     assert swapper.returncode == 0
     assert hs.SECRET not in got and got.get("inside", 0) > 100, got
     assert set(got) <= {"inside", "not_found", "outside_source"}, got
+
+
+# ------------------------------------------------------------------------ credentials in a location
+
+PASSWORD = "pw-8f3e-SECRET"
+
+
+class _QuietFiles(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *a) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _file_server(folder: Path, host: str = "127.0.0.1"):
+    """A loopback HTTP server of ``folder`` (HTML listings, no range requests)."""
+    handler = functools.partial(_QuietFiles, directory=str(folder))
+    server = http.server.ThreadingHTTPServer((host, 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"{host}:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _tar(path: Path, samples: dict[str, tuple[bytes, str]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w") as tf:
+        for key, (image, caption) in samples.items():
+            for name, data in ((f"{key}.jpg", image), (f"{key}.txt", caption.encode())):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+
+
+def test_a_password_in_a_location_stays_in_the_sources_file(
+    env,  # noqa: F811 - the fixture
+    capsys,
+    monkeypatch,
+):
+    """``http://user:password@host/src/``: the password is in sources.yaml (where the user put
+    it) and nowhere else: not in the catalog (source_file, failure details), the Dagster
+    instance's run and event storage, or the CLI's output, which say ``user:***@``."""
+    site = env / "site"
+    _tar(site / "wds" / "00000.tar", {f"s{i}": (hs.jpeg(40 + i), f"picture {i}") for i in range(2)})
+    _tar(site / "wds" / "00001.tar", {"t0": (hs.jpeg(50), "cut short")})
+    cut = site / "wds" / "00001.tar"
+    cut.write_bytes(cut.read_bytes()[:1000])  # inside t0.jpg's data
+    monkeypatch.setenv("FLOWMATCH_ALLOW_NETWORKS", "127.0.0.1/32")
+    outputs = []
+    with _file_server(site) as host:
+        loc = f"http://reader:{PASSWORD}@{host}/wds/"
+        for rc, argv in [
+            (0, ["sources", "add", "web", "--kind", "webdataset", "--location", loc]),
+            (2, ["sources", "add", "web", "--kind", "webdataset", "--location", loc]),
+            (0, ["sources", "list"]),
+            (0, ["partitions", "register"]),
+            (0, ["partitions", "list"]),
+            (0, ["materialize", "--source", "web", "-a", "metadata", "-a", "images"]),
+            (0, ["catalog", "sql", "SELECT * FROM partitions"]),
+        ]:
+            outputs.append("".join(_cli(capsys, rc, *argv)))
+    everything = "\n".join(outputs)
+    assert PASSWORD not in everything and f"reader:***@{host}" in everything
+    assert "00001.tar (corrupt_container:" in everything  # the skipped tar, named
+    cat = Catalog(env / "data")
+    (part,) = cat.query("SELECT source_file FROM partitions WHERE source = 'web'")
+    assert part["source_file"] == f"http://reader:***@{host}/wds/00000.tar"
+    assert _final(cat, "web") == {"s0": "stored", "s1": "stored"}
+    assert PASSWORD in (env / "data" / "sources.yaml").read_text()
+    leaks = [
+        f
+        for root in (env / "data", env / "dagster_home")
+        for f in root.rglob("*")
+        if f.is_file() and f.name != "sources.yaml" and PASSWORD.encode() in f.read_bytes()
+    ]
+    assert leaks == []
+    assert len(list((env / "dagster_home").rglob("*.db"))) > 0  # the storage was looked at

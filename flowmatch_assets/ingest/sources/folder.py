@@ -79,7 +79,7 @@ def scan(cfg: SourceConfig, known: Iterable) -> tuple[list[tuple[str, int, int, 
     loc = Location(cfg)
     if loc.is_file:
         raise SourceError(
-            f"source location {cfg.location!r} is a file; a folder source needs a folder"
+            f"source location {cfg.shown!r} is a file; a folder source needs a folder"
         )
     files = loc.files()
     images = [f for f in files if _is_image(f)]

@@ -33,7 +33,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from flowmatch_assets.ingest.images import IngestError
-from flowmatch_assets.ingest.sources.config import SourceConfig, SourceError
+from flowmatch_assets.ingest.sources.config import SourceConfig, SourceError, redact
 
 _CHUNK = 1 << 20
 
@@ -112,11 +112,14 @@ class Location:
             self.is_file = bool(ok and named and self.fs.isfile(self.root))
         except Exception as e:  # noqa: BLE001 - a remote that cannot be reached: say which
             raise SourceError(
-                f"source location {cfg.location!r} cannot be reached: {type(e).__name__}: {e}"
+                redact(
+                    f"source location {cfg.shown!r} cannot be reached: {type(e).__name__}: {e}",
+                    cfg.location,
+                )
             ) from None
         if not ok:
             raise SourceError(
-                f"source location {cfg.location!r} does not exist; fix `location` in the sources "
+                f"source location {cfg.shown!r} does not exist; fix `location` in the sources "
                 "file (flowmatch sources list) or create it"
             )
         #: local: the real path everything must stay under (the location's own file, or folder)
@@ -355,7 +358,8 @@ class Location:
         except IngestError:
             raise
         except OSError as e:
-            raise IngestError("unreadable", f"{rel}: {type(e).__name__}: {e}") from None
+            detail = redact(f"{rel}: {type(e).__name__}: {e}", self.cfg.location)
+            raise IngestError("unreadable", detail) from None
 
     def open(self, rel: str, stream_ok: bool = False):
         """A binary file object of ``rel`` (a container: a parquet file, a tar), confined and

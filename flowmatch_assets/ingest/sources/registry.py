@@ -41,6 +41,8 @@ from flowmatch_assets.ingest.sources.config import (
     SourceConfig,
     SourceError,
     check_name,
+    redact,
+    redacted,
 )
 from flowmatch_models.storage.atomic import atomic_write_text
 
@@ -75,7 +77,9 @@ class Manifest:
         return hashlib.sha256(body.encode()).hexdigest()[:16]
 
     def as_partition(self, location: str) -> dict:
-        """The catalog's ``partitions`` row of this partition."""
+        """The catalog's ``partitions`` row of this partition (a password in ``location``
+        redacted)."""
+        location = redacted(location)
         return {
             "partition": self.key,
             "source": self.source,
@@ -131,6 +135,7 @@ def unregistered(root: str | Path, name: str, cfg: SourceConfig) -> Scan:
     index = registered(root, name)
     known = [manifest(root, s["key"]) for s in index]
     found, skipped = KIND_MODULES[cfg.kind].scan(cfg, known)
+    skipped = [(u, r, redact(d, cfg.location)) for u, r, d in skipped]
     return Scan(
         [
             Manifest(partition_key(name, len(index) + i), name, cfg.kind, unit, start, end, ent)
@@ -207,6 +212,8 @@ def partition_rows(
         seen.add(r["id"])
         unique.append(r)
     table = pa.Table.from_pylist(unique, schema=pa.schema(ROW_COLUMNS))
+    for f in failed:  # an error from a remote filesystem can quote the location's URL
+        f["detail"] = redact(f.get("detail"), cfg.location)
     return table, failed, m
 
 
@@ -228,6 +235,8 @@ def partition_images(
     try:
         for r, data in KIND_MODULES[cfg.kind].images(cfg, manifest(root, key), rows, max_bytes):
             todo.pop(r["id"], None)
+            if isinstance(data, IngestError):  # its detail may quote the location's URL
+                data = IngestError(data.reason, redact(data.detail, cfg.location))
             yield r, data
     except IngestError as e:
         err = e
@@ -235,5 +244,6 @@ def partition_images(
         err = IngestError("unreadable", f"{type(e).__name__}: {e}"[:300])
     else:
         return
+    err = IngestError(err.reason, redact(err.detail, cfg.location))
     for r in todo.values():
         yield r, err
