@@ -15,7 +15,9 @@ import hashlib
 import io
 import json
 import os
+import struct
 import tarfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -294,3 +296,48 @@ def scan_bomb(size: tuple[int, int], scans: int) -> bytes:
         i = seg_end
     last = data[starts[-1] : i]
     return data[: starts[-1]] + last * (scans - len(starts) + 1) + data[i:]
+
+
+def _png_chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def flat_png(w: int, h: int, colour: int = 2, depth: int = 8) -> bytes:
+    """A PNG of ``w x h`` zeros (``colour`` 2: RGB, 0: grey; ``depth`` 8 or 16), compressed
+    row by row without holding the pixels: 10000 x 9999 RGB is 290 KB and 300 MB decoded."""
+    channels = {0: 1, 2: 3}[colour]
+    row = b"\x00" * (1 + w * channels * depth // 8)
+    z = zlib.compressobj(9)
+    rows = row * 256
+    idat = [z.compress(rows) for _ in range(h // 256)] + [z.compress(row * (h % 256)), z.flush()]
+    ihdr = struct.pack(">IIBBBBB", w, h, depth, colour, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", ihdr)
+            + _png_chunk(b"IDAT", b"".join(idat)) + _png_chunk(b"IEND", b""))  # fmt: skip
+
+
+def float_tiff(w: int, h: int, rows_per_strip: int = 64) -> bytes:
+    """A float32 greyscale TIFF of ``w x h`` zeros, deflate strips that all share one
+    compressed strip: 10000 x 9999 is under 1 MB and 400 MB decoded."""
+    strips = -(-h // rows_per_strip)
+    data = zlib.compress(b"\x00" * (w * 4 * rows_per_strip), 9)
+    tags = [(256, 4, 1, w), (257, 4, 1, h), (258, 3, 1, 32), (259, 3, 1, 8), (262, 3, 1, 1),
+            (273, 4, strips, None), (277, 3, 1, 1), (278, 4, 1, rows_per_strip),
+            (279, 4, strips, None), (339, 3, 1, 3)]  # fmt: skip
+    ifd_at = 8
+    ifd_len = 2 + 12 * len(tags) + 4
+    offsets_at = ifd_at + ifd_len
+    counts_at = offsets_at + 4 * strips
+    data_at = counts_at + 4 * strips
+    out = [b"II*\x00", struct.pack("<I", ifd_at), struct.pack("<H", len(tags))]
+    for tag, typ, count, value in tags:
+        if tag == 273:
+            value = offsets_at
+        elif tag == 279:
+            value = counts_at
+        out.append(struct.pack("<HHII", tag, typ, count, value) if typ == 4
+                   else struct.pack("<HHIHH", tag, typ, count, value, 0))  # fmt: skip
+    out.append(struct.pack("<I", 0))
+    out.append(struct.pack(f"<{strips}I", *[data_at] * strips))
+    out.append(struct.pack(f"<{strips}I", *[len(data)] * strips))
+    out.append(data)
+    return b"".join(out)

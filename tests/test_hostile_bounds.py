@@ -366,3 +366,59 @@ def test_a_password_in_a_location_stays_in_the_sources_file(
     ]
     assert leaks == []
     assert len(list((env / "dagster_home").rglob("*.db"))) > 0  # the storage was looked at
+
+
+# ------------------------------------------------------------------------ memory, whatever a file claims
+
+GB = 1 << 30
+PEAK_LIMIT = int(1.5e9)
+
+_MEASURE = """
+import resource, subprocess, sys
+p = subprocess.run(sys.argv[1:])
+print("PEAK_BYTES", resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024, flush=True)
+sys.exit(p.returncode)
+"""
+
+
+def _peak_rss(script: str, *args: str, timeout: float = 120) -> tuple[int, str]:
+    """Run ``script`` in a fresh Python whose only child it is; (its peak RSS in bytes, by
+    ``getrusage(RUSAGE_CHILDREN)`` of that parent, and its stdout)."""
+    p = subprocess.run(
+        [sys.executable, "-c", _MEASURE, sys.executable, "-c", script, *args],
+        capture_output=True, text=True, cwd=REPO, timeout=timeout,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = p.stdout.strip().splitlines()
+    assert lines[-1].startswith("PEAK_BYTES "), p.stdout
+    return int(lines[-1].split()[1]), "\n".join(lines[:-1])
+
+
+_DECODE_MANY = """
+import json, sys
+from pathlib import Path
+from flowmatch_assets.ingest.batch import count_reasons, ingest_blobs
+from flowmatch_assets.ingest.images import IngestConfig
+files = sorted(Path(sys.argv[1]).iterdir())
+rows = [{"id": f.name, "url": f.name} for f in files]
+blobs = ((r, f.read_bytes()) for r, f in zip(rows, files))
+results = ingest_blobs(rows, blobs, IngestConfig(threads=len(files), min_side=1))
+print(json.dumps(count_reasons(results)))
+"""
+
+
+def test_decoding_many_small_files_of_huge_pictures_stays_in_one_memory_budget(tmp_path):
+    """Four 290 KB PNGs of 10000 x 9999 (each under max_pixels, 400 MB decoded), a 4 KB float32
+    TIFF of as many pixels (3 GB before: the conversion to 8 bits ran in float64) and a 16-bit
+    PNG, on 6 decode threads at once: under 1.5 GB peak (2.9 GB before), every row stored."""
+    d = tmp_path / "in"
+    d.mkdir()
+    png = hs.flat_png(10000, 9999)
+    for i in range(4):
+        (d / f"p{i}.png").write_bytes(png)
+    (d / "f.tiff").write_bytes(hs.float_tiff(10000, 9999))
+    (d / "g16.png").write_bytes(hs.flat_png(10000, 9999, colour=0, depth=16))
+    peak, out = _peak_rss(_DECODE_MANY, str(d))
+    assert json.loads(out) == {"stored": 6}
+    assert peak <= PEAK_LIMIT, f"peak RSS {peak / GB:.2f} GB"
+    print(f"decode peak RSS {peak / 1e9:.2f} GB")

@@ -117,6 +117,14 @@ class IngestConfig(BaseModel):
     max_pixels: int = Field(
         default=100_000_000, description="Decompression-bomb limit: refuse images above w*h."
     )
+    decode_memory_bytes: int = Field(
+        default=768 << 20,
+        gt=0,
+        description="Decoded pixels all decode threads of a process may hold at once (each "
+        "image's estimate: width x height x bytes per pixel, and a converted copy); a decode "
+        "waits for room, one bigger than this runs alone. Keeps 16 threads on 100 Mpx PNGs of "
+        "290 KB each from holding 16 decoded images.",
+    )
     max_jpeg_scans: int = Field(
         default=100,
         ge=0,
