@@ -422,3 +422,44 @@ def test_decoding_many_small_files_of_huge_pictures_stays_in_one_memory_budget(t
     assert json.loads(out) == {"stored": 6}
     assert peak <= PEAK_LIMIT, f"peak RSS {peak / GB:.2f} GB"
     print(f"decode peak RSS {peak / 1e9:.2f} GB")
+
+
+_REGISTER_FOLDER = """
+import json, sys
+from flowmatch_assets.ingest.sources import SourceConfig
+from flowmatch_assets.ingest.sources.folder import scan
+found, _ = scan(SourceConfig(kind="folder", location=sys.argv[1]), [])
+print(json.dumps({e["id"]: [e.get("reason"), e.get("problem")] for _, _, _, ent in found for e in ent}))
+"""
+
+
+def test_a_metadata_jsonl_is_streamed_and_its_size_checked_before_reading(tmp_path):
+    """A sparse metadata.jsonl of 1 GiB whose first line is nearly all of it (3.2 GB at
+    register before), beside one of 1 GiB + 1 byte (read whole before: now too_large unread):
+    the long line is one bad_metadata row, the lines after it are read, under 1.5 GB peak."""
+    from flowmatch_assets.ingest.sources.common import METADATA_MAX_BYTES
+
+    one, big = tmp_path / "one", tmp_path / "big"
+    for d in (one, big):
+        d.mkdir()
+        (d / "a.jpg").write_bytes(hs.jpeg(1))
+    tail = b'"}\n{"file_name": "a.jpg", "text": "a picture"}\n'
+    with open(one / "metadata.jsonl", "wb") as f:
+        f.write(b'{"file_name": "a.jpg", "text": "')
+        f.seek(METADATA_MAX_BYTES - len(tail))
+        f.write(tail)
+    with open(big / "metadata.jsonl", "wb") as f:
+        f.truncate(METADATA_MAX_BYTES + 1)
+    peak, out = _peak_rss(_REGISTER_FOLDER, str(one))
+    assert json.loads(out) == {
+        "a.jpg": [None, None],
+        "metadata.jsonl#L1": [None, "line 1 is above 2097152 bytes"],
+    }
+    assert peak <= PEAK_LIMIT, f"peak RSS {peak / GB:.2f} GB"
+    peak_big, out = _peak_rss(_REGISTER_FOLDER, str(big))
+    assert json.loads(out) == {
+        "a.jpg": [None, None],
+        "metadata.jsonl": ["too_large", f"metadata file metadata.jsonl is {METADATA_MAX_BYTES + 1} bytes, above {METADATA_MAX_BYTES}"],
+    }  # fmt: skip
+    assert peak_big <= PEAK_LIMIT, f"peak RSS {peak_big / GB:.2f} GB"
+    print(f"jsonl peak RSS {peak / 1e9:.2f} GB (one line), {peak_big / 1e9:.2f} GB (too large)")
