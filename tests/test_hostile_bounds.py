@@ -463,3 +463,59 @@ def test_a_metadata_jsonl_is_streamed_and_its_size_checked_before_reading(tmp_pa
     }  # fmt: skip
     assert peak_big <= PEAK_LIMIT, f"peak RSS {peak_big / GB:.2f} GB"
     print(f"jsonl peak RSS {peak / 1e9:.2f} GB (one line), {peak_big / 1e9:.2f} GB (too large)")
+
+
+_WRITE_PARQUET_BOMB = """
+import sys
+import numpy as np, pyarrow as pa, pyarrow.parquet as pq
+def zeros(n, typ):  # one cell of n zero bytes, never a Python object
+    offsets = pa.py_buffer(np.array([0, n], np.int64))
+    return pa.Array.from_buffers(typ, 1, [None, offsets, pa.py_buffer(np.zeros(n, np.uint8))])
+img_t = pa.struct([("bytes", pa.large_binary()), ("path", pa.string())])
+schema = pa.schema([("image", img_t), ("text", pa.large_string())])
+def group(image, text):
+    st = pa.StructArray.from_arrays([image, pa.array(["x.jpg"])], fields=list(img_t))
+    return pa.table({"image": st, "text": text}, schema=schema)
+good = open(sys.argv[2], "rb").read()
+with pq.ParquetWriter(sys.argv[1], schema, compression="zstd", use_dictionary=False,
+                      write_statistics=False) as w:
+    w.write_table(group(zeros(600 << 20, pa.large_binary()), pa.array(["a huge image"], pa.large_string())))
+    w.write_table(group(pa.array([good], pa.large_binary()), zeros(600 << 20, pa.large_string())))
+    w.write_table(group(pa.array([good], pa.large_binary()), pa.array(["a picture"], pa.large_string())))
+"""
+
+_READ_PARQUET = """
+import json, sys
+from flowmatch_assets.ingest.images import IngestError
+from flowmatch_assets.ingest.sources import SourceConfig
+from flowmatch_assets.ingest.sources.parquet import images, rows, scan
+from flowmatch_assets.ingest.sources.registry import Manifest
+cfg = SourceConfig(kind="parquet", location=sys.argv[1])
+(found,), skipped = scan(cfg, [])
+m = Manifest("x-00000", "x", "parquet", *found)
+listed, failed = rows(cfg, "x", m)
+got = {f["id"]: f["reason"] for f in failed}
+for r, data in images(cfg, m, listed, 40_000_000):
+    got[r["id"]] = data.reason if isinstance(data, IngestError) else len(data)
+print(json.dumps(got))
+"""
+
+
+def test_a_parquet_cell_is_sized_from_the_footer_before_it_is_read(tmp_path):
+    """A 104 KB parquet file whose row groups hold a 600 MiB image cell and a 600 MiB caption
+    cell (GBs to list and read before): their rows fail as too_large from the footer's
+    column-chunk sizes, the healthy row group is read, under 1.5 GB peak."""
+    d = tmp_path / "pq"
+    d.mkdir()
+    (tmp_path / "good.jpg").write_bytes(hs.jpeg(3))
+    subprocess.run([sys.executable, "-c", _WRITE_PARQUET_BOMB, str(d / "bomb.parquet"),
+                    str(tmp_path / "good.jpg")], check=True, timeout=120)  # fmt: skip
+    assert (d / "bomb.parquet").stat().st_size < 200_000
+    peak, out = _peak_rss(_READ_PARQUET, str(d))
+    assert json.loads(out) == {
+        "bomb/1": "too_large",
+        "bomb/0": "too_large",
+        "bomb/2": len(hs.jpeg(3)),
+    }
+    assert peak <= PEAK_LIMIT, f"peak RSS {peak / GB:.2f} GB"
+    print(f"parquet peak RSS {peak / 1e9:.2f} GB")
