@@ -11,6 +11,7 @@ with :data:`MARKERS`: none of those bytes may reach a shard, a caption or the ca
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import io
 import json
@@ -341,3 +342,26 @@ def float_tiff(w: int, h: int, rows_per_strip: int = 64) -> bytes:
     out.append(struct.pack(f"<{strips}I", *[len(data)] * strips))
     out.append(data)
     return b"".join(out)
+
+
+def long_header_tar(path: Path, kind: bytes, claimed: int, real: bool) -> None:
+    """A gzip tar whose first header is a GNU long name (``kind`` b"L") or a pax header (b"x")
+    of ``claimed`` bytes, then a healthy sample. ``real``: the header's bytes are there (gzip
+    members of 16 MiB of zeros, one compressed copy repeated: 2.5 GB is ~2.6 MB); else cut."""
+    head = tarfile.TarInfo("././@LongLink")
+    head.type, head.size = kind, claimed
+    block = head.tobuf(format=tarfile.GNU_FORMAT)
+    chunk = 16 << 20
+    zeros = gzip.compress(b"\x00" * chunk, 9)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tf:
+        _add(tf, "s0.jpg", jpeg(5))
+        _add(tf, "s0.txt", b"a picture after the header")
+    with open(path, "wb") as f:
+        f.write(gzip.compress(block, 1))
+        if real:
+            for _ in range(claimed // chunk):
+                f.write(zeros)
+            rest = claimed - (claimed // chunk) * chunk
+            f.write(gzip.compress(b"\x00" * (rest + (-claimed) % 512), 1))
+            f.write(gzip.compress(buf.getvalue(), 1))

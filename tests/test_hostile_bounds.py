@@ -519,3 +519,34 @@ def test_a_parquet_cell_is_sized_from_the_footer_before_it_is_read(tmp_path):
     }
     assert peak <= PEAK_LIMIT, f"peak RSS {peak / GB:.2f} GB"
     print(f"parquet peak RSS {peak / 1e9:.2f} GB")
+
+
+_REGISTER_TARS = """
+import json, sys
+from flowmatch_assets.ingest.sources import SourceConfig
+from flowmatch_assets.ingest.sources.webdataset import scan
+found, skipped = scan(SourceConfig(kind="webdataset", location=sys.argv[1]), [])
+print(json.dumps({"found": [f[3] for f in found], "skipped": skipped}))
+"""
+
+
+def test_a_tar_header_is_bounded_before_it_is_read(tmp_path):
+    """A 2.6 MB gzip tar whose GNU long-name header holds 2.5 GB (2.56 GB to register before)
+    and a pax header claiming 1.5 GB: each tar is skipped as corrupt_container naming the
+    header, under 1.5 GB peak; a healthy tar beside them is registered."""
+    d = tmp_path / "tars"
+    d.mkdir()
+    hs.long_header_tar(d / "longname.tar", tarfile.GNUTYPE_LONGNAME, 2_500_000_000, real=True)
+    hs.long_header_tar(d / "pax.tar", tarfile.XHDTYPE, 1_500_000_000, real=False)
+    _tar(d / "ok.tar", {"k0": (hs.jpeg(6), "fine")})
+    assert (d / "longname.tar").stat().st_size < 4_000_000
+    peak, out = _peak_rss(_REGISTER_TARS, str(d))
+    got = json.loads(out)
+    assert got["found"] == [["k0"]]
+    assert [(u, r) for u, r, _ in got["skipped"]] == [
+        ("longname.tar", "corrupt_container"), ("pax.tar", "corrupt_container"),
+    ]  # fmt: skip
+    for (_, _, detail), size in zip(got["skipped"], (2_500_000_000, 1_500_000_000)):
+        assert f"an extended header (long name or pax) of {size} bytes" in detail
+    assert peak <= PEAK_LIMIT, f"peak RSS {peak / GB:.2f} GB"
+    print(f"tar header peak RSS {peak / 1e9:.2f} GB")

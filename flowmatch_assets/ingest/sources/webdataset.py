@@ -40,6 +40,32 @@ _KEY = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")  # WebDataset's base_plus_ext
 _BROKEN = (tarfile.TarError, EOFError, OSError, zlib.error, ValueError)
 
 
+#: The largest GNU long-name or pax extended header read (a name, a few attributes): a bigger
+#: one breaks its tar before it is read (``tarfile`` reads it whole: a 10.9 MB gzip tar whose
+#: long name is 2.5 GB took 2.56 GB to register).
+HEADER_MAX_BYTES = 1 << 20
+
+
+class _BoundedTarInfo(tarfile.TarInfo):
+    """``tarfile.TarInfo`` that refuses a long-name or pax header above HEADER_MAX_BYTES before
+    reading it (``tarfile.open(tarinfo=...)``)."""
+
+    def _proc_gnulong(self, tarfile_):
+        self._bound()
+        return super()._proc_gnulong(tarfile_)
+
+    def _proc_pax(self, tarfile_):
+        self._bound()
+        return super()._proc_pax(tarfile_)
+
+    def _bound(self) -> None:
+        if self.size > HEADER_MAX_BYTES:
+            raise tarfile.HeaderError(
+                f"an extended header (long name or pax) of {self.size} bytes, above "
+                f"{HEADER_MAX_BYTES}: not read"
+            )
+
+
 def split_name(name: str) -> tuple[str, str] | None:
     """``(key, extension)`` of a member name (``a/000017.seg.png`` -> ``a/000017``, ``seg.png``)."""
     m = _KEY.match(name)
@@ -67,7 +93,8 @@ def _members(
         size = loc.size(f)
         seekable = getattr(f, "seekable", lambda: False)()
         try:
-            tf = tarfile.open(fileobj=f, mode="r:*" if seekable else "r|*")
+            mode = "r:*" if seekable else "r|*"
+            tf = tarfile.open(fileobj=f, mode=mode, tarinfo=_BoundedTarInfo)
         except _BROKEN as e:
             raise _broken(rel, e) from None
         with tf:
