@@ -30,7 +30,13 @@ from flowmatch_assets.ingest.fetch import address_refusal, fetch_bytes
 from flowmatch_assets.ingest.images import IngestConfig, IngestError
 from tests import hostile_sources as hs
 from tests.http_fixtures import LoopbackHTTPServer, Reply
-from tests.test_hostile_sources import REPO, _cli, _final, env  # noqa: F401 - env is a fixture
+from tests.test_hostile_sources import (  # noqa: F401 - env is a fixture
+    REPO,
+    _cli,
+    _final,
+    _no_secret_anywhere,
+    env,
+)
 
 # ------------------------------------------------------------------------ special-purpose blocks
 
@@ -550,3 +556,70 @@ def test_a_tar_header_is_bounded_before_it_is_read(tmp_path):
         assert f"an extended header (long name or pax) of {size} bytes" in detail
     assert peak <= PEAK_LIMIT, f"peak RSS {peak / GB:.2f} GB"
     print(f"tar header peak RSS {peak / 1e9:.2f} GB")
+
+
+# ------------------------------------------------------------------------ remote sources, guarded
+
+
+def test_a_remote_source_is_read_behind_the_downloads_address_guard(env, capsys, monkeypatch):  # noqa: F811
+    """A folder source over http: a caption that redirects to another (internal) host, an
+    image that does, and a listing that links ``../../`` out of the location's path. Nothing
+    reaches the internal host (its token is never stored), the outside folder is never listed
+    or requested, and a location on a refused address is refused before anything is sent."""
+    with LoopbackHTTPServer() as srv, LoopbackHTTPServer(host="127.0.0.2") as internal:
+        token = internal.add("/token", Reply(body=hs.TOKEN.encode()))
+        inner_jpg = internal.add("/x.jpg", Reply(body=hs.jpeg(23)))
+        listing = "".join(f'<a href="{n}">{n}</a>' for n in
+                          ("a.jpg", "a.txt", "b.jpg", "b.txt", "c.jpg", "c.txt", "../../secret/"))  # fmt: skip
+        srv.add("/src/", Reply(body=listing.encode(), headers={"Content-Type": "text/html"}))
+        srv.add("/src", Reply(status=301, headers={"Location": "/src/"}))  # on its own host
+        srv.add("/src/a.jpg", Reply(body=hs.jpeg(21)))
+        srv.add("/src/a.txt", Reply(status=302, headers={"Location": token}))
+        srv.add("/src/b.jpg", Reply(status=302, headers={"Location": inner_jpg}))
+        srv.add("/src/b.txt", Reply(body=b"a picture that moved"))
+        srv.add("/src/c.jpg", Reply(body=hs.jpeg(22)))
+        srv.add("/src/c.txt", Reply(body=b"a picture that stayed"))
+        srv.add("/secret/", Reply(body=b'<a href="s.jpg">s.jpg</a>'))
+        srv.add("/secret/s.jpg", Reply(body=hs.jpeg(24)))
+        monkeypatch.setenv("FLOWMATCH_ALLOW_NETWORKS", "127.0.0.1/32")  # the location's host only
+        add = ["sources", "add", "web", "--kind", "folder", "--location", srv.url("/src/")]
+        _cli(capsys, 0, *add)
+        _cli(capsys, 0, "partitions", "register")
+        _cli(capsys, 0, "materialize", "--source", "web", "-a", "metadata", "-a", "images")
+        cat = Catalog(env / "data")
+        assert _final(cat, "web") == {
+            "a.jpg": "failed:redirect_refused", "b.jpg": "failed:redirect_refused",
+            "c.jpg": "stored",
+        }  # fmt: skip
+        assert internal.hits("/token") == internal.hits("/x.jpg") == 0
+        assert srv.hits("/secret/") == srv.hits("/secret/s.jpg") == 0
+        assert not [p for p in srv._hits if ".." in p]
+        _, err = _cli(capsys, 2, "sources", "add", "lo2", "--kind", "folder",
+                      "--location", internal.url("/"))  # fmt: skip
+        assert "127.0.0.2 (loopback)" in err and internal.hits("/") == 0
+    assert _no_secret_anywhere(env / "data", set()) > 5
+
+
+def test_a_skipped_tar_is_not_read_again_until_it_changes(tmp_path):
+    """A tar that cannot be read is skipped with its reason; the next registrations (a sensor
+    tick each) skip it unread while its size and modification time stay (the same bytes made
+    readable behind an unchanged stamp are not looked at), and register it once it changes."""
+    from flowmatch_assets.ingest.sources import SourceConfig, register
+
+    src, root = tmp_path / "wds", tmp_path / "data"
+    _tar(src / "00000.tar", {"k0": (hs.jpeg(7), "fine")})
+    good = (src / "00000.tar").read_bytes()
+    bad = bytearray(good)
+    bad[148:156] = b"0000000\x00"  # the first header's checksum: not a tar
+    (src / "00000.tar").write_bytes(bytes(bad))
+    cfg = SourceConfig(kind="webdataset", location=str(src))
+    first = register(root, "wds", cfg)
+    assert first.new == [] and [u for u, _, _ in first.skipped] == ["00000.tar"]
+    stamp = (src / "00000.tar").stat()
+    (src / "00000.tar").write_bytes(good)  # readable now, behind the same size and time
+    os.utime(src / "00000.tar", ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    again = register(root, "wds", cfg)
+    assert again.new == [] and again.skipped == first.skipped
+    os.utime(src / "00000.tar", ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 10**9))
+    changed = register(root, "wds", cfg)
+    assert [m.entries for m in changed.new] == [["k0"]] and changed.skipped == []

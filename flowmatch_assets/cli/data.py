@@ -126,6 +126,7 @@ def _add_source(res, path: Path, name: str | None, kind: str | None, location: s
         raise CliError(f"--kind {kind!r}: choose one of {', '.join(src.SOURCE_KINDS)}")
     given = {"kind": kind, "location": src.config.absolute(location), **options}
     cfg = src.SourceConfig.model_validate({k: v for k, v in given.items() if v is not None})
+    cfg.allowing(res.ingest.allow_networks)
     src.check_name(name)
     parts = src.registered(res.data_root, name)
     old = res.source(name) if name in res.sources else None

@@ -35,7 +35,7 @@ from typing import Literal
 from urllib.parse import unquote, urlsplit
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator
 
 from flowmatch_models.storage.atomic import atomic_write_text
 from flowmatch_models.storage.layout import PD12M, SOURCE_NAME
@@ -126,6 +126,15 @@ class SourceConfig(BaseModel):
     def caption(self) -> str:
         """``caption_field`` or the kind's default."""
         return self.caption_field or {"webdataset": "txt"}.get(self.kind, "text")
+
+    #: Networks a remote location may reach although they are not public (the resource's
+    #: ``ingest.allow_networks``, set by FlowmatchResource.source; not a setting of its own).
+    _allow_networks: tuple[str, ...] = PrivateAttr(default=())
+
+    def allowing(self, networks) -> SourceConfig:
+        """This config, whose remote location may reach ``networks`` (ingest.allow_networks)."""
+        self._allow_networks = tuple(networks or ())
+        return self
 
     @property
     def shown(self) -> str:

@@ -14,8 +14,16 @@ reaches its files, and it holds every read to these rules:
 - A read takes at most ``limit + 1`` bytes, whatever the file's size claims (``too_large``); a file
   that cannot be read (permissions, I/O errors) is ``unreadable``; one that is gone ``not_found``.
 
+- A local path is opened component by component, each relative to the folder's descriptor
+  and never following a link (links are resolved by hand), so a folder swapped for a link while
+  it is read cannot lead out; nothing on a pseudo-filesystem (procfs, sysfs, ...) is read.
+
 Remote locations (any other fsspec filesystem: http, s3, ...) have no links: their names are
-confined by construction (relative to the location) and their reads bounded in bytes. Every
+confined by construction (relative to the location), their listings never leave the location's
+path, and their reads are bounded in bytes. An http(s) location is read behind the downloads'
+address policy (:func:`guarded_http`): every connection to a public address (or
+``ingest.allow_networks``), no redirect off the location's host. A password in the location
+is redacted from every detail (``config.redact``). Every
 refusal is an :class:`~flowmatch_assets.ingest.images.IngestError` whose detail names the file and
 what it is, never what it holds.
 """
@@ -100,7 +108,10 @@ class Location:
 
     def __init__(self, cfg: SourceConfig):
         self.cfg = cfg
-        self.fs, root = fsspec.core.url_to_fs(cfg.location)
+        if cfg.location.split("://", 1)[0].lower() in ("http", "https"):
+            self.fs, root = guarded_http(cfg), cfg.location
+        else:
+            self.fs, root = fsspec.core.url_to_fs(cfg.location)
         self.root = root.rstrip("/") or "/"
         self.local = isinstance(self.fs, LocalFileSystem)
         self.follow_links = bool(getattr(cfg, "follow_links", False))
@@ -155,10 +166,34 @@ class Location:
         if self.is_file:
             return [posixpath.basename(self.root)]
         if not self.local:
-            return sorted(r for p in self.fs.find(self.root) if not hidden(r := self._rel(p)))
+            return self._remote_files()
         out: list[str] = []
         self._walk(self.real_root, "", {self._dir_id(self.real_root)}, out)
         return sorted(out)
+
+    def _remote_files(self) -> list[str]:
+        """The files under a remote location, listed folder by folder: an entry whose name
+        leaves the location's path (a ``../../`` link in an HTML listing, another host's URL)
+        is neither listed nor looked into."""
+        out, todo, seen = [], [self.root], {self.root.rstrip("/")}
+        prefix = self.root.rstrip("/") + "/"
+        while todo:
+            for e in self.fs.ls(todo.pop(), detail=True):
+                name = str(e["name"])
+                if not name.startswith(prefix):
+                    continue
+                try:
+                    rel = self.name_of(self._rel(name))
+                except IngestError:
+                    continue
+                if e.get("type") == "directory":
+                    key = name.rstrip("/")
+                    if key not in seen:
+                        seen.add(key)
+                        todo.append(name)
+                elif not hidden(rel):
+                    out.append(rel)
+        return sorted(set(out))
 
     def _rel(self, path: str) -> str:
         path = path.rstrip("/")
@@ -342,6 +377,21 @@ class Location:
             raise IngestError("unreadable", f"{rel}: {getattr(e, 'strerror', None) or e}") from None
         return self._open_at(None, real, rel, last=True)
 
+    def _remote_failure(self, e: BaseException, rel: str) -> IngestError:
+        """The IngestError of a remote read that failed: the address guard's or redirect's
+        refusal where one is behind it (fsspec wraps them), else not_found / unreadable."""
+        seen: BaseException | None = e
+        for _ in range(8):
+            if seen is None:
+                break
+            if isinstance(seen, IngestError):
+                return IngestError(seen.reason, redact(f"{rel}: {seen.detail}", self.cfg.location))
+            seen = seen.__cause__ or seen.__context__ or getattr(seen, "os_error", None)
+        if isinstance(e, FileNotFoundError):
+            return IngestError("not_found", f"{rel} is not in the source any more")
+        detail = redact(f"{rel}: {type(e).__name__}: {e}", self.cfg.location)
+        return IngestError("unreadable", detail)
+
     def read(self, rel: str, limit: int, what: str = "file") -> bytes:
         """The bytes of ``rel``: at most ``limit`` (``too_large`` past it, whatever the size
         claims), from a regular file inside the location (module doc)."""
@@ -353,13 +403,12 @@ class Location:
         try:
             with self._open_remote(path, stream=True) as f:
                 return _read_bounded(f, rel, limit, what)
-        except FileNotFoundError:
-            raise IngestError("not_found", f"{rel} is not in the source any more") from None
-        except IngestError:
-            raise
-        except OSError as e:
-            detail = redact(f"{rel}: {type(e).__name__}: {e}", self.cfg.location)
-            raise IngestError("unreadable", detail) from None
+        except IngestError as e:
+            if e.reason == "too_large":
+                raise
+            raise self._remote_failure(e, rel) from None
+        except Exception as e:  # noqa: BLE001 - fsspec/aiohttp raise many kinds; mapped
+            raise self._remote_failure(e, rel) from None
 
     def open(self, rel: str, stream_ok: bool = False):
         """A binary file object of ``rel`` (a container: a parquet file, a tar), confined and
@@ -371,8 +420,10 @@ class Location:
         path = self.path(rel)
         try:
             return self._open_remote(path, stream=False, stream_ok=stream_ok)
-        except FileNotFoundError:
-            raise IngestError("not_found", f"{rel} is not in the source any more") from None
+        except IngestError as e:
+            raise self._remote_failure(e, rel) from None
+        except Exception as e:  # noqa: BLE001 - fsspec/aiohttp raise many kinds; mapped
+            raise self._remote_failure(e, rel) from None
 
     def size(self, f) -> int | None:
         """The size of an opened container, where known (a tar's members are checked
@@ -406,6 +457,61 @@ class Location:
             s.seekable = lambda: False  # it says True, but cannot seek
             return s
         return io.BytesIO(fs.cat_file(path))
+
+
+def guarded_http(cfg: SourceConfig):
+    """fsspec's HTTP filesystem for ``cfg.location`` behind the downloads' address policy
+    (ingest/fetch.py): every connection, redirects included, goes to an address
+    :func:`~flowmatch_assets.ingest.fetch.address_refusal` allows (or ``cfg``'s allowed
+    networks), checked on the very address the socket connects to (a DNS answer that changes
+    between check and connect cannot slip by), else ``private_address``; a redirect off the
+    location's host (or to another scheme) is ``redirect_refused``; no proxy from the
+    environment."""
+    import ipaddress
+    import socket
+
+    import aiohttp
+    from fsspec.implementations.http import HTTPFileSystem
+    from yarl import URL
+
+    from flowmatch_assets.ingest.fetch import address_refusal
+
+    allowed = tuple(ipaddress.ip_network(n, strict=False) for n in cfg._allow_networks)
+    home = URL(cfg.location)
+
+    def socket_factory(addr_info) -> socket.socket:
+        family, type_, proto, _name, sockaddr = addr_info
+        ip = ipaddress.ip_address(str(sockaddr[0]).split("%", 1)[0])
+        why = address_refusal(ip, allowed)
+        if why is not None:
+            raise IngestError(
+                "private_address",
+                f"the source's host {home.host} reaches {ip} ({why}): not read; "
+                "ingest.allow_networks (FLOWMATCH_ALLOW_NETWORKS) allows chosen networks",
+            )
+        return socket.socket(family, type_, proto)
+
+    async def on_redirect(_session, _ctx, params) -> None:
+        target = params.url.join(URL(params.response.headers.get("Location", "")))
+        if target.scheme not in ("http", "https") or (target.host, target.port) != (
+            home.host,
+            home.port,
+        ):
+            raise IngestError(
+                "redirect_refused",
+                f"{params.url.path} redirects off the source's host ({target.scheme}://"
+                f"{target.host}:{target.port})",
+            )
+
+    async def get_client(**kwargs):
+        trace = aiohttp.TraceConfig()
+        trace.on_request_redirect.append(on_redirect)
+        connector = aiohttp.TCPConnector(socket_factory=socket_factory)
+        return aiohttp.ClientSession(
+            connector=connector, trace_configs=[trace], trust_env=False, **kwargs
+        )
+
+    return HTTPFileSystem(get_client=get_client, skip_instance_cache=True)
 
 
 def _read_bounded(f, rel: str, limit: int, what: str) -> bytes:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import os
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -130,12 +131,44 @@ class Scan:
         return "; ".join(f"{name}: {u} ({r}: {d})" for u, r, d in self.skipped)
 
 
+def _stamp(loc, unit: str) -> list | None:
+    """A unit file's size and modification time (None when it cannot be looked at)."""
+    try:
+        if loc.local:
+            st = os.stat(loc.path(unit))
+            return [st.st_size, st.st_mtime_ns]
+        info = loc.fs.info(loc.path(unit))
+        return [info.get("size"), str(info.get("mtime") or info.get("ETag") or "")]
+    except (OSError, ValueError, IngestError):
+        return None
+
+
+def _skipped_before(root: str | Path, name: str) -> dict[str, dict]:
+    """The files the last registration skipped: ``{unit: {stamp, reason, detail}}``."""
+    p = source_dir(root, name) / "skipped.json"
+    try:
+        return json.loads(p.read_text()) if p.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+
+
 def unregistered(root: str | Path, name: str, cfg: SourceConfig) -> Scan:
-    """What :func:`register` would add now, writing nothing."""
+    """What :func:`register` would add now, writing nothing. A file the last registration
+    skipped is not read again while its size and modification time are the same (a sensor
+    tick would otherwise re-read every broken tar): it is skipped with the same reason."""
     index = registered(root, name)
     known = [manifest(root, s["key"]) for s in index]
-    found, skipped = KIND_MODULES[cfg.kind].scan(cfg, known)
+    before = _skipped_before(root, name)
+    same: dict[str, dict] = {}
+    if before:
+        from flowmatch_assets.ingest.sources.location import Location
+
+        loc = Location(cfg)
+        same = {u: r for u, r in before.items() if (s := _stamp(loc, u)) and s == r["stamp"]}
+    held = [Manifest("", name, cfg.kind, u, 0, 0, []) for u in same]
+    found, skipped = KIND_MODULES[cfg.kind].scan(cfg, known + held)
     skipped = [(u, r, redact(d, cfg.location)) for u, r, d in skipped]
+    skipped = sorted(skipped + [(u, r["reason"], r["detail"]) for u, r in same.items()])
     return Scan(
         [
             Manifest(partition_key(name, len(index) + i), name, cfg.kind, unit, start, end, ent)
@@ -155,6 +188,16 @@ def register(root: str | Path, name: str, cfg: SourceConfig) -> Scan:
         scan = unregistered(root, name, cfg)
         for m in scan.new:  # the manifests first, then the index that lists them
             atomic_write_text(d / "shards" / f"{m.key}.json", json.dumps(m.__dict__))
+        before = _skipped_before(root, name)
+        if scan.skipped or before:
+            from flowmatch_assets.ingest.sources.location import Location
+
+            loc = Location(cfg)
+            skipped = {
+                u: {"stamp": _stamp(loc, u), "reason": r, "detail": dt} for u, r, dt in scan.skipped
+            }
+            skipped = {u: v for u, v in skipped.items() if v["stamp"] is not None}
+            atomic_write_text(d / "skipped.json", json.dumps(skipped, indent=0))
         if scan.new:
             index = [*registered(root, name), *(m.summary() for m in scan.new)]
             atomic_write_text(d / "index.json", json.dumps(index, indent=0))
