@@ -623,3 +623,31 @@ def test_a_skipped_tar_is_not_read_again_until_it_changes(tmp_path):
     os.utime(src / "00000.tar", ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 10**9))
     changed = register(root, "wds", cfg)
     assert [m.entries for m in changed.new] == [["k0"]] and changed.skipped == []
+
+
+def test_a_partition_reads_its_own_stretch_of_a_tar(tmp_path):
+    """A tar cut into three partitions: each records where its samples lie, and reads only
+    that stretch (a 200k-member tar was read whole by each of its 200 partitions): with the
+    tar's first header broken after registration, the last partition still lists and reads
+    its samples; the first one's fail as corrupt_container."""
+    from flowmatch_assets.ingest.sources import SourceConfig, register
+    from flowmatch_assets.ingest.sources.registry import manifest
+    from flowmatch_assets.ingest.sources.webdataset import images, rows
+
+    src, root = tmp_path / "wds", tmp_path / "data"
+    _tar(src / "00000.tar", {f"k{i}": (hs.jpeg(60 + i), f"picture {i}") for i in range(6)})
+    cfg = SourceConfig(kind="webdataset", location=str(src), shard_size=2)
+    got = register(root, "wds", cfg)
+    assert [m.entries for m in got.new] == [["k0", "k1"], ["k2", "k3"], ["k4", "k5"]]
+    assert all(m.span and m.span[0] < m.span[1] for m in got.new)
+    raw = bytearray((src / "00000.tar").read_bytes())
+    raw[148:156] = b"0000000\x00"  # k0.jpg's header checksum
+    (src / "00000.tar").write_bytes(bytes(raw))
+    last = manifest(root, "wds-00002")
+    listed, failed = rows(cfg, "wds", last)
+    assert [r["caption"] for r in listed] == ["picture 4", "picture 5"] and failed == []
+    assert [(r["id"], d) for r, d in images(cfg, last, listed, 10**6)] == [
+        ("k4", hs.jpeg(64)), ("k5", hs.jpeg(65)),
+    ]  # fmt: skip
+    _, failed = rows(cfg, "wds", manifest(root, "wds-00000"))
+    assert [f["reason"] for f in failed] == ["corrupt_container"] * 2

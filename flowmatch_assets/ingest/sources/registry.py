@@ -64,6 +64,9 @@ class Manifest:
     start: int
     end: int
     entries: list = field(default_factory=list)
+    #: where the samples lie in an uncompressed tar (``[first header offset, end offset]``),
+    #: so a partition reads its own stretch, not the whole tar; not part of :meth:`digest`
+    span: list | None = None
 
     @property
     def samples(self) -> int:
@@ -171,8 +174,10 @@ def unregistered(root: str | Path, name: str, cfg: SourceConfig) -> Scan:
     skipped = sorted(skipped + [(u, r["reason"], r["detail"]) for u, r in same.items()])
     return Scan(
         [
-            Manifest(partition_key(name, len(index) + i), name, cfg.kind, unit, start, end, ent)
-            for i, (unit, start, end, ent) in enumerate(found)
+            Manifest(
+                partition_key(name, len(index) + i), name, cfg.kind, unit, start, end, ent, *extra
+            )  # fmt: skip
+            for i, (unit, start, end, ent, *extra) in enumerate(found)
         ],
         skipped,
     )
