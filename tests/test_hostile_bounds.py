@@ -306,11 +306,20 @@ class _QuietFiles(http.server.SimpleHTTPRequestHandler):
         pass
 
 
+class _FileServer(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        """A client that hangs up early (a tar read only as far as needed) is no error."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
 @contextlib.contextmanager
 def _file_server(folder: Path, host: str = "127.0.0.1"):
     """A loopback HTTP server of ``folder`` (HTML listings, no range requests)."""
     handler = functools.partial(_QuietFiles, directory=str(folder))
-    server = http.server.ThreadingHTTPServer((host, 0), handler)
+    server = _FileServer((host, 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         yield f"{host}:{server.server_address[1]}"
