@@ -285,11 +285,12 @@ class Location:
 
     def _open_at(self, dir_fd: int | None, name: str, rel: str, last: bool) -> int:
         """``open(name)`` (relative to ``dir_fd``) without following a link: a folder unless
-        ``last``; a FIFO never blocks, a device is refused by ``stat`` before it is opened."""
+        ``last``; anything but a regular file (a FIFO, a device, a socket) is refused by
+        ``stat`` before it is opened."""
         try:
             if last:
                 st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-                if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
+                if not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
                     raise IngestError("not_regular_file", f"{rel} is {_kind_of(st.st_mode)}")
             flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
             flags |= os.O_NONBLOCK if last else os.O_DIRECTORY
