@@ -660,3 +660,28 @@ def test_a_partition_reads_its_own_stretch_of_a_tar(tmp_path):
     ]  # fmt: skip
     _, failed = rows(cfg, "wds", manifest(root, "wds-00000"))
     assert [f["reason"] for f in failed] == ["corrupt_container"] * 2
+
+
+def test_read_images_waiting_for_a_slow_decoder_are_bounded_in_bytes():
+    """While decodes wait for the memory budget, the reader does not run ahead by 4 x threads
+    files of up to max_bytes each (64 sparse files of 39 MB are 2.5 GB once read): what waits
+    is at most half the decode budget (here 8 MiB: two 4 MiB files), however many threads."""
+    from flowmatch_assets.ingest.batch import count_reasons, ingest_blobs
+
+    blob = hs.flat_png(2000, 1500) + b"\x00" * (4 << 20)  # bytes after IEND: ignored
+    rows = [{"id": f"r{i}", "url": f"r{i}"} for i in range(24)]
+    cfg = IngestConfig(threads=4, decode_memory_bytes=16 << 20)  # each decode runs alone
+    state = {"read": 0, "done": 0, "most": 0}
+
+    def progress(done: int, _total: int) -> None:
+        state["done"] = done
+
+    def blobs():
+        for r in rows:
+            state["most"] = max(state["most"], state["read"] - state["done"])
+            state["read"] += 1
+            yield r, bytes(blob)
+
+    results = ingest_blobs(rows, blobs(), cfg, progress)
+    assert count_reasons(results) == {"stored": 24}
+    assert state["most"] <= 2, state
