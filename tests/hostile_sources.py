@@ -11,10 +11,14 @@ with :data:`MARKERS`: none of those bytes may reach a shard, a caption or the ca
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import io
 import json
 import os
+import struct
 import tarfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -268,8 +272,96 @@ def write_pd12m(md_dir: Path, images: Path, urls: dict[str, str]) -> dict[str, s
         (images / f"p{i}.jpg").write_bytes(jpeg(70 + i))
         rows.append({"id": f"p{i}", "url": f"file:p{i}.jpg", "caption": f"a PD12M picture {i}"})
     rows += [{"id": k, "url": u, "caption": f"a row pointing at {k}"} for k, u in urls.items()]
-    for n, r in enumerate(rows):
-        r.update(width=1024, height=768, mime_type="image/jpeg", hash=f"{n:032x}",
+    for n, r in enumerate(rows):  # the file rows' hash is their md5, as PD12M's
+        md5 = hashlib.md5(jpeg(70 + n)).hexdigest() if n < 3 else f"{n:032x}"
+        r.update(width=1024, height=768, mime_type="image/jpeg", hash=md5,
                  license="cc0", source="test")  # fmt: skip
     pq.write_table(pa.Table.from_pylist(rows), md_dir / "pd12m.000.parquet")
     return {f"p{i}": "stored" for i in range(3)}
+
+
+def scan_bomb(size: tuple[int, int], scans: int) -> bytes:
+    """A progressive JPEG of ``size`` (flat grey, a few KB per 1,000 scans) whose last scan is
+    repeated until it has ``scans``: each one makes a decoder go over the whole image again."""
+    from flowmatch_assets.ingest.decode import _MARKER_IN_SCAN
+
+    buf = io.BytesIO()
+    Image.new("L", size, 128).save(buf, "JPEG", progressive=True, quality=90)
+    data = buf.getvalue()
+    starts, i = [], 2
+    while data[i + 1] != 0xD9:  # split at each SOS: header, scans, EOI
+        seg_end = i + 2 + int.from_bytes(data[i + 2 : i + 4], "big")
+        if data[i + 1] == 0xDA:
+            starts.append(i)
+            seg_end = _MARKER_IN_SCAN.search(data, seg_end).start()
+        i = seg_end
+    last = data[starts[-1] : i]
+    return data[: starts[-1]] + last * (scans - len(starts) + 1) + data[i:]
+
+
+def _png_chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def flat_png(w: int, h: int, colour: int = 2, depth: int = 8) -> bytes:
+    """A PNG of ``w x h`` zeros (``colour`` 2: RGB, 0: grey; ``depth`` 8 or 16), compressed
+    row by row without holding the pixels: 10000 x 9999 RGB is 290 KB and 300 MB decoded."""
+    channels = {0: 1, 2: 3}[colour]
+    row = b"\x00" * (1 + w * channels * depth // 8)
+    z = zlib.compressobj(9)
+    rows = row * 256
+    idat = [z.compress(rows) for _ in range(h // 256)] + [z.compress(row * (h % 256)), z.flush()]
+    ihdr = struct.pack(">IIBBBBB", w, h, depth, colour, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", ihdr)
+            + _png_chunk(b"IDAT", b"".join(idat)) + _png_chunk(b"IEND", b""))  # fmt: skip
+
+
+def float_tiff(w: int, h: int, rows_per_strip: int = 64) -> bytes:
+    """A float32 greyscale TIFF of ``w x h`` zeros, deflate strips that all share one
+    compressed strip: 10000 x 9999 is under 1 MB and 400 MB decoded."""
+    strips = -(-h // rows_per_strip)
+    data = zlib.compress(b"\x00" * (w * 4 * rows_per_strip), 9)
+    tags = [(256, 4, 1, w), (257, 4, 1, h), (258, 3, 1, 32), (259, 3, 1, 8), (262, 3, 1, 1),
+            (273, 4, strips, None), (277, 3, 1, 1), (278, 4, 1, rows_per_strip),
+            (279, 4, strips, None), (339, 3, 1, 3)]  # fmt: skip
+    ifd_at = 8
+    ifd_len = 2 + 12 * len(tags) + 4
+    offsets_at = ifd_at + ifd_len
+    counts_at = offsets_at + 4 * strips
+    data_at = counts_at + 4 * strips
+    out = [b"II*\x00", struct.pack("<I", ifd_at), struct.pack("<H", len(tags))]
+    for tag, typ, count, value in tags:
+        if tag == 273:
+            value = offsets_at
+        elif tag == 279:
+            value = counts_at
+        out.append(struct.pack("<HHII", tag, typ, count, value) if typ == 4
+                   else struct.pack("<HHIHH", tag, typ, count, value, 0))  # fmt: skip
+    out.append(struct.pack("<I", 0))
+    out.append(struct.pack(f"<{strips}I", *[data_at] * strips))
+    out.append(struct.pack(f"<{strips}I", *[len(data)] * strips))
+    out.append(data)
+    return b"".join(out)
+
+
+def long_header_tar(path: Path, kind: bytes, claimed: int, real: bool) -> None:
+    """A gzip tar whose first header is a GNU long name (``kind`` b"L") or a pax header (b"x")
+    of ``claimed`` bytes, then a healthy sample. ``real``: the header's bytes are there (gzip
+    members of 16 MiB of zeros, one compressed copy repeated: 2.5 GB is ~2.6 MB); else cut."""
+    head = tarfile.TarInfo("././@LongLink")
+    head.type, head.size = kind, claimed
+    block = head.tobuf(format=tarfile.GNU_FORMAT)
+    chunk = 16 << 20
+    zeros = gzip.compress(b"\x00" * chunk, 9)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tf:
+        _add(tf, "s0.jpg", jpeg(5))
+        _add(tf, "s0.txt", b"a picture after the header")
+    with open(path, "wb") as f:
+        f.write(gzip.compress(block, 1))
+        if real:
+            for _ in range(claimed // chunk):
+                f.write(zeros)
+            rest = claimed - (claimed // chunk) * chunk
+            f.write(gzip.compress(b"\x00" * (rest + (-claimed) % 512), 1))
+            f.write(gzip.compress(buf.getvalue(), 1))

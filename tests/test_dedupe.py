@@ -104,7 +104,8 @@ def _resource(data: Path, md: Path) -> FlowmatchResource:
     return FlowmatchResource(
         data_root=str(data),
         metadata_source=str(md),
-        ingest=IngestConfig(threads=4, allow_networks=["127.0.0.0/8"]),
+        # the md5 check off: a wrong metadata hash is how the same bytes arrive twice
+        ingest=IngestConfig(threads=4, allow_networks=["127.0.0.0/8"], check_hash=False),
     )
 
 
@@ -177,12 +178,15 @@ def test_duplicates_are_dropped_the_same_way_when_partitions_run_in_parallel(tmp
     DAGSTER_HOME and one data root: the same final outcomes as one after the other."""
     md, expected = dup_dataset
     home, data = make_dagster_home(tmp_path / "home"), tmp_path / "data"
+    settings = tmp_path / "settings.yaml"
+    settings.write_text("ingest: {check_hash: false}\n")  # as _resource: wrong hashes on purpose
     env = {
         **os.environ,
         "DAGSTER_HOME": str(home),
         "FLOWMATCH_DATA_ROOT": str(data),
         "FLOWMATCH_METADATA": str(md),
         "FLOWMATCH_ALLOW_NETWORKS": "127.0.0.0/8",  # the loopback image server
+        "FLOWMATCH_SETTINGS": str(settings),
     }
     os.environ["DAGSTER_HOME"] = str(home)
     try:

@@ -192,10 +192,12 @@ class _Quiet(http.server.SimpleHTTPRequestHandler):
 
 
 @pytest.mark.slow
-def test_parquet_and_tars_over_http(byo_env, capsys):
+def test_parquet_and_tars_over_http(byo_env, capsys, monkeypatch):
     """Any fsspec URL: the parquet and tar sources from a loopback HTTP server that (like
-    many) answers no range requests."""
+    many) answers no range requests (allowed: a remote location meets the downloads' address
+    policy)."""
     tmp = byo_env
+    monkeypatch.setenv("FLOWMATCH_ALLOW_NETWORKS", "127.0.0.1/32")
     exp_hf = write_parquet(tmp / "site" / "hf", files=1, by_idx=True)
     exp_wds = write_webdataset(tmp / "site" / "wds", tars=1)
     handler = functools.partial(_Quiet, directory=str(tmp / "site"))

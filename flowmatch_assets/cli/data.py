@@ -107,7 +107,7 @@ def cmd_sources(action: str, name: str | None, kind: str | None, location: str |
         cfg = res.source(n)
         parts = src.registered(res.data_root, n)
         links = "  follows links" if cfg.follow_links else ""
-        print(f"{n}  {cfg.kind}  {cfg.location}  caption {cfg.caption()!r}  shard_size "
+        print(f"{n}  {cfg.kind}  {cfg.shown}  caption {cfg.caption()!r}  shard_size "
               f"{cfg.shard_size}  {len(parts)} partitions registered{links}")  # fmt: skip
     return 0
 
@@ -126,12 +126,13 @@ def _add_source(res, path: Path, name: str | None, kind: str | None, location: s
         raise CliError(f"--kind {kind!r}: choose one of {', '.join(src.SOURCE_KINDS)}")
     given = {"kind": kind, "location": src.config.absolute(location), **options}
     cfg = src.SourceConfig.model_validate({k: v for k, v in given.items() if v is not None})
+    cfg.allowing(res.ingest.allow_networks)
     src.check_name(name)
     parts = src.registered(res.data_root, name)
     old = res.source(name) if name in res.sources else None
     if old is not None and not replace:
         raise CliError(
-            f"source {name} exists ({old.kind} at {old.location}, {len(parts)} partitions "
+            f"source {name} exists ({old.kind} at {old.shown}, {len(parts)} partitions "
             "registered); `--replace` gives it these settings, or `flowmatch sources remove "
             f"{name}` first"
         )
@@ -144,13 +145,13 @@ def _add_source(res, path: Path, name: str | None, kind: str | None, location: s
         Location(cfg)  # SourceError (one line) when it does not exist or cannot be reached
     src.write_source(path, name, cfg)
     if old is not None:
-        print(f"source {name} replaced: {cfg.kind} at {cfg.location} (in {path}). Its "
+        print(f"source {name} replaced: {cfg.kind} at {cfg.shown} (in {path}). Its "
               f"{len(parts)} registered partitions keep the samples they hold (their manifests) "
               "and read them from the new location when next materialized (a file not there "
               "fails as not_found; `flowmatch stale` shows which settings changed); new files "
               "become new partitions")  # fmt: skip
     else:
-        print(f"source {name}: {cfg.kind} at {cfg.location} (in {path}); next: "
+        print(f"source {name}: {cfg.kind} at {cfg.shown} (in {path}); next: "
               f"`flowmatch partitions register --source {name}`")  # fmt: skip
     return 0
 

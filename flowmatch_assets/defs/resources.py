@@ -86,7 +86,8 @@ class FlowmatchResource(dg.ConfigurableResource):
                 f"`flowmatch sources add {name} --kind folder|parquet|webdataset --location ...` "
                 "(it writes FLOWMATCH_SOURCES, default <data root>/sources.yaml)"
             )
-        return SourceConfig.model_validate(self.sources[name].model_dump())
+        cfg = SourceConfig.model_validate(self.sources[name].model_dump())
+        return cfg.allowing(self.ingest.allow_networks)  # a remote location's address policy
 
 
 def _abs(p: str) -> str:

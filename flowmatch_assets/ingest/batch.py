@@ -13,8 +13,22 @@ from flowmatch_assets.ingest.fetch import fetch_bytes, make_pool
 from flowmatch_assets.ingest.images import IngestConfig, IngestError, IngestResult
 
 
+def _check_hash(row: Mapping, md5: str, cfg: IngestConfig) -> None:
+    """``hash_mismatch`` when the row's metadata ``hash`` is an md5 (32 hex digits) and the
+    downloaded bytes' md5 is another (``cfg.check_hash``)."""
+    want = row.get("hash")
+    if not cfg.check_hash or not isinstance(want, str):
+        return
+    want = want.strip().lower()
+    if len(want) == 32 and all(c in "0123456789abcdef" for c in want) and want != md5:
+        raise IngestError(
+            "hash_mismatch", f"the bytes' md5 is {md5}, the metadata's hash {want}: not this image"
+        )
+
+
 def ingest_one(row: Mapping, cfg: IngestConfig, pool: urllib3.PoolManager) -> IngestResult:
-    """One row (``id``, ``url``): fetch, md5, decode, crop, encode; never raises for bad data."""
+    """One row (``id``, ``url``, ``hash``): fetch, md5, decode, crop, encode, the md5 checked
+    against ``hash`` (:func:`_check_hash`); never raises for bad data."""
     rid = str(row.get("id", ""))
     url = row.get("url")
     url_s = url if isinstance(url, str) else ""
@@ -24,6 +38,7 @@ def ingest_one(row: Mapping, cfg: IngestConfig, pool: urllib3.PoolManager) -> In
         n = len(data)
         md5 = hashlib.md5(data).hexdigest()
         image, ow, oh = process_image(data, cfg)
+        _check_hash(row, md5, cfg)  # after decoding: bytes that are no image say so first
     except IngestError as e:
         return IngestResult(rid, url_s, "failed", e.reason, e.detail or None, bytes_downloaded=n)
     except Exception as e:  # noqa: BLE001 - a bad row must never crash the shard
@@ -94,7 +109,8 @@ def ingest_blobs(
     """:func:`ingest_rows` for rows whose bytes a source reads itself (a folder, parquet or tar
     source: flowmatch_assets/ingest/sources): ``blobs`` yields ``(row, bytes or the
     IngestError why not)`` in any order, read in the calling thread (sequential I/O), while
-    ``cfg.threads`` threads decode; at most ``4 x threads`` read images wait in memory. Returns
+    ``cfg.threads`` threads decode; at most ``4 x threads`` read images, and at most half of
+    ``cfg.decode_memory_bytes`` of them (or one), wait in memory. Returns
     one ``IngestResult`` per row of ``rows``, in their order (a row ``blobs`` never yields fails
     as ``internal``)."""
     if cfg.image_format.lower() not in ENCODERS:
@@ -104,26 +120,33 @@ def ingest_blobs(
     position = {str(r.get("id", "")): i for i, r in enumerate(rows)}
     results: list[IngestResult | None] = [None] * len(rows)
     done = 0
+    waiting = 0  # bytes of read images not decoded yet
     with ThreadPoolExecutor(max_workers=max(1, cfg.threads), thread_name_prefix="decode") as ex:
         pending: set = set()
         futures: dict = {}
 
-        def drain(limit: int) -> None:
-            nonlocal pending, done
-            while len(pending) > limit:
+        def drain(limit: int, limit_bytes: int) -> None:
+            nonlocal pending, done, waiting
+            while len(pending) > limit or (len(pending) > 1 and waiting > limit_bytes):
                 finished, pending = wait(pending, return_when=FIRST_COMPLETED)
                 for fut in finished:
-                    results[futures.pop(fut)] = fut.result()
+                    i, size = futures.pop(fut)
+                    waiting -= size
+                    results[i] = fut.result()
                     done += 1
                     if progress is not None:
                         progress(done, len(rows))
 
         for row, data in blobs:
             fut = ex.submit(_process_one, row, data, cfg)
-            futures[fut] = position[str(row.get("id", ""))]
+            size = len(data) if isinstance(data, bytes | bytearray | memoryview) else 0
+            futures[fut] = (position[str(row.get("id", ""))], size)
+            waiting += size
             pending.add(fut)
-            drain(4 * max(1, cfg.threads))
-        drain(0)
+            # a slow decode (a budgeted 100 Mpx image) must not let the reader hold 4 x threads
+            # files of up to max_bytes (sparse ones cost nothing on disk): half the decode budget
+            drain(4 * max(1, cfg.threads), cfg.decode_memory_bytes // 2)
+        drain(0, 0)
     return [
         r
         if r is not None

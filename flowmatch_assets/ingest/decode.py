@@ -19,9 +19,12 @@ thread pool scales over cores.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import math
+import re
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +39,13 @@ except ImportError:  # pragma: no cover - simplejpeg is a declared dependency
 from flowmatch_models.data.buckets import cover_box
 
 ENCODERS = {"jpeg": "JPEG", "webp": "WEBP", "png": "PNG"}
+
+# Pillow allocates a large image in blocks (16 MB by default), which glibc serves from each
+# thread's own heap once its mmap threshold has grown, and keeps there when freed: 6 threads
+# decoding 100 Mpx PNGs one after the other held 1.6-2 GB. Blocks above the largest threshold
+# (32 MB) are mapped, and given back when the image is freed (437 MB). Small images are one
+# block of their own size, as before.
+Image.core.set_block_size(64 << 20)
 
 # Same mapping as PIL.ImageOps.exif_transpose.
 _EXIF_TRANSPOSE = {
@@ -91,19 +101,23 @@ def sniff_format(data: bytes) -> str | None:
     return None
 
 
-def _to_8bit_l(im: Image.Image) -> Image.Image:
-    """I;16*, I and F modes to L, scaling by the data's range rather than clipping at 255."""
-    arr = np.asarray(im)
+def _to_8bit_l(im: Image.Image, hi: float | None = None) -> Image.Image:
+    """I;16*, I and F modes to L, scaling by the data's range rather than clipping at 255
+    (``hi``: the largest value of the image this one was resampled from). I;16 is shifted in
+    place; I and F come here resampled to the output size (:func:`crop_resize`), so no copy of
+    the full image is ever float64 (a 100 Mpx float TIFF took 3 GB that way)."""
     if im.mode.startswith("I;16"):
-        out = (arr.astype(np.uint16) >> 8).astype(np.uint8)
-    else:
-        a = arr.astype(np.float64)
+        arr = np.array(im, dtype=np.uint16)  # one copy, 2 bytes a pixel
+        np.right_shift(arr, 8, out=arr)
+        return Image.fromarray(arr.astype(np.uint8), "L")
+    a = np.asarray(im, dtype=np.float64)
+    if hi is None:
         hi = float(a.max()) if a.size else 0.0
-        if im.mode == "F" and hi <= 1.0:
-            a = a * 255.0
-        elif hi > 255.0:
-            a = a / (257.0 if hi <= 65535.0 else hi / 255.0)
-        out = np.clip(np.rint(a), 0, 255).astype(np.uint8)
+    if im.mode == "F" and hi <= 1.0:
+        a = a * 255.0
+    elif hi > 255.0:
+        a = a / (257.0 if hi <= 65535.0 else hi / 255.0)
+    out = np.clip(np.rint(a), 0, 255).astype(np.uint8)
     return Image.fromarray(out, "L")
 
 
@@ -159,6 +173,48 @@ def _jpeg_orientation(data: bytes) -> int:
             return _tiff_orientation(data[i + 10 : i + 2 + seg_len])
         i += 2 + seg_len
     return 1
+
+
+#: The byte before a marker inside entropy-coded data: 0xFF not followed by a stuffed 0x00, a
+#: restart marker (RST0-7, part of the scan) or a fill byte.
+_MARKER_IN_SCAN = re.compile(rb"\xff(?=[^\x00\xd0-\xd7\xff])")
+
+
+def jpeg_scans(data: bytes, stop: int) -> int:
+    """How many scans (SOS segments) a JPEG has, counted by walking its markers without
+    decoding: a progressive JPEG decodes every scan over the whole image (a 1.4 MB file of
+    10000 x 9999 with 7,000 scans decodes for 45 s). Stops counting past ``stop``."""
+    n, i, size = 0, 2, len(data)
+    while i + 4 <= size and n <= stop:
+        if data[i] != 0xFF:
+            break  # garbage between segments: the decoder reports it
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker == 0xD9:  # end of image
+            break
+        if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # no length field
+            i += 2
+            continue
+        i += 2 + int.from_bytes(data[i + 2 : i + 4], "big")
+        if marker == 0xDA:  # start of scan: its entropy-coded data runs to the next marker
+            n += 1
+            m = _MARKER_IN_SCAN.search(data, i)
+            if m is None:
+                break
+            i = m.start()
+    return n
+
+
+def _check_scans(data: bytes, cfg: IngestConfig) -> None:
+    """``too_many_scans`` for a JPEG with more than ``cfg.max_jpeg_scans`` scans."""
+    if cfg.max_jpeg_scans and jpeg_scans(data, cfg.max_jpeg_scans) > cfg.max_jpeg_scans:
+        raise IngestError(
+            "too_many_scans",
+            f"a JPEG with more than max_jpeg_scans {cfg.max_jpeg_scans} scans (each one decodes "
+            "the whole image again): not decoded",
+        )
 
 
 def _check_size(w: int, h: int, orientation: int, cfg: IngestConfig) -> tuple[int, int]:
@@ -275,9 +331,12 @@ def crop_resize(
     orientation), composite alpha over white, to RGB, orient: the image that is encoded."""
     mode = im.mode
     alpha = mode in ("RGBA", "LA", "PA") or (mode == "P" and "transparency" in im.info)
+    wide_hi = None  # I and F: resampled as they are, to 8 bits at the output size
     if mode == "P" or mode == "PA":
         im = im.convert("RGBA" if alpha else "RGB")
-    elif mode in ("I", "F") or mode.startswith("I;16"):
+    elif mode in ("I", "F"):
+        wide_hi = float(im.getextrema()[1] or 0)
+    elif mode.startswith("I;16"):
         im = _to_8bit_l(im)
     elif mode == "L" and "transparency" in im.info:
         im = im.convert("LA")
@@ -292,6 +351,8 @@ def crop_resize(
     out = im.resize(
         (tw, th), Image.Resampling.BICUBIC, box=cover_box(dw, dh, tw, th), reducing_gap=3.0
     )
+    if wide_hi is not None:
+        out = _to_8bit_l(out, wide_hi)
     if alpha:
         out = _composite_white(out)
     elif out.mode != "RGB":
@@ -299,6 +360,12 @@ def crop_resize(
     if transpose is not None:
         out = out.transpose(transpose)
     return out
+
+
+def _out_of_memory(size: tuple[int, int] | None = None) -> IngestError:
+    """``out_of_memory``: the process was short of memory, the file may be fine (retryable)."""
+    what = f"a {size[0]}x{size[1]} image" if size else "the image"
+    return IngestError("out_of_memory", f"decoding {what} ran out of memory")
 
 
 def encode(out: Image.Image, cfg: IngestConfig, encoder: str) -> bytes:
@@ -317,7 +384,8 @@ def process_image(data: bytes, cfg: IngestConfig) -> tuple[bytes, int, int]:
 
     Returns ``(encoded, orig_width, orig_height)``, the original size after EXIF orientation
     (the stored size is ``cfg.bucket_of(orig_width, orig_height)``).
-    Raises ``IngestError`` (``not_image``, ``corrupt``, ``decompression_bomb``, ``too_small``).
+    Raises ``IngestError`` (``not_image``, ``corrupt``, ``decompression_bomb``, ``too_small``,
+    ``too_many_scans``).
     """
     if ImageFile.LOAD_TRUNCATED_IMAGES:
         raise RuntimeError(
@@ -332,32 +400,108 @@ def process_image(data: bytes, cfg: IngestConfig) -> tuple[bytes, int, int]:
     fmt = sniff_format(data)
     if fmt is None:
         raise IngestError("not_image", describe_bytes(data))
-    fast = _decode_jpeg_scaled(data, cfg) if fmt == "JPEG" else None
-    if fast is not None:
-        im, ow, oh, orientation = fast
-    else:
-        try:
-            im = Image.open(io.BytesIO(data), formats=[fmt])
-            w, h = im.size
-            if w * h > cfg.max_pixels:  # before getexif: bombs are refused unparsed
-                raise IngestError("decompression_bomb", f"{w}x{h} > max_pixels {cfg.max_pixels}")
+    if fmt == "JPEG":
+        _check_scans(data, cfg)  # before either decoder: their time grows with the scans
+    plan = jpeg_plan(data, cfg) if fmt == "JPEG" else None
+    if plan is not None:
+        with DECODE_MEMORY.hold(_jpeg_bytes(plan), cfg.decode_memory_bytes):
+            arr = jpeg_decode_scaled(data, plan)
+            if arr is not None:
+                im = to_pillow(arr, plan)
+                del arr
+                return _finish(
+                    im, plan.orig_width, plan.orig_height, plan.orientation, cfg, encoder
+                )
+    try:
+        im = Image.open(io.BytesIO(data), formats=[fmt])
+        w, h = im.size
+        if w * h > cfg.max_pixels:  # before getexif: bombs are refused unparsed
+            raise IngestError("decompression_bomb", f"{w}x{h} > max_pixels {cfg.max_pixels}")
+        if fmt == "JPEG":  # its EXIF is in the header; draft mode decodes less
             orientation = im.getexif().get(_EXIF_ORIENTATION_TAG, 1)
             ow, oh = _check_size(w, h, orientation, cfg)
-            if fmt == "JPEG":
-                tw, th = _decoded_target(ow, oh, orientation, cfg)
-                scale = max(tw / w, th / h)
-                need = (max(1, math.ceil(w * scale)), max(1, math.ceil(h * scale)))
-                im.draft("RGB", need)
+            tw, th = _decoded_target(ow, oh, orientation, cfg)
+            scale = max(tw / w, th / h)
+            need = (max(1, math.ceil(w * scale)), max(1, math.ceil(h * scale)))
+            im.draft("RGB", need)
+    except IngestError:
+        raise
+    except Image.DecompressionBombError as e:
+        raise IngestError("decompression_bomb", str(e)) from None
+    except Exception as e:  # noqa: BLE001 - PIL raises many types for damaged data
+        raise IngestError("corrupt", f"{type(e).__name__}: {e}") from None
+    with DECODE_MEMORY.hold(_pillow_bytes(im), cfg.decode_memory_bytes):
+        try:
+            if fmt != "JPEG":  # a PNG's getexif decodes the whole image (an eXIf after IDAT)
+                orientation = im.getexif().get(_EXIF_ORIENTATION_TAG, 1)
+                ow, oh = _check_size(w, h, orientation, cfg)
             im.load()
         except IngestError:
             raise
         except Image.DecompressionBombError as e:
             raise IngestError("decompression_bomb", str(e)) from None
+        except MemoryError:
+            raise _out_of_memory(im.size) from None
         except Exception as e:  # noqa: BLE001 - PIL raises many types for damaged data
             raise IngestError("corrupt", f"{type(e).__name__}: {e}") from None
+        return _finish(im, ow, oh, orientation, cfg, encoder)
+
+
+def _finish(
+    im: Image.Image, ow: int, oh: int, orientation: int, cfg: IngestConfig, encoder: str
+) -> tuple[bytes, int, int]:
+    """The decoded image cropped, resized and encoded: :func:`process_image`'s result."""
     try:
         target = _decoded_target(ow, oh, orientation, cfg)
         out = crop_resize(im, _EXIF_TRANSPOSE.get(orientation), target)
         return encode(out, cfg, encoder), ow, oh
+    except MemoryError:
+        raise _out_of_memory(im.size) from None
     except Exception as e:  # noqa: BLE001 - lazily-decoded frames can still fail here
         raise IngestError("corrupt", f"{type(e).__name__}: {e}") from None
+
+
+class DecodeMemory:
+    """The decoded pixels every decode thread of the process holds at once, against one budget
+    (``ingest.decode_memory_bytes``): a decode waits until its estimate fits beside the others'
+    (or runs alone when it is bigger), so 16 threads each decoding a 100 Mpx PNG of 290 KB hold
+    one or two such images, never 16."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self.used = 0
+        self.peak = 0
+
+    @contextlib.contextmanager
+    def hold(self, nbytes: int, budget: int):
+        with self._cv:
+            while self.used and self.used + nbytes > budget:
+                self._cv.wait()
+            self.used += nbytes
+            self.peak = max(self.peak, self.used)
+        try:
+            yield
+        finally:
+            with self._cv:
+                self.used -= nbytes
+                self._cv.notify_all()
+
+
+DECODE_MEMORY = DecodeMemory()
+
+
+def _jpeg_bytes(plan: JpegPlan) -> int:
+    """What a DCT-scaled decode holds: the decoded array (at most one eighth per side above the
+    size asked for, 3 bytes a pixel) and its Pillow copy."""
+    w = plan.min_width + plan.width // 8 + 1
+    h = plan.min_height + plan.height // 8 + 1
+    return w * h * 3 * 2
+
+
+def _pillow_bytes(im: Image.Image) -> int:
+    """What Pillow's decode holds: the image (4 bytes a pixel for RGB, RGBA, I, F, ...; 1 for L
+    and P; 2 for I;16) and one converted copy (P to RGBA, CMYK to RGB: 4 bytes a pixel)."""
+    w, h = im.size
+    mode = im.mode
+    per = 1 if mode in ("1", "L", "P") else 2 if mode.startswith("I;16") else 4
+    return w * h * (per + 4)

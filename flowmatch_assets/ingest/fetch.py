@@ -25,21 +25,82 @@ _REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 _CHUNK = 1 << 20
 
 
+#: Address blocks never connected to, whatever the Python version's ``ipaddress`` says (3.11
+#: calls 192.0.0.192, Oracle Cloud's metadata service, global: CVE-2024-4032): IANA's IPv4 and
+#: IPv6 special-purpose address registries' blocks that are not globally reachable (taken
+#: whole where only some sub-blocks are), multicast, and cloud services on public-range
+#: addresses. First match wins: the reason names the kind of block.
+SPECIAL_BLOCKS: tuple[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, str], ...] = tuple(
+    (ipaddress.ip_network(net), why)
+    for net, why in (
+        ("0.0.0.0/32", "unspecified"),
+        ("0.0.0.0/8", "this network"),
+        ("10.0.0.0/8", "private"),
+        ("100.64.0.0/10", "not public"),  # shared address space (CGNAT)
+        ("127.0.0.0/8", "loopback"),
+        ("169.254.0.0/16", "link-local"),
+        ("172.16.0.0/12", "private"),
+        ("192.0.0.0/24", "special-purpose"),  # IETF protocol assignments (192.0.0.192: OCI)
+        ("192.0.2.0/24", "documentation"),
+        ("192.31.196.0/24", "special-purpose"),  # AS112-v4
+        ("192.52.193.0/24", "special-purpose"),  # AMT
+        ("192.88.99.0/24", "special-purpose"),  # 6to4 relay anycast (deprecated)
+        ("192.168.0.0/16", "private"),
+        ("192.175.48.0/24", "special-purpose"),  # direct delegation AS112
+        ("198.18.0.0/15", "private"),  # benchmarking
+        ("198.51.100.0/24", "documentation"),
+        ("203.0.113.0/24", "documentation"),
+        ("224.0.0.0/4", "multicast"),
+        ("240.0.0.0/4", "reserved"),  # and 255.255.255.255, limited broadcast
+        ("168.63.129.16/32", "cloud service"),  # Azure WireServer
+        ("::/128", "unspecified"),
+        ("::1/128", "loopback"),
+        ("::/96", "reserved"),  # IPv4-compatible (deprecated)
+        ("64:ff9b:1::/48", "private"),  # local-use NAT64
+        ("100::/64", "special-purpose"),  # discard-only
+        ("100:0:0:1::/64", "special-purpose"),  # dummy prefix
+        ("2001::/23", "special-purpose"),  # IETF protocol assignments (Teredo, ORCHIDv2, ...)
+        ("2001:db8::/32", "documentation"),
+        ("3fff::/20", "documentation"),
+        ("5f00::/16", "special-purpose"),  # SRv6 SIDs
+        ("fc00::/7", "private"),  # unique local (fd00:ec2::254: AWS's metadata service)
+        ("fe80::/10", "link-local"),
+        ("fec0::/10", "private"),  # site-local (deprecated)
+        ("ff00::/8", "multicast"),
+    )
+)
+
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+
+
+def _embedded_v4(ip: ipaddress.IPv6Address) -> list[ipaddress.IPv4Address]:
+    """The IPv4 addresses an IPv6 one carries: v4-mapped, NAT64 (64:ff9b::/96), 6to4, Teredo
+    (client and server)."""
+    out = [ip.ipv4_mapped, ip.sixtofour, *(ip.teredo or ())]
+    if ip in _NAT64:
+        out.append(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
+    return [v4 for v4 in out if v4 is not None]
+
+
 def address_refusal(
     ip: ipaddress.IPv4Address | ipaddress.IPv6Address,
     allowed: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network] = (),
 ) -> str | None:
     """Why ``ip`` may not be fetched from (``"loopback"``, ``"private"``, ``"link-local"``,
-    ...), or None for a public address or one in ``allowed``. An IPv6 address that embeds an
-    IPv4 one (mapped, 6to4, Teredo) is judged by that too."""
+    ``"special-purpose"``, ...), or None for a public address or one in ``allowed``. The
+    blocks refused are :data:`SPECIAL_BLOCKS` (the same on every Python version), then
+    whatever ``ipaddress`` does not call global. An IPv6 address that embeds an IPv4 one
+    (mapped, NAT64, 6to4, Teredo) is judged by that too."""
     if any(ip.version == net.version and ip in net for net in allowed):
         return None
     if isinstance(ip, ipaddress.IPv6Address):
-        embedded = [ip.ipv4_mapped, ip.sixtofour, ip.teredo[1] if ip.teredo else None]
-        for v4 in (e for e in embedded if e is not None):
+        for v4 in _embedded_v4(ip):
             why = address_refusal(v4, allowed)
             if why is not None:
                 return why
+    for net, why in SPECIAL_BLOCKS:
+        if ip.version == net.version and ip in net:
+            return why
     for test, why in (
         ("is_unspecified", "unspecified"),
         ("is_loopback", "loopback"),
@@ -133,7 +194,10 @@ def _read_file(url: str, cfg: IngestConfig) -> bytes:
             "file_not_allowed", "file:// URLs are refused; set ingest.file_root to allow a folder"
         )
     root = Path(cfg.file_root).resolve()
-    raw = Path(unquote(parts.path))
+    name = unquote(parts.path)
+    if "\x00" in name:  # no file has such a name: permanent, never retried
+        raise IngestError("bad_url", "a file URL whose path holds a NUL byte (%00)")
+    raw = Path(name)
     path = (raw if raw.is_absolute() else root / raw).resolve()
     if not path.is_relative_to(root):
         raise IngestError("file_not_allowed", f"{path} is outside file_root {root}")

@@ -32,6 +32,9 @@ A bad row never raises: it becomes a ``failed`` result whose ``reason`` is one o
     The decoded short side is below ``min_side``.
 ``decompression_bomb``
     The header's width x height is above ``max_pixels`` (checked before decoding).
+``too_many_scans``
+    A JPEG with more than ``max_jpeg_scans`` scans (SOS markers, counted before decoding):
+    a progressive JPEG's decode time grows with its scans.
 ``redirect_refused``
     A redirect to a scheme other than http/https (e.g. ``file://``), or more than
     ``max_redirects`` redirects.
@@ -45,16 +48,27 @@ A bad row never raises: it becomes a ``failed`` result whose ``reason`` is one o
 ``private_address``
     The URL's host resolves (when connecting, on the first request and on every redirect) only
     to addresses that are not public: loopback, private, link-local (the cloud metadata
-    endpoint 169.254.169.254), multicast, reserved, unspecified or shared (CGNAT) ones. Nothing
-    is sent to them. ``ingest.allow_networks`` (FLOWMATCH_ALLOW_NETWORKS) lists networks to
-    allow anyway, e.g. a local mirror.
+    endpoint 169.254.169.254), multicast, reserved, unspecified or shared (CGNAT) ones, and
+    the rest of IANA's special-purpose blocks that are not globally reachable (all of
+    192.0.0.0/24, documentation and benchmarking ranges, ...) and Azure's 168.63.129.16, the
+    same on every Python version (fetch.SPECIAL_BLOCKS). Nothing is sent to them.
+    ``ingest.allow_networks`` (FLOWMATCH_ALLOW_NETWORKS) lists networks to allow anyway, e.g. a
+    local mirror.
 ``outside_source``, ``not_regular_file``, ``unreadable``, ``corrupt_container``
     A source's image (flowmatch_assets/ingest/sources) that leads outside its location, is not
     a regular file (a FIFO, a device), cannot be read, or sits in a container that broke; a
     ``file://`` URL to something that is not a regular file (``not_regular_file``) or cannot
     be read (``unreadable``).
+``hash_mismatch``
+    The downloaded bytes decode, but their md5 is not the metadata's ``hash`` (PD12M's md5 of
+    the image): the URL now serves something else (a CDN placeholder, a replaced file), so it
+    is not stored as that row's image. Permanent; ``ingest.check_hash: false`` turns the check
+    off; rows without an md5-like hash are never checked.
 ``bad_url``
     Missing, malformed or unsupported URL (not http, https or file).
+``out_of_memory``
+    Decoding ran out of memory (a MemoryError: the process was short of it, the file may be
+    fine); retryable.
 ``internal``
     An unexpected exception (a bug, not bad data); ``detail`` names the exception.
 """
@@ -103,6 +117,21 @@ class IngestConfig(BaseModel):
     max_pixels: int = Field(
         default=100_000_000, description="Decompression-bomb limit: refuse images above w*h."
     )
+    decode_memory_bytes: int = Field(
+        default=768 << 20,
+        gt=0,
+        description="Decoded pixels all decode threads of a process may hold at once (each "
+        "image's estimate: width x height x bytes per pixel, and a converted copy); a decode "
+        "waits for room, one bigger than this runs alone. Keeps 16 threads on 100 Mpx PNGs of "
+        "290 KB each from holding 16 decoded images.",
+    )
+    max_jpeg_scans: int = Field(
+        default=100,
+        ge=0,
+        description="A JPEG with more scans fails as too_many_scans, counted before decoding: "
+        "each scan of a progressive JPEG decodes the whole image again (7,000 scans of a "
+        "10000 x 9999 picture: 45 s). Encoders write about 10; 0 turns the limit off.",
+    )
     min_side: int = Field(
         default=64, description="Decoded images with a shorter side fail as too_small."
     )
@@ -123,6 +152,13 @@ class IngestConfig(BaseModel):
         description="An attempt that stores fewer than this fraction of the shard's kept rows "
         "fails and keeps the previous shard and its catalog records (its failures are recorded "
         "in the rejected_attempts view).",
+    )
+    check_hash: bool = Field(
+        default=True,
+        description="Compare the downloaded bytes' md5 with the metadata's `hash` (PD12M "
+        "publishes one per image); a row whose bytes decode but differ fails as hash_mismatch "
+        "(a CDN placeholder, a replaced file). Rows without an md5-like hash (32 hex digits) "
+        "and sources' own images are not checked.",
     )
     image_format: str = Field(default="jpeg", description="jpeg, webp or png.")
     quality: int = Field(default=95, description="JPEG/WebP quality.")
@@ -183,13 +219,16 @@ REASONS: frozenset[str] = frozenset(
         "not_regular_file",
         "unreadable",
         "corrupt_container",
+        "hash_mismatch",
+        "too_many_scans",
+        "out_of_memory",
     }
 )
 
 #: Reasons a later attempt may fix (the server or network was at fault): `flowmatch retry`
 #: re-fetches these by default; every other reason is permanent for the same bytes and config.
 #: HTTP 5xx, 408 and 429 are retryable too (see :func:`is_retryable`).
-RETRYABLE: frozenset[str] = frozenset({"timeout", "connection_error", "internal"})
+RETRYABLE: frozenset[str] = frozenset({"timeout", "connection_error", "internal", "out_of_memory"})
 
 
 def is_retryable(reason: str | None) -> bool:

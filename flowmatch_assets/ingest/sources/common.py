@@ -47,8 +47,11 @@ LISTING_REASONS = (
 #: The largest caption file, caption member or ``.json`` member read (a caption is a sentence,
 #: PD12M's longest are ~2 KB); past it the sample fails as ``too_large``.
 CAPTION_MAX_BYTES = 1 << 20
-#: The largest metadata.jsonl read (a million lines of ~200 bytes).
+#: The largest metadata.jsonl read (a million lines of ~200 bytes), checked before reading.
 METADATA_MAX_BYTES = 1 << 30
+#: The longest metadata.jsonl line read (a caption and its file name); a longer one is a
+#: ``bad_metadata`` row of its own, skipped without being held.
+JSONL_LINE_MAX_BYTES = 2 << 20
 
 
 def mime_of(name: str) -> str | None:

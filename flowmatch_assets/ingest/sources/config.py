@@ -32,9 +32,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Literal
+from urllib.parse import unquote, urlsplit
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator
 
 from flowmatch_models.storage.atomic import atomic_write_text
 from flowmatch_models.storage.layout import PD12M, SOURCE_NAME
@@ -48,6 +49,37 @@ IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 
 class SourceError(ValueError):
     """A source that cannot be used as configured; the message names it and the fix."""
+
+
+def _userinfo(location: str) -> tuple[str, str] | None:
+    """``(user, password)`` of a URL location that carries a password, else None."""
+    if "://" not in location:
+        return None
+    try:
+        parts = urlsplit(location)
+        password = parts.password
+    except ValueError:
+        return None
+    return (parts.username or "", password) if password else None
+
+
+def redact(text: str, location: str) -> str:
+    """``text`` with the password of ``location`` (``http://user:password@host/``) replaced by
+    ``***``, as written and as percent-decoded: credentials live only where the user put them
+    (the sources file, the environment), never in the catalog, run records or output."""
+    creds = _userinfo(location)
+    if creds is None or not isinstance(text, str):
+        return text
+    raw = location.split("://", 1)[1].split("@", 1)[0].split(":", 1)[1]
+    for secret in sorted({raw, unquote(raw), creds[1]}, key=len, reverse=True):
+        if secret:
+            text = text.replace(secret, "***")
+    return text
+
+
+def redacted(location: str) -> str:
+    """The location as it may be shown and recorded: ``http://user:***@host/src/``."""
+    return redact(location, location)
 
 
 class SourceConfig(BaseModel):
@@ -95,11 +127,29 @@ class SourceConfig(BaseModel):
         """``caption_field`` or the kind's default."""
         return self.caption_field or {"webdataset": "txt"}.get(self.kind, "text")
 
+    #: Networks a remote location may reach although they are not public (the resource's
+    #: ``ingest.allow_networks``, set by FlowmatchResource.source; not a setting of its own).
+    _allow_networks: tuple[str, ...] = PrivateAttr(default=())
+
+    def allowing(self, networks) -> SourceConfig:
+        """This config, whose remote location may reach ``networks`` (ingest.allow_networks)."""
+        self._allow_networks = tuple(networks or ())
+        return self
+
+    @property
+    def shown(self) -> str:
+        """The location as it may be shown and recorded (a password as ``***``)."""
+        return redacted(self.location)
+
     def row_fields(self) -> dict:
-        """The settings that change what a partition's rows hold (its fingerprint);
-        ``follow_links`` only when on, so sources made before it existed stay fresh."""
+        """The settings that change what a partition's rows hold (its fingerprint, recorded
+        with each materialization: the location redacted); ``follow_links`` only when on, so
+        sources made before it existed stay fresh."""
         skip = {"shard_size"} | (set() if self.follow_links else {"follow_links"})
-        return self.model_dump(exclude=skip) | {"caption_field": self.caption()}
+        return self.model_dump(exclude=skip) | {
+            "caption_field": self.caption(),
+            "location": self.shown,
+        }
 
 
 def check_name(name: str) -> str:

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Iterator
 from flowmatch_assets.ingest.images import IngestError
 from flowmatch_assets.ingest.sources.common import (
     CAPTION_MAX_BYTES,
+    JSONL_LINE_MAX_BYTES,
     METADATA_MAX_BYTES,
     NotText,
     caption_text,
@@ -42,26 +43,54 @@ def _is_image(rel: str) -> bool:
     return posixpath.splitext(rel)[1].lower() in IMAGE_EXTS
 
 
-def _jsonl_lines(data: bytes) -> Iterator[tuple[int, dict | None, str]]:
-    """``(line number, record or None, problem)`` of every non-empty line of a jsonl file; a
-    line must be UTF-8 JSON, an object with a string ``file_name``."""
-    for n, raw in enumerate(data.split(b"\n"), start=1):
-        if not raw.strip():
-            continue
-        try:
-            line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
-        except UnicodeDecodeError:
-            yield n, None, f"line {n} is not UTF-8 text"
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            yield n, None, f"line {n} is not JSON: {e.msg}"
-            continue
-        if not isinstance(rec, dict) or not isinstance(rec.get("file_name"), str):
-            yield n, None, f"line {n} has no file_name"
-            continue
-        yield n, rec, ""
+def _jsonl_lines(loc: Location, jl: str) -> Iterator[tuple[int, dict | None, str]]:
+    """``(line number, record or None, problem)`` of every non-empty line of the jsonl file
+    ``jl``, streamed: its size is checked before anything is read (``too_large`` above
+    METADATA_MAX_BYTES, raised), and a line above JSONL_LINE_MAX_BYTES is a problem of its own,
+    skipped without being held (a 1 GiB one-line file took 3.2 GB). A line must be UTF-8 JSON,
+    an object with a string ``file_name``."""
+    with loc.open(jl, stream_ok=True) as f:
+        size = loc.size(f)
+        if size is not None and size > METADATA_MAX_BYTES:
+            raise IngestError(
+                "too_large", f"metadata file {jl} is {size} bytes, above {METADATA_MAX_BYTES}"
+            )
+        total = 0
+        n = 0
+        while True:
+            raw = f.readline(JSONL_LINE_MAX_BYTES + 1)
+            if not raw:
+                return
+            n += 1
+            total += len(raw)
+            if len(raw) > JSONL_LINE_MAX_BYTES and not raw.endswith(b"\n"):
+                while raw and not raw.endswith(b"\n"):  # the rest of the line, unheld
+                    raw = f.readline(1 << 20)
+                    total += len(raw)
+                    if total > METADATA_MAX_BYTES:
+                        break
+                yield n, None, f"line {n} is above {JSONL_LINE_MAX_BYTES} bytes"
+                raw = b""
+            if total > METADATA_MAX_BYTES:  # a stream longer than its size said
+                raise IngestError(
+                    "too_large", f"metadata file {jl} is above {METADATA_MAX_BYTES} bytes"
+                )
+            if len(raw) > JSONL_LINE_MAX_BYTES or not raw.strip():
+                continue
+            try:
+                line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
+            except UnicodeDecodeError:
+                yield n, None, f"line {n} is not UTF-8 text"
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                yield n, None, f"line {n} is not JSON: {e.msg}"
+                continue
+            if not isinstance(rec, dict) or not isinstance(rec.get("file_name"), str):
+                yield n, None, f"line {n} has no file_name"
+                continue
+            yield n, rec, ""
 
 
 def _target(loc: Location, base: str, file_name: str) -> str:
@@ -79,7 +108,7 @@ def scan(cfg: SourceConfig, known: Iterable) -> tuple[list[tuple[str, int, int, 
     loc = Location(cfg)
     if loc.is_file:
         raise SourceError(
-            f"source location {cfg.location!r} is a file; a folder source needs a folder"
+            f"source location {cfg.shown!r} is a file; a folder source needs a folder"
         )
     files = loc.files()
     images = [f for f in files if _is_image(f)]
@@ -92,23 +121,32 @@ def scan(cfg: SourceConfig, known: Iterable) -> tuple[list[tuple[str, int, int, 
             entries[f] = {"id": f, "image": None}  # a caption with no image: missing_image
     for jl in (f for f in files if posixpath.basename(f) == JSONL):
         base = posixpath.dirname(jl)
+        found: dict[str, dict] = {}
         try:
-            data = loc.read(jl, METADATA_MAX_BYTES, "metadata file")
+            for n, rec, problem in _jsonl_lines(loc, jl):
+                sid = f"{jl}#L{n}"
+                if rec is None:
+                    found[sid] = {"id": sid, "image": None, "problem": problem}
+                    continue
+                try:
+                    rel = _target(loc, base, rec["file_name"])
+                except IngestError as e:
+                    found[sid] = {"id": sid, "image": None, "reason": e.reason,
+                                  "problem": f"line {n}: {e.detail}"}  # fmt: skip
+                    continue
+                found.setdefault(rel, {"id": rel, "image": rel})  # absent files: not_found later
         except IngestError as e:  # the whole file cannot be listed: one failed row says why
             entries[jl] = {"id": jl, "image": None, "problem": e.detail, "reason": e.reason}
             continue
-        for n, rec, problem in _jsonl_lines(data):
-            sid = f"{jl}#L{n}"
-            if rec is None:
-                entries[sid] = {"id": sid, "image": None, "problem": problem}
-                continue
-            try:
-                rel = _target(loc, base, rec["file_name"])
-            except IngestError as e:
-                entries[sid] = {"id": sid, "image": None, "reason": e.reason,
-                                "problem": f"line {n}: {e.detail}"}  # fmt: skip
-                continue
-            entries.setdefault(rel, {"id": rel, "image": rel})  # absent files: not_found later
+        except OSError as e:
+            what = f"{jl}: {e.strerror or type(e).__name__}"
+            entries[jl] = {"id": jl, "image": None, "problem": what, "reason": "unreadable"}
+            continue
+        for k, v in found.items():
+            if k.startswith(f"{jl}#L"):
+                entries[k] = v
+            else:
+                entries.setdefault(k, v)
     held = {e["id"] for m in known for e in m.entries}
     new = [entries[k] for k in sorted(entries) if k not in held]
     out = []
@@ -127,17 +165,18 @@ def _jsonl_captions(
     """``({image path under the location: caption value}, None)`` of the metadata.jsonl
     ``jl`` (in the folder ``rel_dir``), cached per file version: a partition's listing reads
     each file once; ``({}, the error)`` when the file cannot be read."""
+    out = {}
     try:
-        data = loc.read(jl, METADATA_MAX_BYTES, "metadata file")
+        for _n, rec, _problem in _jsonl_lines(loc, jl):
+            if rec is not None and field in rec:
+                try:
+                    out[_target(loc, rel_dir, rec["file_name"])] = rec[field]
+                except IngestError:
+                    continue  # listed as its own failed row when registered
     except IngestError as e:
         return {}, e
-    out = {}
-    for _n, rec, _problem in _jsonl_lines(data):
-        if rec is not None and field in rec:
-            try:
-                out[_target(loc, rel_dir, rec["file_name"])] = rec[field]
-            except IngestError:
-                continue  # listed as its own failed row when registered
+    except OSError as e:
+        return {}, IngestError("unreadable", f"{jl}: {e.strerror or type(e).__name__}")
     return out, None
 
 

@@ -14,14 +14,23 @@ reaches its files, and it holds every read to these rules:
 - A read takes at most ``limit + 1`` bytes, whatever the file's size claims (``too_large``); a file
   that cannot be read (permissions, I/O errors) is ``unreadable``; one that is gone ``not_found``.
 
+- A local path is opened component by component, each relative to the folder's descriptor
+  and never following a link (links are resolved by hand), so a folder swapped for a link while
+  it is read cannot lead out; nothing on a pseudo-filesystem (procfs, sysfs, ...) is read.
+
 Remote locations (any other fsspec filesystem: http, s3, ...) have no links: their names are
-confined by construction (relative to the location) and their reads bounded in bytes. Every
+confined by construction (relative to the location), their listings never leave the location's
+path, and their reads are bounded in bytes. An http(s) location is read behind the downloads'
+address policy (:func:`guarded_http`): every connection to a public address (or
+``ingest.allow_networks``), no redirect off the location's host. A password in the location
+is redacted from every detail (``config.redact``). Every
 refusal is an :class:`~flowmatch_assets.ingest.images.IngestError` whose detail names the file and
 what it is, never what it holds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import os
@@ -32,7 +41,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from flowmatch_assets.ingest.images import IngestError
-from flowmatch_assets.ingest.sources.config import SourceConfig, SourceError
+from flowmatch_assets.ingest.sources.config import SourceConfig, SourceError, redact
 
 _CHUNK = 1 << 20
 
@@ -55,6 +64,39 @@ def _kind_of(mode: int) -> str:
     return "not a regular file"
 
 
+#: Filesystems whose "files" are the kernel's or a process's state (procfs: /proc/self/environ
+#: holds the environment, and says its size is 0), never a dataset's.
+PSEUDO_FILESYSTEMS = frozenset(
+    """proc sysfs devtmpfs devpts debugfs tracefs securityfs cgroup cgroup2 configfs bpf pstore
+    efivarfs fusectl hugetlbfs mqueue autofs binfmt_misc rpc_pipefs nsfs selinuxfs
+    nfsd""".split()
+)
+_FS_OF_DEV: dict[int, str] = {}
+
+
+def _mount_types() -> dict[int, str]:
+    """Device number -> filesystem type of every mount (/proc/self/mountinfo)."""
+    out = {}
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                major, _, minor = left.split()[2].partition(":")
+                out[os.makedev(int(major), int(minor))] = right.split()[0]
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+def pseudo_filesystem(dev: int) -> str | None:
+    """The pseudo-filesystem type (``proc``, ``sysfs``, ...) the device ``dev`` is, or None
+    for an ordinary one (or where the mount table cannot be read)."""
+    if dev not in _FS_OF_DEV:
+        _FS_OF_DEV.update(_mount_types())
+    fs = _FS_OF_DEV.setdefault(dev, "")
+    return fs if fs in PSEUDO_FILESYSTEMS else None
+
+
 def _inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
@@ -66,7 +108,10 @@ class Location:
 
     def __init__(self, cfg: SourceConfig):
         self.cfg = cfg
-        self.fs, root = fsspec.core.url_to_fs(cfg.location)
+        if cfg.location.split("://", 1)[0].lower() in ("http", "https"):
+            self.fs, root = guarded_http(cfg), cfg.location
+        else:
+            self.fs, root = fsspec.core.url_to_fs(cfg.location)
         self.root = root.rstrip("/") or "/"
         self.local = isinstance(self.fs, LocalFileSystem)
         self.follow_links = bool(getattr(cfg, "follow_links", False))
@@ -78,11 +123,14 @@ class Location:
             self.is_file = bool(ok and named and self.fs.isfile(self.root))
         except Exception as e:  # noqa: BLE001 - a remote that cannot be reached: say which
             raise SourceError(
-                f"source location {cfg.location!r} cannot be reached: {type(e).__name__}: {e}"
+                redact(
+                    f"source location {cfg.shown!r} cannot be reached: {type(e).__name__}: {e}",
+                    cfg.location,
+                )
             ) from None
         if not ok:
             raise SourceError(
-                f"source location {cfg.location!r} does not exist; fix `location` in the sources "
+                f"source location {cfg.shown!r} does not exist; fix `location` in the sources "
                 "file (flowmatch sources list) or create it"
             )
         #: local: the real path everything must stay under (the location's own file, or folder)
@@ -118,10 +166,34 @@ class Location:
         if self.is_file:
             return [posixpath.basename(self.root)]
         if not self.local:
-            return sorted(r for p in self.fs.find(self.root) if not hidden(r := self._rel(p)))
+            return self._remote_files()
         out: list[str] = []
         self._walk(self.real_root, "", {self._dir_id(self.real_root)}, out)
         return sorted(out)
+
+    def _remote_files(self) -> list[str]:
+        """The files under a remote location, listed folder by folder: an entry whose name
+        leaves the location's path (a ``../../`` link in an HTML listing, another host's URL)
+        is neither listed nor looked into."""
+        out, todo, seen = [], [self.root], {self.root.rstrip("/")}
+        prefix = self.root.rstrip("/") + "/"
+        while todo:
+            for e in self.fs.ls(todo.pop(), detail=True):
+                name = str(e["name"])
+                if not name.startswith(prefix):
+                    continue
+                try:
+                    rel = self.name_of(self._rel(name))
+                except IngestError:
+                    continue
+                if e.get("type") == "directory":
+                    key = name.rstrip("/")
+                    if key not in seen:
+                        seen.add(key)
+                        todo.append(name)
+                elif not hidden(rel):
+                    out.append(rel)
+        return sorted(set(out))
 
     def _rel(self, path: str) -> str:
         path = path.rstrip("/")
@@ -136,6 +208,10 @@ class Location:
         return st.st_dev, st.st_ino
 
     def _walk(self, real_dir: str, rel_dir: str, seen: set, out: list[str]) -> None:
+        """List ``real_dir`` (as ``rel_dir``) into ``out``. A linked folder is followed when it
+        leads outside (with ``follow_links`` on) or to a folder inside that is not listed by
+        its own name (under a hidden one); each real folder once, none on a pseudo-filesystem
+        (procfs, sysfs, ...)."""
         try:
             entries = sorted(os.scandir(real_dir), key=lambda e: e.name)
         except OSError:
@@ -150,15 +226,27 @@ class Location:
             except OSError:
                 continue
             if is_dir:
+                with contextlib.suppress(OSError):
+                    seen.add(self._dir_id(e.path))
                 self._walk(e.path, rel, seen, out)
                 continue
             if is_link:
-                real = os.path.realpath(e.path)
-                if os.path.isdir(real):  # a linked folder: followed inside (or opted in), once
-                    if not (self.follow_links or _inside(real, self.real_root)):
+                try:
+                    real = os.path.realpath(e.path)
+                    linked_dir = os.path.isdir(real)
+                except (OSError, ValueError):
+                    continue
+                if linked_dir:
+                    inside = _inside(real, self.real_root)
+                    if not (self.follow_links or inside):
                         continue
-                    key = self._dir_id(real)
-                    if key not in seen:
+                    if inside and not hidden(posixpath.relpath(real, self.real_root)):
+                        continue  # listed under its own name already: not twice
+                    try:
+                        key = self._dir_id(real)
+                    except OSError:
+                        continue
+                    if key not in seen and pseudo_filesystem(key[0]) is None:
                         seen.add(key)
                         self._walk(real, rel, seen, out)
                     continue
@@ -167,37 +255,143 @@ class Location:
     # ------------------------------------------------------------------------------ reading
 
     def _local_fd(self, rel: str) -> tuple[int, os.stat_result]:
-        """A read-only descriptor of ``rel``'s regular file, confined (module doc)."""
-        path = self.path(rel)
-        real = os.path.realpath(path)
-        if not self.follow_links and not _inside(real, self.real_root):
-            raise IngestError(
-                "outside_source",
-                f"{rel} is a link that leaves the source's location (follow_links is off)",
-            )
+        """A read-only descriptor of ``rel``'s regular file, confined (module doc): opened one
+        path component at a time, each relative to the descriptor of the folder before it and
+        never following a link (links are resolved here, by hand), so a folder swapped for a
+        link while this runs cannot lead the read out; with ``follow_links`` on, a link out is
+        opened by its real path. Files on pseudo-filesystems (procfs, sysfs, ...) are refused
+        either way."""
+        if self.is_file:
+            self.path(rel)  # outside_source for any other name
+            fd = self._open_at(None, self.real_root, rel, last=True)
+        elif self.follow_links:
+            fd = self._open_followed(rel)
+        else:
+            fd = self._open_walk(rel)
         try:
-            st = os.stat(real)
-        except FileNotFoundError:
-            raise IngestError("not_found", f"{rel} is not in the source any more") from None
-        except OSError as e:
-            raise IngestError("unreadable", f"{rel}: {e.strerror or type(e).__name__}") from None
-        if not stat.S_ISREG(st.st_mode):
-            raise IngestError("not_regular_file", f"{rel} is {_kind_of(st.st_mode)}")
-        flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
-        try:
-            fd = os.open(real, flags)
-        except FileNotFoundError:
-            raise IngestError("not_found", f"{rel} is not in the source any more") from None
-        except OSError as e:
-            if e.errno == errno.ELOOP:  # replaced by a link since it was resolved
-                raise IngestError("outside_source", f"{rel} became a link") from None
-            raise IngestError("unreadable", f"{rel}: {e.strerror or type(e).__name__}") from None
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):  # swapped since the stat above
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise IngestError("not_regular_file", f"{rel} is {_kind_of(st.st_mode)}")
+            fs = pseudo_filesystem(st.st_dev)
+            if fs is not None:
+                raise IngestError(
+                    "not_regular_file", f"{rel} is on a {fs} pseudo-filesystem, not a file"
+                )
+            os.set_blocking(fd, True)
+        except BaseException:
             os.close(fd)
-            raise IngestError("not_regular_file", f"{rel} is {_kind_of(st.st_mode)}")
-        os.set_blocking(fd, True)
+            raise
         return fd, st
+
+    def _open_at(self, dir_fd: int | None, name: str, rel: str, last: bool) -> int:
+        """``open(name)`` (relative to ``dir_fd``) without following a link: a folder unless
+        ``last``; anything but a regular file (a FIFO, a device, a socket) is refused by
+        ``stat`` before it is opened."""
+        try:
+            if last:
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                if not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+                    raise IngestError("not_regular_file", f"{rel} is {_kind_of(st.st_mode)}")
+            flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+            flags |= os.O_NONBLOCK if last else os.O_DIRECTORY
+            return os.open(name, flags, dir_fd=dir_fd)
+        except FileNotFoundError:
+            raise IngestError("not_found", f"{rel} is not in the source any more") from None
+        except OSError as e:
+            if e.errno == errno.ELOOP:  # turned into a link since it was looked at
+                raise IngestError("outside_source", f"{rel} became a link") from None
+            if e.errno == errno.ENOTDIR:
+                raise IngestError("not_found", f"{rel}: a folder on its path is not one") from None
+            raise IngestError("unreadable", f"{rel}: {e.strerror or type(e).__name__}") from None
+
+    def _open_walk(self, rel: str) -> int:
+        """:meth:`_local_fd`'s walk from the location's folder: ``..`` and links resolved
+        component by component against descriptors held open, ``outside_source`` the moment
+        the path leaves the location."""
+        todo = self.name_of(rel).split("/")
+        try:
+            fds = [os.open(self.real_root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)]
+        except OSError as e:
+            raise IngestError("unreadable", f"{rel}: the source's folder: {e.strerror}") from None
+        hops = 0
+        try:
+            while todo:
+                part = todo.pop(0)
+                if part in ("", "."):
+                    continue
+                if part == "..":
+                    if len(fds) == 1:
+                        raise IngestError("outside_source", f"{rel} leads out of the source")
+                    os.close(fds.pop())
+                    continue
+                try:
+                    st = os.stat(part, dir_fd=fds[-1], follow_symlinks=False)
+                except FileNotFoundError:
+                    raise IngestError("not_found", f"{rel} is not in the source any more") from None
+                except OSError as e:
+                    raise IngestError("unreadable", f"{rel}: {e.strerror}") from None
+                if stat.S_ISLNK(st.st_mode):
+                    hops += 1
+                    if hops > 40:
+                        raise IngestError("unreadable", f"{rel}: too many levels of links")
+                    try:
+                        target = os.readlink(part, dir_fd=fds[-1])
+                    except FileNotFoundError:
+                        raise IngestError(
+                            "not_found", f"{rel} is not in the source any more"
+                        ) from None
+                    except OSError as e:  # swapped since the stat: looked at again
+                        if e.errno != errno.EINVAL:
+                            raise IngestError("unreadable", f"{rel}: {e.strerror}") from None
+                        todo.insert(0, part)
+                        continue
+                    if target.startswith("/"):
+                        target = posixpath.normpath(target)
+                        if not _inside(target, self.real_root):  # by another path to it?
+                            with contextlib.suppress(OSError, ValueError):
+                                target = os.path.realpath(target)
+                        if not _inside(target, self.real_root):
+                            raise IngestError(
+                                "outside_source",
+                                f"{rel} is a link that leaves the source's location "
+                                "(follow_links is off)",
+                            )
+                        while len(fds) > 1:
+                            os.close(fds.pop())
+                        target = posixpath.relpath(target, self.real_root)
+                    todo[:0] = target.split("/")
+                    continue
+                fds.append(self._open_at(fds[-1], part, rel, last=not todo))
+            if len(fds) == 1:
+                raise IngestError("not_regular_file", f"{rel} is a folder")
+            return fds.pop()
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _open_followed(self, rel: str) -> int:
+        """:meth:`_local_fd` with ``follow_links`` on: the real path opened (its last component
+        without following a link)."""
+        try:
+            real = os.path.realpath(self.path(rel))
+        except (OSError, ValueError) as e:
+            raise IngestError("unreadable", f"{rel}: {getattr(e, 'strerror', None) or e}") from None
+        return self._open_at(None, real, rel, last=True)
+
+    def _remote_failure(self, e: BaseException, rel: str) -> IngestError:
+        """The IngestError of a remote read that failed: the address guard's or redirect's
+        refusal where one is behind it (fsspec wraps them), else not_found / unreadable."""
+        seen: BaseException | None = e
+        for _ in range(8):
+            if seen is None:
+                break
+            if isinstance(seen, IngestError):
+                return IngestError(seen.reason, redact(f"{rel}: {seen.detail}", self.cfg.location))
+            seen = seen.__cause__ or seen.__context__ or getattr(seen, "os_error", None)
+        if isinstance(e, FileNotFoundError):
+            return IngestError("not_found", f"{rel} is not in the source any more")
+        detail = redact(f"{rel}: {type(e).__name__}: {e}", self.cfg.location)
+        return IngestError("unreadable", detail)
 
     def read(self, rel: str, limit: int, what: str = "file") -> bytes:
         """The bytes of ``rel``: at most ``limit`` (``too_large`` past it, whatever the size
@@ -210,12 +404,12 @@ class Location:
         try:
             with self._open_remote(path, stream=True) as f:
                 return _read_bounded(f, rel, limit, what)
-        except FileNotFoundError:
-            raise IngestError("not_found", f"{rel} is not in the source any more") from None
-        except IngestError:
-            raise
-        except OSError as e:
-            raise IngestError("unreadable", f"{rel}: {type(e).__name__}: {e}") from None
+        except IngestError as e:
+            if e.reason == "too_large":
+                raise
+            raise self._remote_failure(e, rel) from None
+        except Exception as e:  # noqa: BLE001 - fsspec/aiohttp raise many kinds; mapped
+            raise self._remote_failure(e, rel) from None
 
     def open(self, rel: str, stream_ok: bool = False):
         """A binary file object of ``rel`` (a container: a parquet file, a tar), confined and
@@ -227,8 +421,10 @@ class Location:
         path = self.path(rel)
         try:
             return self._open_remote(path, stream=False, stream_ok=stream_ok)
-        except FileNotFoundError:
-            raise IngestError("not_found", f"{rel} is not in the source any more") from None
+        except IngestError as e:
+            raise self._remote_failure(e, rel) from None
+        except Exception as e:  # noqa: BLE001 - fsspec/aiohttp raise many kinds; mapped
+            raise self._remote_failure(e, rel) from None
 
     def size(self, f) -> int | None:
         """The size of an opened container, where known (a tar's members are checked
@@ -262,6 +458,61 @@ class Location:
             s.seekable = lambda: False  # it says True, but cannot seek
             return s
         return io.BytesIO(fs.cat_file(path))
+
+
+def guarded_http(cfg: SourceConfig):
+    """fsspec's HTTP filesystem for ``cfg.location`` behind the downloads' address policy
+    (ingest/fetch.py): every connection, redirects included, goes to an address
+    :func:`~flowmatch_assets.ingest.fetch.address_refusal` allows (or ``cfg``'s allowed
+    networks), checked on the very address the socket connects to (a DNS answer that changes
+    between check and connect cannot slip by), else ``private_address``; a redirect off the
+    location's host (or to another scheme) is ``redirect_refused``; no proxy from the
+    environment."""
+    import ipaddress
+    import socket
+
+    import aiohttp
+    from fsspec.implementations.http import HTTPFileSystem
+    from yarl import URL
+
+    from flowmatch_assets.ingest.fetch import address_refusal
+
+    allowed = tuple(ipaddress.ip_network(n, strict=False) for n in cfg._allow_networks)
+    home = URL(cfg.location)
+
+    def socket_factory(addr_info) -> socket.socket:
+        family, type_, proto, _name, sockaddr = addr_info
+        ip = ipaddress.ip_address(str(sockaddr[0]).split("%", 1)[0])
+        why = address_refusal(ip, allowed)
+        if why is not None:
+            raise IngestError(
+                "private_address",
+                f"the source's host {home.host} reaches {ip} ({why}): not read; "
+                "ingest.allow_networks (FLOWMATCH_ALLOW_NETWORKS) allows chosen networks",
+            )
+        return socket.socket(family, type_, proto)
+
+    async def on_redirect(_session, _ctx, params) -> None:
+        target = params.url.join(URL(params.response.headers.get("Location", "")))
+        if target.scheme not in ("http", "https") or (target.host, target.port) != (
+            home.host,
+            home.port,
+        ):
+            raise IngestError(
+                "redirect_refused",
+                f"{params.url.path} redirects off the source's host ({target.scheme}://"
+                f"{target.host}:{target.port})",
+            )
+
+    async def get_client(**kwargs):
+        trace = aiohttp.TraceConfig()
+        trace.on_request_redirect.append(on_redirect)
+        connector = aiohttp.TCPConnector(socket_factory=socket_factory)
+        return aiohttp.ClientSession(
+            connector=connector, trace_configs=[trace], trust_env=False, **kwargs
+        )
+
+    return HTTPFileSystem(get_client=get_client, skip_instance_cache=True)
 
 
 def _read_bounded(f, rel: str, limit: int, what: str) -> bytes:

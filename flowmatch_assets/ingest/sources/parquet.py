@@ -28,6 +28,12 @@ from flowmatch_assets.ingest.sources.config import SourceConfig, SourceError
 from flowmatch_assets.ingest.sources.location import Location
 
 BATCH_ROWS = 64  # image rows decoded from parquet at a time (memory: 64 originals)
+#: The most bytes one row group's column may hold uncompressed (its footer's column-chunk
+#: metadata, checked before reading): a row group above it is not read and its rows fail as
+#: ``too_large`` (a 39 KB file of one 600 MiB caption cell and one 600 MiB image cell took
+#: GBs to list and to read). Captions are sentences; images are read in batches.
+CAPTION_CHUNK_MAX_BYTES = 256 << 20
+IMAGE_CHUNK_MAX_BYTES = 512 << 20
 #: What reading a damaged parquet file raises.
 _BROKEN = (pa.ArrowException, OSError, ValueError, EOFError)
 
@@ -74,6 +80,37 @@ def _groups(pf: pq.ParquetFile, start: int, end: int) -> tuple[list[int], int]:
     return groups, first or 0
 
 
+def _chunk_bytes(pf: pq.ParquetFile, g: int, column: str) -> int:
+    """Uncompressed bytes of ``column`` (all its leaves: a struct's ``bytes`` and ``path``) in
+    row group ``g``, as the footer says."""
+    rg = pf.metadata.row_group(g)
+    total = 0
+    for i in range(rg.num_columns):
+        c = rg.column(i)
+        if c.path_in_schema == column or c.path_in_schema.startswith(column + "."):
+            total += c.total_uncompressed_size
+    return total
+
+
+def _group_rows(pf: pq.ParquetFile, groups: list[int], first: int) -> Iterator[tuple[int, int]]:
+    """``(group, its first row)`` of consecutive ``groups`` starting at row ``first``."""
+    for g in groups:
+        yield g, first
+        first += pf.metadata.row_group(g).num_rows
+
+
+def _too_big(pf: pq.ParquetFile, g: int, column: str, limit: int, rel: str) -> IngestError | None:
+    """``too_large`` when row group ``g``'s ``column`` is above ``limit`` bytes uncompressed."""
+    n = _chunk_bytes(pf, g, column)
+    if n <= limit:
+        return None
+    return IngestError(
+        "too_large",
+        f"{rel} row group {g}: column {column!r} is {n} bytes uncompressed (its footer), above "
+        f"{limit}; not read",
+    )
+
+
 def _check_columns(pf: pq.ParquetFile, cfg: SourceConfig, path: str) -> None:
     names = pf.schema_arrow.names
     wanted = {"caption_field": cfg.caption(), "image_field": cfg.image_field}
@@ -97,6 +134,7 @@ def rows(cfg: SourceConfig, name: str, m) -> tuple[list[dict], list[dict]]:
     be read any more)."""
     loc = Location(cfg)
     stem = _stem(m)
+    parts: list[tuple[int, int, pa.Table | IngestError]] = []  # (first row, rows, table or why)
     try:
         with loc.open(m.unit) as f:
             try:
@@ -104,7 +142,12 @@ def rows(cfg: SourceConfig, name: str, m) -> tuple[list[dict], list[dict]]:
                 _check_columns(pf, cfg, m.unit)
                 cols = [cfg.caption()] + ([cfg.id_field] if cfg.id_field else [])
                 groups, first = _groups(pf, m.start, m.end)
-                t = pf.read_row_groups(groups, columns=cols) if groups else None
+                for g, at in _group_rows(pf, groups, first):
+                    big = _too_big(pf, g, cfg.caption(), CAPTION_CHUNK_MAX_BYTES, m.unit)
+                    if big is None and cfg.id_field:
+                        big = _too_big(pf, g, cfg.id_field, CAPTION_CHUNK_MAX_BYTES, m.unit)
+                    n = pf.metadata.row_group(g).num_rows
+                    parts.append((at, n, big or pf.read_row_group(g, columns=cols)))
             except SourceError:
                 raise  # the source's settings name a column the file lacks: the user's fix
             except _BROKEN as e:
@@ -112,14 +155,25 @@ def rows(cfg: SourceConfig, name: str, m) -> tuple[list[dict], list[dict]]:
     except IngestError as e:  # the whole file: each of its rows fails with the reason
         return [], [failure(f"{stem}/{r}", f"{m.unit}#{r}", e.reason, e.detail)
                     for r in range(m.start, m.end)]  # fmt: skip
-    if t is None:
-        return [], []
-    t = t.slice(m.start - first, m.end - m.start)
+    out, failed = [], []
+    for at, n, t in parts:
+        lo, hi = max(m.start, at), min(m.end, at + n)
+        if isinstance(t, IngestError):  # a row group too big to read: each of its rows says so
+            failed += [failure(f"{stem}/{r}", f"{m.unit}#{r}", t.reason, t.detail)
+                       for r in range(lo, hi)]  # fmt: skip
+            continue
+        _rows_of(cfg, name, m, stem, t.slice(lo - at, hi - lo), lo, out, failed)
+    return out, failed
+
+
+def _rows_of(cfg: SourceConfig, name: str, m, stem: str, t: pa.Table, start: int,
+             out: list, failed: list) -> None:  # fmt: skip
+    """The rows (into ``out``) and failures (into ``failed``) of ``t``, rows ``start``... of
+    the file."""
     captions = t.column(cfg.caption()).to_pylist()
     ids = t.column(cfg.id_field).to_pylist() if cfg.id_field else [None] * len(captions)
-    out, failed = [], []
     for i, (cap, rid) in enumerate(zip(captions, ids)):
-        r = m.start + i
+        r = start + i
         sid = str(rid) if rid is not None else f"{stem}/{r}"
         url = f"{m.unit}#{r}"
         try:
@@ -132,8 +186,7 @@ def rows(cfg: SourceConfig, name: str, m) -> tuple[list[dict], list[dict]]:
                 failure(sid, url, "missing_caption", f"{cfg.caption()} is null in row {r}")
             )
             continue
-        out.append(row(cfg, name, sid, url, text, i))
-    return out, failed
+        out.append(row(cfg, name, sid, url, text, r - m.start))
 
 
 def _image_bytes(value) -> tuple[bytes | None, str | None]:
@@ -163,17 +216,23 @@ def images(
                 pf = pq.ParquetFile(f)
                 _check_columns(pf, cfg, m.unit)
                 groups, first = _groups(pf, lo, hi)
-                pos = first
-                batches = pf.iter_batches(BATCH_ROWS, row_groups=groups, columns=[cfg.image_field])
-                for batch in batches:
-                    col: pa.Array = batch.column(0)
-                    for j in range(len(col)):
-                        r = pos + j
-                        if r in want:
-                            yield want.pop(r), _one(col[j].as_py(), r, max_bytes)
-                    pos += len(col)
-                    if pos >= hi:
-                        break
+                for g, pos in _group_rows(pf, groups, first):
+                    big = _too_big(pf, g, cfg.image_field, IMAGE_CHUNK_MAX_BYTES, m.unit)
+                    if big is not None:
+                        n = pf.metadata.row_group(g).num_rows
+                        for r in [r for r in want if pos <= r < pos + n]:
+                            yield want.pop(r), big
+                        continue
+                    cols = [cfg.image_field]
+                    for batch in pf.iter_batches(BATCH_ROWS, row_groups=[g], columns=cols):
+                        col: pa.Array = batch.column(0)
+                        for j in range(len(col)):
+                            r = pos + j
+                            if r in want:
+                                yield want.pop(r), _one(col[j].as_py(), r, max_bytes)
+                        pos += len(col)
+                        if pos >= hi:
+                            break
             except SourceError:
                 raise  # the source's settings name a column the file lacks: the user's fix
             except _BROKEN as e:

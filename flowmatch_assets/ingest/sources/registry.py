@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import os
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -41,6 +42,8 @@ from flowmatch_assets.ingest.sources.config import (
     SourceConfig,
     SourceError,
     check_name,
+    redact,
+    redacted,
 )
 from flowmatch_models.storage.atomic import atomic_write_text
 
@@ -61,6 +64,9 @@ class Manifest:
     start: int
     end: int
     entries: list = field(default_factory=list)
+    #: where the samples lie in an uncompressed tar (``[first header offset, end offset]``),
+    #: so a partition reads its own stretch, not the whole tar; not part of :meth:`digest`
+    span: list | None = None
 
     @property
     def samples(self) -> int:
@@ -75,7 +81,9 @@ class Manifest:
         return hashlib.sha256(body.encode()).hexdigest()[:16]
 
     def as_partition(self, location: str) -> dict:
-        """The catalog's ``partitions`` row of this partition."""
+        """The catalog's ``partitions`` row of this partition (a password in ``location``
+        redacted)."""
+        location = redacted(location)
         return {
             "partition": self.key,
             "source": self.source,
@@ -126,15 +134,50 @@ class Scan:
         return "; ".join(f"{name}: {u} ({r}: {d})" for u, r, d in self.skipped)
 
 
+def _stamp(loc, unit: str) -> list | None:
+    """A unit file's size and modification time (None when it cannot be looked at)."""
+    try:
+        if loc.local:
+            st = os.stat(loc.path(unit))
+            return [st.st_size, st.st_mtime_ns]
+        info = loc.fs.info(loc.path(unit))
+        return [info.get("size"), str(info.get("mtime") or info.get("ETag") or "")]
+    except (OSError, ValueError, IngestError):
+        return None
+
+
+def _skipped_before(root: str | Path, name: str) -> dict[str, dict]:
+    """The files the last registration skipped: ``{unit: {stamp, reason, detail}}``."""
+    p = source_dir(root, name) / "skipped.json"
+    try:
+        return json.loads(p.read_text()) if p.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+
+
 def unregistered(root: str | Path, name: str, cfg: SourceConfig) -> Scan:
-    """What :func:`register` would add now, writing nothing."""
+    """What :func:`register` would add now, writing nothing. A file the last registration
+    skipped is not read again while its size and modification time are the same (a sensor
+    tick would otherwise re-read every broken tar): it is skipped with the same reason."""
     index = registered(root, name)
     known = [manifest(root, s["key"]) for s in index]
-    found, skipped = KIND_MODULES[cfg.kind].scan(cfg, known)
+    before = _skipped_before(root, name)
+    same: dict[str, dict] = {}
+    if before:
+        from flowmatch_assets.ingest.sources.location import Location
+
+        loc = Location(cfg)
+        same = {u: r for u, r in before.items() if (s := _stamp(loc, u)) and s == r["stamp"]}
+    held = [Manifest("", name, cfg.kind, u, 0, 0, []) for u in same]
+    found, skipped = KIND_MODULES[cfg.kind].scan(cfg, known + held)
+    skipped = [(u, r, redact(d, cfg.location)) for u, r, d in skipped]
+    skipped = sorted(skipped + [(u, r["reason"], r["detail"]) for u, r in same.items()])
     return Scan(
         [
-            Manifest(partition_key(name, len(index) + i), name, cfg.kind, unit, start, end, ent)
-            for i, (unit, start, end, ent) in enumerate(found)
+            Manifest(
+                partition_key(name, len(index) + i), name, cfg.kind, unit, start, end, ent, *extra
+            )  # fmt: skip
+            for i, (unit, start, end, ent, *extra) in enumerate(found)
         ],
         skipped,
     )
@@ -150,6 +193,16 @@ def register(root: str | Path, name: str, cfg: SourceConfig) -> Scan:
         scan = unregistered(root, name, cfg)
         for m in scan.new:  # the manifests first, then the index that lists them
             atomic_write_text(d / "shards" / f"{m.key}.json", json.dumps(m.__dict__))
+        before = _skipped_before(root, name)
+        if scan.skipped or before:
+            from flowmatch_assets.ingest.sources.location import Location
+
+            loc = Location(cfg)
+            skipped = {
+                u: {"stamp": _stamp(loc, u), "reason": r, "detail": dt} for u, r, dt in scan.skipped
+            }
+            skipped = {u: v for u, v in skipped.items() if v["stamp"] is not None}
+            atomic_write_text(d / "skipped.json", json.dumps(skipped, indent=0))
         if scan.new:
             index = [*registered(root, name), *(m.summary() for m in scan.new)]
             atomic_write_text(d / "index.json", json.dumps(index, indent=0))
@@ -207,6 +260,8 @@ def partition_rows(
         seen.add(r["id"])
         unique.append(r)
     table = pa.Table.from_pylist(unique, schema=pa.schema(ROW_COLUMNS))
+    for f in failed:  # an error from a remote filesystem can quote the location's URL
+        f["detail"] = redact(f.get("detail"), cfg.location)
     return table, failed, m
 
 
@@ -228,6 +283,8 @@ def partition_images(
     try:
         for r, data in KIND_MODULES[cfg.kind].images(cfg, manifest(root, key), rows, max_bytes):
             todo.pop(r["id"], None)
+            if isinstance(data, IngestError):  # its detail may quote the location's URL
+                data = IngestError(data.reason, redact(data.detail, cfg.location))
             yield r, data
     except IngestError as e:
         err = e
@@ -235,5 +292,6 @@ def partition_images(
         err = IngestError("unreadable", f"{type(e).__name__}: {e}"[:300])
     else:
         return
+    err = IngestError(err.reason, redact(err.detail, cfg.location))
     for r in todo.values():
         yield r, err

@@ -40,6 +40,32 @@ _KEY = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")  # WebDataset's base_plus_ext
 _BROKEN = (tarfile.TarError, EOFError, OSError, zlib.error, ValueError)
 
 
+#: The largest GNU long-name or pax extended header read (a name, a few attributes): a bigger
+#: one breaks its tar before it is read (``tarfile`` reads it whole: a 10.9 MB gzip tar whose
+#: long name is 2.5 GB took 2.56 GB to register).
+HEADER_MAX_BYTES = 1 << 20
+
+
+class _BoundedTarInfo(tarfile.TarInfo):
+    """``tarfile.TarInfo`` that refuses a long-name or pax header above HEADER_MAX_BYTES before
+    reading it (``tarfile.open(tarinfo=...)``)."""
+
+    def _proc_gnulong(self, tarfile_):
+        self._bound()
+        return super()._proc_gnulong(tarfile_)
+
+    def _proc_pax(self, tarfile_):
+        self._bound()
+        return super()._proc_pax(tarfile_)
+
+    def _bound(self) -> None:
+        if self.size > HEADER_MAX_BYTES:
+            raise tarfile.HeaderError(
+                f"an extended header (long name or pax) of {self.size} bytes, above "
+                f"{HEADER_MAX_BYTES}: not read"
+            )
+
+
 def split_name(name: str) -> tuple[str, str] | None:
     """``(key, extension)`` of a member name (``a/000017.seg.png`` -> ``a/000017``, ``seg.png``)."""
     m = _KEY.match(name)
@@ -57,17 +83,36 @@ def _broken(rel: str, e: BaseException, member: str | None = None) -> IngestErro
     return err
 
 
+def _open_at(f, span: list | None, size: int | None) -> tarfile.TarFile | None:
+    """The uncompressed tar ``f`` read from ``span``'s first header (a partition's stretch),
+    or None when there is no usable span (a compressed tar, a file shorter than it was)."""
+    if not span or size is None or span[1] > size:
+        return None
+    try:
+        f.seek(span[0])
+        return tarfile.open(fileobj=f, mode="r:", tarinfo=_BoundedTarInfo)
+    except _BROKEN:
+        f.seek(0)
+        return None
+
+
 def _members(
-    loc: Location, rel: str, read: Callable | None = None
+    loc: Location, rel: str, read: Callable | None = None, span: list | None = None
 ) -> Iterator[tuple[tarfile.TarInfo, bytes | None]]:
-    """Every regular member of the tar ``rel`` and, where ``read(member)`` says so, its bytes.
-    Raises IngestError: the location's refusals, or ``corrupt_container`` when the tar breaks
-    (a member that claims more bytes than the file has breaks it before it is yielded)."""
+    """Every regular member of the tar ``rel`` and, where ``read(member)`` says so, its bytes;
+    with a ``span`` (a partition's stretch of an uncompressed tar, recorded when it was
+    registered) only the members in it. Raises IngestError: the location's refusals, or
+    ``corrupt_container`` when the tar breaks (a member that claims more bytes than the file
+    has breaks it before it is yielded)."""
     with loc.open(rel, stream_ok=True) as f:
         size = loc.size(f)
         seekable = getattr(f, "seekable", lambda: False)()
+        tf = _open_at(f, span, size) if seekable else None
+        end = span[1] if tf is not None else None
         try:
-            tf = tarfile.open(fileobj=f, mode="r:*" if seekable else "r|*")
+            if tf is None:
+                mode = "r:*" if seekable else "r|*"
+                tf = tarfile.open(fileobj=f, mode=mode, tarinfo=_BoundedTarInfo)
         except _BROKEN as e:
             raise _broken(rel, e) from None
         with tf:
@@ -79,6 +124,8 @@ def _members(
                     return
                 except _BROKEN as e:
                     raise _broken(rel, e) from None
+                if end is not None and info.offset >= end:
+                    return
                 if size is not None and info.offset_data + info.size > size:
                     what = f"member {info.name!r} declares {info.size} bytes, past the end of "
                     raise _broken(rel, ValueError(f"{what}the file ({size} bytes)"), info.name)
@@ -97,6 +144,20 @@ def _members(
                 yield info, data
 
 
+def _uncompressed(loc: Location, rel: str) -> bool:
+    """Whether the tar ``rel`` is a plain (uncompressed) tar in a local file: its members'
+    offsets are offsets in the file, so a partition can seek to its own (issue: 200
+    partitions of one tar read it 200 times)."""
+    if not loc.local:
+        return False
+    try:
+        with loc.open(rel) as f:
+            head = f.read(262)
+    except (IngestError, OSError):
+        return False
+    return len(head) == 262 and head[257:262] == b"ustar"
+
+
 def _tars(loc: Location) -> list[str]:
     """The name of every tar under the location (or of the location, if it is one)."""
     return [f for f in loc.files() if f.endswith(".tar")]
@@ -112,21 +173,25 @@ def scan(cfg: SourceConfig, known: Iterable) -> tuple[list[tuple[str, int, int, 
         if rel in held:
             continue
         keys: list[str] = []
-        seen: set[str] = set()
+        first: dict[str, int] = {}  # key -> its first member's header offset
+        last: dict[str, int] = {}  # key -> the end of its last member's data
+        plain = _uncompressed(loc, rel)
         try:
             for info, _ in _members(loc, rel):
                 kx = split_name(info.name)
                 if kx is None or posixpath.basename(info.name).startswith("."):
                     continue
-                if kx[0] not in seen:
-                    seen.add(kx[0])
+                if kx[0] not in first:
+                    first[kx[0]] = info.offset
                     keys.append(kx[0])
+                last[kx[0]] = info.offset_data + info.size
         except IngestError as e:
             skipped.append((rel, e.reason, e.detail))
             continue
         for k in range(0, len(keys), cfg.shard_size):  # an empty tar: no partition
             chunk = keys[k : k + cfg.shard_size]
-            out.append((rel, k, k + len(chunk), chunk))
+            span = [first[chunk[0]], max(last[c] for c in chunk)] if plain else None
+            out.append((rel, k, k + len(chunk), chunk, span))
     return out, skipped
 
 
@@ -151,7 +216,7 @@ def rows(cfg: SourceConfig, name: str, m) -> tuple[list[dict], list[dict]]:
     broke: IngestError | None = None
     last = None  # the key being read when the tar broke: its members may be cut off
     try:
-        for info, data in _members(loc, m.unit, small):
+        for info, data in _members(loc, m.unit, small, getattr(m, "span", None)):
             kx = split_name(info.name)
             if kx is None or kx[0] not in wanted:
                 continue
@@ -236,7 +301,10 @@ def images(
 
     broke: IngestError | None = None
     try:
-        for info, data in _members(loc, m.unit, lambda i: image_of(i) and i.size <= max_bytes):
+        span = getattr(m, "span", None)
+        for info, data in _members(
+            loc, m.unit, lambda i: image_of(i) and i.size <= max_bytes, span
+        ):
             key = image_of(info)
             if key is None:
                 continue
