@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import queue
 import threading
 import time
@@ -108,7 +109,8 @@ def encode_partition(
                         col[i] = x
 
         done = 0
-        batches = iter_image_batches(images_path, batch_size=spec.batch_size)
+        threads = min(4, os.cpu_count() or 1)  # decoding keeps up with a fast GPU
+        batches = iter_image_batches(images_path, batch_size=spec.batch_size, threads=threads)
         for _, _, imgs in prefetched(batches, depth=2):
             for im in imgs:
                 pending.setdefault(im.shape[:2], []).append((done, im))
@@ -153,8 +155,11 @@ def encode_partition(
             "weights": weights_label(model) if local else "",
             "random_weights": enc.random_weights[k.encoder],
             "device": device,
-            **({"simulated_gpu_pairs_per_s": enc.simulated_pairs_per_s}
-               if enc.simulated_pairs_per_s else {}),  # fmt: skip
+            **(
+                {"simulated_gpu_pairs_per_s": enc.simulated_pairs_per_s}
+                if enc.simulated_pairs_per_s
+                else {}
+            ),  # fmt: skip
             "dtype": str(enc.dtype),
             "source": f"images/{Path(images_path).stem}",
             **extra_attrs,
