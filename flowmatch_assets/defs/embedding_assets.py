@@ -10,6 +10,7 @@ partitions never share a GPU; without CUDA it runs on the CPU.
 
 import os
 import time
+import traceback
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -74,19 +75,23 @@ def build_encode_embeddings(kinds: Sequence[EmbeddingKind]) -> dg.AssetsDefiniti
         steps after it); a run of many (a backfill) publishes and reports each partition on its
         own while the next one is encoded (:func:`encode_many`)."""
         selected = [KINDS[k.to_user_string()] for k in context.selected_asset_keys]
-        if context.has_partition_key_range:
-            encode_many(context, flowmatch, selected)
+        if len(context.partition_keys) > 1:
+            yield from encode_many(context, flowmatch, selected)
             return
-        part = context.partition_key
-        ids, encoded = _encode(context, flowmatch, part, selected)
+        part = context.partition_keys[0]
+        with lease_device(flowmatch.encoders.device) as device:
+            ids, encoded = _encode(context, flowmatch, part, selected, device)
         for e in encoded.values():
             yield _store(context, flowmatch, e, ids, part)
 
     return encode_embeddings
 
 
-def _encode(context, flowmatch: FlowmatchResource, part: str, selected: list[EmbeddingKind]):
-    """``(ids, {kind: Encoded})`` of one partition (encoders shared across partitions)."""
+def _encode(
+    context, flowmatch: FlowmatchResource, part: str, selected: list[EmbeddingKind], device: str
+):
+    """``(ids, {kind: Encoded})`` of one partition on the leased ``device`` (encoders shared
+    across partitions)."""
     spec = flowmatch.encoders
     src = flowmatch.layout.asset_path("images", part)
     if not src.exists():
@@ -98,17 +103,16 @@ def _encode(context, flowmatch: FlowmatchResource, part: str, selected: list[Emb
             f"{', '.join(k.name for k in selected)} shards (if any) are unchanged. "
             "Re-materialize images (see `flowmatch catalog failures`) first."
         )
-    with lease_device(spec.device) as device:
-        context.log.info(f"{part}: encoding {len(ids)} samples on {device}")
-        encoded = encode_partition(
-            src,
-            selected,
-            spec,
-            device,
-            log=lambda m: context.log.info(f"{part}: {m}"),
-            inputs=fingerprints.inputs_of(flowmatch, selected[0].name, part),
-            weights_cache=weights_cache_file(flowmatch.data_root),
-        )
+    context.log.info(f"{part}: encoding {len(ids)} samples on {device}")
+    encoded = encode_partition(
+        src,
+        selected,
+        spec,
+        device,
+        log=lambda m: context.log.info(f"{part}: {m}"),
+        inputs=fingerprints.inputs_of(flowmatch, selected[0].name, part),
+        weights_cache=weights_cache_file(flowmatch.data_root),
+    )
     return ids, encoded
 
 
@@ -135,84 +139,101 @@ def _publish_partition(
         try:
             out.results[name] = _store(context, flowmatch, e, ids, part)
         except Exception as exc:  # noqa: BLE001 - a kind that fails fails alone
-            out.errors[name] = _one_line(exc)
+            out.errors[name] = _error(exc)
             continue
-        out.problems[name] = check_shards(flowmatch, name, [part])
-        attrs = read_shard(flowmatch.layout.asset_path(name, part)).attrs
-        out.warnings[name] = {w.attr: int(attrs.get(w.attr, 0)) for w in KINDS[name].warnings}
+        try:  # published: its checks' verdicts (a check that cannot run is a problem)
+            out.problems[name] = check_shards(flowmatch, name, [part])
+            attrs = read_shard(flowmatch.layout.asset_path(name, part)).attrs
+            out.warnings[name] = {w.attr: int(attrs.get(w.attr, 0)) for w in KINDS[name].warnings}
+        except Exception as exc:  # noqa: BLE001
+            out.problems[name] = [f"{part}: checking the shard failed: {_error(exc)[0]}"]
+            out.warnings[name] = {w.attr: 0 for w in KINDS[name].warnings}
     done = list(out.results)
-    if done:
-        found = {st.asset: st for st in staleness(flowmatch, [part], done)}
+    try:
+        found = {st.asset: st for st in staleness(flowmatch, [part], done)} if done else {}
         for name in done:
             out.fresh[name] = fresh_result(part, found.get(name), shard_fp(flowmatch, name, part))
+    except Exception as exc:  # noqa: BLE001 - reported as published; `flowmatch stale` re-checks
+        context.log.warning(f"{part}: the freshness check could not run: {_error(exc)[0]}")
     return out
 
 
-def encode_many(context, flowmatch: FlowmatchResource, selected: list[EmbeddingKind]) -> None:
-    """A run of many partitions (a backfill's): the encoders load once (for the whole run), and
-    while partition i+1 is encoded, partition i is fitted, written and published on a writer
-    thread. Each partition is published atomically on its own (``PartitionOutput``) and reported
-    as its own materialization, with its checks' evaluations: ``<kind>_fresh`` per partition,
-    ``<kind>_valid`` and the warnings once for the run's partitions. A partition that fails
-    fails alone: the others are published, and the run fails at the end naming it."""
+def encode_many(context, flowmatch: FlowmatchResource, selected: list[EmbeddingKind]):
+    """A run of many partitions (a backfill's): the encoders load once (for the whole run) on
+    one leased device held until the last partition is written, and while partition i+1 is
+    encoded, partition i is fitted, written and published on a writer thread. Each partition is
+    published atomically on its own (``PartitionOutput``) and reported as its own
+    materialization, with its checks' evaluations: ``<kind>_fresh`` per partition,
+    ``<kind>_valid`` and the warnings once for the run's partitions (yielded: a failed
+    ``_valid`` fails the run, as it blocks a run of one). A partition that fails fails alone:
+    the others are published, each error is logged with its traceback when it happens, and the
+    run fails at the end naming every failed partition and kind. A partition published before
+    the run is stopped or crashes is still reported."""
     keys = list(context.partition_keys)
     t0, n = time.perf_counter(), len(keys)
-    failed: dict[str, str] = {}
+    failed: dict[str, list[str]] = {}  # partition -> "kind: why" (or why, for all its kinds)
     published: list[_Published] = []
     pending: tuple[str, Future] | None = None
+
+    def fail(part: str, what: str, err: tuple[str, str]) -> None:
+        failed.setdefault(part, []).append(f"{what}{err[0]}")
+        context.log.error(f"{part}: {what}{err[0]}\n{err[1]}")
 
     def report(part: str, fut: Future) -> None:
         try:
             got = fut.result()
-        except Exception as exc:  # noqa: BLE001 - recorded below, the run goes on
-            failed[part] = _one_line(exc)
+        except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
+            fail(part, "", _error(exc))
             return
         for name, r in got.results.items():
             context.log_event(_materialization(context, flowmatch, name, part, r))
-            f = got.fresh[name]
-            context.log_event(
-                dg.AssetCheckEvaluation(
-                    asset_key=dg.AssetKey(name),
-                    check_name=fingerprints.fresh_check_name(name),
-                    passed=f.passed,
-                    partition=part,
-                    metadata=f.metadata,
-                    description=f.description,
+            if name in got.fresh:
+                f = got.fresh[name]
+                context.log_event(
+                    dg.AssetCheckEvaluation(
+                        asset_key=dg.AssetKey(name),
+                        check_name=fingerprints.fresh_check_name(name),
+                        passed=f.passed,
+                        partition=part,
+                        metadata=f.metadata,
+                        description=f.description,
+                    )
                 )
-            )
-        for name, why in got.errors.items():
-            failed[part] = f"{name}: {why}"
+        for name, err in got.errors.items():
+            fail(part, f"{name}: ", err)
         published.append(got)
 
-    with ThreadPoolExecutor(1, thread_name_prefix="flowmatch-publish") as writer:
-        for i, part in enumerate(keys):
+    with lease_device(flowmatch.encoders.device) as device:
+        with ThreadPoolExecutor(1, thread_name_prefix="flowmatch-publish") as writer:
             try:
-                ids, encoded = _encode(context, flowmatch, part, selected)
-            except Exception as exc:  # noqa: BLE001 - this partition fails alone
-                failed[part] = _one_line(exc)
-                context.log.error(f"{part}: {failed[part]}")
-                encoded = None
-            if pending is not None:
-                report(*pending)
-                pending = None
-            if encoded is not None:
-                fut = writer.submit(_publish_partition, context, flowmatch, part, ids, encoded)
-                pending = (part, fut)
-            rate = (i + 1) / max(time.perf_counter() - t0, 1e-9)
-            context.log.info(f"[{i + 1}/{n}] {part} encoded ({rate * 60:.1f} partitions/min)")
-        if pending is not None:
-            report(*pending)
-    for ev in _run_checks(selected, published):
-        context.log_event(ev)
+                for i, part in enumerate(keys):
+                    try:
+                        ids, encoded = _encode(context, flowmatch, part, selected, device)
+                    except Exception as exc:  # noqa: BLE001 - this partition fails alone
+                        fail(part, "", _error(exc))
+                        encoded = None
+                    if pending is not None:
+                        report(*pending)
+                        pending = None
+                    if encoded is not None:
+                        fut = writer.submit(_publish_partition, context, flowmatch, part, ids, encoded)  # fmt: skip
+                        pending = (part, fut)
+                        del ids, encoded  # the writer holds them now
+                    rate = (i + 1) / max(time.perf_counter() - t0, 1e-9)
+                    context.log.info(f"[{i + 1}/{n}] {part} encoded ({rate * 60:.1f} partitions/min)")  # fmt: skip
+            finally:  # stopped, crashed or done: what was published is reported
+                if pending is not None:
+                    report(*pending)
+    yield from _run_checks(selected, published)
     if failed:
-        ok = n - len(failed)
-        lines = [f"{p}: {why}" for p, why in failed.items()]
+        lines = [f"{p}: {'; '.join(why)}" for p, why in failed.items()]
+        ok = sum(1 for p in published if p.results)
         raise dg.Failure(
             description=f"{len(failed)} of {n} partitions failed ({ok} published): "
             + "; ".join(lines[:5])
-            + (" ..." if len(lines) > 5 else ""),
+            + (f" ... and {len(lines) - 5} more (see the run's log)" if len(lines) > 5 else ""),
             metadata={"failed": dg.MetadataValue.json(failed), "published": ok},
-        )
+        )  # fmt: skip
 
 
 def _materialization(context, flowmatch, name: str, part: str, r: dg.MaterializeResult):
@@ -252,9 +273,10 @@ def _run_checks(selected: list[EmbeddingKind], published: list[_Published]):
             )  # fmt: skip
 
 
-def _one_line(exc: BaseException) -> str:
+def _error(exc: BaseException) -> tuple[str, str]:
+    """``(its first line, its traceback)``."""
     text = getattr(exc, "description", None) or str(exc) or type(exc).__name__
-    return text.strip().splitlines()[0][:500]
+    return text.strip().splitlines()[0][:500], "".join(traceback.format_exception(exc))
 
 
 def _store(

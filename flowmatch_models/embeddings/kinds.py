@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from flowmatch_models.encoders.spec import EncoderSpec
+from flowmatch_models.encoders.spec import EncoderSpec, simulated_rate
 from flowmatch_models.storage.fingerprint import Fingerprint, rows_digest, weights_identity
 
 if TYPE_CHECKING:
@@ -399,6 +399,8 @@ def kind_fingerprint(
         "lossy": bool(lossy),
         "codec": spec.codec,
     }
+    if simulated_rate():  # a benchmark's stand-in made these values: never fresh, never trained
+        fields["simulated_gpu_pairs_per_s"] = simulated_rate()
     return Fingerprint(fields, dict(inputs or {}))
 
 

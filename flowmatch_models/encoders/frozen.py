@@ -22,7 +22,6 @@ Each model is given as a hub id or a local folder. Loading is lazy (first use). 
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -33,7 +32,7 @@ import torch.nn.functional as F
 
 from flowmatch_models.data.buckets import GRID
 from flowmatch_models.encoders.loading import load_pretrained, resolve_device, resolve_dtype
-from flowmatch_models.encoders.spec import EncoderSpec
+from flowmatch_models.encoders.spec import EncoderSpec, simulated_rate
 from flowmatch_models.encoders.zoo import is_random_weights
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -48,12 +47,11 @@ DINO_POOLS = ("avg2x2", "resize112")
 
 FP16_MAX = 65504.0
 
-#: ``flowmatch bench precompute`` only: the pairs per second of a simulated GPU. When set, each
-#: encoder still loads its model (``from_pretrained``), tokenizes and checks its inputs, but its
-#: forward pass is replaced by a sleep of its share of a pair's time and arrays of the real
-#: shapes and dtype (noise): everything around the forward passes runs for real. Never set it
-#: for data you will train on; every shard made so says ``simulated`` in its attrs.
-SIMULATE_ENV = "FLOWMATCH_SIMULATE_GPU_PAIRS_PER_S"
+#: ``flowmatch bench precompute`` only (:data:`~flowmatch_models.encoders.spec.SIMULATE_ENV`):
+#: each encoder still loads its model (``from_pretrained``), tokenizes and checks its inputs,
+#: but its forward pass is replaced by a sleep of its share of a pair's time on the simulated
+#: GPU and arrays of the real shapes and dtype (noise): everything around the forward passes
+#: runs for real. The shards say so in their fingerprint and attrs.
 #: each encoder's share of a pair's FLOPs (ARCHITECTURE.md: DC-AE f32c32 ~324 G at 256 px,
 #: DINOv2-small ~11 G at 224 px, Gemma3-270M ~26 G at 128 tokens)
 SIMULATED_SHARE = {"vae": 324 / 361, "dino": 11 / 361, "text": 26 / 361}
@@ -76,8 +74,7 @@ class Encoders:
                 "Its outputs are still stored as fp16, clamped and counted."
             )
         self.text_saturated = 0  # caption values clamped to the fp16 range so far
-        rate = os.environ.get(SIMULATE_ENV)
-        self.simulated_pairs_per_s = float(rate) if rate else None
+        self.simulated_pairs_per_s = simulated_rate()
         self._vae: Any = None
         self._dino: Any = None
         self._text: Any = None

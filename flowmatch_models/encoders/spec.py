@@ -7,6 +7,8 @@ is the kind's to say (``EmbeddingKind.model_in``).
 
 from __future__ import annotations
 
+import os
+
 from pydantic import BaseModel, Field
 
 #: The default storage of the lossy-capable training inputs: caption states at 4.5 bits per
@@ -71,3 +73,15 @@ class EncoderSpec(BaseModel):
         "rate, decoded on the GPU), int8 or fp8 for its lossy-capable arrays, error recorded; "
         "absent: lossless. Default: all of PD12M within 64 KB per sample (docs/DESIGN.md).",
     )
+
+
+#: ``flowmatch bench precompute`` only: the pairs per second of a simulated GPU
+#: (flowmatch_models/encoders/frozen.py). Shards made while it is set carry it in their
+#: fingerprint (never fresh against real settings, never trained beside real shards).
+SIMULATE_ENV = "FLOWMATCH_SIMULATE_GPU_PAIRS_PER_S"
+
+
+def simulated_rate() -> float | None:
+    """The simulated GPU's pairs per second (:data:`SIMULATE_ENV`), or None: the real thing."""
+    rate = os.environ.get(SIMULATE_ENV)
+    return float(rate) if rate else None
