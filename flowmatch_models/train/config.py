@@ -203,6 +203,12 @@ class TrainerConfig(_Section):
         description="Full resumable state stepN.ckpt (weights, Adam, EMA) cadence; null = "
         "checkpoint_every. Also at the end of every session.",
     )  # fmt: skip
+    full_every_minutes: float | None = Field(
+        30.0, ge=0,
+        description="Also a full resumable state at the first step boundary this many minutes "
+        "(wall clock) after the previous one: a crash or preemption loses at most this much "
+        "(half on average; flowmatch budget); written in the background. null/0 = steps only.",
+    )  # fmt: skip
     keep_full: int = Field(2, ge=1, description="Newest full states kept (last.ckpt links one).")
     keep_ema: int = Field(0, ge=0, description="Newest EMA snapshots kept; 0 = all.")
     val_every: int = Field(
