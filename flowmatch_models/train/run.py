@@ -524,9 +524,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _error(f"error: {e.strerror if isinstance(e, DiskFullError) else e}", 3)
         except StoppedBySignal as e:
             return _error(str(e), EXIT_STOPPED)
-        if result.stopped:  # a signal: the full state is saved; one line, exit 75
+        if result.stopped:  # a signal: the full state is saved; one line (the launcher's), 75
             if pipes is not None and result.is_global_zero:
                 pipes.report_custom_message({"train_result": result.to_dict()})
+            if not distributed.is_launcher():
+                return EXIT_STOPPED
             return _error(result.stopped, EXIT_STOPPED)
         if pipes is not None and result.is_global_zero:
             pipes.report_custom_message({"train_result": result.to_dict()})

@@ -1,0 +1,190 @@
+"""A run loses minutes, not hours, to a fault: real signals on a subprocess training run save a
+full state and stop with exit 75, a kill -9 loses at most the full-state interval, and either
+resume continues bit-exactly like an uninterrupted run (CPU)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from test_train import REPO, make_store, read_records, tiny_config
+
+from flowmatch_models.train.signals import EXIT_STOPPED
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    return make_store(tmp_path_factory.mktemp("faults_store"))
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("WANDB_API_KEY", "LOCAL_RANK")}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    return env
+
+
+class Run:
+    """``python -m flowmatch_models.train`` in its own session; stdout lines as they come."""
+
+    def __init__(self, tmp_path: Path, cfg: dict, name: str, *extra: str):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "flowmatch_models.train", "--config", str(path), *extra],
+            cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, start_new_session=True,
+        )  # fmt: skip
+        self.lines: list[str] = []
+        self.err = ""
+        self._out = threading.Thread(target=self._read, daemon=True)
+        self._out.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def step(self) -> int:
+        """The newest step a progress line reported (0 before the first)."""
+        done = [ln for ln in self.lines if ln.startswith("step ")]
+        return int(done[-1].split()[1].split("/")[0]) if done else 0
+
+    def wait_step(self, n: int, timeout: float = 120) -> int:
+        deadline = time.monotonic() + timeout
+        while self.step() < n:
+            assert self.proc.poll() is None, "".join(self.lines[-20:]) + self.proc.stderr.read()
+            assert time.monotonic() < deadline, "the run never reached step %d" % n
+            time.sleep(0.01)
+        return self.step()
+
+    def finish(self, timeout: float = 180) -> int:
+        rc = self.proc.wait(timeout)
+        self._out.join(10)
+        self.err = self.proc.stderr.read()
+        return rc
+
+
+def _losses(out: Path, rank: int = 0) -> dict[tuple[int, int], float]:
+    """(step, micro-batch) -> loss of every batch the run trained (the last session's wins)."""
+    seen: dict[tuple[int, int], float] = {}
+    count: dict[int, int] = {}
+    for rec in read_records(out, rank):
+        if rec["step"] not in count:  # a resumed step starts its micro-batches again
+            count[rec["step"]] = 0
+        seen[(rec["step"], count[rec["step"]])] = rec["loss"]
+        count[rec["step"]] += 1
+    return seen
+
+
+def _weights(out: Path) -> dict[str, torch.Tensor]:
+    ck = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)
+    return {**ck["state_dict"], **{f"adam.{k}": v for k, v in _adam(ck).items()}}
+
+
+def _adam(ck: dict) -> dict[str, torch.Tensor]:
+    st = ck["optimizer_states"][0]["state"]
+    return {f"{i}.{k}": v for i, s in st.items() for k, v in s.items()}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert sorted(a) == sorted(b)
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, differ[:5]
+
+
+def test_sigterm_saves_a_full_state_exits_75_and_resumes_exactly(store, tmp_path) -> None:
+    """SIGTERM mid-run (after a random step): every micro-batch of the step in progress is
+    finished, a full state of that step is saved, the run says so in one line and exits 75;
+    resuming gives the uninterrupted run's losses and final weights, bit for bit."""
+    over = dict(trainer__max_steps=100_000, trainer__log_every=1, trainer__full_every=1000,
+                trainer__checkpoint_every=1000)  # fmt: skip
+    cut = tmp_path / "cut"
+    run = Run(tmp_path, tiny_config(store, cut, **over), "cut")
+    at = random.Random().randint(3, 9)
+    run.wait_step(at)
+    os.kill(run.proc.pid, signal.SIGTERM)
+    assert run.finish() == EXIT_STOPPED, run.err
+    err = [ln for ln in run.err.strip().splitlines() if "SIGTERM" in ln]  # (the store warns)
+    assert len(err) == 1 and err[0].startswith("stopped by SIGTERM: full state saved at step ")
+    assert run.err.strip().endswith(err[0])
+    step = int(err[0].split("at step ")[1].split(":")[0])
+    ck = cut / "checkpoints"
+    assert step >= at and f"{ck / f'step{step:07d}.ckpt'}" in err[0]
+    assert os.path.samefile(ck / "last.ckpt", ck / f"step{step:07d}.ckpt")
+    assert not list(ck.glob(".tmp-*")) and "resume with --resume auto" in err[0]
+    assert not (cut / "pipeline").exists()  # a stop is quick: no export
+    total = step + 5
+    # the resume and an uninterrupted run of the same length
+    resumed = Run(tmp_path, tiny_config(store, cut, **over), "resume", "--max-steps", str(total))
+    whole = tmp_path / "whole"
+    straight = Run(tmp_path, tiny_config(store, whole, **over), "whole", "--max-steps", str(total))
+    assert resumed.finish() == 0, resumed.err
+    assert straight.finish() == 0, straight.err
+    a, b = _losses(cut), _losses(whole)
+    assert len(a) == len(b) == 2 * total and a == b  # every micro-batch's loss, exactly
+    _same(_weights(cut), _weights(whole))
+
+
+def test_kill_9_loses_at_most_the_interval_and_resumes_exactly(store, tmp_path) -> None:
+    """kill -9 at a random step (no chance to save): the resume starts from the newest complete
+    full state, at most ``full_every`` steps back, nothing half-written is read, and the run
+    then ends exactly as an uninterrupted one."""
+    every = 4
+    over = dict(trainer__max_steps=100_000, trainer__log_every=1, trainer__full_every=every,
+                trainer__checkpoint_every=1000, trainer__keep_full=2)  # fmt: skip
+    cut = tmp_path / "cut"
+    run = Run(tmp_path, tiny_config(store, cut, **over), "cut")
+    seen = run.wait_step(random.Random().randint(every + 1, 4 * every))
+    os.killpg(run.proc.pid, signal.SIGKILL)
+    assert run.finish() == -signal.SIGKILL
+    ck = cut / "checkpoints"
+    start = torch.load(ck / "last.ckpt", weights_only=True, mmap=True)["global_step"]
+    assert seen - every <= start <= seen + 1 and start % every == 0, (seen, start)
+    total = seen + every
+    resumed = Run(tmp_path, tiny_config(store, cut, **over), "resume", "--max-steps", str(total))
+    whole = tmp_path / "whole"
+    straight = Run(tmp_path, tiny_config(store, whole, **over), "whole", "--max-steps", str(total))
+    assert resumed.finish() == 0, resumed.err
+    assert straight.finish() == 0, straight.err
+    assert sorted(p.name for p in ck.glob("step*.ckpt"))[-1] == f"step{total:07d}.ckpt"
+    _same(_weights(cut), _weights(whole))
+    a, b = read_records(cut), read_records(whole)
+    n = 2 * (total - start)  # the resumed session's micro-batches (accumulate 2)
+    assert [r["loss"] for r in a[-n:]] == [r["loss"] for r in b[-n:]]
+    assert [r["ids"] for r in a[-n:]] == [r["ids"] for r in b[-n:]]
+
+
+def test_sigterm_to_the_launcher_stops_both_ddp_ranks_and_resumes_exactly(store, tmp_path):
+    """2 gloo ranks, SIGTERM to the launcher only (as ``kill PID`` does): the ranks agree at the
+    next step boundary, save one full state of that step, exit 75; resuming gives the
+    uninterrupted 2-rank run's losses (both ranks) and final weights, bit for bit."""
+    over = dict(trainer__max_steps=100_000, trainer__log_every=1, trainer__full_every=1000,
+                trainer__checkpoint_every=1000, trainer__devices=2, trainer__strategy="ddp",
+                trainer__accelerator="cpu", trainer__accumulate_grad_batches=1)  # fmt: skip
+    cut = tmp_path / "cut"
+    run = Run(tmp_path, tiny_config(store, cut, **over), "cut")
+    run.wait_step(random.Random().randint(3, 6))
+    os.kill(run.proc.pid, signal.SIGTERM)
+    assert run.finish() == EXIT_STOPPED, run.err
+    line = [ln for ln in run.err.splitlines() if ln.startswith("stopped by SIGTERM")]
+    assert len(line) == 1, run.err
+    step = int(line[0].split("at step ")[1].split(":")[0])
+    total = step + 3
+    resumed = Run(tmp_path, tiny_config(store, cut, **over), "resume", "--max-steps", str(total))
+    assert resumed.finish() == 0, resumed.err
+    whole = tmp_path / "whole"
+    straight = Run(tmp_path, tiny_config(store, whole, **over), "whole", "--max-steps", str(total))
+    assert straight.finish() == 0, straight.err
+    for rank in (0, 1):
+        a, b = read_records(cut, rank), read_records(whole, rank)
+        assert len(a) == len(b) == total
+        assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    _same(_weights(cut), _weights(whole))
