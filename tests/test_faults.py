@@ -61,7 +61,7 @@ class Run:
         deadline = time.monotonic() + timeout
         while self.step() < n:
             assert self.proc.poll() is None, "".join(self.lines[-20:]) + self.proc.stderr.read()
-            assert time.monotonic() < deadline, "the run never reached step %d" % n
+            assert time.monotonic() < deadline, f"the run never reached step {n}"
             time.sleep(0.01)
         return self.step()
 
