@@ -188,3 +188,37 @@ def test_sigterm_to_the_launcher_stops_both_ddp_ranks_and_resumes_exactly(store,
         assert len(a) == len(b) == total
         assert [r["loss"] for r in a] == [r["loss"] for r in b]
     _same(_weights(cut), _weights(whole))
+
+
+def _groups(out: Path) -> list[list[int]]:
+    """Per optimizer step, the epoch positions of its micro-batches (a record's step is the
+    global step after its batch: the group's last micro-batch is the one that stepped)."""
+    groups, cur, prev = [], [], 0
+    for rec in read_records(out):
+        cur.append(rec["position"])
+        if rec["step"] != prev:
+            groups.append(cur)
+            cur, prev = [], rec["step"]
+    return groups + ([cur] if cur else [])
+
+
+def test_a_resume_at_an_epochs_end_keeps_the_accumulation_groups(tmp_path) -> None:
+    """22 batches an epoch, accumulate 4: the state saved at the step that ends epoch 0 (step
+    6, a group of 2) resumes into epoch 1 with groups of 4 from its first batch, as the
+    uninterrupted run: no step of 2 micro-batches divided by 4, the ledger's steps right."""
+    from test_train import run_training
+
+    root = make_store(tmp_path / "store", {"000-00": 176})
+    over = dict(data__heldout_fraction=0.0, trainer__accumulate_grad_batches=4,
+                trainer__full_every=6, trainer__checkpoint_every=1000)  # fmt: skip
+    cut, whole = tmp_path / "cut", tmp_path / "whole"
+    run_training(tiny_config(root, cut, trainer__max_steps=6, **over))
+    run_training(tiny_config(root, cut, trainer__max_steps=10, **over))
+    run_training(tiny_config(root, whole, trainer__max_steps=10, **over))
+    want = _groups(whole)
+    assert want[5:8] == [[160, 168], [0, 8, 16, 24], [32, 40, 48, 56]]
+    assert _groups(cut) == want
+    ck = lambda out: torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)  # noqa: E731
+    a, b = ck(cut), ck(whole)
+    assert a["EmbeddingDataModule"]["ledger"] == b["EmbeddingDataModule"]["ledger"]
+    _same(a["state_dict"], b["state_dict"])

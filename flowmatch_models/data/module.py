@@ -45,6 +45,35 @@ log = logging.getLogger(__name__)
 LOADERS = ("threads", "processes")
 
 
+def close_lightning_epoch(checkpoint: dict | None) -> None:
+    """Rewrite a checkpoint's Lightning loop state (before Lightning restores it) as if its
+    epoch had ended: the in-epoch batch, scheduler and optimizer counters at 0 and the epoch
+    counted complete. For a state saved inside Lightning's epoch whose data position moves to
+    the next epoch on resume (the step that ended the data's epoch; a changed order): Lightning
+    ends accumulation groups by its in-epoch batch counter, which would otherwise go on from
+    mid-epoch into the data's new epoch (a group of 2 of 4 micro-batches, the rest shifted)."""
+    fit = ((checkpoint or {}).get("loops") or {}).get("fit_loop")
+    if not fit or "epoch_loop.batch_progress" not in fit:
+        return
+    bp = fit["epoch_loop.batch_progress"]
+    bp["current"] = {k: 0 for k in bp["current"]}
+    bp["total"]["completed"] = bp["total"]["processed"]  # the last batch's end is behind it
+    bp["is_last_batch"] = False
+    for key in (
+        "epoch_loop.scheduler_progress",
+        "epoch_loop.manual_optimization.optim_step_progress",
+    ):
+        if key in fit:
+            fit[key]["current"] = {k: 0 for k in fit[key]["current"]}
+    opt = fit.get("epoch_loop.automatic_optimization.optim_progress", {}).get("optimizer", {})
+    for part in opt.values():
+        part["current"] = {k: 0 for k in part["current"]}
+    ep = fit.get("epoch_progress")
+    if ep:
+        for c in (ep["total"], ep["current"]):
+            c["ready"] = c["started"] = c["processed"] = c["completed"] = c["completed"] + 1
+
+
 class EmbeddingDataModule(L.LightningDataModule):
     """Lightning data module over the complete partitions (or an explicit list) of a data root.
 
@@ -106,6 +135,10 @@ class EmbeddingDataModule(L.LightningDataModule):
         self._skipped: dict[str, str] = {}  # grow: complete but made with other settings
         self._fp_cache: dict[tuple, Fingerprint | None] = {}
         self._orders: dict[int, np.ndarray] = {}
+        #: the data moved on to the next epoch while Lightning's epoch (its batch counter, which
+        #: ends the accumulation groups) is still open: set by the epoch's last batch, cleared
+        #: by the next epoch's loader, saved in the state
+        self._epoch_end = False
 
     def _open(self, partitions: list[str]) -> ShardSource:
         return ShardSource(
@@ -174,6 +207,7 @@ class EmbeddingDataModule(L.LightningDataModule):
         return out
 
     def train_dataloader(self) -> DataLoader | ThreadLoader:
+        self._epoch_end = False
         self._decide_epoch()
         rank, world = self._rank_world()
         g = self.batch_size * world
@@ -296,6 +330,7 @@ class EmbeddingDataModule(L.LightningDataModule):
         self.epoch, self.position = epoch, position + global_batch
         if self.position + global_batch > len(self._orders[epoch]):
             self.epoch, self.position = epoch + 1, 0
+            self._epoch_end = True
 
     def state_dict(self) -> dict:
         return {
@@ -310,6 +345,7 @@ class EmbeddingDataModule(L.LightningDataModule):
             "partitions": list(self.partitions),
             "trained_counts": dict(self.trained_counts),
             "ledger": [dict(s) for s in self.ledger if s["pos_to"] > s["pos_from"]],
+            **({"epoch_end": True} if self._epoch_end else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -357,6 +393,13 @@ class EmbeddingDataModule(L.LightningDataModule):
             self.epoch, self.position = epoch, position
             self._decided_epoch = epoch
             return
+        # saved inside Lightning's epoch (mid-epoch, or at the step that ended the data's): that
+        # epoch is closed in the checkpoint Lightning is about to restore its loops from, so that
+        # its batch counter starts the data's next epoch at 0, as uninterrupted
+        if position > 0 or state.get("epoch_end"):
+            trainer = getattr(self, "trainer", None)
+            connector = getattr(trainer, "_checkpoint_connector", None)
+            close_lightning_epoch(getattr(connector, "_loaded_checkpoint", None))
         if not changed and position == 0:
             self.epoch, self.position = epoch, 0  # a boundary: the new epoch decides anew
             return
