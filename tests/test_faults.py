@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -222,3 +223,35 @@ def test_a_resume_at_an_epochs_end_keeps_the_accumulation_groups(tmp_path) -> No
     a, b = ck(cut), ck(whole)
     assert a["EmbeddingDataModule"]["ledger"] == b["EmbeddingDataModule"]["ledger"]
     _same(a["state_dict"], b["state_dict"])
+
+
+def test_a_fine_tunes_ema_from_raw_weights_starts_young(tmp_path) -> None:
+    """init.weights=raw: the EMA holds the parent's raw weights, which it has not averaged: its
+    first update weighs the new weights 0.9 (age 0, the ramp), not 1.8e-4 (the parent's 50k
+    steps; at 0.9999 and 50k steps that left 61% of the parent's raw weights in the EMA after 5k steps). An EMA taken
+    from the parent's EMA goes on at its age; a run too short for it gets a note."""
+    from flowmatch_models.train.config import load_config
+    from flowmatch_models.train.finetune import ema_start_share, ema_warning
+    from flowmatch_models.train.module import FlowMatchModule
+
+    cfg = load_config(tiny_config(tmp_path, tmp_path / "r"), ["optim.ema_decay=0.9999"])
+    module = FlowMatchModule(cfg)
+    for weights, moved in (("raw", 0.9), ("ema", 9 / 50_010)):  # 1 - (1 + n) / (10 + n)
+        module.parent = {"run": "parent", "step": 50_000, "weights": weights}
+        with torch.no_grad():
+            for p in module.ema.parameters():
+                p.zero_()
+            for p in module.model.transformer.parameters():
+                p.fill_(1.0)
+        module.update_ema()
+        assert module.ema_steps() == (0 if weights == "raw" else 50_000)
+        got = next(module.ema.parameters()).flatten()[0].item()
+        assert got == pytest.approx(moved, rel=1e-4), weights
+    # the ramp's (1 + n) / (10 + n) telescopes: prod over k < 9 of (50_001 + k) / (55_001 + k)
+    ramp = float(np.prod([(50_001 + k) / (55_001 + k) for k in range(9)]))
+    assert ema_start_share(0.9999, 50_000, 5_000) == pytest.approx(ramp, rel=1e-9)  # 42%
+    assert ema_start_share(0.9999, 200_000, 5_000) == pytest.approx(0.9999**5000)  # 61%
+    assert ema_start_share(0.9999, 0, 5_000) < 1e-6
+    note = ema_warning(0.9999, 50_000, 5_000, {"run": "parent"})
+    assert "42% of its EMA is still parent's EMA" in note and "ema_decay <= 0.999" in note
+    assert ema_warning(0.9999, 0, 5_000, {"run": "parent"}) is None  # raw: a new EMA

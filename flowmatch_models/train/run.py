@@ -247,6 +247,10 @@ def _fit(request: TrainRequest, cfg: TrainConfig, pipes) -> TrainResult:
         for note in finetune.load_parent(module, request.parent, dm.source.widths):
             print(f"init from {request.parent['run']} step {request.parent['step']} "
                   f"({request.parent['weights']}): {note}", flush=True)  # fmt: skip
+        note = finetune.ema_warning(cfg.optim.ema_decay, module.ema_steps(), t.max_steps,
+                                    request.parent)  # fmt: skip
+        if note and distributed.is_launcher():
+            print(note, flush=True)
     elif request.parent:  # a resume: the weights are its own; the same parts stay frozen
         finetune.freeze(module.model, request.parent.get("freeze") or [])
     elif cfg.model.text_norm and ckpt_path is None:  # a resume keeps its first session's
