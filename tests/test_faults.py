@@ -255,3 +255,87 @@ def test_a_fine_tunes_ema_from_raw_weights_starts_young(tmp_path) -> None:
     note = ema_warning(0.9999, 50_000, 5_000, {"run": "parent"})
     assert "42% of its EMA is still parent's EMA" in note and "ema_decay <= 0.999" in note
     assert ema_warning(0.9999, 0, 5_000, {"run": "parent"}) is None  # raw: a new EMA
+
+
+# --------------------------------------------------------------------------------------------
+# the thread loader: io-thread errors said, one pass at a time, RWF_NOWAIT refused
+# --------------------------------------------------------------------------------------------
+
+
+def _loader(store: Path, threads: int):
+    from flowmatch_models.data.source import ShardSource
+    from flowmatch_models.data.stream import BatchStream, ThreadLoader
+
+    src = ShardSource(store, ["000-00", "000-01", "000-02", "001-00"], cache_shards=3)
+    return ThreadLoader(BatchStream(src, 8, shuffle_window=1, decode=False, end_epoch=0), threads)
+
+
+def _pass(loader) -> list[tuple[list[str], torch.Tensor]]:
+    return [(list(b["meta"]["ids"]), b["latents"].clone()) for b in loader]
+
+
+def _equal(a, b) -> bool:
+    return len(a) == len(b) and all(x[0] == y[0] and torch.equal(x[1], y[1]) for x, y in zip(a, b))
+
+
+def test_an_io_threads_error_is_said_and_the_batches_stay_right(store, caplog) -> None:
+    """Opening the next window's partition fails on an io thread: the failure is logged with
+    its partition (it was dropped), the building thread opens it again, the batches are those
+    of a loader without io threads."""
+    want = _pass(_loader(store, 0))
+    loader = _loader(store, 2)
+    src, real, failed = loader.stream.source, loader.stream.source._arrays, []
+
+    def flaky(i):
+        if threading.current_thread().name.startswith("flowmatch-io") and not failed:
+            failed.append(src.partitions[i])
+            raise OSError(5, "Input/output error")
+        return real(i)
+
+    src._arrays = flaky
+    with caplog.at_level("WARNING", logger="flowmatch_models.data.stream"):
+        assert _equal(_pass(loader), want)
+    said = [r.getMessage() for r in caplog.records if "ahead failed" in r.getMessage()]
+    assert failed and said == [
+        f"loader: opening partition {failed[0]} ahead failed (OSError: [Errno 5] Input/output "
+        "error); the batch that needs it opens it again"
+    ]
+
+
+def test_a_new_pass_of_the_loader_closes_and_joins_the_previous(store) -> None:
+    loader = _loader(store, 2)
+    threads = lambda: [t for t in threading.enumerate() if t.name.startswith("flowmatch-")]  # noqa: E731
+    first = iter(loader)
+    next(first)
+    assert threads()
+    second = iter(loader)  # as Lightning does from epoch 1 on
+    assert threads() == []  # the first pass's builder and io threads are joined
+    assert first.gi_frame is None  # closed
+    assert _equal(_pass(loader), _pass(_loader(store, 0))) and threads() == []
+    del second
+
+
+def test_an_unexpected_rwf_nowait_errno_reads_blocking_once_said(store, caplog) -> None:
+    """A kernel or seccomp sandbox that refuses RWF_NOWAIT with ENOSYS: the process switches
+    to blocking reads (one log line), the batches are right (it raised and stopped the run)."""
+    from flowmatch_models.data import rows
+
+    want = _pass(_loader(store, 0))
+    real, calls = os.preadv, {"nowait": 0}
+
+    def preadv(fd, bufs, off, flags=0):
+        if flags:
+            calls["nowait"] += 1
+            raise OSError(38, "Function not implemented")
+        return real(fd, bufs, off)
+
+    try:
+        os.preadv = preadv
+        with caplog.at_level("WARNING", logger="flowmatch_models.data.rows"):
+            got = _pass(_loader(store, 2))
+    finally:
+        os.preadv = real
+        rows._nowait["on"] = True
+    assert _equal(got, want)
+    said = [r.getMessage() for r in caplog.records if "RWF_NOWAIT" in r.getMessage()]
+    assert calls["nowait"] == 1 and len(said) == 1 and "ENOSYS" in said[0]
