@@ -25,5 +25,6 @@ BENCHES = {
         "finetune",
         "crop",
         "scale",
+        "checkpoint",
     )
 }
