@@ -339,3 +339,19 @@ def test_an_unexpected_rwf_nowait_errno_reads_blocking_once_said(store, caplog) 
     assert _equal(got, want)
     said = [r.getMessage() for r in caplog.records if "RWF_NOWAIT" in r.getMessage()]
     assert calls["nowait"] == 1 and len(said) == 1 and "ENOSYS" in said[0]
+
+
+def test_a_rank_that_sees_another_partition_or_size_names_it() -> None:
+    """Rank 0's epoch (partitions, trainable sizes) against another rank's: the first partition
+    that differs is named (every rank then stops with PartitionChangedError, exit 3)."""
+    from flowmatch_models.data.module import rank_disagreement
+
+    r0 = {"partitions": ["000-00", "000-01", "000-02"], "sizes": [24, 20, 28]}
+    assert rank_disagreement(r0, dict(r0), 1) is None
+    resized = {"partitions": r0["partitions"], "sizes": [24, 19, 28]}
+    assert rank_disagreement(r0, resized, 1) == (
+        "partition 000-01 has 19 trainable samples on rank 1 but 20 on rank 0: it was re-made "
+        "while the ranks read it; resume with --resume auto"
+    )
+    grown = {"partitions": [*r0["partitions"], "000-03"], "sizes": [24, 20, 28, 30]}
+    assert "(first: 000-03)" in rank_disagreement(r0, grown, 1)

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader
 from flowmatch_models.data.decode import decode_batch
 from flowmatch_models.data.order import ORDER, OrderChangedError, train_rows
 from flowmatch_models.data.ring import BatchRing
-from flowmatch_models.data.source import ShardSource, shard_fingerprint
+from flowmatch_models.data.source import PartitionChangedError, ShardSource, shard_fingerprint
 from flowmatch_models.data.stream import BatchStream, RingLoader, ThreadLoader
 from flowmatch_models.embeddings.kinds import model_inputs
 from flowmatch_models.storage.fingerprint import Fingerprint
@@ -43,6 +43,22 @@ log = logging.getLogger(__name__)
 #: or DataLoader worker ``processes`` (:class:`RingLoader`; the loader before threads). Both
 #: yield the same sequence of batches.
 LOADERS = ("threads", "processes")
+
+
+def rank_disagreement(rank0: dict, mine: dict, rank: int) -> str | None:
+    """Why this rank's epoch differs from rank 0's (``{"partitions", "sizes"}`` each), naming
+    the first partition that differs; None when they agree."""
+    if rank0["partitions"] != mine["partitions"]:
+        a, b = rank0["partitions"], mine["partitions"]
+        diff = sorted(set(a) ^ set(b)) or [next(x for x, y in zip(a, b) if x != y)]
+        return (f"rank {rank} and rank 0 train different partitions this epoch (first: {diff[0]}): "
+                "a partition was made or removed while they read the folder; resume with "
+                "--resume auto")  # fmt: skip
+    for p, n0, n in zip(mine["partitions"], rank0["sizes"], mine["sizes"]):
+        if n0 != n:
+            return (f"partition {p} has {n} trainable samples on rank {rank} but {n0} on rank 0: "
+                    "it was re-made while the ranks read it; resume with --resume auto")  # fmt: skip
+    return None
 
 
 def close_lightning_epoch(checkpoint: dict | None) -> None:
@@ -161,13 +177,19 @@ class EmbeddingDataModule(L.LightningDataModule):
         if self.position != 0 or self._decided_epoch == self.epoch:
             return
         self._decided_epoch = self.epoch
-        complete = DataLayout(self.root).complete_partitions()
         trainer = getattr(self, "trainer", None)
-        if trainer is not None and trainer.world_size > 1:
-            complete = trainer.strategy.broadcast(complete, src=0)
-        found = complete if self.grow else (self.fixed or self._initial)
+        ddp = trainer is not None and trainer.world_size > 1
+        decided = None
+        if not ddp or trainer.is_global_zero:  # rank 0 reads the folder and the fingerprints
+            complete = DataLayout(self.root).complete_partitions()
+            found = complete if self.grow else (self.fixed or self._initial)
+            skipped = self._other_fingerprints(found) if self.grow else {}
+            decided = (complete, found, skipped)
+        if ddp:  # every rank takes rank 0's decision (a partition re-made in between: the same)
+            decided = trainer.strategy.broadcast(decided, src=0)
+        complete, found, skipped = decided
         self._available = complete
-        self._skipped = self._other_fingerprints(found) if self.grow else {}
+        self._skipped = skipped
         if self._skipped:
             found = [p for p in found if p not in self._skipped]
             log.warning(
@@ -186,6 +208,22 @@ class EmbeddingDataModule(L.LightningDataModule):
             self.partitions, self.source, self._orders = list(found), self._open(found), {}
             for p in found:
                 self.trained_counts.setdefault(p, 0)
+        if ddp:
+            self._agree_with_rank0(trainer)
+
+    def _agree_with_rank0(self, trainer) -> None:
+        """Every rank's partitions and sizes (trainable samples) are rank 0's, or every rank
+        stops with :class:`PartitionChangedError` naming the partition that differs (ranks with
+        different epoch lengths would wait for each other forever, or train other orders)."""
+        import torch.distributed as dist
+
+        mine = {"partitions": list(self.partitions), "sizes": [int(n) for n in self.source.sizes]}
+        theirs = trainer.strategy.broadcast(mine, src=0)
+        whys: list[str | None] = [None] * trainer.world_size
+        dist.all_gather_object(whys, rank_disagreement(theirs, mine, trainer.global_rank))
+        bad = [w for w in whys if w]
+        if bad:
+            raise PartitionChangedError(bad[0])
 
     def _other_fingerprints(self, partitions: list[str]) -> dict[str, str]:
         """Partitions whose shards were made with another fingerprint than this run's, and why
