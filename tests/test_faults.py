@@ -355,3 +355,25 @@ def test_a_rank_that_sees_another_partition_or_size_names_it() -> None:
     )
     grown = {"partitions": [*r0["partitions"], "000-03"], "sizes": [24, 20, 28, 30]}
     assert "(first: 000-03)" in rank_disagreement(r0, grown, 1)
+
+
+def test_full_states_follow_the_wall_clock_interval(store, tmp_path) -> None:
+    """``full_every_minutes`` elapsed at every step boundary (a tiny interval): a full state of
+    every step, without ``full_every`` ever falling due; ``keep_full`` of them kept, each
+    complete (written in the background, linked when in place); with the clock off only the
+    end's state."""
+    from test_train import run_training
+
+    over = dict(trainer__max_steps=5, trainer__full_every=1000, trainer__checkpoint_every=1000,
+                trainer__keep_full=3)  # fmt: skip
+    on, off = tmp_path / "on", tmp_path / "off"
+    run_training(tiny_config(store, on, trainer__full_every_minutes=1e-9, **over))
+    run_training(tiny_config(store, off, trainer__full_every_minutes=0, **over))
+    full = lambda out: sorted(p.name for p in (out / "checkpoints").glob("step???????.ckpt"))  # noqa: E731
+    assert full(on) == ["step0000003.ckpt", "step0000004.ckpt", "step0000005.ckpt"]
+    assert full(off) == ["step0000005.ckpt"]
+    for name in full(on):
+        ck = torch.load(on / "checkpoints" / name, weights_only=True)
+        assert ck["global_step"] == int(name[4:11]) and ck["optimizer_states"]
+    assert os.path.samefile(on / "checkpoints" / "last.ckpt", on / "checkpoints" / full(on)[-1])
+    assert not list((on / "checkpoints").glob(".tmp-*"))
