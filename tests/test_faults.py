@@ -377,3 +377,25 @@ def test_full_states_follow_the_wall_clock_interval(store, tmp_path) -> None:
         assert ck["global_step"] == int(name[4:11]) and ck["optimizer_states"]
     assert os.path.samefile(on / "checkpoints" / "last.ckpt", on / "checkpoints" / full(on)[-1])
     assert not list((on / "checkpoints").glob(".tmp-*"))
+
+
+def test_a_second_signal_exits_at_once() -> None:
+    """The first SIGUSR1 is recorded (the run saves at the next step boundary); the second
+    exits the process at once with 128 + 10, saying so in one line."""
+    code = (
+        "import os, signal, time\n"
+        "from flowmatch_models.train.signals import SignalStop\n"
+        "s = SignalStop(); s.install()\n"
+        "os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.2)\n"
+        "print('recorded', s.name, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGUSR1); time.sleep(10)\n"
+        "print('not reached', flush=True)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 128 + signal.SIGUSR1
+    assert "recorded SIGUSR1" in proc.stdout and "not reached" not in proc.stdout
+    assert proc.stderr.strip().splitlines() == [
+        "SIGUSR1 again: exiting now without saving; the newest complete full state "
+        "(checkpoints/last.ckpt) is kept"
+    ]
