@@ -399,3 +399,66 @@ def test_a_second_signal_exits_at_once() -> None:
         "SIGUSR1 again: exiting now without saving; the newest complete full state "
         "(checkpoints/last.ckpt) is kept"
     ]
+
+
+class _Strategy:
+    """Lightning's DDP strategy's object broadcast, over the real gloo group."""
+
+    def broadcast(self, obj, src: int = 0):
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+
+class _Trainer:
+    """What the data module asks of its trainer at an epoch's start (rank, world, strategy)."""
+
+    def __init__(self, rank: int, world: int):
+        self.global_rank, self.world_size, self.is_global_zero = rank, world, rank == 0
+        self.strategy, self.loggers, self.global_step = _Strategy(), [], 0
+
+
+def _rank_epoch(rank: int, port: int, root: str, out) -> None:
+    import torch.distributed as dist
+
+    from flowmatch_models.data.module import EmbeddingDataModule
+    from flowmatch_models.data.source import PartitionChangedError
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)  # fmt: skip
+    try:
+        dm = EmbeddingDataModule(root, batch_size=8, grow=True, heldout=(0.0, 0))
+        dm.trainer = _Trainer(rank, 2)
+        dm.train_dataloader()
+        out.put((rank, "ok"))
+    except PartitionChangedError as e:
+        out.put((rank, str(e)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_that_see_a_partition_differently_both_stop_naming_it(tmp_path) -> None:
+    """Two real gloo ranks start an epoch; rank 1 reads partition 000-01 as re-made with 19
+    samples (its own data root), rank 0 as 20: both stop with the same PartitionChangedError
+    naming it (before: each trained its own epoch length -- a collective hang at its end)."""
+    import multiprocessing as mp
+    import socket
+
+    roots = [make_store(tmp_path / "a", {"000-00": 24, "000-01": 20}),
+             make_store(tmp_path / "b", {"000-00": 24, "000-01": 19})]  # fmt: skip
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_rank_epoch, args=(r, port, str(roots[r]), out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    want = ("partition 000-01 has 19 trainable samples on rank 1 but 20 on rank 0: it was "
+            "re-made while the ranks read it; resume with --resume auto")  # fmt: skip
+    assert got == {0: want, 1: want}
