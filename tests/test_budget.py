@@ -214,3 +214,25 @@ def test_the_budget_imports_no_torch_and_its_recorded_counts_are_current(tmp_pat
     for name, counts in table["counts"].items():
         preset, hidden = name.split("/")
         assert b.count_params_of(preset, None if hidden == "None" else int(hidden)) == tuple(counts)
+
+
+def test_the_budget_says_what_one_fault_costs(tmp_path):
+    """base.yaml: a full state every 30 minutes (its 20,000 steps take ~14 h at the seed's
+    0.39 updates/s), 2 GPUs: a fault loses 0.5 GPU-hours expected, 1 at worst; the stall per
+    hour is the measured stall per state times 2 states an hour."""
+    import json
+
+    from flowmatch_assets.reports.budget import CHECKPOINT_BENCH
+
+    md, data = budget(Catalog(tmp_path), BudgetConfig(updates=400_000))
+    f = data["faults"]
+    assert (
+        f["interval_minutes"] == pytest.approx(30.0) and f["interval_from"] == "full_every_minutes"
+    )
+    assert f["gpus"] == 2 and f["updates_per_s"] == pytest.approx(0.39)
+    assert f["expected_lost_gpu_hours"] == pytest.approx(0.5)
+    assert f["worst_lost_gpu_hours"] == pytest.approx(1.0)
+    assert "loses 0.50 GPU-hours expected, 1.00 at worst" in md
+    bench = json.loads(CHECKPOINT_BENCH.read_text())
+    assert f["stall_s_per_hour"] == pytest.approx(2 * bench["new"]["stall_s"])
+    assert f["old_stall_s_per_hour"] == pytest.approx(2 * bench["old"]["stall_s"])

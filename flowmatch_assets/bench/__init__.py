@@ -26,5 +26,6 @@ BENCHES = {
         "finetune",
         "crop",
         "scale",
+        "checkpoint",
     )
 }

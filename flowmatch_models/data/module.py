@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader
 from flowmatch_models.data.decode import decode_batch
 from flowmatch_models.data.order import ORDER, OrderChangedError, train_rows
 from flowmatch_models.data.ring import BatchRing
-from flowmatch_models.data.source import ShardSource, shard_fingerprint
+from flowmatch_models.data.source import PartitionChangedError, ShardSource, shard_fingerprint
 from flowmatch_models.data.stream import BatchStream, RingLoader, ThreadLoader
 from flowmatch_models.embeddings.kinds import model_inputs
 from flowmatch_models.storage.fingerprint import Fingerprint
@@ -43,6 +43,51 @@ log = logging.getLogger(__name__)
 #: or DataLoader worker ``processes`` (:class:`RingLoader`; the loader before threads). Both
 #: yield the same sequence of batches.
 LOADERS = ("threads", "processes")
+
+
+def rank_disagreement(rank0: dict, mine: dict, rank: int) -> str | None:
+    """Why this rank's epoch differs from rank 0's (``{"partitions", "sizes"}`` each), naming
+    the first partition that differs; None when they agree."""
+    if rank0["partitions"] != mine["partitions"]:
+        a, b = rank0["partitions"], mine["partitions"]
+        diff = sorted(set(a) ^ set(b)) or [next(x for x, y in zip(a, b) if x != y)]
+        return (f"rank {rank} and rank 0 train different partitions this epoch (first: {diff[0]}): "
+                "a partition was made or removed while they read the folder; resume with "
+                "--resume auto")  # fmt: skip
+    for p, n0, n in zip(mine["partitions"], rank0["sizes"], mine["sizes"]):
+        if n0 != n:
+            return (f"partition {p} has {n} trainable samples on rank {rank} but {n0} on rank 0: "
+                    "it was re-made while the ranks read it; resume with --resume auto")  # fmt: skip
+    return None
+
+
+def close_lightning_epoch(checkpoint: dict | None) -> None:
+    """Rewrite a checkpoint's Lightning loop state (before Lightning restores it) as if its
+    epoch had ended: the in-epoch batch, scheduler and optimizer counters at 0 and the epoch
+    counted complete. For a state saved inside Lightning's epoch whose data position moves to
+    the next epoch on resume (the step that ended the data's epoch; a changed order): Lightning
+    ends accumulation groups by its in-epoch batch counter, which would otherwise go on from
+    mid-epoch into the data's new epoch (a group of 2 of 4 micro-batches, the rest shifted)."""
+    fit = ((checkpoint or {}).get("loops") or {}).get("fit_loop")
+    if not fit or "epoch_loop.batch_progress" not in fit:
+        return
+    bp = fit["epoch_loop.batch_progress"]
+    bp["current"] = {k: 0 for k in bp["current"]}
+    bp["total"]["completed"] = bp["total"]["processed"]  # the last batch's end is behind it
+    bp["is_last_batch"] = False
+    for key in (
+        "epoch_loop.scheduler_progress",
+        "epoch_loop.manual_optimization.optim_step_progress",
+    ):
+        if key in fit:
+            fit[key]["current"] = {k: 0 for k in fit[key]["current"]}
+    opt = fit.get("epoch_loop.automatic_optimization.optim_progress", {}).get("optimizer", {})
+    for part in opt.values():
+        part["current"] = {k: 0 for k in part["current"]}
+    ep = fit.get("epoch_progress")
+    if ep:
+        for c in (ep["total"], ep["current"]):
+            c["ready"] = c["started"] = c["processed"] = c["completed"] = c["completed"] + 1
 
 
 class EmbeddingDataModule(L.LightningDataModule):
@@ -106,6 +151,10 @@ class EmbeddingDataModule(L.LightningDataModule):
         self._skipped: dict[str, str] = {}  # grow: complete but made with other settings
         self._fp_cache: dict[tuple, Fingerprint | None] = {}
         self._orders: dict[int, np.ndarray] = {}
+        #: the data moved on to the next epoch while Lightning's epoch (its batch counter, which
+        #: ends the accumulation groups) is still open: set by the epoch's last batch, cleared
+        #: by the next epoch's loader, saved in the state
+        self._epoch_end = False
 
     def _open(self, partitions: list[str]) -> ShardSource:
         return ShardSource(
@@ -128,13 +177,19 @@ class EmbeddingDataModule(L.LightningDataModule):
         if self.position != 0 or self._decided_epoch == self.epoch:
             return
         self._decided_epoch = self.epoch
-        complete = DataLayout(self.root).complete_partitions()
         trainer = getattr(self, "trainer", None)
-        if trainer is not None and trainer.world_size > 1:
-            complete = trainer.strategy.broadcast(complete, src=0)
-        found = complete if self.grow else (self.fixed or self._initial)
+        ddp = trainer is not None and trainer.world_size > 1
+        decided = None
+        if not ddp or trainer.is_global_zero:  # rank 0 reads the folder and the fingerprints
+            complete = DataLayout(self.root).complete_partitions()
+            found = complete if self.grow else (self.fixed or self._initial)
+            skipped = self._other_fingerprints(found) if self.grow else {}
+            decided = (complete, found, skipped)
+        if ddp:  # every rank takes rank 0's decision (a partition re-made in between: the same)
+            decided = trainer.strategy.broadcast(decided, src=0)
+        complete, found, skipped = decided
         self._available = complete
-        self._skipped = self._other_fingerprints(found) if self.grow else {}
+        self._skipped = skipped
         if self._skipped:
             found = [p for p in found if p not in self._skipped]
             log.warning(
@@ -153,6 +208,22 @@ class EmbeddingDataModule(L.LightningDataModule):
             self.partitions, self.source, self._orders = list(found), self._open(found), {}
             for p in found:
                 self.trained_counts.setdefault(p, 0)
+        if ddp:
+            self._agree_with_rank0(trainer)
+
+    def _agree_with_rank0(self, trainer) -> None:
+        """Every rank's partitions and sizes (trainable samples) are rank 0's, or every rank
+        stops with :class:`PartitionChangedError` naming the partition that differs (ranks with
+        different epoch lengths would wait for each other forever, or train other orders)."""
+        import torch.distributed as dist
+
+        mine = {"partitions": list(self.partitions), "sizes": [int(n) for n in self.source.sizes]}
+        theirs = trainer.strategy.broadcast(mine, src=0)
+        whys: list[str | None] = [None] * trainer.world_size
+        dist.all_gather_object(whys, rank_disagreement(theirs, mine, trainer.global_rank))
+        bad = [w for w in whys if w]
+        if bad:
+            raise PartitionChangedError(bad[0])
 
     def _other_fingerprints(self, partitions: list[str]) -> dict[str, str]:
         """Partitions whose shards were made with another fingerprint than this run's, and why
@@ -174,6 +245,7 @@ class EmbeddingDataModule(L.LightningDataModule):
         return out
 
     def train_dataloader(self) -> DataLoader | ThreadLoader:
+        self._epoch_end = False
         self._decide_epoch()
         rank, world = self._rank_world()
         g = self.batch_size * world
@@ -296,6 +368,7 @@ class EmbeddingDataModule(L.LightningDataModule):
         self.epoch, self.position = epoch, position + global_batch
         if self.position + global_batch > len(self._orders[epoch]):
             self.epoch, self.position = epoch + 1, 0
+            self._epoch_end = True
 
     def state_dict(self) -> dict:
         return {
@@ -310,6 +383,7 @@ class EmbeddingDataModule(L.LightningDataModule):
             "partitions": list(self.partitions),
             "trained_counts": dict(self.trained_counts),
             "ledger": [dict(s) for s in self.ledger if s["pos_to"] > s["pos_from"]],
+            **({"epoch_end": True} if self._epoch_end else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -357,6 +431,13 @@ class EmbeddingDataModule(L.LightningDataModule):
             self.epoch, self.position = epoch, position
             self._decided_epoch = epoch
             return
+        # saved inside Lightning's epoch (mid-epoch, or at the step that ended the data's): that
+        # epoch is closed in the checkpoint Lightning is about to restore its loops from, so that
+        # its batch counter starts the data's next epoch at 0, as uninterrupted
+        if position > 0 or state.get("epoch_end"):
+            trainer = getattr(self, "trainer", None)
+            connector = getattr(trainer, "_checkpoint_connector", None)
+            close_lightning_epoch(getattr(connector, "_loaded_checkpoint", None))
         if not changed and position == 0:
             self.epoch, self.position = epoch, 0  # a boundary: the new epoch decides anew
             return

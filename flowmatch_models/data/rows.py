@@ -19,6 +19,19 @@ log = logging.getLogger(__name__)
 #: preadv2's flag: read only what is in the page cache (Linux >= 4.14); 0 elsewhere
 NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 
+#: cleared (once, logged) in a process whose kernel or sandbox refuses ``RWF_NOWAIT`` with an
+#: error other than "not cached" (ENOSYS, EINVAL, EPERM: old kernels, seccomp): its reads are
+#: then all blocking ones, on the io threads
+_nowait = {"on": True}
+
+
+def _nowait_refused(e: OSError) -> None:
+    if _nowait["on"]:
+        _nowait["on"] = False
+        log.warning("preadv(RWF_NOWAIT) failed with %s (%s): this process reads with blocking "
+                    "reads on the loader's io threads from now on", errno.errorcode.get(
+                        e.errno, e.errno), e.strerror)  # fmt: skip
+
 
 class FileRows:
     """Rows of one array as stored in a shard file (raw values, or codes of a transform-coded
@@ -131,11 +144,14 @@ def read_rows(out: np.ndarray, rows: list, sizes: list[int], start: np.ndarray, 
         return
     preadv, missed = os.preadv, []
     for fd, off, a, z in runs:
+        if not _nowait["on"]:
+            missed.append((fd, off, a, z))
+            continue
         try:
             n = preadv(fd, [mv[a:z]], off, NOWAIT)
         except OSError as e:  # not in the page cache (or no RWF_NOWAIT here): the io threads'
             if e.errno not in (errno.EAGAIN, errno.EOPNOTSUPP):
-                raise
+                _nowait_refused(e)  # anything else: blocking reads from now on (said once)
             n = 0
         if n != z - a:
             missed.append((fd, off + n, a + n, z))

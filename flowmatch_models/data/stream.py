@@ -198,6 +198,7 @@ class ThreadLoader:
         self.ring = BatchRing(stream.source, stream.batch_size, 1, self.prefetch + 3,
                               shared=False)  # fmt: skip
         stream.ring = None  # this loader fills its ring itself
+        self._pass: Iterator[dict] | None = None  # the pass in progress
 
     def _task(self, k: int, epoch: int, g0: int, idx: np.ndarray, io: ReadPool | None) -> dict:
         slot = self.ring.slot(0, k)
@@ -207,6 +208,29 @@ class ThreadLoader:
         return batch
 
     def __iter__(self) -> Iterator[dict]:
+        """A new pass over the stream; the previous pass (Lightning iterates a loader twice an
+        epoch from epoch 1 on) is closed first: its threads joined, its ring slot released."""
+        if self._pass is not None:
+            self._pass.close()  # runs its finally: builder and io threads joined
+        self._pass = self._iterate()
+        return self._pass
+
+    def close(self) -> None:
+        """End the pass in progress (if any) and join its threads."""
+        if self._pass is not None:
+            self._pass.close()
+            self._pass = None
+
+    def _opened(self, part: int, f: Future) -> None:
+        """An io thread's opening ahead failed: said (the batch that needs the partition opens
+        it again in the building thread, and fails there if the error stays)."""
+        if not f.cancelled() and f.exception() is not None:
+            e = f.exception()
+            log.warning("loader: opening partition %s ahead failed (%s: %s); the batch that "
+                        "needs it opens it again", self.stream.source.partitions[part],
+                        type(e).__name__, e)  # fmt: skip
+
+    def _iterate(self) -> Iterator[dict]:
         plan = self.stream.plan()
         self.ring._held = None  # a new pass over the stream
         if self.threads == 0:
@@ -223,6 +247,7 @@ class ThreadLoader:
             for k, epoch, g0, idx, todo in plan:
                 if todo is not None and todo not in opening:  # opened by an io thread
                     opening[todo] = io.submit(self.stream.source._arrays, todo)
+                    opening[todo].add_done_callback(lambda f, t=todo: self._opened(t, f))
                 pending.append(builder.submit(self._task, k, epoch, g0, idx, io))
                 if len(pending) > self.prefetch:
                     yield self.ring.open(pending.popleft().result())

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from flowmatch_models.data.module import EmbeddingDataModule
 from flowmatch_models.figures.curves import loss_curve_now
 from flowmatch_models.storage.atomic import atomic_path
 from flowmatch_models.train.config import TrainConfig
+from flowmatch_models.train.signals import SignalStop, StoppedBySignal
+from flowmatch_models.train.state_writer import StateWriter
 
 
 class DiskFullError(OSError):
@@ -109,47 +112,96 @@ class CheckpointPolicy(Callback):
 
     - every ``checkpoint_every`` steps an EMA-only snapshot ``stepN-ema.ckpt`` (evaluation,
       export, the ledger), the newest ``keep_ema`` kept (0 = all);
-    - every ``full_every`` steps (and at the end) the full resumable state ``stepN.ckpt``
-      (weights, Adam, EMA, scheduler, data position), the newest ``keep_full`` kept;
-    - ``last.ckpt`` a hard link to the newest full state (no second copy), replaced atomically.
+    - the full resumable state ``stepN.ckpt`` (weights, Adam, EMA, scheduler, data position)
+      every ``full_every`` steps, and at the first step boundary after ``full_every_minutes``
+      of wall-clock time since the previous one (so a fault loses at most that much), on a
+      signal (:mod:`~flowmatch_models.train.signals`) and at the end; the newest ``keep_full``
+      kept. The training loop waits only for a host copy: the write runs in the background
+      (:class:`~flowmatch_models.train.state_writer.StateWriter`), one at a time;
+    - ``last.ckpt`` a hard link to the newest complete full state (no second copy), replaced
+      atomically once the state is in place.
 
+    Under DDP every decision is taken at the same optimizer-step boundary on every rank: rank 0
+    decides the wall-clock one, any rank's signal counts (one all-reduce per optimizer step).
     Every write is atomic; a full disk leaves the previous files intact and stops the run on
     every rank with one line (:class:`DiskFullError`)."""
 
     def __init__(self, ckpt_dir: Path, io: AtomicCheckpointIO, every: int, full_every: int,
-                 keep_full: int, keep_ema: int):  # fmt: skip
+                 keep_full: int, keep_ema: int, full_every_minutes: float | None = None,
+                 background: bool = True, stop: SignalStop | None = None):  # fmt: skip
         self.dir, self.io = Path(ckpt_dir), io
         self.every, self.full_every = every, full_every
         self.keep_full, self.keep_ema = max(1, keep_full), keep_ema
-        self._last_step = -1
+        self.interval_s = 60.0 * full_every_minutes if full_every_minutes else None
+        self.writer = StateWriter(background=background)
+        self.stop = stop if stop is not None else SignalStop()
+        self.stopped: StoppedBySignal | None = None
+        self.stalls: list[float] = []  # the training loop's wait per full state
+        self._boundary = -1  # the optimizer step whose boundary was handled last
+        self._full_step = -1  # the step of the newest full state (written or in flight)
+        self._t_full = time.monotonic()
+        self._need = 0  # bytes of the full state in flight (a disk-full message says it)
 
     @property
     def last(self) -> Path:
         return self.dir / "last.ckpt"
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self._last_step = trainer.global_step  # a resume does not re-save its own step
+        self._boundary = trainer.global_step  # a resume does not re-save its own step
+        self._t_full = time.monotonic()
+        self.stop.install()  # replaces Lightning's SIGTERM handler (installed by fit)
+        if trainer.received_sigterm:  # Lightning's handler saw one first: it is ours now
+            trainer._signal_connector.received_sigterm = False
+            self.stop.signum = self.stop.signum or signal.SIGTERM
+        if trainer.is_global_zero:  # what a killed write left behind takes disk space
+            for p in self.dir.glob(".tmp-step*.ckpt.*"):
+                p.unlink(missing_ok=True)
+
+    def _agree(self, trainer) -> tuple[int, bool]:
+        """(signal number or 0, wall-clock interval due): the same on every rank."""
+        due = bool(
+            self.interval_s and trainer.is_global_zero
+            and time.monotonic() - self._t_full >= self.interval_s
+        )  # fmt: skip
+        sig = int(self.stop.signum or 0)
+        if trainer.world_size > 1:
+            import torch.distributed as dist
+
+            flags = torch.tensor([sig, int(due)], device=trainer.strategy.root_device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            sig, due = (int(x) for x in flags.tolist())
+        return sig, bool(due)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
-        if step == self._last_step or step % min(self.every, self.full_every):
+        if step == self._boundary:  # inside an accumulation group
             return
-        self._last_step = step
+        self._boundary = step
+        sig, due = self._agree(trainer)
         if step % self.every == 0:
             self.save_ema(trainer, pl_module)
-        if step % self.full_every == 0:
+        if step % self.full_every == 0 or due or sig:
             self.save_full(trainer)
+        if sig:
+            self.stop.signum = self.stop.signum or sig
+            self.finish(trainer)  # the state is complete before the run says so
+            path = self.dir / self.full_name(trainer)
+            self.stopped = StoppedBySignal(self.stop.name, step, str(path))
+            trainer.should_stop = True
 
     def on_train_end(self, trainer, pl_module) -> None:
-        if (
-            self._last_step == trainer.global_step
-            and (self.dir / self.full_name(trainer)).is_file()
-        ):
-            return
-        self._last_step = trainer.global_step
-        if not (self.dir / self.ema_name(trainer)).is_file():
-            self.save_ema(trainer, pl_module)
-        self.save_full(trainer)
+        if self._full_step != trainer.global_step:
+            if not (self.dir / self.ema_name(trainer)).is_file():
+                self.save_ema(trainer, pl_module)
+            self.save_full(trainer)
+        self.finish(trainer)
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self.writer.wait()  # a state being written is completed (and linked), never cut
+
+    def finish(self, trainer) -> None:
+        """Wait for the write in flight; a full disk there stops every rank."""
+        self._raise_if_full(trainer, self._written(self.writer.wait()))
 
     @staticmethod
     def full_name(trainer) -> str:
@@ -165,24 +217,36 @@ class CheckpointPolicy(Callback):
         if msg:
             raise DiskFullError(errno.ENOSPC, msg)
 
+    def _written(self, error: BaseException | None) -> str | None:
+        """The one-line message of a full disk in the previous write (others re-raised)."""
+        if error is None:
+            return None
+        path = self.writer.failed_path
+        if path is None or not _is_disk_full(error, path.parent, self._need):
+            raise error
+        keep = self.last if self.last.is_file() else None
+        return disk_full_message(path, self._need, keep)
+
     def save_full(self, trainer) -> None:
+        """The full state of this step: dumped on every rank, written by rank 0 (in the
+        background); the previous write is waited for (and its disk-full error raised) first."""
+        self.finish(trainer)
         path = self.dir / self.full_name(trainer)
-        self.io.disk_full = None
-        trainer.save_checkpoint(path, weights_only=False)  # the full resumable state
-        msg = self.io.disk_full
-        if msg and self.last.is_file():
-            msg = msg.replace(
-                "no earlier checkpoint", f"the previous checkpoint {self.last} is intact"
-            )
-        if trainer.is_global_zero and not msg:
-            try:
-                _link_atomic(path, self.last)
-            except OSError as e:
-                if not _is_disk_full(e):
-                    raise
-                msg = disk_full_message(self.last, 0, path)
-            self._prune(full=True)
-        self._raise_if_full(trainer, msg)
+        t0 = time.perf_counter()
+        ckpt = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        if trainer.is_global_zero:
+            self._need = payload_bytes(ckpt)
+            self.writer.save(ckpt, path, self._link_and_prune)
+            self.stalls.append(time.perf_counter() - t0)
+        self._full_step = trainer.global_step
+        self._t_full = time.monotonic()
+        if not self.writer.background:
+            self.finish(trainer)
+
+    def _link_and_prune(self, path: Path) -> None:
+        """On the writer's thread once ``path`` is in place: ``last.ckpt`` -> it, old pruned."""
+        _link_atomic(path, self.last)
+        self._prune(full=True)
 
     def save_ema(self, trainer, pl_module) -> None:
         msg = None

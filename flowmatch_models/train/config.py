@@ -203,6 +203,12 @@ class TrainerConfig(_Section):
         description="Full resumable state stepN.ckpt (weights, Adam, EMA) cadence; null = "
         "checkpoint_every. Also at the end of every session.",
     )  # fmt: skip
+    full_every_minutes: float | None = Field(
+        30.0, ge=0,
+        description="Also a full resumable state at the first step boundary this many minutes "
+        "(wall clock) after the previous one: a crash or preemption loses at most this much "
+        "(half on average; flowmatch budget); written in the background. null/0 = steps only.",
+    )  # fmt: skip
     keep_full: int = Field(2, ge=1, description="Newest full states kept (last.ckpt links one).")
     keep_ema: int = Field(0, ge=0, description="Newest EMA snapshots kept; 0 = all.")
     val_every: int = Field(
@@ -355,11 +361,15 @@ def checkpoint_disk_plan(cfg: TrainConfig, params: int, transformer_params: int)
     n_ema = t.max_steps // t.checkpoint_every
     kept_ema = n_ema if t.keep_ema == 0 else min(n_ema, t.keep_ema)
     kept_full = min(max(1, t.max_steps // full_every), t.keep_full)
+    if t.full_every_minutes:  # states on the clock too: as many as the retention keeps
+        kept_full = t.keep_full
     return {
         "full_state_bytes": full,
         "ema_snapshot_bytes": ema,
         "full_states_kept": kept_full,
         "ema_snapshots_kept": kept_ema,
         "total_bytes": kept_full * full + kept_ema * ema,
+        # while a full state is written its temporary file sits beside the kept ones
+        "peak_bytes": (kept_full + 1) * full + kept_ema * ema,
         "without_retention_bytes": (t.max_steps // t.checkpoint_every) * full + full,
     }

@@ -234,3 +234,30 @@ def freeze(model: torch.nn.Module, prefixes: list[str]) -> int:
                 names[k].requires_grad_(False)
                 n += names[k].numel()
     return n
+
+
+def ema_start_share(decay: float, age: int, steps: int) -> float:
+    """The share of an EMA's value at the start of ``steps`` updates still in it at their end,
+    with ``d = min(decay, (1 + n) / (10 + n))`` at age ``n`` from ``age`` on (FlowMatchModule's
+    update_ema): ~0 for a new EMA (the ramp), ``decay ** steps`` for an old one."""
+    import numpy as np
+
+    n = np.arange(age, age + max(0, steps), dtype=np.float64)
+    d = np.minimum(decay, (1 + n) / (10 + n))
+    return float(np.exp(np.log(d).sum())) if len(d) else 1.0
+
+
+def ema_warning(decay: float, age: int, steps: int, parent: dict | None) -> str | None:
+    """A note when the run is too short for its EMA: over 10% of the EMA at the end is still
+    what it started from (a fine-tune's parent EMA, averaged over ~1/(1-decay) steps)."""
+    share = ema_start_share(decay, age, steps)
+    if share <= 0.1 or steps <= 0:
+        return None
+    start = f"{parent['run']}'s EMA (init.weights=ema)" if parent else "its start"
+    fix = max(0.0, 1 - 5 / steps)
+    return (
+        f"note: optim.ema_decay {decay} averages over ~{1 / max(1 - decay, 1e-12):,.0f} steps; "
+        f"after this run's {steps:,} steps {share:.0%} of its EMA is still {start}: set "
+        f"optim.ema_decay <= {fix:.4g} for a run this long"
+        + (", or init.weights=raw (a new EMA from the parent's weights)" if parent else "")
+    )

@@ -346,8 +346,12 @@ class FlowMatchModule(L.LightningModule):
 
     def ema_steps(self) -> int:
         """Optimizer steps the EMA has averaged: this run's, plus its parent's for a fine-tune
-        (its EMA starts as the parent's, already ``parent["step"]`` steps old)."""
-        return int(self.global_step) + (int(self.parent["step"]) if self.parent else 0)
+        that took its parent's EMA (``init.weights=ema``: already ``parent["step"]`` steps
+        old). An EMA taken from the parent's raw weights (``init.weights=raw``) has averaged
+        nothing yet: its age starts at 0 (the warm-up ramp, as a new run's)."""
+        p = self.parent
+        old = int(p["step"]) if p and p.get("weights", "ema") == "ema" else 0
+        return int(self.global_step) + old
 
     def update_ema(self) -> None:
         """``ema = d ema + (1 - d) w`` with ``d = min(decay, (1 + n) / (10 + n))``, ``n`` the

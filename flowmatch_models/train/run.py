@@ -36,6 +36,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from flowmatch_models.data.module import EmbeddingDataModule
 from flowmatch_models.data.order import OrderChangedError
@@ -58,6 +59,7 @@ from flowmatch_models.train.callbacks import (
 )
 from flowmatch_models.train.config import ConfigError, TrainConfig, load_config
 from flowmatch_models.train.module import FlowMatchModule, NonFiniteStepsError
+from flowmatch_models.train.signals import EXIT_STOPPED, SignalStop, StoppedBySignal
 
 __all__ = ["TrainRequest", "TrainResult", "main", "train"]
 
@@ -116,6 +118,7 @@ class TrainResult:
     skipped_steps: int = 0  # optimizer steps skipped for non-finite gradients, since the run began
     disk_bytes: int = 0  # the run folder on disk (checkpoints, exports, logs), hard links once
     parent: dict | None = None  # a fine-tune's parent run, step and digest (finetune.py)
+    stopped: str | None = None  # stopped by a signal: the line saying so (exit EXIT_STOPPED)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -244,6 +247,10 @@ def _fit(request: TrainRequest, cfg: TrainConfig, pipes) -> TrainResult:
         for note in finetune.load_parent(module, request.parent, dm.source.widths):
             print(f"init from {request.parent['run']} step {request.parent['step']} "
                   f"({request.parent['weights']}): {note}", flush=True)  # fmt: skip
+        note = finetune.ema_warning(cfg.optim.ema_decay, module.ema_steps(), t.max_steps,
+                                    request.parent)  # fmt: skip
+        if note and distributed.is_launcher():
+            print(note, flush=True)
     elif request.parent:  # a resume: the weights are its own; the same parts stay frozen
         finetune.freeze(module.model, request.parent.get("freeze") or [])
     elif cfg.model.text_norm and ckpt_path is None:  # a resume keeps its first session's
@@ -268,9 +275,11 @@ def _fit(request: TrainRequest, cfg: TrainConfig, pipes) -> TrainResult:
         loggers.append(wandb_run.make_logger(cfg, run_dir, distributed.is_launcher(), coverage,
                                              request.parent))  # fmt: skip
     ckpt_io = AtomicCheckpointIO()
+    stop = SignalStop()  # a signal from here on is a stop with a full state saved
+    stop.install()
     ckpt_cb = CheckpointPolicy(
         run_dir / "checkpoints", ckpt_io, t.checkpoint_every, t.full_every or t.checkpoint_every,
-        t.keep_full, t.keep_ema,
+        t.keep_full, t.keep_ema, full_every_minutes=t.full_every_minutes, stop=stop,
     )  # fmt: skip
     grid_cb = SampleGridCallback(cfg, dm)
     callbacks = [ckpt_cb, ProgressPrinter(t.log_every, pipes), grid_cb]
@@ -288,7 +297,18 @@ def _fit(request: TrainRequest, cfg: TrainConfig, pipes) -> TrainResult:
     )  # fmt: skip
     samples_before = _samples_in(ckpt_path)
     t0 = time.perf_counter()
-    trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
+    try:
+        trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
+    except SIGTERMException:  # Lightning's handler won before ours was installed: nothing new
+        ckpt_cb.writer.wait()
+        last = run_dir / "checkpoints" / "last.ckpt"
+        raise StoppedBySignal(
+            "SIGTERM", _checkpoint_step(str(last)) if last.is_file() else 0,
+            str(last) if last.is_file() else None,
+        ) from None  # fmt: skip
+    finally:
+        stop.restore()
+        ckpt_cb.writer.release()
     total = int(sum(dm.trained_counts.values()))
     result = TrainResult(
         run_dir=str(run_dir),
@@ -311,6 +331,10 @@ def _fit(request: TrainRequest, cfg: TrainConfig, pipes) -> TrainResult:
         parent=request.parent,
     )
     result.metrics["val_loss"] = module.last_validation.get("val/loss")
+    if ckpt_cb.stopped is not None:  # a signal: the state is saved, quickly out (no export)
+        result.stopped = str(ckpt_cb.stopped)
+        result.checkpoint = ckpt_cb.stopped.checkpoint
+        return result
     if not trainer.is_global_zero:
         return result
     _finish_outputs(result, cfg, trainer, module, dm, grid_cb, loggers)
@@ -464,7 +488,13 @@ def _error(line: str, code: int) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI: flags -> TrainRequest -> :func:`train` -> TrainResult (and Pipes, under Dagster)."""
+    """CLI: flags -> TrainRequest -> :func:`train` -> TrainResult (and Pipes, under Dagster).
+
+    Exit codes: 0 done; 2 a mistake in the request (config, order change, missing file); 3 the
+    run stopped itself (non-finite steps, full disk, a partition re-made mid-epoch);
+    75 (:data:`~flowmatch_models.train.signals.EXIT_STOPPED`) stopped by SIGTERM, SIGINT or
+    SIGUSR1 after saving a full state (resume with ``--resume auto``); 128 + N a second signal N
+    (exited at once)."""
     ap = argparse.ArgumentParser(prog="python -m flowmatch_models.train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--config", help="run YAML (see configs/tiny.yaml)")
@@ -496,6 +526,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _error(f"error: {e}", 2)
         except (NonFiniteStepsError, DiskFullError, PartitionChangedError) as e:  # stopped itself
             return _error(f"error: {e.strerror if isinstance(e, DiskFullError) else e}", 3)
+        except StoppedBySignal as e:
+            return _error(str(e), EXIT_STOPPED)
+        if result.stopped:  # a signal: the full state is saved; one line (the launcher's), 75
+            if pipes is not None and result.is_global_zero:
+                pipes.report_custom_message({"train_result": result.to_dict()})
+            if not distributed.is_launcher():
+                return EXIT_STOPPED
+            return _error(result.stopped, EXIT_STOPPED)
         if pipes is not None and result.is_global_zero:
             pipes.report_custom_message({"train_result": result.to_dict()})
             pipes.report_asset_materialization(metadata=result.materialization_metadata())
