@@ -481,8 +481,10 @@ def default_storage(root: Path, arrays: dict, ids: list[str], tokens, seed_forma
     host_s = _best_time(host, repeat)
     stored_batches = host()
     cpu_s = _best_time(
-        lambda: [decode_batch(b, cpu_tables, src.scaling_factor, "cpu", src.null_first())
-                 for b in stored_batches],
+        lambda: [
+            decode_batch(b, cpu_tables, src.scaling_factor, "cpu", src.null_first())
+            for b in stored_batches
+        ],
         max(1, repeat - 1),
     )
     errors = {name: {k: round(a["lossy"][k], 6) for k in ("min_cosine", "mean_cosine", "rel_rms")}
