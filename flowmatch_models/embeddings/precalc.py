@@ -29,9 +29,6 @@ from flowmatch_models.encoders.spec import EncoderSpec
 from flowmatch_models.storage.fingerprint import ATTR as FINGERPRINT_ATTR
 from flowmatch_models.storage.fingerprint import weights_identity
 
-#: tokenizes a partition's captions beside the image encoders' work
-_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flowmatch-tokenize")
-
 
 @dataclass
 class Encoded:
@@ -81,59 +78,65 @@ def encode_partition(
     parts: dict[str, dict[str, list[np.ndarray]]] = {k.name: {} for k in kinds}
     secs = dict.fromkeys(parts, 0.0)
     caption_kinds = [k for k in kinds if k.role.input == "captions"]
-    tokens = {  # tokenized while the images are encoded (the tokenizer loads on this thread)
-        k.name: _POOL.submit(encs[k.name].tokenize, captions) for k in caption_kinds
-    }
+    tok_pool = ThreadPoolExecutor(1, thread_name_prefix="flowmatch-tokenize")
+    try:
+        tokens = {  # tokenized on a thread while the images are encoded
+            k.name: tok_pool.submit(encs[k.name].tokenize, captions) for k in caption_kinds
+        }
 
-    def run(kind: EmbeddingKind, batch: Any) -> dict[str, np.ndarray]:
-        t0 = time.perf_counter()
-        got = kind.role.encode(encs[kind.name], batch)
-        secs[kind.name] += time.perf_counter() - t0
-        return got
+        def run(kind: EmbeddingKind, batch: Any) -> dict[str, np.ndarray]:
+            t0 = time.perf_counter()
+            got = kind.role.encode(encs[kind.name], batch)
+            secs[kind.name] += time.perf_counter() - t0
+            return got
 
-    image_kinds = [k for k in kinds if k.role.input == "images"]
-    sizes = np.stack([meta.column("height").to_numpy(), meta.column("width").to_numpy()], 1)
-    one_size = len(np.unique(sizes, axis=0)) <= 1
-    if image_kinds:
-        # each bucket (image size) encoded in batches of its own; rows back in shard order
-        rows: dict[str, dict[str, list[np.ndarray | None]]] = {k.name: {} for k in image_kinds}
-        pending: dict[tuple[int, int], list[tuple[int, np.ndarray]]] = {}
+        image_kinds = [k for k in kinds if k.role.input == "images"]
+        sizes = np.stack([meta.column("height").to_numpy(), meta.column("width").to_numpy()], 1)
+        one_size = len(np.unique(sizes, axis=0)) <= 1
+        if image_kinds:
+            # each bucket (image size) encoded in batches of its own; rows back in shard order
+            rows: dict[str, dict[str, list[np.ndarray | None]]] = {k.name: {} for k in image_kinds}
+            pending: dict[tuple[int, int], list[tuple[int, np.ndarray]]] = {}
 
-        def flush(size: tuple[int, int]) -> None:
-            batch = pending.pop(size)
-            imgs = np.stack([im for _, im in batch])
+            def flush(size: tuple[int, int]) -> None:
+                batch = pending.pop(size)
+                imgs = np.stack([im for _, im in batch])
+                for k in image_kinds:
+                    for key, arr in run(k, imgs).items():
+                        col = rows[k.name].setdefault(key, [None] * n)
+                        for (i, _), x in zip(batch, arr):
+                            col[i] = x
+
+            done = 0
+            threads = min(4, os.cpu_count() or 1)  # decoding keeps up with a fast GPU
+            batches = iter_image_batches(images_path, batch_size=spec.batch_size, threads=threads)
+            for _, _, imgs in prefetched(batches, depth=2):
+                for im in imgs:
+                    pending.setdefault(im.shape[:2], []).append((done, im))
+                    if len(pending[im.shape[:2]]) >= spec.batch_size:
+                        flush(im.shape[:2])
+                    done += 1
+                log(f"images {done}/{n}")
+            for size in list(pending):
+                flush(size)
             for k in image_kinds:
-                for key, arr in run(k, imgs).items():
-                    col = rows[k.name].setdefault(key, [None] * n)
-                    for (i, _), x in zip(batch, arr):
-                        col[i] = x
-
-        done = 0
-        threads = min(4, os.cpu_count() or 1)  # decoding keeps up with a fast GPU
-        batches = iter_image_batches(images_path, batch_size=spec.batch_size, threads=threads)
-        for _, _, imgs in prefetched(batches, depth=2):
-            for im in imgs:
-                pending.setdefault(im.shape[:2], []).append((done, im))
-                if len(pending[im.shape[:2]]) >= spec.batch_size:
-                    flush(im.shape[:2])
-                done += 1
-            log(f"images {done}/{n}")
-        for size in list(pending):
-            flush(size)
-        for k in image_kinds:
-            for key, col in rows[k.name].items():
-                if one_size:
-                    parts[k.name][key] = [np.stack(col)]
-                else:
-                    parts[k.name][key] = [_cells(key, col)]
-            if not one_size:
-                parts[k.name]["grid"] = [(sizes // GRID).astype(np.int32)]
-    for k in caption_kinds:
-        ids_of = tokens[k.name].result()
-        for i in range(0, len(captions), spec.batch_size):
-            batch = CaptionBatch(captions[i : i + spec.batch_size], ids_of[i : i + spec.batch_size])
-            for key, arr in run(k, batch).items():
-                parts[k.name].setdefault(key, []).append(arr)
+                for key, col in rows[k.name].items():
+                    if one_size:
+                        parts[k.name][key] = [np.stack(col)]
+                    else:
+                        parts[k.name][key] = [_cells(key, col)]
+                if not one_size:
+                    parts[k.name]["grid"] = [(sizes // GRID).astype(np.int32)]
+        for k in caption_kinds:
+            ids_of = tokens[k.name].result()
+            for i in range(0, len(captions), spec.batch_size):
+                batch = CaptionBatch(
+                    captions[i : i + spec.batch_size], ids_of[i : i + spec.batch_size]
+                )
+                for key, arr in run(k, batch).items():
+                    parts[k.name].setdefault(key, []).append(arr)
+    finally:
+        tok_pool.shutdown(wait=True)  # no thread outlives the partition
 
     out = {}
     for k in kinds:
