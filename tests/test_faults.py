@@ -465,3 +465,42 @@ def test_ranks_that_see_a_partition_differently_both_stop_naming_it(tmp_path) ->
     want = ("partition 000-01 has 19 trainable samples on rank 1 but 20 on rank 0: it was "
             "re-made while the ranks read it; resume with --resume auto")  # fmt: skip
     assert got == {0: want, 1: want}
+
+
+_RANK1_FAULT = """\
+import os, sys
+from flowmatch_models.data import module, source
+if os.environ.get("LOCAL_RANK") == "1":  # only the rank the launcher started
+    calls, real = [0], module.EmbeddingDataModule.decode_batch
+    def decode_batch(self, batch, device):  # as ShardSource.tables raises on a re-made file
+        calls[0] += 1
+        if calls[0] > 4:
+            raise source.PartitionChangedError("partition '000-00': re-made (planted)")
+        return real(self, batch, device)
+    module.EmbeddingDataModule.decode_batch = decode_batch
+from flowmatch_models.train.run import main
+sys.exit(main())
+"""
+
+
+def test_a_partition_changed_on_one_other_rank_gives_its_line_and_exit_3(store, tmp_path):
+    """2 gloo ranks; rank 1 alone (not the launcher) hits a PartitionChangedError mid-run. Before,
+    Lightning's child observer SIGKILLed the launcher: exit -9 and no line. Now the launcher
+    says the rank's one line on stderr and in $FLOWMATCH_ERROR_FILE and exits 3."""
+    over = dict(trainer__max_steps=100_000, trainer__log_every=1, trainer__full_every=1000,
+                trainer__checkpoint_every=1000, trainer__devices=2, trainer__strategy="ddp",
+                trainer__accelerator="cpu", trainer__accumulate_grad_batches=1)  # fmt: skip
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump(tiny_config(store, tmp_path / "out", **over)))
+    script = tmp_path / "rank1_fault.py"
+    script.write_text(_RANK1_FAULT)
+    err_file = tmp_path / "error.txt"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--config", str(cfg)], cwd=tmp_path,
+        env={**_env(), "FLOWMATCH_ERROR_FILE": str(err_file)}, capture_output=True, text=True,
+        timeout=240,
+    )  # fmt: skip
+    want = "error: partition '000-00': re-made (planted)"
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")] == [want, want]
+    assert err_file.read_text() == want

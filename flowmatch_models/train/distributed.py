@@ -42,3 +42,131 @@ def device_description(trainer) -> str:
         name = f"cuda ({torch.cuda.get_device_name(dev)})"
     world = int(trainer.world_size)
     return f"{name}{f' x {world}' if world > 1 else ''}, {trainer.precision}"
+
+
+# --------------------------------------------------------------------------------------------
+# a rank's one-line error reaches the launcher
+# --------------------------------------------------------------------------------------------
+
+#: the folder where a rank other than the launcher leaves its one-line error before it exits
+RANK_ERRORS_ENV = "FLOWMATCH_RANK_ERRORS"
+
+
+def publish_rank_errors(folder: Path) -> None:
+    """In the launcher, before the ranks start: where they leave their one-line errors, and
+    watch them (:func:`watch_ranks`)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob("rank*.json"):  # a previous session's
+        old.unlink(missing_ok=True)
+    os.environ[RANK_ERRORS_ENV] = str(folder)
+    watch_ranks()
+
+
+def record_rank_error(line: str, code: int) -> None:
+    """In a rank the launcher started: leave the one line and exit code for the launcher."""
+    folder = os.environ.get(RANK_ERRORS_ENV)
+    if is_launcher() or not folder:
+        return
+    import json
+
+    from flowmatch_models.storage.atomic import atomic_write_text
+
+    rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "?"))
+    atomic_write_text(Path(folder) / f"rank{rank}.json", json.dumps({"line": line, "code": code}))
+
+
+def rank_error(folder: Path) -> tuple[str, int] | None:
+    """The first recorded rank error (lowest rank) in ``folder``: (line, exit code)."""
+    import json
+
+    for path in sorted(folder.glob("rank*.json")):
+        try:
+            got = json.loads(path.read_text())
+            return str(got["line"]), int(got["code"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
+#: the rank processes this launcher started (Lightning's ``Popen`` objects), once started
+_STARTED: list = []
+
+
+def rank_failure(wait_s: float = 10.0) -> tuple[str, int] | None:
+    """In the launcher, after its training raised: the one line and exit code a rank it
+    started left (:func:`record_rank_error`), waiting up to ``wait_s`` for the ranks to exit;
+    None when it started none or none left a line (the launcher's own failure). A rank's
+    failure reaches the launcher as a broken collective (gloo: "Connection closed by peer")
+    sooner than as a line."""
+    import time
+
+    folder = os.environ.get(RANK_ERRORS_ENV)
+    if not _STARTED or not folder or not is_launcher():
+        return None
+    deadline = time.monotonic() + wait_s
+    while any(p.poll() is None for p in _STARTED) and time.monotonic() < deadline:
+        if rank_error(Path(folder)) is not None:
+            break
+        time.sleep(0.05)
+    return rank_error(Path(folder))
+
+
+def watch_ranks() -> None:
+    """Make Lightning's child-process observer report a rank's own error.
+
+    When a rank the launcher started exits non-zero, Lightning's ``_ChildProcessObserver``
+    SIGKILLs every process, the launcher included: the run ended with exit -9 and the rank's
+    line lost among its traceback. Here the observer first reads the line the rank left
+    (:func:`record_rank_error`), then kills the other ranks and exits the launcher with that
+    line on stderr (and in ``$FLOWMATCH_ERROR_FILE``) and the rank's exit code. A rank that
+    stopped on a signal (exit :data:`~flowmatch_models.train.signals.EXIT_STOPPED`) is not a
+    failure: the ranks agreed to stop at the same step and the launcher stops by itself."""
+    try:
+        from lightning.fabric.strategies.launchers import subprocess_script as sub
+    except ImportError:  # pragma: no cover - Lightning without the observer
+        return
+    base = getattr(sub, "_ChildProcessObserver", None)
+    if base is None or getattr(base, "_flowmatch", False):
+        return
+
+    class RankObserver(base):  # type: ignore[misc, valid-type]
+        _flowmatch = True
+
+        def __init__(self, main_pid: int, child_processes: list, *a, **k) -> None:
+            super().__init__(main_pid, child_processes, *a, **k)
+            _STARTED[:] = child_processes
+
+        def _run(self) -> bool:
+            from flowmatch_models.train.signals import EXIT_STOPPED
+
+            for proc in self._child_processes:
+                proc.poll()
+            codes = [p.returncode for p in self._child_processes]
+            if all(c is not None and c in (0, EXIT_STOPPED) for c in codes):
+                return True  # done, or stopped at the agreed step (the launcher stops too)
+            if any(c not in (None, 0, EXIT_STOPPED) for c in codes):
+                self._terminate_all()
+                return True
+            return False
+
+        def _terminate_all(self) -> None:
+            import signal
+            import sys
+
+            folder = os.environ.get(RANK_ERRORS_ENV)
+            got = rank_error(Path(folder)) if folder else None
+            for p in self._child_processes:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGKILL)
+            if got is None:  # a crash without a line (killed, segfault): Lightning's way
+                super()._terminate_all()
+                return
+            line, code = got
+            print(line, file=sys.stderr, flush=True)
+            if os.environ.get("FLOWMATCH_ERROR_FILE"):
+                from flowmatch_models.storage.atomic import atomic_write_text
+
+                atomic_write_text(os.environ["FLOWMATCH_ERROR_FILE"], line)
+            os._exit(code)
+
+    sub._ChildProcessObserver = RankObserver

@@ -225,6 +225,7 @@ def train(request: TrainRequest, pipes=None) -> TrainResult:
         if request.resume == "none":  # a new run (or a restart): its parent, or none
             finetune.write_lineage(cfg.run_dir(), request.parent)
         distributed.publish_request(path)
+        distributed.publish_rank_errors(cfg.run_dir() / ".rank_errors")
     return _fit(request, cfg, pipes)
 
 
@@ -482,6 +483,7 @@ def _error(line: str, code: int) -> int:
     """Print the one-line error; also into ``$FLOWMATCH_ERROR_FILE`` when the caller (the
     training assets) asked for it, so that the UI's failure names it."""
     print(line, file=sys.stderr)
+    distributed.record_rank_error(line, code)  # another rank's: the launcher says it (and exits)
     if os.environ.get("FLOWMATCH_ERROR_FILE") and distributed.is_launcher():
         atomic_write_text(os.environ["FLOWMATCH_ERROR_FILE"], line)
     return code
@@ -528,6 +530,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _error(f"error: {e.strerror if isinstance(e, DiskFullError) else e}", 3)
         except StoppedBySignal as e:
             return _error(str(e), EXIT_STOPPED)
+        except Exception:  # a rank the launcher started failed first: its line, its exit code
+            got = distributed.rank_failure()
+            if got is None:
+                raise
+            return _error(*got)
         if result.stopped:  # a signal: the full state is saved; one line (the launcher's), 75
             if pipes is not None and result.is_global_zero:
                 pipes.report_custom_message({"train_result": result.to_dict()})
