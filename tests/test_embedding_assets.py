@@ -311,3 +311,30 @@ def test_one_run_of_many_partitions_publishes_each_as_a_run_of_one_does(
         failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
         msg = failure.step_failure_data.user_failure_data.description
         assert msg.startswith("1 of 2 partitions failed (1 published): 000-00: partition 000-00 has no images shard")  # fmt: skip
+
+
+def test_a_partition_read_ahead_is_one_version_of_its_file(tmp_path) -> None:
+    """The precalc reads partition i+1 while it encodes i (issue 35): its rows and its image
+    batches come from one version of the file even when ``images`` re-makes it (atomic
+    replace) in between, so the ids stored beside the arrays are the rows encoded; closing
+    joins every thread it started."""
+    import os
+    import threading
+
+    from flowmatch_assets.bench.precompute import write_images
+    from flowmatch_models.embeddings.precalc import Ahead
+    from flowmatch_models.storage.layout import DataLayout
+
+    old, new = tmp_path / "old", tmp_path / "new"
+    write_images(old, 1, 12)
+    write_images(new, 2, 12)  # its 000-00 has other captions' order; take 000-01's rows
+    path = DataLayout(old).asset_path("images", "000-00")
+    ahead = Ahead(path, [KINDS["vae_latents"]], {}, batch_size=5)
+    ids = ahead.meta().column("id").to_pylist()
+    os.replace(DataLayout(new).asset_path("images", "000-01"), path)  # re-made under it
+    got = [i for batch_ids, _, imgs in ahead.batches() for i in batch_ids]
+    ahead.close()
+    assert ids == [f"000-00-{i:06d}" for i in range(12)]
+    assert got == ids  # the old file's rows, not 000-01-...
+    assert read_image_meta(path).column("id").to_pylist()[0] == "000-01-000000"
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("flowmatch-")]

@@ -30,7 +30,7 @@ from flowmatch_assets.freshness.fingerprints import fresh_result, staleness
 from flowmatch_assets.freshness.fingerprints import stored as shard_fp
 from flowmatch_models.embeddings.checks import shard_problems
 from flowmatch_models.embeddings.kinds import KINDS, EmbeddingKind
-from flowmatch_models.embeddings.precalc import encode_partition
+from flowmatch_models.embeddings.precalc import Ahead, encode_partition, read_ahead
 from flowmatch_models.encoders.devices import lease_device
 from flowmatch_models.storage.fingerprint import ATTR as FINGERPRINT_ATTR
 from flowmatch_models.storage.fingerprint import Fingerprint, weights_cache_file
@@ -88,15 +88,30 @@ def build_encode_embeddings(kinds: Sequence[EmbeddingKind]) -> dg.AssetsDefiniti
 
 
 def _encode(
-    context, flowmatch: FlowmatchResource, part: str, selected: list[EmbeddingKind], device: str
+    context,
+    flowmatch: FlowmatchResource,
+    part: str,
+    selected: list[EmbeddingKind],
+    device: str,
+    ahead: Ahead | None = None,
 ):
     """``(ids, {kind: Encoded})`` of one partition on the leased ``device`` (encoders shared
-    across partitions)."""
+    across partitions; ``ahead``: this partition read ahead, :func:`_read_ahead`, closed here)."""
+    try:
+        src = flowmatch.layout.asset_path("images", part)
+        if ahead is None and not src.exists():
+            raise dg.Failure(f"partition {part} has no images shard ({src}); materialize images first")  # fmt: skip
+        ahead = ahead or _read_ahead(flowmatch, part, selected, device)
+        return _encode_one(context, flowmatch, part, selected, device, ahead)
+    finally:
+        if ahead is not None:
+            ahead.close()
+
+
+def _encode_one(context, flowmatch, part: str, selected, device: str, ahead: Ahead):
     spec = flowmatch.encoders
-    src = flowmatch.layout.asset_path("images", part)
-    if not src.exists():
-        raise dg.Failure(f"partition {part} has no images shard ({src}); materialize images first")
-    ids = read_image_meta(src).column("id").to_pylist()
+    src = ahead.path
+    ids = ahead.meta().column("id").to_pylist()  # the rows encoded (one version of the file)
     if not ids:  # an empty shard never replaces a good one (nor is written at all)
         raise dg.Failure(
             f"partition {part}: images has 0 images, nothing to encode; the existing "
@@ -109,11 +124,35 @@ def _encode(
         selected,
         spec,
         device,
-        log=lambda m: context.log.info(f"{part}: {m}"),
+        log=_every(10.0, lambda m: context.log.info(f"{part}: {m}")),
         inputs=fingerprints.inputs_of(flowmatch, selected[0].name, part),
         weights_cache=weights_cache_file(flowmatch.data_root),
+        ahead=ahead,
     )
     return ids, encoded
+
+
+def _every(seconds: float, log):
+    """``log`` at most once per ``seconds`` (a progress line per batch would be an event in
+    Dagster's storage per batch: ~160 a PD12M partition)."""
+    last = [-float("inf")]
+
+    def say(m: str) -> None:
+        now = time.monotonic()
+        if now - last[0] >= seconds:
+            last[0] = now
+            log(m)
+
+    return say
+
+
+def _read_ahead(flowmatch: FlowmatchResource, part: str, selected, device: str) -> Ahead | None:
+    """``part``'s images shard read ahead (rows, tokens, first batches) while the one before it
+    is encoded; None when it has no shard (its encode says so)."""
+    src = flowmatch.layout.asset_path("images", part)
+    if not src.exists():
+        return None
+    return read_ahead(src, selected, flowmatch.encoders, device, weights_cache_file(flowmatch.data_root))  # fmt: skip
 
 
 @dataclass
@@ -205,10 +244,17 @@ def encode_many(context, flowmatch: FlowmatchResource, selected: list[EmbeddingK
 
     with lease_device(flowmatch.encoders.device) as device:
         with ThreadPoolExecutor(1, thread_name_prefix="flowmatch-publish") as writer:
+            ahead: Ahead | None = None  # the next partition, read while this one encodes
             try:
                 for i, part in enumerate(keys):
+                    cur, ahead = ahead, None
                     try:
-                        ids, encoded = _encode(context, flowmatch, part, selected, device)
+                        if i + 1 < n:
+                            try:
+                                ahead = _read_ahead(flowmatch, keys[i + 1], selected, device)
+                            except Exception:  # noqa: BLE001 - that partition's encode says why
+                                ahead = None
+                        ids, encoded = _encode(context, flowmatch, part, selected, device, cur)
                     except Exception as exc:  # noqa: BLE001 - this partition fails alone
                         fail(part, "", _error(exc))
                         encoded = None
@@ -222,6 +268,8 @@ def encode_many(context, flowmatch: FlowmatchResource, selected: list[EmbeddingK
                     rate = (i + 1) / max(time.perf_counter() - t0, 1e-9)
                     context.log.info(f"[{i + 1}/{n}] {part} encoded ({rate * 60:.1f} partitions/min)")  # fmt: skip
             finally:  # stopped, crashed or done: what was published is reported
+                if ahead is not None:
+                    ahead.close()
                 if pending is not None:
                     report(*pending)
     yield from _run_checks(selected, published)

@@ -8,8 +8,8 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,7 +48,7 @@ def encode_partition(
     log: Callable[[str], None] = print,
     inputs: dict[str, str | None] | None = None,
     weights_cache: str | Path | None = None,
-    shared: bool = True,
+    ahead: Ahead | None = None,
 ) -> dict[str, Encoded]:
     """Compute ``kinds`` for the images shard at ``images_path`` on ``device``: one pass
     over the images for every image kind, one over the captions for every caption kind.
@@ -57,86 +57,196 @@ def encode_partition(
     :func:`kind_inputs`; ``inputs``: the images partition's fingerprint hash, which the caller
     knows).
 
-    The encoders are loaded once per process (``shared``: :func:`shared_encoders`, by kind,
-    settings and weights identity), so a run over many partitions pays each load once. The
-    device never waits on the host for long: the next image batch is read and decoded on a
-    thread while the current one is encoded, and the captions are tokenized on another thread
-    while the images are encoded."""
-    from flowmatch_models.encoders.frozen import Encoders
-    from flowmatch_models.encoders.zoo import weights_label
-    from flowmatch_models.storage.image_shard import iter_image_batches, read_image_meta
+    The encoders are loaded once per process (:func:`shared_encoders`, by kind, settings and
+    weights identity), so a run over many partitions pays each load once. The device never
+    waits on the host for long: the shard's rows are read, its captions tokenized and its
+    image batches decoded on threads (:class:`Ahead`) while the device encodes; a caller that
+    encodes many partitions passes ``ahead`` = :func:`read_ahead` of this partition, started
+    while the previous one was encoded, so that the device does not wait at a partition's start
+    either. ``ahead`` is closed here."""
+    encs = _encoders(kinds, spec, device, weights_cache)
+    if ahead is None:
+        ahead = Ahead(images_path, kinds, encs, spec.batch_size)
+    try:
+        return _encode(ahead, kinds, spec, device, encs, log, inputs, weights_cache)
+    finally:
+        ahead.close()  # no thread outlives the partition
 
-    meta = read_image_meta(images_path)
-    n = meta.num_rows
-    ids, captions = meta.column("id").to_pylist(), meta.column("caption").to_pylist()
+
+def read_ahead(
+    images_path: str | Path,
+    kinds: Sequence[EmbeddingKind],
+    spec: EncoderSpec,
+    device: str,
+    weights_cache: str | Path | None = None,
+) -> Ahead:
+    """Start reading ``images_path`` for :func:`encode_partition` now, on threads (its rows,
+    its captions tokenized, its first image batches decoded), with the process's shared
+    encoders' tokenizers. Never raises: a failure to read is raised by the encode that uses it.
+    The caller passes it to :func:`encode_partition` or closes it."""
+    return Ahead(images_path, kinds, _encoders(kinds, spec, device, weights_cache), spec.batch_size)
+
+
+def _encoders(kinds, spec: EncoderSpec, device: str, weights_cache) -> dict[str, Any]:
     encs = {}
     for k in kinds:
         kspec = k.spec_for(spec).model_copy(update={"device": device})
-        encs[k.name] = shared_encoders(k, kspec, weights_cache) if shared else Encoders(kspec)
+        encs[k.name] = shared_encoders(k, kspec, weights_cache)
+        encs[k.name].load(k.encoder)  # here, before any thread uses it
+    return encs
+
+
+class Ahead:
+    """One images shard read ahead of its encoding, started at once on a thread: its rows
+    (ids, captions, sizes), its captions tokenized (one future per caption kind) and its image
+    batches decoded up to ``depth`` batches ahead (by ``min(4, cores)`` decoding threads). An
+    error is kept and raised to the consumer, in order. :meth:`close` stops and joins every
+    thread it started."""
+
+    _DONE = object()
+
+    def __init__(self, images_path, kinds, encs: dict[str, Any], batch_size: int, depth: int = 2):
+        self.path = Path(images_path)
+        self.batch_size = int(batch_size)
+        self.tokens: dict[str, Future] = {}
+        self._meta: Any = None
+        self._error: BaseException | None = None
+        self._ready = threading.Event()
+        self._stop = threading.Event()
+        self._q: queue.Queue = queue.Queue(maxsize=depth)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="flowmatch-tokenize")
+        tokenizers = {k.name: encs[k.name].tokenize for k in kinds if k.role.input == "captions"}
+        images = any(k.role.input == "images" for k in kinds)
+        self._thread = threading.Thread(
+            target=self._produce, args=(tokenizers, images), name="flowmatch-prefetch", daemon=True
+        )  # fmt: skip
+        self._thread.start()
+
+    def _put(self, item) -> bool:  # False: closed
+        while not self._stop.is_set():
+            try:
+                self._q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _produce(self, tokenizers: dict[str, Callable], images: bool) -> None:
+        import pyarrow as pa
+
+        from flowmatch_models.storage.image_shard import iter_image_batches, read_image_meta
+
+        try:  # one version of the file for the rows and the images, whatever replaces it
+            src = pa.memory_map(str(self.path))
+            self._meta = read_image_meta(src)
+            captions = self._meta.column("caption").to_pylist()
+            self.tokens = {name: self._pool.submit(tok, captions) for name, tok in tokenizers.items()}  # fmt: skip
+        except BaseException as e:  # noqa: BLE001 - raised to the consumer
+            self._error = e
+            return
+        finally:
+            self._ready.set()
+        if not images:
+            return
+        threads = min(4, os.cpu_count() or 1)  # decoding keeps up with a fast GPU
+        batches = iter_image_batches(src, batch_size=self.batch_size, threads=threads)
+        try:
+            for x in batches:
+                if not self._put((x, None)):
+                    return
+            self._put((self._DONE, None))
+        except BaseException as e:  # noqa: BLE001 - raised to the consumer, in order
+            self._put((self._DONE, e))
+        finally:
+            batches.close()  # its decoding threads joined
+
+    def meta(self):
+        """The shard's rows (``read_image_meta``), once read; its read error raised."""
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+        return self._meta
+
+    def batches(self) -> Iterator:
+        """The decoded ``(ids, captions, images)`` batches, in order; an error raised here."""
+        self.meta()
+        while True:
+            x, err = self._q.get()
+            if x is self._DONE:
+                if err is not None:
+                    raise err
+                return
+            yield x
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _encode(ahead: Ahead, kinds, spec, device, encs, log, inputs, weights_cache):
+    """:func:`encode_partition`'s body over what ``ahead`` reads."""
+    from flowmatch_models.encoders.zoo import weights_label
+
+    images_path = ahead.path
+    meta = ahead.meta()
+    n = meta.num_rows
+    ids, captions = meta.column("id").to_pylist(), meta.column("caption").to_pylist()
+    for k in kinds:
         encs[k.name].text_saturated = 0  # counted per partition
-        encs[k.name].load(k.encoder)  # here, before the threads below start
     parts: dict[str, dict[str, list[np.ndarray]]] = {k.name: {} for k in kinds}
     secs = dict.fromkeys(parts, 0.0)
     caption_kinds = [k for k in kinds if k.role.input == "captions"]
-    tok_pool = ThreadPoolExecutor(1, thread_name_prefix="flowmatch-tokenize")
-    try:
-        tokens = {  # tokenized on a thread while the images are encoded
-            k.name: tok_pool.submit(encs[k.name].tokenize, captions) for k in caption_kinds
-        }
+    tokens = ahead.tokens  # tokenized on a thread while the images are encoded
 
-        def run(kind: EmbeddingKind, batch: Any) -> dict[str, np.ndarray]:
-            t0 = time.perf_counter()
-            got = kind.role.encode(encs[kind.name], batch)
-            secs[kind.name] += time.perf_counter() - t0
-            return got
+    def run(kind: EmbeddingKind, batch: Any) -> dict[str, np.ndarray]:
+        t0 = time.perf_counter()
+        got = kind.role.encode(encs[kind.name], batch)
+        secs[kind.name] += time.perf_counter() - t0
+        return got
 
-        image_kinds = [k for k in kinds if k.role.input == "images"]
-        sizes = np.stack([meta.column("height").to_numpy(), meta.column("width").to_numpy()], 1)
-        one_size = len(np.unique(sizes, axis=0)) <= 1
-        if image_kinds:
-            # each bucket (image size) encoded in batches of its own; rows back in shard order
-            rows: dict[str, dict[str, list[np.ndarray | None]]] = {k.name: {} for k in image_kinds}
-            pending: dict[tuple[int, int], list[tuple[int, np.ndarray]]] = {}
+    image_kinds = [k for k in kinds if k.role.input == "images"]
+    sizes = np.stack([meta.column("height").to_numpy(), meta.column("width").to_numpy()], 1)
+    one_size = len(np.unique(sizes, axis=0)) <= 1
+    if image_kinds:
+        # each bucket (image size) encoded in batches of its own; rows back in shard order
+        rows: dict[str, dict[str, list[np.ndarray | None]]] = {k.name: {} for k in image_kinds}
+        pending: dict[tuple[int, int], list[tuple[int, np.ndarray]]] = {}
 
-            def flush(size: tuple[int, int]) -> None:
-                batch = pending.pop(size)
-                imgs = np.stack([im for _, im in batch])
-                for k in image_kinds:
-                    for key, arr in run(k, imgs).items():
-                        col = rows[k.name].setdefault(key, [None] * n)
-                        for (i, _), x in zip(batch, arr):
-                            col[i] = x
-
-            done = 0
-            threads = min(4, os.cpu_count() or 1)  # decoding keeps up with a fast GPU
-            batches = iter_image_batches(images_path, batch_size=spec.batch_size, threads=threads)
-            for _, _, imgs in prefetched(batches, depth=2):
-                for im in imgs:
-                    pending.setdefault(im.shape[:2], []).append((done, im))
-                    if len(pending[im.shape[:2]]) >= spec.batch_size:
-                        flush(im.shape[:2])
-                    done += 1
-                log(f"images {done}/{n}")
-            for size in list(pending):
-                flush(size)
+        def flush(size: tuple[int, int]) -> None:
+            batch = pending.pop(size)
+            imgs = np.stack([im for _, im in batch])
             for k in image_kinds:
-                for key, col in rows[k.name].items():
-                    if one_size:
-                        parts[k.name][key] = [np.stack(col)]
-                    else:
-                        parts[k.name][key] = [_cells(key, col)]
-                if not one_size:
-                    parts[k.name]["grid"] = [(sizes // GRID).astype(np.int32)]
-        for k in caption_kinds:
-            ids_of = tokens[k.name].result()
-            for i in range(0, len(captions), spec.batch_size):
-                batch = CaptionBatch(
-                    captions[i : i + spec.batch_size], ids_of[i : i + spec.batch_size]
-                )
-                for key, arr in run(k, batch).items():
-                    parts[k.name].setdefault(key, []).append(arr)
-    finally:
-        tok_pool.shutdown(wait=True)  # no thread outlives the partition
+                for key, arr in run(k, imgs).items():
+                    col = rows[k.name].setdefault(key, [None] * n)
+                    for (i, _), x in zip(batch, arr):
+                        col[i] = x
+
+        done = 0
+        for _, _, imgs in ahead.batches():
+            for im in imgs:
+                pending.setdefault(im.shape[:2], []).append((done, im))
+                if len(pending[im.shape[:2]]) >= spec.batch_size:
+                    flush(im.shape[:2])
+                done += 1
+            log(f"images {done}/{n}")
+        for size in list(pending):
+            flush(size)
+        for k in image_kinds:
+            for key, col in rows[k.name].items():
+                if one_size:
+                    parts[k.name][key] = [np.stack(col)]
+                else:
+                    parts[k.name][key] = [_cells(key, col)]
+            if not one_size:
+                parts[k.name]["grid"] = [(sizes // GRID).astype(np.int32)]
+    for k in caption_kinds:
+        got = tokens.get(k.name)
+        ids_of = got.result() if got is not None else encs[k.name].tokenize(captions)
+        for i in range(0, len(captions), spec.batch_size):
+            batch = CaptionBatch(captions[i : i + spec.batch_size], ids_of[i : i + spec.batch_size])
+            for key, arr in run(k, batch).items():
+                parts[k.name].setdefault(key, []).append(arr)
 
     out = {}
     for k in kinds:
@@ -202,47 +312,6 @@ def clear_shared_encoders() -> None:
     """Forget the loaded encoders (their memory is freed once nothing else holds them)."""
     with _SHARED_LOCK:
         _SHARED.clear()
-
-
-def prefetched(items: Iterable, depth: int = 2) -> Iterator:
-    """``items`` produced on a thread up to ``depth`` ahead of the consumer (reading and
-    decoding the next image batch while the device encodes this one); an error raised while
-    producing is raised here, in order."""
-    q: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-    done = object()
-
-    def put(item) -> bool:  # False: the consumer has gone
-        while not stop.is_set():
-            try:
-                q.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def produce() -> None:
-        try:
-            for x in items:
-                if not put((x, None)):
-                    return
-            put((done, None))
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            put((done, e))
-
-    t = threading.Thread(target=produce, name="flowmatch-prefetch", daemon=True)
-    t.start()
-    try:
-        while True:
-            x, err = q.get()
-            if x is done:
-                if err is not None:
-                    raise err
-                return
-            yield x
-    finally:
-        stop.set()
-        t.join()
 
 
 def _fingerprint(kind, spec, images_inputs, weights_cache, ids, captions) -> dict:

@@ -22,6 +22,7 @@ Each model is given as a hub id or a local folder. Loading is lazy (first use). 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -54,6 +55,11 @@ FP16_MAX = 65504.0
 #: runs for real. The shards say so in their fingerprint and attrs.
 #: each encoder's share of a pair's FLOPs (ARCHITECTURE.md: DC-AE f32c32 ~324 G at 256 px,
 #: DINOv2-small ~11 G at 224 px, Gemma3-270M ~26 G at 128 tokens)
+#: one tokenizer call at a time in this process: a fast tokenizer sets its truncation state per
+#: call (concurrent calls fail with "Already borrowed"), and the precalc tokenizes the next
+#: partition's captions on a thread while this one's are encoded
+_TOKENIZE_LOCK = threading.Lock()
+
 SIMULATED_SHARE = {"vae": 324 / 361, "dino": 11 / 361, "text": 26 / 361}
 
 
@@ -305,12 +311,13 @@ class Encoders:
         Captions are lower-cased and stripped as ``SanaPipeline`` does to prompts
         (``_text_preprocessing`` without ``clean_caption``), so an exported pipeline encodes a
         prompt exactly as training encoded the captions."""
-        enc = self.tokenizer(
-            [_clean_caption(c).lower() for c in captions],
-            truncation=True,
-            max_length=self.spec.max_tokens,
-            add_special_tokens=True,
-        )
+        with _TOKENIZE_LOCK:  # a fast tokenizer's truncation state is not thread-safe
+            enc = self.tokenizer(
+                [_clean_caption(c).lower() for c in captions],
+                truncation=True,
+                max_length=self.spec.max_tokens,
+                add_special_tokens=True,
+            )
         ids = [list(x) for x in enc["input_ids"]]
         bos = self.tokenizer.bos_token_id
         # every sample keeps >= 1 token: tokenizers that add no BOS get one for empty captions
@@ -319,7 +326,10 @@ class Encoders:
     def token_counts(self, captions: Sequence[str]) -> np.ndarray:
         """Tokens per caption as :meth:`tokenize` sees it, *before* truncation (a count above
         ``max_tokens`` is a caption the text embeddings cut short)."""
-        enc = self.tokenizer([_clean_caption(c).lower() for c in captions], add_special_tokens=True)
+        with _TOKENIZE_LOCK:
+            enc = self.tokenizer(
+                [_clean_caption(c).lower() for c in captions], add_special_tokens=True
+            )
         return np.array([max(1, len(x)) for x in enc["input_ids"]], dtype=np.int32)
 
     @torch.inference_mode()
