@@ -338,3 +338,43 @@ def test_a_partition_read_ahead_is_one_version_of_its_file(tmp_path) -> None:
     assert got == ids  # the old file's rows, not 000-01-...
     assert read_image_meta(path).column("id").to_pylist()[0] == "000-01-000000"
     assert not [t.name for t in threading.enumerate() if t.name.startswith("flowmatch-")]
+
+
+def test_a_kind_that_fails_on_the_writer_thread_fails_alone(
+    tmp_path, small_sample, zoo, monkeypatch
+) -> None:
+    """In a run of many partitions, writing one kind of one partition fails (on the writer
+    thread, as a full disk would): that kind of that partition is not published and is named in
+    the run's failure; every other kind and partition is published, with its materialization."""
+    from flowmatch_assets.defs import embedding_assets
+
+    res = make_resource(tmp_path / "data", small_sample, encoders=EncoderSpec(**zoo, batch_size=8))
+    parts = ["000-00", "001-00"]
+    real = embedding_assets._store
+
+    def store(context, flowmatch, e, ids, part):
+        if (e.kind.name, part) == ("dino_features", "000-00"):
+            raise OSError(28, "No space left on device (planted)")
+        return real(context, flowmatch, e, ids, part)
+
+    monkeypatch.setattr(embedding_assets, "_store", store)
+    with dg.instance_for_test() as instance:
+        register_partitions(instance, res)
+        for p in parts:
+            assert _run(res, p, instance, ["metadata", "images"]).success
+        result = _range_run(res, instance, parts)
+        assert not result.success
+        mats = {
+            (e.asset_key.to_user_string(), e.partition)
+            for e in result.all_events
+            if e.event_type_value == "ASSET_MATERIALIZATION"
+            for e in [e.event_specific_data.materialization]
+        }
+        want = {(a, p) for a in EMB for p in parts} - {("dino_features", "000-00")}
+        assert mats == want
+        assert not res.layout.asset_path("dino_features", "000-00").exists()
+        assert all(res.layout.asset_path(a, p).exists() for a, p in want)
+        failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
+        msg = failure.step_failure_data.user_failure_data.description
+        assert msg.startswith("1 of 2 partitions failed (2 published): 000-00: dino_features: ")
+        assert "No space left on device (planted)" in msg
