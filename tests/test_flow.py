@@ -210,3 +210,131 @@ def test_caption_standardisation_folds_into_a_plain_sana_transformer(batch: dict
     torch.testing.assert_close(raw, normed, atol=1e-4, rtol=1e-4)
     assert type(folded) is type(model.transformer) and folded is not model.transformer
     assert fold_text_norm(model.transformer, None) is model.transformer
+
+
+# --- timestep sampling by name, and the flow config made of FlowMatching's fields -------------
+
+
+def _mode_t(u: torch.Tensor, s: float) -> torch.Tensor:
+    """SD3 paper eq. 20, f_mode(u; s) = 1 - u - s (cos^2(pi u / 2) - 1 + u) (decreasing in u)."""
+    return 1 - u - s * (torch.cos(torch.pi * u / 2) ** 2 - 1 + u)
+
+
+_Q = torch.tensor([0.05, 0.25, 0.5, 0.75, 0.95], dtype=torch.float64)
+_PHI = torch.distributions.Normal(0.0, 1.0).icdf(_Q)  # standard-normal quantiles
+
+
+@pytest.mark.parametrize(
+    "settings, quantiles, mean",
+    [
+        # logit-normal: the q-quantile is sigmoid(t_mean + t_std * Phi^-1(q)), then the shift
+        ({"t_mean": 0.5, "t_std": 0.8}, torch.sigmoid(0.5 + 0.8 * _PHI), None),
+        ({"train_shift": 3.0}, (3 * torch.sigmoid(_PHI)) / (1 + 2 * torch.sigmoid(_PHI)), None),
+        ({"t_sampling": "uniform"}, _Q, 0.5),
+        # uniform shifted by 3: s q / (1 + (s - 1) q)
+        ({"t_sampling": "uniform", "train_shift": 3.0}, 3 * _Q / (1 + 2 * _Q), None),
+        # mode: t = f(u) with f decreasing, so t's q-quantile is f(1 - q); its mean is 1/2 for
+        # every s (the integral of cos^2(pi u / 2) over [0, 1] is 1/2)
+        ({"t_sampling": "mode", "mode_scale": 1.29}, _mode_t(1 - _Q, 1.29), 0.5),
+        ({"t_sampling": "mode", "mode_scale": -0.5}, _mode_t(1 - _Q, -0.5), 0.5),
+    ],
+    ids=["logit_normal", "logit_normal_shift3", "uniform", "uniform_shift3", "mode1.29",
+         "mode-0.5"],
+)  # fmt: skip
+def test_each_timestep_sampler_draws_its_closed_form(settings, quantiles, mean) -> None:
+    t = FlowMatching(**settings).sample_t(200_000, torch.Generator().manual_seed(0)).double()
+    assert 0 <= t.min() and t.max() <= 1
+    torch.testing.assert_close(torch.quantile(t, _Q), quantiles, atol=4e-3, rtol=0)
+    if mean is not None:
+        assert abs(t.mean().item() - mean) < 3e-3
+
+
+def test_mode_sampling_puts_mass_on_the_middle_and_scale_zero_is_uniform() -> None:
+    g = lambda: torch.Generator().manual_seed(3)  # noqa: E731
+    mid = lambda t: ((t > 0.25) & (t < 0.75)).double().mean().item()  # noqa: E731
+    m = FlowMatching(t_sampling="mode", mode_scale=1.29).sample_t(100_000, g())
+    u = FlowMatching(t_sampling="uniform").sample_t(100_000, g())
+    # closed form: P(0.25 < t < 0.75) = u1 - u0 where f_mode(u0) = 0.75, f_mode(u1) = 0.25; with
+    # s = 1.29 (root finding) u0 = 0.13363, u1 = 0.86637: 0.7327 against the uniform's 0.5
+    u0, u1 = 0.13362675083888964, 0.8663732491611104
+    assert _mode_t(torch.tensor([u0, u1]), 1.29).tolist() == pytest.approx([0.75, 0.25])
+    assert mid(u) == pytest.approx(0.5, abs=0.004) and mid(m) == pytest.approx(u1 - u0, abs=0.004)
+    zero = FlowMatching(t_sampling="mode", mode_scale=0.0).sample_t(1000, g())
+    torch.testing.assert_close(zero, 1 - FlowMatching(t_sampling="uniform").sample_t(1000, g()))
+
+
+def test_logit_normal_is_the_old_sample_t_bit_for_bit() -> None:
+    """The default draws exactly what the single-`shift` code drew for the same generator."""
+    for mean, std, shift in ((0.0, 1.0, 1.0), (0.3, 0.7, 3.0)):
+        fm = FlowMatching(t_mean=mean, t_std=std, train_shift=shift)
+        assert fm.t_sampling == "logit_normal"
+        new = fm.sample_t(4096, torch.Generator().manual_seed(7))
+        z = torch.randn(4096, generator=torch.Generator().manual_seed(7)) * std + mean
+        old = shift * torch.sigmoid(z) / (1 + (shift - 1) * torch.sigmoid(z))  # the old code
+        assert torch.equal(new, old)
+    # recorded from the code before t_sampling (commit 14e72c7), seed 0
+    g = lambda: torch.Generator().manual_seed(0)  # noqa: E731
+    assert FlowMatching().sample_t(3, g()).tolist() == [
+        0.823609471321106, 0.42716464400291443, 0.10167144984006882]  # fmt: skip
+    assert FlowMatching(t_mean=0.3, t_std=0.7, train_shift=3.0).sample_t(3, g()).tolist() == [
+        0.9225358366966248, 0.767315149307251, 0.46840712428092957]  # fmt: skip
+
+
+def test_flow_config_is_made_of_flow_matchings_fields() -> None:
+    """FlowConfig and FlowMatching read one list (FlowSettings): same names, same defaults; a
+    config's flow section builds the FlowMatching the module trains with."""
+    from dataclasses import fields
+
+    from flowmatch_models.model.flow_settings import FlowSettings
+    from flowmatch_models.train.config import FlowConfig
+
+    runtime = {"null_text"}  # set by the run, not configured
+    names = [f.name for f in fields(FlowMatching) if f.name not in runtime]
+    assert list(FlowConfig.model_fields) == names == [f.name for f in fields(FlowSettings)]
+    assert {"t_sampling", "mode_scale", "train_shift", "sample_shift"} <= set(names)
+    defaults = FlowMatching()
+    for name, info in FlowConfig.model_fields.items():
+        assert info.default == getattr(defaults, name), name
+        assert info.description, f"flow.{name} has no description"
+    assert FlowMatching(**FlowConfig().model_dump()) == defaults
+    with pytest.raises(ValueError, match="unknown t_sampling 'cosine'; known: "):
+        FlowMatching(t_sampling="cosine")
+
+
+def test_flow_config_chooses_the_sampler_and_names_the_shifts_apart() -> None:
+    from flowmatch_models.train.config import ConfigError, load_config
+
+    repo = __import__("pathlib").Path(__file__).resolve().parents[1]
+    cfg = load_config(repo / "configs" / "tiny.yaml", ["flow.t_sampling=mode", "flow.mode_scale=1"])
+    assert (cfg.flow.t_sampling, cfg.flow.mode_scale) == ("mode", 1.0)
+    fm = FlowMatching(**cfg.flow.model_dump())
+    u = torch.rand(5, generator=torch.Generator().manual_seed(1))
+    expected = 3 * _mode_t(u, 1.0) / (1 + 2 * _mode_t(u, 1.0))  # tiny.yaml's train_shift 3
+    torch.testing.assert_close(fm.sample_t(5, torch.Generator().manual_seed(1)), expected)
+    with pytest.raises(ConfigError, match=r"^--set flow.t_sampling: Input should be 'logit_nor"):
+        load_config({}, ["flow.t_sampling=cosine"])
+    with pytest.raises(ConfigError, match=r"^--set flow.mode_scale: Input should be less than"):
+        load_config({}, ["flow.mode_scale=2"])  # f_mode is no longer monotone: t leaves [0, 1]
+    apart = load_config({"flow": {"train_shift": 3.0, "sample_shift": 1.5}}).flow
+    assert (apart.train_shift, apart.sample_shift) == (3.0, 1.5)
+
+
+def test_an_old_config_with_shift_loads_to_the_same_values(tmp_path) -> None:
+    """A config, request or --set from before the split: `shift` sets both shifts, so an old
+    run resumes unchanged (docs/training.md)."""
+    import yaml
+
+    from flowmatch_models.train.config import load_config
+
+    repo = __import__("pathlib").Path(__file__).resolve().parents[1]
+    new = yaml.safe_load((repo / "configs" / "tiny.yaml").read_text())
+    old = {**new, "flow": {k: v for k, v in new["flow"].items()
+                           if k not in ("t_sampling", "mode_scale", "train_shift", "sample_shift")}}  # fmt: skip
+    old["flow"]["shift"] = 3.0  # the tiny.yaml of before: t_mean, t_std, shift, ...
+    (tmp_path / "old.yaml").write_text(yaml.safe_dump(old))
+    loaded = load_config(tmp_path / "old.yaml")
+    assert loaded == load_config(repo / "configs" / "tiny.yaml")
+    assert (loaded.flow.train_shift, loaded.flow.sample_shift) == (3.0, 3.0)
+    assert load_config({}, ["flow.shift=2"]).flow.sample_shift == 2.0  # --set flow.shift too
+    given = load_config({"flow": {"shift": 2.0, "sample_shift": 1.0}}).flow  # a named one wins
+    assert (given.train_shift, given.sample_shift) == (2.0, 1.0)

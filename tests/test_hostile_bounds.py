@@ -229,9 +229,8 @@ def test_follow_links_never_reads_procfs_or_sysfs(tmp_path):
     """With follow_links on, a caption linked to /proc/self/environ (the environment: cloud
     keys; its size says 0) or an image linked into /sys is not_regular_file, unread."""
     from flowmatch_assets.ingest.sources import SourceConfig
-    from flowmatch_assets.ingest.sources.folder import rows
     from flowmatch_assets.ingest.sources.location import Location
-    from flowmatch_assets.ingest.sources.registry import Manifest
+    from flowmatch_assets.ingest.sources.registry import Manifest, source_kind
 
     src = tmp_path / "src"
     src.mkdir()
@@ -249,8 +248,8 @@ def test_follow_links_never_reads_procfs_or_sysfs(tmp_path):
             e.value.reason == "not_regular_file" and f"a {fs} pseudo-filesystem" in e.value.detail
         )
     m = Manifest("x-00000", "x", "folder", "", 0, 1, [{"id": "a.jpg", "image": "a.jpg"}])
-    listed, failed = rows(cfg, "x", m)
-    assert listed == [] and [f["reason"] for f in failed] == ["not_regular_file"]
+    listing = source_kind("folder").rows(cfg, "x", m)
+    assert listing.rows == [] and [f["reason"] for f in listing.failed] == ["not_regular_file"]
 
 
 _SWAPPER = """
@@ -442,9 +441,9 @@ def test_decoding_many_small_files_of_huge_pictures_stays_in_one_memory_budget(t
 _REGISTER_FOLDER = """
 import json, sys
 from flowmatch_assets.ingest.sources import SourceConfig
-from flowmatch_assets.ingest.sources.folder import scan
-found, _ = scan(SourceConfig(kind="folder", location=sys.argv[1]), [])
-print(json.dumps({e["id"]: [e.get("reason"), e.get("problem")] for _, _, _, ent in found for e in ent}))
+from flowmatch_assets.ingest.sources.registry import source_kind
+found = source_kind("folder").scan(SourceConfig(kind="folder", location=sys.argv[1]), []).new
+print(json.dumps({e["id"]: [e.get("reason"), e.get("problem")] for p in found for e in p.entries}))
 """
 
 
@@ -503,14 +502,15 @@ _READ_PARQUET = """
 import json, sys
 from flowmatch_assets.ingest.images import IngestError
 from flowmatch_assets.ingest.sources import SourceConfig
-from flowmatch_assets.ingest.sources.parquet import images, rows, scan
-from flowmatch_assets.ingest.sources.registry import Manifest
+from flowmatch_assets.ingest.sources.registry import Manifest, source_kind
 cfg = SourceConfig(kind="parquet", location=sys.argv[1])
-(found,), skipped = scan(cfg, [])
+kind = source_kind("parquet")
+(found,) = kind.scan(cfg, []).new
 m = Manifest("x-00000", "x", "parquet", *found)
-listed, failed = rows(cfg, "x", m)
+listing = kind.rows(cfg, "x", m)
+listed, failed = listing.rows, listing.failed
 got = {f["id"]: f["reason"] for f in failed}
-for r, data in images(cfg, m, listed, 40_000_000):
+for r, data in kind.images(cfg, m, listed, 40_000_000):
     got[r["id"]] = data.reason if isinstance(data, IngestError) else len(data)
 print(json.dumps(got))
 """
@@ -539,8 +539,9 @@ def test_a_parquet_cell_is_sized_from_the_footer_before_it_is_read(tmp_path):
 _REGISTER_TARS = """
 import json, sys
 from flowmatch_assets.ingest.sources import SourceConfig
-from flowmatch_assets.ingest.sources.webdataset import scan
-found, skipped = scan(SourceConfig(kind="webdataset", location=sys.argv[1]), [])
+from flowmatch_assets.ingest.sources.registry import source_kind
+scan = source_kind("webdataset").scan(SourceConfig(kind="webdataset", location=sys.argv[1]), [])
+found, skipped = scan.new, scan.skipped
 print(json.dumps({"found": [f[3] for f in found], "skipped": skipped}))
 """
 
@@ -640,8 +641,7 @@ def test_a_partition_reads_its_own_stretch_of_a_tar(tmp_path):
     tar's first header broken after registration, the last partition still lists and reads
     its samples; the first one's fail as corrupt_container."""
     from flowmatch_assets.ingest.sources import SourceConfig, register
-    from flowmatch_assets.ingest.sources.registry import manifest
-    from flowmatch_assets.ingest.sources.webdataset import images, rows
+    from flowmatch_assets.ingest.sources.registry import manifest, source_kind
 
     src, root = tmp_path / "wds", tmp_path / "data"
     _tar(src / "00000.tar", {f"k{i}": (hs.jpeg(60 + i), f"picture {i}") for i in range(6)})
@@ -652,13 +652,14 @@ def test_a_partition_reads_its_own_stretch_of_a_tar(tmp_path):
     raw = bytearray((src / "00000.tar").read_bytes())
     raw[148:156] = b"0000000\x00"  # k0.jpg's header checksum
     (src / "00000.tar").write_bytes(bytes(raw))
-    last = manifest(root, "wds-00002")
-    listed, failed = rows(cfg, "wds", last)
-    assert [r["caption"] for r in listed] == ["picture 4", "picture 5"] and failed == []
-    assert [(r["id"], d) for r, d in images(cfg, last, listed, 10**6)] == [
+    last, wds = manifest(root, "wds-00002"), source_kind("webdataset")
+    listing = wds.rows(cfg, "wds", last)
+    listed = listing.rows
+    assert [r["caption"] for r in listed] == ["picture 4", "picture 5"] and listing.failed == []
+    assert [(r["id"], d) for r, d in wds.images(cfg, last, listed, 10**6)] == [
         ("k4", hs.jpeg(64)), ("k5", hs.jpeg(65)),
     ]  # fmt: skip
-    _, failed = rows(cfg, "wds", manifest(root, "wds-00000"))
+    failed = wds.rows(cfg, "wds", manifest(root, "wds-00000")).failed
     assert [f["reason"] for f in failed] == ["corrupt_container"] * 2
 
 

@@ -331,8 +331,7 @@ def test_manifest_from_before_is_still_confined(tmp_path):
     """A manifest written elsewhere (or before the checks) naming ``../`` or an absolute path
     is refused when read, not only when registered."""
     from flowmatch_assets.ingest.sources import SourceConfig
-    from flowmatch_assets.ingest.sources.folder import images, rows
-    from flowmatch_assets.ingest.sources.registry import Manifest
+    from flowmatch_assets.ingest.sources.registry import Manifest, source_kind
 
     outside = hs.write_outside(tmp_path)
     src = tmp_path / "src"
@@ -342,8 +341,10 @@ def test_manifest_from_before_is_still_confined(tmp_path):
         {"id": "a", "image": "../outside/secret.jpg"},
         {"id": "b", "image": str(outside["image"])},
     ])  # fmt: skip
-    listed, failed = rows(cfg, "x", m)
+    folder = source_kind("folder")
+    listing = folder.rows(cfg, "x", m)
+    listed, failed = listing.rows, listing.failed
     assert listed == [] and [f["reason"] for f in failed] == ["outside_source"] * 2
-    got = list(images(cfg, m, [{"id": "a", "url": "../outside/secret.jpg"}], 10**6))
+    got = list(folder.images(cfg, m, [{"id": "a", "url": "../outside/secret.jpg"}], 10**6))
     assert isinstance(got[0][1], IngestError) and got[0][1].reason == "outside_source"
     assert json.dumps([f["detail"] for f in failed]).count(hs.SECRET) == 0

@@ -118,5 +118,5 @@ def test_a_query_after_nothing_changed_lists_no_record_folder(env_of):
         state.dirs[rel]["listed"] += 3600
     state.save([])
     changes, listed = summary._scan(layout, summary._State(summary.summary_dir(layout)),
-                                    ["materializations", *summary.ROW_KINDS])  # fmt: skip
+                                    ["materializations", *summary.row_kinds()])  # fmt: skip
     assert listed == [] and not changes.changed and not changes.gone

@@ -1,7 +1,13 @@
-"""The DuckDB catalog: per-partition records (:mod:`.records`, written by materializations) and
-the views over them (:mod:`.views`, what ``catalog.duckdb`` holds and :class:`Catalog` reads).
-No Dagster."""
+"""The DuckDB catalog: per-partition records (:mod:`.records`, written by materializations; one
+:class:`RecordKind` each in :mod:`.record_kinds`, the registry) and the views over them
+(:mod:`.views`, what ``catalog.duckdb`` holds and :class:`Catalog` reads). No Dagster."""
 
+from flowmatch_assets.catalog.record_kinds import (  # noqa: F401
+    RECORD_KINDS,
+    RecordKind,
+    record_kind,
+    record_path,
+)
 from flowmatch_assets.catalog.records import (  # noqa: F401
     CARD_SCHEMA,
     CARD_SECTIONS,

@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from flowmatch_assets.catalog.record_kinds import record_path
 from flowmatch_models.storage.atomic import atomic_path, write_parquet
 from flowmatch_models.storage.layout import DataLayout
 
@@ -205,11 +206,10 @@ def _ident(path: Path) -> list | None:
 def card_inputs(layout: DataLayout, partition: str, losers: set[str]) -> dict:
     """What a partition's card summary is made from: its card, metadata and image row records
     (inode, size, mtime) and its content losers."""
-    c = layout.catalog_dir
     return {
-        "cards": _ident(c / "cards" / "data_card" / f"{partition}.parquet"),
-        "meta": _ident(c / "rows" / "metadata" / f"{partition}.parquet"),
-        "images": _ident(c / "rows" / "images" / f"{partition}.parquet"),
+        "cards": _ident(record_path(layout, "cards", "data_card", partition)),
+        "meta": _ident(record_path(layout, "rows", "metadata", partition)),
+        "images": _ident(record_path(layout, "rows", "images", partition)),
         "losers": sorted(losers),
     }
 
@@ -239,7 +239,6 @@ def write_card_summary(layout: DataLayout, partition: str, losers: set[str] | No
     if losers is None:
         losers = losers_of(layout, [partition])[partition]
     inputs = card_inputs(layout, partition, losers)  # before reading: a later change shows
-    c = layout.catalog_dir
 
     def read(path: Path, columns=None) -> pa.Table | None:
         try:
@@ -247,14 +246,14 @@ def write_card_summary(layout: DataLayout, partition: str, losers: set[str] | No
         except FileNotFoundError:
             return None
 
-    cards = read(c / "cards" / "data_card" / f"{partition}.parquet")
+    cards = read(record_path(layout, "cards", "data_card", partition))
     if cards is None:
         card_summary_path(layout, partition).unlink(missing_ok=True)
         return
     cols = ["id", "outcome", "reason"]
-    t = card_summary(partition, cards, read(c / "rows" / "metadata" / f"{partition}.parquet",
+    t = card_summary(partition, cards, read(record_path(layout, "rows", "metadata", partition),
                                              cols),
-                     read(c / "rows" / "images" / f"{partition}.parquet", cols), losers)  # fmt: skip
+                     read(record_path(layout, "rows", "images", partition), cols), losers)  # fmt: skip
     t = t.replace_schema_metadata({"flowmatch_inputs": json.dumps(inputs)})
     _write_table(card_summary_path(layout, partition), t)
 

@@ -6,8 +6,10 @@ A materialization writes small parquet records of its own, atomically and per pa
     <root>/catalog/rows/<asset>/<partition>.parquet               one row per input row: outcome
     <root>/catalog/attempts/<asset>/<partition>.parquet           failures of a rejected attempt
 
-plus duplicates, content hashes, data-card rows, evaluations and ledgers; the views over them
-are :mod:`flowmatch_assets.catalog.views`.
+plus duplicates, content hashes, data-card rows, evaluations and ledgers: each a
+:class:`~flowmatch_assets.catalog.record_kinds.RecordKind` (folder, schema, grain, path) of
+the registry ``RECORD_KINDS``, whose paths every writer here takes; the views over them are
+:mod:`flowmatch_assets.catalog.views`.
 """
 
 from __future__ import annotations
@@ -23,53 +25,27 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from flowmatch_assets.catalog.derived import write_card_summary, write_content_hashes
+from flowmatch_assets.catalog.record_kinds import (  # noqa: F401 (the schemas: imported here)
+    CARD_SCHEMA,
+    CONTENT_SCHEMA,
+    DUPLICATE_SCHEMA,
+    EVALUATION_SCHEMA,
+    FD_SCHEMA,
+    LEDGER_CHAIN_SCHEMA,
+    LEDGER_EPOCH_SCHEMA,
+    LEDGER_SAMPLE_SCHEMA,
+    MATERIALIZATION_SCHEMA,
+    PARTITION_SCHEMA,
+    RECORD_KINDS,
+    ROW_SCHEMA,
+    VALIDATION_SCHEMA,
+    record_path,
+    step_key,
+)
 from flowmatch_models.storage.atomic import atomic_path, write_parquet
 from flowmatch_models.storage.layout import DataLayout
 
 OUTCOMES = ("stored", "filtered", "failed")
-
-MATERIALIZATION_SCHEMA = pa.schema(
-    [
-        ("asset", pa.string()),
-        ("partition", pa.string()),
-        ("samples", pa.int64()),
-        ("input_rows", pa.int64()),
-        ("raw_bytes", pa.int64()),
-        ("stored_bytes", pa.int64()),
-        ("ratio", pa.float64()),
-        ("seconds", pa.float64()),
-        ("samples_per_s", pa.float64()),
-        ("codec", pa.string()),
-        ("device", pa.string()),
-        ("lossy_min_cosine", pa.float64()),
-        ("lossy_rel_rms", pa.float64()),
-        ("run_id", pa.string()),
-        ("written_at", pa.timestamp("us", tz="UTC")),
-        ("extra", pa.string()),
-    ]
-)
-
-ROW_SCHEMA = pa.schema(
-    [
-        ("asset", pa.string()),
-        ("partition", pa.string()),
-        ("id", pa.string()),
-        ("url", pa.string()),
-        ("outcome", pa.string()),
-        ("reason", pa.string()),
-        ("detail", pa.string()),
-    ]
-)
-
-PARTITION_SCHEMA = pa.schema(
-    [
-        ("partition", pa.string()),
-        ("source_file", pa.string()),
-        ("row_start", pa.int64()),
-        ("row_end", pa.int64()),
-        ("source", pa.string()),  # pd12m, or a source of the user's own images
-    ]
-)
 
 
 @dataclass
@@ -147,8 +123,7 @@ def _write_parquet(path: Path, table: pa.Table, summary: object = None) -> list[
 
 def record_materialization(data_root: str | Path, record: MaterializationRecord) -> Path:
     """Write (replace) the materialization record of one asset partition, atomically."""
-    layout = DataLayout(data_root)
-    path = layout.catalog_dir / "materializations" / record.asset / f"{record.partition}.parquet"
+    path = record_path(data_root, "materializations", record.asset, record.partition)
     row = record.as_row()
     _write_parquet(path, pa.Table.from_pylist([row], schema=MATERIALIZATION_SCHEMA), row)
     return path
@@ -171,7 +146,7 @@ def record_attempt(
 def _write_rows(
     data_root: str | Path, kind: str, asset: str, partition: str, rows: Iterable[RowOutcome]
 ) -> Path:
-    path = DataLayout(data_root).catalog_dir / kind / asset / f"{partition}.parquet"
+    path = record_path(data_root, kind, asset, partition)
     rows = list(rows)
     counts = Counter((r.outcome, r.reason) for r in rows)
     outcomes = [[o, why, n] for (o, why), n in sorted(counts.items(), key=str)]
@@ -197,39 +172,14 @@ def _rows_table(asset: str, partition: str, rows: Sequence[RowOutcome]) -> pa.Ta
 
 def clear_attempt(data_root: str | Path, asset: str, partition: str) -> None:
     """Forget a rejected attempt's failures (a later attempt succeeded)."""
-    p = DataLayout(data_root).catalog_dir / "attempts" / asset / f"{partition}.parquet"
-    p.unlink(missing_ok=True)
+    record_path(data_root, "attempts", asset, partition).unlink(missing_ok=True)
 
 
 def clear_partition(data_root: str | Path, asset: str, partition: str) -> None:
     """Remove the catalog records of one asset partition (`flowmatch verify`: its file is gone)."""
-    layout = DataLayout(data_root)
-    for kind in ("materializations", "rows", "duplicates", "content"):
-        p = layout.catalog_dir / kind / asset / f"{partition}.parquet"
-        p.unlink(missing_ok=True)
-
-
-DUPLICATE_SCHEMA = pa.schema(
-    [
-        ("asset", pa.string()),
-        ("partition", pa.string()),
-        ("id", pa.string()),
-        ("kind", pa.string()),  # "hash" (metadata, before download) or "content" (bytes' md5)
-        ("hash", pa.string()),  # the metadata hash (kind hash) or the bytes' md5 (kind content)
-        ("kept_partition", pa.string()),
-        ("kept_id", pa.string()),
-    ]
-)
-
-CONTENT_SCHEMA = pa.schema(
-    [
-        ("asset", pa.string()),
-        ("partition", pa.string()),
-        ("id", pa.string()),
-        ("position", pa.int64()),  # the row's index in its metadata file: dataset order
-        ("md5", pa.string()),
-    ]
-)
+    for kind in RECORD_KINDS.values():
+        if kind.cleared_with_file:
+            kind.path(data_root, asset, partition).unlink(missing_ok=True)
 
 
 def record_duplicates(
@@ -237,7 +187,7 @@ def record_duplicates(
 ) -> Path:
     """Write (replace) the rows ``asset`` dropped as duplicates (``{id, hash, kept_partition,
     kept_id}``) in one partition: ``catalog/duplicates/<asset>/<partition>.parquet``."""
-    path = DataLayout(data_root).catalog_dir / "duplicates" / asset / f"{partition}.parquet"
+    path = record_path(data_root, "duplicates", asset, partition)
     data = [
         {
             "asset": asset,
@@ -255,7 +205,7 @@ def record_content(data_root: str | Path, partition: str, rows: Sequence[dict]) 
     """Write (replace) the md5 of the bytes of every row stored in one images shard
     (``{id, position, md5}``): what content dedupe and the ``content_duplicates`` view read."""
     layout = DataLayout(data_root)
-    path = layout.catalog_dir / "content" / "images" / f"{partition}.parquet"
+    path = record_path(layout, "content", "images", partition)
     data = [
         {
             "asset": "images",
@@ -268,26 +218,6 @@ def record_content(data_root: str | Path, partition: str, rows: Sequence[dict]) 
     ident = _write_parquet(path, table)
     write_content_hashes(layout, partition, table.column("md5"), ident)  # what dedupe reads
     return path
-
-
-CARD_SCHEMA = pa.schema(
-    [
-        ("asset", pa.string()),
-        ("partition", pa.string()),
-        ("id", pa.string()),
-        ("caption_chars", pa.int32()),
-        ("caption_tokens", pa.int32()),  # the text encoder's tokens, before truncation
-        ("max_tokens", pa.int32()),
-        ("width", pa.int64()),  # claimed by the metadata
-        ("height", pa.int64()),
-        ("orig_width", pa.int32()),  # decoded (stored rows)
-        ("orig_height", pa.int32()),
-        ("bucket", pa.string()),  # stored size, "HxW"
-        ("kept", pa.float32()),  # share of the original's area the crop kept
-        ("license", pa.string()),
-        ("source", pa.string()),
-    ]
-)
 
 
 #: The data card's sections, in the order the card shows them.
@@ -312,70 +242,15 @@ def record_card_rows(data_root: str | Path, partition: str, rows: Sequence[dict]
     (flowmatch_assets/reports/data_card.py), and its summary (catalog/summary.py: the card
     as counts, statistics and bins, from the partition's row records as they are now)."""
     layout = DataLayout(data_root)
-    path = layout.catalog_dir / "cards" / "data_card" / f"{partition}.parquet"
+    path = record_path(layout, "cards", "data_card", partition)
     data = [{"asset": "data_card", "partition": partition, **r} for r in rows]
     _write_parquet(path, pa.Table.from_pylist(data, schema=CARD_SCHEMA))
     write_card_summary(layout, partition)  # the partition's card, so no query has to
     return path
 
 
-EVALUATION_SCHEMA = pa.schema(
-    [
-        ("run", pa.string()),
-        ("step", pa.int64()),
-        ("checkpoint", pa.string()),
-        ("size", pa.string()),  # height x width generated at (null: before sizes, 256x256)
-        ("attribute", pa.string()),
-        ("accuracy", pa.float64()),
-        ("chance", pa.float64()),
-        ("n", pa.int64()),
-        ("unknown", pa.int64()),
-        ("evaluated_at", pa.timestamp("us", tz="UTC")),
-    ]
-)
-
-
-LEDGER_SAMPLE_SCHEMA = pa.schema(
-    [
-        ("run", pa.string()),
-        ("checkpoint_step", pa.int64()),
-        ("sample_id", pa.string()),
-        ("partition", pa.string()),
-        ("times_seen", pa.int64()),
-        ("first_step", pa.int64()),
-        ("last_step", pa.int64()),
-        ("partition_size", pa.int64()),
-    ]
-)
-LEDGER_EPOCH_SCHEMA = pa.schema(
-    [
-        ("run", pa.string()),
-        ("checkpoint_step", pa.int64()),
-        ("epoch", pa.int64()),
-        ("partitions", pa.list_(pa.string())),
-        ("sizes", pa.list_(pa.int64())),
-        ("seed", pa.int64()),
-        ("shuffle_window", pa.int64()),
-        ("heldout", pa.list_(pa.float64())),
-        ("bucket_chunk", pa.int64()),  # null: one bucket (no chunks)
-        ("global_batch", pa.int64()),
-        ("accumulate", pa.int64()),
-        ("pos_from", pa.int64()),
-        ("pos_to", pa.int64()),
-        ("step_from", pa.int64()),
-        ("available_partitions", pa.int64()),
-        ("available_samples", pa.int64()),
-    ]
-)
-
-
-LEDGER_CHAIN_SCHEMA = pa.schema(
-    [("run", pa.string()), ("checkpoint_step", pa.int64()), ("delta_step", pa.int64())]
-)
-
-
 def ledger_path(data_root: str | Path, run: str, step: int, what: str = "ledger") -> Path:
-    return DataLayout(data_root).catalog_dir / what / run / f"step{step:07d}.parquet"
+    return record_path(data_root, what, run, step_key(step))
 
 
 def read_ledger_segments(
@@ -428,37 +303,11 @@ def record_ledger(
 
 def record_evaluation(data_root: str | Path, run: str, step: int, rows: Sequence[dict]) -> Path:
     """Write (replace) the caption-following scores of one checkpoint (one row per attribute)."""
-    layout = DataLayout(data_root)
-    path = layout.catalog_dir / "evaluations" / run / f"step{step:07d}.parquet"
+    path = record_path(data_root, "evaluations", run, step_key(step))
     now = _now_utc()
     data = [{**r, "evaluated_at": now} for r in rows]
     _write_parquet(path, pa.Table.from_pylist(data, schema=EVALUATION_SCHEMA))
     return path
-
-
-VALIDATION_SCHEMA = pa.schema(
-    [
-        ("run", pa.string()),
-        ("step", pa.int64()),
-        ("t_bin", pa.int64()),  # -1: the mean over the t grid (val/loss)
-        ("loss", pa.float64()),
-        ("samples", pa.int64()),
-        ("recorded_at", pa.timestamp("us", tz="UTC")),
-    ]
-)
-
-FD_SCHEMA = pa.schema(
-    [
-        ("run", pa.string()),
-        ("step", pa.int64()),
-        ("checkpoint", pa.string()),
-        ("fd_dinov2", pa.float64()),
-        ("n", pa.int64()),
-        ("dino", pa.string()),
-        ("dino_weights", pa.string()),  # "" = real weights; else what they are (random zoo)
-        ("evaluated_at", pa.timestamp("us", tz="UTC")),
-    ]
-)
 
 
 def validation_rows(metrics_csv: str | Path, run: str) -> list[dict]:
@@ -483,7 +332,7 @@ def validation_rows(metrics_csv: str | Path, run: str) -> list[dict]:
 
 def record_validation(data_root: str | Path, run: str, rows: Sequence[dict]) -> Path:
     """Write (replace) a run's validation losses (see :func:`validation_rows`)."""
-    path = DataLayout(data_root).catalog_dir / "validation" / f"{run}.parquet"
+    path = record_path(data_root, "validation", run)
     now = _now_utc()
     data = [{**r, "recorded_at": now} for r in rows]
     _write_parquet(path, pa.Table.from_pylist(data, schema=VALIDATION_SCHEMA))
@@ -492,7 +341,7 @@ def record_validation(data_root: str | Path, run: str, rows: Sequence[dict]) -> 
 
 def record_fd(data_root: str | Path, run: str, step: int, row: dict) -> Path:
     """Write (replace) the FD-DINOv2 of one checkpoint."""
-    path = DataLayout(data_root).catalog_dir / "fd" / run / f"step{step:07d}.parquet"
+    path = record_path(data_root, "fd", run, step_key(step))
     data = [{"run": run, "step": step, **row, "evaluated_at": _now_utc()}]
     _write_parquet(path, pa.Table.from_pylist(data, schema=FD_SCHEMA))
     return path
@@ -500,26 +349,25 @@ def record_fd(data_root: str | Path, run: str, step: int, row: dict) -> Path:
 
 def read_materialization(data_root: str | Path, asset: str, partition: str) -> dict | None:
     """The materialization record of one asset partition, or None."""
-    p = DataLayout(data_root).catalog_dir / "materializations" / asset / f"{partition}.parquet"
+    p = record_path(data_root, "materializations", asset, partition)
     rows = pq.read_table(p).to_pylist() if p.exists() else []
     return rows[0] if rows else None
 
 
 def read_rows(data_root: str | Path, asset: str, partition: str) -> pa.Table | None:
     """The per-row outcomes of one asset partition, or None if there are none."""
-    p = DataLayout(data_root).catalog_dir / "rows" / asset / f"{partition}.parquet"
+    p = record_path(data_root, "rows", asset, partition)
     return pq.read_table(p) if p.exists() else None
 
 
 def record_partitions(data_root: str | Path, partitions: Sequence[dict]) -> Path:
     """Replace the list of known partitions (key, source file, row range)."""
-    layout = DataLayout(data_root)
-    path = layout.catalog_dir / "partitions.parquet"
+    path = record_path(data_root, "partitions")
     _write_parquet(path, pa.Table.from_pylist(list(partitions), schema=PARTITION_SCHEMA))
     return path
 
 
 def read_partitions(data_root: str | Path) -> list[dict]:
     """The list of known partitions as last recorded (none before the first discovery)."""
-    path = DataLayout(data_root).catalog_dir / "partitions.parquet"
+    path = record_path(data_root, "partitions")
     return pq.read_table(path).to_pylist() if path.exists() else []

@@ -57,26 +57,17 @@ from flowmatch_assets.catalog.derived import (
     write_card_summary,
     write_content_hashes,
 )
-from flowmatch_assets.catalog.records import (
-    CARD_SCHEMA,
-    CONTENT_SCHEMA,
-    DUPLICATE_SCHEMA,
+from flowmatch_assets.catalog.record_kinds import (
     MATERIALIZATION_SCHEMA,
-    ROW_SCHEMA,
-    SUMMARY_KEY,
+    record_kind,
+    record_path,
+    row_kinds,
 )
+from flowmatch_assets.catalog.records import SUMMARY_KEY
 from flowmatch_models.storage.layout import DataLayout
 
 #: Bump when a summary's definition changes: every summary is rebuilt from the records.
 SUMMARY_VERSION = "1"
-#: The per-row record kinds, their folder under ``catalog/`` and today's schema.
-ROW_KINDS = {
-    "rows": ROW_SCHEMA,
-    "attempts": ROW_SCHEMA,
-    "duplicates": DUPLICATE_SCHEMA,
-    "content": CONTENT_SCHEMA,
-    "cards": CARD_SCHEMA,
-}
 OUTCOME_SCHEMA = pa.schema(
     [
         ("asset", pa.string()),
@@ -277,9 +268,10 @@ def _footers(changes: _Changes) -> dict[str, _Seen]:
     """What the footer of each changed record file says (read as bytes, a tenth of what
     parsing it costs; a file gone meanwhile, or unreadable, is left out: the views' globs will
     say so)."""
-    names = {k: [_thrift_string(n.encode()) for n in sch.names] for k, sch in ROW_KINDS.items()}
+    kinds = row_kinds()  # the registry's per-row kinds and their schemas (record_kinds.py)
+    names = {k: [_thrift_string(n.encode()) for n in sch.names] for k, sch in kinds.items()}
     out = {}
-    for kind in ("materializations", *ROW_KINDS):
+    for kind in ("materializations", *kinds):
         own = kind in ("materializations", "rows")
         for f in changes.changed.get(kind, []):
             try:
@@ -398,13 +390,14 @@ def _refresh(layout: DataLayout, s: Path) -> frozenset[str]:
         _clear(s)  # another summary version: start over
         _write_bytes(marker, _version().encode())
     state = _State(s)
-    changes, listed = _scan(layout, state, ["materializations", *ROW_KINDS])
+    kinds = row_kinds()
+    changes, listed = _scan(layout, state, ["materializations", *kinds])
     footers = _footers(changes)
     made = ("materializations.parquet", "outcomes.parquet", "content_losers.parquet")
     if (changes.changed or changes.gone or not all((s / m).exists() for m in made)
             or not card_summary_path(layout, "_empty").exists()):  # fmt: skip
         _update(layout, s, state, changes, footers)
-    for kind in ROW_KINDS:  # which files are of an older schema
+    for kind in kinds:  # which files are of an older schema
         for f in changes.changed.get(kind, []):
             d, foot = state.dirs.get(f"{kind}/{f.asset}"), footers.get(f.path)
             if d is None or foot is None:
@@ -514,7 +507,7 @@ def _hash_count(layout: DataLayout, partition: str, ident: list[int]) -> int:
             return (p.stat().st_size - 24) // 8
     except (OSError, ValueError):
         pass
-    rec = layout.catalog_dir / "content" / "images" / f"{partition}.parquet"
+    rec = record_path(layout, "content", "images", partition)
     try:
         md5 = pq.read_table(rec, columns=["md5"]).column("md5")
     except (OSError, pa.ArrowInvalid, KeyError):
@@ -541,7 +534,7 @@ def _refresh_content(layout: DataLayout, s: Path, state: _State, changes: _Chang
     dup = _repeated_hashes([content_hashes_path(layout, p) for p in parts], sizes)
     rows = LOSER_SCHEMA.empty_table()
     if len(dup):
-        c = layout.catalog_dir / "content" / "images"
+        c = record_kind("content").folder(layout) / "images"
         hit = [p for p in parts
                if np.isin(np.fromfile(content_hashes_path(layout, p), np.uint64)[3:], dup).any()]  # fmt: skip
         cand = []

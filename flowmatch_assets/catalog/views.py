@@ -31,22 +31,8 @@ import duckdb
 import pyarrow.parquet as pq
 
 from flowmatch_assets.catalog import derived, summary
-from flowmatch_assets.catalog.records import (
-    CARD_SCHEMA,
-    CARD_SECTIONS,
-    CONTENT_SCHEMA,
-    DUPLICATE_SCHEMA,
-    EVALUATION_SCHEMA,
-    FD_SCHEMA,
-    LEDGER_CHAIN_SCHEMA,
-    LEDGER_EPOCH_SCHEMA,
-    LEDGER_SAMPLE_SCHEMA,
-    MATERIALIZATION_SCHEMA,
-    PARTITION_SCHEMA,
-    ROW_SCHEMA,
-    VALIDATION_SCHEMA,
-    _write_parquet,
-)
+from flowmatch_assets.catalog.record_kinds import RECORD_KINDS, RecordKind
+from flowmatch_assets.catalog.records import CARD_SECTIONS, _write_parquet
 from flowmatch_assets.catalog.summary import file_lock
 from flowmatch_models.storage.atomic import atomic_path
 from flowmatch_models.storage.layout import PARTITIONED_ASSETS, DataLayout
@@ -81,11 +67,24 @@ def view_names() -> list[str]:
 
 
 def _glob(layout: DataLayout, kind: str, legacy: frozenset[str]) -> str:
-    """``read_parquet`` of a per-row record kind's files: by name (``union_by_name``) only
-    when some of them have an older schema (binding it opens every file; today's files all
-    have the schema of the first one, the ``_empty`` placeholder)."""
-    glob = _sql_str(layout.catalog_dir / kind / "*" / "*.parquet")
-    return f"read_parquet({glob}{', union_by_name=true' if kind in legacy else ''})"
+    """``read_parquet`` of a record kind's files (the registry's glob). A per-row kind is read
+    by name (``union_by_name``) only when some of its files have an older schema (binding it
+    opens every file; today's files all have the schema of the first one, the ``_empty``
+    placeholder); another kind when its entry says ``by_name``."""
+    k = RECORD_KINDS[kind]
+    by_name = kind in legacy if k.per == "row" else k.by_name
+    return f"read_parquet({_sql_str(k.glob(layout))}{', union_by_name=true' if by_name else ''})"
+
+
+def _kind_views(layout: DataLayout, legacy: frozenset[str]) -> list[str]:
+    """The plain view of every record kind that has one: ``SELECT <columns>`` over its files
+    (the placeholder's NULL-free rows left out: its first column is never NULL in a record)."""
+    return [
+        f"CREATE OR REPLACE VIEW {k.view} AS SELECT {k.columns} FROM "
+        f"{_glob(layout, k.name, legacy)} WHERE {k.schema.names[0]} IS NOT NULL"
+        for k in RECORD_KINDS.values()
+        if k.view
+    ]
 
 
 def _view_sql(layout: DataLayout) -> list[str]:
@@ -98,29 +97,18 @@ def _view_sql(layout: DataLayout) -> list[str]:
     outcomes = _sql_str(s / "outcomes.parquet")
     cards_summary = _sql_str(c / "card_summaries" / "*.parquet")
     losers = _sql_str(s / "content_losers.parquet")
-    parts = _sql_str(c / "partitions.parquet")
-    evals = _sql_str(c / "evaluations" / "*" / "*.parquet")
-    val = _sql_str(c / "validation" / "*.parquet")
-    fd = _sql_str(c / "fd" / "*" / "*.parquet")
-    ledger = _sql_str(c / "ledger" / "*" / "*.parquet")
-    ledger_epochs = _sql_str(c / "ledger_epochs" / "*" / "*.parquet")
-    ledger_chain = _sql_str(c / "ledger_chain" / "*" / "*.parquet")
     assets = ", ".join(f"({_sql_str(a)}, {i})" for i, a in enumerate(PARTITIONED_ASSETS))
     return [
         # every materialization record (the summary of catalog/materializations/*/*.parquet)
         f"CREATE OR REPLACE VIEW materializations AS SELECT * EXCLUDE (filename) FROM read_parquet({mat}) WHERE asset IS NOT NULL",
-        f"CREATE OR REPLACE VIEW rows AS SELECT * FROM {_glob(layout, 'rows', legacy)} WHERE asset IS NOT NULL",
-        f"CREATE OR REPLACE VIEW partitions AS SELECT * FROM read_parquet({parts}) WHERE partition IS NOT NULL",
-        # caption following per run, checkpoint step and attribute, beside the chance level
-        f"CREATE OR REPLACE VIEW evaluations AS SELECT *, accuracy / nullif(chance, 0) AS x_chance FROM read_parquet({evals}, union_by_name=true) WHERE run IS NOT NULL",
-        # held-out flow loss of the EMA (t_bin -1: mean over the t grid) and FD-DINOv2 per
-        # checkpoint (dino_weights says when DINOv2 is the random zoo model)
-        f"CREATE OR REPLACE VIEW validation AS SELECT * FROM read_parquet({val}, union_by_name=true) WHERE run IS NOT NULL",
-        f"CREATE OR REPLACE VIEW fd_dinov2 AS SELECT * FROM read_parquet({fd}, union_by_name=true) WHERE run IS NOT NULL",
-        # the ledger: per run checkpoint, every trained sample (times seen, first and last
-        # optimizer step), the compact per-epoch segments it was expanded from, per partition
-        f"CREATE OR REPLACE VIEW ledger_deltas AS SELECT * FROM read_parquet({ledger}) WHERE run IS NOT NULL",
-        f"CREATE OR REPLACE VIEW ledger_chain AS SELECT * FROM read_parquet({ledger_chain}) WHERE run IS NOT NULL",
+        # every record kind's own view (record_kinds.py: rows, partitions, evaluations (caption
+        # following beside the chance level), validation (held-out EMA flow loss; t_bin -1:
+        # the mean over the t grid), fd_dinov2, ledger_deltas / ledger_chain / ledger_epochs
+        # (per run checkpoint every trained sample's delta, the chain of deltas, the compact
+        # per-epoch segments), duplicate_records, ...)
+        *_kind_views(layout, legacy),
+        # the ledger summed over a checkpoint's chain: every trained sample (times seen, first
+        # and last optimizer step), and per partition
         """CREATE OR REPLACE VIEW ledger_samples AS
            SELECT ch.run, ch.checkpoint_step, d.sample_id, any_value(d.partition) AS partition,
                   sum(d.times_seen) AS times_seen, min(d.first_step) AS first_step,
@@ -128,7 +116,6 @@ def _view_sql(layout: DataLayout) -> list[str]:
            FROM ledger_chain ch JOIN ledger_deltas d
              ON d.run = ch.run AND d.checkpoint_step = ch.delta_step
            GROUP BY ch.run, ch.checkpoint_step, d.sample_id""",
-        f"CREATE OR REPLACE VIEW ledger_epochs AS SELECT *, pos_to - pos_from AS samples FROM read_parquet({ledger_epochs}, union_by_name=true) WHERE run IS NOT NULL",
         """CREATE OR REPLACE VIEW ledger_partitions AS
            SELECT run, checkpoint_step, partition, count(*) AS samples_seen,
                   sum(times_seen) AS samples_trained, any_value(partition_size) AS partition_size,
@@ -206,7 +193,6 @@ def _view_sql(layout: DataLayout) -> list[str]:
 def _dedupe_views(layout: DataLayout, legacy: frozenset[str], losers: str) -> list[str]:
     """Duplicates (flowmatch_assets/ingest/dedupe.py) and every input row's final outcome."""
     return [
-        f"CREATE OR REPLACE VIEW duplicate_records AS SELECT * FROM {_glob(layout, 'duplicates', legacy)} WHERE asset IS NOT NULL",
         # md5 of the bytes of every row stored in a (materialized) images shard
         f"""CREATE OR REPLACE VIEW content_md5 AS
            SELECT partition, id, position, md5 FROM {_glob(layout, "content", legacy)}
@@ -396,31 +382,21 @@ def _retryable_sql(col: str) -> str:
 
 
 def _ensure_placeholders(layout: DataLayout) -> None:
-    """Empty, schema-carrying files so that the views' globs always match something."""
-    c = layout.catalog_dir
-    for kind, schema in (
-        ("materializations", MATERIALIZATION_SCHEMA),
-        ("rows", ROW_SCHEMA),
-        ("evaluations", EVALUATION_SCHEMA),
-        ("fd", FD_SCHEMA),
-        ("attempts", ROW_SCHEMA),
-        ("ledger", LEDGER_SAMPLE_SCHEMA),
-        ("ledger_epochs", LEDGER_EPOCH_SCHEMA),
-        ("ledger_chain", LEDGER_CHAIN_SCHEMA),
-        ("duplicates", DUPLICATE_SCHEMA),
-        ("content", CONTENT_SCHEMA),
-        ("cards", CARD_SCHEMA),
-    ):
-        p = c / kind / "_empty" / "_empty.parquet"
-        # rewritten when the schema grew (an older data root), so every column is in the glob
-        if not p.exists() or not pq.read_schema(p).equals(schema, check_metadata=False):
-            _write_parquet(p, schema.empty_table())
-    p = c / "validation" / "_empty.parquet"
-    if not p.exists():
-        _write_parquet(p, VALIDATION_SCHEMA.empty_table())
-    p = c / "partitions.parquet"
-    if not p.exists():
-        _write_parquet(p, PARTITION_SCHEMA.empty_table())
+    """Empty, schema-carrying files (one per record kind) so that the views' globs always
+    match something; rewritten when the schema grew (an older data root), so every column is
+    in the glob."""
+    for kind in RECORD_KINDS.values():
+        _ensure_placeholder(layout, kind)
+
+
+def _ensure_placeholder(layout: DataLayout, kind: RecordKind) -> None:
+    p = kind.placeholder(layout)
+    if kind.per == "root":  # the file itself: made empty only when there is none
+        if not p.exists():
+            _write_parquet(p, kind.schema.empty_table())
+        return
+    if not p.exists() or not pq.read_schema(p).equals(kind.schema, check_metadata=False):
+        _write_parquet(p, kind.schema.empty_table())
 
 
 #: What one catalog query may hold in memory; beyond it DuckDB spills to disk (a per-row view

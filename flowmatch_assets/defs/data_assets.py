@@ -276,7 +276,7 @@ def images_complete(
         md_ids = set(
             pq.read_table(layout.asset_path("metadata", p), columns=["id"]).column("id").to_pylist()
         )
-        rows_file = layout.catalog_dir / "rows" / "images" / f"{p}.parquet"
+        rows_file = catalog.record_path(layout, "rows", "images", p)
         if not layout.asset_path("images", p).exists():
             problems.append(f"{p}: no images shard")
             continue

@@ -124,7 +124,7 @@ def write_ledgers(data_root: str | Path, run_name: str, run: Path) -> list[int]:
 
     recorded = {
         int(f.stem[4:]): catalog.read_ledger_segments(data_root, run_name, int(f.stem[4:]))
-        for f in (layout.catalog_dir / "ledger_chain" / run_name).glob("step*.parquet")
+        for f in catalog.record_path(layout, "ledger_chain", run_name).glob("step*.parquet")
     }
     done = []
     for step, rows, segs, chain in ledger.checkpoint_ledgers(

@@ -31,6 +31,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from flowmatch_assets import compat
+from flowmatch_assets.catalog.record_kinds import record_path
 from flowmatch_models.storage.layout import PARTITIONED_ASSETS, DataLayout
 
 PRESENT = "present"
@@ -79,7 +80,7 @@ def file_state(
 
 
 def _record_path(layout: DataLayout, asset: str, partition: str) -> Path:
-    return layout.catalog_dir / "materializations" / asset / f"{partition}.parquet"
+    return record_path(layout, "materializations", asset, partition)
 
 
 def partition_states(

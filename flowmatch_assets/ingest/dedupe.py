@@ -45,7 +45,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from flowmatch_assets.catalog import file_lock
+from flowmatch_assets.catalog import file_lock, record_kind
 from flowmatch_assets.catalog.derived import content_hashes_path, md5_hashes
 from flowmatch_assets.ingest.metadata import (
     FilterConfig,
@@ -263,7 +263,7 @@ def stored_before(root: str | Path, partition: str, md5s: list[str]) -> dict[str
     partition whose md5 hashes (catalog/derived.py, written with its record) hold none of
     them is not read: the cost per partition stays ~30 µs per earlier partition, not a read."""
     layout = DataLayout(root)
-    d = layout.catalog_dir / "content" / "images"
+    d = record_kind("content").folder(layout) / "images"
     files = sorted(p for p in d.glob("*.parquet") if p.stem < partition) if d.is_dir() else []
     wanted = pa.array(sorted({m for m in md5s if m}), pa.string())
     out: dict[str, tuple[str, str]] = {}

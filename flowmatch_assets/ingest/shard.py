@@ -26,7 +26,6 @@ from flowmatch_assets.ingest.images import IngestConfig, IngestError, IngestResu
 from flowmatch_assets.ingest.metadata import FilterConfig, size_reason
 from flowmatch_models.data.buckets import kept_fraction
 from flowmatch_models.storage.image_shard import read_image_meta
-from flowmatch_models.storage.layout import DataLayout
 
 
 class NothingToRetry(Exception):
@@ -166,7 +165,7 @@ def _drop_content_duplicates(
 
 def _earlier_drops(root, part: str, ids: set[str], dropped: list[dict]) -> list[dict]:
     """The content-duplicate records of the shard's previous run that this run did not redo."""
-    p = DataLayout(root).catalog_dir / "duplicates" / "images" / f"{part}.parquet"
+    p = catalog.record_path(root, "duplicates", "images", part)
     redone = {d["id"] for d in dropped}
     prev = pq.read_table(p).to_pylist() if p.exists() else []
     return [d for d in prev if d["id"] in ids and d["id"] not in redone]

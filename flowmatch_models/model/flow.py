@@ -1,7 +1,15 @@
 """Rectified flow / flow matching with REPA, minRF-style: one class, two verbs.
 
-    x_t = (1 - t) x + t e,   e ~ N(0, I),   target v = e - x,   t ~ sigmoid(N(mean, std))
+    x_t = (1 - t) x + t e,   e ~ N(0, I),   target v = e - x,   t ~ shift(T_SAMPLERS[t_sampling])
     loss = |v_theta(x_t, t, c) - v|^2  +  lambda * mean_tokens(-cos(proj(h_k), dino))
+
+Timestep sampling is chosen by name (``t_sampling``, one function each in ``T_SAMPLERS``, as in
+diffusers' ``compute_density_for_timestep_sampling``): ``logit_normal`` (SD3's
+``sigmoid(N(t_mean, t_std))``, the default), ``uniform``, and SD3's ``mode``
+(``t = 1 - u - mode_scale (cos^2(pi u / 2) - 1 + u)``, u uniform: SD3 paper eq. 20). Then
+``train_shift`` (SD3's ``s t / (1 + (s - 1) t)``) moves the drawn t; ``sample_shift`` spaces the
+sampler's time grid (the exported scheduler's ``shift``). Both were one key, ``shift``, which
+old configs may still use: it sets both.
 
 Sampling integrates dx/dt = v from t = 1 (noise) to t = 0 (data) with Euler steps and
 classifier-free guidance ``v = v_null + s (v_cond - v_null)``.
@@ -16,13 +24,17 @@ Latents are in scaled space (``latents * scaling_factor``, unit-ish variance) th
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, get_args
 
 import torch
 import torch.nn.functional as F
 from diffusers import SanaTransformer2DModel
 
 from flowmatch_models.model.dit import DEFAULT_TEXT_DIM, FlowDiT, sana_timestep
+from flowmatch_models.model.flow_settings import FlowSettings, TSampling
 
 
 def null_caption(
@@ -44,22 +56,56 @@ def shift_t(t: torch.Tensor, shift: float) -> torch.Tensor:
     return shift * t / (1 + (shift - 1) * t)
 
 
-@dataclass
-class FlowMatching:
-    """Flow-matching loss (``loss``) and Euler CFG sampler (``sample``) for a :class:`FlowDiT`."""
+def logit_normal(fm: FlowMatching, n: int, generator, device) -> torch.Tensor:
+    """SD3's logit-normal ``sigmoid(N(t_mean, t_std))`` (``rf/lognorm(t_mean, t_std)``)."""
+    z = torch.randn(n, generator=generator, device=device) * fm.t_std + fm.t_mean
+    return torch.sigmoid(z)
 
-    t_mean: float = 0.0
-    t_std: float = 1.0
-    shift: float = 1.0
-    repa_lambda: float = 0.5
-    caption_dropout: float = 0.1
-    n_bins: int = 10
+
+def uniform(fm: FlowMatching, n: int, generator, device) -> torch.Tensor:
+    """``t ~ U[0, 1)``: every noise level equally often (minRF, plain rectified flow)."""
+    return torch.rand(n, generator=generator, device=device)
+
+
+def mode(fm: FlowMatching, n: int, generator, device) -> torch.Tensor:
+    """SD3's mode sampling (paper eq. 20): ``f_mode(u; s) = 1 - u - s (cos^2(pi u / 2) - 1 + u)``
+    for ``u ~ U[0, 1)``, ``s = mode_scale``; s = 0 is uniform, s > 0 puts mass on the middle
+    (``mode_scale`` 1.29 is the paper's ``rf/mode(1.29)``). Defined for -1 <= s <= 2 / (pi - 2)."""
+    u = torch.rand(n, generator=generator, device=device)
+    return 1 - u - fm.mode_scale * (torch.cos(math.pi * u / 2) ** 2 - 1 + u)
+
+
+#: Timestep sampling by name (``flow.t_sampling``): t in [0, 1] before ``train_shift``. A new
+#: schedule is one function here, its name in ``TSampling`` and its parameters (if any) as
+#: ``FlowSettings`` fields, both in ``flowmatch_models/model/flow_settings.py``.
+T_SAMPLERS: dict[str, Callable[[FlowMatching, int, Any, Any], torch.Tensor]] = {
+    "logit_normal": logit_normal,
+    "uniform": uniform,
+    "mode": mode,
+}
+
+
+if set(T_SAMPLERS) != set(get_args(TSampling)):  # the config's names (flow_settings.py)
+    raise ImportError(f"T_SAMPLERS {sorted(T_SAMPLERS)} != TSampling {get_args(TSampling)}")
+
+
+@dataclass
+class FlowMatching(FlowSettings):
+    """Flow-matching loss (``loss``) and Euler CFG sampler (``sample``) for a :class:`FlowDiT`.
+
+    Its knobs are :class:`FlowSettings`' fields, which are also the training config's ``flow``
+    section; ``null_text`` is set by the run, not configured.
+    """
+
     null_text: torch.Tensor | None = None  # encoded empty prompt [L0, D]; None: a zero token
 
+    def __post_init__(self) -> None:
+        if self.t_sampling not in T_SAMPLERS:
+            raise ValueError(f"unknown t_sampling {self.t_sampling!r}; known: {sorted(T_SAMPLERS)}")
+
     def sample_t(self, n: int, generator: torch.Generator | None = None, device="cpu"):
-        """Logit-normal ``t`` with optional shift."""
-        z = torch.randn(n, generator=generator, device=device) * self.t_std + self.t_mean
-        return shift_t(torch.sigmoid(z), self.shift)
+        """``t`` by ``t_sampling``, then SD3's ``train_shift``."""
+        return shift_t(T_SAMPLERS[self.t_sampling](self, n, generator, device), self.train_shift)
 
     def drop_captions(
         self,
@@ -137,7 +183,16 @@ class FlowMatching:
         ``text [B, L, D]`` (see :func:`sample`)."""
         null = null_caption(text.shape[0], text.shape[-1], text.device, self.null_text)
         return sample(
-            model, text, mask, null, steps, cfg_scale, generator, noise, self.shift, latent_size
+            model,
+            text,
+            mask,
+            null,
+            steps,
+            cfg_scale,
+            generator,
+            noise,
+            self.sample_shift,
+            latent_size,
         )
 
 

@@ -376,7 +376,7 @@ class SampleGridCallback(Callback):
         out = self.cfg.run_dir() / "samples" / f"step{trainer.global_step:07d}.png"
         self.last_path = sample_grid(
             pl_module.sampling_transformer(), text, mask, out, self.dm.scaling_factor, vae=self._vae,
-            steps=s.steps, cfg_scale=s.cfg_scale, seed=s.seed, shift=self.cfg.flow.shift,
+            steps=s.steps, cfg_scale=s.cfg_scale, seed=s.seed, shift=self.cfg.flow.sample_shift,
             labels=labels, null_text=pl_module.flow.null_text,
         )  # fmt: skip
         self.last_step = trainer.global_step

@@ -16,10 +16,20 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
+
+from flowmatch_models.model.flow_settings import LEGACY_KEYS, config_fields
 
 
 class ConfigError(ValueError):
@@ -72,13 +82,29 @@ class ModelConfig(_Section):
     )
 
 
-class FlowConfig(_Section):
-    t_mean: float = Field(0.0, description="Logit-normal t ~ sigmoid(N(t_mean, t_std)).")
-    t_std: float = Field(1.0, gt=0)
-    shift: float = Field(1.0, gt=0, description="SD3 timestep shift (1 = none), also sampling.")
-    caption_dropout: float = Field(0.1, ge=0, le=1, description="Null-caption fraction (CFG).")
-    repa_lambda: float = Field(0.5, ge=0, description="REPA loss weight; 0 = no REPA head.")
-    n_bins: int = Field(10, ge=1, description="Per-t-bin loss logging.")
+class _FlowSection(_Section):
+    """The base of ``FlowConfig``: the old ``shift`` key (``LEGACY_KEYS``) sets both shifts."""
+
+    legacy_keys: ClassVar[dict[str, tuple[str, ...]]] = LEGACY_KEYS
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(k in data for k in cls.legacy_keys):
+            data = dict(data)
+            for old, new in cls.legacy_keys.items():
+                if old in data:
+                    value = data.pop(old)
+                    for key in new:
+                        data.setdefault(key, value)
+        return data
+
+
+#: The ``flow`` section: exactly the configurable ``FlowMatching`` fields, their defaults,
+#: bounds and descriptions (``flowmatch_models.model.flow.config_fields``; one list).
+FlowConfig = create_model(
+    "FlowConfig", __base__=_FlowSection, __module__=__name__, **config_fields()
+)
 
 
 class OptimConfig(_Section):
@@ -331,6 +357,11 @@ def load_config(
         node: Any = cfg
         for i, p in enumerate(parts):
             fields = type(node).model_fields
+            legacy = getattr(type(node), "legacy_keys", {})
+            if i == len(parts) - 1 and p in legacy:  # e.g. flow.shift: sets both shifts
+                parts[-1:] = [legacy[p][0]]
+                extra = legacy[p][1:]
+                break
             if p not in fields:
                 what = "config key" if i == len(parts) - 1 else "config section"
                 raise ConfigError(f"--set {key}: unknown {what}; known: {sorted(fields)}")
@@ -338,8 +369,11 @@ def load_config(
                 node = getattr(node, p)
                 if not isinstance(node, BaseModel):
                     raise ConfigError(f"--set {key}: '{p}' is a value, not a section")
+        else:
+            extra = ()
         try:
-            setattr(node, parts[-1], yaml.safe_load(value))
+            for name in (parts[-1], *extra):
+                setattr(node, name, yaml.safe_load(value))
         except ValidationError as e:
             err = e.errors()[0]
             raise ConfigError(f"--set {key}: {err['msg']} (got {value!r})") from None

@@ -376,7 +376,7 @@ class FlowMatchModule(L.LightningModule):
         info = {
             "preset": self.config.model.preset,
             "step": int(self.global_step),
-            "flow_shift": self.config.flow.shift,
+            "flow_shift": self.config.flow.sample_shift,  # the sampler's (the old single shift)
             "skipped_steps": self.skipped_steps(),
             "encoders": {"vae": self.config.encoders.vae, "text": self.config.encoders.text},
             "widths": dict(self.widths),

@@ -407,7 +407,7 @@ def _finish_outputs(result, cfg, trainer, module, dm, grid_cb, loggers) -> None:
         result.export_dir = str(
             export_pipeline(
                 module.sampling_transformer(), run_dir / "pipeline", scaling_factor=dm.scaling_factor,
-                preset=cfg.model.preset, shift=cfg.flow.shift, null_text=module.flow.null_text,
+                preset=cfg.model.preset, shift=cfg.flow.sample_shift, null_text=module.flow.null_text,
                 vae=cfg.encoders.vae, text_encoder=cfg.encoders.text, parent=result.parent,
             )
         )  # fmt: skip

@@ -1,7 +1,9 @@
 """The user's own captioned images as partitions: image folders, Hugging Face-style parquet and
 WebDataset tars (no Dagster). ``config.py`` says how a source is configured and where,
-``registry.py`` how its samples become partitions (manifests) and rows, one module per kind
-(``folder.py``, ``parquet.py``, ``webdataset.py``) how each format is read, ``location.py`` the
+``registry.py`` how its samples become partitions (manifests) and rows, ``kind.py`` what a
+source kind is (``SourceKind``: scan, rows, images, with named return types), one module per
+kind (``folder.py``, ``parquet.py``, ``webdataset.py``: a ``SourceKind`` each, registered in
+``registry.SOURCE_KIND_REGISTRY``) how each format is read, ``location.py`` the
 one way they reach bytes (confined to the location, regular files only, bounded), ``common.py``
 the rows and failure reasons they share."""
 
@@ -15,7 +17,9 @@ from flowmatch_assets.ingest.sources.config import (
     sources_file,
     write_source,
 )
+from flowmatch_assets.ingest.sources.kind import Found, Listing, SourceKind
 from flowmatch_assets.ingest.sources.registry import (
+    SOURCE_KIND_REGISTRY,
     Manifest,
     Scan,
     forget,
@@ -24,11 +28,17 @@ from flowmatch_assets.ingest.sources.registry import (
     partition_rows,
     register,
     registered,
+    source_kind,
     unregistered,
 )
 
 __all__ = [
     "SOURCE_KINDS",
+    "SOURCE_KIND_REGISTRY",
+    "Found",
+    "Listing",
+    "SourceKind",
+    "source_kind",
     "LISTING_REASONS",
     "Manifest",
     "Scan",

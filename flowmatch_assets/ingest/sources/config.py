@@ -40,8 +40,9 @@ from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_valid
 from flowmatch_models.storage.atomic import atomic_write_text
 from flowmatch_models.storage.layout import PD12M, SOURCE_NAME
 
-#: The source kinds, the one list: each is the module ``flowmatch_assets/ingest/sources/<kind>.py``
-#: (``scan``, ``rows``, ``images``); the config, the registry and the CLI read it.
+#: The source kinds by name, which the config and the CLI validate against: each is a
+#: ``SourceKind`` in ``flowmatch_assets/ingest/sources/<kind>.py``, registered in
+#: ``registry.SOURCE_KIND_REGISTRY`` (which refuses to import when the two differ).
 SOURCE_KINDS = ("folder", "parquet", "webdataset")
 #: The file extensions a folder or tar sample's image may have.
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import posixpath
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator, Sequence
 
 from flowmatch_assets.ingest.images import IngestError
 from flowmatch_assets.ingest.sources.common import (
@@ -30,6 +30,15 @@ from flowmatch_assets.ingest.sources.common import (
     row,
 )
 from flowmatch_assets.ingest.sources.config import IMAGE_EXTS, SourceConfig, SourceError
+from flowmatch_assets.ingest.sources.kind import (
+    Found,
+    ImageRead,
+    ListedRow,
+    Listing,
+    Manifest,
+    NewPartition,
+    SourceKind,
+)
 from flowmatch_assets.ingest.sources.location import Location
 
 JSONL = "metadata.jsonl"
@@ -101,63 +110,6 @@ def _target(loc: Location, base: str, file_name: str) -> str:
     return loc.name_of(posixpath.join(base, file_name))
 
 
-def scan(cfg: SourceConfig, known: Iterable) -> tuple[list[tuple[str, int, int, list]], list]:
-    """New partitions ``(unit, start, end, entries)`` for the samples under the location that
-    no registered partition (``known`` manifests) holds, ``shard_size`` each, in path order;
-    and the units skipped (none: a folder's problems are its samples' rows)."""
-    loc = Location(cfg)
-    if loc.is_file:
-        raise SourceError(
-            f"source location {cfg.shown!r} is a file; a folder source needs a folder"
-        )
-    files = loc.files()
-    images = [f for f in files if _is_image(f)]
-    with_image = {_stem(f) for f in images}
-    entries: dict[str, dict] = {}
-    for img in images:
-        entries[img] = {"id": img, "image": img}
-    for f in files:
-        if f.endswith(cfg.caption_extension) and _stem(f) not in with_image:
-            entries[f] = {"id": f, "image": None}  # a caption with no image: missing_image
-    for jl in (f for f in files if posixpath.basename(f) == JSONL):
-        base = posixpath.dirname(jl)
-        found: dict[str, dict] = {}
-        try:
-            for n, rec, problem in _jsonl_lines(loc, jl):
-                sid = f"{jl}#L{n}"
-                if rec is None:
-                    found[sid] = {"id": sid, "image": None, "problem": problem}
-                    continue
-                try:
-                    rel = _target(loc, base, rec["file_name"])
-                except IngestError as e:
-                    found[sid] = {"id": sid, "image": None, "reason": e.reason,
-                                  "problem": f"line {n}: {e.detail}"}  # fmt: skip
-                    continue
-                found.setdefault(rel, {"id": rel, "image": rel})  # absent files: not_found later
-        except IngestError as e:  # the whole file cannot be listed: one failed row says why
-            entries[jl] = {"id": jl, "image": None, "problem": e.detail, "reason": e.reason}
-            continue
-        except OSError as e:
-            what = f"{jl}: {e.strerror or type(e).__name__}"
-            entries[jl] = {"id": jl, "image": None, "problem": what, "reason": "unreadable"}
-            continue
-        for k, v in found.items():
-            if k.startswith(f"{jl}#L"):
-                entries[k] = v
-            else:
-                entries.setdefault(k, v)
-    held = {e["id"] for m in known for e in m.entries}
-    new = [entries[k] for k in sorted(entries) if k not in held]
-    out = []
-    for i in range(0, len(new), cfg.shard_size):
-        chunk = new[i : i + cfg.shard_size]
-        dirs = {posixpath.dirname(e["id"]) for e in chunk}
-        unit = posixpath.commonpath(list(dirs)) if "" not in dirs else ""
-        out.append((unit, 0, len(chunk), chunk))
-    return out, []
-
-
 @functools.lru_cache(maxsize=8)
 def _jsonl_captions(
     loc: Location, jl: str, rel_dir: str, version: str, field: str
@@ -223,63 +175,125 @@ def _broken_jsonl_of(img: str, broken: dict[str, IngestError]) -> IngestError | 
         d = posixpath.dirname(d)
 
 
-def rows(cfg: SourceConfig, name: str, m) -> tuple[list[dict], list[dict]]:
-    """The partition's samples as rows, and the failures of those that cannot be (module doc)."""
-    loc = Location(cfg)
-    field = cfg.caption()
-    images = [e["image"] for e in m.entries if e.get("image")]
-    from_jsonl, broken = _captions_from_jsonl(loc, images, field)
-    out, failed = [], []
-    for i, e in enumerate(m.entries):
-        sid = e["id"]
-        if e.get("problem"):
-            failed.append(failure(sid, sid.split("#")[0], e.get("reason", "bad_metadata"),
-                                  e["problem"]))  # fmt: skip
-            continue
-        if not e.get("image"):
-            failed.append(
-                failure(sid, sid, "missing_image", f"caption {sid} has no image beside it")
+class FolderKind(SourceKind):
+    """An image folder: images with caption sidecars and/or metadata.jsonl (module doc)."""
+
+    name = "folder"
+
+    def scan(self, cfg: SourceConfig, known: Sequence[Manifest]) -> Found:
+        """New partitions ``(unit, start, end, entries)`` for the samples under the location that
+        no registered partition (``known`` manifests) holds, ``shard_size`` each, in path order;
+        and the units skipped (none: a folder's problems are its samples' rows)."""
+        loc = Location(cfg)
+        if loc.is_file:
+            raise SourceError(
+                f"source location {cfg.shown!r} is a file; a folder source needs a folder"
             )
-            continue
-        img = e["image"]
-        side = _stem(img) + cfg.caption_extension
-        caption = None
-        try:
-            data = loc.read(side, CAPTION_MAX_BYTES, "caption file")
-        except IngestError as err:
-            if err.reason != "not_found":  # a link out, a FIFO, unreadable, too large
-                failed.append(failure(sid, img, err.reason, err.detail))
+        files = loc.files()
+        images = [f for f in files if _is_image(f)]
+        with_image = {_stem(f) for f in images}
+        entries: dict[str, dict] = {}
+        for img in images:
+            entries[img] = {"id": img, "image": img}
+        for f in files:
+            if f.endswith(cfg.caption_extension) and _stem(f) not in with_image:
+                entries[f] = {"id": f, "image": None}  # a caption with no image: missing_image
+        for jl in (f for f in files if posixpath.basename(f) == JSONL):
+            base = posixpath.dirname(jl)
+            found: dict[str, dict] = {}
+            try:
+                for n, rec, problem in _jsonl_lines(loc, jl):
+                    sid = f"{jl}#L{n}"
+                    if rec is None:
+                        found[sid] = {"id": sid, "image": None, "problem": problem}
+                        continue
+                    try:
+                        rel = _target(loc, base, rec["file_name"])
+                    except IngestError as e:
+                        found[sid] = {"id": sid, "image": None, "reason": e.reason,
+                                      "problem": f"line {n}: {e.detail}"}  # fmt: skip
+                        continue
+                    found.setdefault(
+                        rel, {"id": rel, "image": rel}
+                    )  # absent files: not_found later
+            except IngestError as e:  # the whole file cannot be listed: one failed row says why
+                entries[jl] = {"id": jl, "image": None, "problem": e.detail, "reason": e.reason}
                 continue
-            data = None
-        try:
-            if data is not None:
-                caption = caption_text(data)
-            elif from_jsonl.get(img) is not None:
-                caption = caption_text(from_jsonl[img])
-        except NotText as err:
-            where = side if data is not None else f"its {JSONL} line's {field!r}"
-            failed.append(failure(sid, img, "bad_caption", f"{where} is {err}"))
-            continue
-        if caption is None:
-            bad = _broken_jsonl_of(img, broken)
-            if bad is not None:
-                failed.append(failure(sid, img, bad.reason, f"no {side}, and {bad.detail}"))
+            except OSError as e:
+                what = f"{jl}: {e.strerror or type(e).__name__}"
+                entries[jl] = {"id": jl, "image": None, "problem": what, "reason": "unreadable"}
                 continue
-            failed.append(failure(sid, img, "missing_caption",
-                                  f"no {side} and no {JSONL} line with {field!r} for it"))  # fmt: skip
-            continue
-        out.append(row(cfg, name, sid, img, caption, i))
-    return out, failed
+            for k, v in found.items():
+                if k.startswith(f"{jl}#L"):
+                    entries[k] = v
+                else:
+                    entries.setdefault(k, v)
+        held = {e["id"] for m in known for e in m.entries}
+        new = [entries[k] for k in sorted(entries) if k not in held]
+        out = []
+        for i in range(0, len(new), cfg.shard_size):
+            chunk = new[i : i + cfg.shard_size]
+            dirs = {posixpath.dirname(e["id"]) for e in chunk}
+            unit = posixpath.commonpath(list(dirs)) if "" not in dirs else ""
+            out.append(NewPartition(unit, 0, len(chunk), chunk))
+        return Found(out)
 
+    def rows(self, cfg: SourceConfig, name: str, m: Manifest) -> Listing:
+        """The partition's samples as rows, and the failures of those that cannot be (module doc)."""
+        loc = Location(cfg)
+        field = cfg.caption()
+        images = [e["image"] for e in m.entries if e.get("image")]
+        from_jsonl, broken = _captions_from_jsonl(loc, images, field)
+        out, failed = [], []
+        for i, e in enumerate(m.entries):
+            sid = e["id"]
+            if e.get("problem"):
+                failed.append(failure(sid, sid.split("#")[0], e.get("reason", "bad_metadata"),
+                                      e["problem"]))  # fmt: skip
+                continue
+            if not e.get("image"):
+                failed.append(
+                    failure(sid, sid, "missing_image", f"caption {sid} has no image beside it")
+                )
+                continue
+            img = e["image"]
+            side = _stem(img) + cfg.caption_extension
+            caption = None
+            try:
+                data = loc.read(side, CAPTION_MAX_BYTES, "caption file")
+            except IngestError as err:
+                if err.reason != "not_found":  # a link out, a FIFO, unreadable, too large
+                    failed.append(failure(sid, img, err.reason, err.detail))
+                    continue
+                data = None
+            try:
+                if data is not None:
+                    caption = caption_text(data)
+                elif from_jsonl.get(img) is not None:
+                    caption = caption_text(from_jsonl[img])
+            except NotText as err:
+                where = side if data is not None else f"its {JSONL} line's {field!r}"
+                failed.append(failure(sid, img, "bad_caption", f"{where} is {err}"))
+                continue
+            if caption is None:
+                bad = _broken_jsonl_of(img, broken)
+                if bad is not None:
+                    failed.append(failure(sid, img, bad.reason, f"no {side}, and {bad.detail}"))
+                    continue
+                failed.append(failure(sid, img, "missing_caption",
+                                      f"no {side} and no {JSONL} line with {field!r} for it"))  # fmt: skip
+                continue
+            out.append(row(cfg, name, sid, img, caption, i))
+        return Listing(out, failed)
 
-def images(
-    cfg: SourceConfig, m, rows: list[dict], max_bytes: int
-) -> Iterator[tuple[dict, bytes | IngestError]]:
-    """The bytes of each row's image file, in order (every refusal of :class:`Location`, and
-    ``too_large``, as the row's failure)."""
-    loc = Location(cfg)
-    for r in rows:
-        try:
-            yield r, loc.read(r["url"], max_bytes, "image")
-        except IngestError as e:
-            yield r, e
+    def images(
+        self, cfg: SourceConfig, m: Manifest, rows: Sequence[ListedRow], max_bytes: int
+    ) -> Iterator[ImageRead]:
+        """The bytes of each row's image file, in order (every refusal of :class:`Location`, and
+        ``too_large``, as the row's failure)."""
+        loc = Location(cfg)
+        for r in rows:
+            try:
+                yield r, loc.read(r["url"], max_bytes, "image")
+            except IngestError as e:
+                yield r, e

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import posixpath
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -25,6 +25,16 @@ import pyarrow.parquet as pq
 from flowmatch_assets.ingest.images import IngestError
 from flowmatch_assets.ingest.sources.common import NotText, caption_text, failure, row
 from flowmatch_assets.ingest.sources.config import SourceConfig, SourceError
+from flowmatch_assets.ingest.sources.kind import (
+    Found,
+    ImageRead,
+    ListedRow,
+    Listing,
+    Manifest,
+    NewPartition,
+    Skipped,
+    SourceKind,
+)
 from flowmatch_assets.ingest.sources.location import Location
 
 BATCH_ROWS = 64  # image rows decoded from parquet at a time (memory: 64 originals)
@@ -41,31 +51,6 @@ _BROKEN = (pa.ArrowException, OSError, ValueError, EOFError)
 def _broken(rel: str, e: BaseException) -> IngestError:
     first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
     return IngestError("corrupt_container", f"{rel} cannot be read as parquet: {first}")
-
-
-def scan(cfg: SourceConfig, known: Iterable) -> tuple[list[tuple[str, int, int, list]], list]:
-    """New partitions ``(file, start row, end row, [])`` for every parquet file under the
-    location that is not registered yet, in path order, and the files skipped
-    (``(file, reason, detail)``: they cannot be opened as parquet)."""
-    loc = Location(cfg)
-    held = {m.unit for m in known}
-    out, skipped = [], []
-    for rel in loc.files():
-        if not rel.endswith(".parquet") or rel in held:
-            continue
-        try:
-            with loc.open(rel) as f:
-                n = pq.ParquetFile(f).metadata.num_rows
-        except IngestError as e:
-            skipped.append((rel, e.reason, e.detail))
-            continue
-        except _BROKEN as e:
-            e = _broken(rel, e)
-            skipped.append((rel, e.reason, e.detail))
-            continue
-        for k in range(max(1, math.ceil(n / cfg.shard_size))):
-            out.append((rel, k * cfg.shard_size, min(n, (k + 1) * cfg.shard_size), []))
-    return out, skipped
 
 
 def _groups(pf: pq.ParquetFile, start: int, end: int) -> tuple[list[int], int]:
@@ -128,44 +113,6 @@ def _stem(m) -> str:
     return posixpath.basename(m.unit).removesuffix(".parquet")
 
 
-def rows(cfg: SourceConfig, name: str, m) -> tuple[list[dict], list[dict]]:
-    """The partition's rows (caption and id columns only) and the rows that cannot be
-    (``missing_caption``, ``bad_caption``; every row, with the reason, when the file cannot
-    be read any more)."""
-    loc = Location(cfg)
-    stem = _stem(m)
-    parts: list[tuple[int, int, pa.Table | IngestError]] = []  # (first row, rows, table or why)
-    try:
-        with loc.open(m.unit) as f:
-            try:
-                pf = pq.ParquetFile(f)
-                _check_columns(pf, cfg, m.unit)
-                cols = [cfg.caption()] + ([cfg.id_field] if cfg.id_field else [])
-                groups, first = _groups(pf, m.start, m.end)
-                for g, at in _group_rows(pf, groups, first):
-                    big = _too_big(pf, g, cfg.caption(), CAPTION_CHUNK_MAX_BYTES, m.unit)
-                    if big is None and cfg.id_field:
-                        big = _too_big(pf, g, cfg.id_field, CAPTION_CHUNK_MAX_BYTES, m.unit)
-                    n = pf.metadata.row_group(g).num_rows
-                    parts.append((at, n, big or pf.read_row_group(g, columns=cols)))
-            except SourceError:
-                raise  # the source's settings name a column the file lacks: the user's fix
-            except _BROKEN as e:
-                raise _broken(m.unit, e) from None
-    except IngestError as e:  # the whole file: each of its rows fails with the reason
-        return [], [failure(f"{stem}/{r}", f"{m.unit}#{r}", e.reason, e.detail)
-                    for r in range(m.start, m.end)]  # fmt: skip
-    out, failed = [], []
-    for at, n, t in parts:
-        lo, hi = max(m.start, at), min(m.end, at + n)
-        if isinstance(t, IngestError):  # a row group too big to read: each of its rows says so
-            failed += [failure(f"{stem}/{r}", f"{m.unit}#{r}", t.reason, t.detail)
-                       for r in range(lo, hi)]  # fmt: skip
-            continue
-        _rows_of(cfg, name, m, stem, t.slice(lo - at, hi - lo), lo, out, failed)
-    return out, failed
-
-
 def _rows_of(cfg: SourceConfig, name: str, m, stem: str, t: pa.Table, start: int,
              out: list, failed: list) -> None:  # fmt: skip
     """The rows (into ``out``) and failures (into ``failed``) of ``t``, rows ``start``... of
@@ -198,51 +145,6 @@ def _image_bytes(value) -> tuple[bytes | None, str | None]:
     return (data if isinstance(data, bytes) else None), (path if isinstance(path, str) else None)
 
 
-def images(
-    cfg: SourceConfig, m, rows: list[dict], max_bytes: int
-) -> Iterator[tuple[dict, bytes | IngestError]]:
-    """The image bytes of each row, in order, read from the file's image column in batches of
-    ``BATCH_ROWS``; a cell without bytes fails as ``missing_image``; if the file cannot be
-    read (any more), the rows not read yet fail with the reason."""
-    loc = Location(cfg)
-    want = {int(r["url"].rsplit("#", 1)[1]): r for r in rows}
-    if not want:
-        return
-    lo, hi = min(want), max(want) + 1
-    broke: IngestError | None = None
-    try:
-        with loc.open(m.unit) as f:
-            try:
-                pf = pq.ParquetFile(f)
-                _check_columns(pf, cfg, m.unit)
-                groups, first = _groups(pf, lo, hi)
-                for g, pos in _group_rows(pf, groups, first):
-                    big = _too_big(pf, g, cfg.image_field, IMAGE_CHUNK_MAX_BYTES, m.unit)
-                    if big is not None:
-                        n = pf.metadata.row_group(g).num_rows
-                        for r in [r for r in want if pos <= r < pos + n]:
-                            yield want.pop(r), big
-                        continue
-                    cols = [cfg.image_field]
-                    for batch in pf.iter_batches(BATCH_ROWS, row_groups=[g], columns=cols):
-                        col: pa.Array = batch.column(0)
-                        for j in range(len(col)):
-                            r = pos + j
-                            if r in want:
-                                yield want.pop(r), _one(col[j].as_py(), r, max_bytes)
-                        pos += len(col)
-                        if pos >= hi:
-                            break
-            except SourceError:
-                raise  # the source's settings name a column the file lacks: the user's fix
-            except _BROKEN as e:
-                raise _broken(m.unit, e) from None
-    except IngestError as e:
-        broke = e
-    for r in sorted(want):  # rows beyond the file's end (it was replaced after registration)
-        yield want[r], broke or IngestError("not_found", f"{m.unit} has no row {r}")
-
-
 def _one(value, r: int, max_bytes: int) -> bytes | IngestError:
     data, p = _image_bytes(value)
     if data is None:
@@ -252,3 +154,120 @@ def _one(value, r: int, max_bytes: int) -> bytes | IngestError:
     if len(data) > max_bytes:
         return IngestError("too_large", f"{len(data)} bytes > max_bytes {max_bytes}")
     return data
+
+
+class ParquetKind(SourceKind):
+    """Hugging Face-style parquet files, the image bytes inside (module doc)."""
+
+    name = "parquet"
+
+    def scan(self, cfg: SourceConfig, known: Sequence[Manifest]) -> Found:
+        """New partitions ``(file, start row, end row, [])`` for every parquet file under the
+        location that is not registered yet, in path order, and the files skipped
+        (``(file, reason, detail)``: they cannot be opened as parquet)."""
+        loc = Location(cfg)
+        held = {m.unit for m in known}
+        out, skipped = [], []
+        for rel in loc.files():
+            if not rel.endswith(".parquet") or rel in held:
+                continue
+            try:
+                with loc.open(rel) as f:
+                    n = pq.ParquetFile(f).metadata.num_rows
+            except IngestError as e:
+                skipped.append(Skipped(rel, e.reason, e.detail))
+                continue
+            except _BROKEN as e:
+                e = _broken(rel, e)
+                skipped.append(Skipped(rel, e.reason, e.detail))
+                continue
+            for k in range(max(1, math.ceil(n / cfg.shard_size))):
+                out.append(
+                    NewPartition(rel, k * cfg.shard_size, min(n, (k + 1) * cfg.shard_size), [])
+                )
+        return Found(out, skipped)
+
+    def rows(self, cfg: SourceConfig, name: str, m: Manifest) -> Listing:
+        """The partition's rows (caption and id columns only) and the rows that cannot be
+        (``missing_caption``, ``bad_caption``; every row, with the reason, when the file cannot
+        be read any more)."""
+        loc = Location(cfg)
+        stem = _stem(m)
+        parts: list[tuple[int, int, pa.Table | IngestError]] = []  # (first row, rows, table or why)
+        try:
+            with loc.open(m.unit) as f:
+                try:
+                    pf = pq.ParquetFile(f)
+                    _check_columns(pf, cfg, m.unit)
+                    cols = [cfg.caption()] + ([cfg.id_field] if cfg.id_field else [])
+                    groups, first = _groups(pf, m.start, m.end)
+                    for g, at in _group_rows(pf, groups, first):
+                        big = _too_big(pf, g, cfg.caption(), CAPTION_CHUNK_MAX_BYTES, m.unit)
+                        if big is None and cfg.id_field:
+                            big = _too_big(pf, g, cfg.id_field, CAPTION_CHUNK_MAX_BYTES, m.unit)
+                        n = pf.metadata.row_group(g).num_rows
+                        parts.append((at, n, big or pf.read_row_group(g, columns=cols)))
+                except SourceError:
+                    raise  # the source's settings name a column the file lacks: the user's fix
+                except _BROKEN as e:
+                    raise _broken(m.unit, e) from None
+        except IngestError as e:  # the whole file: each of its rows fails with the reason
+            return Listing([], [failure(f"{stem}/{r}", f"{m.unit}#{r}", e.reason, e.detail)
+                                for r in range(m.start, m.end)])  # fmt: skip
+        out, failed = [], []
+        for at, n, t in parts:
+            lo, hi = max(m.start, at), min(m.end, at + n)
+            if isinstance(t, IngestError):  # a row group too big to read: each of its rows says so
+                failed += [failure(f"{stem}/{r}", f"{m.unit}#{r}", t.reason, t.detail)
+                           for r in range(lo, hi)]  # fmt: skip
+                continue
+            _rows_of(cfg, name, m, stem, t.slice(lo - at, hi - lo), lo, out, failed)
+        return Listing(out, failed)
+
+    def images(
+        self, cfg: SourceConfig, m: Manifest, rows: Sequence[ListedRow], max_bytes: int
+    ) -> Iterator[ImageRead]:
+        """The image bytes of each row, in order, read from the file's image column in batches of
+        ``BATCH_ROWS``; a cell without bytes fails as ``missing_image``; if the file cannot be
+        read (any more), the rows not read yet fail with the reason."""
+        loc = Location(cfg)
+        want = {int(r["url"].rsplit("#", 1)[1]): r for r in rows}
+        if not want:
+            return
+        lo, hi = min(want), max(want) + 1
+        broke: IngestError | None = None
+        try:
+            with loc.open(m.unit) as f:
+                try:
+                    pf = pq.ParquetFile(f)
+                    _check_columns(pf, cfg, m.unit)
+                    groups, first = _groups(pf, lo, hi)
+                    for g, pos in _group_rows(pf, groups, first):
+                        big = _too_big(pf, g, cfg.image_field, IMAGE_CHUNK_MAX_BYTES, m.unit)
+                        if big is not None:
+                            n = pf.metadata.row_group(g).num_rows
+                            for r in [r for r in want if pos <= r < pos + n]:
+                                yield want.pop(r), big
+                            continue
+                        cols = [cfg.image_field]
+                        for batch in pf.iter_batches(BATCH_ROWS, row_groups=[g], columns=cols):
+                            col: pa.Array = batch.column(0)
+                            for j in range(len(col)):
+                                r = pos + j
+                                if r in want:
+                                    yield want.pop(r), _one(col[j].as_py(), r, max_bytes)
+                            pos += len(col)
+                            if pos >= hi:
+                                break
+                except SourceError:
+                    raise  # the source's settings name a column the file lacks: the user's fix
+                except _BROKEN as e:
+                    raise _broken(m.unit, e) from None
+        except IngestError as e:
+            broke = e
+        for r in sorted(want):  # rows beyond the file's end (it was replaced after registration)
+            yield want[r], broke or IngestError("not_found", f"{m.unit} has no row {r}")
+
+    def sample_ids(self, m: Manifest) -> list[str]:
+        """A parquet partition's rows are ``<file stem>/<row>``: its manifest lists no entries."""
+        return [f"{_stem(m)}/{r}" for r in range(m.start, m.end)]

@@ -23,13 +23,11 @@ sample keys.
 
 from __future__ import annotations
 
-import hashlib
-import importlib
 import json
 import os
 import shutil
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -43,54 +41,25 @@ from flowmatch_assets.ingest.sources.config import (
     SourceError,
     check_name,
     redact,
-    redacted,
 )
+from flowmatch_assets.ingest.sources.folder import FolderKind
+from flowmatch_assets.ingest.sources.kind import Manifest, SourceKind
+from flowmatch_assets.ingest.sources.parquet import ParquetKind
+from flowmatch_assets.ingest.sources.webdataset import WebDatasetKind
 from flowmatch_models.storage.atomic import atomic_write_text
 
-#: kind -> its module (config.SOURCE_KINDS: ``flowmatch_assets/ingest/sources/<kind>.py``)
-KIND_MODULES = {
-    k: importlib.import_module(f"flowmatch_assets.ingest.sources.{k}") for k in SOURCE_KINDS
+#: THE REGISTRY of source kinds: one :class:`SourceKind` per ``kind`` a source may have
+#: (``config.SOURCE_KINDS``, which the config validates against, names the same ones).
+SOURCE_KIND_REGISTRY: dict[str, SourceKind] = {
+    k.name: k for k in (FolderKind(), ParquetKind(), WebDatasetKind())
 }
+if tuple(SOURCE_KIND_REGISTRY) != SOURCE_KINDS:
+    raise ImportError(f"source kinds {tuple(SOURCE_KIND_REGISTRY)} != config's {SOURCE_KINDS}")
 
 
-@dataclass
-class Manifest:
-    """One registered partition of a source (see the module doc)."""
-
-    key: str
-    source: str
-    kind: str
-    unit: str
-    start: int
-    end: int
-    entries: list = field(default_factory=list)
-    #: where the samples lie in an uncompressed tar (``[first header offset, end offset]``),
-    #: so a partition reads its own stretch, not the whole tar; not part of :meth:`digest`
-    span: list | None = None
-
-    @property
-    def samples(self) -> int:
-        return self.end - self.start
-
-    def summary(self) -> dict:
-        return {"key": self.key, "unit": self.unit, "start": self.start, "end": self.end}
-
-    def digest(self) -> str:
-        """A short hash of what the partition holds (a fingerprint field of its rows)."""
-        body = json.dumps([self.kind, self.unit, self.start, self.end, self.entries])
-        return hashlib.sha256(body.encode()).hexdigest()[:16]
-
-    def as_partition(self, location: str) -> dict:
-        """The catalog's ``partitions`` row of this partition (a password in ``location``
-        redacted)."""
-        location = redacted(location)
-        return {
-            "partition": self.key,
-            "source": self.source,
-            "source_file": f"{location.rstrip('/')}/{self.unit}" if self.unit else location,
-            "row_start": self.start,
-            "row_end": self.end,
-        }
+def source_kind(name: str) -> SourceKind:
+    """The registered :class:`SourceKind` ``name``."""
+    return SOURCE_KIND_REGISTRY[name]
 
 
 def source_dir(root: str | Path, name: str) -> Path:
@@ -169,15 +138,22 @@ def unregistered(root: str | Path, name: str, cfg: SourceConfig) -> Scan:
         loc = Location(cfg)
         same = {u: r for u, r in before.items() if (s := _stamp(loc, u)) and s == r["stamp"]}
     held = [Manifest("", name, cfg.kind, u, 0, 0, []) for u in same]
-    found, skipped = KIND_MODULES[cfg.kind].scan(cfg, known + held)
-    skipped = [(u, r, redact(d, cfg.location)) for u, r, d in skipped]
+    found = source_kind(cfg.kind).scan(cfg, known + held)
+    skipped = [(u, r, redact(d, cfg.location)) for u, r, d in found.skipped]
     skipped = sorted(skipped + [(u, r["reason"], r["detail"]) for u, r in same.items()])
     return Scan(
         [
             Manifest(
-                partition_key(name, len(index) + i), name, cfg.kind, unit, start, end, ent, *extra
+                partition_key(name, len(index) + i),
+                name,
+                cfg.kind,
+                p.unit,
+                p.start,
+                p.end,
+                p.entries,
+                p.span,
             )  # fmt: skip
-            for i, (unit, start, end, ent, *extra) in enumerate(found)
+            for i, p in enumerate(found.new)
         ],
         skipped,
     )
@@ -245,11 +221,14 @@ def partition_rows(
             f"partition {key} was registered as a {m.kind} source, but {m.source} is configured "
             f"as {cfg.kind} now; register the new location under another source name"
         )
+    kind = source_kind(cfg.kind)
     try:
-        rows, failed = KIND_MODULES[cfg.kind].rows(cfg, m.source, m)
+        listing = kind.rows(cfg, m.source, m)
+        rows, failed = listing.rows, listing.failed
     except (IngestError, OSError) as e:  # the whole unit cannot be read: each sample says why
         err = e if isinstance(e, IngestError) else IngestError("unreadable", f"{m.unit}: {e}")
-        rows, failed = [], [failure(i, m.unit, err.reason, err.detail) for i in _sample_ids(m)]
+        rows = []
+        failed = [failure(i, m.unit, err.reason, err.detail) for i in kind.sample_ids(m)]
     seen: set[str] = set()
     unique = []
     for r in rows:  # an id names one row of the partition (catalog records, the images stage)
@@ -265,14 +244,6 @@ def partition_rows(
     return table, failed, m
 
 
-def _sample_ids(m: Manifest) -> list[str]:
-    """The ids a manifest's samples get when its unit cannot be read at all."""
-    if m.kind == "parquet":
-        stem = m.unit.rsplit("/", 1)[-1].removesuffix(".parquet")
-        return [f"{stem}/{r}" for r in range(m.start, m.end)]
-    return [e["id"] if isinstance(e, dict) else e for e in m.entries]
-
-
 def partition_images(
     root: str | Path, cfg: SourceConfig, key: str, rows: list[dict], max_bytes: int
 ) -> Iterator[tuple[dict, bytes | IngestError]]:
@@ -281,7 +252,7 @@ def partition_images(
     failure with the error), never the partition."""
     todo = {r["id"]: r for r in rows}
     try:
-        for r, data in KIND_MODULES[cfg.kind].images(cfg, manifest(root, key), rows, max_bytes):
+        for r, data in source_kind(cfg.kind).images(cfg, manifest(root, key), rows, max_bytes):
             todo.pop(r["id"], None)
             if isinstance(data, IngestError):  # its detail may quote the location's URL
                 data = IngestError(data.reason, redact(data.detail, cfg.location))

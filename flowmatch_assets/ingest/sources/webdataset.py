@@ -22,7 +22,7 @@ import posixpath
 import re
 import tarfile
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from flowmatch_assets.ingest.images import IngestError
 from flowmatch_assets.ingest.sources.common import (
@@ -33,6 +33,16 @@ from flowmatch_assets.ingest.sources.common import (
     row,
 )
 from flowmatch_assets.ingest.sources.config import IMAGE_EXTS, SourceConfig
+from flowmatch_assets.ingest.sources.kind import (
+    Found,
+    ImageRead,
+    ListedRow,
+    Listing,
+    Manifest,
+    NewPartition,
+    Skipped,
+    SourceKind,
+)
 from flowmatch_assets.ingest.sources.location import Location
 
 _KEY = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")  # WebDataset's base_plus_ext
@@ -163,161 +173,166 @@ def _tars(loc: Location) -> list[str]:
     return [f for f in loc.files() if f.endswith(".tar")]
 
 
-def scan(cfg: SourceConfig, known: Iterable) -> tuple[list[tuple[str, int, int, list]], list]:
-    """New partitions ``(tar, start, end, sample keys)`` for every tar not registered yet, and
-    the tars skipped (``(tar, reason, detail)``: they cannot be read whole)."""
-    loc = Location(cfg)
-    held = {m.unit for m in known}
-    out, skipped = [], []
-    for rel in _tars(loc):
-        if rel in held:
-            continue
-        keys: list[str] = []
-        first: dict[str, int] = {}  # key -> its first member's header offset
-        last: dict[str, int] = {}  # key -> the end of its last member's data
-        plain = _uncompressed(loc, rel)
-        try:
-            for info, _ in _members(loc, rel):
-                kx = split_name(info.name)
-                if kx is None or posixpath.basename(info.name).startswith("."):
-                    continue
-                if kx[0] not in first:
-                    first[kx[0]] = info.offset
-                    keys.append(kx[0])
-                last[kx[0]] = info.offset_data + info.size
-        except IngestError as e:
-            skipped.append((rel, e.reason, e.detail))
-            continue
-        for k in range(0, len(keys), cfg.shard_size):  # an empty tar: no partition
-            chunk = keys[k : k + cfg.shard_size]
-            span = [first[chunk[0]], max(last[c] for c in chunk)] if plain else None
-            out.append((rel, k, k + len(chunk), chunk, span))
-    return out, skipped
+class WebDatasetKind(SourceKind):
+    """WebDataset tars, img2dataset's output (module doc)."""
 
+    name = "webdataset"
 
-def rows(cfg: SourceConfig, name: str, m) -> tuple[list[dict], list[dict]]:
-    """The partition's samples as rows (their caption members read, images skipped)."""
-    loc = Location(cfg)
-    field = cfg.caption()
-    wanted = set(m.entries)
-    found: dict[str, dict] = {
-        k: {"exts": [], "caption": None, "json": None, "big": []} for k in m.entries
-    }
+    def scan(self, cfg: SourceConfig, known: Sequence[Manifest]) -> Found:
+        """New partitions ``(tar, start, end, sample keys)`` for every tar not registered yet, and
+        the tars skipped (``(tar, reason, detail)``: they cannot be read whole)."""
+        loc = Location(cfg)
+        held = {m.unit for m in known}
+        out, skipped = [], []
+        for rel in _tars(loc):
+            if rel in held:
+                continue
+            keys: list[str] = []
+            first: dict[str, int] = {}  # key -> its first member's header offset
+            last: dict[str, int] = {}  # key -> the end of its last member's data
+            plain = _uncompressed(loc, rel)
+            try:
+                for info, _ in _members(loc, rel):
+                    kx = split_name(info.name)
+                    if kx is None or posixpath.basename(info.name).startswith("."):
+                        continue
+                    if kx[0] not in first:
+                        first[kx[0]] = info.offset
+                        keys.append(kx[0])
+                    last[kx[0]] = info.offset_data + info.size
+            except IngestError as e:
+                skipped.append(Skipped(rel, e.reason, e.detail))
+                continue
+            for k in range(0, len(keys), cfg.shard_size):  # an empty tar: no partition
+                chunk = keys[k : k + cfg.shard_size]
+                span = [first[chunk[0]], max(last[c] for c in chunk)] if plain else None
+                out.append(NewPartition(rel, k, k + len(chunk), chunk, span))
+        return Found(out, skipped)
 
-    def small(info: tarfile.TarInfo) -> bool:
-        kx = split_name(info.name)
-        return (
-            kx is not None
-            and kx[0] in wanted
-            and kx[1] in (field, "json")
-            and info.size <= CAPTION_MAX_BYTES
-        )
+    def rows(self, cfg: SourceConfig, name: str, m: Manifest) -> Listing:
+        """The partition's samples as rows (their caption members read, images skipped)."""
+        loc = Location(cfg)
+        field = cfg.caption()
+        wanted = set(m.entries)
+        found: dict[str, dict] = {
+            k: {"exts": [], "caption": None, "json": None, "big": []} for k in m.entries
+        }
 
-    broke: IngestError | None = None
-    last = None  # the key being read when the tar broke: its members may be cut off
-    try:
-        for info, data in _members(loc, m.unit, small, getattr(m, "span", None)):
+        def small(info: tarfile.TarInfo) -> bool:
             kx = split_name(info.name)
-            if kx is None or kx[0] not in wanted:
-                continue
-            last = kx[0]
-            s = found[kx[0]]
-            s["exts"].append(kx[1])
-            if kx[1] in (field, "json") and info.size > CAPTION_MAX_BYTES:
-                s["big"].append(f"{info.name} ({info.size} bytes)")
-            elif data is not None and kx[1] == field:
-                s["caption"] = data
-            elif data is not None and kx[1] == "json":
-                s["json"] = data
-    except IngestError as e:
-        broke = e
-    complete = set()  # keys whose members all came before the break
-    if broke is not None:
-        at = getattr(broke, "member", None)
-        at_key = (split_name(at) or (None,))[0] if at else None
-        for k in m.entries:  # the last key read is whole if the break came at another's member
-            if found[k]["exts"] and (k != last or (at_key is not None and at_key != last)):
-                complete.add(k)
-    out, failed = [], []
-    for i, key in enumerate(m.entries):
-        s = found[key]
-        img = next((e for e in s["exts"] if "." + e in IMAGE_EXTS), None)
-        url = f"{m.unit}#{key}.{img}" if img else f"{m.unit}#{key}"
-        if broke is not None and key not in complete:
-            failed.append(failure(key, url, broke.reason, broke.detail))
-            continue
-        if img is None:
-            what = f"members {', '.join(s['exts'])}" if s["exts"] else "no members any more"
-            failed.append(failure(key, url, "missing_image", f"sample {key} has no image ({what})"))
-            continue
-        if s["big"]:
-            failed.append(failure(key, url, "too_large", f"{s['big'][0]} is above "
-                                  f"{CAPTION_MAX_BYTES} bytes"))  # fmt: skip
-            continue
-        caption = None
+            return (
+                kx is not None
+                and kx[0] in wanted
+                and kx[1] in (field, "json")
+                and info.size <= CAPTION_MAX_BYTES
+            )
+
+        broke: IngestError | None = None
+        last = None  # the key being read when the tar broke: its members may be cut off
         try:
-            if s["caption"] is not None:
-                caption = caption_text(s["caption"])
-            elif s["json"] is not None:
-                try:
-                    meta = json.loads(s["json"].decode("utf-8"))
-                except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    what = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8"
-                    failed.append(
-                        failure(key, url, "bad_metadata", f"{key}.json is not JSON: {what}")
-                    )
+            for info, data in _members(loc, m.unit, small, getattr(m, "span", None)):
+                kx = split_name(info.name)
+                if kx is None or kx[0] not in wanted:
                     continue
-                if isinstance(meta, dict):
-                    key_ = field if meta.get(field) is not None else "caption"
-                    caption = caption_text(meta.get(key_))
-        except NotText as e:
-            where = f"{key}.{field}" if s["caption"] is not None else f"{key}.json's caption"
-            failed.append(failure(key, url, "bad_caption", f"{where} is {e}"))
-            continue
-        if caption is None:
-            failed.append(failure(key, url, "missing_caption",
-                                  f"sample {key} has no .{field} member and no {field!r} in its .json"))  # fmt: skip
-            continue
-        out.append(row(cfg, name, key, url, caption, i))
-    return out, failed
-
-
-def images(
-    cfg: SourceConfig, m, rows: list[dict], max_bytes: int
-) -> Iterator[tuple[dict, bytes | IngestError]]:
-    """Each row's image member (the first member of its key with an image extension, as the
-    listing chose), read in one pass through the tar (rows in tar order). Rows are found by
-    their key (the row id), so names with ``#`` or ``?`` need no parsing; if the tar breaks,
-    the rows not read yet fail as ``corrupt_container``."""
-    loc = Location(cfg)
-    want = {r["id"]: r for r in rows}
-    done: set[str] = set()
-
-    def image_of(info: tarfile.TarInfo) -> str | None:
-        kx = split_name(info.name)
-        if kx is None or kx[0] not in want or kx[0] in done or "." + kx[1] not in IMAGE_EXTS:
-            return None
-        return kx[0]
-
-    broke: IngestError | None = None
-    try:
-        span = getattr(m, "span", None)
-        for info, data in _members(
-            loc, m.unit, lambda i: image_of(i) and i.size <= max_bytes, span
-        ):
-            key = image_of(info)
-            if key is None:
-                continue
-            done.add(key)
-            r = want.pop(key)
-            if data is None:
-                yield r, IngestError("too_large", f"{info.size} bytes > max_bytes {max_bytes}")
-            else:
-                yield r, data
-    except IngestError as e:
-        broke = e
-    for key, r in want.items():
+                last = kx[0]
+                s = found[kx[0]]
+                s["exts"].append(kx[1])
+                if kx[1] in (field, "json") and info.size > CAPTION_MAX_BYTES:
+                    s["big"].append(f"{info.name} ({info.size} bytes)")
+                elif data is not None and kx[1] == field:
+                    s["caption"] = data
+                elif data is not None and kx[1] == "json":
+                    s["json"] = data
+        except IngestError as e:
+            broke = e
+        complete = set()  # keys whose members all came before the break
         if broke is not None:
-            yield r, broke
-        else:
-            yield r, IngestError("not_found", f"{key} is not in {m.unit} any more")
+            at = getattr(broke, "member", None)
+            at_key = (split_name(at) or (None,))[0] if at else None
+            for k in m.entries:  # the last key read is whole if the break came at another's member
+                if found[k]["exts"] and (k != last or (at_key is not None and at_key != last)):
+                    complete.add(k)
+        out, failed = [], []
+        for i, key in enumerate(m.entries):
+            s = found[key]
+            img = next((e for e in s["exts"] if "." + e in IMAGE_EXTS), None)
+            url = f"{m.unit}#{key}.{img}" if img else f"{m.unit}#{key}"
+            if broke is not None and key not in complete:
+                failed.append(failure(key, url, broke.reason, broke.detail))
+                continue
+            if img is None:
+                what = f"members {', '.join(s['exts'])}" if s["exts"] else "no members any more"
+                failed.append(
+                    failure(key, url, "missing_image", f"sample {key} has no image ({what})")
+                )
+                continue
+            if s["big"]:
+                failed.append(failure(key, url, "too_large", f"{s['big'][0]} is above "
+                                      f"{CAPTION_MAX_BYTES} bytes"))  # fmt: skip
+                continue
+            caption = None
+            try:
+                if s["caption"] is not None:
+                    caption = caption_text(s["caption"])
+                elif s["json"] is not None:
+                    try:
+                        meta = json.loads(s["json"].decode("utf-8"))
+                    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                        what = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8"
+                        failed.append(
+                            failure(key, url, "bad_metadata", f"{key}.json is not JSON: {what}")
+                        )
+                        continue
+                    if isinstance(meta, dict):
+                        key_ = field if meta.get(field) is not None else "caption"
+                        caption = caption_text(meta.get(key_))
+            except NotText as e:
+                where = f"{key}.{field}" if s["caption"] is not None else f"{key}.json's caption"
+                failed.append(failure(key, url, "bad_caption", f"{where} is {e}"))
+                continue
+            if caption is None:
+                failed.append(failure(key, url, "missing_caption",
+                                      f"sample {key} has no .{field} member and no {field!r} in its .json"))  # fmt: skip
+                continue
+            out.append(row(cfg, name, key, url, caption, i))
+        return Listing(out, failed)
+
+    def images(
+        self, cfg: SourceConfig, m: Manifest, rows: Sequence[ListedRow], max_bytes: int
+    ) -> Iterator[ImageRead]:
+        """Each row's image member (the first member of its key with an image extension, as the
+        listing chose), read in one pass through the tar (rows in tar order). Rows are found by
+        their key (the row id), so names with ``#`` or ``?`` need no parsing; if the tar breaks,
+        the rows not read yet fail as ``corrupt_container``."""
+        loc = Location(cfg)
+        want = {r["id"]: r for r in rows}
+        done: set[str] = set()
+
+        def image_of(info: tarfile.TarInfo) -> str | None:
+            kx = split_name(info.name)
+            if kx is None or kx[0] not in want or kx[0] in done or "." + kx[1] not in IMAGE_EXTS:
+                return None
+            return kx[0]
+
+        broke: IngestError | None = None
+        try:
+            span = getattr(m, "span", None)
+            for info, data in _members(
+                loc, m.unit, lambda i: image_of(i) and i.size <= max_bytes, span
+            ):
+                key = image_of(info)
+                if key is None:
+                    continue
+                done.add(key)
+                r = want.pop(key)
+                if data is None:
+                    yield r, IngestError("too_large", f"{info.size} bytes > max_bytes {max_bytes}")
+                else:
+                    yield r, data
+        except IngestError as e:
+            broke = e
+        for key, r in want.items():
+            if broke is not None:
+                yield r, broke
+            else:
+                yield r, IngestError("not_found", f"{key} is not in {m.unit} any more")
