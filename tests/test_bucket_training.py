@@ -66,7 +66,7 @@ def bucket_store(tmp_path_factory) -> tuple[Path, dict]:
 
 def _batches(stream: BatchStream, n: int, workers: int = 0) -> list[dict]:
     loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=workers)
-    return list(itertools.islice(iter(loader), n))
+    return [stream.source.decode(b) for b in itertools.islice(iter(loader), n)]
 
 
 def test_one_bucket_batches_with_each_samples_own_values(bucket_store) -> None:

@@ -270,7 +270,7 @@ def _loader(store: Path, threads: int):
     from flowmatch_models.data.stream import BatchStream, ThreadLoader
 
     src = ShardSource(store, ["000-00", "000-01", "000-02", "001-00"], cache_shards=3)
-    return ThreadLoader(BatchStream(src, 8, shuffle_window=1, decode=False, end_epoch=0), threads)
+    return ThreadLoader(BatchStream(src, 8, shuffle_window=1, end_epoch=0), threads)
 
 
 def _pass(loader) -> list[tuple[list[str], torch.Tensor]]:

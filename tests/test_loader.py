@@ -142,7 +142,7 @@ def test_the_next_window_is_opened_before_its_first_batch(roots):
     src = dm.source
     windows = epoch_windows(src.sizes, 0, 0, 2)
     first_of_second = int(src.sizes[windows[0]].sum()) // 8
-    stream = BatchStream(src, 8, shuffle_window=2, decode=False)
+    stream = BatchStream(src, 8, shuffle_window=2)
     seen = sum(1 for _ in zip(range(first_of_second), stream))
     assert seen == first_of_second
     assert {int(p) for p in windows[1]} <= set(src._open)
@@ -164,7 +164,7 @@ def test_state_records_the_order_and_a_resume_under_another_stops(roots):
 def test_a_ring_slot_refilled_while_in_use_is_refused(roots):
     dm = EmbeddingDataModule(roots["default"], batch_size=8)
     ring = BatchRing(dm.source, 8, workers=1, slots_per_worker=1)  # far too small on purpose
-    items = iter(BatchStream(dm.source, 8, decode=False, ring=ring))
+    items = iter(BatchStream(dm.source, 8, ring=ring))
     first = ring.open(next(items))
     assert first["latents"].shape == (8, 32, 8, 8)
     with pytest.raises(RuntimeError, match="refilled while batch 0 was in use"):
@@ -207,7 +207,7 @@ def test_a_causal_encoders_first_state_is_fed_exactly(tmp_path):
     dm = EmbeddingDataModule(root, batch_size=16, heldout=(0.1, 3))
     seen = {"000-00": 0, "000-01": 0}
     batches = [(b.pop("meta")["ids"], dm.decode_batch(b, "cpu")) for b in dm.train_dataloader()]
-    held = dm.source.heldout_batch(8)  # validation's: decoded on the host
+    held = dm.source.decode(dm.source.heldout_batch(8))  # validation's: decoded on the host
     for ids, d in [*batches, (held["ids"], held)]:
         for j, i in enumerate(ids):
             part, first, second = i.split("/")[0], d["text"][j, 0], d["text"][j, 1]

@@ -351,7 +351,7 @@ def device_decode_rate(root: Path, batch_size: int = 64, batches: int = 8) -> di
     torch.set_num_threads(1)
     dm = EmbeddingDataModule(root, batch_size=batch_size, num_workers=0, shuffle_window=8,
                              heldout=(0.005, 50))  # fmt: skip
-    stream = iter(BatchStream(dm.source, batch_size, decode=False))
+    stream = iter(BatchStream(dm.source, batch_size))
     stored = [next(stream) for _ in range(batches)]
     t = time.perf_counter()
     for b in stored:

@@ -435,7 +435,6 @@ def default_storage(root: Path, arrays: dict, ids: list[str], tokens, seed_forma
     into batch buffers as stored (the host's work; decoding happens on the GPU), and, for
     scale, decoded to float32 on this CPU too. Bytes are reported as written (its per-shard
     tables weigh a lot on a few hundred samples) and at PD12M's 10,000 samples a shard."""
-    from flowmatch_models.data.decode import decode_batch
     from flowmatch_models.data.source import ShardSource
     from flowmatch_models.embeddings.kinds import KINDS
     from flowmatch_models.encoders.spec import EncoderSpec
@@ -473,18 +472,12 @@ def default_storage(root: Path, arrays: dict, ids: list[str], tokens, seed_forma
     batches = [order[i : i + BATCH] for i in range(0, n, BATCH)]
 
     def host() -> list[dict]:
-        return [src.gather(np.zeros(len(b), np.int64), b, decode=False) for b in batches]
-
-    def cpu_tables(kind: str, partition: str, key: str):  # decode_batch's (kind, partition, key)
-        return src.tables(kind, partition, "cpu", key)
+        return [src.gather(np.zeros(len(b), np.int64), b) for b in batches]
 
     host_s = _best_time(host, repeat)
     stored_batches = host()
     cpu_s = _best_time(
-        lambda: [
-            decode_batch(b, cpu_tables, src.scaling_factor, "cpu", src.null_first())
-            for b in stored_batches
-        ],
+        lambda: [src.decode(b) for b in stored_batches],
         max(1, repeat - 1),
     )
     errors = {name: {k: round(a["lossy"][k], 6) for k in ("min_cosine", "mean_cosine", "rel_rms")}

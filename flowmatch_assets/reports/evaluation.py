@@ -328,6 +328,7 @@ def heldout_set(data_root: str | Path, checkpoint: str | Path, max_samples: int 
     batch = src.heldout_batch(max_samples, latents=False)  # captions: any buckets
     if batch is None:
         return {"n": 0, "rule": rule}
+    batch = src.decode(batch)
     layout, cls = DataLayout(data_root), []
     left = max_samples
     for p, rows in zip(src.partitions, src.heldout_rows):

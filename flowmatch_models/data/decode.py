@@ -6,6 +6,7 @@ import logging
 
 import torch
 
+from flowmatch_models.data.batch import DecodedBatch, StoredBatch
 from flowmatch_models.embeddings.kinds import model_inputs
 from flowmatch_models.storage import transform as transform_codec
 
@@ -13,9 +14,13 @@ log = logging.getLogger(__name__)
 
 
 def decode_batch(
-    batch: dict, tables, scaling_factor: float, device, null_first: torch.Tensor | None = None
-) -> dict:
-    """A stored batch (:meth:`ShardSource.gather` with ``decode=False``) as float32 model inputs
+    batch: StoredBatch,
+    tables,
+    scaling_factor: float,
+    device,
+    null_first: torch.Tensor | None = None,
+) -> DecodedBatch:
+    """A stored batch (:meth:`ShardSource.read`, :class:`StoredBatch`) as float32 model inputs
     on ``device``: latents scaled; each group's text/DINO rows decoded with the tables of the
     file they were read from (``tables(kind, partition, key)`` ->
     :class:`~flowmatch_models.storage.transform.DeviceTables` on ``device``,

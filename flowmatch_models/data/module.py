@@ -27,7 +27,7 @@ import lightning as L
 import numpy as np
 from torch.utils.data import DataLoader
 
-from flowmatch_models.data.decode import decode_batch
+from flowmatch_models.data.batch import DecodedBatch, StoredBatch
 from flowmatch_models.data.order import ORDER, OrderChangedError, train_rows
 from flowmatch_models.data.ring import BatchRing
 from flowmatch_models.data.source import PartitionChangedError, ShardSource, shard_fingerprint
@@ -268,7 +268,6 @@ class EmbeddingDataModule(L.LightningDataModule):
             self.epoch,
             self.position,
             end_epoch=self.epoch,
-            decode=False,  # codes travel to the device; decode_batch runs there
             bucket_chunk=self.bucket_chunk,
         )
         trainer = getattr(self, "trainer", None)
@@ -309,15 +308,11 @@ class EmbeddingDataModule(L.LightningDataModule):
             persistent_workers=False,
         )  # fmt: skip
 
-    def decode_batch(self, batch: dict, device) -> dict:
+    def decode_batch(self, batch: StoredBatch, device) -> DecodedBatch:
         """A stored training batch as float32 model inputs on ``device`` (where it was moved):
         codes decoded with the tables of the file versions they were read from
         (:meth:`ShardSource.tables`, on ``device``)."""
-        src = self.source
-        return decode_batch(
-            batch, lambda k, p, key: src.tables(k, p, device, key), src.scaling_factor, device,
-            src.null_first(device),
-        )  # fmt: skip
+        return self.source.decode(batch, device)
 
     def _available_counts(self) -> dict:
         """Partitions and trainable samples (held-out ones excluded, as in ``sizes``) complete

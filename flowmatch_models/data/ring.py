@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from flowmatch_models.data.rows import slot_views
+from flowmatch_models.data.batch import StoredBatch, slot_views
 from flowmatch_models.data.source import ShardSource
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class BatchRing:
         """The slot of a worker's ``count``-th batch."""
         return worker * self.slots + count % self.slots
 
-    def open(self, item: dict) -> dict:
+    def open(self, item: dict) -> StoredBatch:
         """The stored batch of a worker's hand-over ``item`` (views of the slot)."""
         slot, seq = item.pop("slot"), item.pop("seq")
         if self._held is not None and int(self.seqs[self._held[0]]) != self._held[1]:

@@ -203,24 +203,3 @@ def empty_buffer(shape: tuple[int, ...], dtype, shared: bool) -> torch.Tensor:
     """An empty tensor to fill from the files (in shared memory for a :class:`BatchRing`)."""
     t = torch.from_numpy(np.empty(shape, np.dtype(dtype)))
     return t.share_memory_() if shared and t.numel() else t
-
-
-def slot_views(buf: dict, sizes: dict) -> dict:
-    """The stored batch's tensors: views of ``buf`` cut to the batch's ``sizes``."""
-    b, width, n = sizes["b"], sizes["width"], sizes["text"]
-    out = {
-        "mask": buf["mask"][:b, :width],
-        "text_rows": buf["text_rows"][:n],
-        "text_dst": buf["text_dst"][:n],
-    }
-    if sizes.get("grid") is None:  # captions only
-        return out
-    gh, gw = sizes["grid"]
-    c = gh * gw
-    lat = buf["latents"]  # [cells, 32]: each sample's [32, h, w] values back to back
-    out["latents"] = lat[: b * c].view(b, lat.shape[1], gh, gw)
-    if "dino_rows" in buf:
-        rows = buf["dino_rows"]
-        out["dino_rows"] = rows[: b * c].view(b, c, *rows.shape[1:])
-        out["dino_dst"] = buf["dino_dst"][:b]
-    return out

@@ -1,8 +1,5 @@
 """The partitions a run trains on: their shards opened and checked, widths, fingerprints, decoding tables."""
 
-# Above ~500 lines on purpose: ShardSource is one object (the partitions a run reads, their
-# checks, widths, tables and gather) whose parts share its open-file cache.
-
 from __future__ import annotations
 
 import logging
@@ -14,16 +11,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flowmatch_models.data.decode import decode_batch
-from flowmatch_models.data.order import epoch_order, heldout_rows
-from flowmatch_models.data.rows import (
-    ReadPool,
-    empty_buffer,
-    open_rows,
-    read_rows,
-    sample_grids,
+from flowmatch_models.data.batch import (
+    BatchPlan,
+    DecodedBatch,
+    StoredBatch,
+    plan_batch,
+    read_batch,
     slot_views,
 )
+from flowmatch_models.data.decode import decode_batch
+from flowmatch_models.data.order import epoch_order, heldout_rows
+from flowmatch_models.data.rows import ReadPool, empty_buffer, open_rows, sample_grids
 from flowmatch_models.embeddings.kinds import FIRST_TOKEN_ATTR, KINDS, model_inputs
 from flowmatch_models.storage import transform as transform_codec
 from flowmatch_models.storage.fingerprint import ATTR as FINGERPRINT_ATTR
@@ -79,12 +77,14 @@ class ShardSource:
     stored compressed (``zstd``/``xz``, or int8/fp8) cannot be read by row: they are decoded
     whole per partition (``cache_shards`` partitions kept; memory grows with them).
 
-    A batch comes out *stored* (:meth:`gather` with ``decode=False``: fp16 latents, codes of
-    coded arrays, the partitions whose tables decode them) or decoded to float32 model inputs
-    (:func:`decode_batch`, on any device: the GPU in training).
+    A batch is planned (:meth:`plan`: which rows of which opened partitions), read
+    (:meth:`read`: a :class:`StoredBatch` of fp16 latents, codes of coded arrays, the
+    partitions whose tables decode them; :meth:`gather` does both) and decoded by its caller to
+    float32 model inputs (:meth:`decode`, :func:`decode_batch`, on any device: the GPU in
+    training).
 
     ``heldout = (fraction, cap)`` holds out :func:`heldout_rows` of every partition: ``sizes``
-    count the trainable rows, :meth:`gather_train` maps a trainable index to its row and
+    count the trainable rows, :meth:`plan` with ``train`` maps a trainable index to its row and
     :meth:`heldout_batch` serves the held-out ones (validation, FD)."""
 
     def __init__(
@@ -304,7 +304,7 @@ class ShardSource:
         out["offsets"] = ragged_offsets(out["lengths"])
         # a sample's latent cells and its DINO rows start at the same cell offset
         out["cells"] = ragged_offsets(grids.astype(np.int64).prod(1))
-        #: per row what gather needs, one take a partition: caption length, first token, first
+        #: per row what a plan needs, one take a partition: caption length, first token, first
         #: cell, latent grid (h, w); and the trainable rows (held-out ones left out)
         out["rows"] = np.stack([out["lengths"], out["offsets"][:-1], out["cells"][:-1],
                                 *grids.astype(np.int64).T], axis=1)  # fmt: skip
@@ -356,11 +356,6 @@ class ShardSource:
                 self._open.popitem(last=False)
         return out
 
-    def gather_train(self, shard_idx: np.ndarray, local: np.ndarray, decode: bool = True) -> dict:
-        """:meth:`gather` of trainable samples: ``local[j]`` indexes partition
-        ``shard_idx[j]``'s trainable rows (all rows when nothing is held out)."""
-        return self.gather(shard_idx, self.train_to_rows(shard_idx, local), decode=decode)
-
     def train_to_rows(self, shard_idx: np.ndarray, local: np.ndarray) -> np.ndarray:
         """Rows of the trainable indices ``local`` (held-out rows skipped)."""
         rows = np.asarray(local, np.int64).copy()
@@ -373,18 +368,18 @@ class ShardSource:
                 rows[j] += np.searchsorted(h, rows[j], side="right")
         return rows
 
-    def heldout_batch(self, max_samples: int, latents: bool = True) -> dict | None:
-        """The held-out samples (partition order, at most ``max_samples``) as one batch (of one
-        bucket; ``latents=False``: their captions only, any buckets)."""
+    def heldout_batch(self, max_samples: int, latents: bool = True) -> StoredBatch | None:
+        """The held-out samples (partition order, at most ``max_samples``) as one stored batch
+        (of one bucket; ``latents=False``: their captions only, any buckets)."""
         pairs = self._heldout_pairs(max_samples)
         if not pairs:
             return None
         shard, rows = (np.array(x, np.int64) for x in zip(*pairs))
         return self.gather(shard, rows, latents=latents)
 
-    def heldout_batches(self, max_samples: int) -> list[dict]:
-        """The held-out samples (the first ``max_samples`` in partition order) as one batch per
-        latent grid (bucket), by grid; each in partition order."""
+    def heldout_batches(self, max_samples: int) -> list[StoredBatch]:
+        """The held-out samples (the first ``max_samples`` in partition order) as one stored
+        batch per latent grid (bucket), by grid; each in partition order."""
         pairs = self._heldout_pairs(max_samples)
         if not pairs:
             return []
@@ -399,129 +394,37 @@ class ShardSource:
     def _heldout_pairs(self, max_samples: int) -> list[tuple[int, int]]:
         return [(i, r) for i, rows in enumerate(self.heldout_rows) for r in rows][:max_samples]
 
-    def gather(
-        self,
-        shard_idx: np.ndarray,
-        rows: np.ndarray,
-        decode: bool = True,
-        out: dict | None = None,
-        latents: bool = True,
-        out_arrays: dict | None = None,
-        io: ReadPool | None = None,
-        train: bool = False,
-    ) -> dict:
-        """Batch of samples ``(shard_idx[j], rows[j])`` in that order; text padded to the
-        batch's longest caption, or to ``text_max_len`` with ``fixed_text_len``. ``decode``:
-        float32 model inputs on the host (:func:`decode_batch`); else the stored batch:
+    def plan(self, shard_idx: np.ndarray, rows: np.ndarray, latents: bool = True,
+             train: bool = False) -> BatchPlan:  # fmt: skip
+        """The :class:`BatchPlan` of samples ``(shard_idx[j], rows[j])`` (:func:`plan_batch`:
+        their partitions opened; ``train``: ``rows`` index each partition's trainable rows,
+        :meth:`train_to_rows`). The samples share one latent grid (one aspect-ratio bucket)
+        unless ``latents`` is False (captions only, any buckets)."""
+        return plan_batch(shard_idx, rows, self._arrays, self.text_max_len,
+                          self.fixed_text_len, latents, train)  # fmt: skip
 
-        - ``latents`` fp16 ``[B, ...]`` (unscaled), ``mask`` ``[B, W]``, ``ids``, ``shard``;
-        - per coded-or-not input (``text``, ``dino``): ``<key>open_rows`` — the stored rows of
-          the batch grouped by partition (text: only its valid tokens, ragged; codes, or fp16
-          values), ``<key>_dst`` — where each row goes in the flat padded ``[B * W]`` (text) or
-          ``[B]`` (DINO) batch, ``<key>_counts`` — rows per group;
-        - ``parts``: the partition of each group (whose tables decode its codes).
-
-        Each sample's rows are read with one ``pread`` per array straight from the files into
-        the buffers (:class:`FileRows`, :func:`read_rows`): no padding or decoding on the host.
-        ``out``: buffers to fill (a :class:`BatchRing` slot, :meth:`buffers`; ``out_arrays``
-        their numpy views), else new ones; with ``out`` and ``decode=False`` the batch leaves
-        the tensors out (they are ``out``'s, cut by ``sizes``: :func:`slot_views`). ``io``:
-        the reads that would wait on the disk go to its threads (:class:`ReadPool`).
-        ``train``: ``rows`` index each partition's trainable rows (:meth:`train_to_rows`).
-
-        The samples share one latent grid ``(h, w)`` (one aspect-ratio bucket; ``sizes["grid"]``):
-        ``latents`` ``[B, 32, h, w]`` and DINO rows ``[B, h*w, ...]``, each sample's cells read
-        as one run from its cell offset. ``latents=False``: captions only (any buckets)."""
-        shard_idx = np.asarray(shard_idx, np.int64)
-        rows = np.asarray(rows, np.int64)
-        b = len(rows)
-        # the samples grouped by partition (groups in partition order, samples in batch order
-        # within): a group's rows are decoded with its partition's tables
-        order = np.argsort(shard_idx, kind="stable")
-        s_sorted = shard_idx[order]
-        cut = np.flatnonzero(s_sorted[1:] != s_sorted[:-1]) + 1
-        parts = s_sorted[np.concatenate([[0], cut])].tolist() if b else []
-        ends = [*cut.tolist(), b]
-        sizes_g = np.diff([0, *ends]).tolist()
-        arrays = [self._arrays(s) for s in parts]
-        r_sorted = rows[order]
-        info = np.empty((b, 5), np.int64)
-        for a, hi, n in zip(arrays, ends, sizes_g):
-            r = r_sorted[hi - n : hi]
-            if train:
-                r = r_sorted[hi - n : hi] = a["train_rows"].take(r)
-            a["rows"].take(r, axis=0, out=info[hi - n : hi])
-        if train:
-            rows = np.empty(b, np.int64)
-            rows[order] = r_sorted
-        lens, toks, cell0 = info[:, 0], info[:, 1], info[:, 2]
-        grid = info[:, 3:]
-        n_tok = np.minimum(lens, self.text_max_len)
-        width = self.text_max_len if self.fixed_text_len else max(1, int(n_tok.max(initial=1)))
-        gh, gw = (int(x) for x in grid[0])
-        if latents and not (grid == grid[0]).all():
-            grids = np.unique(grid, axis=0)
-            raise ValueError(
-                f"a batch of samples of {len(grids)} latent grids "
-                f"({', '.join(f'{h}x{w}' for h, w in grids)}): a batch is of one bucket "
-                "(epoch_order keeps them so; heldout_batches groups by bucket)"
-            )
-        cells = gh * gw
-        t_end = np.cumsum(n_tok)
-        t0 = int(t_end[-1]) if b else 0
-        buf = out or self.buffers(b, t0, arrays[0])
+    def read(self, plan: BatchPlan, out: dict | None = None,
+             out_arrays: dict | None = None, io: ReadPool | None = None) -> StoredBatch:  # fmt: skip
+        """The stored batch of ``plan`` (:func:`read_batch`). ``out``: buffers to fill (a
+        :class:`BatchRing` slot, :meth:`buffers`; ``out_arrays`` their numpy views): the batch
+        then leaves the tensors out (they are ``out``'s, cut by ``sizes``: :func:`slot_views`);
+        else new buffers, whose views it holds. ``io``: :class:`ReadPool` threads for the
+        reads that would wait on the disk."""
+        buf = out or self.buffers(plan.b, plan.text_rows, plan.arrays[0])
         views = out_arrays or {k: v.numpy() for k, v in buf.items()}
-        # each sample's rows: its caption's valid tokens as one run, its cells (latents, DINO
-        # patches) as one run in both layouts; the text and DINO rows grouped by partition
-        read_rows(views["text_rows"], [a["tokens"] for a in arrays], sizes_g, toks, n_tok,
-                  t_end - n_tok, io)  # fmt: skip
-        if latents:
-            read_rows(views["latents"], [a["latents"] for a in arrays], sizes_g, cell0, cells,
-                      order * cells, io)  # fmt: skip
-            if self.load_dino:
-                read_rows(views["dino_rows"], [a["patch"] for a in arrays], sizes_g, cell0,
-                          cells, np.arange(b) * cells, io)  # fmt: skip
-                views["dino_dst"][:b] = order
-        # where each token goes in the flat padded [B * W] batch, and the mask
-        within = np.arange(t0) - np.repeat(t_end - n_tok, n_tok)
-        views["text_dst"][:t0] = np.repeat(order * width, n_tok) + within
-        per_sample = np.empty(b, np.int64)
-        per_sample[order] = n_tok
-        np.less(np.arange(width), per_sample[:, None], out=views["mask"][:b, :width])
-        group = np.empty(b, np.int64)
-        group[order] = np.repeat(np.arange(len(parts)), sizes_g)
-        id_lists = [a["ids"] for a in arrays]
-        ids = [id_lists[g][r] for g, r in zip(group.tolist(), rows.tolist())]
-        t_counts = np.add.reduceat(n_tok, np.cumsum([0, *sizes_g[:-1]])) if b else n_tok
-        counts = t_counts.tolist()
-        sizes = {"b": b, "width": width, "text": t0, "grid": (gh, gw) if latents else None}
-        first = arrays[0]
-        out_batch = {
-            # with ``out`` and not decoded: the stored fields are ``out``'s, cut by ``sizes``
-            # (slot_views; a ring opens them where the batch is used)
-            **(slot_views(buf, sizes) if out is None or decode else {}),
-            "ids": ids,
-            "shard": shard_idx,  # host bookkeeping (a tensor would cost a shared-memory segment)
-            "parts": [self.partitions[s] for s in parts],
-            "coded": [
-                k
-                for k, v in (("text", first["tokens"]), ("dino", first.get("patch")))
-                if v is not None and v.coded
-            ],  # fmt: skip
-            "text_counts": counts,
-            # the tables of the file versions these rows were read from, per group
-            "text_tables": [a["table_keys"]["text"] for a in arrays],
-            # per group: its captions' first state is the null caption's (exact on decode)
-            "text_first_null": [a["first_null"] for a in arrays],
-            **({"dino_counts": sizes_g,
-                "dino_tables": [a["table_keys"]["dino"] for a in arrays]}
-               if self.load_dino and latents else {}),
-            "sizes": sizes,
-        }  # fmt: skip
-        if decode:
-            tables = lambda k, p, key: self.tables(k, p, "cpu", key)  # noqa: E731
-            return decode_batch(out_batch, tables, self.scaling_factor, "cpu", self.null_first())
-        return out_batch
+        batch = read_batch(plan, views, self.partitions, self.load_dino, io)
+        return batch if out is not None else {**slot_views(buf, batch["sizes"]), **batch}
+
+    def gather(self, shard_idx: np.ndarray, rows: np.ndarray, latents: bool = True) -> StoredBatch:
+        """The stored batch of samples ``(shard_idx[j], rows[j])`` in that order, in new
+        buffers: :meth:`read` of :meth:`plan`; :meth:`decode` makes it model inputs."""
+        return self.read(self.plan(shard_idx, rows, latents))
+
+    def decode(self, batch: StoredBatch, device="cpu") -> DecodedBatch:
+        """A stored batch as float32 model inputs on ``device`` (where its tensors are):
+        :func:`decode_batch` with this source's tables (:meth:`tables`, on ``device``)."""
+        return decode_batch(batch, lambda k, p, key: self.tables(k, p, device, key),
+                            self.scaling_factor, device, self.null_first(device))  # fmt: skip
 
     def buffers(self, b: int, tokens: int, first: dict | None = None, shared: bool = False) -> dict:
         """Empty buffers for a stored batch of ``b`` samples and ``tokens`` caption tokens."""

@@ -11,6 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from flowmatch_models.data.batch import StoredBatch
 from flowmatch_models.data.order import epoch_windows
 from flowmatch_models.data.ring import BatchRing
 from flowmatch_models.data.rows import ReadPool
@@ -22,7 +23,8 @@ log = logging.getLogger(__name__)
 class BatchStream(IterableDataset):
     """This rank's batches from ``(start_epoch, start_sample)`` on: endless, or to the end of
     ``end_epoch`` (the data module streams one epoch per loader, so that the next epoch's
-    partition set can be decided at the boundary)."""
+    partition set can be decided at the boundary). The batches are stored ones
+    (:class:`StoredBatch` with ``meta``), decoded where they go (:meth:`ShardSource.decode`)."""
 
     def __init__(
         self,
@@ -35,14 +37,12 @@ class BatchStream(IterableDataset):
         start_epoch: int = 0,
         start_sample: int = 0,
         end_epoch: int | None = None,
-        decode: bool = True,
         ring: BatchRing | None = None,
         bucket_chunk: int = 256,
     ):
         self.source, self.batch_size, self.seed = source, batch_size, seed
         #: samples of several buckets: chunks of this many, one bucket each (epoch_order)
         self.chunk = bucket_chunk if len(source.grids) > 1 else 0
-        self.decode = decode  # False: stored batches, decoded where they go (decode_batch)
         self.ring = ring  # stored batches written into its slots (RingLoader opens them)
         self.end_epoch = end_epoch
         self.window, self.rank, self.world_size = shuffle_window, rank, world_size
@@ -125,22 +125,20 @@ class BatchStream(IterableDataset):
 
     def build(self, epoch: int, g0: int, idx: np.ndarray, todo: int | None,
               slot: int | None = None, ring: BatchRing | None = None,
-              io: ReadPool | None = None) -> dict:  # fmt: skip
-        """The batch of samples ``idx`` (of :meth:`plan`) with its ``meta``: stored into
+              io: ReadPool | None = None) -> StoredBatch:  # fmt: skip
+        """The stored batch of samples ``idx`` (of :meth:`plan`) with its ``meta``: read into
         ``ring``'s ``slot`` (the batch then holds only what is not in the slot's buffers), or
-        new buffers (decoded on the host with ``decode``). ``io``: reads that would wait on
-        the disk go to its threads (:class:`ReadPool`)."""
+        new buffers. ``io``: reads that would wait on the disk go to its threads
+        (:class:`ReadPool`)."""
         if todo is not None:
             self.source._arrays(todo)
         shard = np.searchsorted(self.starts, idx, side="right") - 1
         local = idx - self.starts[shard]
+        plan = self.source.plan(shard, local, train=True)
         if ring is not None:
-            batch = self.source.gather(
-                shard, local, decode=False, out=ring.buffers[slot],
-                out_arrays=ring.arrays[slot], io=io, train=True,
-            )  # fmt: skip
+            batch = self.source.read(plan, ring.buffers[slot], ring.arrays[slot], io)
         else:
-            batch = self.source.gather_train(shard, local, self.decode)
+            batch = self.source.read(plan)
         # bookkeeping as host values beside the tensors: the module takes it off the batch
         # before the transfer, so reading it never waits on the device
         batch["meta"] = {"epoch": int(epoch), "position": int(g0),

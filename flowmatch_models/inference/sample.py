@@ -84,7 +84,7 @@ def prompt_embeddings(
 def store_captions(source, n: int) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     """The first ``n`` stored caption embeddings of the first partition (no text encoder needed)."""
     rows = np.arange(min(n, int(source.sizes[0])))
-    b = source.gather(np.zeros(len(rows), np.int64), rows, latents=False)  # any buckets
+    b = source.decode(source.gather(np.zeros(len(rows), np.int64), rows, latents=False))
     return b["text"].float(), b["mask"], b["ids"]
 
 
