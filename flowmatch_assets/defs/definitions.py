@@ -115,8 +115,9 @@ def resources_for(flowmatch: FlowmatchResource | dg.ResourceDefinition) -> dict:
     return {"flowmatch": flowmatch, "pipes_subprocess_client": dg.PipesSubprocessClient()}
 
 
-#: Assets that may follow their upstream automatically (FLOWMATCH_AUTOMATION=eager).
-AUTOMATABLE = {"images", "vae_latents", "dino_features", "text_embeddings"}
+#: Assets that may follow their upstream automatically (FLOWMATCH_AUTOMATION=eager): images
+#: and every EmbeddingKind as registered
+AUTOMATABLE = {"images", *KINDS}
 
 
 def with_automation(assets: list, mode: str) -> list:
