@@ -308,8 +308,8 @@ class FlowMatchModule(L.LightningModule):
         key = (id(source), self.config.trainer.val_max_samples)
         if getattr(self, "_val_key", None) != key:
             self._val_key = key
-            self._val = [source.decode(b)  # decoded on the host, once
-                         for b in source.heldout_batches(self.config.trainer.val_max_samples)]  # fmt: skip
+            held = source.heldout_batches(self.config.trainer.val_max_samples)
+            self._val = [source.decode(b) for b in held]  # decoded on the host, once
         if not self._val:
             return None
         from flowmatch_models.model.flow import _velocity
