@@ -327,3 +327,28 @@ def test_reads_not_in_the_page_cache_are_finished_by_the_io_threads(roots, monke
     for a, b in zip(want, got):
         for k in a:
             assert torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k], k
+
+
+def test_a_plan_names_the_trainable_rows_and_reads_them_into_a_slot_as_into_new_buffers(roots):
+    """A batch's plan holds the samples' rows (held-out rows skipped for ``train``) grouped by
+    partition; its reads into a ring slot are the bytes of a batch read into new buffers, and
+    decoding either gives each sample's own id."""
+    src = EmbeddingDataModule(roots["default"], batch_size=8, heldout=(0.05, 4)).source
+    shard, local = np.array([2, 0, 2, 1, 0, 5, 1, 0]), np.array([3, 0, 4, 7, 9, 1, 0, 2])
+    plan = src.plan(shard, local, train=True)
+    trainable = [
+        np.delete(np.arange(SIZES[p]), h) for p, h in zip(src.partitions, src.heldout_rows)
+    ]
+    assert plan.rows.tolist() == [int(trainable[s][j]) for s, j in zip(shard, local)]
+    assert plan.parts == [0, 1, 2, 5] and plan.counts == [3, 2, 2, 1]
+    assert shard[plan.order].tolist() == [0, 0, 0, 1, 1, 2, 2, 5]
+    ring = BatchRing(src, 8, workers=1, slots_per_worker=1, shared=False)
+    small = src.read(plan, ring.buffers[0], ring.arrays[0])
+    assert "latents" not in small and "text_rows" not in small  # the slot holds them
+    ring.seqs[0] = 0
+    slot, new = ring.open({**small, "slot": 0, "seq": 0}), src.gather(shard, plan.rows)
+    for k in ("latents", "mask", "text_rows", "text_dst", "dino_rows", "dino_dst"):
+        assert torch.equal(slot[k], new[k]), k
+    want = [f"{src.partitions[s]}/{r}" for s, r in zip(shard, plan.rows)]
+    assert src.decode(slot)["ids"] == src.decode(new)["ids"] == want
+    assert torch.equal(src.decode(slot)["text"], src.decode(new)["text"])

@@ -120,7 +120,6 @@ class ShardSource:
         self.fingerprints = self._agreed_fingerprints()
         ids = [self._shard(self.latents, p).ids for p in self.partitions]
         self.heldout_rows = [heldout_rows(i, *self.heldout) for i in ids]
-        self._heldout_shift: list[np.ndarray] = []  # train_to_rows' (made at its first call)
         self.sizes = np.array(
             [len(i) - len(h) for i, h in zip(ids, self.heldout_rows)], dtype=np.int64
         )
@@ -356,18 +355,6 @@ class ShardSource:
                 self._open.popitem(last=False)
         return out
 
-    def train_to_rows(self, shard_idx: np.ndarray, local: np.ndarray) -> np.ndarray:
-        """Rows of the trainable indices ``local`` (held-out rows skipped)."""
-        rows = np.asarray(local, np.int64).copy()
-        if not self._heldout_shift:
-            self._heldout_shift = [h - np.arange(len(h)) for h in self.heldout_rows]
-        for s in np.unique(shard_idx):
-            h = self._heldout_shift[int(s)]
-            if len(h):
-                j = shard_idx == s
-                rows[j] += np.searchsorted(h, rows[j], side="right")
-        return rows
-
     def heldout_batch(self, max_samples: int, latents: bool = True) -> StoredBatch | None:
         """The held-out samples (partition order, at most ``max_samples``) as one stored batch
         (of one bucket; ``latents=False``: their captions only, any buckets)."""
@@ -397,8 +384,8 @@ class ShardSource:
     def plan(self, shard_idx: np.ndarray, rows: np.ndarray, latents: bool = True,
              train: bool = False) -> BatchPlan:  # fmt: skip
         """The :class:`BatchPlan` of samples ``(shard_idx[j], rows[j])`` (:func:`plan_batch`:
-        their partitions opened; ``train``: ``rows`` index each partition's trainable rows,
-        :meth:`train_to_rows`). The samples share one latent grid (one aspect-ratio bucket)
+        their partitions opened; ``train``: ``rows`` index each partition's trainable rows, the
+        held-out ones skipped). The samples share one latent grid (one aspect-ratio bucket)
         unless ``latents`` is False (captions only, any buckets)."""
         return plan_batch(shard_idx, rows, self._arrays, self.text_max_len,
                           self.fixed_text_len, latents, train)  # fmt: skip
