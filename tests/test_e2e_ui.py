@@ -49,6 +49,8 @@ def test_graphql_documents_match_the_installed_schema():
         orchestration.REPOS,
         orchestration.LAUNCH_RUN,
         orchestration.RUN_STATUS,
+        orchestration.TERMINATE_RUN,
+        orchestration.RUN_DETAILS,
     ):
         assert validate(schema, parse(doc)) == [], doc
 

@@ -83,6 +83,46 @@ query RunStatus($runId: ID!) {
 
 RUN_DONE = {"SUCCESS", "FAILURE", "CANCELED"}
 
+#: What the UI's "Terminate" button sends (SAFE_TERMINATE: the run worker is interrupted and its
+#: steps may clean up; training saves a full state through Pipes).
+TERMINATE_RUN = """
+mutation Terminate($runId: String!) {
+  terminateRun(runId: $runId, terminatePolicy: SAFE_TERMINATE) {
+    __typename
+    ... on TerminateRunFailure { message }
+    ... on PythonError { message }
+  }
+}
+"""
+
+#: A run as the UI's run page and Timeline read it.
+RUN_DETAILS = """
+query RunDetails($runId: ID!) {
+  runOrError(runId: $runId) {
+    __typename
+    ... on Run {
+      runId status jobName startTime endTime pipelineSnapshotId parentPipelineSnapshotId
+      repositoryOrigin { repositoryName repositoryLocationName }
+      tags { key value }
+    }
+  }
+}
+"""
+
+
+def terminate_run(url: str, run_id: str) -> None:
+    """Terminate a run as the UI's Terminate button does (GraphQL ``terminateRun``)."""
+    res = backfill.graphql(url, TERMINATE_RUN, {"runId": run_id})["terminateRun"]
+    if res["__typename"] != "TerminateRunSuccess":
+        raise backfill.BackfillError(f"terminateRun failed ({res['__typename']}): {res}")
+
+
+def run_details(url: str, run_id: str) -> dict:
+    """The run's status, job, times, snapshot ids, origin and tags (``{key: value}``)."""
+    run = backfill.graphql(url, RUN_DETAILS, {"runId": run_id})["runOrError"]
+    run["tags"] = {t["key"]: t["value"] for t in run.get("tags", [])}
+    return run
+
 
 def launch_run(
     url: str, asset_keys: Sequence[str], run_config: dict | None = None, tags: dict | None = None
