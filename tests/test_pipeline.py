@@ -176,3 +176,26 @@ def test_parallel_partitions_in_separate_processes_with_sqlite_home(tmp_path, sm
         0
     ]
     assert n == {"n": 15, "m": 15}
+
+
+def test_a_key_with_no_data_behind_it_fails_in_one_line_that_names_the_fix(resource):
+    """A key added by hand (the UI's Materialize dialog accepts any) with no metadata file
+    behind it: ``metadata`` fails at once, not retried, with one line that says why and what to
+    run, as the failure's description (the UI's first line), not inside a stack trace."""
+    from flowmatch_assets.defs.partitions import SHARDS
+
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(SHARDS, ["003-00"])
+        result = dg.materialize(
+            _assets(), selection=["metadata"], partition_key="003-00", instance=instance,
+            resources=resources_for(resource), raise_on_error=False,
+        )  # fmt: skip
+        assert not result.success
+        (failure,) = [e for e in result.all_events if e.is_step_failure]
+        data = failure.step_failure_data.user_failure_data
+        assert data is not None and "\n" not in data.description
+        assert data.description.startswith("partition 003-00 has no data behind it (")
+        assert data.description.endswith(
+            "remove it with `flowmatch partitions remove --orphans` (or `-p 003-00`)"
+        )
+        assert "no metadata file number 3" in data.description

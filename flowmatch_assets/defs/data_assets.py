@@ -23,6 +23,7 @@ from flowmatch_assets.ingest.dedupe import (
 )
 from flowmatch_assets.ingest.images import IngestConfig
 from flowmatch_assets.ingest.metadata import (
+    MetadataError,
     filter_rows,
     ids_as_strings,
     parse_shard_key,
@@ -58,10 +59,13 @@ def metadata(
 
 def _metadata(context, flowmatch: FlowmatchResource, out: PartitionOutput) -> dg.MaterializeResult:
     t0 = time.perf_counter()
-    if source_of(out.partition) == PD12M:
-        table, failed, extra = _pd12m_rows(context, flowmatch, out.partition)
-    else:
-        table, failed, extra = _source_rows(flowmatch, out.partition)
+    try:
+        if source_of(out.partition) == PD12M:
+            table, failed, extra = _pd12m_rows(context, flowmatch, out.partition)
+        else:
+            table, failed, extra = _source_rows(flowmatch, out.partition)
+    except (MetadataError, SourceError) as e:
+        raise orphan_failure(flowmatch, out.partition, e) from e
     winners = extra.pop("winners", None)
     kept, filtered = filter_rows(table, flowmatch.filters, winners)
     with atomic_path(out.path) as tmp:
@@ -101,6 +105,21 @@ def _metadata(context, flowmatch: FlowmatchResource, out: PartitionOutput) -> dg
             "source_file": extra["source_file"],
             "row_range": f"[{extra['row_start']}, {extra['row_end']})",
         },
+    )
+
+
+def orphan_failure(flowmatch: FlowmatchResource, key: str, error: Exception) -> Exception:
+    """The failure of a partition key with no data behind it (added by hand in the UI's
+    Materialize dialog, or its source removed): one line that names the fix, not retried.
+    ``error`` itself when the key does match data (a real read error)."""
+    from flowmatch_assets.defs.partitions import discover
+
+    if any(p["partition"] == key for p in discover(flowmatch).partitions):
+        return error
+    return dg.Failure(
+        description=f"partition {key} has no data behind it ({error}); remove it with "
+        f"`flowmatch partitions remove --orphans` (or `-p {key}`)",
+        allow_retries=False,
     )
 
 
