@@ -15,7 +15,12 @@ from flowmatch_assets.catalog import RowOutcome
 from flowmatch_assets.defs.deploy import IMAGE_TAGS
 from flowmatch_assets.defs.partitions import shard_partitions
 from flowmatch_assets.defs.resources import FlowmatchResource
-from flowmatch_assets.defs.routine import PartitionOutput, run_partitions, shards_check_result
+from flowmatch_assets.defs.routine import (
+    PartitionOutput,
+    human_bytes,
+    run_partitions,
+    shards_check_result,
+)
 from flowmatch_assets.freshness import fingerprints
 from flowmatch_assets.ingest.dedupe import (
     build_hash_index,
@@ -244,13 +249,17 @@ def _images(
         metadata={
             "input_rows": len(rows),
             "stored": len(shard.stored),
-            "failed": len(rows) - len(shard.stored),
+            # as `flowmatch catalog failures` counts them: failed (a fetch or decode that went
+            # wrong: retryable or not) apart from filtered (dropped on purpose: duplicates)
+            "failed": sum(1 for r in shard.outcomes if r.outcome == "failed"),
             "failed_by_reason": dg.MetadataValue.json(shard.failed),
+            "filtered": sum(1 for r in shard.outcomes if r.outcome == "filtered"),
             "duplicate_content": len(shard.dropped),
             "buckets": dg.MetadataValue.json(shard.buckets),
             "kept_mean": round(shard.kept_mean, 4),
             "downloaded_bytes": shard.downloaded_bytes,  # this run's (catalog: all runs')
             "stored_bytes": out.written().stat().st_size,
+            "stored_size": human_bytes(out.written().stat().st_size),
             "images_per_s": round(shard.fetched / seconds, 1) if seconds else 0.0,
             "preview_png": dg.MetadataValue.path(str(preview)),
             "preview": dg.MetadataValue.md(markdown_image(grid, f"images {part}")),

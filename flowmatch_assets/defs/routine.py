@@ -70,6 +70,15 @@ def run_partitions(context: dg.AssetCheckExecutionContext) -> list[str]:
     return []
 
 
+def human_bytes(n: float) -> str:
+    """``1139347512`` -> ``"1.06 GiB"``: a size for people, beside the exact int."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
 def shards_check_result(parts: list[str], problems: list[str]) -> dg.AssetCheckResult:
     """A blocking shard check's verdict: passed when no shard of ``parts`` has a problem; the
     first 20 problems in its metadata."""

@@ -18,6 +18,7 @@ from flowmatch_assets.catalog import MaterializationRecord
 from flowmatch_assets.defs.deploy import TRAIN_TAGS
 from flowmatch_assets.defs.partitions import SHARDS
 from flowmatch_assets.defs.resources import FlowmatchResource
+from flowmatch_assets.defs.routine import human_bytes
 from flowmatch_assets.freshness.fingerprints import trained_on
 from flowmatch_assets.reports.budget import logged_rates, steady_rate
 from flowmatch_models.embeddings.kinds import TRAINING_INPUTS
@@ -394,6 +395,13 @@ def train_run(
     ledger_s = time.perf_counter() - t0
     context.log.info(f"ledger of checkpoints {ledgers} in {ledger_s:.1f}s")
     md = {k: round_meta(v) for k, v in (invocation.get_materialize_result().metadata or {}).items()}
+    # the headline: the flow-matching loss (what falls as it learns), the REPA term apart (a
+    # negative cosine, so their weighted sum can be negative), the held-out loss
+    names = {"fm": "fm_loss", "repa": "repa_loss", "loss": "total_loss", "val_loss": "val_loss"}
+    md = {names.get(k, k): v for k, v in md.items()}
+    md = {k: md[k] for k in ("fm_loss", "val_loss") if k in md} | md
+    if result.disk_bytes:
+        md["disk_size"] = human_bytes(result.disk_bytes)
     md.update(
         {
             "samples_per_s": round_meta(rate) if rate is not None else 0.0,
