@@ -299,11 +299,12 @@ def images_complete(
 ) -> dg.AssetCheckResult:
     layout = flowmatch.layout
     parts = run_partitions(context) or layout.partitions_with("images")
-    problems = []
+    problems, rows = [], 0
     for p in parts:
         md_ids = set(
             pq.read_table(layout.asset_path("metadata", p), columns=["id"]).column("id").to_pylist()
         )
+        rows += len(md_ids)
         rows_file = layout.catalog_dir / "rows" / "images" / f"{p}.parquet"
         if not layout.asset_path("images", p).exists():
             problems.append(f"{p}: no images shard")
@@ -315,7 +316,7 @@ def images_complete(
         if sorted(outcome_ids) != sorted(md_ids):
             problems.append(f"{p}: {len(outcome_ids)} outcomes for {len(md_ids)} rows")
         problems += _size_problems(p, layout.asset_path("images", p), flowmatch.ingest)
-    return shards_check_result(parts, problems)
+    return shards_check_result(parts, problems, rows)
 
 
 def _size_problems(part: str, shard: Path, ingest: IngestConfig) -> list[str]:
