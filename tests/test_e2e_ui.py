@@ -158,11 +158,13 @@ def _control_room(url: str, ids: dict[str, str], log) -> dict[str, Path]:
                     page.get_by_role("button", name="Skip").first.click(timeout=10_000)
                 for job in ("reports_job", "train_job"):  # the CLI's and the UI's runs
                     page.get_by_text(job, exact=True).first.wait_for(state="visible")
+                page.get_by_role("button", name="1hr").first.click()
                 assert page.get_by_text("No runs or scheduled ticks").count() == 0
                 shot("timeline")
                 log("browser: the Timeline lists reports_job (CLI) and train_job runs")
 
                 page.goto(f"{url}/runs/{ids['stopped']}", wait_until="domcontentloaded")
+                page.get_by_role("button", name="View tags and config").first.click()
                 page.get_by_text("flowmatch/stopped_at_step", exact=False).first.wait_for(
                     state="visible"
                 )
