@@ -108,6 +108,13 @@ def test_sensor_registers_new_metadata_files(resource, small_sample):
         assert result.dynamic_partitions_requests[0].partition_keys == ["000-00", "001-00"]
         instance.add_dynamic_partitions(SHARDS, ["000-00", "001-00"])
         assert isinstance(metadata_partition_sensor(ctx), dg.SkipReason)
+        # a key added by hand with no metadata file behind it: flagged on every tick
+        instance.add_dynamic_partitions(SHARDS, ["003-00"])
+        assert metadata_partition_sensor(ctx).skip_message == (
+            "2 shards, all registered; 1 partition keys have no metadata behind them (003-00); "
+            "a run of them fails: remove them with `flowmatch partitions remove --orphans`"
+        )
+        instance.delete_dynamic_partition(SHARDS, "003-00")
         # no metadata source (yet): a skip that says how to fix it, not an error every tick
         gone = FlowmatchResource(
             data_root=resource.data_root, metadata_source=str(resource.data_root) + "/none"
