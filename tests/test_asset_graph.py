@@ -12,6 +12,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 RECORD = Path(__file__).with_name("asset_graph.json")
 
 
@@ -162,7 +164,33 @@ def test_cli_runs_are_the_code_locations_own_runs(tmp_path, monkeypatch, capfd):
     err = capfd.readouterr().err
     assert " - dagster - " not in err and "STEP_SUCCESS" not in err, err[-2000:]
 
+    # the demo's runs: the verb that made them (`flowmatch demo`) and the demo's stage win over
+    # the library function's own tag (materialize_budget says "budget")
+    monkeypatch.setattr(runs, "EXTRA_TAGS", {"flowmatch/cli": "demo", "flowmatch/demo": "reports"})
+    with dg.DagsterInstance.ephemeral() as instance:
+        monkeypatch.setattr(runs, "instance", lambda: instance)
+        assert runs.materialize_budget()
+        (run,) = instance.get_runs()
+        assert {k: v for k, v in run.tags.items() if k.startswith("flowmatch/")} == {
+            "flowmatch/cli": "demo",
+            "flowmatch/demo": "reports",
+        }
+
 
 if __name__ == "__main__":
     RECORD.write_text(json.dumps(graph(), indent=1, sort_keys=True) + "\n")
     print(f"wrote {RECORD}", file=sys.stderr)
+
+
+def test_a_terminated_training_run_is_given_time_to_save_its_state(monkeypatch):
+    """Pipes waits this long for the training process after "Terminate" sends it SIGINT (a full
+    state of a large model takes minutes): 600 s by default, FLOWMATCH_STOP_TIMEOUT_S sets it."""
+    from flowmatch_assets.defs.definitions import resources_for
+
+    monkeypatch.delenv("FLOWMATCH_STOP_TIMEOUT_S", raising=False)
+    assert resources_for(None)["pipes_subprocess_client"].termination_timeout_seconds == 600
+    monkeypatch.setenv("FLOWMATCH_STOP_TIMEOUT_S", "90")
+    assert resources_for(None)["pipes_subprocess_client"].termination_timeout_seconds == 90
+    monkeypatch.setenv("FLOWMATCH_STOP_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError, match="FLOWMATCH_STOP_TIMEOUT_S='soon' is not a number"):
+        resources_for(None)
