@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -23,8 +25,10 @@ from tests.conftest import make_resource
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = REPO / "test-artifacts"
-#: The screenshots the README and issue 38 point to (kept small: the viewport, not the page).
-UI_SHOTS = REPO / "docs" / "ui"
+#: The control room's screenshots (kept small: the viewport, not the page); with
+#: FLOWMATCH_UPDATE_SCREENSHOTS=1 they also replace the committed ones in docs/ui/.
+UI_SHOTS = ARTIFACTS / "ui"
+DOCS_SHOTS = REPO / "docs" / "ui"
 DATA_ASSETS = ["metadata", "images"]
 EMBEDDINGS = ["vae_latents", "dino_features", "text_embeddings"]
 ASSETS = DATA_ASSETS + EMBEDDINGS
@@ -130,7 +134,8 @@ def _browse(url: str, log) -> list[Path]:
 def _control_room(url: str, ids: dict[str, str], log) -> dict[str, Path]:
     """What issue 38 asks of the UI, in Chromium: the Timeline lists the CLI's and the UI's runs
     under their jobs, a train_job run shows its tags, a CLI-made run re-executes from its page
-    ("Re-execute all"), and an orphan key's failure shows its one line. Screenshots to docs/ui/.
+    ("Re-execute all"), and an orphan key's failure shows its one line. Screenshots to
+    test-artifacts/ui/ (docs/ui/ with FLOWMATCH_UPDATE_SCREENSHOTS=1).
     Returns {name: path}; ``ids["reexecuted"]`` is set to the new run's id."""
     from PIL import Image
     from playwright.sync_api import Error as PlaywrightError
@@ -150,6 +155,8 @@ def _control_room(url: str, ids: dict[str, str], log) -> dict[str, Path]:
                 with Image.open(path) as im:  # small in git: 960 px wide, 64 colours
                     im = im.convert("RGB").resize((960, 600), Image.LANCZOS)
                     im.quantize(64).save(path, optimize=True)
+                if os.environ.get("FLOWMATCH_UPDATE_SCREENSHOTS") == "1":
+                    shutil.copyfile(path, DOCS_SHOTS / path.name)
                 shots[name] = path
 
             try:
