@@ -93,8 +93,11 @@ def resource_config(res) -> dict:
                 out[k] = v
         return out
 
-    over = diff(want, resource_from_env().model_dump())
-    if resource_from_env(overrides=over).model_dump() != want:  # not expressible as a diff
+    try:
+        over = diff(want, resource_from_env().model_dump())
+        if resource_from_env(overrides=over).model_dump() != want:  # not expressible as a diff
+            over = want
+    except ValueError:  # the environment's own settings do not build (SettingError): all of it
         over = want
     return {"resources": {"flowmatch": {"config": over}}} if over else {}
 
