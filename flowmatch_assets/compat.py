@@ -9,6 +9,7 @@ working. Nothing else in flowmatch imports ``dagster._*`` or reaches into ``inst
 # (no ``from __future__ import annotations``: Dagster reads the op's context hint as a type)
 import contextlib
 import hashlib
+import os
 from collections.abc import Iterator, Sequence
 
 import dagster as dg
@@ -231,3 +232,74 @@ def partition_materialization_tags(
             str(event.storage_id) if event is not None else NULL_EVENT_POINTER
         )
     return tags
+
+
+def execute_code_location_run(
+    workspace_yaml: str,
+    job_name: str,
+    asset_selection: Sequence[dg.AssetKey],
+    run_config: dict,
+    tags: dict,
+    instance: dg.DagsterInstance,
+    raise_on_error: bool = False,
+):
+    """Run the code location's job ``job_name`` (the ``Definitions`` that ``workspace_yaml``
+    loads, imported in this process) for ``asset_selection``, in this process, recorded as the
+    webserver records a run it launches: with the code location's origin (the UI lists it on the
+    Timeline, under its job, on the job's Runs tab; Dagster tags it ``.dagster/repository``) and
+    the job's own snapshot (re-executing it from the UI raises no "may be a different version"
+    warning). ``execute_in_process`` records neither. Returns Dagster's result (``.success``,
+    ``.all_events``). Private: ``dagster._core.workspace.load.location_origins_from_yaml_paths``,
+    ``dagster._core.remote_origin``, ``ReconstructableRepository`` and ``execute_run``."""
+    from dagster._core.definitions.reconstruct import ReconstructableRepository
+    from dagster._core.definitions.repository_definition.valid_definitions import (
+        SINGLETON_REPOSITORY_NAME,
+    )
+    from dagster._core.execution.api import execute_run
+    from dagster._core.remote_origin import RemoteJobOrigin, RemoteRepositoryOrigin
+    from dagster._core.workspace.load import location_origins_from_yaml_paths
+
+    (origin,) = location_origins_from_yaml_paths([workspace_yaml])
+    target = origin.loadable_target_origin
+    repo = ReconstructableRepository.for_module(
+        target.module_name, target.attribute, target.working_directory or os.getcwd()
+    )
+    recon = repo.get_reconstructable_job(job_name)
+    job = recon.get_definition()
+    selection = frozenset(asset_selection)
+    run = instance.create_run_for_job(
+        job_def=job,
+        run_config=run_config,
+        tags=tags,
+        asset_selection=selection,
+        remote_job_origin=RemoteJobOrigin(
+            RemoteRepositoryOrigin(origin, SINGLETON_REPOSITORY_NAME), job_name
+        ),
+        job_code_origin=recon.get_python_origin(),
+    )
+    return execute_run(recon.get_subset(asset_selection=selection), run, instance, raise_on_error)
+
+
+@contextlib.contextmanager
+def console_silenced() -> Iterator[None]:
+    """Inside the block, the console logger of Dagster runs executed in this process prints
+    nothing (their event log is stored as always): the CLI's quiet terminal without a
+    ``loggers`` entry in the run's config, which a re-execution from the UI would inherit.
+    Dagster makes that logger per run as ``logging.getLoggerClass()("dagster", level)`` with a
+    stderr handler (``dagster._utils.log.create_console_logger``); the class set here drops every
+    record of a logger so named made inside the block."""
+    import logging
+
+    base = logging.getLoggerClass()
+
+    class _Silenced(base):  # type: ignore[valid-type, misc]
+        def __init__(self, name: str, level: int | str = 0) -> None:
+            super().__init__(name, level)
+            if name == "dagster":
+                self.addFilter(lambda _record: False)
+
+    logging.setLoggerClass(_Silenced)
+    try:
+        yield
+    finally:
+        logging.setLoggerClass(base)

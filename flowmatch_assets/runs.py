@@ -23,6 +23,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # Dagster is imported when a run is made, not when the CLI starts
     import dagster as dg
 
+#: The workspace `dagster dev` loads: runs made here are its code location's runs.
+WORKSPACE = Path(__file__).resolve().parents[1] / "workspace.yaml"
+
 #: Dagster's event log on the console (the CLI's ``--verbose``); off: one line per step.
 VERBOSE = False
 
@@ -48,9 +51,63 @@ def resource(overrides: dict | None = None):
 
 
 def log_config(verbose: bool | None = None) -> dict:
-    """Run config for Dagster's console logger: its event log with ``verbose``, else silent."""
-    level = "DEBUG" if (VERBOSE if verbose is None else verbose) else "CRITICAL"
-    return {"loggers": {"console": {"config": {"log_level": level}}}}
+    """Run config for Dagster's console logger: its event log at DEBUG with ``verbose``, else
+    nothing (the run's own config then holds no logger: :func:`run_assets` keeps the terminal
+    quiet in this process instead, so a re-execution from the UI logs as any run does)."""
+    verbose = VERBOSE if verbose is None else verbose
+    return {"loggers": {"console": {"config": {"log_level": "DEBUG"}}}} if verbose else {}
+
+
+#: The tag every run flowmatch makes carries: where it came from (``cli: materialize``, ...).
+ORIGIN_TAG = "flowmatch/cli"
+#: The tag of the runs `flowmatch demo` makes.
+DEMO_TAG = "flowmatch/demo"
+#: Tags every run made in this process carries: the CLI sets ``ORIGIN_TAG`` to its verb,
+#: `flowmatch demo` ``DEMO_TAG`` to its stage (lineage, train, evaluate, reports).
+EXTRA_TAGS: dict[str, str] = {}
+
+
+def quiet_console():
+    """A block in which Dagster runs executed in this process print no event log to the
+    terminal (unless :data:`VERBOSE`); their stored log is complete."""
+    from flowmatch_assets import compat
+
+    return contextlib.nullcontext() if VERBOSE else compat.console_silenced()
+
+
+def resource_config(res) -> dict:
+    """Run config for the code location's ``flowmatch`` resource that makes it ``res`` when the
+    run starts: the fields where ``res`` differs from the FLOWMATCH_* environment of this
+    process (nested settings field by field; none when they agree), so that the run's config
+    says what it ran with and a re-execution from the UI runs with the same settings."""
+    from flowmatch_assets.defs.resources import resource_from_env
+
+    want = res.model_dump()
+
+    def diff(a: dict, b: dict) -> dict:
+        out = {}
+        for k, v in a.items():
+            if isinstance(v, dict) and isinstance(b.get(k), dict) and v != b[k]:
+                out[k] = diff(v, b[k]) if k != "sources" else v
+            elif v != b.get(k):
+                out[k] = v
+        return out
+
+    try:
+        over = diff(want, resource_from_env().model_dump())
+        if resource_from_env(overrides=over).model_dump() != want:  # not expressible as a diff
+            over = want
+    except ValueError:  # the environment's own settings do not build (SettingError): all of it
+        over = want
+    return {"resources": {"flowmatch": {"config": over}}} if over else {}
+
+
+def _merged_config(*configs: dict) -> dict:
+    out: dict = {}
+    for c in configs:
+        for k, v in (c or {}).items():
+            out[k] = {**out[k], **v} if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 def step_failures(result) -> list[tuple[str, str]]:
@@ -112,6 +169,9 @@ def quiet_dagster():
         if not VERBOSE:
             warnings.filterwarnings("ignore", category=dg.PreviewWarning)
             warnings.filterwarnings("ignore", category=dg.BetaWarning)
+            # a lineage job mixes the embeddings' 64-partition policy with one-partition
+            # assets; a run the CLI makes is one partition's (or none) either way
+            warnings.filterwarnings("ignore", message=".*materializes assets with varying Backf")
         yield
 
 
@@ -129,33 +189,32 @@ def run_assets(
     """Materialize ``selection`` (asset names) of the whole graph, for ``partition`` (or none),
     with ``config`` (run config: ``{"ops": ...}``) and ``tags``, in this process; the assets'
     checks run in the same run (blocking ones stop downstream assets). The run is one of the
-    code location's jobs (:func:`job_for`: ``ingest_and_embed_job``, ``train_job``, ...), so the
-    UI lists it by that name. ``res``: the FlowmatchResource (default: from the environment).
-    Prints one line per step (``steps``). Returns Dagster's result (``.success``)."""
+    code location's jobs (:func:`job_for`: ``ingest_and_embed_job``, ``train_job``, ...) as the
+    webserver loads it (workspace.yaml), recorded with its origin: the UI shows it on the
+    Timeline and under its job, and re-executes it with the same result. ``res``: the
+    FlowmatchResource (default: from the environment), passed as the run's resource config
+    where it differs from the environment (:func:`resource_config`). The terminal shows one line
+    per step (``steps``), Dagster's event log only with :data:`VERBOSE`; the run's stored log is
+    complete either way. Returns Dagster's result (``.success``)."""
     import dagster as dg
 
-    from flowmatch_assets.defs.definitions import JOBS, assets, checks, resources_for
+    from flowmatch_assets import compat
 
-    with quiet_dagster():
-        graph = assets()
-        defs = dg.Definitions(
-            assets=graph,
-            asset_checks=checks(),
-            jobs=JOBS,
-            resources=resources_for(res or resource()),
-        )
-        name = job_for(selection, graph)
-        if name == IMPLICIT_JOB:
-            job = defs.resolve_implicit_global_asset_job_def()
-        else:
-            job = defs.resolve_job_def(name)
-        result = job.execute_in_process(
-            run_config={**log_config(), **(config or {})},
-            instance=dagster_instance or instance(),
-            partition_key=partition,
+    run_config = _merged_config(
+        log_config(), resource_config(res) if res is not None else {}, config or {}
+    )
+    all_tags = {**(tags or {}), **EXTRA_TAGS}  # the verb that made it wins over the function's
+    if partition is not None:
+        all_tags["dagster/partition"] = partition
+    with quiet_dagster(), quiet_console():
+        result = compat.execute_code_location_run(
+            str(WORKSPACE),
+            job_for(selection),
+            [dg.AssetKey(a) for a in selection],
+            run_config,
+            all_tags,
+            dagster_instance or instance(),
             raise_on_error=raise_on_error,
-            tags=tags,
-            asset_selection=[dg.AssetKey(a) for a in selection],
         )
     if steps:
         _print_steps(result)
@@ -361,7 +420,8 @@ def train(
     if with_samples:
         ops["samples"] = {"config": {"run_name": run_name}}
     t0 = time.perf_counter()
-    result = run_assets(list(ops), config={"ops": ops}, res=res)
+    tags = {ORIGIN_TAG: "train", "flowmatch/run": run_name}
+    result = run_assets(list(ops), config={"ops": ops}, tags=tags, res=res)
     print(f"training {'ok' if result.success else 'FAILED'} ({time.perf_counter() - t0:.0f}s)")
     return result.success
 
@@ -396,7 +456,8 @@ def finetune(
     if with_samples:
         ops["samples"] = {"config": {"run_name": run_name}}
     t0 = time.perf_counter()
-    result = run_assets(list(ops), config={"ops": ops}, res=res)
+    tags = {ORIGIN_TAG: "finetune", "flowmatch/run": run_name, "flowmatch/parent": parent}
+    result = run_assets(list(ops), config={"ops": ops}, tags=tags, res=res)
     print(f"fine-tune {'ok' if result.success else 'FAILED'} ({time.perf_counter() - t0:.0f}s)")
     return result.success
 
@@ -413,14 +474,15 @@ def evaluate(
     cfg: dict = {"run_name": run_name, "checkpoints": which, "n_prompts": n_prompts}
     if sizes:
         cfg["sizes"] = list(sizes)
+    tags = {ORIGIN_TAG: "evaluate", "flowmatch/run": run_name}
     return run_assets(
-        ["evaluation"], config={"ops": {"evaluation": {"config": cfg}}}, res=res
+        ["evaluation"], config={"ops": {"evaluation": {"config": cfg}}}, tags=tags, res=res
     ).success
 
 
 def materialize_budget(res=None) -> bool:
     """Materialize budget_report (the projection from what the catalog measured)."""
-    result = run_assets(["budget_report"], tags={"flowmatch/cli": "demo"}, res=res, steps=False)
+    result = run_assets(["budget_report"], tags={ORIGIN_TAG: "budget"}, res=res, steps=False)
     _print_outcome("budget_report", result)
     return result.success
 

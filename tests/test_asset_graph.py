@@ -12,6 +12,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 RECORD = Path(__file__).with_name("asset_graph.json")
 
 
@@ -122,6 +124,73 @@ def test_cli_runs_are_recorded_under_the_code_locations_jobs(tmp_path, monkeypat
         }
 
 
+def test_cli_runs_are_the_code_locations_own_runs(tmp_path, monkeypatch, capfd):
+    """What the UI needs to treat a CLI run as its own (issue 38): the code location's origin
+    (the Timeline and the job's Runs tab filter on the ``.dagster/repository`` tag), the job's
+    snapshot as the webserver loads it (no "may be a different version" on re-execution), a
+    run config with no logger in it (a re-execution logs at INFO) but the resource the CLI ran
+    with, the verb's tag; and a quiet terminal all the same, with the stored log complete."""
+    import dagster as dg
+
+    from flowmatch_assets import runs
+    from flowmatch_assets.definitions import defs
+    from flowmatch_assets.defs.resources import resource_from_env
+
+    monkeypatch.setenv("FLOWMATCH_DATA_ROOT", str(tmp_path / "data"))
+    other = resource_from_env(overrides={"data_root": str(tmp_path / "other")})
+    with dg.DagsterInstance.ephemeral() as instance:
+        result = runs.run_assets(
+            ["budget_report"], tags={"flowmatch/cli": "budget"}, res=other,
+            dagster_instance=instance, steps=False,
+        )  # fmt: skip
+        assert result.success
+        (run,) = instance.get_runs()
+        label = {".dagster/repository": "__repository__@flowmatch_assets.definitions:defs"}
+        assert instance.get_runs(dg.RunsFilter(tags=label)) == [run]  # the UI's filter
+        assert run.tags["flowmatch/cli"] == "budget"
+        assert run.remote_job_origin.job_name == "reports_job"
+        snap = instance.get_job_snapshot(run.job_snapshot_id)
+        job = defs.resolve_job_def("reports_job")
+        assert snap.lineage_snapshot.parent_snapshot_id == job.get_job_snapshot_id()
+        assert "loggers" not in run.run_config
+        assert run.run_config["resources"]["flowmatch"]["config"]["data_root"] == str(
+            tmp_path / "other"
+        )
+        assert (tmp_path / "other" / "reports" / "budget.md").exists()
+        logs = instance.all_logs(run.run_id)
+        assert [e.dagster_event.event_type_value for e in logs if e.is_dagster_event][-1] == (
+            "PIPELINE_SUCCESS"
+        )
+    err = capfd.readouterr().err
+    assert " - dagster - " not in err and "STEP_SUCCESS" not in err, err[-2000:]
+
+    # the demo's runs: the verb that made them (`flowmatch demo`) and the demo's stage win over
+    # the library function's own tag (materialize_budget says "budget")
+    monkeypatch.setattr(runs, "EXTRA_TAGS", {"flowmatch/cli": "demo", "flowmatch/demo": "reports"})
+    with dg.DagsterInstance.ephemeral() as instance:
+        monkeypatch.setattr(runs, "instance", lambda: instance)
+        assert runs.materialize_budget()
+        (run,) = instance.get_runs()
+        assert {k: v for k, v in run.tags.items() if k.startswith("flowmatch/")} == {
+            "flowmatch/cli": "demo",
+            "flowmatch/demo": "reports",
+        }
+
+
 if __name__ == "__main__":
     RECORD.write_text(json.dumps(graph(), indent=1, sort_keys=True) + "\n")
     print(f"wrote {RECORD}", file=sys.stderr)
+
+
+def test_a_terminated_training_run_is_given_time_to_save_its_state(monkeypatch):
+    """Pipes waits this long for the training process after "Terminate" sends it SIGINT (a full
+    state of a large model takes minutes): 600 s by default, FLOWMATCH_STOP_TIMEOUT_S sets it."""
+    from flowmatch_assets.defs.definitions import resources_for
+
+    monkeypatch.delenv("FLOWMATCH_STOP_TIMEOUT_S", raising=False)
+    assert resources_for(None)["pipes_subprocess_client"].termination_timeout_seconds == 600
+    monkeypatch.setenv("FLOWMATCH_STOP_TIMEOUT_S", "90")
+    assert resources_for(None)["pipes_subprocess_client"].termination_timeout_seconds == 90
+    monkeypatch.setenv("FLOWMATCH_STOP_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError, match="FLOWMATCH_STOP_TIMEOUT_S='soon' is not a number"):
+        resources_for(None)

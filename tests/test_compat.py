@@ -117,3 +117,46 @@ def test_partition_materialization_tags_version_an_input_as_dagster_does():
     assert tags["dagster/input_data_version/up"] == hashlib.sha256(b"v-1").hexdigest()
     assert tags["dagster/input_event_pointer/up"] == str(ev.storage_id)
     assert never["dagster/input_data_version/up"] == "INITIAL"  # no materialization of b
+
+
+def test_console_silenced_drops_the_console_but_keeps_the_stored_log(capfd):
+    """A run inside ``console_silenced`` prints none of Dagster's console lines, with no logger
+    in its run config, and its stored log still has the op's INFO line; outside, it prints."""
+
+    @dg.op
+    def say(context) -> None:
+        context.log.info("hello from the op")
+
+    @dg.job
+    def talk() -> None:
+        say()
+
+    with dg.DagsterInstance.ephemeral() as instance:
+        with compat.console_silenced():
+            quiet = talk.execute_in_process(instance=instance)
+        assert "hello from the op" not in capfd.readouterr().err
+        logs = [r.user_message for r in instance.all_logs(quiet.run_id) if not r.is_dagster_event]
+        assert "hello from the op" in logs and quiet.dagster_run.run_config == {}
+        talk.execute_in_process(instance=instance)
+        assert "hello from the op" in capfd.readouterr().err
+
+
+def test_a_code_location_run_carries_its_origin_and_the_jobs_snapshot(tmp_path, monkeypatch):
+    """``execute_code_location_run`` (the CLI's runs) records the run as the webserver would:
+    the workspace's location as its origin, the job's own snapshot as its parent."""
+    from flowmatch_assets.definitions import defs
+    from flowmatch_assets.runs import WORKSPACE
+
+    monkeypatch.setenv("FLOWMATCH_DATA_ROOT", str(tmp_path / "data"))
+    with dg.DagsterInstance.ephemeral() as instance:
+        result = compat.execute_code_location_run(
+            str(WORKSPACE), "reports_job", [dg.AssetKey("budget_report")], {}, {}, instance
+        )
+        assert result.success
+        run = instance.get_run_by_id(result.run_id)
+        origin = run.remote_job_origin
+        assert origin.location_name == "flowmatch_assets.definitions:defs"
+        assert origin.repository_origin.repository_name == "__repository__"
+        snap = instance.get_job_snapshot(run.job_snapshot_id)
+        parent = defs.resolve_job_def("reports_job").get_job_snapshot_id()
+        assert snap.lineage_snapshot.parent_snapshot_id == parent

@@ -49,12 +49,19 @@ def test_data_card_counts_what_was_injected_per_partition_and_for_the_dataset(
         md = result.asset_materializations_for_node("data_card")[0].metadata
         assert "data:image/jpeg;base64" in md["card"].value
         assert Path(md["card_png"].value).exists()
-        assert dg.materialize(
+        whole = dg.materialize(
             all_assets_and_checks(),
             selection=["dataset_card"],
             instance=instance,
             resources=resources_for(res),
-        ).success
+        )
+        assert whole.success
+        # the dataset's totals where a user lands: failed and filtered apart, every partition
+        md = whole.asset_materializations_for_node("dataset_card")[0].metadata
+        outcomes = Counter(o.split(":")[0] for o in small_sample["expected_outcomes"].values())
+        assert md["failed_rows"].value == outcomes["failed"] > 0
+        assert md["filtered_rows"].value == outcomes["filtered"] > 0
+        assert md["stored_rows"].value == outcomes["stored"]
 
     cat = Catalog(data)
     expected = small_sample["expected_outcomes"]

@@ -88,7 +88,13 @@ def test_partition_materializes_every_row_gets_one_outcome_and_rerun_is_idempote
 
         mats = instance.fetch_materializations(dg.AssetKey("images"), limit=10).records
         md = mats[0].asset_materialization.metadata
-        assert md["stored"].value == 10 and md["failed"].value == 6
+        assert md["stored"].value == 10 and md["failed"].value + md["filtered"].value == 6
+        # failed and filtered apart, as `flowmatch catalog failures` counts them
+        counts = {r["outcome"]: r["n"] for r in cat.query(
+            "SELECT outcome, count(*) AS n FROM rows WHERE asset = 'images' "
+            "AND partition = '000-00' GROUP BY outcome")}  # fmt: skip
+        assert md["failed"].value == counts.get("failed", 0) > 0
+        assert md["filtered"].value == counts.get("filtered", 0)  # duplicates by content
         assert "data:image/jpeg;base64" in md["preview"].value
 
 
@@ -102,6 +108,13 @@ def test_sensor_registers_new_metadata_files(resource, small_sample):
         assert result.dynamic_partitions_requests[0].partition_keys == ["000-00", "001-00"]
         instance.add_dynamic_partitions(SHARDS, ["000-00", "001-00"])
         assert isinstance(metadata_partition_sensor(ctx), dg.SkipReason)
+        # a key added by hand with no metadata file behind it: flagged on every tick
+        instance.add_dynamic_partitions(SHARDS, ["003-00"])
+        assert metadata_partition_sensor(ctx).skip_message == (
+            "2 shards, all registered; 1 partition keys have no metadata behind them (003-00); "
+            "a run of them fails: remove them with `flowmatch partitions remove --orphans`"
+        )
+        instance.delete_dynamic_partition(SHARDS, "003-00")
         # no metadata source (yet): a skip that says how to fix it, not an error every tick
         gone = FlowmatchResource(
             data_root=resource.data_root, metadata_source=str(resource.data_root) + "/none"
@@ -176,3 +189,26 @@ def test_parallel_partitions_in_separate_processes_with_sqlite_home(tmp_path, sm
         0
     ]
     assert n == {"n": 15, "m": 15}
+
+
+def test_a_key_with_no_data_behind_it_fails_in_one_line_that_names_the_fix(resource):
+    """A key added by hand (the UI's Materialize dialog accepts any) with no metadata file
+    behind it: ``metadata`` fails at once, not retried, with one line that says why and what to
+    run, as the failure's description (the UI's first line), not inside a stack trace."""
+    from flowmatch_assets.defs.partitions import SHARDS
+
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(SHARDS, ["003-00"])
+        result = dg.materialize(
+            _assets(), selection=["metadata"], partition_key="003-00", instance=instance,
+            resources=resources_for(resource), raise_on_error=False,
+        )  # fmt: skip
+        assert not result.success
+        (failure,) = [e for e in result.all_events if e.is_step_failure]
+        data = failure.step_failure_data.user_failure_data
+        assert data is not None and "\n" not in data.description
+        assert data.description.startswith("partition 003-00 has no data behind it (")
+        assert data.description.endswith(
+            "remove it with `flowmatch partitions remove --orphans` (or `-p 003-00`)"
+        )
+        assert "no metadata file number 3" in data.description

@@ -83,12 +83,79 @@ query RunStatus($runId: ID!) {
 
 RUN_DONE = {"SUCCESS", "FAILURE", "CANCELED"}
 
+#: What the UI's "Terminate" button sends (SAFE_TERMINATE: the run worker is interrupted and its
+#: steps may clean up; training saves a full state through Pipes).
+TERMINATE_RUN = """
+mutation Terminate($runId: String!) {
+  terminateRun(runId: $runId, terminatePolicy: SAFE_TERMINATE) {
+    __typename
+    ... on TerminateRunFailure { message }
+    ... on PythonError { message }
+  }
+}
+"""
+
+#: A run as the UI's run page and Timeline read it.
+RUN_DETAILS = """
+query RunDetails($runId: ID!) {
+  runOrError(runId: $runId) {
+    __typename
+    ... on Run {
+      runId status jobName startTime endTime pipelineSnapshotId parentPipelineSnapshotId
+      repositoryOrigin { repositoryName repositoryLocationName }
+      tags { key value }
+    }
+  }
+}
+"""
+
+
+JOB_SNAPSHOT = """
+query JobSnapshot($selector: PipelineSelector!) {
+  pipelineOrError(params: $selector) {
+    __typename
+    ... on Pipeline { pipelineSnapshotId }
+  }
+}
+"""
+
+
+def job_snapshot_id(url: str, job: str) -> str:
+    """The snapshot id of ``job`` as the webserver's code location holds it now."""
+    repo = backfill.graphql(url, REPOS)["repositoriesOrError"]["nodes"][0]
+    selector = {"repositoryLocationName": repo["location"]["name"],
+                "repositoryName": repo["name"], "pipelineName": job}  # fmt: skip
+    return backfill.graphql(url, JOB_SNAPSHOT, {"selector": selector})["pipelineOrError"][
+        "pipelineSnapshotId"
+    ]
+
+
+def terminate_run(url: str, run_id: str) -> None:
+    """Terminate a run as the UI's Terminate button does (GraphQL ``terminateRun``)."""
+    res = backfill.graphql(url, TERMINATE_RUN, {"runId": run_id})["terminateRun"]
+    if res["__typename"] != "TerminateRunSuccess":
+        raise backfill.BackfillError(f"terminateRun failed ({res['__typename']}): {res}")
+
+
+def run_details(url: str, run_id: str) -> dict:
+    """The run's status, job, times, snapshot ids, origin and tags (``{key: value}``)."""
+    run = backfill.graphql(url, RUN_DETAILS, {"runId": run_id})["runOrError"]
+    run["tags"] = {t["key"]: t["value"] for t in run.get("tags", [])}
+    return run
+
 
 def launch_run(
-    url: str, asset_keys: Sequence[str], run_config: dict | None = None, tags: dict | None = None
+    url: str,
+    asset_keys: Sequence[str],
+    run_config: dict | None = None,
+    tags: dict | None = None,
+    job: str = "__ASSET_JOB",
+    partition: str | None = None,
 ) -> str:
-    """Launch one run materializing ``asset_keys`` (unpartitioned, e.g. flow_model) with
-    launchpad ``run_config``, through the webserver's GraphQL ``launchRun``; returns the run id."""
+    """Launch one run of ``job`` (default Dagster's own asset job, as the UI's Materialize
+    button) materializing ``asset_keys`` (of ``partition``, or unpartitioned, e.g. flow_model)
+    with launchpad ``run_config``, through the webserver's GraphQL ``launchRun``; returns the
+    run id."""
     repos = backfill.graphql(url, REPOS)["repositoriesOrError"]
     if repos["__typename"] != "RepositoryConnection" or not repos["nodes"]:
         raise backfill.BackfillError(f"no code location loaded at {url}: {repos}")
@@ -97,7 +164,7 @@ def launch_run(
         "selector": {
             "repositoryLocationName": repo["location"]["name"],
             "repositoryName": repo["name"],
-            "jobName": "__ASSET_JOB",
+            "jobName": job,
             "assetSelection": [backfill.key_input(a) for a in asset_keys],
         },
         "runConfigData": run_config or {},
@@ -106,6 +173,8 @@ def launch_run(
             "tags": [{"key": k, "value": v} for k, v in (tags or {"flowmatch/cli": "run"}).items()]
         },
     }
+    if partition is not None:
+        params["executionMetadata"]["tags"].append({"key": "dagster/partition", "value": partition})
     res = backfill.graphql(url, LAUNCH_RUN, {"params": params})["launchRun"]
     if res["__typename"] != "LaunchRunSuccess":
         detail = res.get("message") or "; ".join(e["message"] for e in res.get("errors", []))

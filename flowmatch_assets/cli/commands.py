@@ -448,6 +448,10 @@ def main(argv: list[str] | None = None) -> int:
         saved = (VERBOSE_ENV, os.environ.get(VERBOSE_ENV))
         os.environ[VERBOSE_ENV] = "1"
     argv = [x for x in argv if x not in ("--debug", "--verbose")]
+    verb = next((a for a in argv if not a.startswith("-")), None)
+    saved_tags = dict(runs.EXTRA_TAGS)
+    if verb:  # every run this verb makes says where it came from (the UI's Tags column)
+        runs.EXTRA_TAGS[runs.ORIGIN_TAG] = verb
     try:
         return _main(argv)
     except Exception as e:  # noqa: BLE001 - mapped to one line below, or re-raised
@@ -457,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flowmatch: {msg} (--debug for the traceback)", file=sys.stderr)
         return 2
     finally:  # as it was (a caller that runs several commands in one process: the tests)
+        runs.EXTRA_TAGS.clear()
+        runs.EXTRA_TAGS.update(saved_tags)
         if saved is not None and saved[1] is None:
             os.environ.pop(saved[0], None)
         elif saved is not None:

@@ -210,9 +210,10 @@ def cmd_verify(partition: list[str], quick: bool) -> int:
     instance = dagster_instance()
     known = known_partitions(instance)
     check_partitions(partition, known)
-    bad = verify(
-        res.layout, partition or known, instance, deep=not quick, run_config=runs.log_config()
-    )
+    with runs.quiet_console():
+        bad = verify(
+            res.layout, partition or known, instance, deep=not quick, run_config=runs.log_config()
+        )
     for s in bad:
         print(f"{s.partition}  {s.asset}  {s.state}  {s.detail}")
     fixed = sum(s.state in ("gone", "corrupt") for s in bad)
@@ -254,8 +255,9 @@ def cmd_stale(partition: list[str], asset: list[str], as_json: bool, no_report: 
                "--stale`)" if found else ""), flush=True,
         )  # fmt: skip
     if not no_report and (assets or with_models is not None):
-        n = report(instance, res, found, partition or known, assets, runs.log_config(),
-                   with_models)  # fmt: skip
+        with runs.quiet_console():
+            n = report(instance, res, found, partition or known, assets, runs.log_config(),
+                       with_models)  # fmt: skip
         if n and not as_json:
             print(f"{n} `<asset>_fresh` check results reported to Dagster")
     return 1 if rows else 0

@@ -87,16 +87,31 @@ def cmd_demo(
         folder = getattr(res.encoders, role)
         label = weights_label(folder) if Path(folder).is_dir() else ""
         print(f"encoder {role:5s} {folder}" + (f"  [{label}]" if label else ""))
+    saved_tags = dict(runs.EXTRA_TAGS)
+    try:
+        return _stages(root, res, t0, train_steps)
+    finally:
+        runs.EXTRA_TAGS.clear()
+        runs.EXTRA_TAGS.update(saved_tags)
+
+
+def _stages(root: Path, res, t0: float, train_steps: int | None) -> int:
+    """The demo's runs, each tagged ``flowmatch/demo: <stage>`` (and ``flowmatch/cli: demo``);
+    then where the results lie."""
+    runs.EXTRA_TAGS.update({runs.ORIGIN_TAG: "demo", runs.DEMO_TAG: "lineage"})
     results = runs.materialize(raise_on_error=False, res=res)
     trained = evaluated = True
     train_on = train_steps is None or train_steps > 0
     if train_on:
         steps = train_steps or "configs/tiny.yaml's"
         print(f"\ntraining the tiny DiT for {steps} steps on the covered partitions ...")
+        runs.EXTRA_TAGS[runs.DEMO_TAG] = "train"
         trained = runs.train(steps=train_steps, run_name="demo", res=res)
         if trained:
             print("\nevaluating caption following of every checkpoint (48 prompts each) ...")
+            runs.EXTRA_TAGS[runs.DEMO_TAG] = "evaluate"
             evaluated = runs.evaluate(run_name="demo", which="all", res=res)
+    runs.EXTRA_TAGS[runs.DEMO_TAG] = "reports"
     budget_ok = runs.materialize_budget(res)
     cards_ok = runs.materialize_data_cards(res=res)
     print_reports(str(root))

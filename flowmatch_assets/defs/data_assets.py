@@ -15,7 +15,12 @@ from flowmatch_assets.catalog import RowOutcome
 from flowmatch_assets.defs.deploy import IMAGE_TAGS
 from flowmatch_assets.defs.partitions import shard_partitions
 from flowmatch_assets.defs.resources import FlowmatchResource
-from flowmatch_assets.defs.routine import PartitionOutput, run_partitions, shards_check_result
+from flowmatch_assets.defs.routine import (
+    PartitionOutput,
+    human_bytes,
+    run_partitions,
+    shards_check_result,
+)
 from flowmatch_assets.freshness import fingerprints
 from flowmatch_assets.ingest.dedupe import (
     build_hash_index,
@@ -23,6 +28,7 @@ from flowmatch_assets.ingest.dedupe import (
 )
 from flowmatch_assets.ingest.images import IngestConfig
 from flowmatch_assets.ingest.metadata import (
+    MetadataError,
     filter_rows,
     ids_as_strings,
     parse_shard_key,
@@ -58,10 +64,13 @@ def metadata(
 
 def _metadata(context, flowmatch: FlowmatchResource, out: PartitionOutput) -> dg.MaterializeResult:
     t0 = time.perf_counter()
-    if source_of(out.partition) == PD12M:
-        table, failed, extra = _pd12m_rows(context, flowmatch, out.partition)
-    else:
-        table, failed, extra = _source_rows(flowmatch, out.partition)
+    try:
+        if source_of(out.partition) == PD12M:
+            table, failed, extra = _pd12m_rows(context, flowmatch, out.partition)
+        else:
+            table, failed, extra = _source_rows(flowmatch, out.partition)
+    except (MetadataError, SourceError) as e:
+        raise orphan_failure(flowmatch, out.partition, e) from e
     winners = extra.pop("winners", None)
     kept, filtered = filter_rows(table, flowmatch.filters, winners)
     with atomic_path(out.path) as tmp:
@@ -101,6 +110,21 @@ def _metadata(context, flowmatch: FlowmatchResource, out: PartitionOutput) -> dg
             "source_file": extra["source_file"],
             "row_range": f"[{extra['row_start']}, {extra['row_end']})",
         },
+    )
+
+
+def orphan_failure(flowmatch: FlowmatchResource, key: str, error: Exception) -> Exception:
+    """The failure of a partition key with no data behind it (added by hand in the UI's
+    Materialize dialog, or its source removed): one line that names the fix, not retried.
+    ``error`` itself when the key does match data (a real read error)."""
+    from flowmatch_assets.defs.partitions import discover
+
+    if any(p["partition"] == key for p in discover(flowmatch).partitions):
+        return error
+    return dg.Failure(
+        description=f"partition {key} has no data behind it ({error}); remove it with "
+        f"`flowmatch partitions remove --orphans` (or `-p {key}`)",
+        allow_retries=False,
     )
 
 
@@ -225,13 +249,17 @@ def _images(
         metadata={
             "input_rows": len(rows),
             "stored": len(shard.stored),
-            "failed": len(rows) - len(shard.stored),
+            # as `flowmatch catalog failures` counts them: failed (a fetch or decode that went
+            # wrong: retryable or not) apart from filtered (dropped on purpose: duplicates)
+            "failed": sum(1 for r in shard.outcomes if r.outcome == "failed"),
             "failed_by_reason": dg.MetadataValue.json(shard.failed),
+            "filtered": sum(1 for r in shard.outcomes if r.outcome == "filtered"),
             "duplicate_content": len(shard.dropped),
             "buckets": dg.MetadataValue.json(shard.buckets),
             "kept_mean": round(shard.kept_mean, 4),
             "downloaded_bytes": shard.downloaded_bytes,  # this run's (catalog: all runs')
             "stored_bytes": out.written().stat().st_size,
+            "stored_size": human_bytes(out.written().stat().st_size),
             "images_per_s": round(shard.fetched / seconds, 1) if seconds else 0.0,
             "preview_png": dg.MetadataValue.path(str(preview)),
             "preview": dg.MetadataValue.md(markdown_image(grid, f"images {part}")),
@@ -271,11 +299,12 @@ def images_complete(
 ) -> dg.AssetCheckResult:
     layout = flowmatch.layout
     parts = run_partitions(context) or layout.partitions_with("images")
-    problems = []
+    problems, rows = [], 0
     for p in parts:
         md_ids = set(
             pq.read_table(layout.asset_path("metadata", p), columns=["id"]).column("id").to_pylist()
         )
+        rows += len(md_ids)
         rows_file = catalog.record_path(layout, "rows", "images", p)
         if not layout.asset_path("images", p).exists():
             problems.append(f"{p}: no images shard")
@@ -287,7 +316,7 @@ def images_complete(
         if sorted(outcome_ids) != sorted(md_ids):
             problems.append(f"{p}: {len(outcome_ids)} outcomes for {len(md_ids)} rows")
         problems += _size_problems(p, layout.asset_path("images", p), flowmatch.ingest)
-    return shards_check_result(parts, problems)
+    return shards_check_result(parts, problems, rows)
 
 
 def _size_problems(part: str, shard: Path, ingest: IngestConfig) -> list[str]:

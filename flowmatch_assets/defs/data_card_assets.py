@@ -38,6 +38,9 @@ def _numbers(rows: list[dict]) -> dict:
     return {
         "input_rows": int(get.get(("rows", "input")) or 0),
         "stored_rows": int(get.get(("rows", "stored")) or 0),
+        # apart, as `flowmatch catalog failures` counts them (dataset-wide on dataset_card)
+        "filtered_rows": int(get.get(("rows", "filtered")) or 0),
+        "failed_rows": int(get.get(("rows", "failed")) or 0),
         "caption_tokens_p50": get.get(("caption_tokens", "p50")),
         "captions_over_max_tokens": int(get.get(("text", "captions_over_max_tokens")) or 0),
         "fp16_saturated_values": int(get.get(("text", "fp16_saturated_values")) or 0),

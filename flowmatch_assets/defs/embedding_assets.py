@@ -24,7 +24,12 @@ from flowmatch_assets.defs.data_assets import images
 from flowmatch_assets.defs.deploy import ENCODER_TAGS
 from flowmatch_assets.defs.partitions import shard_partitions
 from flowmatch_assets.defs.resources import FlowmatchResource
-from flowmatch_assets.defs.routine import PartitionOutput, run_partitions, shards_check_result
+from flowmatch_assets.defs.routine import (
+    PartitionOutput,
+    human_bytes,
+    run_partitions,
+    shards_check_result,
+)
 from flowmatch_assets.freshness import fingerprints
 from flowmatch_assets.freshness.fingerprints import fresh_result, staleness
 from flowmatch_assets.freshness.fingerprints import stored as shard_fp
@@ -344,6 +349,9 @@ def _publish_kind(
     stats = write_shard(out.path, e.arrays, ids, codec=spec.codec, attrs=e.attrs, lossy=lossy,
                         fit_device=e.attrs["device"])  # fmt: skip
     errs = [a["lossy"] for a in stats.arrays.values() if "lossy" in a]
+    modes = sorted({x["mode"] for x in errs})
+    storage = ", ".join([*(f"lossy {m}" for m in modes),
+                         "no byte codec" if spec.codec == "none" else f"{spec.codec} codec"])  # fmt: skip
     seed = kind.seed_format_bytes(len(ids), spec, e.arrays)
     counts = {w.attr: e.attrs[w.attr] for w in kind.warnings}
     ragged = {}  # a kind with token rows: how many, and the bytes of one (the SSD projection)
@@ -364,7 +372,7 @@ def _publish_kind(
         raw_bytes=seed,
         stored_bytes=stats.stored_bytes,
         fingerprint=Fingerprint.from_json(e.attrs[FINGERPRINT_ATTR]),
-        codec=spec.codec + (f"+{'/'.join(sorted({x['mode'] for x in errs}))}" if errs else ""),
+        codec=spec.codec + (f"+{'/'.join(modes)}" if modes else ""),
         device=e.attrs["device"],
         lossy_min_cosine=min((x["min_cosine"] for x in errs), default=None),
         lossy_rel_rms=max((x["rel_rms"] for x in errs), default=None),
@@ -378,12 +386,21 @@ def _publish_kind(
         },
         metadata={
             "samples": len(ids),
-            "raw_bytes_seed_equivalent": seed,
-            "array_bytes": stats.raw_bytes,
             "stored_bytes": stats.stored_bytes,
-            "ratio_vs_seed": round(seed / stats.stored_bytes, 3) if stats.stored_bytes else 0.0,
-            "codec": spec.codec,
-            "lossy": dg.MetadataValue.json(errs),
+            "stored_size": human_bytes(stats.stored_bytes),
+            # one label: the byte codec, then the lossy encoding of the arrays that have one
+            "storage": storage,
+            "lossy_error": dg.MetadataValue.json(errs),
+            "array_bytes": stats.raw_bytes,  # the arrays as fp16/int, before any codec
+            # the seed pipeline's format (per-sample xz of padded fp32 tensors) for these
+            # samples, and how many times smaller this shard is than that
+            "seed_format_bytes": seed,
+            "smaller_than_seed_format": (
+                f"{seed / stats.stored_bytes:.1f}x ({human_bytes(seed)} in the seed's per-sample "
+                f"xz format -> {human_bytes(stats.stored_bytes)})"
+                if stats.stored_bytes
+                else "-"
+            ),
             "samples_per_s": round(len(ids) / e.seconds, 2) if e.seconds else 0.0,
             "device": e.attrs["device"],
             "model": e.attrs["model"] + label,

@@ -197,6 +197,14 @@ def evaluation(
             "figure": dg.MetadataValue.md(markdown_image(Image.open(fig), "evaluation", 800)),
         }
     md["checkpoints_evaluated"] = dg.MetadataValue.json([s for s, _ in found])
+    # every step's figure (its pages, _p2 ..., and size variants too): the UI shows the last
+    # step's first page above; the others are reachable from here
+    for step, _, fig in scored[:-1]:
+        md[f"figure_step{step}_png"] = dg.MetadataValue.path(str(fig))
+    steps = {f"step{s:07d}" for s, _, _ in scored}
+    md["figures"] = dg.MetadataValue.json(
+        sorted(str(f) for f in (out / "evaluation").glob("step*.png") if f.stem[:11] in steps)
+    )
     wandb_dir = log_to_wandb(out, scored, config.wandb_project)
     if wandb_dir:
         md["wandb_dir"] = dg.MetadataValue.path(wandb_dir)

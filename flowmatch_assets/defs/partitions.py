@@ -20,7 +20,7 @@ from flowmatch_assets.catalog import read_partitions, record_partitions
 from flowmatch_assets.defs.resources import FlowmatchResource
 from flowmatch_assets.ingest import sources as src
 from flowmatch_assets.ingest.metadata import MetadataError, discover_shards, metadata_exists
-from flowmatch_models.storage.layout import PD12M
+from flowmatch_models.storage.layout import PD12M, source_of
 
 SHARDS = "shards"
 _LOG = logging.getLogger(__name__)
@@ -152,7 +152,20 @@ def metadata_partition_sensor(
         if p.source == PD12M:
             return dg.SkipReason(p.line)
     keys = [p["partition"] for p in found.partitions if p["source"] == PD12M]
-    return _add_new(context, keys, "shards")
+    result = _add_new(context, keys, "shards")
+    # keys with no metadata behind them (added by hand in the Materialize dialog): flagged on
+    # every tick, before a run of them fails
+    have = set(keys)
+    orphans = sorted(k for k in context.instance.get_dynamic_partitions(SHARDS)
+                     if source_of(k) == PD12M and k not in have)  # fmt: skip
+    if orphans:
+        line = (f"{len(orphans)} partition keys have no metadata behind them "
+                f"({', '.join(orphans[:5])}{' ...' if len(orphans) > 5 else ''}); a run of them "
+                "fails: remove them with `flowmatch partitions remove --orphans`")  # fmt: skip
+        context.log.warning(line)
+        if isinstance(result, dg.SkipReason):
+            return dg.SkipReason(f"{result.skip_message}; {line}")
+    return result
 
 
 @dg.sensor(

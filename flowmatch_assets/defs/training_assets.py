@@ -18,6 +18,7 @@ from flowmatch_assets.catalog import MaterializationRecord
 from flowmatch_assets.defs.deploy import TRAIN_TAGS
 from flowmatch_assets.defs.partitions import SHARDS
 from flowmatch_assets.defs.resources import FlowmatchResource
+from flowmatch_assets.defs.routine import human_bytes
 from flowmatch_assets.freshness.fingerprints import trained_on
 from flowmatch_assets.reports.budget import logged_rates, steady_rate
 from flowmatch_models.embeddings.kinds import TRAINING_INPUTS
@@ -133,6 +134,70 @@ def write_ledgers(data_root: str | Path, run_name: str, run: Path) -> list[int]:
         catalog.record_ledger(data_root, run_name, step, rows, segs, chain)
         done.append(step)
     return done
+
+
+#: How long a stopped training run may take to save its full state before Dagster gives up on
+#: it: "Terminate" in the UI sends the training process SIGINT through Pipes; it saves a full
+#: state at the next step boundary and exits 75 (flowmatch_models/train/signals.py). A large
+#: model's state (weights, AdamW, EMA) takes minutes to write; FLOWMATCH_STOP_TIMEOUT_S sets it.
+STOP_TIMEOUT_ENV = "FLOWMATCH_STOP_TIMEOUT_S"
+STOP_TIMEOUT_S = 600.0
+
+
+def stop_timeout_s() -> float:
+    """Seconds the Pipes client waits for a terminated training process (FLOWMATCH_STOP_TIMEOUT_S,
+    default 600)."""
+    raw = os.environ.get(STOP_TIMEOUT_ENV)
+    try:
+        return float(raw) if raw else STOP_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"{STOP_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+
+
+#: Run tags of a training run: its name and parent (a fine-tune's), and where a stop saved it.
+RUN_TAG, PARENT_TAG = "flowmatch/run", "flowmatch/parent"
+STOPPED_STEP_TAG, STOPPED_CHECKPOINT_TAG = "flowmatch/stopped_at_step", "flowmatch/checkpoint"
+
+
+def saved_state(run: Path, since: float) -> tuple[int, Path] | None:
+    """``(step, file)`` of the full state ``checkpoints/last.ckpt`` points to, when it was
+    written at or after ``since`` (a time.time()); None when this session saved none."""
+    ck = run / "checkpoints"
+    last = ck / "last.ckpt"
+    if not last.exists() or last.stat().st_mtime < since:
+        return None
+    for f in sorted(ck.glob("step*.ckpt"), reverse=True):
+        if f.stem[4:].isdigit() and os.path.samefile(f, last):
+            return int(f.stem[4:]), f
+    return None
+
+
+def record_stop(
+    context: dg.AssetExecutionContext, run: Path, since: float, line: str | None
+) -> int | None:
+    """A training run terminated from the UI (or its run worker interrupted): the step and the
+    file of the full state it saved, as run tags, an observation of the asset and a log line.
+    Returns the step (None when no state was saved)."""
+    saved = saved_state(run, since)
+    if saved is None:
+        context.log.warning(line or "training stopped before it could save a full state")
+        return None
+    step, path = saved
+    context.instance.add_run_tags(
+        context.run_id, {STOPPED_STEP_TAG: str(step), STOPPED_CHECKPOINT_TAG: str(path)}
+    )
+    context.log_event(
+        dg.AssetObservation(
+            asset_key=context.asset_key,
+            metadata={
+                "stopped_at_step": dg.MetadataValue.int(step),
+                "checkpoint": dg.MetadataValue.path(str(path)),
+                "resume": "materialize this asset again (resume: auto), or `flowmatch resume`",
+            },
+        )
+    )
+    context.log.warning(line or f"stopped: full state saved at step {step}: {path}")
+    return step
 
 
 def run_dir(flowmatch: FlowmatchResource, name: str) -> Path:
@@ -252,6 +317,11 @@ def train_run(
         coverage={"partitions_known": len(set(known) | set(parts)), "coverage": round(frac, 4)},
     )  # fmt: skip
     context.log.info(f"training {config.run_name} on {len(parts)} partitions ({frac:.0%} coverage)")
+    tags = {RUN_TAG: config.run_name}
+    if getattr(config, "parent_run", None):
+        tags[PARENT_TAG] = config.parent_run
+    context.instance.add_run_tags(context.run_id, tags)  # launched from the UI too
+    started = time.time()
     with tempfile.TemporaryDirectory(prefix="flowmatch-train-") as tmp:
         error_file = Path(tmp) / "error.txt"  # the process's one-line error (a bad init, ...)
         try:
@@ -266,6 +336,10 @@ def train_run(
                 },  # fmt: skip
                 cwd=str(REPO),
             )
+        except dg.DagsterExecutionInterruptedError:  # "Terminate": Pipes sent SIGINT, it saved
+            line = error_file.read_text().strip() if error_file.is_file() else None
+            record_stop(context, run_dir(flowmatch, config.run_name), started, line)
+            raise
         except Exception as e:  # noqa: BLE001 - a failed training process: say why in one line
             if not error_file.is_file():
                 raise
@@ -321,6 +395,13 @@ def train_run(
     ledger_s = time.perf_counter() - t0
     context.log.info(f"ledger of checkpoints {ledgers} in {ledger_s:.1f}s")
     md = {k: round_meta(v) for k, v in (invocation.get_materialize_result().metadata or {}).items()}
+    # the headline: the flow-matching loss (what falls as it learns), the REPA term apart (a
+    # negative cosine, so their weighted sum can be negative), the held-out loss
+    names = {"fm": "fm_loss", "repa": "repa_loss", "loss": "total_loss", "val_loss": "val_loss"}
+    md = {names.get(k, k): v for k, v in md.items()}
+    md = {k: md[k] for k in ("fm_loss", "val_loss") if k in md} | md
+    if result.disk_bytes:
+        md["disk_size"] = human_bytes(result.disk_bytes)
     md.update(
         {
             "samples_per_s": round_meta(rate) if rate is not None else 0.0,
