@@ -25,6 +25,7 @@ LONGER = {
     "flowmatch_assets/ingest/decode.py",
     "flowmatch_assets/ingest/sources/location.py",
     "flowmatch_assets/reports/budget.py",
+    "flowmatch_assets/runs.py",
     "flowmatch_models/storage/store.py",
     "flowmatch_models/train/run.py",
 }
