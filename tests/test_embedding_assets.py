@@ -378,3 +378,15 @@ def test_a_kind_that_fails_on_the_writer_thread_fails_alone(
         msg = failure.step_failure_data.user_failure_data.description
         assert msg.startswith("1 of 2 partitions failed (2 published): 000-00: dino_features: ")
         assert "No space left on device (planted)" in msg
+
+
+def test_the_seed_format_comparison_says_larger_when_larger() -> None:
+    """The metadata compares a shard with the seed's format in the right direction (a
+    newcomer read "smaller_than_seed_format 1.0x (384 KiB -> 389 KiB)" for a larger shard)."""
+    from flowmatch_assets.defs.embedding_assets import _vs_seed
+
+    assert _vs_seed(1 << 20, 1 << 18) == (
+        "4.0x smaller (1 MiB in the seed's per-sample xz format -> 256 KiB here)"
+    )
+    assert _vs_seed(393_216, 398_336).startswith("1.01x larger (384 KiB in the seed's")
+    assert _vs_seed(0, 10) == _vs_seed(10, 0) == "-"

@@ -256,8 +256,11 @@ def _images(
             "filtered": sum(1 for r in shard.outcomes if r.outcome == "filtered"),
             "duplicate_content": len(shard.dropped),
             "buckets": dg.MetadataValue.json(shard.buckets),
+            # the mean fraction of each original image that was kept by the crop (1.0: nothing
+            # cropped; a 4:3 original center-cropped to a square keeps 0.75)
             "kept_mean": round(shard.kept_mean, 4),
             "downloaded_bytes": shard.downloaded_bytes,  # this run's (catalog: all runs')
+            "downloaded_size": human_bytes(shard.downloaded_bytes),
             "stored_bytes": out.written().stat().st_size,
             "stored_size": human_bytes(out.written().stat().st_size),
             "images_per_s": round(shard.fetched / seconds, 1) if seconds else 0.0,

@@ -392,15 +392,10 @@ def _publish_kind(
             "storage": storage,
             "lossy_error": dg.MetadataValue.json(errs),
             "array_bytes": stats.raw_bytes,  # the arrays as fp16/int, before any codec
-            # the seed pipeline's format (per-sample xz of padded fp32 tensors) for these
-            # samples, and how many times smaller this shard is than that
+            # the seed pipeline's format (per-sample xz of padded fp32 tensors, what the
+            # project grew from: docs/catalog.md) for these samples, and this shard against it
             "seed_format_bytes": seed,
-            "smaller_than_seed_format": (
-                f"{seed / stats.stored_bytes:.1f}x ({human_bytes(seed)} in the seed's per-sample "
-                f"xz format -> {human_bytes(stats.stored_bytes)})"
-                if stats.stored_bytes
-                else "-"
-            ),
+            "vs_seed_format": _vs_seed(seed, stats.stored_bytes),
             "samples_per_s": round(len(ids) / e.seconds, 2) if e.seconds else 0.0,
             "device": e.attrs["device"],
             "model": e.attrs["model"] + label,
@@ -408,6 +403,17 @@ def _publish_kind(
             **{f"{a}_values": v for a, v in counts.items()},
         },
     )
+
+
+def _vs_seed(seed: int, stored: int) -> str:
+    """This shard against the seed pipeline's format: ``12.9x smaller (...)`` or, where the
+    seed's format is the smaller one, ``1.01x larger (...)`` -- never "smaller" for larger."""
+    if not stored or not seed:
+        return "-"
+    sizes = f"{human_bytes(seed)} in the seed's per-sample xz format -> {human_bytes(stored)} here"
+    if stored <= seed:
+        return f"{seed / stored:.1f}x smaller ({sizes})"
+    return f"{stored / seed:.2f}x larger ({sizes})"
 
 
 def check_shards(flowmatch: FlowmatchResource, asset: str, parts: list[str]) -> list[str]:
