@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import dagster as dg
 import numpy as np
+import pyarrow.parquet as pq
 
 from flowmatch_assets import compat
 from flowmatch_assets.catalog import RowOutcome
@@ -104,9 +105,12 @@ def _encode(
     across partitions; ``ahead``: this partition read ahead, :func:`_read_ahead`, closed here)."""
     try:
         src = flowmatch.layout.asset_path("images", part)
-        if ahead is None and not src.exists():
-            raise dg.Failure(f"partition {part} has no images shard ({src}); materialize images first")  # fmt: skip
-        ahead = ahead or _read_ahead(flowmatch, part, selected, device)
+        if ahead is None:  # the cheap refusals before any encoder loads
+            if not src.exists():
+                raise dg.Failure(f"partition {part} has no images shard ({src}); materialize images first")  # fmt: skip
+            if pq.ParquetFile(src).metadata.num_rows == 0:
+                raise _no_images(part, selected)
+            ahead = _read_ahead(flowmatch, part, selected, device)
         return _encode_one(context, flowmatch, part, selected, device, ahead)
     finally:
         if ahead is not None:
@@ -118,11 +122,7 @@ def _encode_one(context, flowmatch, part: str, selected, device: str, ahead: Ahe
     src = ahead.path
     ids = ahead.meta().column("id").to_pylist()  # the rows encoded (one version of the file)
     if not ids:  # an empty shard never replaces a good one (nor is written at all)
-        raise dg.Failure(
-            f"partition {part}: images has 0 images, nothing to encode; the existing "
-            f"{', '.join(k.name for k in selected)} shards (if any) are unchanged. "
-            "Re-materialize images (see `flowmatch catalog failures`) first."
-        )
+        raise _no_images(part, selected)
     context.log.info(f"{part}: encoding {len(ids)} samples on {device}")
     encoded = encode_partition(
         src,
@@ -135,6 +135,14 @@ def _encode_one(context, flowmatch, part: str, selected, device: str, ahead: Ahe
         ahead=ahead,
     )
     return ids, encoded
+
+
+def _no_images(part: str, selected) -> dg.Failure:
+    return dg.Failure(
+        f"partition {part}: images has 0 images, nothing to encode; the existing "
+        f"{', '.join(k.name for k in selected)} shards (if any) are unchanged. "
+        "Re-materialize images (see `flowmatch catalog failures`) first."
+    )
 
 
 def _every(seconds: float, log):
