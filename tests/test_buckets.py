@@ -158,6 +158,9 @@ def test_aspect_buckets_through_the_images_asset_and_the_data_card(tmp_path, sma
             e.check_name: e.passed for e in result.get_asset_check_evaluations()
         }  # the size check reads every stored size
         assert checks["images_complete"] is True
+        # one row per partition in the UI's check table (a partitioned check, not "-")
+        parts = {e.check_name: e.partition for e in result.get_asset_check_evaluations()}
+        assert parts["images_complete"] == key
         md = result.asset_materializations_for_node("images")[0].metadata
 
         shard = data / "images" / f"{key}.parquet"
