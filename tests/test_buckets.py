@@ -161,6 +161,12 @@ def test_aspect_buckets_through_the_images_asset_and_the_data_card(tmp_path, sma
         # one row per partition in the UI's check table (a partitioned check, not "-")
         parts = {e.check_name: e.partition for e in result.get_asset_check_evaluations()}
         assert parts["images_complete"] == key
+        # evaluated after the materialization it checks (its metadata says when)
+        mat = instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=dg.AssetKey("images"), asset_partitions=[key]), limit=1
+        ).records[0]
+        ev = [e for e in result.get_asset_check_evaluations() if e.check_name == "images_complete"]
+        assert ev[0].metadata["evaluated_at"].value >= mat.timestamp
         md = result.asset_materializations_for_node("images")[0].metadata
 
         shard = data / "images" / f"{key}.parquet"

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -91,6 +92,9 @@ def shards_check_result(
         "partitions_checked": len(parts),
         "problem_count": len(problems),
         "problems": dg.MetadataValue.json(problems[:20]),
+        # when it ran: the UI's "Latest execution" is when its run was created (Dagster records
+        # a check's execution then, dagster-io/dagster#16091), before the materialization
+        "evaluated_at": dg.MetadataValue.timestamp(time.time()),
     }
     if rows_checked is not None:
         md["rows_checked"] = rows_checked
