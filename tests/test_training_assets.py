@@ -77,8 +77,12 @@ def _train_cfg(**kw):
         "run_name": "t",
         "settings": {
             "data": {"batch_size": 4},
-            "trainer": {"log_every": 2, "sample_every": 1000, "checkpoint_every": 1000,
-                        "val_every": 2},
+            "trainer": {
+                "log_every": 2,
+                "sample_every": 1000,
+                "checkpoint_every": 1000,
+                "val_every": 2,
+            },
             "sample": {"steps": 2},
             "logging": {"record_sample_ids": True},
         },  # fmt: skip

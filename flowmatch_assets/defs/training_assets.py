@@ -434,7 +434,9 @@ def publish_training(
     )  # fmt: skip
 
 
-def run_record(flowmatch: FlowmatchResource, result, rate: float | None, windows: list[float]) -> dict:
+def run_record(
+    flowmatch: FlowmatchResource, result, rate: float | None, windows: list[float]
+) -> dict:
     """The ``extra`` of a training run's catalog record (``flowmatch budget``, ``flowmatch
     stale``, reports and finetune.py read it)."""
     return {
