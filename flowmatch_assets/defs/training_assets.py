@@ -9,7 +9,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 from pydantic import Field
@@ -30,6 +30,9 @@ from flowmatch_models.train.config import (
     merge_settings,
     settings_from_items,
 )
+
+if TYPE_CHECKING:  # the training package imports torch: at run time, in the functions
+    from flowmatch_models.train.run import TrainRequest, TrainResult
 
 GROUP = "training"
 
@@ -351,7 +354,7 @@ def train_config(config: TrainRunConfig, flowmatch: FlowmatchResource, init: dic
 
 
 def train_request(config: TrainRunConfig, cfg: TrainConfig, known: list[str], parts: list[str],
-                  frac: float):  # fmt: skip
+                  frac: float) -> "TrainRequest":  # fmt: skip
     """The TrainRequest the training process receives: the validated config as a full dump (no
     ``key=value`` items left to parse), the partitions, the steps, the resume."""
     from flowmatch_models.train.run import TrainRequest
@@ -364,7 +367,7 @@ def train_request(config: TrainRunConfig, cfg: TrainConfig, known: list[str], pa
 def run_training(
     context: dg.AssetExecutionContext,
     pipes_subprocess_client: dg.PipesSubprocessClient,
-    request,
+    request: "TrainRequest",
     run: Path,
 ) -> dg.PipesClientCompletedInvocation:
     """``python -m flowmatch_models.train --pipes-request`` with ``request`` in the Pipes extras.
@@ -435,7 +438,7 @@ def publish_training(
 
 
 def run_record(
-    flowmatch: FlowmatchResource, result, rate: float | None, windows: list[float]
+    flowmatch: FlowmatchResource, result: "TrainResult", rate: float | None, windows: list[float]
 ) -> dict:
     """The ``extra`` of a training run's catalog record (``flowmatch budget``, ``flowmatch
     stale``, reports and finetune.py read it)."""
@@ -460,7 +463,9 @@ def run_record(
     }
 
 
-def training_metadata(reported: dict, result, rate: float | None, facts: dict) -> dict:
+def training_metadata(
+    reported: dict, result: "TrainResult", rate: float | None, facts: dict
+) -> dict:
     """The asset's metadata: the losses first, what the process reported through Pipes, the
     run's ``facts`` (name, coverage, folder, ledger), its export, parent and pictures."""
     md = {k: round_meta(v) for k, v in reported.items()}
