@@ -399,15 +399,16 @@ def train(
     steps: int | None = None,
     run_name: str = "default",
     config_file: str | None = None,
-    extra: list[str] | None = None,
+    settings: dict | None = None,
     with_samples: bool = True,
     res=None,
     sources: list[str] | None = None,
     min_coverage: float | None = None,
 ) -> bool:
     """Materialize flow_model (and samples); training itself runs as a Pipes subprocess (its
-    progress lines go to this process's output); ``sources``: only their partitions."""
-    run_cfg: dict = {"run_name": run_name, "overrides": list(extra or [])}
+    progress lines go to this process's output); ``settings``: nested training settings over
+    the YAML (``{"data": {"batch_size": 16}}``); ``sources``: only their partitions."""
+    run_cfg: dict = {"run_name": run_name, "settings": dict(settings or {})}
     if sources:
         run_cfg["sources"] = list(sources)
     if min_coverage is not None:
@@ -436,7 +437,7 @@ def finetune(
     sources: list[str] | None = None,
     source_weights: dict[str, int] | None = None,
     config_file: str | None = None,
-    extra: list[str] | None = None,
+    settings: dict | None = None,
     min_coverage: float = 1.0,
     with_samples: bool = True,
     res=None,
@@ -446,7 +447,7 @@ def finetune(
     cfg: dict = {
         "run_name": run_name, "parent_run": parent, "parent_step": parent_step,
         "weights": weights, "freeze": list(freeze or []), "sources": sources,
-        "source_weights": dict(source_weights or {}), "overrides": list(extra or []),
+        "source_weights": dict(source_weights or {}), "settings": dict(settings or {}),
         "min_coverage": min_coverage, "max_steps": steps,
     }  # fmt: skip
     cfg = {k: v for k, v in cfg.items() if v is not None}  # the launchpad's defaults

@@ -335,13 +335,11 @@ def test_dagster_dev_backfill_catalog_and_ui(tmp_path, small_sample, zoo, monkey
         train_cfg = {
             "run_name": "e2e",
             "max_steps": 6,
-            "overrides": [
-                "data.batch_size=4",
-                "trainer.log_every=2",
-                "trainer.sample_every=1000",
-                "trainer.checkpoint_every=1000",
-                "sample.steps=2",
-            ],
+            "settings": {
+                "data": {"batch_size": 4},
+                "trainer": {"log_every": 2, "sample_every": 1000, "checkpoint_every": 1000},
+                "sample": {"steps": 2},
+            },
         }
         run_config = {
             "ops": {

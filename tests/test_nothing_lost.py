@@ -184,14 +184,14 @@ def test_a_data_root_moves(tmp_path, zoo):
         )  # fmt: skip
         assert _mat(other, "000-00", instance, ["images"]).success
         assert _stale(instance, "vae_latents", "000-00") == "STALE"
-        overrides = ["data.batch_size=4", "trainer.log_every=1", "trainer.sample_every=1000",
-                     "trainer.checkpoint_every=1000", "sample.steps=2"]  # fmt: skip
+        settings = {"data": {"batch_size": 4}, "sample": {"steps": 2},
+                    "trainer": {"log_every": 1, "sample_every": 1000, "checkpoint_every": 1000}}  # fmt: skip
         result = dg.materialize(
             list(defs.assets),
             selection=["flow_model"],
             instance=instance,
             resources=resources_for(moved),
-            run_config={"ops": {"flow_model": {"config": {"run_name": "m", "max_steps": 3, "overrides": overrides}}}},
+            run_config={"ops": {"flow_model": {"config": {"run_name": "m", "max_steps": 3, "settings": settings}}}},
             raise_on_error=False,
         )  # fmt: skip
         assert result.success, _failure_message(result)

@@ -46,14 +46,16 @@ def _step(run: Path) -> int:
 
 def _direct(tmp_path: Path, name: str, zoo: dict, *flags: str) -> None:
     """``python -m flowmatch_models.train`` as a user types it, from another folder, with the
-    data root from FLOWMATCH_DATA_ROOT and the launchpad's overrides as ``--set``."""
+    data root from FLOWMATCH_DATA_ROOT and the launchpad's settings as ``--set`` items."""
     import os
     import subprocess
     import sys
 
     cwd = tmp_path / "cwd"
     cwd.mkdir(exist_ok=True)
-    sets = ["run.name=" + name, *_train_cfg()["ops"]["flow_model"]["config"]["overrides"]]
+    settings = _train_cfg()["ops"]["flow_model"]["config"]["settings"]
+    sets = ["run.name=" + name]
+    sets += [f"{s}.{k}={json.dumps(v)}" for s, kv in settings.items() for k, v in kv.items()]
     sets += [f"encoders.vae={zoo['vae']}", f"encoders.text={zoo['text']}"]
     cmd = [
         sys.executable,
@@ -73,15 +75,17 @@ def _direct(tmp_path: Path, name: str, zoo: dict, *flags: str) -> None:
 def _train_cfg(**kw):
     cfg = {
         "run_name": "t",
-        "overrides": [
-            "data.batch_size=4",
-            "trainer.log_every=2",
-            "trainer.sample_every=1000",
-            "trainer.checkpoint_every=1000",
-            "trainer.val_every=2",
-            "sample.steps=2",
-            "logging.record_sample_ids=true",
-        ],
+        "settings": {
+            "data": {"batch_size": 4},
+            "trainer": {
+                "log_every": 2,
+                "sample_every": 1000,
+                "checkpoint_every": 1000,
+                "val_every": 2,
+            },
+            "sample": {"steps": 2},
+            "logging": {"record_sample_ids": True},
+        },  # fmt: skip
         **kw,
     }
     return {"ops": {"flow_model": {"config": cfg}}}

@@ -68,12 +68,23 @@ def cmd_ledger(run: str) -> int:
     return 0
 
 
+def _settings(items: list[str]) -> dict:
+    """``--set key.sub=value`` items (values read as YAML) as the nested training settings the
+    launchpad's ``settings`` takes; flow_model validates them before training starts."""
+    from flowmatch_models.train.config import ConfigError, settings_from_items
+
+    try:
+        return settings_from_items(items)
+    except ConfigError as e:
+        raise CliError(str(e)) from None
+
+
 def cmd_train(
     steps: int | None, run_name: str, config: str | None, overrides: list[str], no_samples: bool,
     source: list[str], min_coverage: float,
 ) -> int:  # fmt: skip
-    ok = runs.train(steps, run_name, config, overrides, not no_samples, sources=source or None,
-                    min_coverage=min_coverage)  # fmt: skip
+    ok = runs.train(steps, run_name, config, _settings(overrides), not no_samples,
+                    sources=source or None, min_coverage=min_coverage)  # fmt: skip
     return 0 if ok else 1
 
 
@@ -91,6 +102,6 @@ def cmd_finetune(
         weights_by[name] = int(value)
     ok = runs.finetune(
         run, parent, steps, step, weights, freeze, source or None, weights_by, config,
-        overrides, min_coverage, not no_samples,
+        _settings(overrides), min_coverage, not no_samples,
     )  # fmt: skip
     return 0 if ok else 1

@@ -1,4 +1,5 @@
-"""The one routine every partitioned asset follows, and the run helpers assets and checks share.
+"""The one routine every partitioned asset follows (a training run: ``publish_run``), and the
+run helpers assets and checks share.
 
     with PartitionOutput(context, flowmatch, "images") as out:  # lock; clear killed temps
         write_image_shard(out.path, rows)                           # written, not yet renamed
@@ -204,20 +205,11 @@ class PartitionOutput:
         root = self.flowmatch.data_root
         size = self.written().stat().st_size if stored_bytes is None else stored_bytes
         catalog.record_rows(root, self.asset, self.partition, rows)
-        catalog.record_materialization(
-            root,
-            MaterializationRecord(
-                asset=self.asset,
-                partition=self.partition,
-                samples=samples,
-                raw_bytes=raw_bytes,
-                stored_bytes=size,
-                seconds=seconds,
-                run_id=run_id(self.context),
-                extra=extra,
-                **record,  # type: ignore[arg-type]
-            ),
-        )
+        record_materialization(
+            self.context, self.flowmatch, self.asset, self.partition,
+            samples=samples, raw_bytes=raw_bytes, stored_bytes=size, seconds=seconds,
+            extra=extra, **record,
+        )  # fmt: skip
         clear = lambda: catalog.clear_attempt(root, self.asset, self.partition)  # noqa: E731
         if self._tx is not None and self._tx.open:
             self._tx.after(clear)  # a rejected attempt's records go when this one is published
@@ -232,3 +224,37 @@ class PartitionOutput:
             },
             data_version=fingerprints.data_version(fp, self.written()),
         )
+
+
+def record_materialization(
+    context: dg.AssetExecutionContext,
+    flowmatch: FlowmatchResource,
+    asset: str,
+    partition: str,
+    **fields: object,
+) -> None:
+    """The catalog's record of one materialization (``fields``: MaterializationRecord's), with
+    the id of the run it executes in: what ``publish`` and ``publish_run`` write last."""
+    catalog.record_materialization(
+        flowmatch.data_root,
+        MaterializationRecord(asset=asset, partition=partition, run_id=run_id(context), **fields),  # type: ignore[arg-type]
+    )
+
+
+def publish_run(
+    context: dg.AssetExecutionContext,
+    flowmatch: FlowmatchResource,
+    asset: str,
+    run_name: str,
+    *,
+    metadata: dict,
+    **record: object,
+) -> dg.MaterializeResult:
+    """``publish`` for an unpartitioned training session (flow_model, fine_tune): its
+    materialization record under the run's name (the ``partition`` column, which ``flowmatch
+    budget``/``stale`` and the reports read as the run), then the result with ``metadata``. The
+    run folder is the training process's own (written atomically there), so nothing here is
+    locked or deferred, and no fingerprint, path or data version is added: a run's inputs are
+    its record's ``input_fingerprints``."""
+    record_materialization(context, flowmatch, asset, run_name, **record)
+    return dg.MaterializeResult(metadata=metadata)

@@ -9,20 +9,30 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 from pydantic import Field
 
 from flowmatch_assets import catalog
-from flowmatch_assets.catalog import MaterializationRecord
 from flowmatch_assets.defs.deploy import TRAIN_TAGS
 from flowmatch_assets.defs.partitions import SHARDS
 from flowmatch_assets.defs.resources import FlowmatchResource
-from flowmatch_assets.defs.routine import human_bytes
+from flowmatch_assets.defs.routine import human_bytes, publish_run
 from flowmatch_assets.freshness.fingerprints import trained_on
 from flowmatch_assets.reports.budget import logged_rates, steady_rate
 from flowmatch_models.embeddings.kinds import TRAINING_INPUTS
 from flowmatch_models.storage.layout import DataLayout, source_of
+from flowmatch_models.train.config import (
+    ConfigError,
+    TrainConfig,
+    load_config,
+    merge_settings,
+    settings_from_items,
+)
+
+if TYPE_CHECKING:  # the training package imports torch: at run time, in the functions
+    from flowmatch_models.train.run import TrainRequest, TrainResult
 
 GROUP = "training"
 
@@ -47,7 +57,17 @@ class TrainRunConfig(dg.Config):
         description="Fraction of registered partitions that must have every training input "
         "(the registered embedding kinds training waits for).",
     )
-    overrides: list[str] = Field(default_factory=list, description="Extra `--set key=value` items.")
+    settings: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Training settings over the YAML, nested as in it: {data: {batch_size: 16}, "
+        "trainer: {val_every: 100}}; checked against the training config before training "
+        "starts (an unknown key or a bad value fails the run, naming it).",
+    )
+    overrides: list[str] = Field(
+        default_factory=list,
+        description="Deprecated (use settings): the old `key=value` items, still read so "
+        "earlier run configs load; settings win over them.",
+    )
     sources: list[str] | None = Field(
         default=None,
         description="Train on partitions of these sources only (pd12m, or your own sources' "
@@ -277,11 +297,10 @@ def fine_tune(
 ) -> dg.MaterializeResult:
     """flow_model's training with ``init`` set from the launchpad (flowmatch_models/train/finetune.py);
     recorded as a run like any other (catalog, ledger, wandb), with its parent."""
-    init = [f"init.from_run={json.dumps(config.parent_run)}", f"init.weights={config.weights}",
-            f"init.freeze={json.dumps(config.freeze)}"]  # fmt: skip
+    init = {"from_run": config.parent_run, "weights": config.weights, "freeze": config.freeze}
     if config.parent_step is not None:
-        init.append(f"init.step={config.parent_step}")
-    return train_run(context, config, flowmatch, pipes_subprocess_client, init)
+        init["step"] = config.parent_step
+    return train_run(context, config, flowmatch, pipes_subprocess_client, {"init": init})
 
 
 def train_run(
@@ -289,61 +308,104 @@ def train_run(
     config: TrainRunConfig,
     flowmatch: FlowmatchResource,
     pipes_subprocess_client: dg.PipesSubprocessClient,
-    init: list[str] = (),
+    init: dict | None = None,
 ) -> dg.MaterializeResult:
-    """One training session through Pipes (flow_model, fine_tune): decide the partitions once,
-    send a TrainRequest, record the TrainResult in the catalog (run record, validation, ledger)."""
-    from flowmatch_models.train.run import TrainRequest, TrainResult
-
+    """One training session through Pipes (flow_model, fine_tune): validate the settings and
+    decide the partitions once, send a TrainRequest with the validated config, publish the
+    TrainResult (catalog run record, validation, ledger; metadata)."""
+    cfg = train_config(config, flowmatch, init or {})  # a bad setting fails here, at once
     known = list(context.instance.get_dynamic_partitions(SHARDS))
     parts, frac = coverage_or_fail(flowmatch, known, config.min_coverage, config.sources)
-    enc = flowmatch.encoders
-    data = []
-    if config.sources:
-        data.append(f"data.sources={json.dumps(config.sources)}")
-    if config.source_weights:
-        data.append(f"data.source_weights={json.dumps(config.source_weights)}")
-    request = TrainRequest(
-        config=config.config_file,
-        overrides=[
-            f"data.root={flowmatch.data_root}", f"run.name={config.run_name}",
-            f"encoders.vae={enc.vae}", f"encoders.text={enc.text}", *data, *init,
-            *config.overrides,
-        ],
-        partitions=parts,
-        max_steps=config.max_steps,
-        extra_steps=config.extra_steps,
-        resume=config.resume,
-        coverage={"partitions_known": len(set(known) | set(parts)), "coverage": round(frac, 4)},
-    )  # fmt: skip
+    request = train_request(config, cfg, known, parts, frac)
     context.log.info(f"training {config.run_name} on {len(parts)} partitions ({frac:.0%} coverage)")
     tags = {RUN_TAG: config.run_name}
     if getattr(config, "parent_run", None):
         tags[PARENT_TAG] = config.parent_run
     context.instance.add_run_tags(context.run_id, tags)  # launched from the UI too
+    run = run_dir(flowmatch, config.run_name)
+    invocation = run_training(context, pipes_subprocess_client, request, run)
+    return publish_training(context, config, flowmatch, invocation, frac)
+
+
+def train_settings(config: TrainRunConfig, flowmatch: FlowmatchResource, init: dict) -> dict:
+    """What a launch sets over the training YAML, nested as in it: the resource's data root and
+    encoders, the run name, the sources (and their weights), a fine-tune's ``init``; then the
+    launchpad's ``overrides`` (the old ``key=value`` items) and ``settings``, which win."""
+    data: dict[str, Any] = {"root": flowmatch.data_root}
+    if config.sources:
+        data["sources"] = list(config.sources)
+    if config.source_weights:
+        data["source_weights"] = dict(config.source_weights)
+    enc = flowmatch.encoders
+    own = {"data": data, "run": {"name": config.run_name},
+           "encoders": {"vae": enc.vae, "text": enc.text}, **init}  # fmt: skip
+    return merge_settings(own, settings_from_items(config.overrides), config.settings)
+
+
+def train_config(config: TrainRunConfig, flowmatch: FlowmatchResource, init: dict) -> TrainConfig:
+    """The session's TrainConfig (the YAML, read anew, with ``train_settings`` over it),
+    validated in this process before any training process starts: an unknown key or a bad
+    value fails the run with the one line that names it."""
+    try:
+        settings = train_settings(config, flowmatch, init)
+        return load_config(config.config_file, settings=settings, max_steps=config.max_steps)
+    except (ConfigError, FileNotFoundError) as e:
+        raise dg.Failure(description=f"error: {e}") from None
+
+
+def train_request(config: TrainRunConfig, cfg: TrainConfig, known: list[str], parts: list[str],
+                  frac: float) -> "TrainRequest":  # fmt: skip
+    """The TrainRequest the training process receives: the validated config as a full dump (no
+    ``key=value`` items left to parse), the partitions, the steps, the resume."""
+    from flowmatch_models.train.run import TrainRequest
+
+    coverage = {"partitions_known": len(set(known) | set(parts)), "coverage": round(frac, 4)}
+    return TrainRequest(config=cfg.to_dict(), partitions=parts, extra_steps=config.extra_steps,
+                        resume=config.resume, coverage=coverage)  # fmt: skip
+
+
+def run_training(
+    context: dg.AssetExecutionContext,
+    pipes_subprocess_client: dg.PipesSubprocessClient,
+    request: "TrainRequest",
+    run: Path,
+) -> dg.PipesClientCompletedInvocation:
+    """``python -m flowmatch_models.train --pipes-request`` with ``request`` in the Pipes extras.
+    "Terminate" (Pipes sends SIGINT; the process saves a full state) is recorded (record_stop)
+    and re-raised; a failed process's one-line error ($FLOWMATCH_ERROR_FILE) is the dg.Failure."""
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="flowmatch-train-") as tmp:
         error_file = Path(tmp) / "error.txt"  # the process's one-line error (a bad init, ...)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "FLOWMATCH_ERROR_FILE": str(error_file)}
         try:
-            invocation = pipes_subprocess_client.run(
+            return pipes_subprocess_client.run(
                 command=[sys.executable, "-m", "flowmatch_models.train", "--pipes-request"],
                 context=context,
                 extras={"train_request": request.to_dict()},
-                env={
-                    **os.environ,
-                    "PYTHONUNBUFFERED": "1",
-                    "FLOWMATCH_ERROR_FILE": str(error_file),
-                },  # fmt: skip
+                env=env,
                 cwd=str(REPO),
             )
         except dg.DagsterExecutionInterruptedError:  # "Terminate": Pipes sent SIGINT, it saved
             line = error_file.read_text().strip() if error_file.is_file() else None
-            record_stop(context, run_dir(flowmatch, config.run_name), started, line)
+            record_stop(context, run, started, line)
             raise
         except Exception as e:  # noqa: BLE001 - a failed training process: say why in one line
             if not error_file.is_file():
                 raise
             raise dg.Failure(description=error_file.read_text().strip()) from e
+
+
+def publish_training(
+    context: dg.AssetExecutionContext,
+    config: TrainRunConfig,
+    flowmatch: FlowmatchResource,
+    invocation: dg.PipesClientCompletedInvocation,
+    frac: float,
+) -> dg.MaterializeResult:
+    """The session's TrainResult into the catalog (validation curve, checkpoint ledgers, then
+    the run's materialization record through ``publish_run``) and the asset's metadata."""
+    from flowmatch_models.train.run import TrainResult
+
     results = [m["train_result"] for m in invocation.get_custom_messages() if "train_result" in m]
     if not results:
         raise dg.Failure("the training process ended without reporting a TrainResult")
@@ -356,37 +418,6 @@ def train_run(
     rate = steady_rate(windows)
     if rate is None:
         rate = result.metrics.get("samples_per_s")
-    catalog.record_materialization(
-        flowmatch.data_root,
-        MaterializationRecord(
-            asset="flow_model",
-            partition=config.run_name,
-            samples=result.samples_session,
-            seconds=result.wall_s,
-            device=result.device,
-            run_id=context.run.run_id,
-            extra={
-                "step": result.step,
-                "partitions": result.partitions,
-                "trained_counts": result.trained_counts,
-                "samples_total": result.samples_total,
-                "samples_per_s": rate,
-                "samples_per_s_last_window": result.metrics.get("samples_per_s"),
-                "rate_windows": len(windows),
-                "loss": result.metrics.get("loss"),
-                "val_loss": result.metrics.get("val_loss"),
-                "skipped_steps": result.skipped_steps,  # non-finite steps, since the run began
-                "disk_bytes": result.disk_bytes,  # the run folder (checkpoints, exports, logs)
-                "preset": _preset(result.export_dir),
-                # what it trained on: {kind: {fingerprint hash: [partitions]}} (`flowmatch stale`)
-                "input_fingerprints": trained_on(flowmatch, sorted(set(result.partitions))),
-                "sources": sorted({source_of(p) for p in result.partitions}),
-                # a fine-tune: the run and step it started from (`flowmatch stale`, finetune.py)
-                "parent": result.parent,
-            },
-            rate=rate,
-        ),
-    )
     if result.metrics_csv:  # the held-out validation curve (catalog `validation` view)
         catalog.record_validation(flowmatch.data_root, config.run_name,
                                   catalog.validation_rows(result.metrics_csv, config.run_name))  # fmt: skip
@@ -394,7 +425,50 @@ def train_run(
     ledgers = write_ledgers(flowmatch.data_root, config.run_name, out)
     ledger_s = time.perf_counter() - t0
     context.log.info(f"ledger of checkpoints {ledgers} in {ledger_s:.1f}s")
-    md = {k: round_meta(v) for k, v in (invocation.get_materialize_result().metadata or {}).items()}
+    facts = {"run_name": config.run_name, "coverage": round(frac, 3),
+             "run_dir": dg.MetadataValue.path(str(out)),
+             "ledger_checkpoints": dg.MetadataValue.json(ledgers), "ledger_s": round(ledger_s, 2)}  # fmt: skip
+    reported = invocation.get_materialize_result().metadata or {}
+    return publish_run(
+        context, flowmatch, "flow_model", config.run_name,
+        samples=result.samples_session, seconds=result.wall_s, device=result.device, rate=rate,
+        extra=run_record(flowmatch, result, rate, windows),
+        metadata=training_metadata(reported, result, rate, facts),
+    )  # fmt: skip
+
+
+def run_record(
+    flowmatch: FlowmatchResource, result: "TrainResult", rate: float | None, windows: list[float]
+) -> dict:
+    """The ``extra`` of a training run's catalog record (``flowmatch budget``, ``flowmatch
+    stale``, reports and finetune.py read it)."""
+    return {
+        "step": result.step,
+        "partitions": result.partitions,
+        "trained_counts": result.trained_counts,
+        "samples_total": result.samples_total,
+        "samples_per_s": rate,
+        "samples_per_s_last_window": result.metrics.get("samples_per_s"),
+        "rate_windows": len(windows),
+        "loss": result.metrics.get("loss"),
+        "val_loss": result.metrics.get("val_loss"),
+        "skipped_steps": result.skipped_steps,  # non-finite steps, since the run began
+        "disk_bytes": result.disk_bytes,  # the run folder (checkpoints, exports, logs)
+        "preset": _preset(result.export_dir),
+        # what it trained on: {kind: {fingerprint hash: [partitions]}} (`flowmatch stale`)
+        "input_fingerprints": trained_on(flowmatch, sorted(set(result.partitions))),
+        "sources": sorted({source_of(p) for p in result.partitions}),
+        # a fine-tune: the run and step it started from (`flowmatch stale`, finetune.py)
+        "parent": result.parent,
+    }
+
+
+def training_metadata(
+    reported: dict, result: "TrainResult", rate: float | None, facts: dict
+) -> dict:
+    """The asset's metadata: the losses first, what the process reported through Pipes, the
+    run's ``facts`` (name, coverage, folder, ledger), its export, parent and pictures."""
+    md = {k: round_meta(v) for k, v in reported.items()}
     # the headline: the flow-matching loss (what falls as it learns), the REPA term apart (a
     # negative cosine, so their weighted sum can be negative), the held-out loss
     names = {"fm": "fm_loss", "repa": "repa_loss", "loss": "total_loss", "val_loss": "val_loss"}
@@ -402,18 +476,10 @@ def train_run(
     md = {k: md[k] for k in ("fm_loss", "val_loss") if k in md} | md
     if result.disk_bytes:
         md["disk_size"] = human_bytes(result.disk_bytes)
-    md.update(
-        {
-            "samples_per_s": round_meta(rate) if rate is not None else 0.0,
-            "samples_per_s_note": "median over steady logged windows (the budget's rate)",
-            "partitions_used": dg.MetadataValue.json(result.partitions),
-            "run_name": config.run_name,
-            "coverage": round(frac, 3),
-            "run_dir": dg.MetadataValue.path(str(out)),
-            "ledger_checkpoints": dg.MetadataValue.json(ledgers),
-            "ledger_s": round(ledger_s, 2),
-        }
-    )
+    md["samples_per_s"] = round_meta(rate) if rate is not None else 0.0
+    md["samples_per_s_note"] = "median over steady logged windows (the budget's rate)"
+    md["partitions_used"] = dg.MetadataValue.json(result.partitions)
+    md.update(facts)
     if result.export_dir:
         md["pipeline"] = dg.MetadataValue.path(result.export_dir)
     if result.parent:
@@ -428,4 +494,4 @@ def train_run(
 
             md[f"{key}_png"] = dg.MetadataValue.path(p)
             md[key] = dg.MetadataValue.md(markdown_image(Image.open(p), label, max_side=640))
-    return dg.MaterializeResult(metadata=md)
+    return md

@@ -2,7 +2,9 @@
 
 ``load_config(path_or_dict, ["optim.lr=3e-4", ...])`` reads a YAML (``configs/tiny.yaml``),
 applies ``--set key.sub=value`` overrides (values parsed as YAML) and validates: an unknown key
-or a bad value raises :class:`ConfigError` naming it. The YAML is read anew on every start and
+or a bad value raises :class:`ConfigError` naming it. ``settings={"optim": {"lr": 3e-4}}`` is
+the typed form of the same (the Dagster assets validate theirs so before training starts);
+``settings_from_items`` reads ``key.sub=value`` items into it at a command line. The YAML is read anew on every start and
 never frozen into checkpoints, so resuming with an edited file uses the new values.
 
 The run folder is ``run.out_dir`` if set, else ``<data.root>/runs/<run.name>``; ``data.root``
@@ -14,7 +16,7 @@ with the same ``run.name`` and the other way round.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -330,12 +332,61 @@ def _error_line(e: ValidationError, where: str = "") -> str:
     return f"{where}{key}: {err['msg']} (got {err.get('input')!r})"
 
 
+def settings_from_items(items: Sequence[str]) -> dict[str, Any]:
+    """``["optim.lr=3e-4", "data.sources=[a]"]`` -> ``{"optim": {"lr": 0.0003}, "data":
+    {"sources": ["a"]}}`` (values parsed as YAML): a command line's ``--set`` items as the
+    nested settings ``load_config`` validates."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: expected key.sub=value")
+        *sections, name = key.split(".")
+        node = out
+        for p in sections:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {key}: '{p}' is a value, not a section")
+        node[name] = yaml.safe_load(value)
+    return out
+
+
+def merge_settings(*layers: Mapping[str, Any]) -> dict[str, Any]:
+    """Nested settings merged key by key, a later layer's value winning (sections merge)."""
+    out: dict[str, Any] = {}
+    for layer in layers:
+        for k, v in layer.items():
+            if isinstance(v, Mapping) and isinstance(out.get(k), dict):
+                out[k] = merge_settings(out[k], v)
+            else:
+                out[k] = dict(v) if isinstance(v, Mapping) else v
+    return out
+
+
+def _new_keys(model: Any, settings: Mapping[str, Any]) -> dict[str, Any]:
+    """``settings`` with a section's legacy keys as the keys they set (``flow.shift``: both
+    shifts, over the YAML's), so that a merge over a full config sets them."""
+    fields = getattr(model, "model_fields", {})
+    legacy = getattr(model, "legacy_keys", {})
+    out: dict[str, Any] = {}
+    for k, v in settings.items():
+        if k in legacy:
+            out.update(dict.fromkeys(legacy[k], v))
+        elif k in fields and isinstance(v, Mapping):
+            out[k] = _new_keys(fields[k].annotation, v)
+        else:
+            out[k] = v
+    return out
+
+
 def load_config(
     config: TrainConfig | dict | str | os.PathLike,
     overrides: Sequence[str] = (),
     max_steps: int | None = None,
+    settings: Mapping[str, Any] | None = None,
 ) -> TrainConfig:
-    """Defaults <- YAML (path or dict) <- ``key.sub=value`` overrides (values parsed as YAML)."""
+    """Defaults <- YAML (path or dict) <- ``settings`` (nested, typed) <- ``key.sub=value``
+    overrides (values parsed as YAML) <- ``max_steps``."""
     if isinstance(config, TrainConfig):
         raw: dict = config.to_dict()
     elif isinstance(config, dict):
@@ -347,6 +398,10 @@ def load_config(
         raw = yaml.safe_load(path.read_text()) or {}
     try:
         cfg = TrainConfig.model_validate(raw)
+        if settings:
+            cfg = TrainConfig.model_validate(
+                merge_settings(cfg.to_dict(), _new_keys(TrainConfig, settings))
+            )
     except ValidationError as e:
         raise ConfigError(_error_line(e)) from None
     for item in overrides:

@@ -2,7 +2,8 @@
 
 A :class:`TrainRequest` (config, overrides, partitions, steps, run folder) goes in, a
 :class:`TrainResult` (device, steps, samples, checkpoint, export, metrics) comes out; the
-Dagster ``flow_model`` asset sends the request and receives the result through Dagster Pipes.
+Dagster ``flow_model`` asset sends the request (its config validated in the Dagster process, as
+a full ``TrainConfig`` dump) and receives the result through Dagster Pipes.
 Hyperparameters are a :class:`~flowmatch_models.train.config.TrainConfig` (``configs/tiny.yaml``),
 ``--set key.sub=value`` overrides single entries. The run folder is ``run.out_dir``, else
 ``<data root>/runs/<run.name>`` (the folder ``flow_model`` uses), and holds:
@@ -72,8 +73,10 @@ __all__ = ["TrainRequest", "TrainResult", "main", "train"]
 class TrainRequest:
     """One training session: which config, on which partitions, for how many steps, where."""
 
-    config: str | dict = "configs/tiny.yaml"  # YAML path (read anew on each start) or a dict
-    overrides: list[str] = field(default_factory=list)  # ``key.sub=value`` items
+    #: a YAML path (read anew on each start) or a config dict; flow_model sends the full dump
+    #: of the TrainConfig it validated (``TrainConfig.to_dict()``), nothing left to parse
+    config: str | dict = "configs/tiny.yaml"
+    overrides: list[str] = field(default_factory=list)  # ``key.sub=value`` items (the CLI's --set)
     partitions: list[str] | None = None  # None: every complete partition, decided at start
     max_steps: int | None = None  # total steps (None: the config's trainer.max_steps)
     extra_steps: int | None = None  # or: this many beyond the checkpoint resumed from
