@@ -170,10 +170,14 @@ class SourceConfig(BaseModel):
         skip = {"shard_size"} | (set() if self.follow_links else {"follow_links"})
         skip |= {k for k in ("url_field", "hash_field") if getattr(self, k) is None}
         urls = {"url_field": self.url()} if self.kind == "urls" else {}
-        return self.model_dump(exclude=skip) | urls | {
-            "caption_field": self.caption(),
-            "location": self.shown,
-        }
+        return (
+            self.model_dump(exclude=skip)
+            | urls
+            | {
+                "caption_field": self.caption(),
+                "location": self.shown,
+            }
+        )
 
 
 def check_name(name: str) -> str:

@@ -221,7 +221,9 @@ class UrlsKind(SourceKind):
             try:
                 text = caption_text(got.get(cfg.caption()))
             except NotText as e:
-                failed.append(failure(sid, url, "bad_caption", f"{cfg.caption()} in row {r} is {e}"))
+                failed.append(
+                    failure(sid, url, "bad_caption", f"{cfg.caption()} in row {r} is {e}")
+                )
                 continue
             if not text:
                 failed.append(failure(sid, url, "missing_caption",
