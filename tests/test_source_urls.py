@@ -70,8 +70,9 @@ def test_a_url_list_is_downloaded_through_the_address_policy(urls_env, capsys, m
         _cli(capsys, "materialize", "-p", "mylist-00000", "-a", "metadata")
         assert cli_main(["materialize", "-p", "mylist-00000", "-a", "images"]) == 1
         blocked = _outcomes(Catalog(tmp / "data"))
-        assert blocked == {"list/0": "stored", "list/1": "stored", "list/2": "stored",
-                           "list/3": "failed:missing_caption", "list/4": "stored"}  # fmt: skip
+        assert blocked == {"list/0": "pending:None", "list/1": "pending:None",
+                           "list/2": "pending:None", "list/3": "failed:missing_caption",
+                           "list/4": "pending:None"}  # fmt: skip
         rows = Catalog(tmp / "data").query(
             "SELECT reason, count(*) AS n FROM rejected_attempts GROUP BY reason")
         assert {r["reason"]: r["n"] for r in rows} == {"private_address": 4}
