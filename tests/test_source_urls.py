@@ -63,7 +63,16 @@ def test_a_url_list_is_downloaded_through_the_address_policy(urls_env, capsys, m
                  f"{srv.url('/gone.jpg')},a picture that is not there",
                  f"{url['rocket.jpg']},", f"{url['rocket.jpg']},a rocket on its pad"]  # fmt: skip
         (tmp / "list.csv").write_text("\n".join(lines) + "\n")
-        _cli(capsys, "sources", "add", "mylist", "--kind", "urls", "--location", str(tmp / "list.csv"))
+        _cli(
+            capsys,
+            "sources",
+            "add",
+            "mylist",
+            "--kind",
+            "urls",
+            "--location",
+            str(tmp / "list.csv"),
+        )
         assert "registered 1 new partitions: mylist-00000" in _cli(capsys, "partitions", "register")
 
         # no ingest.allow_networks: the loopback server is not a public address
@@ -74,7 +83,8 @@ def test_a_url_list_is_downloaded_through_the_address_policy(urls_env, capsys, m
                            "list/2": "pending:None", "list/3": "failed:missing_caption",
                            "list/4": "pending:None"}  # fmt: skip
         rows = Catalog(tmp / "data").query(
-            "SELECT reason, count(*) AS n FROM rejected_attempts GROUP BY reason")
+            "SELECT reason, count(*) AS n FROM rejected_attempts GROUP BY reason"
+        )
         assert {r["reason"]: r["n"] for r in rows} == {"private_address": 4}
 
         monkeypatch.setenv("FLOWMATCH_ALLOW_NETWORKS", "127.0.0.1/32")
@@ -84,7 +94,9 @@ def test_a_url_list_is_downloaded_through_the_address_policy(urls_env, capsys, m
     cat = Catalog(tmp / "data")
     assert _outcomes(cat) == {"list/0": "stored", "list/1": "stored", "list/2": "failed:http_404",
                               "list/3": "failed:missing_caption", "list/4": "stored"}  # fmt: skip
-    rows = cat.query("SELECT reason, count(*) AS n FROM failures WHERE source = 'mylist' GROUP BY ALL")
+    rows = cat.query(
+        "SELECT reason, count(*) AS n FROM failures WHERE source = 'mylist' GROUP BY ALL"
+    )
     assert {r["reason"]: r["n"] for r in rows} == {"http_404": 1, "missing_caption": 1}
 
     from flowmatch_assets.defs.resources import resource_from_env

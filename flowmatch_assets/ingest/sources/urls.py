@@ -98,10 +98,10 @@ def _gunzip(data: bytes, rel: str) -> bytes:
     return out
 
 
-def read_list(loc: Location, rel: str, cfg: SourceConfig) -> list[dict | None]:
-    """Every row of list file ``rel`` as ``{column: value}`` of the columns its settings name
-    (None: a jsonl line that is not a JSON object). Raises SourceError for a missing column,
-    IngestError for a file that cannot be read."""
+def read_list(loc: Location, rel: str, cfg: SourceConfig) -> pa.Table | list[dict | None]:
+    """The columns its settings name of every row of list file ``rel``: a table, or (jsonl)
+    one ``{column: value}`` per line (None: a line that is not a JSON object). Raises
+    SourceError for a missing column, IngestError for a file that cannot be read."""
     suffix = _suffix(rel)
     cols = list(_columns(cfg).values())
     try:
@@ -109,7 +109,7 @@ def read_list(loc: Location, rel: str, cfg: SourceConfig) -> list[dict | None]:
             with loc.open(rel) as f:
                 pf = pq.ParquetFile(f)
                 _check(pf.schema_arrow.names, cfg, rel)
-                return pf.read(columns=cols).to_pylist()
+                return pf.read(columns=cols)
         data = loc.read(rel, LIST_MAX_BYTES, "url list")
         if suffix == ".tsv.gz":
             data = _gunzip(data, rel)
@@ -118,14 +118,13 @@ def read_list(loc: Location, rel: str, cfg: SourceConfig) -> list[dict | None]:
         delim = "," if suffix == ".csv" else "\t"
         first = data.split(b"\n", 1)[0].decode("utf-8-sig").rstrip("\r")
         _check(next(csv.reader([first], delimiter=delim), []), cfg, rel)
-        t = pacsv.read_csv(
+        return pacsv.read_csv(
             io.BytesIO(data),
             parse_options=pacsv.ParseOptions(delimiter=delim, newlines_in_values=True),
             convert_options=pacsv.ConvertOptions(
                 include_columns=cols, column_types={c: pa.string() for c in cols}
             ),
         )
-        return t.to_pylist()
     except (SourceError, IngestError):
         raise
     except _BROKEN as e:
@@ -196,17 +195,22 @@ class UrlsKind(SourceKind):
         (``missing_url``, ``missing_caption``, ``bad_caption``, ``bad_metadata``)."""
         stem = _stem(m.unit)
         try:
-            table = read_list(Location(cfg), m.unit, cfg)
+            listed = read_list(Location(cfg), m.unit, cfg)
         except IngestError as e:  # the whole file: each of its rows fails with the reason
             return Listing([], [failure(f"{stem}/{r}", None, e.reason, e.detail)
                                 for r in range(m.start, m.end)])  # fmt: skip
+        n = len(listed)
+        if isinstance(listed, pa.Table):  # only this partition's rows become Python objects
+            listed = listed.slice(m.start, max(0, min(n, m.end) - m.start)).to_pylist()
+        else:
+            listed = listed[m.start : m.end]
         out: list[ListedRow] = []
         failed = []
         for r in range(m.start, m.end):
-            if r >= len(table):
+            if r >= n:
                 failed.append(failure(f"{stem}/{r}", None, "not_found", f"{m.unit} has no row {r}"))
                 continue
-            got = table[r]
+            got = listed[r - m.start]
             if got is None:
                 failed.append(failure(f"{stem}/{r}", None, "bad_metadata",
                                       f"line {r} of {m.unit} is not a JSON object"))  # fmt: skip
@@ -229,10 +233,10 @@ class UrlsKind(SourceKind):
                 failed.append(failure(sid, url, "missing_caption",
                                       f"{cfg.caption()} is empty in row {r}"))  # fmt: skip
                 continue
-            listed = row(cfg, name, sid, url, text, r - m.start)
-            listed["mime_type"] = mime_of(url.split("?", 1)[0])
-            listed["hash"] = _text(got.get(cfg.hash_field)) if cfg.hash_field else None
-            out.append(listed)
+            one = row(cfg, name, sid, url, text, r - m.start)
+            one["mime_type"] = mime_of(url.split("?", 1)[0])
+            one["hash"] = _text(got.get(cfg.hash_field)) if cfg.hash_field else None
+            out.append(one)
         return Listing(out, failed)
 
     def images(
