@@ -20,30 +20,16 @@ from flowmatch_assets.ingest.sources import SourceConfig, source_kind
 from flowmatch_models.storage.store import read_shard
 from tests.byo_data import encode, photo
 from tests.http_fixtures import LoopbackHTTPServer, Reply
+from tests.test_sources import _cli, byo_env  # noqa: F401 - byo_env: the fixture
 
 PICTURES = {"cat.jpg": "chelsea", "coffee.jpg": "coffee", "rocket.jpg": "rocket"}
 
 
 @pytest.fixture
-def urls_env(tmp_path, zoo, monkeypatch):
-    """A data root and Dagster instance for the CLI, the zoo's encoders, no PD12M metadata."""
-    monkeypatch.setenv("FLOWMATCH_DATA_ROOT", str(tmp_path / "data"))
-    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster_home"))
-    monkeypatch.setenv("FLOWMATCH_TEXT", zoo["text"])
-    for var in ("FLOWMATCH_SOURCES", "FLOWMATCH_SETTINGS", "FLOWMATCH_METADATA",
-                "FLOWMATCH_ALLOW_NETWORKS"):  # fmt: skip
-        monkeypatch.delenv(var, raising=False)
-    (tmp_path / "dagster_home").mkdir()
-    (tmp_path / "dagster_home" / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
-    return tmp_path
-
-
-def _cli(capsys, *argv: str) -> str:
-    capsys.readouterr()
-    rc = cli_main(list(argv))
-    out = capsys.readouterr()
-    assert rc == 0, out.out[-2000:] + out.err[-2000:]
-    return out.out
+def urls_env(byo_env, monkeypatch):  # noqa: F811 - test_sources' fixture, imported
+    """test_sources' data root and Dagster instance, and no ingest.allow_networks."""
+    monkeypatch.delenv("FLOWMATCH_ALLOW_NETWORKS", raising=False)
+    return byo_env
 
 
 def _outcomes(cat: Catalog) -> dict[str, str]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -86,6 +87,13 @@ class NewPartition(NamedTuple):
     end: int
     entries: list
     span: list | None = None
+
+
+def cut(unit: str, n: int, size: int) -> list[NewPartition]:
+    """The ``n`` rows of file ``unit`` as new partitions of at most ``size`` rows each (one,
+    empty, when it has none)."""
+    return [NewPartition(unit, k * size, min(n, (k + 1) * size), [])
+            for k in range(max(1, math.ceil(n / size)))]  # fmt: skip
 
 
 class Skipped(NamedTuple):

@@ -29,7 +29,6 @@ import csv
 import gzip
 import io
 import json
-import math
 import posixpath
 from collections.abc import Callable, Iterator, Sequence
 from typing import ClassVar
@@ -47,10 +46,10 @@ from flowmatch_assets.ingest.sources.kind import (
     ListedRow,
     Listing,
     Manifest,
-    NewPartition,
     PartitionSource,
     Skipped,
     SourceKind,
+    cut,
 )
 from flowmatch_assets.ingest.sources.location import Location
 from flowmatch_models.storage.layout import PD12M
@@ -184,10 +183,7 @@ class UrlsKind(SourceKind):
             except _BROKEN as e:
                 skipped.append(Skipped(rel, "corrupt_container", f"{rel}: {e}"[:200]))
                 continue
-            for k in range(max(1, math.ceil(n / cfg.shard_size))):
-                out.append(
-                    NewPartition(rel, k * cfg.shard_size, min(n, (k + 1) * cfg.shard_size), [])
-                )
+            out += cut(rel, n, cfg.shard_size)
         return Found(out, skipped)
 
     def rows(self, cfg: SourceConfig, name: str, m: Manifest) -> Listing:
