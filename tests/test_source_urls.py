@@ -77,9 +77,18 @@ def test_a_url_list_is_downloaded_through_the_address_policy(urls_env, capsys, m
         out = _cli(capsys, "materialize", "-p", "mylist-00000",
                    "-a", "metadata", "-a", "images", "-a", "text_embeddings")  # fmt: skip
         assert " ok (" in out, out
+        # the list itself behind a URL (allowed: the same address policy)
+        srv.add("/list.csv", Reply(body=(tmp / "list.csv").read_bytes()))
+        _cli(capsys, "sources", "add", "web", "--kind", "urls", "--location", srv.url("/list.csv"))
+        assert "web-00000" in _cli(capsys, "partitions", "register", "--source", "web")
+        _cli(capsys, "materialize", "-p", "web-00000", "-a", "metadata")
     cat = Catalog(tmp / "data")
     assert _outcomes(cat) == {"list/0": "stored", "list/1": "stored", "list/2": "failed:http_404",
                               "list/3": "failed:missing_caption", "list/4": "stored"}  # fmt: skip
+    listed = cat.query("SELECT id, outcome FROM dataset_rows WHERE partition = 'web-00000'")
+    assert sorted((r["id"], r["outcome"]) for r in listed) == [
+        ("list/0", "pending"), ("list/1", "pending"), ("list/2", "pending"),
+        ("list/3", "failed"), ("list/4", "pending")]  # fmt: skip
     rows = cat.query(
         "SELECT reason, count(*) AS n FROM failures WHERE source = 'mylist' GROUP BY ALL"
     )
