@@ -162,8 +162,7 @@ def metadata_partition_sensor(
     minimum_interval_seconds=60,
     default_status=dg.DefaultSensorStatus.RUNNING,
     description="Registers partitions for new images, parquet files, tars or URL lists of every "
-    "configured "
-    "source of your own images (`flowmatch sources list`).",
+    "configured source of your own images (`flowmatch sources list`).",
 )
 def source_partition_sensor(
     context: dg.SensorEvaluationContext, flowmatch: FlowmatchResource
