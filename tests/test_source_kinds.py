@@ -24,10 +24,13 @@ from tests import hostile_sources as hs
 
 
 def test_every_kind_of_the_config_is_one_registered_source_kind():
-    assert tuple(SOURCE_KIND_REGISTRY) == SOURCE_KINDS == ("folder", "parquet", "webdataset")
+    assert tuple(SOURCE_KIND_REGISTRY) == SOURCE_KINDS == (
+        "folder", "parquet", "webdataset", "urls")  # fmt: skip
     for name, kind in SOURCE_KIND_REGISTRY.items():
         assert isinstance(kind, SourceKind) and kind.name == name
         assert source_kind(name) is kind
+    # the images stage downloads a urls partition (its rows carry URLs); the others read bytes
+    assert [k for k, v in SOURCE_KIND_REGISTRY.items() if v.downloads] == ["urls"]
 
 
 def test_a_kind_returns_named_types(tmp_path):

@@ -116,7 +116,7 @@ COMMANDS: dict[str, Command] = {
     ),
     "sources": Command(
         cmd_sources,
-        "your own images as sources: image folders, Hugging Face parquet, WebDataset tars",
+        "your own images as sources: image folders, Hugging Face parquet, WebDataset tars, URL lists",
         [
             arg("action", choices=["list", "add", "remove"], nargs="?", default="list"),
             arg(
@@ -125,18 +125,20 @@ COMMANDS: dict[str, Command] = {
             arg(
                 "--kind",
                 default=None,
-                help="folder, parquet or webdataset (the kinds: ingest/sources/config.py SOURCE_KINDS)",
+                help="folder, parquet, webdataset or urls (ingest/sources/config.py SOURCE_KINDS)",
             ),
             arg("--location", default=None, help="a folder or an fsspec URL"),
             arg(
                 "--caption-field",
                 default=None,
                 help="folder: metadata.jsonl key (text); parquet: column (text); webdataset: "
-                "member extension or .json key (txt)",
+                "member extension or .json key (txt); urls: column (caption)",
             ),
             arg("--shard-size", type=int, default=None, help="samples per partition (1000)"),
             arg("--image-field", default=None, help="parquet: the image column (image)"),
-            arg("--id-field", default=None, help="parquet: a column naming each row"),
+            arg("--id-field", default=None, help="parquet, urls: a column naming each row"),
+            arg("--url-field", default=None, help="urls: the column of image URLs (url)"),
+            arg("--hash-field", default=None, help="urls: a column of md5s to check (none)"),
             arg("--license", default=None, help="recorded for every image"),
             arg(
                 "--follow-links",

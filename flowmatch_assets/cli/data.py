@@ -19,11 +19,10 @@ def cmd_partitions(action: str, source: str | None, partition: list[str], orphan
     ``remove -p KEY`` (or ``--orphans``) drops such keys from the instance."""
     from flowmatch_assets.defs.partitions import SHARDS, discover, register_partitions
     from flowmatch_assets.ingest import sources as src
-    from flowmatch_models.storage.layout import PD12M
 
     res = flowmatch_resource()
-    if source is not None and source != PD12M:
-        res.source(source)  # unknown: one line naming the configured ones
+    if source is not None:
+        src.source_named(res, source)  # unknown: one line naming the configured ones
     if action == "register":
         skipped: list[str] = []
         new = register_partitions(
@@ -40,7 +39,8 @@ def cmd_partitions(action: str, source: str | None, partition: list[str], orphan
     if action == "remove":
         return _remove_partitions(inst, SHARDS, orphan if orphans else partition, orphan, found)
     rows = [p for p in found.partitions if source is None or p["source"] == source]
-    scan = sorted(res.sources) if source is None else [s for s in [source] if s != PD12M]
+    scan = sorted(res.sources) if source is None else [source]
+    scan = [s for s in scan if src.source_named(res, s).registers]  # built-in: from its files
     notes = [p.line for p in found.problems]
     for name in scan:
         cfg = res.source(name)
@@ -87,8 +87,9 @@ def _remove_partitions(inst, name: str, keys: list[str], orphan: list[str], foun
 
 def cmd_sources(action: str, name: str | None, kind: str | None, location: str | None,
                 caption_field: str | None, shard_size: int | None, image_field: str | None,
-                id_field: str | None, license: str | None, follow_links: bool, replace: bool,
-                allow_missing: bool, purge: bool) -> int:  # fmt: skip
+                id_field: str | None, url_field: str | None, hash_field: str | None,
+                license: str | None, follow_links: bool, replace: bool, allow_missing: bool,
+                purge: bool) -> int:  # fmt: skip
     """`flowmatch sources [list|add NAME ...|remove NAME]`: the sources of your own images (the
     YAML file FLOWMATCH_SOURCES, default <data root>/sources.yaml)."""
     from flowmatch_assets.ingest import sources as src
@@ -98,7 +99,8 @@ def cmd_sources(action: str, name: str | None, kind: str | None, location: str |
     if action == "add":
         return _add_source(res, path, name, kind, location, replace, allow_missing, {
             "caption_field": caption_field, "shard_size": shard_size, "image_field": image_field,
-            "id_field": id_field, "license": license, "follow_links": follow_links or None})  # fmt: skip
+            "id_field": id_field, "url_field": url_field, "hash_field": hash_field,
+            "license": license, "follow_links": follow_links or None})  # fmt: skip
     if action == "remove":
         return _remove_source(res, path, name, purge)
     print(f"sources file: {path}" + ("" if path.is_file() else " (none yet)"))

@@ -1,6 +1,6 @@
-"""Data assets: raw shards -> 256px images, publishing what ``ingest/`` makes (``metadata.py``
-and ``dedupe.py`` for a PD12M partition's metadata, ``sources/`` for a source's, ``shard.py``
-for images)."""
+"""Data assets: raw shards -> 256px images, publishing what ``ingest/`` makes (a partition's
+source lists its rows and says how its images are read: ``sources/``, PD12M's in
+``sources/urls.py``; ``shard.py`` makes the images)."""
 
 import time
 import warnings
@@ -23,25 +23,15 @@ from flowmatch_assets.defs.routine import (
     shards_check_result,
 )
 from flowmatch_assets.freshness import fingerprints
-from flowmatch_assets.ingest.dedupe import (
-    build_hash_index,
-    hash_winners,
-)
 from flowmatch_assets.ingest.images import IngestConfig
-from flowmatch_assets.ingest.metadata import (
-    MetadataError,
-    filter_rows,
-    ids_as_strings,
-    parse_shard_key,
-    read_metadata_shard,
-)
+from flowmatch_assets.ingest.metadata import MetadataError, filter_rows
 from flowmatch_assets.ingest.shard import NothingToRetry, TooFewStored, make_image_shard
-from flowmatch_assets.ingest.sources import SourceError, partition_images, partition_rows
+from flowmatch_assets.ingest.sources import SourceError, partition_source
 from flowmatch_models.figures.grid import make_grid, markdown_image, save_png
 from flowmatch_models.storage.atomic import atomic_path, write_parquet
 from flowmatch_models.storage.fingerprint import rows_digest
 from flowmatch_models.storage.image_shard import decode, read_image_meta, write_image_shard
-from flowmatch_models.storage.layout import PD12M, source_of
+from flowmatch_models.storage.layout import source_of
 
 GROUP = "data"
 
@@ -51,7 +41,7 @@ GROUP = "data"
     group_name=GROUP,
     kinds={"parquet"},
     description="One shard's rows, validated and filtered: a PD12M metadata shard, or a "
-    "partition of your own images (folder, parquet, WebDataset) listed with its captions; "
+    "partition of your own images (folder, parquet, WebDataset, URL list) listed with its captions; "
     "filtered and failed rows counted by reason.",
 )
 def metadata(
@@ -66,12 +56,12 @@ def metadata(
 def _metadata(context, flowmatch: FlowmatchResource, out: PartitionOutput) -> dg.MaterializeResult:
     t0 = time.perf_counter()
     try:
-        if source_of(out.partition) == PD12M:
-            table, failed, extra = _pd12m_rows(context, flowmatch, out.partition)
-        else:
-            table, failed, extra = _source_rows(flowmatch, out.partition)
-    except (MetadataError, SourceError) as e:
+        source = partition_source(flowmatch, out.partition)
+        table, failed, extra = source.rows(out.partition, context.log.info)
+    except MetadataError as e:
         raise orphan_failure(flowmatch, out.partition, e) from e
+    except SourceError as e:  # not configured (any more), unreadable: one line, the fix
+        raise dg.Failure(str(e)) from e
     winners = extra.pop("winners", None)
     kept, filtered = filter_rows(table, flowmatch.filters, winners)
     with atomic_path(out.path) as tmp:
@@ -129,38 +119,6 @@ def orphan_failure(flowmatch: FlowmatchResource, key: str, error: Exception) -> 
     )
 
 
-def _pd12m_rows(context, flowmatch: FlowmatchResource, part: str) -> tuple:
-    """A PD12M shard's rows of its metadata file (no listing failures), with the global
-    hash dedupe's winners (flowmatch_assets/ingest/dedupe.py)."""
-    table, spec = read_metadata_shard(flowmatch.metadata_source, part, flowmatch.shard_size)
-    table = ids_as_strings(table)
-    extra: dict = {"source_file": spec.path, "row_start": spec.row_start, "row_end": spec.row_end}
-    if flowmatch.filters.drop_duplicate_hash:  # across the whole dataset: dedupe.py
-        index = build_hash_index(
-            flowmatch.data_root,
-            flowmatch.metadata_source,
-            flowmatch.filters,
-            flowmatch.shard_size,
-            log=context.log.info,
-        )
-        extra["winners"] = hash_winners(index, parse_shard_key(part)[0])
-    return table, [], extra
-
-
-def _source_rows(flowmatch: FlowmatchResource, part: str) -> tuple:
-    """A source's partition listed from its manifest (ingest/sources): rows, and the samples
-    that cannot be rows (missing caption or image, bad metadata) as failures."""
-    try:
-        cfg = flowmatch.source(source_of(part))
-        table, failed, m = partition_rows(flowmatch.data_root, cfg, part)
-    except SourceError as e:  # not configured (any more), unreadable: one line, the fix
-        raise dg.Failure(str(e)) from e
-    where = m.as_partition(cfg.location)
-    extra = {"source_file": where["source_file"], "row_start": m.start, "row_end": m.end,
-             "source_kind": cfg.kind, "manifest": m.digest()}  # fmt: skip
-    return table, failed, extra
-
-
 class ImagesConfig(dg.Config):
     """How one images materialization treats the partition's existing shard."""
 
@@ -208,13 +166,10 @@ def _images(
             rate = done / max(time.perf_counter() - t0, 1e-9)
             context.log.info(f"{part}: {done}/{total} images ({rate:.1f}/s)")
 
-    read = None
-    if source_of(part) != PD12M:  # the source reads the bytes: a file, parquet cell, tar member
-        try:
-            cfg, ing = flowmatch.source(source_of(part)), flowmatch.ingest
-        except SourceError as e:
-            raise dg.Failure(str(e)) from e
-        read = lambda todo: partition_images(root, cfg, part, todo, ing.max_bytes)  # noqa: E731
+    try:  # None: each row's url is downloaded; else the source reads the bytes (a file, ...)
+        read = partition_source(flowmatch, part).reader(part, flowmatch.ingest.max_bytes)
+    except SourceError as e:
+        raise dg.Failure(str(e)) from e
     try:
         shard = make_image_shard(
             rows, root, part, out.path, flowmatch.ingest, flowmatch.filters,

@@ -10,11 +10,10 @@ from flowmatch_assets.catalog import Catalog
 from flowmatch_assets.defs.data_assets import images, metadata
 from flowmatch_assets.defs.partitions import shard_partitions
 from flowmatch_assets.defs.resources import FlowmatchResource
-from flowmatch_assets.ingest.sources import partition_rows
+from flowmatch_assets.ingest.sources import partition_source
 from flowmatch_assets.reports.data_card import DATASET, card, card_rows, markdown, render
 from flowmatch_models.figures.grid import markdown_image, save_png
 from flowmatch_models.storage.atomic import atomic_write_text
-from flowmatch_models.storage.layout import PD12M, source_of
 
 GROUP = "reports"
 
@@ -60,13 +59,7 @@ def data_card(
     """Record the partition's per-row card facts, then draw its card from the catalog view."""
     t0 = time.perf_counter()
     part, layout = context.partition_key, flowmatch.layout
-    listed = None
-    if source_of(part) != PD12M:  # a source's partition: its listing, failures included
-        cfg = flowmatch.source(source_of(part))
-        table, failed, _ = partition_rows(flowmatch.data_root, cfg, part)
-        listed = table.to_pylist() + [
-            {**f, "caption": "", "license": cfg.license, "source": source_of(part)} for f in failed
-        ]
+    listed = partition_source(flowmatch, part).listing(part)  # its input rows, failures included
     rows = card_rows(
         layout,
         flowmatch.metadata_source,

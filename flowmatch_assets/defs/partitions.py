@@ -1,12 +1,14 @@
 """Partitions: one dynamic partition per shard, of PD12M and of every configured source.
 
-PD12M's shards are discovered from its metadata files (keys ``NNN-KK``); a source of the user's
-own images registers its partitions (keys ``<name>-NNNNN``, flowmatch_assets/ingest/sources).
+Each source says what its partitions are (``ingest/sources`` ``PartitionSource``): PD12M, the
+built-in source, finds its shards anew from its metadata files (keys ``NNN-KK``,
+``sources/urls.py``); a source of the user's own images registers its partitions (keys
+``<name>-NNNNN``, ``sources/registry.py``).
 All of them live in the one dynamic partitions definition ``shards`` (``shards`` before;
 ``flowmatch upgrade`` carries an instance over), so every partitioned asset, backfill and check
 treats them alike. Two sensors add new ones:
 ``metadata_partition_sensor`` for new metadata files, ``source_partition_sensor`` for new images,
-files or tars of the configured sources.
+files, tars or lists of the configured sources.
 """
 
 import logging
@@ -19,31 +21,12 @@ import pyarrow as pa
 from flowmatch_assets.catalog import read_partitions, record_partitions
 from flowmatch_assets.defs.resources import FlowmatchResource
 from flowmatch_assets.ingest import sources as src
-from flowmatch_assets.ingest.metadata import MetadataError, discover_shards, metadata_exists
-from flowmatch_models.storage.layout import PD12M, source_of
+from flowmatch_assets.ingest.metadata import MetadataError
+from flowmatch_models.storage.layout import source_of
 
 SHARDS = "shards"
 _LOG = logging.getLogger(__name__)
 shard_partitions = dg.DynamicPartitionsDefinition(name=SHARDS)
-
-
-def pd12m_partitions(flowmatch: FlowmatchResource) -> list[dict]:
-    """PD12M's shards as catalog ``partitions`` rows; none when its metadata source is absent
-    and sources of the user's own images are configured (otherwise: MetadataError)."""
-    if flowmatch.sources and not metadata_exists(flowmatch.metadata_source):
-        return []
-    specs = discover_shards(flowmatch.metadata_source, flowmatch.shard_size)
-    return [{**s.as_dict(), "source": PD12M} for s in specs]
-
-
-def source_partitions(flowmatch: FlowmatchResource, name: str) -> list[dict]:
-    """The registered partitions of source ``name`` as catalog ``partitions`` rows (from its
-    manifests' index: the source's location is not read)."""
-    cfg = flowmatch.source(name)
-    return [
-        src.Manifest(**s, source=name, kind=cfg.kind).as_partition(cfg.location)
-        for s in src.registered(flowmatch.data_root, name)
-    ]
 
 
 @dataclass
@@ -75,7 +58,7 @@ def discover(flowmatch: FlowmatchResource, scan: Sequence[str] | None = None) ->
     PD12M's metadata cannot be listed (and sources are configured) its partitions are the ones
     the catalog knew. Refreshes the catalog's ``partitions``."""
     problems: list[Problem] = []
-    for name in scan or []:
+    for name in scan or []:  # sources that register their partitions (``scanned``)
         try:
             found = src.register(flowmatch.data_root, name, flowmatch.source(name))
         except _UNREADABLE as e:
@@ -83,29 +66,34 @@ def discover(flowmatch: FlowmatchResource, scan: Sequence[str] | None = None) ->
             continue
         if found.skipped:
             problems.append(Problem(name, found.skipped_line(name), False))
-    try:
-        parts = pd12m_partitions(flowmatch)
-    except _UNREADABLE as e:
-        if not flowmatch.sources:
-            raise  # PD12M is all there is: the CLI says why in one line
-        problems.append(Problem(PD12M, f"{PD12M}: {e}", True))
-        parts = [p for p in read_partitions(flowmatch.data_root) if p["source"] == PD12M]
-    for name in sorted(flowmatch.sources):
-        parts += source_partitions(flowmatch, name)
+    parts: list[dict] = []
+    for source in src.all_sources(flowmatch):
+        try:
+            parts += source.partitions()
+        except _UNREADABLE as e:
+            if not flowmatch.sources:
+                raise  # the built-in source is all there is: the CLI says why in one line
+            problems.append(Problem(source.name, f"{source.name}: {e}", True))
+            known = read_partitions(flowmatch.data_root)
+            parts += [p for p in known if p["source"] == source.name]
     record_partitions(flowmatch.data_root, parts)
     return Discovery(parts, problems)
 
 
 def scanned(flowmatch: FlowmatchResource, source: str | Sequence[str] | None) -> list[str]:
-    """The configured sources a registration scans: ``source`` (one name or several; ``pd12m``
-    is not scanned: its partitions come from its metadata files), default every one."""
+    """The configured sources a registration scans: ``source`` (one name or several; a
+    built-in source, ``pd12m``, is not scanned: its partitions come from its files), default
+    every one. An unknown name: SourceError naming the configured ones."""
     if source is None:
         return sorted(flowmatch.sources)
     names = [source] if isinstance(source, str) else list(source)
-    for n in names:
-        if n != PD12M:
-            flowmatch.source(n)  # unknown: SourceError naming the configured ones
-    return [n for n in names if n != PD12M]
+    return [n for n in names if src.source_named(flowmatch, n).registers]
+
+
+def found_anew(flowmatch: FlowmatchResource) -> set[str]:
+    """The sources whose partitions are found from their files each time, not registered
+    (the built-in ones: ``metadata_partition_sensor`` adds their new keys)."""
+    return {s.name for s in src.all_sources(flowmatch) if not s.registers}
 
 
 def register_partitions(
@@ -146,18 +134,19 @@ def metadata_partition_sensor(
 ) -> dg.SensorResult | dg.SkipReason:
     try:
         found = discover(flowmatch)
+        mine = found_anew(flowmatch)
     except _UNREADABLE as e:  # e.g. no metadata yet: say why in the UI
         return dg.SkipReason(str(e))
     for p in found.problems:
-        if p.source == PD12M:
+        if p.source in mine:
             return dg.SkipReason(p.line)
-    keys = [p["partition"] for p in found.partitions if p["source"] == PD12M]
+    keys = [p["partition"] for p in found.partitions if p["source"] in mine]
     result = _add_new(context, keys, "shards")
     # keys with no metadata behind them (added by hand in the Materialize dialog): flagged on
     # every tick, before a run of them fails
     have = set(keys)
     orphans = sorted(k for k in context.instance.get_dynamic_partitions(SHARDS)
-                     if source_of(k) == PD12M and k not in have)  # fmt: skip
+                     if source_of(k) in mine and k not in have)  # fmt: skip
     if orphans:
         line = (f"{len(orphans)} partition keys have no metadata behind them "
                 f"({', '.join(orphans[:5])}{' ...' if len(orphans) > 5 else ''}); a run of them "
@@ -172,8 +161,8 @@ def metadata_partition_sensor(
     name="source_partition_sensor",
     minimum_interval_seconds=60,
     default_status=dg.DefaultSensorStatus.RUNNING,
-    description="Registers partitions for new images, parquet files or tars of every configured "
-    "source of your own images (`flowmatch sources list`).",
+    description="Registers partitions for new images, parquet files, tars or URL lists of every "
+    "configured source of your own images (`flowmatch sources list`).",
 )
 def source_partition_sensor(
     context: dg.SensorEvaluationContext, flowmatch: FlowmatchResource
@@ -182,10 +171,11 @@ def source_partition_sensor(
         return dg.SkipReason("no sources configured (`flowmatch sources add`)")
     try:  # one broken source never blocks the others: its problem is a line of the tick
         found = discover(flowmatch, sorted(flowmatch.sources))
+        anew = found_anew(flowmatch)
     except _UNREADABLE as e:
         return dg.SkipReason(str(e))
-    problems = [p.line for p in found.problems if p.source != PD12M]
-    keys = [p["partition"] for p in found.partitions if p["source"] != PD12M]
+    problems = [p.line for p in found.problems if p.source not in anew]
+    keys = [p["partition"] for p in found.partitions if p["source"] not in anew]
     result = _add_new(context, keys, "source partitions")
     if problems:
         context.log.warning("skipped " + "; ".join(problems))

@@ -83,7 +83,7 @@ class FlowmatchResource(dg.ConfigurableResource):
             known = ", ".join(sorted(self.sources)) or "none"
             raise SourceError(
                 f"no source {name!r} is configured (configured: {known}); add it with "
-                f"`flowmatch sources add {name} --kind folder|parquet|webdataset --location ...` "
+                f"`flowmatch sources add {name} --kind folder|parquet|webdataset|urls --location ...` "
                 "(it writes FLOWMATCH_SOURCES, default <data root>/sources.yaml)"
             )
         cfg = SourceConfig.model_validate(self.sources[name].model_dump())

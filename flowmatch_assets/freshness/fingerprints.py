@@ -28,7 +28,7 @@ import dagster as dg
 
 from flowmatch_assets import catalog, compat
 from flowmatch_assets.defs.resources import FlowmatchResource
-from flowmatch_assets.ingest.sources import SourceError
+from flowmatch_assets.ingest.sources import SourceError, partition_source
 from flowmatch_models.data.buckets import label
 from flowmatch_models.embeddings.kinds import KINDS, TRAINING_INPUTS, kind_fingerprint
 from flowmatch_models.storage.fingerprint import (
@@ -38,7 +38,7 @@ from flowmatch_models.storage.fingerprint import (
     hash_of,
     weights_cache_file,
 )
-from flowmatch_models.storage.layout import PARTITIONED_ASSETS, PD12M, source_of
+from flowmatch_models.storage.layout import PARTITIONED_ASSETS, source_of
 
 #: Bump when the asset's code changes its output for the same settings (a fingerprint field).
 #: Embedding kinds carry theirs in the registry (EmbeddingKind.code_version).
@@ -65,18 +65,10 @@ def expected_fields(res: FlowmatchResource, asset: str, partition: str | None = 
     once per process, and remembered in the data root). A source's rows record its settings
     that change the rows (what a partition holds is fixed by its manifest when it is registered),
     the same for every partition of the source."""
-    source = source_of(partition) if partition else PD12M
-    if asset == "metadata" and source != PD12M:
+    if asset == "metadata":  # the partition's source says what else its rows depend on
         return {
             "code_version": code_version(asset),
-            "source": source,
-            "source_settings": res.source(source).row_fields(),
-            "filters": res.filters.model_dump(),
-        }
-    if asset == "metadata":
-        return {
-            "code_version": code_version(asset),
-            "shard_size": res.shard_size,
+            **partition_source(res, partition).row_fields(),
             "filters": res.filters.model_dump(),
         }
     if asset == "images":

@@ -46,6 +46,9 @@ PARTITIONED_ASSETS: Mapping[str, str] = _PartitionedAssets()
 
 #: The source of every partition whose key starts with a digit (``NNN-KK``): the PD12M metadata.
 PD12M = "pd12m"
+#: The sources every data root has beside the configured ones (no configured source takes
+#: their names; flowmatch_assets/ingest/sources/urls.py ``BUILT_IN``).
+BUILT_IN_SOURCES = (PD12M,)
 #: A configured source's name (flowmatch_assets/ingest/sources): its partitions are ``<name>-NNNNN``.
 SOURCE_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
 

@@ -2,15 +2,17 @@
 
 A source kind lists a partition's samples as rows in the PD12M metadata columns (so the filters,
 dedupe, the images stage and the data card treat them as they treat PD12M's): ``id``; ``url``
-the sample's place in the source (``cats/a.jpg``, ``train-0.parquet#17``, ``00000.tar#000000017.jpg``);
+the sample's place in the source (``cats/a.jpg``, ``train-0.parquet#17``, ``00000.tar#000000017.jpg``;
+a URL list's row: its URL, downloaded by the images stage);
 ``caption``; ``width``/``height`` unknown before decoding (the images stage checks the decoded
 size against the same filters); ``mime_type`` from the extension; ``hash`` none (duplicates are
-found by the bytes' md5 after reading, as ``duplicate_content``); ``license`` the source's;
+found by the bytes' md5 after reading, as ``duplicate_content``; a URL list's ``hash_field``); ``license`` the source's;
 ``source`` the source's name; ``row_index`` the sample's position in the partition. A sample
 that cannot become a row is a failure ``{id, url, reason, detail}`` with one of:
 
 ``missing_caption``  no caption where the source says captions are (no sidecar, no jsonl line,
                      a null column value, no ``.txt`` member or ``.json`` key)
+``missing_url``      a URL list's row without a URL
 ``missing_image``    a caption without an image (an orphan sidecar, a tar sample without an
                      image member, a parquet row whose image has no bytes)
 ``bad_caption``      a caption that is not text: a file or bytes that are not UTF-8, or a value
@@ -39,7 +41,7 @@ from flowmatch_assets.ingest.sources.config import SourceConfig
 
 #: Failure reasons of the listing (the images stage adds its own: ingest/images.py REASONS).
 LISTING_REASONS = (
-    "missing_caption", "missing_image", "bad_caption", "bad_metadata", "duplicate_id",
+    "missing_caption", "missing_url", "missing_image", "bad_caption", "bad_metadata", "duplicate_id",
     "outside_source", "not_regular_file", "unreadable", "corrupt_container", "too_large",
     "not_found",
 )  # fmt: skip

@@ -15,6 +15,12 @@ A source is one named collection of captioned images in a format people already 
     WebDataset tar shards as img2dataset writes them (``00000.tar`` holding ``000000000.jpg``,
     ``.txt``, ``.json``); the caption is the member with extension ``caption_field`` (``txt``),
     else that key (or ``caption``) of the sample's ``.json``.
+``urls``
+    Lists of image URLs and captions in img2dataset's input formats (``.csv``, ``.tsv``,
+    ``.tsv.gz``, ``.jsonl``, ``.parquet``; one file or a folder of them), the columns
+    ``url_field`` (``url``), ``caption_field`` (``caption``) and optionally ``hash_field``
+    (an md5 to check) and ``id_field``; the images stage downloads them as it downloads
+    PD12M's (PD12M is the built-in source of this kind: ``urls.py``).
 
 Every source lives in ``FLOWMATCH_SOURCES`` (a YAML file; default ``<data root>/sources.yaml``,
 what ``flowmatch sources add`` writes)::
@@ -22,6 +28,7 @@ what ``flowmatch sources add`` writes)::
     sources:
       photos: {kind: folder, location: /data/my_photos}
       pokemon: {kind: parquet, location: "https://host/data/", caption_field: text}
+      mylist: {kind: urls, location: /data/list.csv, url_field: URL, caption_field: TEXT}
 
 Its partitions are keyed ``<name>-NNNNN`` (``photos-00000``), numbered in the order they are
 registered (flowmatch_assets/ingest/sources/registry.py); PD12M's stay ``NNN-KK``.
@@ -38,12 +45,12 @@ import yaml
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator
 
 from flowmatch_models.storage.atomic import atomic_write_text
-from flowmatch_models.storage.layout import PD12M, SOURCE_NAME
+from flowmatch_models.storage.layout import BUILT_IN_SOURCES, SOURCE_NAME
 
 #: The source kinds by name, which the config and the CLI validate against: each is a
 #: ``SourceKind`` in ``flowmatch_assets/ingest/sources/<kind>.py``, registered in
 #: ``registry.SOURCE_KIND_REGISTRY`` (which refuses to import when the two differ).
-SOURCE_KINDS = ("folder", "parquet", "webdataset")
+SOURCE_KINDS = ("folder", "parquet", "webdataset", "urls")
 #: The file extensions a folder or tar sample's image may have.
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 
@@ -88,14 +95,15 @@ class SourceConfig(BaseModel):
 
     kind: Literal[SOURCE_KINDS] = Field(  # type: ignore[valid-type]
         description="folder (images + .txt sidecars and/or metadata.jsonl), parquet (Hugging "
-        "Face datasets layout, image bytes inside) or webdataset (img2dataset's tar shards)."
+        "Face datasets layout, image bytes inside), webdataset (img2dataset's tar shards) or "
+        "urls (img2dataset's URL lists: csv, tsv, tsv.gz, jsonl, parquet; downloaded)."
     )
     location: str = Field(description="A folder, or an fsspec URL (file://, https://, s3://, ...).")
     caption_field: str | None = Field(
         default=None,
         description="Where the caption is: folder: the metadata.jsonl key (default text; a "
         "sidecar file wins); parquet: the column (default text); webdataset: a member "
-        "extension or a key of the .json (default txt).",
+        "extension or a key of the .json (default txt); urls: the column (default caption).",
     )
     caption_extension: str = Field(
         default=".txt", description="folder: the extension of caption sidecar files."
@@ -105,7 +113,15 @@ class SourceConfig(BaseModel):
     )
     id_field: str | None = Field(
         default=None,
-        description="parquet: a column that names each row (default: <file stem>/<row>).",
+        description="parquet, urls: a column that names each row (default: <file stem>/<row>).",
+    )
+    url_field: str | None = Field(
+        default=None, description="urls: the column of image URLs (default url)."
+    )
+    hash_field: str | None = Field(
+        default=None,
+        description="urls: a column of each image's md5, checked after download "
+        "(ingest.check_hash; default: none).",
     )
     shard_size: int = Field(
         default=1000, gt=0, description="Samples per partition (a tar or file is cut into these)."
@@ -126,7 +142,11 @@ class SourceConfig(BaseModel):
 
     def caption(self) -> str:
         """``caption_field`` or the kind's default."""
-        return self.caption_field or {"webdataset": "txt"}.get(self.kind, "text")
+        return self.caption_field or {"webdataset": "txt", "urls": "caption"}.get(self.kind, "text")
+
+    def url(self) -> str:
+        """``url_field`` or its default (``urls``)."""
+        return self.url_field or "url"
 
     #: Networks a remote location may reach although they are not public (the resource's
     #: ``ingest.allow_networks``, set by FlowmatchResource.source; not a setting of its own).
@@ -145,21 +165,29 @@ class SourceConfig(BaseModel):
     def row_fields(self) -> dict:
         """The settings that change what a partition's rows hold (its fingerprint, recorded
         with each materialization: the location redacted); ``follow_links`` only when on, so
-        sources made before it existed stay fresh."""
+        sources made before it existed stay fresh (``url_field``/``hash_field`` alike: a
+        ``urls`` source's url column always)."""
         skip = {"shard_size"} | (set() if self.follow_links else {"follow_links"})
-        return self.model_dump(exclude=skip) | {
-            "caption_field": self.caption(),
-            "location": self.shown,
-        }
+        skip |= {k for k in ("url_field", "hash_field") if getattr(self, k) is None}
+        urls = {"url_field": self.url()} if self.kind == "urls" else {}
+        return (
+            self.model_dump(exclude=skip)
+            | urls
+            | {
+                "caption_field": self.caption(),
+                "location": self.shown,
+            }
+        )
 
 
 def check_name(name: str) -> str:
     """A source name is lower-case letters, digits and ``_``, a letter first (it starts its
-    partition keys); ``pd12m`` is taken."""
-    if not SOURCE_NAME.fullmatch(name) or name == PD12M:
+    partition keys); a built-in source's name (``pd12m``) is taken."""
+    if not SOURCE_NAME.fullmatch(name) or name in BUILT_IN_SOURCES:
         raise SourceError(
             f"source name {name!r}: use lower-case letters, digits and _ (a letter first, at "
-            f"most 32), not {PD12M!r}; it starts the partition keys ({name}-00000)"
+            f"most 32), not {' or '.join(map(repr, BUILT_IN_SOURCES))}; it starts the "
+            f"partition keys ({name}-00000)"
         )
     return name
 

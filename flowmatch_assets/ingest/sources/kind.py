@@ -1,6 +1,9 @@
 """What a source kind is: :class:`SourceKind`, the interface every format of the user's own
-images implements (``folder.py``, ``parquet.py``, ``webdataset.py``), with named types for what
-it takes and returns; ``registry.py`` registers one instance of each (``SOURCE_KIND_REGISTRY``).
+images implements (``folder.py``, ``parquet.py``, ``webdataset.py``, ``urls.py``), with named
+types for what it takes and returns; ``registry.py`` registers one instance of each
+(``SOURCE_KIND_REGISTRY``). And what a partition's source is: :class:`PartitionSource`, what the
+stages ask of the source a partition key belongs to (a configured source: ``registry.py``;
+PD12M, built in: ``urls.py``), so no stage asks which source it is.
 
 A kind answers three questions, each for one stage:
 
@@ -10,22 +13,27 @@ A kind answers three questions, each for one stage:
   metadata columns (:class:`ListedRow`) and the samples that cannot be rows (:class:`Failure`,
   ``common.LISTING_REASONS``): a :class:`Listing`;
 - :meth:`SourceKind.images` (the ``images`` asset): each row's image bytes, or the
-  ``IngestError`` why not (:data:`ImageRead`).
+  ``IngestError`` why not (:data:`ImageRead`); a kind whose rows carry URLs says
+  :attr:`SourceKind.downloads` instead, and the images stage downloads them (``urls.py``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, NamedTuple, TypedDict
+
+import pyarrow as pa
 
 from flowmatch_assets.ingest.images import IngestError
 from flowmatch_assets.ingest.sources.config import redacted
 
 if TYPE_CHECKING:
+    from flowmatch_assets.ingest.shard import Reader
     from flowmatch_assets.ingest.sources.config import SourceConfig
 
 
@@ -79,6 +87,13 @@ class NewPartition(NamedTuple):
     end: int
     entries: list
     span: list | None = None
+
+
+def cut(unit: str, n: int, size: int) -> list[NewPartition]:
+    """The ``n`` rows of file ``unit`` as new partitions of at most ``size`` rows each (one,
+    empty, when it has none)."""
+    return [NewPartition(unit, k * size, min(n, (k + 1) * size), [])
+            for k in range(max(1, math.ceil(n / size)))]  # fmt: skip
 
 
 class Skipped(NamedTuple):
@@ -140,6 +155,9 @@ class SourceKind(ABC):
 
     #: the ``kind`` of a ``SourceConfig`` (``config.SOURCE_KINDS``)
     name: ClassVar[str]
+    #: True: the rows' ``url`` s are downloaded by the images stage (the guarded address pool,
+    #: ``ingest.allow_networks``, the byte and time bounds), :meth:`images` is never called
+    downloads: ClassVar[bool] = False
 
     @abstractmethod
     def scan(self, cfg: SourceConfig, known: Sequence[Manifest]) -> Found:
@@ -162,3 +180,38 @@ class SourceKind(ABC):
         """The ids the samples of ``m`` get when its unit cannot be read at all (the entries'
         ids, or the entries themselves: tar keys)."""
         return [e["id"] if isinstance(e, dict) else e for e in m.entries]
+
+
+class PartitionSource(ABC):
+    """The source a partition key belongs to, as the stages ask it: what its partitions are,
+    a partition's rows, how its images are read, the settings its rows depend on (the
+    ``metadata`` fingerprint) and its input rows for the data card. ``registers``: its
+    partitions are registered by a scan (``registry.register``); else they are found anew
+    from its files each time (PD12M's metadata files)."""
+
+    name: str
+    registers: ClassVar[bool]
+
+    @abstractmethod
+    def partitions(self) -> list[dict]:
+        """Its partitions as catalog ``partitions`` rows (``{partition, source, source_file,
+        row_start, row_end}``), key order."""
+
+    @abstractmethod
+    def rows(self, key: str, log: Callable[[str], None]) -> tuple[pa.Table, list[dict], dict]:
+        """Partition ``key``'s rows (the metadata columns), the samples that cannot be rows
+        (``{id, url, reason, detail}``) and what the ``metadata`` record keeps of where they
+        came from (``source_file``, ``row_start``, ``row_end``; ``winners``: the dedupe's)."""
+
+    @abstractmethod
+    def reader(self, key: str, max_bytes: int) -> Reader | None:
+        """What reads partition ``key``'s images (``make_image_shard``'s ``read``); None: the
+        images stage downloads each row's ``url``."""
+
+    @abstractmethod
+    def row_fields(self) -> dict:
+        """The settings a partition's rows depend on (fingerprint fields of ``metadata``)."""
+
+    @abstractmethod
+    def listing(self, key: str) -> list[dict]:
+        """Every input row of partition ``key``, failures included (the data card's)."""

@@ -44,6 +44,8 @@ from flowmatch_assets.ingest.images import IngestError
 from flowmatch_assets.ingest.sources.config import SourceConfig, SourceError, redact
 
 _CHUNK = 1 << 20
+#: The endings of a remote location that is one file (a container, a URL list: urls.py)
+ONE_FILE = (".parquet", ".tar", ".csv", ".tsv", ".tsv.gz", ".jsonl")
 
 
 def hidden(rel: str) -> bool:
@@ -118,8 +120,8 @@ class Location:
         try:
             ok = self.fs.exists(self.root)
             # a remote folder answers like a file (an HTML listing): there only a container's
-            # name says the location is one file
-            named = self.local or self.root.endswith((".parquet", ".tar"))
+            # (or a URL list's) name says the location is one file
+            named = self.local or self.root.endswith(ONE_FILE)
             self.is_file = bool(ok and named and self.fs.isfile(self.root))
         except Exception as e:  # noqa: BLE001 - a remote that cannot be reached: say which
             raise SourceError(

@@ -15,7 +15,6 @@ are never followed.
 
 from __future__ import annotations
 
-import math
 import posixpath
 from collections.abc import Iterator, Sequence
 
@@ -31,9 +30,9 @@ from flowmatch_assets.ingest.sources.kind import (
     ListedRow,
     Listing,
     Manifest,
-    NewPartition,
     Skipped,
     SourceKind,
+    cut,
 )
 from flowmatch_assets.ingest.sources.location import Location
 
@@ -181,10 +180,7 @@ class ParquetKind(SourceKind):
                 e = _broken(rel, e)
                 skipped.append(Skipped(rel, e.reason, e.detail))
                 continue
-            for k in range(max(1, math.ceil(n / cfg.shard_size))):
-                out.append(
-                    NewPartition(rel, k * cfg.shard_size, min(n, (k + 1) * cfg.shard_size), [])
-                )
+            out += cut(rel, n, cfg.shard_size)
         return Found(out, skipped)
 
     def rows(self, cfg: SourceConfig, name: str, m: Manifest) -> Listing:

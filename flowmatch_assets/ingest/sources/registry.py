@@ -26,9 +26,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import pyarrow as pa
 
@@ -43,15 +44,17 @@ from flowmatch_assets.ingest.sources.config import (
     redact,
 )
 from flowmatch_assets.ingest.sources.folder import FolderKind
-from flowmatch_assets.ingest.sources.kind import Manifest, SourceKind
+from flowmatch_assets.ingest.sources.kind import Manifest, PartitionSource, SourceKind
 from flowmatch_assets.ingest.sources.parquet import ParquetKind
+from flowmatch_assets.ingest.sources.urls import BUILT_IN, UrlsKind
 from flowmatch_assets.ingest.sources.webdataset import WebDatasetKind
 from flowmatch_models.storage.atomic import atomic_write_text
+from flowmatch_models.storage.layout import source_of
 
 #: THE REGISTRY of source kinds: one :class:`SourceKind` per ``kind`` a source may have
 #: (``config.SOURCE_KINDS``, which the config validates against, names the same ones).
 SOURCE_KIND_REGISTRY: dict[str, SourceKind] = {
-    k.name: k for k in (FolderKind(), ParquetKind(), WebDatasetKind())
+    k.name: k for k in (FolderKind(), ParquetKind(), WebDatasetKind(), UrlsKind())
 }
 if tuple(SOURCE_KIND_REGISTRY) != SOURCE_KINDS:
     raise ImportError(f"source kinds {tuple(SOURCE_KIND_REGISTRY)} != config's {SOURCE_KINDS}")
@@ -266,3 +269,67 @@ def partition_images(
     err = IngestError(err.reason, redact(err.detail, cfg.location))
     for r in todo.values():
         yield r, err
+
+
+# ------------------------------------------------------------------------ a partition's source
+
+
+class ConfiguredSource(PartitionSource):
+    """A configured source of the user's own images (``res.source(name)``; SourceError when
+    it is not configured) as the stages ask it: registered partitions, listed rows, its
+    kind's reads (or, a kind that ``downloads``, none). ``res``: the FlowmatchResource."""
+
+    registers: ClassVar[bool] = True
+
+    def __init__(self, res, name: str) -> None:
+        self.res, self.name, self.cfg = res, name, res.source(name)
+
+    def partitions(self) -> list[dict]:
+        """Its registered partitions, from its manifests' index (the location is not read)."""
+        cfg = self.cfg
+        return [
+            Manifest(**s, source=self.name, kind=cfg.kind).as_partition(cfg.location)
+            for s in registered(self.res.data_root, self.name)
+        ]
+
+    def rows(self, key: str, log: Callable[[str], None]) -> tuple[pa.Table, list[dict], dict]:
+        """Listed from the partition's manifest: rows, and the samples that cannot be rows."""
+        table, failed, m = partition_rows(self.res.data_root, self.cfg, key)
+        where = m.as_partition(self.cfg.location)
+        extra = {"source_file": where["source_file"], "row_start": m.start, "row_end": m.end,
+                 "source_kind": self.cfg.kind, "manifest": m.digest()}  # fmt: skip
+        return table, failed, extra
+
+    def reader(self, key: str, max_bytes: int):
+        if source_kind(self.cfg.kind).downloads:
+            return None
+        root, cfg = self.res.data_root, self.cfg
+        return lambda todo: partition_images(root, cfg, key, todo, max_bytes)
+
+    def row_fields(self) -> dict:
+        return {"source": self.name, "source_settings": self.cfg.row_fields()}
+
+    def listing(self, key: str) -> list[dict]:
+        table, failed, _ = partition_rows(self.res.data_root, self.cfg, key)
+        extra = {"caption": "", "license": self.cfg.license, "source": self.name}
+        return table.to_pylist() + [{**f, **extra} for f in failed]
+
+
+def source_named(res, name: str) -> PartitionSource:
+    """Source ``name``: a built-in one (``urls.BUILT_IN``: PD12M) or a configured one
+    (SourceError naming the configured ones when it is neither)."""
+    built_in = BUILT_IN.get(name)
+    return built_in(res) if built_in is not None else ConfiguredSource(res, name)
+
+
+def partition_source(res, key: str | None) -> PartitionSource:
+    """The source partition ``key`` belongs to (``source_of``); None: the first built-in
+    source (what a key-less fingerprint of ``metadata`` describes)."""
+    return source_named(res, source_of(key) if key else next(iter(BUILT_IN)))
+
+
+def all_sources(res) -> list[PartitionSource]:
+    """Every source: the built-in ones, then the configured ones by name (key order)."""
+    return [cls(res) for cls in BUILT_IN.values()] + [
+        ConfiguredSource(res, n) for n in sorted(res.sources)
+    ]
