@@ -91,6 +91,7 @@ def test_wrong_type_and_bad_key_and_out_of_range(tmp_path):
         ({"caption": "x" * 50}, FilterConfig(max_caption_chars=20), "caption_too_long"),
         ({"license": "cc-by-nc"}, FilterConfig(licenses=["cc0-1.0"]), "license"),
         ({"url": ""}, FilterConfig(), "missing_url"),
+        ({"caption": "red  square"}, FilterConfig(min_caption_words=3), "caption_too_few_words"),
     ],
 )
 def test_each_filter_counts_its_reason(override, cfg, reason):
@@ -138,16 +139,29 @@ def test_filters_by_column_agree_with_the_row_by_row_definition():
         rows.append({
             "id": f"id-{i}", "hash": None,
             "url": rnd.choice([f"https://x/{i}.jpg", *odd_text]),
-            "caption": rnd.choice(["a small red square", "x" * rnd.randint(0, 30), *odd_text]),
+            "caption": rnd.choice(["a small red square", "x" * rnd.randint(0, 30), "two  words ",
+                                   "a\x1cb", "a\u00a0b c", *odd_text]),
             "width": rnd.choice([None, 0, 1, 255, 256, 257, 768, 769, 2000, 3000]),
             "height": rnd.choice([None, 0, 1, 255, 256, 257, 768, 2000, 1000]),
             "license": rnd.choice(["cc0-1.0", "other", None]),
         })  # fmt: skip
     for cfg in (FilterConfig(), FilterConfig(licenses=["cc0-1.0"], max_caption_chars=20,
-                                             min_caption_chars=3, max_aspect_ratio=2.0)):  # fmt: skip
+                                             min_caption_chars=3, max_aspect_ratio=2.0),
+                FilterConfig(min_caption_words=2)):  # fmt: skip
         allowed = set(cfg.licenses) if cfg.licenses is not None else None
         want = [r["id"] for r in rows if _row_reason(r["url"], r["width"], r["height"],
                                                      r["caption"], r["license"], cfg, allowed) is None]  # fmt: skip
         kept, filtered = filter_rows(pa.Table.from_pylist(rows), cfg)
         assert kept.column("id").to_pylist() == want
         assert len(filtered) == len(rows) - len(want) > 100
+
+
+def test_min_caption_words_joins_the_fingerprint_only_when_set():
+    """Off (0), the filters' fingerprint and dedupe digest are those of the settings before the
+    field existed, so nothing made earlier turns stale; set, they change."""
+    from flowmatch_assets.ingest.dedupe import filters_digest
+    from flowmatch_assets.ingest.metadata import filter_fields
+
+    assert "min_caption_words" not in filter_fields(FilterConfig())
+    assert filter_fields(FilterConfig(min_caption_words=3))["min_caption_words"] == 3
+    assert filters_digest(FilterConfig()) != filters_digest(FilterConfig(min_caption_words=3))

@@ -28,6 +28,7 @@ import dagster as dg
 
 from flowmatch_assets import catalog, compat
 from flowmatch_assets.defs.resources import FlowmatchResource
+from flowmatch_assets.ingest.metadata import filter_fields
 from flowmatch_assets.ingest.sources import SourceError, partition_source
 from flowmatch_models.data.buckets import label
 from flowmatch_models.embeddings.kinds import KINDS, TRAINING_INPUTS, kind_fingerprint
@@ -69,7 +70,7 @@ def expected_fields(res: FlowmatchResource, asset: str, partition: str | None = 
         return {
             "code_version": code_version(asset),
             **partition_source(res, partition).row_fields(),
-            "filters": res.filters.model_dump(),
+            "filters": filter_fields(res.filters),
         }
     if asset == "images":
         ing = res.ingest

@@ -51,6 +51,7 @@ from flowmatch_assets.ingest.metadata import (
     FilterConfig,
     HashWinners,
     MetadataError,
+    filter_fields,
     filter_rows,
     list_metadata_files,
     shard_key,
@@ -105,7 +106,7 @@ def first_occurrences(keys: np.ndarray, order: np.ndarray) -> tuple[np.ndarray, 
 
 def filters_digest(cfg: FilterConfig) -> str:
     """Which rows are eligible winners depends on the row-local filters only."""
-    d = cfg.model_dump(exclude=_DEDUPE_FIELDS)
+    d = filter_fields(cfg, exclude=_DEDUPE_FIELDS)
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
 

@@ -55,6 +55,11 @@ class FilterConfig(BaseModel):
     max_caption_chars: int = Field(
         default=4000, description="Maximum caption length (characters, stripped)."
     )
+    min_caption_words: int = Field(
+        default=0,
+        description="Minimum caption length in words (whitespace-separated, as str.split "
+        "counts them); 0 turns the filter off.",
+    )
     licenses: list[str] | None = Field(
         default=None,
         description="License allow-list (exact strings); None keeps every license.",
@@ -69,6 +74,21 @@ class FilterConfig(BaseModel):
         description="After download, drop a row whose bytes (md5) an earlier row in dataset "
         "order already stored (a wrong metadata hash); see flowmatch_assets/ingest/dedupe.py.",
     )
+
+
+#: Fields that join the filters' fingerprint (and the dedupe index's digest) only when set, so
+#: partitions made before the field existed stay fresh while it is off: field -> its "off" value.
+_FINGERPRINT_WHEN_SET: dict[str, object] = {"min_caption_words": 0}
+
+
+def filter_fields(cfg: FilterConfig, exclude: set[str] | frozenset[str] = frozenset()) -> dict:
+    """The filter settings a fingerprint records: every field, less those at their "off"
+    value that were added later (``_FINGERPRINT_WHEN_SET``) and ``exclude``."""
+    d = cfg.model_dump(exclude=set(exclude))
+    for name, off in _FINGERPRINT_WHEN_SET.items():
+        if d.get(name, off) == off:
+            d.pop(name, None)
+    return d
 
 
 @dataclass(frozen=True)
@@ -281,6 +301,8 @@ def _row_reason(
         return "caption_too_short", f"{len(caption)} chars < {cfg.min_caption_chars}"
     if len(caption) > cfg.max_caption_chars:
         return "caption_too_long", f"{len(caption)} chars > {cfg.max_caption_chars}"
+    if cfg.min_caption_words > 0 and (words := len(caption.split())) < cfg.min_caption_words:
+        return "caption_too_few_words", f"{words} words < {cfg.min_caption_words}"
     if allowed is not None and license not in allowed:
         return "license", f"license {license!r} not allowed"
     return None
@@ -323,6 +345,9 @@ def _surely_kept(table: pa.Table, cfg: FilterConfig) -> np.ndarray | None:
             pc.divide(pc.max_element_wise(w, h), pc.min_element_wise(w, h)), cfg.max_aspect_ratio
         ),  # fmt: skip
     ]
+    if cfg.min_caption_words > 0:  # vouched for only where str.split's whitespace is the space:
+        ok.append(pc.match_substring_regex(cap, "^[ -~]*$"))  # printable ASCII and spaces
+        ok.append(pc.greater_equal(pc.count_substring_regex(cap, "[!-~]+"), cfg.min_caption_words))
     if cfg.licenses is not None:
         ok.append(pc.is_in(table.column("license"), value_set=pa.array(cfg.licenses)))
     mask = ok[0]
