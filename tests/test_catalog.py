@@ -72,6 +72,32 @@ def test_records_replace_and_reports(tmp_path):
     assert cat.query("SELECT count(*) AS n FROM rows")[0]["n"] == 9
 
 
+def test_sizes_are_disk_bytes_per_asset(tmp_path, monkeypatch, capsys):
+    """`flowmatch catalog sizes`: one line per asset, its partitions' stored bytes summed, in
+    human units (`--json`: the exact bytes), partitioned assets in lineage order."""
+    from flowmatch_assets.cli import main
+
+    for asset, part, size in [("vae_latents", "000-00", 3 << 20), ("images", "000-00", 1000),
+                              ("images", "000-01", 1048), ("flow_model", "demo", 5 << 30)]:  # fmt: skip
+        record_materialization(
+            tmp_path, MaterializationRecord(asset, part, samples=1, stored_bytes=size)
+        )
+    assert Catalog(tmp_path).sizes() == [
+        {"asset": "images", "partitions": 2, "bytes": 2048},
+        {"asset": "vae_latents", "partitions": 1, "bytes": 3 << 20},
+        {"asset": "flow_model", "partitions": 1, "bytes": 5 << 30},
+    ]
+    monkeypatch.setenv("FLOWMATCH_DATA_ROOT", str(tmp_path))
+    capsys.readouterr()
+    assert main(["catalog", "sizes"]) == 0
+    lines = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert lines == [
+        ["images", "2", "KiB"],
+        ["vae_latents", "3", "MiB"],
+        ["flow_model", "5", "GiB"],
+    ]
+
+
 def _writer(root: str, k: int) -> None:
     for j in range(15):
         part = f"{k:03d}-{j:02d}"

@@ -534,6 +534,15 @@ class Catalog:
     def throughput(self) -> list[dict]:
         return self.query("SELECT * FROM throughput ORDER BY asset")
 
+    def sizes(self) -> list[dict]:
+        """Disk bytes per asset: the sum of its materializations' stored bytes (each partition's
+        file; a training run's folder), partitioned assets in lineage order, then the others."""
+        return self.query(
+            """SELECT m.asset, count(*) AS partitions, sum(m.stored_bytes)::BIGINT AS bytes
+               FROM materializations m LEFT JOIN assets a USING (asset)
+               GROUP BY m.asset, a.lineage_order ORDER BY a.lineage_order NULLS LAST, m.asset"""
+        )
+
 
 def format_table(rows: list[dict], floatfmt: str = "{:.3g}") -> str:
     """A plain markdown table of ``rows`` (for the CLI and the UI)."""

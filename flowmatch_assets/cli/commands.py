@@ -334,7 +334,7 @@ COMMANDS: dict[str, Command] = {
     ),
     "catalog": Command(
         cmd_catalog,
-        "reports from the DuckDB catalog, or raw SQL",
+        "reports from the DuckDB catalog (sizes: disk bytes per asset), or raw SQL",
         [
             arg(
                 "report",
@@ -344,6 +344,7 @@ COMMANDS: dict[str, Command] = {
                     "failures",
                     "compression",
                     "throughput",
+                    "sizes",
                     "sql",
                     "path",
                     "views",

@@ -40,7 +40,15 @@ def cmd_catalog(report: str, sql: str | None, as_json: bool) -> int:
             "failures": cat.failures_by_reason,
             "compression": cat.compression,
             "throughput": cat.throughput,
+            "sizes": cat.sizes,
         }[report]()
+    if report == "sizes" and not as_json:  # one line per asset, in human units
+        from flowmatch_assets.defs.routine import human_bytes
+
+        width = max((len(r["asset"]) for r in rows), default=0)
+        for r in rows:
+            print(f"{r['asset']:<{width}}  {human_bytes(r['bytes'] or 0):>10}")
+        return 0
     if as_json:
         print(json.dumps(rows, default=str, indent=1))
     else:
