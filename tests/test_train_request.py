@@ -51,6 +51,8 @@ def _run(tmp_path: Path, asset: str, config: dict):
          "data.batch_size: Input should be a valid integer"),
         ("flow_model", {"settings": {"optimizer": {"lr": 1}}}, "unknown config key 'optimizer'"),
         ("flow_model", {"overrides": ["optim.lrr=3"]}, "unknown config key 'optim.lrr'"),
+        ("flow_model", {"settings": {"optim": {"schedule": "linear"}}},
+         "optim.schedule: Input should be 'constant' or 'cosine'"),
         ("flow_model", {"overrides": ["optim.lr"]}, "--set 'optim.lr': expected key.sub=value"),
         ("flow_model", {"config_file": "nope.yaml"}, "config nope.yaml not found"),
         ("fine_tune", {"parent_run": "p", "weights": "rawish"}, "init.weights: Input should be"),
@@ -75,7 +77,8 @@ def test_the_process_receives_the_validated_config(tmp_path):
     for kind in TRAINING_INPUTS:  # one complete partition (the files are not read here)
         layout.asset_path(kind, "000-00").parent.mkdir(parents=True, exist_ok=True)
         layout.asset_path(kind, "000-00").touch()
-    settings = {"data": {"batch_size": 4}, "flow": {"shift": 2.5}, "trainer": {"val_every": 2}}
+    settings = {"data": {"batch_size": 4}, "flow": {"shift": 2.5}, "trainer": {"val_every": 2},
+                "optim": {"schedule": "cosine"}}  # fmt: skip
     config = {"run_name": "r", "max_steps": 7, "settings": settings,
               "overrides": ["data.batch_size=8", "optim.lr=3e-4"]}  # fmt: skip
     description, res = _run(tmp_path, "flow_model", config)
@@ -86,6 +89,7 @@ def test_the_process_receives_the_validated_config(tmp_path):
     cfg = TrainConfig.model_validate(request.config)
     assert cfg.to_dict() == request.config  # a full dump: every key, nothing to parse
     assert cfg.data.batch_size == 4 and cfg.optim.lr == 3e-4  # settings win over overrides
+    assert cfg.optim.schedule == "cosine"  # the lr schedule by name, from the launchpad
     assert cfg.flow.train_shift == cfg.flow.sample_shift == 2.5  # the legacy key sets both
     assert cfg.trainer.max_steps == 7 and cfg.trainer.val_every == 2 and cfg.run.name == "r"
     assert cfg.data.root == res.data_root and cfg.encoders.vae == res.encoders.vae
@@ -102,3 +106,17 @@ def test_settings_from_items_is_the_nested_form_of_set_items():
     cfg = load_config(REPO / "configs" / "tiny.yaml", settings=got)
     assert cfg == load_config(REPO / "configs" / "tiny.yaml", list(map(str, [
         "data.sources=[a, b]", "data.batch_size=16", "flow.shift=3"])))  # fmt: skip
+
+
+def test_the_lr_schedule_is_chosen_by_name():
+    """``optim.schedule``: constant (the YAMLs' default) or cosine down to ``min_lr_ratio``
+    after the warm-up; `--set optim.schedule=cosine` and the launchpad's settings set it."""
+    from flowmatch_models.train.module import lr_factor
+
+    assert load_config(REPO / "configs" / "tiny.yaml").optim.schedule == "constant"
+    assert load_config(REPO / "configs" / "base.yaml").optim.schedule == "constant"
+    cfg = load_config(REPO / "configs" / "tiny.yaml", ["optim.schedule=cosine"])
+    assert cfg.optim.schedule == "cosine"
+    assert [lr_factor(s, 2, "constant", 12, 0.1) for s in (0, 1, 2, 11)] == [0.5, 1.0, 1.0, 1.0]
+    cos = [lr_factor(s, 2, "cosine", 12, 0.1) for s in (0, 2, 7, 12)]
+    assert cos[:2] == [0.5, 1.0] and abs(cos[2] - 0.55) < 1e-9 and abs(cos[3] - 0.1) < 1e-9
