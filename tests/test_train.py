@@ -371,6 +371,7 @@ def test_cli_reports_to_dagster_pipes(store: Path, tmp_path: Path) -> None:
     assert result.success
     meta = result.asset_materializations_for_node("training")[0].metadata
     assert meta["step"].value == 2 and meta["loss"].value > 0
+    assert meta["grad_norm_mean"].value > 0  # this session's mean gradient norm (TrainResult)
     assert Path(meta["checkpoint"].value).is_file()
 
 

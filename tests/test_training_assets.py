@@ -119,6 +119,7 @@ def test_coverage_rule_then_train_resume_and_sample(tmp_path, small_sample, zoo,
             .asset_materialization.metadata
         )
         assert md["step"].value == 4  # reported by the training process through Pipes
+        assert md["grad_norm_mean"].value > 0  # the session's mean gradient norm
         assert md["device"].value == "cpu, 32-true"  # what the trainer ran on, not a guess
         assert md["partitions_used"].value == ["000-00"]
         assert "data:image/jpeg;base64" in md["loss_curve"].value
@@ -134,6 +135,7 @@ def test_coverage_rule_then_train_resume_and_sample(tmp_path, small_sample, zoo,
         )[0]
         extra = json.loads(row["extra"])
         assert extra["step"] == 7 and extra["trained_counts"] == {"000-00": 7 * 4}
+        assert extra["grad_norm_mean"] > 0  # this session's (the 3 resumed steps)
         # the record is this session's: 3 resumed steps x 4 samples; the total is kept beside it
         assert row["samples"] == 12 and extra["samples_total"] == 28
         assert extra["partitions"] == ["000-00"] and row["device"] == "cpu, 32-true"

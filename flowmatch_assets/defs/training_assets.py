@@ -453,6 +453,7 @@ def run_record(
         "loss": result.metrics.get("loss"),
         "val_loss": result.metrics.get("val_loss"),
         "skipped_steps": result.skipped_steps,  # non-finite steps, since the run began
+        "grad_norm_mean": result.grad_norm_mean,  # this session's, finite steps, before clipping
         "disk_bytes": result.disk_bytes,  # the run folder (checkpoints, exports, logs)
         "preset": _preset(result.export_dir),
         # what it trained on: {kind: {fingerprint hash: [partitions]}} (`flowmatch stale`)

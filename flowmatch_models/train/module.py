@@ -101,6 +101,9 @@ class FlowMatchModule(L.LightningModule):
         self._ema_step = -1
         self._t_last: float | None = None
         self._grad_norm: torch.Tensor | None = None
+        # this session's sum and count of finite gradient norms (on the device; grad_norm_mean)
+        self._norm_sum: torch.Tensor | None = None
+        self._norm_count: torch.Tensor | None = None
         self.batch_meta: dict = {}  # host-side bookkeeping of the current batch
         self.last_validation: dict[str, float] = {}  # the newest validation_losses()
         # device-side counters (read at the logging cadence): skipped steps, the current streak
@@ -178,6 +181,11 @@ class FlowMatchModule(L.LightningModule):
         if scaler is None:  # else the scaler sets it from its own check (the same gradients)
             opt.found_inf = bad.float()
         self._grad_norm, self._bad = norm, bad
+        if self._norm_sum is None:
+            self._norm_sum = torch.zeros((), dtype=torch.float32, device=norm.device)
+            self._norm_count = torch.zeros((), dtype=torch.long, device=norm.device)
+        self._norm_sum += torch.where(bad, torch.zeros_like(norm), norm)
+        self._norm_count += (~bad).long()
         self._count_skip(bad)
 
     def _grad_scaler(self) -> torch.amp.GradScaler | None:
@@ -200,6 +208,13 @@ class FlowMatchModule(L.LightningModule):
             self._streak_start,
         )  # fmt: skip
         self._streak_max = torch.maximum(self._streak_max, self._streak)
+
+    def grad_norm_mean(self) -> float | None:
+        """The mean gradient norm (before clipping, unscaled) over this session's optimizer
+        steps with finite gradients; None: no such step (a host sync: once, at the end)."""
+        if self._norm_count is None or int(self._norm_count) == 0:
+            return None
+        return float(self._norm_sum) / int(self._norm_count)
 
     def skipped_steps(self) -> int:
         """Optimizer steps skipped since the run began (a host sync: at the logging cadence)."""

@@ -119,6 +119,7 @@ class TrainResult:
     sample_grid: str | None = None
     wandb_dir: str | None = None
     skipped_steps: int = 0  # optimizer steps skipped for non-finite gradients, since the run began
+    grad_norm_mean: float | None = None  # this session's mean grad norm (finite, pre-clip)
     disk_bytes: int = 0  # the run folder on disk (checkpoints, exports, logs), hard links once
     parent: dict | None = None  # a fine-tune's parent run, step and digest (finetune.py)
     stopped: str | None = None  # stopped by a signal: the line saying so (exit EXIT_STOPPED)
@@ -136,7 +137,8 @@ class TrainResult:
                 "samples_session": self.samples_session, "samples_total": self.samples_total,
                 "wall_s": round(self.wall_s, 1), "export_dir": self.export_dir,
                 "skipped_steps": self.skipped_steps, "disk_bytes": self.disk_bytes,
-                "wandb_dir": self.wandb_dir, **self.metrics}  # fmt: skip
+                "grad_norm_mean": self.grad_norm_mean, "wandb_dir": self.wandb_dir,
+                **self.metrics}  # fmt: skip
         if self.parent:
             keep["parent_run"], keep["parent_step"] = self.parent["run"], self.parent["step"]
         return {k: v for k, v in keep.items() if v is not None}
@@ -332,6 +334,7 @@ def _fit(request: TrainRequest, cfg: TrainConfig, pipes) -> TrainResult:
         wall_s=time.perf_counter() - t0,
         resumed_from=ckpt_path,
         skipped_steps=module.skipped_steps(),
+        grad_norm_mean=module.grad_norm_mean(),
         parent=request.parent,
     )
     result.metrics["val_loss"] = module.last_validation.get("val/loss")
