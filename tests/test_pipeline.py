@@ -212,3 +212,5 @@ def test_a_key_with_no_data_behind_it_fails_in_one_line_that_names_the_fix(resou
             "remove it with `flowmatch partitions remove --orphans` (or `-p 003-00`)"
         )
         assert "no metadata file number 3" in data.description
+        # and no second trace under it (the read error's chained cause): the line is the story
+        assert failure.step_failure_data.error.cause is None

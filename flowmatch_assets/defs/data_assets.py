@@ -59,7 +59,9 @@ def _metadata(context, flowmatch: FlowmatchResource, out: PartitionOutput) -> dg
         source = partition_source(flowmatch, out.partition)
         table, failed, extra = source.rows(out.partition, context.log.info)
     except MetadataError as e:
-        raise orphan_failure(flowmatch, out.partition, e) from e
+        if (failure := orphan_failure(flowmatch, out.partition, e)) is e:
+            raise  # the key matches data: a real read error, with its trace
+        raise failure from None  # one line that names the fix (the read error is in it)
     except SourceError as e:  # not configured (any more), unreadable: one line, the fix
         raise dg.Failure(str(e)) from e
     winners = extra.pop("winners", None)

@@ -58,6 +58,10 @@ def plot_loss_curve(metrics_csv: Path, out_png: Path) -> Path:
         if a.lines:
             a.legend()
     ax[0].set_yscale("log")
+    ax[0].set_title("flow-matching loss (falls as it learns)")
+    ax[0].set_ylabel("velocity MSE (log)")
+    ax[1].set_title("REPA alignment (lower: closer to DINOv2)")
+    ax[1].set_ylabel("-cosine")
     fig.tight_layout()
     with atomic_path(out_png, suffix=".png") as tmp:
         fig.savefig(tmp, dpi=100, format="png")
