@@ -536,9 +536,13 @@ class Catalog:
 
     def sizes(self) -> list[dict]:
         """Disk bytes per asset: the sum of its materializations' stored bytes (each partition's
-        file; a training run's folder), partitioned assets in lineage order, then the others."""
+        file; a training run's folder: its record's ``extra.disk_bytes``, as the run's
+        ``disk_size`` metadata), partitioned assets in lineage order, then the others."""
         return self.query(
-            """SELECT m.asset, count(*) AS partitions, sum(m.stored_bytes)::BIGINT AS bytes
+            """SELECT m.asset, count(*) AS partitions,
+                      sum(coalesce(nullif(m.stored_bytes, 0),
+                                   try_cast(json_extract_string(m.extra, '$.disk_bytes') AS BIGINT),
+                                   0))::BIGINT AS bytes
                FROM materializations m LEFT JOIN assets a USING (asset)
                GROUP BY m.asset, a.lineage_order ORDER BY a.lineage_order NULLS LAST, m.asset"""
         )
