@@ -193,9 +193,14 @@ def main(argv=None):
         data.dim, data.num_classes, hidden=256 if img else 128, depth=3, lr=1e-3, steps=steps
     )
     trainer = L.Trainer(
-        max_steps=steps, accelerator="cpu", devices=1, logger=False,
-        enable_checkpointing=False, enable_model_summary=False, log_every_n_steps=50,
-    )  # fmt: skip
+        max_steps=steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        log_every_n_steps=50,
+    )
     t0 = time.time()
     # digits: the 17 levels as they are (the discretised decoder models them)
     trainer.fit(model, datasets.loader(data, 128 if img else 256))
@@ -206,10 +211,17 @@ def main(argv=None):
     t0 = time.time()
     samples = model.sample(n, labels)
     sample_s = time.time() - t0
-    m = {"example": "ddpm", "data": args.data, "seed": args.seed, "steps": steps,
-         "train_seconds": round(train_s, 1), "sample_seconds": round(sample_s, 1),
-         "sampling_steps": T, "sampler": "ancestral (Algorithm 2), sigma_t^2 = beta_tilde_t",
-         "parameters": sum(p.numel() for p in model.parameters())}  # fmt: skip
+    m = {
+        "example": "ddpm",
+        "data": args.data,
+        "seed": args.seed,
+        "steps": steps,
+        "train_seconds": round(train_s, 1),
+        "sample_seconds": round(sample_s, 1),
+        "sampling_steps": T,
+        "sampler": "ancestral (Algorithm 2), sigma_t^2 = beta_tilde_t",
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
     m |= metrics.evaluate(samples, labels, data)
     t0 = time.time()
     if img:

@@ -161,9 +161,14 @@ def main(argv=None):
         data.dim, data.num_classes, hidden=256 if img else 128, depth=3, lr=1e-3, steps=steps
     )
     trainer = L.Trainer(
-        max_steps=steps, accelerator="cpu", devices=1, logger=False,
-        enable_checkpointing=False, enable_model_summary=False, log_every_n_steps=50,
-    )  # fmt: skip
+        max_steps=steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        log_every_n_steps=50,
+    )
     t0 = time.time()
     # digits: uniform dequantisation (noise within each pixel's 1/8 bin) so that a density exists
     trainer.fit(model, datasets.loader(data, 128 if img else 256, dequantise=img))
@@ -175,10 +180,17 @@ def main(argv=None):
     keep = [0, args.nfe // 4, args.nfe // 2, 3 * args.nfe // 4, args.nfe]
     samples, traj = model.sample(n, labels, args.nfe, keep=keep if img else range(args.nfe + 1))
     sample_s = time.time() - t0
-    m = {"example": "flow_matching", "data": args.data, "seed": args.seed, "steps": steps,
-         "train_seconds": round(train_s, 1), "sample_seconds": round(sample_s, 1),
-         "sampling_steps": args.nfe, "sampler": "Euler ODE",
-         "parameters": sum(p.numel() for p in model.parameters())}  # fmt: skip
+    m = {
+        "example": "flow_matching",
+        "data": args.data,
+        "seed": args.seed,
+        "steps": steps,
+        "train_seconds": round(train_s, 1),
+        "sample_seconds": round(sample_s, 1),
+        "sampling_steps": args.nfe,
+        "sampler": "Euler ODE",
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
     m |= metrics.evaluate(samples, labels, data)
     # how many ODE steps it needs: energy distance with fewer Euler steps
     q = metrics.quantise if img else (lambda x: x)

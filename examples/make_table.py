@@ -24,9 +24,12 @@ def main(out: Path) -> None:
     for p in sorted(out.glob("*/metrics.json")):
         m = json.loads(p.read_text())
         runs[m["example"], m["data"]] = m
-    rows = ["### 2-D (held-out: 2,000 points; 2,000 samples)", "",
-            "| data | example | steps | train s | sampling steps | energy distance (Gaussian, floor) | NLL nats (Gaussian) |",
-            "|---|---|---|---|---|---|---|"]  # fmt: skip
+    rows = [
+        "### 2-D (held-out: 2,000 points; 2,000 samples)",
+        "",
+        "| data | example | steps | train s | sampling steps | energy distance (Gaussian, floor) | NLL nats (Gaussian) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for d in DATA[:3]:
         for e, name in EXAMPLES.items():
             m = runs.get((e, d))
@@ -40,9 +43,13 @@ def main(out: Path) -> None:
                 f"{f(m['energy_distance_train_vs_heldout'], 4)}) | "
                 f"{f(nll, 2)} {kind} ({f(m['nll_gaussian_nats'], 2)}) |"
             )
-    rows += ["", "### digits (held-out: 360 real images; 1,000 class-conditional samples)", "",
-             "| example | steps | train s | sampling steps | classifier acc. (Gaussian) | two-sample acc. (Gaussian, floor) | NN ratio (Gaussian) | energy distance (Gaussian) | bits/dim (Gaussian, pixel hist.) |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    rows += [
+        "",
+        "### digits (held-out: 360 real images; 1,000 class-conditional samples)",
+        "",
+        "| example | steps | train s | sampling steps | classifier acc. (Gaussian) | two-sample acc. (Gaussian, floor) | NN ratio (Gaussian) | energy distance (Gaussian) | bits/dim (Gaussian, pixel hist.) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for e, name in EXAMPLES.items():
         m = runs.get((e, "digits"))
         if m is None:
@@ -58,8 +65,13 @@ def main(out: Path) -> None:
         )
     fm = [runs[k] for k in runs if k[0] == "flow_matching"]
     if fm:
-        rows += ["", "Flow Matching: energy distance against the number of Euler steps", "",
-                 "| data | 2 | 5 | 10 | 20 | 50 | 100 |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+        rows += [
+            "",
+            "Flow Matching: energy distance against the number of Euler steps",
+            "",
+            "| data | 2 | 5 | 10 | 20 | 50 | 100 |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for m in fm:
             by = m["energy_distance_by_nfe"]
             cells = " | ".join(f(by[k], 4) for k in ("2", "5", "10", "20", "50"))

@@ -195,9 +195,14 @@ def main(argv=None):
         data.dim, data.num_classes, hidden=256 if img else 128, depth=3, lr=1e-3, steps=steps
     )
     trainer = L.Trainer(
-        max_steps=steps, accelerator="cpu", devices=1, logger=False,
-        enable_checkpointing=False, enable_model_summary=False, log_every_n_steps=50,
-    )  # fmt: skip
+        max_steps=steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        log_every_n_steps=50,
+    )
     t0 = time.time()
     # digits: uniform dequantisation (noise within each pixel's 1/8 bin) so that a density exists
     trainer.fit(model, datasets.loader(data, 128 if img else 256, dequantise=img))
@@ -208,10 +213,17 @@ def main(argv=None):
     t0 = time.time()
     samples = model.sample(n, labels)
     sample_s = time.time() - t0
-    m = {"example": "nonequilibrium", "data": args.data, "seed": args.seed, "steps": steps,
-         "train_seconds": round(train_s, 1), "sample_seconds": round(sample_s, 1),
-         "sampling_steps": T, "sampler": "reverse diffusion, learned Gaussian kernels",
-         "parameters": sum(p.numel() for p in model.parameters())}  # fmt: skip
+    m = {
+        "example": "nonequilibrium",
+        "data": args.data,
+        "seed": args.seed,
+        "steps": steps,
+        "train_seconds": round(train_s, 1),
+        "sample_seconds": round(sample_s, 1),
+        "sampling_steps": T,
+        "sampler": "reverse diffusion, learned Gaussian kernels",
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
     m |= metrics.evaluate(samples, labels, data)
     t0 = time.time()
     if img:  # held-out digits, dequantised: log P(x | y) >= K(x + u) + D log bin

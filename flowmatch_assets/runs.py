@@ -300,8 +300,10 @@ def materialize(
     if sources:
         keys = [*keys, *(k for k in known if source_of(k) in sources and k not in keys)]
         if not keys:
-            raise UsageError(f"no partitions of {', '.join(sources)} are registered; run "
-                             "`flowmatch partitions register --source NAME`")  # fmt: skip
+            raise UsageError(
+                f"no partitions of {', '.join(sources)} are registered; run "
+                "`flowmatch partitions register --source NAME`"
+            )
     out: dict[str, bool] = {}
     stale: set[tuple[str, str]] = set()
     if stale_only:
@@ -445,11 +447,17 @@ def finetune(
     """Materialize ``fine_tune`` (and ``samples``): a new run ``run_name`` from ``parent``'s
     weights (flowmatch_models/train/finetune.py) on ``sources`` (default every source), weighted."""
     cfg: dict = {
-        "run_name": run_name, "parent_run": parent, "parent_step": parent_step,
-        "weights": weights, "freeze": list(freeze or []), "sources": sources,
-        "source_weights": dict(source_weights or {}), "settings": dict(settings or {}),
-        "min_coverage": min_coverage, "max_steps": steps,
-    }  # fmt: skip
+        "run_name": run_name,
+        "parent_run": parent,
+        "parent_step": parent_step,
+        "weights": weights,
+        "freeze": list(freeze or []),
+        "sources": sources,
+        "source_weights": dict(source_weights or {}),
+        "settings": dict(settings or {}),
+        "min_coverage": min_coverage,
+        "max_steps": steps,
+    }
     cfg = {k: v for k, v in cfg.items() if v is not None}  # the launchpad's defaults
     if config_file:
         cfg["config_file"] = str(Path(config_file).resolve())

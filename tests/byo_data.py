@@ -131,13 +131,19 @@ def write_parquet(dest: Path, files: int = 2, by_idx: bool = False) -> dict[str,
         ]
     )
     broken = {
-        3: ({"image": _hf_image(encode(photo("coins"), quality=85), "nocap.jpg"),
-             "caption": None}, "failed:missing_caption"),
-        4: ({"image": _hf_image(None, "elsewhere.jpg"), "caption": "an image kept elsewhere"},
-            "failed:missing_image"),
-        10: ({"image": _hf_image(HTML, "error.jpg"), "caption": "an error page"},
-             "failed:not_image"),
-    }  # fmt: skip
+        3: (
+            {"image": _hf_image(encode(photo("coins"), quality=85), "nocap.jpg"), "caption": None},
+            "failed:missing_caption",
+        ),
+        4: (
+            {"image": _hf_image(None, "elsewhere.jpg"), "caption": "an image kept elsewhere"},
+            "failed:missing_image",
+        ),
+        10: (
+            {"image": _hf_image(HTML, "error.jpg"), "caption": "an error page"},
+            "failed:not_image",
+        ),
+    }
     good = iter(PHOTOS[:10])
     rows = []
     for i in range(13):
@@ -146,8 +152,9 @@ def write_parquet(dest: Path, files: int = 2, by_idx: bool = False) -> dict[str,
             exp[str(i)] = broken[i][1]
             continue
         name, caption = next(good)
-        rows.append({"image": _hf_image(encode(photo(name), quality=85), f"{name}.jpg"),
-                     "caption": caption})  # fmt: skip
+        rows.append(
+            {"image": _hf_image(encode(photo(name), quality=85), f"{name}.jpg"), "caption": caption}
+        )
         exp[str(i)] = "stored"
     rows.append({"image": _hf_image(rows[0]["image"]["bytes"], "again.jpg"), "caption": "again"})
     exp["13"] = "filtered:duplicate_content"
@@ -191,16 +198,24 @@ def write_webdataset(dest: Path, tars: int = 2) -> dict[str, str]:
     samples.append({"txt": "a caption without its image", "name": "noimage"})
     samples.append({"jpg": _bad_jpeg(), "txt": "a truncated photo", "name": "truncated"})
     samples.append({"jpg": samples[1]["jpg"], "txt": "the coffee again", "name": "copy"})
-    outcome = ["stored"] * 10 + ["failed:missing_caption", "failed:missing_image",
-                                 "failed:corrupt", "filtered:duplicate_content"]  # fmt: skip
+    outcome = ["stored"] * 10 + [
+        "failed:missing_caption",
+        "failed:missing_image",
+        "failed:corrupt",
+        "filtered:duplicate_content",
+    ]
     per = -(-len(samples) // tars)
     for s in range(tars):
         with tarfile.open(dest / f"{s:05d}.tar", "w") as tar:
             for j, sm in enumerate(samples[s * per : (s + 1) * per]):
                 key = f"{s:05d}{j:04d}"
                 exp[key] = outcome[s * per + j]
-                meta = {"url": f"https://example.org/{sm['name']}.jpg", "key": key,
-                        "status": "success", "caption": sm.get("json_caption")}  # fmt: skip
+                meta = {
+                    "url": f"https://example.org/{sm['name']}.jpg",
+                    "key": key,
+                    "status": "success",
+                    "caption": sm.get("json_caption"),
+                }
                 if "jpg" in sm:
                     _add(tar, f"{key}.jpg", sm["jpg"])
                 if "txt" in sm:

@@ -132,23 +132,27 @@ def write_folder(d: Path, outside: Path, unreadable: bool) -> dict[str, str]:
         json.dumps({"file_name": "m7.jpg", "text": {"en": "a mapping"}}).encode(),
     ]
     (m / "metadata.jsonl").write_bytes(b"\n".join(lines) + b"\n")
-    exp.update({
-        "meta/m1.jpg": "stored",
-        "meta/metadata.jsonl#L2": "failed:outside_source",
-        "meta/metadata.jsonl#L3": "failed:outside_source",
-        "meta/metadata.jsonl#L4": "failed:bad_metadata",
-        "meta/m5.jpg": "failed:bad_caption",
-        "meta/m6.jpg": "stored",
-        "meta/m7.jpg": "failed:bad_caption",
-    })  # fmt: skip
+    exp.update(
+        {
+            "meta/m1.jpg": "stored",
+            "meta/metadata.jsonl#L2": "failed:outside_source",
+            "meta/metadata.jsonl#L3": "failed:outside_source",
+            "meta/metadata.jsonl#L4": "failed:bad_metadata",
+            "meta/m5.jpg": "failed:bad_caption",
+            "meta/m6.jpg": "stored",
+            "meta/m7.jpg": "failed:bad_caption",
+        }
+    )
     return exp
 
 
 def _hf(rows: list[dict], caption_type: pa.DataType) -> pa.Table:
-    schema = pa.schema([
-        ("image", pa.struct([("bytes", pa.binary()), ("path", pa.string())])),
-        ("text", caption_type),
-    ])  # fmt: skip
+    schema = pa.schema(
+        [
+            ("image", pa.struct([("bytes", pa.binary()), ("path", pa.string())])),
+            ("text", caption_type),
+        ]
+    )
     return pa.Table.from_pylist(rows, schema=schema)
 
 
@@ -158,27 +162,56 @@ def write_parquet(d: Path, outside: Path) -> tuple[dict[str, str], dict[str, str
     file, the file to break later)."""
     d.mkdir(parents=True)
     img = lambda seed, path=None: {"bytes": jpeg(seed), "path": path}  # noqa: E731
-    pq.write_table(_hf([
-        {"image": img(30), "text": "a plain caption"},
-        {"image": img(31), "text": None},
-        {"image": {"bytes": None, "path": str(outside / "secret.jpg")}, "text": "kept elsewhere"},
-    ], pa.string()), d / "strings #1 ?.parquet")  # fmt: skip
-    pq.write_table(_hf([
-        {"image": img(32), "text": b"a caption as UTF-8 bytes"},
-        {"image": img(33), "text": "caf\xe9".encode("latin-1")},
-    ], pa.binary()), d / "bytes.parquet")  # fmt: skip
-    pq.write_table(_hf([
-        {"image": img(34), "text": ["the first caption", "a second"]},
-        {"image": img(35), "text": []},
-    ], pa.list_(pa.string())), d / "lists.parquet")  # fmt: skip
+    pq.write_table(
+        _hf(
+            [
+                {"image": img(30), "text": "a plain caption"},
+                {"image": img(31), "text": None},
+                {
+                    "image": {"bytes": None, "path": str(outside / "secret.jpg")},
+                    "text": "kept elsewhere",
+                },
+            ],
+            pa.string(),
+        ),
+        d / "strings #1 ?.parquet",
+    )
+    pq.write_table(
+        _hf(
+            [
+                {"image": img(32), "text": b"a caption as UTF-8 bytes"},
+                {"image": img(33), "text": "caf\xe9".encode("latin-1")},
+            ],
+            pa.binary(),
+        ),
+        d / "bytes.parquet",
+    )
+    pq.write_table(
+        _hf(
+            [
+                {"image": img(34), "text": ["the first caption", "a second"]},
+                {"image": img(35), "text": []},
+            ],
+            pa.list_(pa.string()),
+        ),
+        d / "lists.parquet",
+    )
     pq.write_table(_hf([{"image": img(36), "text": 7}], pa.int64()), d / "ints.parquet")
     good = (d / "bytes.parquet").read_bytes()
     lie = (2**31 - 1).to_bytes(4, "little")  # the footer length points before the file
     (d / "corrupt.parquet").write_bytes(good[:-8] + lie + b"PAR1")
     os.symlink(outside / "secret.parquet", d / "link.parquet")
     later = d / "later.parquet"
-    pq.write_table(_hf([{"image": img(37), "text": "fine at first"},
-                        {"image": img(38), "text": "fine at first too"}], pa.string()), later)  # fmt: skip
+    pq.write_table(
+        _hf(
+            [
+                {"image": img(37), "text": "fine at first"},
+                {"image": img(38), "text": "fine at first too"},
+            ],
+            pa.string(),
+        ),
+        later,
+    )
     exp = {
         "strings #1 ?/0": "stored",
         "strings #1 ?/1": "failed:missing_caption",
@@ -208,14 +241,17 @@ def write_webdataset(d: Path, outside: Path) -> tuple[dict[str, str], dict[str, 
     a link out, and a tar that will be cut after registration. Returns (expected outcomes,
     expected skipped reasons by tar, the tar to cut later)."""
     d.mkdir(parents=True)
-    _tar(d / "shard#1.tar", [
-        {"k0.jpg": jpeg(40), "k0.txt": b"a plain caption"},
-        {"k1.jpg": jpeg(41), "k1.txt": "caf\xe9".encode("latin-1")},
-        {"k2.jpg": jpeg(42), "k2.json": json.dumps({"caption": 5}).encode()},
-        {"k3.jpg": jpeg(43), "k3.txt": b"x" * ((1 << 20) + 1)},
-        {"../../escape.jpg": jpeg(44), "../../escape.txt": b"a member named out of the tar"},
-        {"k5.jpg": jpeg(45), "k5.json": b"\xff\xfe not json"},
-    ])  # fmt: skip
+    _tar(
+        d / "shard#1.tar",
+        [
+            {"k0.jpg": jpeg(40), "k0.txt": b"a plain caption"},
+            {"k1.jpg": jpeg(41), "k1.txt": "caf\xe9".encode("latin-1")},
+            {"k2.jpg": jpeg(42), "k2.json": json.dumps({"caption": 5}).encode()},
+            {"k3.jpg": jpeg(43), "k3.txt": b"x" * ((1 << 20) + 1)},
+            {"../../escape.jpg": jpeg(44), "../../escape.txt": b"a member named out of the tar"},
+            {"k5.jpg": jpeg(45), "k5.json": b"\xff\xfe not json"},
+        ],
+    )
     whole = io.BytesIO()
     with tarfile.open(fileobj=whole, mode="w") as tar:
         for i in range(3):
@@ -244,8 +280,11 @@ def write_webdataset(d: Path, outside: Path) -> tuple[dict[str, str], dict[str, 
         "c1": "failed:corrupt_container",
         "c2": "failed:corrupt_container",
     }
-    skipped = {"truncated.tar": "corrupt_container", "lying.tar": "corrupt_container",
-               "link.tar": "outside_source"}  # fmt: skip
+    skipped = {
+        "truncated.tar": "corrupt_container",
+        "lying.tar": "corrupt_container",
+        "link.tar": "outside_source",
+    }
     return exp, skipped, later
 
 
@@ -274,8 +313,9 @@ def write_pd12m(md_dir: Path, images: Path, urls: dict[str, str]) -> dict[str, s
     rows += [{"id": k, "url": u, "caption": f"a row pointing at {k}"} for k, u in urls.items()]
     for n, r in enumerate(rows):  # the file rows' hash is their md5, as PD12M's
         md5 = hashlib.md5(jpeg(70 + n)).hexdigest() if n < 3 else f"{n:032x}"
-        r.update(width=1024, height=768, mime_type="image/jpeg", hash=md5,
-                 license="cc0", source="test")  # fmt: skip
+        r.update(
+            width=1024, height=768, mime_type="image/jpeg", hash=md5, license="cc0", source="test"
+        )
     pq.write_table(pa.Table.from_pylist(rows), md_dir / "pd12m.000.parquet")
     return {f"p{i}": "stored" for i in range(3)}
 
@@ -312,8 +352,12 @@ def flat_png(w: int, h: int, colour: int = 2, depth: int = 8) -> bytes:
     rows = row * 256
     idat = [z.compress(rows) for _ in range(h // 256)] + [z.compress(row * (h % 256)), z.flush()]
     ihdr = struct.pack(">IIBBBBB", w, h, depth, colour, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", ihdr)
-            + _png_chunk(b"IDAT", b"".join(idat)) + _png_chunk(b"IEND", b""))  # fmt: skip
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + _png_chunk(b"IHDR", ihdr)
+        + _png_chunk(b"IDAT", b"".join(idat))
+        + _png_chunk(b"IEND", b"")
+    )
 
 
 def float_tiff(w: int, h: int, rows_per_strip: int = 64) -> bytes:
@@ -321,9 +365,18 @@ def float_tiff(w: int, h: int, rows_per_strip: int = 64) -> bytes:
     compressed strip: 10000 x 9999 is under 1 MB and 400 MB decoded."""
     strips = -(-h // rows_per_strip)
     data = zlib.compress(b"\x00" * (w * 4 * rows_per_strip), 9)
-    tags = [(256, 4, 1, w), (257, 4, 1, h), (258, 3, 1, 32), (259, 3, 1, 8), (262, 3, 1, 1),
-            (273, 4, strips, None), (277, 3, 1, 1), (278, 4, 1, rows_per_strip),
-            (279, 4, strips, None), (339, 3, 1, 3)]  # fmt: skip
+    tags = [
+        (256, 4, 1, w),
+        (257, 4, 1, h),
+        (258, 3, 1, 32),
+        (259, 3, 1, 8),
+        (262, 3, 1, 1),
+        (273, 4, strips, None),
+        (277, 3, 1, 1),
+        (278, 4, 1, rows_per_strip),
+        (279, 4, strips, None),
+        (339, 3, 1, 3),
+    ]
     ifd_at = 8
     ifd_len = 2 + 12 * len(tags) + 4
     offsets_at = ifd_at + ifd_len
@@ -335,8 +388,11 @@ def float_tiff(w: int, h: int, rows_per_strip: int = 64) -> bytes:
             value = offsets_at
         elif tag == 279:
             value = counts_at
-        out.append(struct.pack("<HHII", tag, typ, count, value) if typ == 4
-                   else struct.pack("<HHIHH", tag, typ, count, value, 0))  # fmt: skip
+        out.append(
+            struct.pack("<HHII", tag, typ, count, value)
+            if typ == 4
+            else struct.pack("<HHIHH", tag, typ, count, value, 0)
+        )
     out.append(struct.pack("<I", 0))
     out.append(struct.pack(f"<{strips}I", *[data_at] * strips))
     out.append(struct.pack(f"<{strips}I", *[len(data)] * strips))

@@ -59,13 +59,29 @@ def postgres_server() -> Iterator[PgServer]:
     try:
         subprocess.run(
             [*run_as, f"{bindir}/initdb", "-D", data, "-U", user, "--auth=trust", "-E", "UTF8"],
-            check=True, capture_output=True, timeout=120,
-        )  # fmt: skip
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
         subprocess.run(
-            [*run_as, f"{bindir}/pg_ctl", "-D", data, "-l", log, "-w", "-t", "60", "start",
-             "-o", f"-h 127.0.0.1 -p {port} -k {sock} -c fsync=off"],
-            check=True, capture_output=True, timeout=120,
-        )  # fmt: skip
+            [
+                *run_as,
+                f"{bindir}/pg_ctl",
+                "-D",
+                data,
+                "-l",
+                log,
+                "-w",
+                "-t",
+                "60",
+                "start",
+                "-o",
+                f"-h 127.0.0.1 -p {port} -k {sock} -c fsync=off",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
         subprocess.run(
             [f"{bindir}/createdb", "-h", "127.0.0.1", "-p", str(port), "-U", user, "dagster"],
             check=True,
@@ -76,7 +92,8 @@ def postgres_server() -> Iterator[PgServer]:
     finally:
         subprocess.run(
             [*run_as, f"{bindir}/pg_ctl", "-D", data, "-m", "immediate", "stop"],
-            capture_output=True, timeout=60,
-        )  # fmt: skip
+            capture_output=True,
+            timeout=60,
+        )
         time.sleep(0.2)
         shutil.rmtree(base, ignore_errors=True)

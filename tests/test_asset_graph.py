@@ -140,9 +140,12 @@ def test_cli_runs_are_the_code_locations_own_runs(tmp_path, monkeypatch, capfd):
     other = resource_from_env(overrides={"data_root": str(tmp_path / "other")})
     with dg.DagsterInstance.ephemeral() as instance:
         result = runs.run_assets(
-            ["budget_report"], tags={"flowmatch/cli": "budget"}, res=other,
-            dagster_instance=instance, steps=False,
-        )  # fmt: skip
+            ["budget_report"],
+            tags={"flowmatch/cli": "budget"},
+            res=other,
+            dagster_instance=instance,
+            steps=False,
+        )
         assert result.success
         (run,) = instance.get_runs()
         label = {".dagster/repository": "__repository__@flowmatch_assets.definitions:defs"}

@@ -35,8 +35,11 @@ def make_bucket_store(root: Path, seed: int = 0, grids_of=GRIDS) -> tuple[Path, 
     truth = {}
     for i, (p, n) in enumerate(SIZES.items()):
         ids = [f"{p}/{j}" for j in range(n)]
-        grids = [(8, 8)] * n if p == SQUARE else [grids_of[k] for k in rng.integers(0, 3, n)
-                                                  % len(grids_of)]  # fmt: skip
+        grids = (
+            [(8, 8)] * n
+            if p == SQUARE
+            else [grids_of[k] for k in rng.integers(0, 3, n) % len(grids_of)]
+        )
         lats = [(rng.standard_normal((32, h, w)) / SF).astype(np.float16) for h, w in grids]
         patches = [rng.standard_normal((h * w, 384)).astype(np.float16) for h, w in grids]
         truth.update({sid: (lat, pat) for sid, lat, pat in zip(ids, lats, patches)})
@@ -47,15 +50,24 @@ def make_bucket_store(root: Path, seed: int = 0, grids_of=GRIDS) -> tuple[Path, 
             grid = np.array(grids, np.int32)
             vae = {"latents": np.concatenate([x.reshape(-1, 32) for x in lats]), "grid": grid}
             dino = {"patch": np.concatenate(patches), "cls": cls, "grid": grid}
-        write_shard(layout.asset_path("vae_latents", p), vae, ids,
-                    codec="zstd" if i % 2 else "none", attrs={"scaling_factor": SF})  # fmt: skip
+        write_shard(
+            layout.asset_path("vae_latents", p),
+            vae,
+            ids,
+            codec="zstd" if i % 2 else "none",
+            attrs={"scaling_factor": SF},
+        )
         write_shard(
             layout.asset_path("dino_features", p), dino, ids, codec="none", lossy={"patch": "pca4"}
         )  # the default storage: transform-coded cell rows
         lengths = rng.integers(2, 24, n).astype(np.int32)
         tokens = rng.standard_normal((int(lengths.sum()), 640)).astype(np.float16)
-        write_shard(layout.asset_path("text_embeddings", p),
-                    {"tokens": tokens, "lengths": lengths}, ids, codec="zstd")  # fmt: skip
+        write_shard(
+            layout.asset_path("text_embeddings", p),
+            {"tokens": tokens, "lengths": lengths},
+            ids,
+            codec="zstd",
+        )
     return root, truth
 
 
@@ -108,10 +120,13 @@ def test_order_is_the_same_for_any_workers_batch_and_resume(bucket_store) -> Non
     four = BatchStream(src, 4, seed=5, bucket_chunk=16)
     assert ids(_batches(four, 80, workers=3)) == ids(ref)
     # two ranks of 4: rank r takes the r-th half of each global batch
-    halves = [_batches(BatchStream(src, 4, seed=5, rank=r, world_size=2, bucket_chunk=16), 40)
-              for r in (0, 1)]  # fmt: skip
+    halves = [
+        _batches(BatchStream(src, 4, seed=5, rank=r, world_size=2, bucket_chunk=16), 40)
+        for r in (0, 1)
+    ]
     assert [x["meta"]["ids"] + y["meta"]["ids"] for x, y in zip(*halves)] == [
-        b["meta"]["ids"] for b in ref]  # fmt: skip
+        b["meta"]["ids"] for b in ref
+    ]
     # a resume at any batch (mid-epoch, at a boundary, in a later epoch) continues exactly
     stream = BatchStream(src, 8, seed=5, bucket_chunk=16)
     for k in (3, 12, 27):
@@ -123,8 +138,9 @@ def test_order_is_the_same_for_any_workers_batch_and_resume(bucket_store) -> Non
         BatchStream(src, 6, seed=5, bucket_chunk=16)
     # the order is a pure function: one bucket gives exactly the order without buckets
     sizes = np.array([10, 7, 12])
-    assert np.array_equal(epoch_order(sizes, 2, 1, 2, np.zeros(29, np.uint8), 4),
-                          epoch_order(sizes, 2, 1, 2))  # fmt: skip
+    assert np.array_equal(
+        epoch_order(sizes, 2, 1, 2, np.zeros(29, np.uint8), 4), epoch_order(sizes, 2, 1, 2)
+    )
 
 
 def test_training_on_buckets_resumes_exactly_with_ledger_and_per_bucket_loss(
@@ -133,8 +149,9 @@ def test_training_on_buckets_resumes_exactly_with_ledger_and_per_bucket_loss(
     root, _ = bucket_store
 
     def config(out: Path, **kw) -> dict:
-        return tiny_config(root, out, data__bucket_chunk=16, trainer__val_every=4,
-                           data__heldout_fraction=0.1, **kw)  # fmt: skip
+        return tiny_config(
+            root, out, data__bucket_chunk=16, trainer__val_every=4, data__heldout_fraction=0.1, **kw
+        )
 
     full = run_training(config(tmp_path / "full"), resume="none")
     assert full.step == 8
@@ -175,8 +192,9 @@ def test_training_on_buckets_resumes_exactly_with_ledger_and_per_bucket_loss(
         for sid in r["ids"]:
             want.setdefault(sid, []).append(i // 2 + 1)
     assert sorted(got["sample_id"].to_pylist()) == sorted(want)
-    for sid, n, lo, hi in zip(got["sample_id"].to_pylist(), got["times_seen"],
-                              got["first_step"], got["last_step"]):  # fmt: skip
+    for sid, n, lo, hi in zip(
+        got["sample_id"].to_pylist(), got["times_seen"], got["first_step"], got["last_step"]
+    ):
         assert (n, lo, hi) == (len(want[sid]), min(want[sid]), max(want[sid])), sid
 
 
@@ -188,11 +206,18 @@ def test_an_elastic_resume_with_a_larger_batch_keeps_batches_one_bucket(
     every batch stays one bucket and the ledger reconstructs exactly what was trained."""
     root, truth = bucket_store
     out = tmp_path / "elastic"
-    cfg = tiny_config(root, out, data__bucket_chunk=16, trainer__accumulate_grad_batches=1,
-                      trainer__max_steps=3)  # fmt: skip
+    cfg = tiny_config(
+        root, out, data__bucket_chunk=16, trainer__accumulate_grad_batches=1, trainer__max_steps=3
+    )
     assert run_training(cfg, resume="none").step == 3
-    cfg = tiny_config(root, out, data__bucket_chunk=16, trainer__accumulate_grad_batches=1,
-                      trainer__max_steps=6, data__batch_size=16)  # fmt: skip
+    cfg = tiny_config(
+        root,
+        out,
+        data__bucket_chunk=16,
+        trainer__accumulate_grad_batches=1,
+        trainer__max_steps=6,
+        data__batch_size=16,
+    )
     assert run_training(cfg, resume="auto").step == 6
     recs = read_records(out)
     assert [len(r["ids"]) for r in recs] == [8, 8, 8, 16, 16, 16]
@@ -205,8 +230,11 @@ def test_an_elastic_resume_with_a_larger_batch_keeps_batches_one_bucket(
     layout = DataLayout(root)
     shard = lambda p: read_shard(layout.asset_path("vae_latents", p))  # noqa: E731
     segs = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)
-    got = expand(segs["EmbeddingDataModule"]["ledger"], lambda p: shard(p).ids,
-                 lambda p: sample_grids(shard(p)))  # fmt: skip
+    got = expand(
+        segs["EmbeddingDataModule"]["ledger"],
+        lambda p: shard(p).ids,
+        lambda p: sample_grids(shard(p)),
+    )
     want = sorted(i for r in recs for i in r["ids"])
     assert sorted(got["sample_id"].to_pylist()) == want
 
@@ -220,24 +248,42 @@ def test_ledger_epochs_view_reads_segments_recorded_before_buckets(tmp_path: Pat
     from flowmatch_assets.catalog import Catalog
     from flowmatch_assets.catalog.records import LEDGER_EPOCH_SCHEMA, ledger_path, record_ledger
 
-    seg = {"epoch": 0, "partitions": ["000-00"], "sizes": [4], "seed": 0, "shuffle_window": 4,
-           "global_batch": 2, "accumulate": 1, "pos_from": 0, "pos_to": 4, "step_from": 0,
-           "available_partitions": 1, "available_samples": 4}  # fmt: skip
+    seg = {
+        "epoch": 0,
+        "partitions": ["000-00"],
+        "sizes": [4],
+        "seed": 0,
+        "shuffle_window": 4,
+        "global_batch": 2,
+        "accumulate": 1,
+        "pos_from": 0,
+        "pos_to": 4,
+        "step_from": 0,
+        "available_partitions": 1,
+        "available_samples": 4,
+    }
     old = pa.schema([f for f in LEDGER_EPOCH_SCHEMA if f.name not in ("heldout", "bucket_chunk")])
     path = ledger_path(tmp_path, "old", 2, "ledger_epochs")
     path.parent.mkdir(parents=True)
     pq.write_table(pa.Table.from_pylist([{**seg, "run": "old", "checkpoint_step": 2}], old), path)
-    empty = {"sample_id": pa.array([], pa.string()),
-             "partition": pa.array([], pa.string()).dictionary_encode(),
-             **{k: np.zeros(0, np.int64) for k in ("times_seen", "first_step", "last_step",
-                                                    "partition_size")}}  # fmt: skip
-    record_ledger(tmp_path, "new", 2, empty, [{**seg, "heldout": [0.1, 3], "bucket_chunk": 16}],
-                  [2])  # fmt: skip
+    empty = {
+        "sample_id": pa.array([], pa.string()),
+        "partition": pa.array([], pa.string()).dictionary_encode(),
+        **{
+            k: np.zeros(0, np.int64)
+            for k in ("times_seen", "first_step", "last_step", "partition_size")
+        },
+    }
+    record_ledger(
+        tmp_path, "new", 2, empty, [{**seg, "heldout": [0.1, 3], "bucket_chunk": 16}], [2]
+    )
     rows = Catalog(tmp_path).query(
         "SELECT run, bucket_chunk, samples FROM ledger_epochs ORDER BY run"
     )
-    assert rows == [{"run": "new", "bucket_chunk": 16, "samples": 4},
-                    {"run": "old", "bucket_chunk": None, "samples": 4}]  # fmt: skip
+    assert rows == [
+        {"run": "new", "bucket_chunk": 16, "samples": 4},
+        {"run": "old", "bucket_chunk": None, "samples": 4},
+    ]
 
 
 # --------------------------------------------------------------------------------------------
@@ -258,9 +304,16 @@ def test_compiled_buckets_one_graph_each_no_eager_fallback_losses_of_eager(tmp_p
     losses, keys = {}, {}
     for compiled in (False, True):
         out = tmp_path / f"c{int(compiled)}"
-        cfg = tiny_config(root, out, trainer__max_steps=12, trainer__accumulate_grad_batches=1,
-                          trainer__log_every=1, data__bucket_chunk=16, model__compile=compiled,
-                          logging__record_sample_ids=False)  # fmt: skip
+        cfg = tiny_config(
+            root,
+            out,
+            trainer__max_steps=12,
+            trainer__accumulate_grad_batches=1,
+            trainer__log_every=1,
+            data__bucket_chunk=16,
+            model__compile=compiled,
+            logging__record_sample_ids=False,
+        )
         torch._dynamo.reset()
         counters.clear()
         with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):  # never eager

@@ -33,9 +33,20 @@ from tests.conftest import make_resource
 def test_the_bucket_table_is_the_32_pixel_grid_at_the_256_pixel_budget():
     b = buckets_for(256)
     assert [label(x) for x in b] == [
-        "192x384", "192x352", "192x320", "224x320", "224x288", "224x256", "256x256",
-        "256x224", "288x224", "320x224", "320x192", "352x192", "384x192",
-    ]  # fmt: skip
+        "192x384",
+        "192x352",
+        "192x320",
+        "224x320",
+        "224x288",
+        "224x256",
+        "256x256",
+        "256x224",
+        "288x224",
+        "320x224",
+        "320x192",
+        "352x192",
+        "384x192",
+    ]
     for h, w in b:
         assert h % 32 == 0 and w % 32 == 0
         assert abs(h * w / 65536 - 1) <= 0.125
@@ -264,16 +275,27 @@ def test_shards_from_before_buckets_read_as_squares(tmp_path):
     pq.write_table(
         pa.table(
             {
-                "id": ["a", "b"], "caption": ["x", "y"], "image": [b"", b""],
-                "format": ["jpeg"] * 2, "orig_width": [1500, 800], "orig_height": [1000, 800],
-                "md5": ["0", "1"], "url": ["u", "v"],
+                "id": ["a", "b"],
+                "caption": ["x", "y"],
+                "image": [b"", b""],
+                "format": ["jpeg"] * 2,
+                "orig_width": [1500, 800],
+                "orig_height": [1000, 800],
+                "md5": ["0", "1"],
+                "url": ["u", "v"],
             },
-            schema=pa.schema([(f.name, f.type) for f in
-                              __import__("flowmatch_models.storage.image_shard").storage.image_shard.IMAGE_SHARD_SCHEMA
-                              if f.name not in ("height", "width", "kept")]),
+            schema=pa.schema(
+                [
+                    (f.name, f.type)
+                    for f in __import__(
+                        "flowmatch_models.storage.image_shard"
+                    ).storage.image_shard.IMAGE_SHARD_SCHEMA
+                    if f.name not in ("height", "width", "kept")
+                ]
+            ),
         ),
         p,
-    )  # fmt: skip
+    )
     with_images = read_image_meta(p, 256, images=True).to_pylist()  # what a retry merges
     assert [r["image"] for r in with_images] == [b"", b""]
     assert [(r["height"], r["width"], round(r["kept"], 6)) for r in with_images] == [
@@ -304,10 +326,18 @@ def test_the_size_check_fails_on_a_wrong_or_unknown_size(tmp_path):
         buf = io.BytesIO()
         Image.new("RGB", img_hw[::-1], (90, 90, 90)).save(buf, "JPEG")
         return {
-            "id": str(i), "caption": "c", "image": buf.getvalue(), "format": "jpeg",
-            "orig_width": 900, "orig_height": 600, "md5": str(i), "url": "u",
-            "height": says_hw[0], "width": says_hw[1], "kept": 1.0,
-        }  # fmt: skip
+            "id": str(i),
+            "caption": "c",
+            "image": buf.getvalue(),
+            "format": "jpeg",
+            "orig_width": 900,
+            "orig_height": 600,
+            "md5": str(i),
+            "url": "u",
+            "height": says_hw[0],
+            "width": says_hw[1],
+            "kept": 1.0,
+        }
 
     p = tmp_path / "000-00.parquet"
     write_image_shard(p, [row(0, (224, 320), (224, 320)), row(1, (224, 320), (224, 320))])
@@ -350,13 +380,20 @@ def test_the_centre_square_cuts_side_objects_that_buckets_keep(tmp_path):
     from flowmatch_assets.bench.crop import train_both
 
     sample = {"metadata": str(tmp_path / "sample" / "metadata"), "dest": str(tmp_path / "sample")}
-    ab = train_both(tmp_path, ["000-00"], sample, steps=4, batch=2, text_encoder="none",
-                    sizes=["256x256", "224x320"], n_prompts=2)  # fmt: skip
+    ab = train_both(
+        tmp_path,
+        ["000-00"],
+        sample,
+        steps=4,
+        batch=2,
+        text_encoder="none",
+        sizes=["256x256", "224x320"],
+        n_prompts=2,
+    )
     for mode in ("square", "aspect"):
         assert set(ab[mode]["sizes"]) == {"256x256", "224x320"}
         assert all(0 <= v <= 1 for r in ab[mode]["sizes"].values() for v in r.values())
-        ckpt = torch.load(tmp_path / "runs" / mode / "checkpoints" / "last.ckpt",
-                          weights_only=True)  # fmt: skip
+        ckpt = torch.load(tmp_path / "runs" / mode / "checkpoints" / "last.ckpt", weights_only=True)
         segs = ckpt["EmbeddingDataModule"]["ledger"]
         assert {s.get("bucket_chunk") for s in segs} == ({2} if mode == "aspect" else {None})
 

@@ -23,10 +23,16 @@ def _rec(root, asset, part, samples, seconds, stored=0, device="cpu", extra=None
     record_materialization(
         root,
         MaterializationRecord(
-            asset, part, samples=samples, seconds=seconds, raw_bytes=stored * 2,
-            stored_bytes=stored, device=device, extra=extra or {},
+            asset,
+            part,
+            samples=samples,
+            seconds=seconds,
+            raw_bytes=stored * 2,
+            stored_bytes=stored,
+            device=device,
+            extra=extra or {},
         ),
-    )  # fmt: skip
+    )
 
 
 def _rows(data):
@@ -35,8 +41,16 @@ def _rows(data):
 
 def _embeddings(root, part, device="cuda:0", n=1000, random_weights=False):
     for a, s in EMB.items():
-        _rec(root, a, part, n, s, stored=n * 20_000, device=device,
-             extra={"random_weights": random_weights})  # fmt: skip
+        _rec(
+            root,
+            a,
+            part,
+            n,
+            s,
+            stored=n * 20_000,
+            device=device,
+            extra={"random_weights": random_weights},
+        )
 
 
 def test_empty_catalog_says_not_measured_and_seed_references_are_exact(tmp_path):
@@ -72,8 +86,15 @@ def test_projection_from_measured_rates(tmp_path):
         _embeddings(tmp_path, p)  # 1000 pairs per 2+1+1 s = 250 pairs/s
     _embeddings(tmp_path, "000-02")
     _rec(tmp_path, "vae_latents", "000-03", 1000, 0.1, device="cuda:0")  # incomplete: ignored
-    _rec(tmp_path, "flow_model", "run", 2048, 1.0, device="cuda (NVIDIA H200)",
-         extra={"preset": "base", "samples_per_s": 2048.0})  # fmt: skip
+    _rec(
+        tmp_path,
+        "flow_model",
+        "run",
+        2048,
+        1.0,
+        device="cuda (NVIDIA H200)",
+        extra={"preset": "base", "samples_per_s": 2048.0},
+    )
     cfg = BudgetConfig(
         updates=1000, effective_batch=1024, gpu_hour_usd=2.0, gpus=2, box_watts=500, kwh_usd=0.5
     )
@@ -113,8 +134,15 @@ def test_devices_are_never_mixed_and_zoo_is_flagged(tmp_path):
 def test_resumed_run_uses_the_logged_rate_and_latest_run_wins(tmp_path):
     # a resumed run: cumulative samples over one short session's wall -> samples/s far too high
     _rec(tmp_path, "flow_model", "old", 1024, 100.0, device="cuda", extra={"preset": "tiny"})
-    _rec(tmp_path, "flow_model", "resumed", 1_024_000, 10.0, device="cuda",
-         extra={"preset": "tiny", "samples_per_s": 512.0})  # fmt: skip
+    _rec(
+        tmp_path,
+        "flow_model",
+        "resumed",
+        1_024_000,
+        10.0,
+        device="cuda",
+        extra={"preset": "tiny", "samples_per_s": 512.0},
+    )
     _rec(tmp_path, "flow_model", "nolog", 2048, 4.0, device="cpu", extra={"preset": "tiny"})
     m = measure(Catalog(tmp_path))
     by_dev = {r.device: r for r in m["training"]}
@@ -162,8 +190,15 @@ def test_disk_per_kind_worst_case_tokens_and_whether_the_ssd_fits(tmp_path, caps
         _rec(tmp_path, "vae_latents", p, 1000, 1.0, stored=1000 * 4_108)
         _rec(tmp_path, "dino_features", p, 1000, 1.0, stored=1000 * 13_100)
         # 100 tokens a caption at 359 B a token + 1,000 B of lengths/null/tables a sample
-        _rec(tmp_path, "text_embeddings", p, 1000, 1.0, stored=1000 * 36_900,
-             extra={"tokens": 100_000, "token_row_bytes": 359})  # fmt: skip
+        _rec(
+            tmp_path,
+            "text_embeddings",
+            p,
+            1000,
+            1.0,
+            stored=1000 * 36_900,
+            extra={"tokens": 100_000, "token_row_bytes": 359},
+        )
     cfg = BudgetConfig(updates=400_000)
     _, data = budget(Catalog(tmp_path), cfg)
     disk = {d["what"].strip(): d for d in data["disk"]}
@@ -201,10 +236,12 @@ def test_the_budget_imports_no_torch_and_its_recorded_counts_are_current(tmp_pat
 
     from flowmatch_assets.reports import budget as b
 
-    code = ("import sys; from flowmatch_assets.catalog import Catalog; "
-            "from flowmatch_assets.reports.budget import BudgetConfig, budget; "
-            f"budget(Catalog({str(tmp_path)!r}), BudgetConfig()); "
-            "print(sorted(m for m in ('torch', 'lightning', 'diffusers') if m in sys.modules))")  # fmt: skip
+    code = (
+        "import sys; from flowmatch_assets.catalog import Catalog; "
+        "from flowmatch_assets.reports.budget import BudgetConfig, budget; "
+        f"budget(Catalog({str(tmp_path)!r}), BudgetConfig()); "
+        "print(sorted(m for m in ('torch', 'lightning', 'diffusers') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
     table = json.loads(b.PARAM_COUNTS.read_text())

@@ -77,14 +77,21 @@ def test_sizes_are_disk_bytes_per_asset(tmp_path, monkeypatch, capsys):
     human units (`--json`: the exact bytes), partitioned assets in lineage order."""
     from flowmatch_assets.cli import main
 
-    for asset, part, size in [("vae_latents", "000-00", 3 << 20), ("images", "000-00", 1000),
-                              ("images", "000-01", 1048)]:  # fmt: skip
+    for asset, part, size in [
+        ("vae_latents", "000-00", 3 << 20),
+        ("images", "000-00", 1000),
+        ("images", "000-01", 1048),
+    ]:
         record_materialization(
             tmp_path, MaterializationRecord(asset, part, samples=1, stored_bytes=size)
         )
     # a training run's record as publish_run writes it: no stored file, its folder in extra
-    record_materialization(tmp_path, MaterializationRecord(
-        "flow_model", "demo", samples=1, extra={"step": 7, "disk_bytes": 5 << 30}))  # fmt: skip
+    record_materialization(
+        tmp_path,
+        MaterializationRecord(
+            "flow_model", "demo", samples=1, extra={"step": 7, "disk_bytes": 5 << 30}
+        ),
+    )
     assert Catalog(tmp_path).sizes() == [
         {"asset": "images", "partitions": 2, "bytes": 2048},
         {"asset": "vae_latents", "partitions": 1, "bytes": 3 << 20},
@@ -138,19 +145,40 @@ def _partition(root, key: str, md5s: list[str], images: bool = True, card: bool 
     record_materialization(root, MaterializationRecord("metadata", key, samples=len(ids)))
     if images:
         record_rows(root, "images", key, [RowOutcome(i, "u", "stored") for i in ids])
-        record_content(root, key, [{"id": i, "position": k, "md5": m}
-                                   for k, (i, m) in enumerate(zip(ids, md5s))])  # fmt: skip
+        record_content(
+            root,
+            key,
+            [{"id": i, "position": k, "md5": m} for k, (i, m) in enumerate(zip(ids, md5s))],
+        )
         record_materialization(root, MaterializationRecord("images", key, samples=len(ids)))
     if card:
-        record_card_rows(root, key, [
-            {"id": i, "caption_chars": 10 + k, "caption_tokens": 3, "max_tokens": 8, "width": 300,
-             "height": 300, "orig_width": 300 + k, "orig_height": 300, "bucket": "256x256",
-             "kept": 1.0, "license": "cc0-1.0", "source": "x"} for k, i in enumerate(ids)])  # fmt: skip
+        record_card_rows(
+            root,
+            key,
+            [
+                {
+                    "id": i,
+                    "caption_chars": 10 + k,
+                    "caption_tokens": 3,
+                    "max_tokens": 8,
+                    "width": 300,
+                    "height": 300,
+                    "orig_width": 300 + k,
+                    "orig_height": 300,
+                    "bucket": "256x256",
+                    "kept": 1.0,
+                    "license": "cc0-1.0",
+                    "source": "x",
+                }
+                for k, i in enumerate(ids)
+            ],
+        )
 
 
 def _outcomes(cat: Catalog, scope: str) -> dict:
-    rows = cat.query("SELECT item, value FROM data_card WHERE scope = ? AND section = 'outcome'",
-                     [scope])  # fmt: skip
+    rows = cat.query(
+        "SELECT item, value FROM data_card WHERE scope = ? AND section = 'outcome'", [scope]
+    )
     return {r["item"]: r["value"] for r in rows}
 
 
@@ -169,13 +197,18 @@ def test_the_card_follows_a_duplicate_found_later_and_a_retried_partition(tmp_pa
         {"partition": "000-01", "id": "000-01-0", "kept_partition": "000-00", "kept_id": "000-00-1"}
     ]
     assert _outcomes(cat, "dataset") == {"stored": 3, "filtered:duplicate_content": 1}
-    record_rows(tmp_path, "images", "000-01", [RowOutcome("000-01-0", "u", "stored"),
-                                                    RowOutcome("000-01-1", "u", "failed", "http_404")])  # fmt: skip
+    record_rows(
+        tmp_path,
+        "images",
+        "000-01",
+        [RowOutcome("000-01-0", "u", "stored"), RowOutcome("000-01-1", "u", "failed", "http_404")],
+    )
     card = _outcomes(cat, "000-01")
     assert card == {"failed:http_404": 1, "filtered:duplicate_content": 1}
-    assert cat.query("SELECT section, item, value FROM data_card_of('000-01') "
-                     "WHERE section = 'outcome' ORDER BY item") == [
-        {"section": "outcome", "item": k, "value": v} for k, v in sorted(card.items())]  # fmt: skip
+    assert cat.query(
+        "SELECT section, item, value FROM data_card_of('000-01') "
+        "WHERE section = 'outcome' ORDER BY item"
+    ) == [{"section": "outcome", "item": k, "value": v} for k, v in sorted(card.items())]
 
 
 def test_records_of_older_schemas_still_read(tmp_path):
@@ -190,14 +223,30 @@ def test_records_of_older_schemas_still_read(tmp_path):
     _partition(tmp_path, "000-00", ["a" * 32])
     c = tmp_path / "catalog"
     old_mat = pa.schema([f for f in MATERIALIZATION_SCHEMA if not f.name.startswith("lossy")])
-    pq.write_table(pa.Table.from_pylist([{"asset": "images", "partition": "000-01",
-                                          "samples": 5, "seconds": 1.0}], schema=old_mat),
-                   c / "materializations" / "images" / "000-01.parquet")  # fmt: skip
+    pq.write_table(
+        pa.Table.from_pylist(
+            [{"asset": "images", "partition": "000-01", "samples": 5, "seconds": 1.0}],
+            schema=old_mat,
+        ),
+        c / "materializations" / "images" / "000-01.parquet",
+    )
     old_rows = pa.schema([f for f in ROW_SCHEMA if f.name != "detail"])
-    pq.write_table(pa.Table.from_pylist([{"asset": "images", "partition": "000-01", "id": "x",
-                                          "url": "u", "outcome": "failed",
-                                          "reason": "http_404"}], schema=old_rows),
-                   c / "rows" / "images" / "000-01.parquet")  # fmt: skip
+    pq.write_table(
+        pa.Table.from_pylist(
+            [
+                {
+                    "asset": "images",
+                    "partition": "000-01",
+                    "id": "x",
+                    "url": "u",
+                    "outcome": "failed",
+                    "reason": "http_404",
+                }
+            ],
+            schema=old_rows,
+        ),
+        c / "rows" / "images" / "000-01.parquet",
+    )
     old_card = pa.schema([f for f in CARD_SCHEMA if f.name not in ("bucket", "kept")])
     card = pq.read_table(c / "cards" / "data_card" / "000-00.parquet").select(old_card.names)
     pq.write_table(card, c / "cards" / "data_card" / "000-00.parquet")
@@ -207,8 +256,15 @@ def test_records_of_older_schemas_still_read(tmp_path):
     assert cat.query("SELECT lossy_rel_rms FROM materializations WHERE partition = '000-01'") == [
         {"lossy_rel_rms": None}
     ]
-    assert cat.failures_by_reason() == [{"asset": "images", "outcome": "failed",
-                                         "reason": "http_404", "retryable": False, "rows": 1}]  # fmt: skip
+    assert cat.failures_by_reason() == [
+        {
+            "asset": "images",
+            "outcome": "failed",
+            "reason": "http_404",
+            "retryable": False,
+            "rows": 1,
+        }
+    ]
     assert cat.query("SELECT id, detail FROM rows WHERE partition = '000-01'") == [
         {"id": "x", "detail": None}
     ]
@@ -228,8 +284,11 @@ def test_a_failed_build_or_query_leaves_nothing_behind(tmp_path, monkeypatch):
 
     _partition(tmp_path, "000-00", ["a" * 32])
     built = views._view_sql
-    monkeypatch.setattr(views, "_view_sql",
-                        lambda layout: [*built(layout), "CREATE VIEW broken AS SELECT * FROM nope"])  # fmt: skip
+    monkeypatch.setattr(
+        views,
+        "_view_sql",
+        lambda layout: [*built(layout), "CREATE VIEW broken AS SELECT * FROM nope"],
+    )
     with pytest.raises(duckdb.Error):
         Catalog(tmp_path).ensure()
     monkeypatch.setattr(views, "_view_sql", built)

@@ -225,8 +225,10 @@ def _final_weights(run: Path) -> dict:
 
     ck = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
     adam = ck["optimizer_states"][0]["state"]
-    return {**ck["state_dict"],
-            **{f"adam.{i}.{k}": v for i, st in adam.items() for k, v in st.items()}}  # fmt: skip
+    return {
+        **ck["state_dict"],
+        **{f"adam.{i}.{k}": v for i, st in adam.items() for k, v in st.items()},
+    }
 
 
 @pytest.mark.slow
@@ -293,8 +295,14 @@ def test_dagster_dev_backfill_catalog_and_ui(tmp_path, small_sample, zoo, monkey
         assert backfill.main(["--missing", "--assets", ",".join(ASSETS), "--url", dev.url]) == 0
 
         # a standing setting changes: `backfill --stale` re-makes exactly text_embeddings
-        for k in ("FLOWMATCH_SETTINGS", "FLOWMATCH_METADATA", "FLOWMATCH_VAE", "FLOWMATCH_DINO",
-                  "FLOWMATCH_TEXT", "FLOWMATCH_FILE_ROOT"):  # fmt: skip
+        for k in (
+            "FLOWMATCH_SETTINGS",
+            "FLOWMATCH_METADATA",
+            "FLOWMATCH_VAE",
+            "FLOWMATCH_DINO",
+            "FLOWMATCH_TEXT",
+            "FLOWMATCH_FILE_ROOT",
+        ):
             monkeypatch.setenv(k, env[k])
         (tmp_path / "settings.yaml").write_text("encoders: {max_tokens: 16}\n")
         assert backfill.stale_backfills(ASSETS) == [(["text_embeddings"], keys)]
@@ -376,9 +384,12 @@ def test_dagster_dev_backfill_catalog_and_ui(tmp_path, small_sample, zoo, monkey
         stop_cfg = {**train_cfg, "run_name": "e2e-stop", "max_steps": 1000}
         offset = dev.log_path.stat().st_size
         stop_id = orchestration.launch_run(
-            dev.url, ["flow_model"], {"ops": {"flow_model": {"config": stop_cfg}}},
-            tags={"flowmatch/cli": "e2e"}, job="train_job",
-        )  # fmt: skip
+            dev.url,
+            ["flow_model"],
+            {"ops": {"flow_model": {"config": stop_cfg}}},
+            tags={"flowmatch/cli": "e2e"},
+            job="train_job",
+        )
         seen = _wait_step(dev, offset, 2)
         orchestration.terminate_run(dev.url, stop_id)
         status = orchestration.wait_run(dev.url, stop_id, timeout=300, poll=1)
@@ -398,12 +409,14 @@ def test_dagster_dev_backfill_catalog_and_ui(tmp_path, small_sample, zoo, monkey
         total, reference = (6, "e2e") if step < 6 else (step + 2, "e2e-whole")
         if reference != "e2e":  # stopped late: an uninterrupted run of the same length
             whole = {**train_cfg, "run_name": reference, "max_steps": total}
-            rid = orchestration.launch_run(dev.url, ["flow_model"],
-                                           {"ops": {"flow_model": {"config": whole}}})  # fmt: skip
+            rid = orchestration.launch_run(
+                dev.url, ["flow_model"], {"ops": {"flow_model": {"config": whole}}}
+            )
             assert orchestration.wait_run(dev.url, rid, timeout=400) == "SUCCESS"
         resume = {**train_cfg, "run_name": "e2e-stop", "max_steps": total}
-        rid = orchestration.launch_run(dev.url, ["flow_model"],
-                                       {"ops": {"flow_model": {"config": resume}}})  # fmt: skip
+        rid = orchestration.launch_run(
+            dev.url, ["flow_model"], {"ops": {"flow_model": {"config": resume}}}
+        )
         assert orchestration.wait_run(dev.url, rid, timeout=400) == "SUCCESS", dev.fail_msg(
             "resume"
         )
@@ -443,8 +456,11 @@ def test_dagster_dev_backfill_catalog_and_ui(tmp_path, small_sample, zoo, monkey
         orphan_id = orchestration.launch_run(dev.url, ["metadata"], partition="003-00")
         assert orchestration.wait_run(dev.url, orphan_id, timeout=120, poll=1) == "FAILURE"
         with dg.DagsterInstance.from_config(str(home)) as instance:
-            (fail,) = [r.dagster_event for r in instance.all_logs(orphan_id)
-                       if r.is_dagster_event and r.dagster_event.is_step_failure]  # fmt: skip
+            (fail,) = [
+                r.dagster_event
+                for r in instance.all_logs(orphan_id)
+                if r.is_dagster_event and r.dagster_event.is_step_failure
+            ]
         line = fail.step_failure_data.user_failure_data.description
         assert "\n" not in line and line.endswith("(or `-p 003-00`)"), line
         assert "`flowmatch partitions remove --orphans`" in line
@@ -465,16 +481,23 @@ def test_dagster_dev_backfill_catalog_and_ui(tmp_path, small_sample, zoo, monkey
             room = _control_room(dev.url, ids, log)
         except Exception as e:
             pytest.fail(dev.fail_msg(f"control room check failed: {type(e).__name__}: {e}"))
-        assert sorted(room) == ["orphan_partition", "reexecuted_cli_run", "timeline",
-                                "train_run_tags"]  # fmt: skip
+        assert sorted(room) == [
+            "orphan_partition",
+            "reexecuted_cli_run",
+            "timeline",
+            "train_run_tags",
+        ]
         assert all(5_000 < s.stat().st_size < 200_000 for s in room.values()), room
         # the re-execution from the UI: the same job and result, logging at INFO as any run
         assert orchestration.wait_run(dev.url, ids["reexecuted"], timeout=120) == "SUCCESS"
         again = orchestration.run_details(dev.url, ids["reexecuted"])
         assert again["jobName"] == "reports_job" and again["tags"]["dagster/partition"] == "000-00"
         with dg.DagsterInstance.from_config(str(home)) as instance:
-            infos = [r.user_message for r in instance.all_logs(ids["reexecuted"])
-                     if r.level == logging.INFO and not r.is_dagster_event]  # fmt: skip
+            infos = [
+                r.user_message
+                for r in instance.all_logs(ids["reexecuted"])
+                if r.level == logging.INFO and not r.is_dagster_event
+            ]
             assert any("000-00: data card of" in m for m in infos), infos
             assert "loggers" not in instance.get_run_by_id(ids["reexecuted"]).run_config
         timings["control room"] = time.monotonic() - t5

@@ -166,9 +166,13 @@ def test_a_new_embedding_kind_is_one_registry_entry(tmp_path, small_sample, zoo)
 
         def run(selection):
             return dg.materialize(
-                assets, selection=selection, partition_key="000-00", instance=instance,
-                resources=resources_for(res), raise_on_error=False,
-            )  # fmt: skip
+                assets,
+                selection=selection,
+                partition_key="000-00",
+                instance=instance,
+                resources=resources_for(res),
+                raise_on_error=False,
+            )
 
         assert run(["metadata", "images", *EMB]).success
         # training needs every training input: without the new kind the partition is not covered
@@ -242,13 +246,16 @@ def _published(res, instance, part: str) -> dict:
         out[a] = {
             "arrays": {k: shard[k].tobytes() for k in shard.names},
             "attrs": {k: v for k, v in shard.attrs.items() if k != "seconds"},
-            "record": {k: v for k, v in rec.items()
-                       if k not in ("run_id", "seconds", "samples_per_s", "written_at")},
+            "record": {
+                k: v
+                for k, v in rec.items()
+                if k not in ("run_id", "seconds", "samples_per_s", "written_at")
+            },
             "metadata": {k: v.value for k, v in m.metadata.items() if k != "samples_per_s"},
             "data_version": m.tags["dagster/data_version"],
             "code_version": m.tags["dagster/code_version"],
             "input_version": m.tags["dagster/input_data_version/images"],
-        }  # fmt: skip
+        }
     return out
 
 
@@ -286,7 +293,11 @@ def test_one_run_of_many_partitions_publishes_each_as_a_run_of_one_does(
             for e in result.all_events
             if e.event_type_value == "ASSET_CHECK_EVALUATION"
         ]
-        fresh = {(e.asset_key.to_user_string(), e.partition) for e in evals if e.check_name.endswith("_fresh")}  # fmt: skip
+        fresh = {
+            (e.asset_key.to_user_string(), e.partition)
+            for e in evals
+            if e.check_name.endswith("_fresh")
+        }
         assert fresh == {(a, p) for a in EMB for p in parts}
         assert all(e.passed for e in evals)
         valid = {e.check_name: e for e in evals if e.check_name.endswith("_valid")}
@@ -310,7 +321,9 @@ def test_one_run_of_many_partitions_publishes_each_as_a_run_of_one_does(
         assert mats == {("text_embeddings", "001-00")}
         failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
         msg = failure.step_failure_data.user_failure_data.description
-        assert msg.startswith("1 of 2 partitions failed (1 published): 000-00: partition 000-00 has no images shard")  # fmt: skip
+        assert msg.startswith(
+            "1 of 2 partitions failed (1 published): 000-00: partition 000-00 has no images shard"
+        )
 
 
 def test_a_partition_read_ahead_is_one_version_of_its_file(tmp_path) -> None:

@@ -41,9 +41,13 @@ class Run:
         path.write_text(yaml.safe_dump(cfg))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "flowmatch_models.train", "--config", str(path), *extra],
-            cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, start_new_session=True,
-        )  # fmt: skip
+            cwd=tmp_path,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         self.lines: list[str] = []
         self.err = ""
         self._out = threading.Thread(target=self._read, daemon=True)
@@ -105,8 +109,12 @@ def test_sigterm_saves_a_full_state_exits_75_and_resumes_exactly(store, tmp_path
     """SIGTERM mid-run (after a random step): every micro-batch of the step in progress is
     finished, a full state of that step is saved, the run says so in one line and exits 75;
     resuming gives the uninterrupted run's losses and final weights, bit for bit."""
-    over = dict(trainer__max_steps=100_000, trainer__log_every=1, trainer__full_every=1000,
-                trainer__checkpoint_every=1000)  # fmt: skip
+    over = dict(
+        trainer__max_steps=100_000,
+        trainer__log_every=1,
+        trainer__full_every=1000,
+        trainer__checkpoint_every=1000,
+    )
     cut = tmp_path / "cut"
     run = Run(tmp_path, tiny_config(store, cut, **over), "cut")
     at = random.Random().randint(3, 9)
@@ -139,8 +147,13 @@ def test_kill_9_loses_at_most_the_interval_and_resumes_exactly(store, tmp_path) 
     full state, at most ``full_every`` steps back (plus the steps of a write still in flight),
     nothing half-written is read, and the run then ends exactly as an uninterrupted one."""
     every = 4
-    over = dict(trainer__max_steps=100_000, trainer__log_every=1, trainer__full_every=every,
-                trainer__checkpoint_every=1000, trainer__keep_full=2)  # fmt: skip
+    over = dict(
+        trainer__max_steps=100_000,
+        trainer__log_every=1,
+        trainer__full_every=every,
+        trainer__checkpoint_every=1000,
+        trainer__keep_full=2,
+    )
     cut = tmp_path / "cut"
     run = Run(tmp_path, tiny_config(store, cut, **over), "cut")
     seen = run.wait_step(random.Random().randint(every + 1, 4 * every))
@@ -170,9 +183,16 @@ def test_sigterm_to_the_launcher_stops_both_ddp_ranks_and_resumes_exactly(store,
     """2 gloo ranks, SIGTERM to the launcher only (as ``kill PID`` does): the ranks agree at the
     next step boundary, save one full state of that step, exit 75; resuming gives the
     uninterrupted 2-rank run's losses (both ranks) and final weights, bit for bit."""
-    over = dict(trainer__max_steps=100_000, trainer__log_every=1, trainer__full_every=1000,
-                trainer__checkpoint_every=1000, trainer__devices=2, trainer__strategy="ddp",
-                trainer__accelerator="cpu", trainer__accumulate_grad_batches=1)  # fmt: skip
+    over = dict(
+        trainer__max_steps=100_000,
+        trainer__log_every=1,
+        trainer__full_every=1000,
+        trainer__checkpoint_every=1000,
+        trainer__devices=2,
+        trainer__strategy="ddp",
+        trainer__accelerator="cpu",
+        trainer__accumulate_grad_batches=1,
+    )
     cut = tmp_path / "cut"
     run = Run(tmp_path, tiny_config(store, cut, **over), "cut")
     run.wait_step(random.Random().randint(3, 6))
@@ -213,8 +233,12 @@ def test_a_resume_at_an_epochs_end_keeps_the_accumulation_groups(tmp_path) -> No
     from test_train import run_training
 
     root = make_store(tmp_path / "store", {"000-00": 176})
-    over = dict(data__heldout_fraction=0.0, trainer__accumulate_grad_batches=4,
-                trainer__full_every=6, trainer__checkpoint_every=1000)  # fmt: skip
+    over = dict(
+        data__heldout_fraction=0.0,
+        trainer__accumulate_grad_batches=4,
+        trainer__full_every=6,
+        trainer__checkpoint_every=1000,
+    )
     cut, whole = tmp_path / "cut", tmp_path / "whole"
     run_training(tiny_config(root, cut, trainer__max_steps=6, **over))
     run_training(tiny_config(root, cut, trainer__max_steps=10, **over))
@@ -367,8 +391,12 @@ def test_full_states_follow_the_wall_clock_interval(store, tmp_path) -> None:
     end's state."""
     from test_train import run_training
 
-    over = dict(trainer__max_steps=5, trainer__full_every=1000, trainer__checkpoint_every=1000,
-                trainer__keep_full=3)  # fmt: skip
+    over = dict(
+        trainer__max_steps=5,
+        trainer__full_every=1000,
+        trainer__checkpoint_every=1000,
+        trainer__keep_full=3,
+    )
     on, off = tmp_path / "on", tmp_path / "off"
     run_training(tiny_config(store, on, trainer__full_every_minutes=1e-9, **over))
     run_training(tiny_config(store, off, trainer__full_every_minutes=0, **over))
@@ -394,8 +422,9 @@ def test_a_second_signal_exits_at_once() -> None:
         "os.kill(os.getpid(), signal.SIGUSR1); time.sleep(10)\n"
         "print('not reached', flush=True)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 128 + signal.SIGUSR1
     assert "recorded SIGUSR1" in proc.stdout and "not reached" not in proc.stdout
     assert proc.stderr.strip().splitlines() == [
@@ -429,8 +458,7 @@ def _rank_epoch(rank: int, port: int, root: str, out) -> None:
     from flowmatch_models.data.module import EmbeddingDataModule
     from flowmatch_models.data.source import PartitionChangedError
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)  # fmt: skip
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         dm = EmbeddingDataModule(root, batch_size=8, grow=True, heldout=(0.0, 0))
         dm.trainer = _Trainer(rank, 2)
@@ -449,8 +477,10 @@ def test_ranks_that_see_a_partition_differently_both_stop_naming_it(tmp_path) ->
     import multiprocessing as mp
     import socket
 
-    roots = [make_store(tmp_path / "a", {"000-00": 24, "000-01": 20}),
-             make_store(tmp_path / "b", {"000-00": 24, "000-01": 19})]  # fmt: skip
+    roots = [
+        make_store(tmp_path / "a", {"000-00": 24, "000-01": 20}),
+        make_store(tmp_path / "b", {"000-00": 24, "000-01": 19}),
+    ]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -462,8 +492,10 @@ def test_ranks_that_see_a_partition_differently_both_stop_naming_it(tmp_path) ->
     got = dict(out.get(timeout=120) for _ in procs)
     for p in procs:
         p.join(30)
-    want = ("partition 000-01 has 19 trainable samples on rank 1 but 20 on rank 0: it was "
-            "re-made while the ranks read it; resume with --resume auto")  # fmt: skip
+    want = (
+        "partition 000-01 has 19 trainable samples on rank 1 but 20 on rank 0: it was "
+        "re-made while the ranks read it; resume with --resume auto"
+    )
     assert got == {0: want, 1: want}
 
 
@@ -487,19 +519,29 @@ def test_a_partition_changed_on_one_other_rank_gives_its_line_and_exit_3(store, 
     """2 gloo ranks; rank 1 alone (not the launcher) hits a PartitionChangedError mid-run. Before,
     Lightning's child observer SIGKILLed the launcher: exit -9 and no line. Now the launcher
     says the rank's one line on stderr and in $FLOWMATCH_ERROR_FILE and exits 3."""
-    over = dict(trainer__max_steps=100_000, trainer__log_every=1, trainer__full_every=1000,
-                trainer__checkpoint_every=1000, trainer__devices=2, trainer__strategy="ddp",
-                trainer__accelerator="cpu", trainer__accumulate_grad_batches=1)  # fmt: skip
+    over = dict(
+        trainer__max_steps=100_000,
+        trainer__log_every=1,
+        trainer__full_every=1000,
+        trainer__checkpoint_every=1000,
+        trainer__devices=2,
+        trainer__strategy="ddp",
+        trainer__accelerator="cpu",
+        trainer__accumulate_grad_batches=1,
+    )
     cfg = tmp_path / "run.yaml"
     cfg.write_text(yaml.safe_dump(tiny_config(store, tmp_path / "out", **over)))
     script = tmp_path / "rank1_fault.py"
     script.write_text(_RANK1_FAULT)
     err_file = tmp_path / "error.txt"
     proc = subprocess.run(
-        [sys.executable, str(script), "--config", str(cfg)], cwd=tmp_path,
-        env={**_env(), "FLOWMATCH_ERROR_FILE": str(err_file)}, capture_output=True, text=True,
+        [sys.executable, str(script), "--config", str(cfg)],
+        cwd=tmp_path,
+        env={**_env(), "FLOWMATCH_ERROR_FILE": str(err_file)},
+        capture_output=True,
+        text=True,
         timeout=240,
-    )  # fmt: skip
+    )
     want = "error: partition '000-00': re-made (planted)"
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")] == [want, want]

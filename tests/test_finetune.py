@@ -26,17 +26,34 @@ from tests.byo_data import readme_commands
 from tests.wandb_records import config as wandb_config
 
 REPO = Path(__file__).resolve().parents[1]
-FAST = ["data.batch_size=4", "trainer.log_every=1", "trainer.sample_every=0",
-        "trainer.val_every=0", "optim.warmup_steps=2", "logging.wandb=false"]  # fmt: skip
+FAST = [
+    "data.batch_size=4",
+    "trainer.log_every=1",
+    "trainer.sample_every=0",
+    "trainer.val_every=0",
+    "optim.warmup_steps=2",
+    "logging.wandb=false",
+]
 
 
 #: What the libraries print that tells a user nothing (issue 29): Dagster's preview notices,
 #: Lightning's info lines and expected warnings, wandb's banner, transformers' bars. Silenced
 #: where they are emitted; `--verbose` shows them.
-NOISE = ("PreviewWarning", "is currently in preview", "GPU available", "TPU available",
-         "litlogger", "module(s) in eval mode", "on_before_batch_transfer",
-         "on_after_batch_transfer", "LeafSpec", "Loading weights", "Writing model shards",
-         "wandb:", "anonymous setting")  # fmt: skip
+NOISE = (
+    "PreviewWarning",
+    "is currently in preview",
+    "GPU available",
+    "TPU available",
+    "litlogger",
+    "module(s) in eval mode",
+    "on_before_batch_transfer",
+    "on_after_batch_transfer",
+    "LeafSpec",
+    "Loading weights",
+    "Writing model shards",
+    "wandb:",
+    "anonymous setting",
+)
 
 
 def _run(capfd, rc: int, *argv: str) -> tuple[str, str]:
@@ -116,8 +133,15 @@ def test_finetune_lineage_staleness_and_head_start(tmp_path, small_sample, zoo, 
     # wandb offline as the demo has it: no API key, no WANDB_MODE (the logger sets it)
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    out, err = _run(capfd, 0, *mix, "--steps", "6", "--no-samples",
-                    *_sets(*FAST, "trainer.checkpoint_every=3", "logging.wandb=true"))  # fmt: skip
+    out, err = _run(
+        capfd,
+        0,
+        *mix,
+        "--steps",
+        "6",
+        "--no-samples",
+        *_sets(*FAST, "trainer.checkpoint_every=3", "logging.wandb=true"),
+    )
     # its story only: the training process's step lines, no Lightning / wandb / Dagster notices
     assert _noise(out, err) == [], err
     assert "step 6/6 loss" in out and "fine-tune ok" in out, out
@@ -146,8 +170,13 @@ def test_finetune_lineage_staleness_and_head_start(tmp_path, small_sample, zoo, 
 
     # the parent, named everywhere: checkpoint, lineage.json, export, request, catalog, wandb
     digest = ema_digest(parent / "checkpoints" / "step0000012-ema.ckpt")
-    lineage = {"run": "demo", "step": 12, "weights": "ema", "digest": digest,
-               "freeze": ["transformer.caption_projection"]}  # fmt: skip
+    lineage = {
+        "run": "demo",
+        "step": 12,
+        "weights": "ema",
+        "digest": digest,
+        "freeze": ["transformer.caption_projection"],
+    }
     for rec in (
         c["flowmatch"]["parent"],
         json.loads((child / "lineage.json").read_text()),
@@ -157,8 +186,12 @@ def test_finetune_lineage_staleness_and_head_start(tmp_path, small_sample, zoo, 
     request = json.loads((child / "request.json").read_text())
     assert request["partitions"] == ["000-00", "001-00", "shapes2-00000", "shapes2-00000"]
     cat = Catalog(data)
-    extra = json.loads(cat.query("SELECT extra FROM materializations WHERE asset = 'flow_model' "
-                                 "AND partition = 'demo-mix'")[0]["extra"])  # fmt: skip
+    extra = json.loads(
+        cat.query(
+            "SELECT extra FROM materializations WHERE asset = 'flow_model' "
+            "AND partition = 'demo-mix'"
+        )[0]["extra"]
+    )
     assert extra["parent"]["run"] == "demo" and extra["parent"]["digest"] == digest
     assert extra["sources"] == ["pd12m", "shapes2"] and extra["step"] == 6
     trained = extra["trained_counts"]  # shapes2 is drawn twice per epoch
@@ -183,9 +216,15 @@ def test_finetune_lineage_staleness_and_head_start(tmp_path, small_sample, zoo, 
     # the parent re-trained (another seed): the fine-tune is stale, and says why
     shutil.rmtree(parent)
     gone = json.loads(_cli(capfd, 1, *stale, "--no-report", "--json"))
-    assert gone == [{"asset": "flow_model", "partition": "run demo-mix", "reason": "its parent "
-                     "demo has no checkpoint at step 12 any more (re-trained, or pruned): the "
-                     "weights it started from are unknown"}]  # fmt: skip
+    assert gone == [
+        {
+            "asset": "flow_model",
+            "partition": "run demo-mix",
+            "reason": "its parent "
+            "demo has no checkpoint at step 12 any more (re-trained, or pruned): the "
+            "weights it started from are unknown",
+        }
+    ]
     _train(data, "demo", 12, "data.sources=[pd12m]", "trainer.checkpoint_every=6", "run.seed=1")
     (row,) = json.loads(_cli(capfd, 1, *stale, "--no-report", "--json"))
     assert row["partition"] == "run demo-mix"
@@ -212,7 +251,9 @@ def test_finetune_lineage_staleness_and_head_start(tmp_path, small_sample, zoo, 
 def test_source_selection_and_weights_and_init_mistakes(tmp_path):
     cfg = load_config(REPO / "configs" / "tiny.yaml", ["data.sources=[shapes2]"])
     assert select_sources(["000-00", "shapes2-00000", "shapes2-00001"], cfg) == [
-        "shapes2-00000", "shapes2-00001"]  # fmt: skip
+        "shapes2-00000",
+        "shapes2-00001",
+    ]
     assert cfg.data.grow is False  # the list is fixed for the session
     cfg = load_config(REPO / "configs" / "tiny.yaml", ["data.source_weights={pd12m: 3}"])
     assert select_sources(["000-00", "a-00000"], cfg) == ["000-00"] * 3 + ["a-00000"]
@@ -225,7 +266,8 @@ def test_source_selection_and_weights_and_init_mistakes(tmp_path):
     with pytest.raises(ConfigError, match="init.freeze 'transformer.nope' matches no parameter"):
         freeze(model, ["transformer.nope"])
     assert freeze(model, ["transformer.caption_projection"]) == sum(
-        p.numel() for p in model.transformer.caption_projection.parameters())  # fmt: skip
+        p.numel() for p in model.transformer.caption_projection.parameters()
+    )
     from flowmatch_models.train.finetune import resolve_parent
 
     init = load_config(REPO / "configs" / "tiny.yaml", ["init.from_run=ghost"]).init

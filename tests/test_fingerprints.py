@@ -109,19 +109,39 @@ def test_one_changed_field_per_stage_marks_exactly_its_partitions_stale(
 
     cases = [
         # (what changes, how to undo it, exactly what turns stale, the reason it names)
-        (lambda: env["settings_are"](encoders={"max_tokens": 16}), env["settings_are"],
-         {"text_embeddings"}, "max_tokens: 128 -> 16"),
+        (
+            lambda: env["settings_are"](encoders={"max_tokens": 16}),
+            env["settings_are"],
+            {"text_embeddings"},
+            "max_tokens: 128 -> 16",
+        ),
         (perturb_vae, lambda: weights.write_bytes(original), {"vae_latents"}, "weights_sha256: "),
-        (lambda: env["settings_are"](encoders={"dino_pool": "resize112"}), env["settings_are"],
-         {"dino_features"}, "pooling: avg2x2 -> resize112"),
+        (
+            lambda: env["settings_are"](encoders={"dino_pool": "resize112"}),
+            env["settings_are"],
+            {"dino_features"},
+            "pooling: avg2x2 -> resize112",
+        ),
         # the captions' encoder reads ids and captions only: the JPEG quality leaves it fresh
-        (lambda: env["settings_are"](ingest={"quality": 80}), env["settings_are"],
-         {"images", "vae_latents", "dino_features"}, "quality: 95 -> 80"),
-        (lambda: env["settings_are"](ingest={"min_side": 300}), env["settings_are"],
-         {"images", *KINDS}, "min_side: 64 -> 300"),
-        (lambda: env["settings_are"](filters={"min_width": 300}), env["settings_are"],
-         set(ALL), "filters.min_width: 256 -> 300"),
-    ]  # fmt: skip
+        (
+            lambda: env["settings_are"](ingest={"quality": 80}),
+            env["settings_are"],
+            {"images", "vae_latents", "dino_features"},
+            "quality: 95 -> 80",
+        ),
+        (
+            lambda: env["settings_are"](ingest={"min_side": 300}),
+            env["settings_are"],
+            {"images", *KINDS},
+            "min_side: 64 -> 300",
+        ),
+        (
+            lambda: env["settings_are"](filters={"min_width": 300}),
+            env["settings_are"],
+            set(ALL),
+            "filters.min_width: 256 -> 300",
+        ),
+    ]
     for change, undo, assets, reason in cases:
         change()
         found = _stale(capsys)
@@ -149,7 +169,12 @@ def test_one_changed_field_per_stage_marks_exactly_its_partitions_stale(
 
     # training refuses to mix: only 000-00's text is re-made
     assert cli.main(["materialize", "--stale", "-p", "000-00"]) == 0
-    assert cli.main(["materialize", "--stale", "-p", "001-00", "-a", "vae_latents", "-a", "dino_features"]) == 0  # fmt: skip
+    assert (
+        cli.main(
+            ["materialize", "--stale", "-p", "001-00", "-a", "vae_latents", "-a", "dino_features"]
+        )
+        == 0
+    )
     assert set(_stale(capsys)) == {("text_embeddings", "001-00")}
     with pytest.raises(FingerprintMismatchError) as e:
         EmbeddingDataModule(env["data"], batch_size=2)
@@ -225,9 +250,13 @@ def test_exact_inputs_per_kind_and_fingerprints_from_before_them():
     ids, caps = ["a", "b"], ["a red disc", None]
     text, vae = REGISTRY["text_embeddings"], REGISTRY["vae_latents"]
     assert kind_inputs(text, {"images": "h1"}, ids, caps) == (
-        {}, {"captions": rows_digest(ids, caps)}
-    )  # fmt: skip
-    assert kind_inputs(vae, {"images": "h1"}, ids, caps) == ({"images": "h1"}, {"ids": rows_digest(ids)})  # fmt: skip
+        {},
+        {"captions": rows_digest(ids, caps)},
+    )
+    assert kind_inputs(vae, {"images": "h1"}, ids, caps) == (
+        {"images": "h1"},
+        {"ids": rows_digest(ids)},
+    )
     assert rows_digest(ids, caps) != rows_digest(ids, ["a blue disc", None])
     assert rows_digest(ids) != rows_digest(["b", "a"])
     fp = kind_fingerprint(text, EncoderSpec(), {}).with_rows(captions=rows_digest(ids, caps))

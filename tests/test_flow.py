@@ -47,8 +47,14 @@ def test_gaussian_clusters_are_learned_and_sampled() -> None:
     model.eval()
     n = 96
     for c in range(n_cap):
-        z = fm.sample(model, text[c : c + 1].expand(n, -1, -1), mask[c : c + 1].expand(n, -1),
-                      steps=16, cfg_scale=1.0, generator=g)  # fmt: skip
+        z = fm.sample(
+            model,
+            text[c : c + 1].expand(n, -1, -1),
+            mask[c : c + 1].expand(n, -1),
+            steps=16,
+            cfg_scale=1.0,
+            generator=g,
+        )
         mean = z.mean(dim=(0, 2, 3))
         std = z.transpose(0, 1).reshape(32, -1).std(dim=1)
         assert (mean - mu[c]).abs().mean() < 0.04, (mean - mu[c]).abs()
@@ -64,8 +70,14 @@ def test_lambda_zero_is_plain_flow_matching(batch: dict) -> None:
     torch.manual_seed(0)
     model = build_model("tiny", init="default")  # a non-zero output, so the comparison can fail
     fm = FlowMatching(repa_lambda=0.0, caption_dropout=0.0)
-    out = fm.loss(model, batch["x"], batch["text"], batch["mask"], batch["dino"],
-                  generator=torch.Generator().manual_seed(5))  # fmt: skip
+    out = fm.loss(
+        model,
+        batch["x"],
+        batch["text"],
+        batch["mask"],
+        batch["dino"],
+        generator=torch.Generator().manual_seed(5),
+    )
     # the same draws by hand: t first, then the noise
     g = torch.Generator().manual_seed(5)
     t = torch.sigmoid(torch.randn(4, generator=g))
@@ -77,9 +89,13 @@ def test_lambda_zero_is_plain_flow_matching(batch: dict) -> None:
     assert out["repa"] == 0 and out["loss"] == out["fm"]
     assert out["bin_count"].sum() == 4
     with_repa = FlowMatching(repa_lambda=0.5, caption_dropout=0.0).loss(
-        model, batch["x"], batch["text"], batch["mask"], batch["dino"],
+        model,
+        batch["x"],
+        batch["text"],
+        batch["mask"],
+        batch["dino"],
         generator=torch.Generator().manual_seed(5),
-    )  # fmt: skip
+    )
     torch.testing.assert_close(with_repa["fm"], out["fm"])
     torch.testing.assert_close(with_repa["loss"], with_repa["fm"] + 0.5 * with_repa["repa"])
 
@@ -238,9 +254,15 @@ _PHI = torch.distributions.Normal(0.0, 1.0).icdf(_Q)  # standard-normal quantile
         ({"t_sampling": "mode", "mode_scale": 1.29}, _mode_t(1 - _Q, 1.29), 0.5),
         ({"t_sampling": "mode", "mode_scale": -0.5}, _mode_t(1 - _Q, -0.5), 0.5),
     ],
-    ids=["logit_normal", "logit_normal_shift3", "uniform", "uniform_shift3", "mode1.29",
-         "mode-0.5"],
-)  # fmt: skip
+    ids=[
+        "logit_normal",
+        "logit_normal_shift3",
+        "uniform",
+        "uniform_shift3",
+        "mode1.29",
+        "mode-0.5",
+    ],
+)
 def test_each_timestep_sampler_draws_its_closed_form(settings, quantiles, mean) -> None:
     t = FlowMatching(**settings).sample_t(200_000, torch.Generator().manual_seed(0)).double()
     assert 0 <= t.min() and t.max() <= 1
@@ -275,9 +297,15 @@ def test_logit_normal_is_the_old_sample_t_bit_for_bit() -> None:
     # recorded from the code before t_sampling (commit 14e72c7), seed 0
     g = lambda: torch.Generator().manual_seed(0)  # noqa: E731
     assert FlowMatching().sample_t(3, g()).tolist() == [
-        0.823609471321106, 0.42716464400291443, 0.10167144984006882]  # fmt: skip
+        0.823609471321106,
+        0.42716464400291443,
+        0.10167144984006882,
+    ]
     assert FlowMatching(t_mean=0.3, t_std=0.7, train_shift=3.0).sample_t(3, g()).tolist() == [
-        0.9225358366966248, 0.767315149307251, 0.46840712428092957]  # fmt: skip
+        0.9225358366966248,
+        0.767315149307251,
+        0.46840712428092957,
+    ]
 
 
 def test_flow_config_is_made_of_flow_matchings_fields() -> None:
@@ -328,8 +356,14 @@ def test_an_old_config_with_shift_loads_to_the_same_values(tmp_path) -> None:
 
     repo = __import__("pathlib").Path(__file__).resolve().parents[1]
     new = yaml.safe_load((repo / "configs" / "tiny.yaml").read_text())
-    old = {**new, "flow": {k: v for k, v in new["flow"].items()
-                           if k not in ("t_sampling", "mode_scale", "train_shift", "sample_shift")}}  # fmt: skip
+    old = {
+        **new,
+        "flow": {
+            k: v
+            for k, v in new["flow"].items()
+            if k not in ("t_sampling", "mode_scale", "train_shift", "sample_shift")
+        },
+    }
     old["flow"]["shift"] = 3.0  # the tiny.yaml of before: t_mean, t_std, shift, ...
     (tmp_path / "old.yaml").write_text(yaml.safe_dump(old))
     loaded = load_config(tmp_path / "old.yaml")

@@ -44,15 +44,23 @@ from tests.test_hostile_sources import (  # noqa: F401 - env is a fixture
 @pytest.mark.parametrize(
     "ip, why",
     [
-        ("192.0.0.192", "special-purpose"), ("192.0.0.170", "special-purpose"),
-        ("168.63.129.16", "cloud service"), ("::ffff:192.0.0.192", "special-purpose"),
-        ("64:ff9b::a9fe:a9fe", "link-local"), ("192.31.196.1", "special-purpose"),
-        ("192.175.48.1", "special-purpose"), ("3fff::1", "documentation"),
-        ("2001:db8::1", "documentation"), ("192.0.2.1", "documentation"),
-        ("255.255.255.255", "reserved"), ("fd00:ec2::254", "private"),
-        ("168.63.129.17", None), ("192.0.1.1", None), ("8.8.8.8", None),
+        ("192.0.0.192", "special-purpose"),
+        ("192.0.0.170", "special-purpose"),
+        ("168.63.129.16", "cloud service"),
+        ("::ffff:192.0.0.192", "special-purpose"),
+        ("64:ff9b::a9fe:a9fe", "link-local"),
+        ("192.31.196.1", "special-purpose"),
+        ("192.175.48.1", "special-purpose"),
+        ("3fff::1", "documentation"),
+        ("2001:db8::1", "documentation"),
+        ("192.0.2.1", "documentation"),
+        ("255.255.255.255", "reserved"),
+        ("fd00:ec2::254", "private"),
+        ("168.63.129.17", None),
+        ("192.0.1.1", None),
+        ("8.8.8.8", None),
     ],
-)  # fmt: skip
+)
 def test_special_purpose_blocks_are_refused_on_every_python(ip, why):
     assert address_refusal(ipaddress.ip_address(ip)) == why
 
@@ -89,25 +97,40 @@ def test_a_url_that_serves_other_bytes_than_pd12m_hashed_is_hash_mismatch(
     real, placeholder = hs.jpeg(11), hs.jpeg(12)
     with LoopbackHTTPServer() as srv:
         rows = [
-            {"id": "right", "url": srv.add("/a.jpg", Reply(body=real)),
-             "hash": hashlib.md5(real).hexdigest().upper()},
-            {"id": "replaced", "url": srv.add("/b.jpg", Reply(body=placeholder)),
-             "hash": hashlib.md5(hs.jpeg(13)).hexdigest()},
+            {
+                "id": "right",
+                "url": srv.add("/a.jpg", Reply(body=real)),
+                "hash": hashlib.md5(real).hexdigest().upper(),
+            },
+            {
+                "id": "replaced",
+                "url": srv.add("/b.jpg", Reply(body=placeholder)),
+                "hash": hashlib.md5(hs.jpeg(13)).hexdigest(),
+            },
             {"id": "nohash", "url": srv.add("/c.jpg", Reply(body=hs.jpeg(14)))},
             {"id": "nomd5", "url": srv.add("/d.jpg", Reply(body=hs.jpeg(15))), "hash": "h-1"},
-            {"id": "html", "url": srv.add("/e.jpg", Reply(body=b"<html>moved</html>")),
-             "hash": hashlib.md5(hs.jpeg(16)).hexdigest()},
-        ]  # fmt: skip
+            {
+                "id": "html",
+                "url": srv.add("/e.jpg", Reply(body=b"<html>moved</html>")),
+                "hash": hashlib.md5(hs.jpeg(16)).hexdigest(),
+            },
+        ]
         _pd12m(env / "metadata", rows)
         monkeypatch.setenv("FLOWMATCH_ALLOW_NETWORKS", "127.0.0.1/32")
         _cli(capsys, 0, "partitions", "register")
         _cli(capsys, 0, "materialize", "-a", "metadata", "-a", "images")
         cat = Catalog(env / "data")
         assert _final(cat, "pd12m") == {
-            "right": "stored", "replaced": "failed:hash_mismatch", "nohash": "stored",
-            "nomd5": "stored", "html": "failed:not_image",
-        }  # fmt: skip
-        (detail,) = [r["detail"] for r in cat.query("SELECT detail FROM failures WHERE reason = 'hash_mismatch'")]  # fmt: skip
+            "right": "stored",
+            "replaced": "failed:hash_mismatch",
+            "nohash": "stored",
+            "nomd5": "stored",
+            "html": "failed:not_image",
+        }
+        (detail,) = [
+            r["detail"]
+            for r in cat.query("SELECT detail FROM failures WHERE reason = 'hash_mismatch'")
+        ]
         assert hashlib.md5(placeholder).hexdigest() in detail
         out, _ = _cli(capsys, 0, "catalog", "failures", "--json")
         got = [r for r in json.loads(out) if r["reason"] == "hash_mismatch"]
@@ -194,8 +217,9 @@ def test_a_folder_linked_inside_the_source_is_listed_once(tmp_path):
     os.symlink("real", src / "again")
     os.symlink(src / ".hidden", src / "shown")
     assert Location(SourceConfig(kind="folder", location=str(src))).files() == [
-        "real/a.jpg", "shown/b.jpg",
-    ]  # fmt: skip
+        "real/a.jpg",
+        "shown/b.jpg",
+    ]
 
 
 def test_a_path_that_cannot_be_resolved_fails_its_row_not_the_read(tmp_path, monkeypatch):
@@ -400,8 +424,11 @@ def _peak_rss(script: str, *args: str, timeout: float = 120) -> tuple[int, str]:
     ``getrusage(RUSAGE_CHILDREN)`` of that parent, and its stdout)."""
     p = subprocess.run(
         [sys.executable, "-c", _MEASURE, sys.executable, "-c", script, *args],
-        capture_output=True, text=True, cwd=REPO, timeout=timeout,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=timeout,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     lines = p.stdout.strip().splitlines()
     assert lines[-1].startswith("PEAK_BYTES "), p.stdout
@@ -473,8 +500,11 @@ def test_a_metadata_jsonl_is_streamed_and_its_size_checked_before_reading(tmp_pa
     peak_big, out = _peak_rss(_REGISTER_FOLDER, str(big))
     assert json.loads(out) == {
         "a.jpg": [None, None],
-        "metadata.jsonl": ["too_large", f"metadata file metadata.jsonl is {METADATA_MAX_BYTES + 1} bytes, above {METADATA_MAX_BYTES}"],
-    }  # fmt: skip
+        "metadata.jsonl": [
+            "too_large",
+            f"metadata file metadata.jsonl is {METADATA_MAX_BYTES + 1} bytes, above {METADATA_MAX_BYTES}",
+        ],
+    }
     assert peak_big <= PEAK_LIMIT, f"peak RSS {peak_big / GB:.2f} GB"
     print(f"jsonl peak RSS {peak / 1e9:.2f} GB (one line), {peak_big / 1e9:.2f} GB (too large)")
 
@@ -523,8 +553,17 @@ def test_a_parquet_cell_is_sized_from_the_footer_before_it_is_read(tmp_path):
     d = tmp_path / "pq"
     d.mkdir()
     (tmp_path / "good.jpg").write_bytes(hs.jpeg(3))
-    subprocess.run([sys.executable, "-c", _WRITE_PARQUET_BOMB, str(d / "bomb.parquet"),
-                    str(tmp_path / "good.jpg")], check=True, timeout=120)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _WRITE_PARQUET_BOMB,
+            str(d / "bomb.parquet"),
+            str(tmp_path / "good.jpg"),
+        ],
+        check=True,
+        timeout=120,
+    )
     assert (d / "bomb.parquet").stat().st_size < 200_000
     peak, out = _peak_rss(_READ_PARQUET, str(d))
     assert json.loads(out) == {
@@ -560,8 +599,9 @@ def test_a_tar_header_is_bounded_before_it_is_read(tmp_path):
     got = json.loads(out)
     assert got["found"] == [["k0"]]
     assert [(u, r) for u, r, _ in got["skipped"]] == [
-        ("longname.tar", "corrupt_container"), ("pax.tar", "corrupt_container"),
-    ]  # fmt: skip
+        ("longname.tar", "corrupt_container"),
+        ("pax.tar", "corrupt_container"),
+    ]
     for (_, _, detail), size in zip(got["skipped"], (2_500_000_000, 1_500_000_000)):
         assert f"an extended header (long name or pax) of {size} bytes" in detail
     assert peak <= PEAK_LIMIT, f"peak RSS {peak / GB:.2f} GB"
@@ -579,8 +619,10 @@ def test_a_remote_source_is_read_behind_the_downloads_address_guard(env, capsys,
     with LoopbackHTTPServer() as srv, LoopbackHTTPServer(host="127.0.0.2") as internal:
         token = internal.add("/token", Reply(body=hs.TOKEN.encode()))
         inner_jpg = internal.add("/x.jpg", Reply(body=hs.jpeg(23)))
-        listing = "".join(f'<a href="{n}">{n}</a>' for n in
-                          ("a.jpg", "a.txt", "b.jpg", "b.txt", "c.jpg", "c.txt", "../../secret/"))  # fmt: skip
+        listing = "".join(
+            f'<a href="{n}">{n}</a>'
+            for n in ("a.jpg", "a.txt", "b.jpg", "b.txt", "c.jpg", "c.txt", "../../secret/")
+        )
         srv.add("/src/", Reply(body=listing.encode(), headers={"Content-Type": "text/html"}))
         srv.add("/src", Reply(status=301, headers={"Location": "/src/"}))  # on its own host
         srv.add("/src/a.jpg", Reply(body=hs.jpeg(21)))
@@ -598,14 +640,16 @@ def test_a_remote_source_is_read_behind_the_downloads_address_guard(env, capsys,
         _cli(capsys, 0, "materialize", "--source", "web", "-a", "metadata", "-a", "images")
         cat = Catalog(env / "data")
         assert _final(cat, "web") == {
-            "a.jpg": "failed:redirect_refused", "b.jpg": "failed:redirect_refused",
+            "a.jpg": "failed:redirect_refused",
+            "b.jpg": "failed:redirect_refused",
             "c.jpg": "stored",
-        }  # fmt: skip
+        }
         assert internal.hits("/token") == internal.hits("/x.jpg") == 0
         assert srv.hits("/secret/") == srv.hits("/secret/s.jpg") == 0
         assert not [p for p in srv._hits if ".." in p]
-        _, err = _cli(capsys, 2, "sources", "add", "lo2", "--kind", "folder",
-                      "--location", internal.url("/"))  # fmt: skip
+        _, err = _cli(
+            capsys, 2, "sources", "add", "lo2", "--kind", "folder", "--location", internal.url("/")
+        )
         assert "127.0.0.2 (loopback)" in err and internal.hits("/") == 0
     assert _no_secret_anywhere(env / "data", set()) > 5
 
@@ -657,8 +701,9 @@ def test_a_partition_reads_its_own_stretch_of_a_tar(tmp_path):
     listed = listing.rows
     assert [r["caption"] for r in listed] == ["picture 4", "picture 5"] and listing.failed == []
     assert [(r["id"], d) for r, d in wds.images(cfg, last, listed, 10**6)] == [
-        ("k4", hs.jpeg(64)), ("k5", hs.jpeg(65)),
-    ]  # fmt: skip
+        ("k4", hs.jpeg(64)),
+        ("k5", hs.jpeg(65)),
+    ]
     failed = wds.rows(cfg, "wds", manifest(root, "wds-00000")).failed
     assert [f["reason"] for f in failed] == ["corrupt_container"] * 2
 

@@ -91,8 +91,10 @@ def _final(cat: Catalog, source: str) -> dict[str, str]:
     rows = cat.query(
         "SELECT id, outcome, reason FROM dataset_rows WHERE source_of(partition) = ?", [source]
     )
-    return {r["id"]: r["outcome"] + (f":{r['reason']}" if r["outcome"] != "stored" else "")
-            for r in rows}  # fmt: skip
+    return {
+        r["id"]: r["outcome"] + (f":{r['reason']}" if r["outcome"] != "stored" else "")
+        for r in rows
+    }
 
 
 def _no_secret_anywhere(data: Path, secret_md5s: set[str]) -> int:
@@ -128,7 +130,9 @@ def test_hostile_sources_stay_confined_bounded_and_isolated(env, capsys):
     expected["evilpq"], skip_pq, later_pq = hs.write_parquet(
         tmp / "evilpq", outside["image"].parent
     )
-    expected["evilwds"], skip_wds, later_tar = hs.write_webdataset(tmp / "evilwds", outside["image"].parent)  # fmt: skip
+    expected["evilwds"], skip_wds, later_tar = hs.write_webdataset(
+        tmp / "evilwds", outside["image"].parent
+    )
     (tmp / "good").mkdir()
     for i in range(3):
         (tmp / "good" / f"g{i}.jpg").write_bytes(hs.jpeg(80 + i))
@@ -159,9 +163,13 @@ def test_hostile_sources_stay_confined_bounded_and_isolated(env, capsys):
             capsys, 2, *add, "nope", "--kind", "folder", "--location", str(tmp / "nowhere")
         )
         assert "does not exist" in err and len(err.strip().splitlines()) == 1
-        for name, kind, extra in [("evil", "folder", []), ("evilpq", "parquet", []),
-                                  ("evilwds", "webdataset", []), ("good", "folder", []),
-                                  ("gone", "folder", ["--allow-missing"])]:  # fmt: skip
+        for name, kind, extra in [
+            ("evil", "folder", []),
+            ("evilpq", "parquet", []),
+            ("evilwds", "webdataset", []),
+            ("good", "folder", []),
+            ("gone", "folder", ["--allow-missing"]),
+        ]:
             _cli(capsys, 0, *add, name, "--kind", kind, "--location", str(tmp / name), *extra)
         _, err = _cli(capsys, 2, *add, "good", "--kind", "folder", "--location", str(tmp / "evil"))
         assert "source good exists" in err and "--replace" in err
@@ -183,7 +191,7 @@ def test_hostile_sources_stay_confined_bounded_and_isolated(env, capsys):
         # ---- files that break after registration; then every partition, within its deadline
         hs.break_parquet(later_pq)
         hs.cut(later_tar)
-        rc, log, seconds = _materialize_subprocess(prefix or [], "-a", "metadata", "-a", "images")  # fmt: skip
+        rc, log, seconds = _materialize_subprocess(prefix or [], "-a", "metadata", "-a", "images")
         assert rc == 0 and log.count(" ok (") == 10 and "Traceback" not in log, log
         assert seconds < 180, seconds  # a FIFO read would block until the test's timeout
         assert sum(srv.hits(p) for p in ("/token", "/ok.jpg", "/redirect")) == 0  # nothing sent
@@ -214,7 +222,9 @@ def test_hostile_sources_stay_confined_bounded_and_isolated(env, capsys):
 
     with dg.DagsterInstance.get() as instance:
         sensor = defs.get_sensor_def("source_partition_sensor")
-        ctx = dg.build_sensor_context(instance=instance, resources={"flowmatch": resource_from_env()})  # fmt: skip
+        ctx = dg.build_sensor_context(
+            instance=instance, resources={"flowmatch": resource_from_env()}
+        )
         (req,) = sensor(ctx).dynamic_partitions_requests
         assert req.partition_keys == ["evilwds-00002", "good-00001"]
         instance.add_dynamic_partitions(SHARDS, list(req.partition_keys))
@@ -227,7 +237,7 @@ def test_hostile_sources_stay_confined_bounded_and_isolated(env, capsys):
     os.symlink("/dev/zero", linked / "zero.jpg")
     (linked / "zero.txt").write_text("still not a file")
     _cli(capsys, 0, *add, "linked", "--kind", "folder", "--location", str(linked), "--follow-links")
-    out, _ = _cli(capsys, 0, "materialize", "--source", "linked", "-a", "metadata", "-a", "images")  # fmt: skip
+    out, _ = _cli(capsys, 0, "materialize", "--source", "linked", "-a", "metadata", "-a", "images")
     assert _final(cat, "linked") == {"out.jpg": "stored", "zero.jpg": "failed:not_regular_file"}
 
     # ---- removing sources: one with made files only with --purge, which deletes them
@@ -259,14 +269,25 @@ def test_hostile_sources_stay_confined_bounded_and_isolated(env, capsys):
 @pytest.mark.parametrize(
     "ip, why",
     [
-        ("127.0.0.1", "loopback"), ("10.1.2.3", "private"), ("172.16.0.1", "private"),
-        ("192.168.1.1", "private"), ("169.254.169.254", "link-local"), ("100.64.0.1", "not public"),
-        ("224.0.0.1", "multicast"), ("0.0.0.0", "unspecified"), ("::1", "loopback"),
-        ("::ffff:127.0.0.1", "loopback"), ("::ffff:169.254.169.254", "link-local"),
-        ("fe80::1", "link-local"), ("fc00::1", "private"), ("2002:7f00:1::1", "loopback"),
-        ("8.8.8.8", None), ("93.184.216.34", None), ("2606:4700:4700::1111", None),
+        ("127.0.0.1", "loopback"),
+        ("10.1.2.3", "private"),
+        ("172.16.0.1", "private"),
+        ("192.168.1.1", "private"),
+        ("169.254.169.254", "link-local"),
+        ("100.64.0.1", "not public"),
+        ("224.0.0.1", "multicast"),
+        ("0.0.0.0", "unspecified"),
+        ("::1", "loopback"),
+        ("::ffff:127.0.0.1", "loopback"),
+        ("::ffff:169.254.169.254", "link-local"),
+        ("fe80::1", "link-local"),
+        ("fc00::1", "private"),
+        ("2002:7f00:1::1", "loopback"),
+        ("8.8.8.8", None),
+        ("93.184.216.34", None),
+        ("2606:4700:4700::1111", None),
     ],
-)  # fmt: skip
+)
 def test_which_addresses_are_refused(ip, why):
     import ipaddress
 
@@ -303,9 +324,12 @@ def test_non_public_addresses_are_never_sent_a_byte():
 def test_a_body_that_is_not_an_image_is_described_never_quoted():
     from flowmatch_assets.ingest.decode import describe_bytes, process_image
 
-    for body, kind in [(b"<!DOCTYPE html><p>secret-123</p>", "HTML"),
-                       (b"secret-123 token", "text"), (b"\x00\x01secret-123\xff", "binary data"),
-                       (b'{"token": "secret-123"}', "JSON-like text")]:  # fmt: skip
+    for body, kind in [
+        (b"<!DOCTYPE html><p>secret-123</p>", "HTML"),
+        (b"secret-123 token", "text"),
+        (b"\x00\x01secret-123\xff", "binary data"),
+        (b'{"token": "secret-123"}', "JSON-like text"),
+    ]:
         with pytest.raises(IngestError) as e:
             process_image(body, IngestConfig())
         assert e.value.reason == "not_image" and e.value.detail == describe_bytes(body)
@@ -337,10 +361,18 @@ def test_manifest_from_before_is_still_confined(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     cfg = SourceConfig(kind="folder", location=str(src))
-    m = Manifest("x-00000", "x", "folder", "", 0, 2, [
-        {"id": "a", "image": "../outside/secret.jpg"},
-        {"id": "b", "image": str(outside["image"])},
-    ])  # fmt: skip
+    m = Manifest(
+        "x-00000",
+        "x",
+        "folder",
+        "",
+        0,
+        2,
+        [
+            {"id": "a", "image": "../outside/secret.jpg"},
+            {"id": "b", "image": str(outside["image"])},
+        ],
+    )
     folder = source_kind("folder")
     listing = folder.rows(cfg, "x", m)
     listed, failed = listing.rows, listing.failed

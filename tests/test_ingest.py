@@ -479,13 +479,19 @@ def test_total_deadline_bounds_trickling_and_stalled_servers(images) -> None:
     cfg = _cfg(deadline_s=2.0, read_timeout_s=1.0, retries=3)
     with LoopbackHTTPServer() as srv:
         rows = [
-            {"id": "trickle", "url": srv.add(
-                "/t", Reply(body=b"\xff\xd8\xff", trickle_s=0.2, content_length=-1))},
-            {"id": "trickle_len", "url": srv.add(
-                "/tl", Reply(body=b"\xff\xd8\xff", trickle_s=0.2, content_length=1000))},
+            {
+                "id": "trickle",
+                "url": srv.add("/t", Reply(body=b"\xff\xd8\xff", trickle_s=0.2, content_length=-1)),
+            },
+            {
+                "id": "trickle_len",
+                "url": srv.add(
+                    "/tl", Reply(body=b"\xff\xd8\xff", trickle_s=0.2, content_length=1000)
+                ),
+            },
             {"id": "stall", "url": srv.add("/s", Reply(body=images["jpeg"], delay_s=30))},
             {"id": "good", "url": srv.add("/g", Reply(body=images["jpeg"], headers=IMG))},
-        ]  # fmt: skip
+        ]
         t0 = time.monotonic()
         results = ingest_rows(rows, cfg)
         wall = time.monotonic() - t0

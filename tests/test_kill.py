@@ -57,8 +57,19 @@ def test_kill_9_mid_partition_then_rerun(tmp_path, small_sample):
             timeout=120,
         )
         assert "000-00" in reg.stdout, reg.stdout + reg.stderr
-        cmd = [sys.executable, "-m", "dagster", "asset", "materialize", "-m", "flowmatch_assets.definitions",
-               "--select", "metadata,images", "--partition", "000-00"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "dagster",
+            "asset",
+            "materialize",
+            "-m",
+            "flowmatch_assets.definitions",
+            "--select",
+            "metadata,images",
+            "--partition",
+            "000-00",
+        ]
         proc = subprocess.Popen(
             cmd,
             env=env,

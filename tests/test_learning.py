@@ -36,13 +36,20 @@ def encode_store(root: Path, zoo: dict, n: int = 256, parts: int = 2) -> None:
     for k, idx in enumerate(np.array_split(np.arange(n), parts)):
         p, ids = f"000-{k:02d}", [f"{k}-{i}" for i in idx]
         lat = enc.encode_vae(images[idx])
-        write_shard(layout.asset_path("vae_latents", p), {"latents": lat}, ids,
-                    attrs={"scaling_factor": enc.scaling_factor})  # fmt: skip
+        write_shard(
+            layout.asset_path("vae_latents", p),
+            {"latents": lat},
+            ids,
+            attrs={"scaling_factor": enc.scaling_factor},
+        )
         patch, cls = enc.encode_dino(images[idx])
         write_shard(layout.asset_path("dino_features", p), {"patch": patch, "cls": cls}, ids)
         tokens, lengths = enc.encode_text([captions[i] for i in idx])
-        write_shard(layout.asset_path("text_embeddings", p),
-                    {"tokens": tokens, "lengths": lengths, "null_tokens": null}, ids)  # fmt: skip
+        write_shard(
+            layout.asset_path("text_embeddings", p),
+            {"tokens": tokens, "lengths": lengths, "null_tokens": null},
+            ids,
+        )
 
 
 @pytest.mark.slow
@@ -57,16 +64,19 @@ def test_tiny_dit_learns_to_follow_captions(tmp_path: Path, zoo: dict) -> None:
         cfg = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
         cfg["run"]["out_dir"] = str(tmp_path / "run")
         cfg["data"]["root"] = str(tmp_path / "data")
-        cfg["trainer"].update(max_steps=1000, checkpoint_every=250, full_every=1000,
-                              sample_every=0)  # fmt: skip
+        cfg["trainer"].update(max_steps=1000, checkpoint_every=250, full_every=1000, sample_every=0)
         cfg["logging"]["wandb"] = False
         result = train(TrainRequest(config=cfg, resume="none"))
         assert result.step == 1000 and result.device == "cpu, 32-true"
         ckpts = tmp_path / "run" / "checkpoints"
         r = evaluate_checkpoint(ckpts / "last.ckpt", zoo["text"], str(DEMO_VAE), 48)
         held = heldout_set(tmp_path / "data", ckpts / "last.ckpt")
-        fd = [fd_dinov2(ckpts / f"step{s:07d}-ema.ckpt", tmp_path / "data", str(DEMO_VAE),
-                        zoo["dino"], held) for s in (250, 1000)]  # fmt: skip
+        fd = [
+            fd_dinov2(
+                ckpts / f"step{s:07d}-ema.ckpt", tmp_path / "data", str(DEMO_VAE), zoo["dino"], held
+            )
+            for s in (250, 1000)
+        ]
     finally:
         torch.set_num_threads(threads)
     acc = r["accuracy"]

@@ -36,8 +36,15 @@ def _states(rng, rows: int, width: int) -> np.ndarray:
     return x.astype(np.float16)
 
 
-def make_root(root: Path, sizes: dict[str, int], storage: str, seed: int = 0, mean_len: int = 20,
-              causal: Sequence[str] = (), flip: Sequence[str] = ()):  # fmt: skip
+def make_root(
+    root: Path,
+    sizes: dict[str, int],
+    storage: str,
+    seed: int = 0,
+    mean_len: int = 20,
+    causal: Sequence[str] = (),
+    flip: Sequence[str] = (),
+):
     """Well-formed training shards of ``sizes`` in a storage of :data:`STORAGES`; the arrays
     depend only on ``seed``, not on the storage. ``causal`` partitions: every caption's first
     state is the null caption's (a causal encoder's, to fp16 batch noise), as the shard says
@@ -59,33 +66,52 @@ def make_root(root: Path, sizes: dict[str, int], storage: str, seed: int = 0, me
         if p in flip:
             tokens = -tokens
         arrays = {
-            "vae_latents": {"latents": (rng.standard_normal((n, 32, 8, 8)) / SF).astype(np.float16)},
-            "dino_features": {"patch": _states(rng, n * 64, 384).reshape(n, 64, 384),
-                              "cls": _states(rng, n, 384)},
-            "text_embeddings": {"tokens": tokens, "lengths": lengths,
-                                "null_tokens": -null if p in flip else null},
-        }  # fmt: skip
+            "vae_latents": {
+                "latents": (rng.standard_normal((n, 32, 8, 8)) / SF).astype(np.float16)
+            },
+            "dino_features": {
+                "patch": _states(rng, n * 64, 384).reshape(n, 64, 384),
+                "cls": _states(rng, n, 384),
+            },
+            "text_embeddings": {
+                "tokens": tokens,
+                "lengths": lengths,
+                "null_tokens": -null if p in flip else null,
+            },
+        }
         for kind, arrs in arrays.items():
             mode = lossy.get(kind)
             write_shard(
-                layout.asset_path(kind, p), arrs, ids, codec=codec,
-                attrs={"scaling_factor": SF} if kind == "vae_latents" else
-                attrs if kind == "text_embeddings" else {},
+                layout.asset_path(kind, p),
+                arrs,
+                ids,
+                codec=codec,
+                attrs={"scaling_factor": SF}
+                if kind == "vae_latents"
+                else attrs
+                if kind == "text_embeddings"
+                else {},
                 lossy={"patch" if kind == "dino_features" else "tokens": mode} if mode else None,
-            )  # fmt: skip
+            )
     return root
 
 
 def _epoch(root: Path, workers: int, batch: int = 16, window: int = 2) -> list[dict]:
     """Every batch of one epoch through the data module's own loader, decoded on the host."""
-    dm = EmbeddingDataModule(root, batch_size=batch, num_workers=workers, shuffle_window=window,
-                             heldout=(0.05, 4))  # fmt: skip
+    dm = EmbeddingDataModule(
+        root, batch_size=batch, num_workers=workers, shuffle_window=window, heldout=(0.05, 4)
+    )
     out = []
     for b in dm.train_dataloader():
         meta = b.pop("meta")
         d = dm.decode_batch(b, "cpu")
-        out.append({"ids": list(meta["ids"]), "position": meta["position"],
-                    **{k: d[k].clone() for k in ("latents", "text", "mask", "dino")}})  # fmt: skip
+        out.append(
+            {
+                "ids": list(meta["ids"]),
+                "position": meta["position"],
+                **{k: d[k].clone() for k in ("latents", "text", "mask", "dino")},
+            }
+        )
     return out
 
 
@@ -239,10 +265,14 @@ def test_a_partition_remade_between_gather_and_decode_keeps_its_tables(tmp_path,
     the old file, the batch stops the run in one line instead of training on it."""
     sizes = {"000-00": 40, "000-01": 40}
     root = make_root(tmp_path / "r", sizes, "default")
-    want = {i: d for b in _epoch(root, workers=0, batch=8, window=2)
-            for i, d in zip(b["ids"], b["text"])}  # fmt: skip
-    dm = EmbeddingDataModule(root, batch_size=8, num_workers=workers, shuffle_window=2,
-                             heldout=(0.05, 4), loader=loader)  # fmt: skip
+    want = {
+        i: d
+        for b in _epoch(root, workers=0, batch=8, window=2)
+        for i, d in zip(b["ids"], b["text"])
+    }
+    dm = EmbeddingDataModule(
+        root, batch_size=8, num_workers=workers, shuffle_window=2, heldout=(0.05, 4), loader=loader
+    )
     it = iter(dm.train_dataloader())
     batch = next(it)  # read (codes of the files as they are now), not yet decoded
     ids = batch.pop("meta")["ids"]
@@ -261,22 +291,32 @@ def test_a_partition_remade_between_gather_and_decode_keeps_its_tables(tmp_path,
     with pytest.raises(PartitionChangedError) as e:  # the main process never opened 000-01
         dm.decode_batch(batch, "cpu")
     msg = str(e.value)
-    assert "\n" not in msg and msg.startswith("partition '000-01': its text_embeddings file was "
-                                              "re-made while this run read it")  # fmt: skip
+    assert "\n" not in msg and msg.startswith(
+        "partition '000-01': its text_embeddings file was re-made while this run read it"
+    )
     assert "resume (--resume auto)" in msg
 
 
 def _stored(root: Path, loader: str, workers: int) -> list[dict]:
     """Every stored batch of one epoch as the module's loader hands it over (copied out)."""
-    dm = EmbeddingDataModule(root, batch_size=8, num_workers=workers, shuffle_window=2,
-                             heldout=(0.05, 4), loader=loader)  # fmt: skip
+    dm = EmbeddingDataModule(
+        root, batch_size=8, num_workers=workers, shuffle_window=2, heldout=(0.05, 4), loader=loader
+    )
     out = []
     for b in dm.train_dataloader():
         meta = b.pop("meta")
-        out.append({"ids": list(meta["ids"]), "position": meta["position"],
-                    **{k: v.clone() for k, v in b.items() if torch.is_tensor(v)},
-                    **{k: v for k, v in b.items() if k in ("parts", "text_counts", "dino_counts",
-                                                           "text_tables", "dino_tables")}})  # fmt: skip
+        out.append(
+            {
+                "ids": list(meta["ids"]),
+                "position": meta["position"],
+                **{k: v.clone() for k, v in b.items() if torch.is_tensor(v)},
+                **{
+                    k: v
+                    for k, v in b.items()
+                    if k in ("parts", "text_counts", "dino_counts", "text_tables", "dino_tables")
+                },
+            }
+        )
     return out
 
 

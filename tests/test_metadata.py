@@ -136,21 +136,42 @@ def test_filters_by_column_agree_with_the_row_by_row_definition():
     odd_text = ["", " ", "\u3000x", "x\u2029", "x\x1f", "\tok", "ok\n", "é", "ok", "a b", None]
     rows = []
     for i in range(3000):
-        rows.append({
-            "id": f"id-{i}", "hash": None,
-            "url": rnd.choice([f"https://x/{i}.jpg", *odd_text]),
-            "caption": rnd.choice(["a small red square", "x" * rnd.randint(0, 30), "two  words ",
-                                   "a\x1cb", "a\u00a0b c", *odd_text]),
-            "width": rnd.choice([None, 0, 1, 255, 256, 257, 768, 769, 2000, 3000]),
-            "height": rnd.choice([None, 0, 1, 255, 256, 257, 768, 2000, 1000]),
-            "license": rnd.choice(["cc0-1.0", "other", None]),
-        })  # fmt: skip
-    for cfg in (FilterConfig(), FilterConfig(licenses=["cc0-1.0"], max_caption_chars=20,
-                                             min_caption_chars=3, max_aspect_ratio=2.0),
-                FilterConfig(min_caption_words=2)):  # fmt: skip
+        rows.append(
+            {
+                "id": f"id-{i}",
+                "hash": None,
+                "url": rnd.choice([f"https://x/{i}.jpg", *odd_text]),
+                "caption": rnd.choice(
+                    [
+                        "a small red square",
+                        "x" * rnd.randint(0, 30),
+                        "two  words ",
+                        "a\x1cb",
+                        "a\u00a0b c",
+                        *odd_text,
+                    ]
+                ),
+                "width": rnd.choice([None, 0, 1, 255, 256, 257, 768, 769, 2000, 3000]),
+                "height": rnd.choice([None, 0, 1, 255, 256, 257, 768, 2000, 1000]),
+                "license": rnd.choice(["cc0-1.0", "other", None]),
+            }
+        )
+    for cfg in (
+        FilterConfig(),
+        FilterConfig(
+            licenses=["cc0-1.0"], max_caption_chars=20, min_caption_chars=3, max_aspect_ratio=2.0
+        ),
+        FilterConfig(min_caption_words=2),
+    ):
         allowed = set(cfg.licenses) if cfg.licenses is not None else None
-        want = [r["id"] for r in rows if _row_reason(r["url"], r["width"], r["height"],
-                                                     r["caption"], r["license"], cfg, allowed) is None]  # fmt: skip
+        want = [
+            r["id"]
+            for r in rows
+            if _row_reason(
+                r["url"], r["width"], r["height"], r["caption"], r["license"], cfg, allowed
+            )
+            is None
+        ]
         kept, filtered = filter_rows(pa.Table.from_pylist(rows), cfg)
         assert kept.column("id").to_pylist() == want
         assert len(filtered) == len(rows) - len(want) > 100

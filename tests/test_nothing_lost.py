@@ -115,7 +115,9 @@ def test_bad_attempt_keeps_the_shard_and_its_records_and_records_its_failures(
         n_after = len(instance.fetch_materializations(dg.AssetKey("images"), limit=10).records)
         assert n_after == n_mats
         cat = Catalog(good.data_root)
-        assert cat.query("SELECT samples FROM coverage WHERE asset='images' AND partition='000-00'") == [{"samples": 10}]  # fmt: skip
+        assert cat.query(
+            "SELECT samples FROM coverage WHERE asset='images' AND partition='000-00'"
+        ) == [{"samples": 10}]
         # ... and the attempt's failures are inspectable
         rej = cat.query(
             "SELECT reason, retryable, count(*) AS n FROM rejected_attempts GROUP BY ALL"
@@ -150,7 +152,9 @@ def test_a_data_root_moves(tmp_path, zoo):
     with dg.instance_for_test() as instance:
         register_partitions(instance, res)
         assert _mat(res, "000-00", instance, list(PARTITIONED_ASSETS)).success
-        assert Catalog(old).query("SELECT sum(samples) AS n FROM coverage WHERE asset='images'") == [{"n": 6}]  # fmt: skip
+        assert Catalog(old).query(
+            "SELECT sum(samples) AS n FROM coverage WHERE asset='images'"
+        ) == [{"n": 6}]
     new = tmp_path / "moved"
     shutil.move(old, new)
     where = {"metadata": str(new / "sample" / "metadata"), "dest": str(new / "sample")}
@@ -165,7 +169,7 @@ def test_a_data_root_moves(tmp_path, zoo):
         assert result.success, _failure_message(result)
         assert cat.query(
             "SELECT outcome, count(*) AS n FROM rows WHERE asset='images' GROUP BY ALL ORDER BY ALL"
-        ) == [  # fmt: skip
+        ) == [
             {"outcome": "failed", "n": 6},  # the sample's deliberately bad rows
             {"outcome": "stored", "n": 6},
         ]
@@ -179,21 +183,32 @@ def test_a_data_root_moves(tmp_path, zoo):
         # the same shard again: same data version (fingerprint + content), nothing to redo
         assert _stale(instance, "vae_latents", "000-00") == "FRESH"
         other = FlowmatchResource(  # another JPEG quality: another fingerprint, data version
-            data_root=str(new), metadata_source=where["metadata"], encoders=enc,
+            data_root=str(new),
+            metadata_source=where["metadata"],
+            encoders=enc,
             ingest=IngestConfig(file_root=where["dest"], threads=4, quality=80),
-        )  # fmt: skip
+        )
         assert _mat(other, "000-00", instance, ["images"]).success
         assert _stale(instance, "vae_latents", "000-00") == "STALE"
-        settings = {"data": {"batch_size": 4}, "sample": {"steps": 2},
-                    "trainer": {"log_every": 1, "sample_every": 1000, "checkpoint_every": 1000}}  # fmt: skip
+        settings = {
+            "data": {"batch_size": 4},
+            "sample": {"steps": 2},
+            "trainer": {"log_every": 1, "sample_every": 1000, "checkpoint_every": 1000},
+        }
         result = dg.materialize(
             list(defs.assets),
             selection=["flow_model"],
             instance=instance,
             resources=resources_for(moved),
-            run_config={"ops": {"flow_model": {"config": {"run_name": "m", "max_steps": 3, "settings": settings}}}},
+            run_config={
+                "ops": {
+                    "flow_model": {
+                        "config": {"run_name": "m", "max_steps": 3, "settings": settings}
+                    }
+                }
+            },
             raise_on_error=False,
-        )  # fmt: skip
+        )
         assert result.success, _failure_message(result)
         assert (new / "runs" / "m" / "checkpoints" / "last.ckpt").is_file()
         tp = cat.query("SELECT samples_per_s FROM throughput WHERE asset = 'flow_model'")
@@ -249,15 +264,20 @@ def test_verify_then_missing_recreates_exactly_the_deleted_and_the_corrupt_shard
             "SELECT partition, materialized FROM coverage WHERE asset IN ('images', 'metadata') ORDER BY ALL"
         )
         assert [(r["partition"], r["materialized"]) for r in cov] == [
-            ("000-00", False), ("000-00", True), ("001-00", False), ("001-00", True)
-        ]  # fmt: skip
+            ("000-00", False),
+            ("000-00", True),
+            ("001-00", False),
+            ("001-00", True),
+        ]
         n_meta = len(instance.fetch_materializations(dg.AssetKey("metadata"), limit=10).records)
     capsys.readouterr()
     assert cli.main(["materialize", "--missing", "-a", "metadata", "-a", "images"]) == 0
     out = capsys.readouterr().out
     assert "000-00: images ok" in out and "001-00: images ok" in out
     with dg.DagsterInstance.get() as instance:
-        assert n_meta == len(instance.fetch_materializations(dg.AssetKey("metadata"), limit=10).records)  # fmt: skip
+        assert n_meta == len(
+            instance.fetch_materializations(dg.AssetKey("metadata"), limit=10).records
+        )
         assert backfill.missing_partitions(instance, DATA, str(data)) == []
     states = partition_states(layout, ["000-00", "001-00"], DATA)
     assert {s.state for s in states} == {"present"}
@@ -268,11 +288,22 @@ def test_verify_then_missing_recreates_exactly_the_deleted_and_the_corrupt_shard
 
 @pytest.mark.parametrize(
     "reason, retryable",
-    [("timeout", True), ("connection_error", True), ("http_503", True), ("http_429", True),
-     ("http_404", False), ("corrupt", False), ("not_image", False), ("too_small", False),
-     ("decompression_bomb", False), ("too_large", False), ("redirect_refused", False),
-     ("file_not_allowed", False), (None, False)],
-)  # fmt: skip
+    [
+        ("timeout", True),
+        ("connection_error", True),
+        ("http_503", True),
+        ("http_429", True),
+        ("http_404", False),
+        ("corrupt", False),
+        ("not_image", False),
+        ("too_small", False),
+        ("decompression_bomb", False),
+        ("too_large", False),
+        ("redirect_refused", False),
+        ("file_not_allowed", False),
+        (None, False),
+    ],
+)
 def test_retryable_reasons(reason, retryable):
     assert is_retryable(reason) is retryable
 
@@ -315,7 +346,7 @@ def test_retry_refetches_only_retryable_rows_and_merges_them_in_order(
         cat = Catalog(data)
         assert cat.query("SELECT reason, retryable, count(*) AS n FROM failures GROUP BY ALL") == [
             {"reason": "http_503", "retryable": True, "n": 3}
-        ]  # fmt: skip
+        ]
         shard = data / "images" / "000-00.parquet"
         first = {
             r["id"]: r["image"] for r in pq.read_table(shard, columns=["id", "image"]).to_pylist()
@@ -330,8 +361,8 @@ def test_retry_refetches_only_retryable_rows_and_merges_them_in_order(
             assert t.is_alive() and time.monotonic() < deadline
             time.sleep(0.05)
         # mid-run (the retried rows are served 1.5 s late): the catalog shows the old records
-        assert cat.query("SELECT samples FROM coverage WHERE asset = 'images'") == [{"samples": 7}]  # fmt: skip
-        assert cat.query("SELECT count(*) AS n FROM rows WHERE asset = 'images'") == [{"n": 10}]  # fmt: skip
+        assert cat.query("SELECT samples FROM coverage WHERE asset = 'images'") == [{"samples": 7}]
+        assert cat.query("SELECT count(*) AS n FROM rows WHERE asset = 'images'") == [{"n": 10}]
         t.join(300)
         assert rc == [0]
         assert "000-00: retrying 3 failed rows" in capsys.readouterr().out
@@ -468,8 +499,10 @@ def _published(root: Path, key: str) -> dict[str, bytes]:
         root / "images" / f"{key}.parquet",
         root / "previews" / "images" / f"{key}.png",
     ]
-    files += [c / k / "images" / f"{key}.parquet"
-              for k in ("materializations", "rows", "content", "duplicates")]  # fmt: skip
+    files += [
+        c / k / "images" / f"{key}.parquet"
+        for k in ("materializations", "rows", "content", "duplicates")
+    ]
     return {str(f.relative_to(root)): f.read_bytes() for f in files if f.exists()}
 
 
@@ -527,8 +560,9 @@ def test_a_full_disk_is_named_and_publishes_nothing(tmp_path, small_sample):
             free = shutil.disk_usage(disk).free
             with open(disk / "ballast", "wb") as f:
                 f.write(b"\0" * max(0, free - 64 * 1024))
-            result = _mat(_res(root, small_sample, quality=70), "000-00", instance,
-                          selection=["images"])  # fmt: skip
+            result = _mat(
+                _res(root, small_sample, quality=70), "000-00", instance, selection=["images"]
+            )
             assert not result.success
             ((step, msg),) = step_failures(result)
             assert "No space left on device" in msg and "nothing was published" in msg, msg

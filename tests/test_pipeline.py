@@ -90,9 +90,13 @@ def test_partition_materializes_every_row_gets_one_outcome_and_rerun_is_idempote
         md = mats[0].asset_materialization.metadata
         assert md["stored"].value == 10 and md["failed"].value + md["filtered"].value == 6
         # failed and filtered apart, as `flowmatch catalog failures` counts them
-        counts = {r["outcome"]: r["n"] for r in cat.query(
-            "SELECT outcome, count(*) AS n FROM rows WHERE asset = 'images' "
-            "AND partition = '000-00' GROUP BY outcome")}  # fmt: skip
+        counts = {
+            r["outcome"]: r["n"]
+            for r in cat.query(
+                "SELECT outcome, count(*) AS n FROM rows WHERE asset = 'images' "
+                "AND partition = '000-00' GROUP BY outcome"
+            )
+        }
         assert md["failed"].value == counts.get("failed", 0) > 0
         assert md["filtered"].value == counts.get("filtered", 0)  # duplicates by content
         assert "data:image/jpeg;base64" in md["preview"].value
@@ -200,9 +204,13 @@ def test_a_key_with_no_data_behind_it_fails_in_one_line_that_names_the_fix(resou
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(SHARDS, ["003-00"])
         result = dg.materialize(
-            _assets(), selection=["metadata"], partition_key="003-00", instance=instance,
-            resources=resources_for(resource), raise_on_error=False,
-        )  # fmt: skip
+            _assets(),
+            selection=["metadata"],
+            partition_key="003-00",
+            instance=instance,
+            resources=resources_for(resource),
+            raise_on_error=False,
+        )
         assert not result.success
         (failure,) = [e for e in result.all_events if e.is_step_failure]
         data = failure.step_failure_data.user_failure_data

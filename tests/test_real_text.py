@@ -95,9 +95,12 @@ def test_real_gemma_text_embeddings(tmp_path, small_sample, zoo, real_gemma):
     with dg.instance_for_test() as instance:
         register_partitions(instance, res)
         result = dg.materialize(
-            list(defs.assets), selection=["metadata", "images", "text_embeddings"],
-            partition_key="000-00", instance=instance, resources=resources_for(res),
-        )  # fmt: skip
+            list(defs.assets),
+            selection=["metadata", "images", "text_embeddings"],
+            partition_key="000-00",
+            instance=instance,
+            resources=resources_for(res),
+        )
         assert result.success
         md = result.asset_materializations_for_node("encode_embeddings")[0].metadata
     shard = read_shard(res.layout.asset_path("text_embeddings", "000-00"), verify=True)
@@ -116,10 +119,12 @@ def test_real_gemma_text_embeddings(tmp_path, small_sample, zoo, real_gemma):
     # each other than to a caption about something else
     a, b, c = (
         enc.encode_text([x])[0].astype(np.float32).mean(0)
-        for x in ("a large red circle on a sandy background",
-                  "a large blue circle on a sandy background",
-                  "an old map of the city harbour, engraved in 1850")
-    )  # fmt: skip
+        for x in (
+            "a large red circle on a sandy background",
+            "a large blue circle on a sandy background",
+            "an old map of the city harbour, engraved in 1850",
+        )
+    )
 
     def cos(x, y):
         return float(x @ y / np.linalg.norm(x) / np.linalg.norm(y))
@@ -140,9 +145,13 @@ def test_minilm_text_encoder_through_configuration_alone(
 
         def run(selection, **kw):
             return dg.materialize(
-                list(defs.assets), selection=selection, instance=instance,
-                resources=resources_for(res), raise_on_error=False, **kw,
-            )  # fmt: skip
+                list(defs.assets),
+                selection=selection,
+                instance=instance,
+                resources=resources_for(res),
+                raise_on_error=False,
+                **kw,
+            )
 
         for p in ("000-00", "001-00"):
             assert run(["metadata", "images", *EMB], partition_key=p).success
@@ -167,9 +176,10 @@ def test_minilm_text_encoder_through_configuration_alone(
     _pipeline_matches_sampler(pipeline, tmp_path, {"text": minilm, "vae": zoo["vae"]})
     # the fingerprints: back to the zoo's Gemma, every text partition and the run are stale
     back = make_resource(
-        tmp_path / "data", small_sample,
+        tmp_path / "data",
+        small_sample,
         encoders=EncoderSpec(vae=zoo["vae"], dino=zoo["dino"], text=zoo["text"], batch_size=8),
-    )  # fmt: skip
+    )
     stale = {(s.asset, s.partition): s.reason for s in staleness(back)}
     assert {k for k in stale if k[0] == "text_embeddings"} == {
         ("text_embeddings", "000-00"),

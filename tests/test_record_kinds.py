@@ -20,16 +20,23 @@ from flowmatch_assets.catalog.records import _write_parquet
 from flowmatch_models.storage.layout import DataLayout
 
 NEAR = pa.schema(
-    [("asset", pa.string()), ("partition", pa.string()), ("source", pa.string()),
-     ("near_duplicates", pa.int64()), ("threshold", pa.float64())]
-)  # fmt: skip
+    [
+        ("asset", pa.string()),
+        ("partition", pa.string()),
+        ("source", pa.string()),
+        ("near_duplicates", pa.int64()),
+        ("threshold", pa.float64()),
+    ]
+)
 
 
 def _record_near(root, partition: str, rows: list[dict], schema: pa.Schema = NEAR) -> None:
     """The planted kind's writer: what a record_<name> function in records.py would be."""
     data = [{"asset": "images", "partition": partition, **r} for r in rows]
-    _write_parquet(record_path(root, "near_dups", "images", partition),
-                   pa.Table.from_pylist(data, schema=schema))  # fmt: skip
+    _write_parquet(
+        record_path(root, "near_dups", "images", partition),
+        pa.Table.from_pylist(data, schema=schema),
+    )
 
 
 def test_a_new_record_kind_is_one_entry_and_its_writer(tmp_path, monkeypatch):
@@ -46,11 +53,18 @@ def test_a_new_record_kind_is_one_entry_and_its_writer(tmp_path, monkeypatch):
     assert cat.query("SELECT count(*) AS n FROM near_duplicate_records") == [{"n": 0}]
     placeholder = tmp_path / "catalog" / "near_dups" / "_empty" / "_empty.parquet"
     assert pq.read_schema(placeholder).names == NEAR.names
-    _record_near(tmp_path, "000-00", [{"source": "pd12m", "near_duplicates": 3, "threshold": 0.9},
-                                      {"source": "photos", "near_duplicates": 1,
-                                       "threshold": 0.9}])  # fmt: skip
-    sql = ("SELECT partition, source, near_duplicates AS n, threshold FROM "
-           "near_duplicate_records ORDER BY partition, source")  # fmt: skip
+    _record_near(
+        tmp_path,
+        "000-00",
+        [
+            {"source": "pd12m", "near_duplicates": 3, "threshold": 0.9},
+            {"source": "photos", "near_duplicates": 1, "threshold": 0.9},
+        ],
+    )
+    sql = (
+        "SELECT partition, source, near_duplicates AS n, threshold FROM "
+        "near_duplicate_records ORDER BY partition, source"
+    )
     assert cat.query(sql) == [
         {"partition": "000-00", "source": "pd12m", "n": 3, "threshold": 0.9},
         {"partition": "000-00", "source": "photos", "n": 1, "threshold": 0.9},
@@ -59,15 +73,20 @@ def test_a_new_record_kind_is_one_entry_and_its_writer(tmp_path, monkeypatch):
     # view reads by name, the missing column NULL
     old = pa.schema([f for f in NEAR if f.name != "threshold"])
     _record_near(tmp_path, "000-01", [{"source": "pd12m", "near_duplicates": 2}], old)
-    assert cat.query(sql)[-1] == {"partition": "000-01", "source": "pd12m", "n": 2,
-                                  "threshold": None}  # fmt: skip
+    assert cat.query(sql)[-1] == {
+        "partition": "000-01",
+        "source": "pd12m",
+        "n": 2,
+        "threshold": None,
+    }
     assert "near_dups" in summary.legacy_kinds(layout)
     assert "near_dups/images" in summary._State(summary.summary_dir(layout)).dirs
     # a custom view over it is one more CREATE in views.py; here the registry's plain view
     # already answers the report
-    assert cat.query("SELECT source, sum(near_duplicates)::BIGINT AS n FROM "
-                     "near_duplicate_records GROUP BY source ORDER BY source") == [
-        {"source": "pd12m", "n": 5}, {"source": "photos", "n": 1}]  # fmt: skip
+    assert cat.query(
+        "SELECT source, sum(near_duplicates)::BIGINT AS n FROM "
+        "near_duplicate_records GROUP BY source ORDER BY source"
+    ) == [{"source": "pd12m", "n": 5}, {"source": "photos", "n": 1}]
     monkeypatch.delitem(RECORD_KINDS, kind.name)
     assert catalog_version(layout) == before  # unregistered: the catalog as it was
     assert "near_duplicate_records" not in view_names()
@@ -98,12 +117,18 @@ def test_every_record_kind_keeps_the_paths_its_records_always_had(tmp_path):
         assert record_path(tmp_path, kind, group, key) == path, kind
     from flowmatch_assets.catalog import ledger_path
 
-    assert ledger_path(tmp_path, "r1", 200, "ledger_chain") == expected[
-        ("ledger_chain", "r1", "step0000200")]  # fmt: skip
+    assert (
+        ledger_path(tmp_path, "r1", 200, "ledger_chain")
+        == expected[("ledger_chain", "r1", "step0000200")]
+    )
     Catalog(tmp_path).ensure()  # one placeholder per kind, where the globs look
-    empties = sorted(p.relative_to(c).as_posix() for p in c.rglob("_empty.parquet")
-                     if p.relative_to(c).parts[0] in RECORD_KINDS)  # not card_summaries/  # fmt: skip
+    empties = sorted(
+        p.relative_to(c).as_posix()
+        for p in c.rglob("_empty.parquet")
+        if p.relative_to(c).parts[0] in RECORD_KINDS
+    )  # not card_summaries/
     assert empties == sorted(
         f"{k}/_empty.parquet" if RECORD_KINDS[k].per == "run" else f"{k}/_empty/_empty.parquet"
-        for k in RECORD_KINDS if RECORD_KINDS[k].per != "root"
-    )  # fmt: skip
+        for k in RECORD_KINDS
+        if RECORD_KINDS[k].per != "root"
+    )

@@ -47,8 +47,9 @@ def test_upgrade_carries_an_old_data_root_and_instance_over(tmp_path, monkeypatc
         for kind in ("rows", "materializations"):
             t = pq.read_table(root / "catalog" / kind / new / "000-00.parquet")
             assert t.column("asset").to_pylist() == [new]
-        assert not (root / "catalog" / "rows" / {"metadata": "pd12m_metadata",
-                                                   "images": "images_256"}[new]).exists()  # fmt: skip
+        assert not (
+            root / "catalog" / "rows" / {"metadata": "pd12m_metadata", "images": "images_256"}[new]
+        ).exists()
     with dg.DagsterInstance.get() as inst:
         assert sorted(inst.get_dynamic_partitions("shards")) == ["000-00", "001-00"]
         states = partition_states(DataLayout(root), ["000-00"], ["metadata", "images"], inst)

@@ -119,9 +119,15 @@ def test_a_nan_batch_is_skipped_weights_adam_and_ema_untouched(store: Path, tmp_
 
 def test_consecutive_nan_steps_stop_the_run_with_one_line(store: Path, tmp_path: Path) -> None:
     out = tmp_path / "stop"
-    cfg = tiny_config(store, out, trainer__max_steps=40, trainer__accumulate_grad_batches=1,
-                      trainer__max_skipped_steps=5, trainer__log_every=1,
-                      trainer__checkpoint_every=2)  # fmt: skip
+    cfg = tiny_config(
+        store,
+        out,
+        trainer__max_steps=40,
+        trainer__accumulate_grad_batches=1,
+        trainer__max_skipped_steps=5,
+        trainer__log_every=1,
+        trainer__checkpoint_every=2,
+    )
     with pytest.raises(NonFiniteStepsError) as e:
         fit_with(cfg, [PoisonStep(step=4, micro=0, accumulate=1, every_step_after=True)])
     msg = str(e.value)
@@ -151,12 +157,19 @@ def test_ddp_ranks_skip_a_nan_on_one_rank_together(tmp_path: Path) -> None:
     both, both skip the same step, and the final weights are finite and equal on both."""
     root = _poisoned_store(tmp_path / "store", "000-01/5")
     out = tmp_path / "ddp"
-    cfg = tiny_config(root, out, trainer__devices=2, trainer__strategy="ddp",
-                      trainer__accelerator="cpu", trainer__max_steps=8,
-                      trainer__accumulate_grad_batches=1)  # fmt: skip
+    cfg = tiny_config(
+        root,
+        out,
+        trainer__devices=2,
+        trainer__strategy="ddp",
+        trainer__accelerator="cpu",
+        trainer__max_steps=8,
+        trainer__accumulate_grad_batches=1,
+    )
     _cli_run(tmp_path, cfg, "run")  # python -m flowmatch_models.train, 2 gloo ranks
-    seen = [(r, rec["step"]) for r in (0, 1) for rec in read_records(out, r)
-            if "000-01/5" in rec["ids"]]  # fmt: skip
+    seen = [
+        (r, rec["step"]) for r in (0, 1) for rec in read_records(out, r) if "000-01/5" in rec["ids"]
+    ]
     bad_steps = {step for _, step in seen}
     assert seen and len(bad_steps) == len(seen), seen  # each time on one rank only
     ckpt = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)
@@ -211,8 +224,13 @@ def test_one_step_is_the_same_under_every_precision(store: Path, tmp_path: Path)
 
     got = {}
     for precision in ("32-true", "bf16-mixed", "16-mixed"):
-        cfg = tiny_config(store, tmp_path / precision, trainer__max_steps=2, trainer__precision=
-                          precision, trainer__accumulate_grad_batches=1)  # fmt: skip
+        cfg = tiny_config(
+            store,
+            tmp_path / precision,
+            trainer__max_steps=2,
+            trainer__precision=precision,
+            trainer__accumulate_grad_batches=1,
+        )
         probe, poison = StepProbe(), PoisonStep(step=1, micro=0, accumulate=1)
         with _patched(L.Trainer, "__init__", _fp16_plugin(L.Trainer.__init__)):
             result = fit_with(cfg, [probe, poison])
@@ -288,8 +306,9 @@ def test_the_training_step_never_reads_the_device(
     if storage == "default":  # two partitions of a causal text encoder: exact first states
         store = make_root(tmp_path / "coded", SIZES, "default", causal=["000-00", "000-02"])
     out = tmp_path / "nosync"
-    cfg = tiny_config(store, out, trainer__max_steps=8, trainer__log_every=4,
-                      trainer__max_skipped_steps=4)  # fmt: skip
+    cfg = tiny_config(
+        store, out, trainer__max_steps=8, trainer__log_every=4, trainer__max_skipped_steps=4
+    )
     probe = NoSync()
     decode = FlowMatchModule.on_after_batch_transfer
 
@@ -323,13 +342,24 @@ def _metrics(out: Path) -> list[dict]:
 
 def test_retention_keeps_exactly_the_policy_and_resumes_exactly(store: Path, tmp_path: Path):
     out = tmp_path / "keep"
-    over = dict(trainer__checkpoint_every=1, trainer__full_every=3, trainer__keep_full=2,
-                trainer__keep_ema=4, trainer__accumulate_grad_batches=1)  # fmt: skip
+    over = dict(
+        trainer__checkpoint_every=1,
+        trainer__full_every=3,
+        trainer__keep_full=2,
+        trainer__keep_ema=4,
+        trainer__accumulate_grad_batches=1,
+    )
     result = fit_with(tiny_config(store, out, trainer__max_steps=10, **over), [])
     names = sorted(p.name for p in (out / "checkpoints").glob("*.ckpt"))
-    assert names == ["last.ckpt", "step0000007-ema.ckpt", "step0000008-ema.ckpt",
-                     "step0000009-ema.ckpt", "step0000009.ckpt", "step0000010-ema.ckpt",
-                     "step0000010.ckpt"]  # fmt: skip
+    assert names == [
+        "last.ckpt",
+        "step0000007-ema.ckpt",
+        "step0000008-ema.ckpt",
+        "step0000009-ema.ckpt",
+        "step0000009.ckpt",
+        "step0000010-ema.ckpt",
+        "step0000010.ckpt",
+    ]
     ck = out / "checkpoints"
     assert os.path.samefile(ck / "last.ckpt", ck / "step0000010.ckpt")  # a link, not a copy
     assert not list(ck.glob(".tmp-*"))
@@ -364,8 +394,11 @@ def test_retention_keeps_exactly_the_policy_and_resumes_exactly(store: Path, tmp
 def _mount_tmpfs(where: Path, size: str) -> bool:
     where.mkdir(parents=True, exist_ok=True)
     try:
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                           capture_output=True, timeout=20)  # fmt: skip
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+            capture_output=True,
+            timeout=20,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
     return r.returncode == 0
@@ -396,8 +429,13 @@ def test_a_full_disk_keeps_the_last_checkpoint_and_stops_with_one_line(store, tm
     try:
         out = disk / "run"
         out.mkdir(parents=True)
-        cfg = tiny_config(store, out, trainer__max_steps=6, trainer__checkpoint_every=2,
-                          trainer__accumulate_grad_batches=1)  # fmt: skip
+        cfg = tiny_config(
+            store,
+            out,
+            trainer__max_steps=6,
+            trainer__checkpoint_every=2,
+            trainer__accumulate_grad_batches=1,
+        )
         probes: list[Callback] = [FillDisk(disk, 3, leave=64 * 1024)] if real else []
         ctx = contextlib.nullcontext() if real else _enospc_after(2)
         with ctx, pytest.raises(DiskFullError) as e:
@@ -411,7 +449,9 @@ def test_a_full_disk_keeps_the_last_checkpoint_and_stops_with_one_line(store, tm
         last = torch.load(ck / "last.ckpt", weights_only=True)
         assert last["global_step"] == 2 and _finite(last)
         assert sorted(p.name for p in ck.glob("step*.ckpt")) == [
-            "step0000002-ema.ckpt", "step0000002.ckpt"]  # fmt: skip
+            "step0000002-ema.ckpt",
+            "step0000002.ckpt",
+        ]
     finally:
         if real:
             subprocess.run(["umount", "-l", str(disk)], capture_output=True, timeout=20)
@@ -444,8 +484,14 @@ def test_the_cli_says_a_stopped_run_in_one_line(tmp_path: Path, capsys) -> None:
     shard = read_shard(path)
     lat = np.full_like(np.array(shard["latents"]), np.nan)
     write_shard(path, {"latents": lat}, shard.ids, codec="none", attrs=dict(shard.attrs))
-    cfg = tiny_config(root, tmp_path / "r", trainer__max_steps=50, trainer__max_skipped_steps=3,
-                      trainer__log_every=1, trainer__accumulate_grad_batches=1)  # fmt: skip
+    cfg = tiny_config(
+        root,
+        tmp_path / "r",
+        trainer__max_steps=50,
+        trainer__max_skipped_steps=3,
+        trainer__log_every=1,
+        trainer__accumulate_grad_batches=1,
+    )
     run = tmp_path / "run.yaml"
     run.write_text(yaml.safe_dump(cfg))
     assert main(["--config", str(run)]) == 3
@@ -464,8 +510,12 @@ def test_heldout_samples_are_never_trained_and_validation_is_fixed(store, tmp_pa
     from flowmatch_models.train import ledger
 
     out = tmp_path / "val"
-    over = dict(data__heldout_fraction=0.15, data__heldout_max_per_partition=3,
-                trainer__val_every=2, trainer__accumulate_grad_batches=1)  # fmt: skip
+    over = dict(
+        data__heldout_fraction=0.15,
+        data__heldout_max_per_partition=3,
+        trainer__val_every=2,
+        trainer__accumulate_grad_batches=1,
+    )
     result = fit_with(tiny_config(store, out, trainer__max_steps=12, **over), [])
     layout = DataLayout(store)
     ids = {p: read_shard(layout.asset_path("vae_latents", p)).ids for p in sorted(SIZES)}

@@ -120,6 +120,9 @@ def test_a_query_after_nothing_changed_lists_no_record_folder(env_of):
     for rel in list(state.dirs):  # listed long enough after their last change
         state.dirs[rel]["listed"] += 3600
     state.save([])
-    changes, listed = summary._scan(layout, summary._State(summary.summary_dir(layout)),
-                                    ["materializations", *summary.row_kinds()])  # fmt: skip
+    changes, listed = summary._scan(
+        layout,
+        summary._State(summary.summary_dir(layout)),
+        ["materializations", *summary.row_kinds()],
+    )
     assert listed == [] and not changes.changed and not changes.gone

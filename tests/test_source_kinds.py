@@ -24,8 +24,9 @@ from tests import hostile_sources as hs
 
 
 def test_every_kind_of_the_config_is_one_registered_source_kind():
-    assert tuple(SOURCE_KIND_REGISTRY) == SOURCE_KINDS == (
-        "folder", "parquet", "webdataset", "urls")  # fmt: skip
+    assert (
+        tuple(SOURCE_KIND_REGISTRY) == SOURCE_KINDS == ("folder", "parquet", "webdataset", "urls")
+    )
     for name, kind in SOURCE_KIND_REGISTRY.items():
         assert isinstance(kind, SourceKind) and kind.name == name
         assert source_kind(name) is kind
@@ -47,24 +48,36 @@ def test_a_kind_returns_named_types(tmp_path):
     found = folder.scan(cfg, [])
     assert isinstance(found, Found) and found.skipped == []
     assert found.new == [
-        NewPartition("", 0, 2, [{"id": "0.jpg", "image": "0.jpg"}, {"id": "1.jpg", "image": "1.jpg"}]),
+        NewPartition(
+            "", 0, 2, [{"id": "0.jpg", "image": "0.jpg"}, {"id": "1.jpg", "image": "1.jpg"}]
+        ),
         NewPartition("", 0, 1, [{"id": "2.jpg", "image": "2.jpg"}]),
-    ]  # fmt: skip
+    ]
     m = Manifest("s-00000", "s", "folder", *found.new[0])
     listing = folder.rows(cfg, "s", m)
     assert isinstance(listing, Listing) and listing.failed == []
     assert [(r["id"], r["caption"], r["row_index"]) for r in listing.rows] == [
-        ("0.jpg", "a red circle", 0), ("1.jpg", "a blue square", 1)]  # fmt: skip
+        ("0.jpg", "a red circle", 0),
+        ("1.jpg", "a blue square", 1),
+    ]
     got = list(folder.images(cfg, m, listing.rows, 10**6))
     assert [(r["id"], data) for r, data in got] == [("0.jpg", hs.jpeg(0)), ("1.jpg", hs.jpeg(1))]
     second = folder.rows(cfg, "s", Manifest("s-00001", "s", "folder", *found.new[1]))
     assert second.rows == [] and [(f["id"], f["reason"]) for f in second.failed] == [
-        ("2.jpg", "missing_caption")]  # fmt: skip
+        ("2.jpg", "missing_caption")
+    ]
     pq_cfg = SourceConfig(kind="parquet", location=str(src))
-    assert source_kind("parquet").scan(pq_cfg, []) == Found([], [
-        Skipped("broken.parquet", "corrupt_container",
+    assert source_kind("parquet").scan(pq_cfg, []) == Found(
+        [],
+        [
+            Skipped(
+                "broken.parquet",
+                "corrupt_container",
                 "broken.parquet cannot be read as parquet: Parquet magic bytes not found in "
-                "footer. Either the file is corrupted or this is not a parquet file.")])  # fmt: skip
+                "footer. Either the file is corrupted or this is not a parquet file.",
+            )
+        ],
+    )
 
 
 def test_a_unit_that_cannot_be_read_fails_each_of_its_samples_by_its_kinds_ids(tmp_path):
@@ -72,8 +85,9 @@ def test_a_unit_that_cannot_be_read_fails_each_of_its_samples_by_its_kinds_ids(t
     the registry no longer forks on the kind's name)."""
     src, root = tmp_path / "pq", tmp_path / "data"
     src.mkdir()
-    pq.write_table(pa.table({"image": [b"x", b"y", b"z"], "text": ["a", "b", "c"]}),
-                   src / "train.parquet")  # fmt: skip
+    pq.write_table(
+        pa.table({"image": [b"x", b"y", b"z"], "text": ["a", "b", "c"]}), src / "train.parquet"
+    )
     cfg = SourceConfig(kind="parquet", location=str(src))
     (m,) = register(root, "p", cfg).new
     assert source_kind("parquet").sample_ids(m) == ["train/0", "train/1", "train/2"]
@@ -81,4 +95,5 @@ def test_a_unit_that_cannot_be_read_fails_each_of_its_samples_by_its_kinds_ids(t
     table, failed, _ = partition_rows(root, cfg, m.key)
     assert table.num_rows == 0
     assert [(f["id"], f["reason"]) for f in failed] == [
-        (f"train/{r}", "corrupt_container") for r in range(3)]  # fmt: skip
+        (f"train/{r}", "corrupt_container") for r in range(3)
+    ]

@@ -33,21 +33,31 @@ def urls_env(byo_env, monkeypatch):  # noqa: F811 - test_sources' fixture, impor
 
 
 def _outcomes(cat: Catalog) -> dict[str, str]:
-    rows = cat.query("SELECT id, outcome, reason FROM dataset_rows WHERE source_of(partition) = ?",
-                     ["mylist"])  # fmt: skip
-    return {r["id"]: r["outcome"] + (f":{r['reason']}" if r["outcome"] != "stored" else "")
-            for r in rows}  # fmt: skip
+    rows = cat.query(
+        "SELECT id, outcome, reason FROM dataset_rows WHERE source_of(partition) = ?", ["mylist"]
+    )
+    return {
+        r["id"]: r["outcome"] + (f":{r['reason']}" if r["outcome"] != "stored" else "")
+        for r in rows
+    }
 
 
 def test_a_url_list_is_downloaded_through_the_address_policy(urls_env, capsys, monkeypatch):
     tmp = urls_env
     served = {name: encode(photo(p)) for name, p in PICTURES.items()}
     with LoopbackHTTPServer() as srv:
-        url = {n: srv.add(f"/{n}", Reply(body=b, headers={"Content-Type": "image/jpeg"}))
-               for n, b in served.items()}  # fmt: skip
-        lines = ["url,caption", f"{url['cat.jpg']},a cat on a rug", f"{url['coffee.jpg']},a cup",
-                 f"{srv.url('/gone.jpg')},a picture that is not there",
-                 f"{url['rocket.jpg']},", f"{url['rocket.jpg']},a rocket on its pad"]  # fmt: skip
+        url = {
+            n: srv.add(f"/{n}", Reply(body=b, headers={"Content-Type": "image/jpeg"}))
+            for n, b in served.items()
+        }
+        lines = [
+            "url,caption",
+            f"{url['cat.jpg']},a cat on a rug",
+            f"{url['coffee.jpg']},a cup",
+            f"{srv.url('/gone.jpg')},a picture that is not there",
+            f"{url['rocket.jpg']},",
+            f"{url['rocket.jpg']},a rocket on its pad",
+        ]
         (tmp / "list.csv").write_text("\n".join(lines) + "\n")
         _cli(
             capsys,
@@ -65,17 +75,31 @@ def test_a_url_list_is_downloaded_through_the_address_policy(urls_env, capsys, m
         _cli(capsys, "materialize", "-p", "mylist-00000", "-a", "metadata")
         assert cli_main(["materialize", "-p", "mylist-00000", "-a", "images"]) == 1
         blocked = _outcomes(Catalog(tmp / "data"))
-        assert blocked == {"list/0": "pending:None", "list/1": "pending:None",
-                           "list/2": "pending:None", "list/3": "failed:missing_caption",
-                           "list/4": "pending:None"}  # fmt: skip
+        assert blocked == {
+            "list/0": "pending:None",
+            "list/1": "pending:None",
+            "list/2": "pending:None",
+            "list/3": "failed:missing_caption",
+            "list/4": "pending:None",
+        }
         rows = Catalog(tmp / "data").query(
             "SELECT reason, count(*) AS n FROM rejected_attempts GROUP BY reason"
         )
         assert {r["reason"]: r["n"] for r in rows} == {"private_address": 4}
 
         monkeypatch.setenv("FLOWMATCH_ALLOW_NETWORKS", "127.0.0.1/32")
-        out = _cli(capsys, "materialize", "-p", "mylist-00000",
-                   "-a", "metadata", "-a", "images", "-a", "text_embeddings")  # fmt: skip
+        out = _cli(
+            capsys,
+            "materialize",
+            "-p",
+            "mylist-00000",
+            "-a",
+            "metadata",
+            "-a",
+            "images",
+            "-a",
+            "text_embeddings",
+        )
         assert " ok (" in out, out
         # the list itself behind a URL (allowed: the same address policy)
         srv.add("/list.csv", Reply(body=(tmp / "list.csv").read_bytes()))
@@ -83,12 +107,21 @@ def test_a_url_list_is_downloaded_through_the_address_policy(urls_env, capsys, m
         assert "web-00000" in _cli(capsys, "partitions", "register", "--source", "web")
         _cli(capsys, "materialize", "-p", "web-00000", "-a", "metadata")
     cat = Catalog(tmp / "data")
-    assert _outcomes(cat) == {"list/0": "stored", "list/1": "stored", "list/2": "failed:http_404",
-                              "list/3": "failed:missing_caption", "list/4": "stored"}  # fmt: skip
+    assert _outcomes(cat) == {
+        "list/0": "stored",
+        "list/1": "stored",
+        "list/2": "failed:http_404",
+        "list/3": "failed:missing_caption",
+        "list/4": "stored",
+    }
     listed = cat.query("SELECT id, outcome FROM dataset_rows WHERE partition = 'web-00000'")
     assert sorted((r["id"], r["outcome"]) for r in listed) == [
-        ("list/0", "pending"), ("list/1", "pending"), ("list/2", "pending"),
-        ("list/3", "failed"), ("list/4", "pending")]  # fmt: skip
+        ("list/0", "pending"),
+        ("list/1", "pending"),
+        ("list/2", "pending"),
+        ("list/3", "failed"),
+        ("list/4", "pending"),
+    ]
     rows = cat.query(
         "SELECT reason, count(*) AS n FROM failures WHERE source = 'mylist' GROUP BY ALL"
     )
@@ -103,40 +136,71 @@ def test_a_url_list_is_downloaded_through_the_address_policy(urls_env, capsys, m
         assert s["image"] == process_image(served[name], ingest)[0], name
     assert [s["caption"] for s in shard] == ["a cat on a rug", "a cup", "a rocket on its pad"]
     assert read_shard(tmp / "data" / "text_embeddings" / "mylist-00000.fms").ids == [
-        "list/0", "list/1", "list/4"]  # fmt: skip
+        "list/0",
+        "list/1",
+        "list/4",
+    ]
 
 
 def test_list_formats_and_column_names(tmp_path):
     """tsv.gz, jsonl and parquet lists, columns named as the settings say; a hash column is
     carried to the row (the images stage checks it)."""
-    rows = [("http://h/a.jpg", "first", "aa"), ("", "no url", "bb"), ("http://h/c.png", None, "cc"),
-            ("http://h/d.jpg", "fourth", "dd")]  # fmt: skip
+    rows = [
+        ("http://h/a.jpg", "first", "aa"),
+        ("", "no url", "bb"),
+        ("http://h/c.png", None, "cc"),
+        ("http://h/d.jpg", "fourth", "dd"),
+    ]
     d = tmp_path / "lists"
     d.mkdir()
     tsv = "URL\tTEXT\tMD5\n" + "".join(f"{u}\t{c or ''}\t{h}\n" for u, c, h in rows)
     (d / "a.tsv.gz").write_bytes(gzip.compress(tsv.encode()))
-    (d / "b.jsonl").write_text("".join(json.dumps({"URL": u, "TEXT": c, "MD5": h}) + "\n"
-                                       for u, c, h in rows) + "not json\n")  # fmt: skip
-    pq.write_table(pa.table({"URL": [r[0] for r in rows], "TEXT": [r[1] for r in rows],
-                             "MD5": [r[2] for r in rows]}), d / "c.parquet")  # fmt: skip
+    (d / "b.jsonl").write_text(
+        "".join(json.dumps({"URL": u, "TEXT": c, "MD5": h}) + "\n" for u, c, h in rows)
+        + "not json\n"
+    )
+    pq.write_table(
+        pa.table(
+            {"URL": [r[0] for r in rows], "TEXT": [r[1] for r in rows], "MD5": [r[2] for r in rows]}
+        ),
+        d / "c.parquet",
+    )
     (d / "notes.txt").write_text("not a list")
-    cfg = SourceConfig(kind="urls", location=str(d), url_field="URL", caption_field="TEXT",
-                       hash_field="MD5", shard_size=3)  # fmt: skip
+    cfg = SourceConfig(
+        kind="urls",
+        location=str(d),
+        url_field="URL",
+        caption_field="TEXT",
+        hash_field="MD5",
+        shard_size=3,
+    )
     kind = source_kind("urls")
     assert kind.downloads
     found = kind.scan(cfg, [])
     assert [(p.unit, p.start, p.end) for p in found.new] == [
-        ("a.tsv.gz", 0, 3), ("a.tsv.gz", 3, 4), ("b.jsonl", 0, 3), ("b.jsonl", 3, 5),
-        ("c.parquet", 0, 3), ("c.parquet", 3, 4)]  # fmt: skip
+        ("a.tsv.gz", 0, 3),
+        ("a.tsv.gz", 3, 4),
+        ("b.jsonl", 0, 3),
+        ("b.jsonl", 3, 5),
+        ("c.parquet", 0, 3),
+        ("c.parquet", 3, 4),
+    ]
     from flowmatch_assets.ingest.sources import Manifest
 
     for unit, stem in [("a.tsv.gz", "a"), ("b.jsonl", "b"), ("c.parquet", "c")]:
-        listed = [kind.rows(cfg, "l", Manifest("k", "l", "urls", unit, s, e))
-                  for s, e in [(0, 3), (3, 5 if unit == "b.jsonl" else 4)]]  # fmt: skip
-        got = [(r["id"], r["url"], r["caption"], r["hash"], r["row_index"]) for x in listed
-               for r in x.rows]  # fmt: skip
-        assert got == [(f"{stem}/0", "http://h/a.jpg", "first", "aa", 0),
-                       (f"{stem}/3", "http://h/d.jpg", "fourth", "dd", 0)], unit  # fmt: skip
+        listed = [
+            kind.rows(cfg, "l", Manifest("k", "l", "urls", unit, s, e))
+            for s, e in [(0, 3), (3, 5 if unit == "b.jsonl" else 4)]
+        ]
+        got = [
+            (r["id"], r["url"], r["caption"], r["hash"], r["row_index"])
+            for x in listed
+            for r in x.rows
+        ]
+        assert got == [
+            (f"{stem}/0", "http://h/a.jpg", "first", "aa", 0),
+            (f"{stem}/3", "http://h/d.jpg", "fourth", "dd", 0),
+        ], unit
         reasons = {f["id"]: f["reason"] for x in listed for f in x.failed}
         want = {f"{stem}/1": "missing_url", f"{stem}/2": "missing_caption"}
         assert reasons == want | ({"b/4": "bad_metadata"} if stem == "b" else {}), unit

@@ -62,8 +62,10 @@ def _final(cat: Catalog, source: str) -> dict[str, str]:
     rows = cat.query(
         "SELECT id, outcome, reason FROM dataset_rows WHERE source_of(partition) = ?", [source]
     )
-    return {r["id"]: r["outcome"] + (f":{r['reason']}" if r["outcome"] != "stored" else "")
-            for r in rows}  # fmt: skip
+    return {
+        r["id"]: r["outcome"] + (f":{r['reason']}" if r["outcome"] != "stored" else "")
+        for r in rows
+    }
 
 
 @pytest.mark.slow
@@ -106,16 +108,29 @@ def test_three_source_kinds_through_the_cli(byo_env, capsys):
     # coverage: every stored row has its 256px image and all three embeddings, aligned
     for part in cat.query("SELECT partition FROM partitions WHERE source != 'pd12m'"):
         p = part["partition"]
-        stored = [r["id"] for r in cat.query(
-            "SELECT id FROM dataset_rows WHERE partition = ? AND outcome = 'stored'", [p])]  # fmt: skip
+        stored = [
+            r["id"]
+            for r in cat.query(
+                "SELECT id FROM dataset_rows WHERE partition = ? AND outcome = 'stored'", [p]
+            )
+        ]
         shard = pq.read_table(tmp / "data" / "images" / f"{p}.parquet")
         assert sorted(shard.column("id").to_pylist()) == sorted(stored), p
         for kind in EMB:
             assert (
                 read_shard(tmp / "data" / kind / f"{p}.fms").ids == shard.column("id").to_pylist()
             )
-    captions = dict(zip(*(pq.read_table(tmp / "data" / "images" / "wds-00001.parquet",
-                                        columns=["id", "caption"]).to_pydict().values())))  # fmt: skip
+    captions = dict(
+        zip(
+            *(
+                pq.read_table(
+                    tmp / "data" / "images" / "wds-00001.parquet", columns=["id", "caption"]
+                )
+                .to_pydict()
+                .values()
+            )
+        )
+    )
     assert captions["000010002"] == "a close-up of gravel"  # the caption only in its .json
     coverage = {r["partition"]: r for r in cat.coverage()}
     assert sorted(coverage) == ["hf-00000", "hf-00001", "photos-00000", "wds-00000", "wds-00001"]
@@ -125,10 +140,13 @@ def test_three_source_kinds_through_the_cli(byo_env, capsys):
     assert _cli(capsys, "stale", "--no-report").startswith("nothing stale")
     # the data card of a source's partition: every sample, its outcome, caption and license
     _cli(capsys, "data-card", "-p", "photos-00000")
-    card = cat.query("SELECT id, outcome, reason, caption_chars, license, source FROM "
-                     "data_card_rows WHERE partition = 'photos-00000'")  # fmt: skip
-    assert {r["id"]: r["outcome"] + (f":{r['reason']}" if r["reason"] else "")
-            for r in card} == expected["photos"]  # fmt: skip
+    card = cat.query(
+        "SELECT id, outcome, reason, caption_chars, license, source FROM "
+        "data_card_rows WHERE partition = 'photos-00000'"
+    )
+    assert {
+        r["id"]: r["outcome"] + (f":{r['reason']}" if r["reason"] else "") for r in card
+    } == expected["photos"]
     assert {r["source"] for r in card} == {"photos"}
     assert next(r for r in card if r["id"] == "chelsea.jpg")["caption_chars"] == 31
 
@@ -161,8 +179,10 @@ def test_three_source_kinds_through_the_cli(byo_env, capsys):
 
     # a copied tar's samples are the same bytes as the first tar's: content duplicates
     _cli(capsys, "materialize", "-p", "wds-00002", "-a", "metadata", "-a", "images")
-    rows = cat.query("SELECT outcome, reason, count(*) AS n FROM dataset_rows "
-                     "WHERE partition = 'wds-00002' GROUP BY ALL")  # fmt: skip
+    rows = cat.query(
+        "SELECT outcome, reason, count(*) AS n FROM dataset_rows "
+        "WHERE partition = 'wds-00002' GROUP BY ALL"
+    )
     assert {(r["outcome"], r["reason"]): r["n"] for r in rows} == {
         ("filtered", "duplicate_content"): 7
     }
@@ -205,13 +225,35 @@ def test_parquet_and_tars_over_http(byo_env, capsys, monkeypatch):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
     try:
-        _cli(capsys, "sources", "add", "web", "--kind", "parquet", "--location", f"{url}/hf/",
-             "--caption-field", "caption", "--id-field", "idx")  # fmt: skip
+        _cli(
+            capsys,
+            "sources",
+            "add",
+            "web",
+            "--kind",
+            "parquet",
+            "--location",
+            f"{url}/hf/",
+            "--caption-field",
+            "caption",
+            "--id-field",
+            "idx",
+        )
         _cli(capsys, "sources", "add", "tars", "--kind", "webdataset", "--location", f"{url}/wds/")
         out = _cli(capsys, "partitions", "register")
         assert "registered 2 new partitions: tars-00000, web-00000" in out
-        out = _cli(capsys, "materialize", "--source", "web", "--source", "tars",
-                   "-a", "metadata", "-a", "images")  # fmt: skip
+        out = _cli(
+            capsys,
+            "materialize",
+            "--source",
+            "web",
+            "--source",
+            "tars",
+            "-a",
+            "metadata",
+            "-a",
+            "images",
+        )
         assert out.count(" ok (") == 2, out
     finally:
         server.shutdown()

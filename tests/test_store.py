@@ -225,8 +225,13 @@ def test_transform_coding_is_fixed_rate_and_records_its_error(tmp_path, mode, bi
     patch = _hidden_states(rng, 40 * 64, 384).reshape(40, 64, 384)
     ids = [f"s{i}" for i in range(40)]
     path = tmp_path / "t.fms"
-    stats = write_shard(path, {"tokens": tokens, "lengths": lengths, "patch": patch}, ids,
-                        codec="zstd", lossy={"tokens": mode, "patch": mode})  # fmt: skip
+    stats = write_shard(
+        path,
+        {"tokens": tokens, "lengths": lengths, "patch": patch},
+        ids,
+        codec="zstd",
+        lossy={"tokens": mode, "patch": mode},
+    )
     assert bits_of(mode) == bits
     shard = read_shard(path, verify=True)
     with pytest.raises(ValueError, match="'lengths' is zstd"):

@@ -261,8 +261,9 @@ def _ledger_matches_records(store: Path, ckpt: dict, records: list[dict], accumu
             want.setdefault(sid, []).append(i // accumulate + 1)
     got_ids, got_parts = got["sample_id"].to_pylist(), got["partition"].to_pylist()
     assert sorted(got_ids) == sorted(want)
-    for sid, p, n, lo, hi in zip(got_ids, got_parts, got["times_seen"],
-                                 got["first_step"], got["last_step"]):  # fmt: skip
+    for sid, p, n, lo, hi in zip(
+        got_ids, got_parts, got["times_seen"], got["first_step"], got["last_step"]
+    ):
         assert (n, lo, hi) == (len(want[sid]), min(want[sid]), max(want[sid])), sid
         assert sid.startswith(p + "/")
 
@@ -292,10 +293,21 @@ def test_ddp_cli_run_writes_everything(store: Path, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("WANDB_API_KEY", "LOCAL_RANK")}
     env.update(PYTHONPATH=str(REPO), WANDB_SILENT="true", OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "flowmatch_models.train", "--config", str(path),
-         "--result-json", str(tmp_path / "summary.json")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "flowmatch_models.train",
+            "--config",
+            str(path),
+            "--result-json",
+            str(tmp_path / "summary.json"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "step 4/4" in proc.stdout
     r0, r1 = read_records(out, 0), read_records(out, 1)
@@ -330,8 +342,10 @@ def test_ddp_cli_run_writes_everything(store: Path, tmp_path: Path) -> None:
     ema = SanaTransformer2DModel(**ckpt["flowmatch"]["transformer_config"])
     ema.load_state_dict({k[4:]: v for k, v in ckpt["state_dict"].items() if k.startswith("ema.")})
     folded = fold_text_norm(ema, ckpt["flowmatch"]["text_norm"]).state_dict()  # model.text_norm
-    assert not torch.equal(folded["caption_projection.linear_1.bias"],
-                           ema.state_dict()["caption_projection.linear_1.bias"])  # fmt: skip
+    assert not torch.equal(
+        folded["caption_projection.linear_1.bias"],
+        ema.state_dict()["caption_projection.linear_1.bias"],
+    )
     for k, v in model.state_dict().items():
         torch.testing.assert_close(v, folded[k])
 
@@ -419,15 +433,18 @@ def test_resume_that_changes_the_order_stops_and_names_the_setting(
 ) -> None:
     out = tmp_path / "run"
     run_training(tiny_config(store, out, trainer__max_steps=2), resume="none")
-    for key, value, name in (("data__shuffle_window", 2, "data.shuffle_window"),
-                             ("run__seed", 7, "run.seed")):  # fmt: skip
+    for key, value, name in (
+        ("data__shuffle_window", 2, "data.shuffle_window"),
+        ("run__seed", 7, "run.seed"),
+    ):
         with pytest.raises(ValueError, match=rf"{name}: checkpoint .* -> now {value}"):
             run_training(tiny_config(store, out, trainer__max_steps=3, **{key: value}))
     # an explicit override continues from the start of the next epoch with the new order
     res = run_training(
-        tiny_config(store, out, trainer__max_steps=3, data__shuffle_window=2,
-                    data__allow_order_change=True),
-    )  # fmt: skip
+        tiny_config(
+            store, out, trainer__max_steps=3, data__shuffle_window=2, data__allow_order_change=True
+        ),
+    )
     assert res.step == 3 and res.data_position["epoch"] == 1
 
 
@@ -436,9 +453,15 @@ def test_ddp_with_repa_off(store: Path, tmp_path: Path) -> None:
     second step). REPA on is covered by test_ddp_cli_run_writes_everything."""
     out = tmp_path / "ddp"
     cfg = tiny_config(
-        store, out, trainer__devices=2, trainer__strategy="ddp", trainer__accelerator="cpu",
-        trainer__max_steps=3, trainer__accumulate_grad_batches=1, flow__repa_lambda=0.0,
-    )  # fmt: skip
+        store,
+        out,
+        trainer__devices=2,
+        trainer__strategy="ddp",
+        trainer__accelerator="cpu",
+        trainer__max_steps=3,
+        trainer__accumulate_grad_batches=1,
+        flow__repa_lambda=0.0,
+    )
     _cli_run(tmp_path, cfg, "run")
     ckpt = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["global_step"] == 3
@@ -522,8 +545,12 @@ def _cli_run(tmp_path: Path, cfg: dict, name: str) -> None:
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "flowmatch_models.train", "--config", str(path)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
@@ -549,10 +576,14 @@ def test_elastic_resume_keeps_the_global_sample_order(store: Path, tmp_path: Pat
 
     def cfg(out: Path, devices: int, max_steps: int) -> dict:
         return tiny_config(
-            store, out, trainer__devices=devices, trainer__accelerator="cpu",
-            trainer__strategy="ddp" if devices > 1 else "auto", trainer__max_steps=max_steps,
+            store,
+            out,
+            trainer__devices=devices,
+            trainer__accelerator="cpu",
+            trainer__strategy="ddp" if devices > 1 else "auto",
+            trainer__max_steps=max_steps,
             trainer__accumulate_grad_batches=1,
-        )  # fmt: skip
+        )
 
     _cli_run(tmp_path, cfg(tmp_path / "ref", 1, 14), "ref")  # 14 x 8 = 112 > 96 samples
     ref = _flat(tmp_path / "ref", [(1, 14)])
@@ -576,8 +607,13 @@ def test_training_grows_with_coverage_and_resumes_exactly_after_a_kill(tmp_path:
     make_store(root, {"000-00": 24})
     make_store(staged, {"001-00": 16, "002-00": 24}, seed=1)
     out = tmp_path / "run"
-    cfg = tiny_config(root, out, trainer__max_steps=100000, trainer__accumulate_grad_batches=1,
-                      trainer__checkpoint_every=4)  # fmt: skip
+    cfg = tiny_config(
+        root,
+        out,
+        trainer__max_steps=100000,
+        trainer__accumulate_grad_batches=1,
+        trainer__checkpoint_every=4,
+    )
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
     env = {k: v for k, v in os.environ.items() if k not in ("WANDB_API_KEY", "LOCAL_RANK")}
@@ -600,8 +636,9 @@ def test_training_grows_with_coverage_and_resumes_exactly_after_a_kill(tmp_path:
             time.sleep(0.05)
         raise AssertionError(f"timed out; {len(records())} records")
 
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     try:
         wait_for(lambda r: len(r) >= 6)  # two epochs of 3 batches on 000-00
         # both partitions complete at (nearly) one instant: their last asset moved back to back
@@ -663,9 +700,13 @@ def test_training_grows_with_coverage_and_resumes_exactly_after_a_kill(tmp_path:
     # trainable samples: the 24 and 64 samples less tiny.yaml's 10% held out by id hash
     from flowmatch_models.data.order import train_rows
 
-    trainable = {p: len(train_rows(read_shard(DataLayout(root).asset_path("vae_latents", p)).ids,
-                                   0.1, 50)) for p in ("000-00", "001-00", "002-00")}  # fmt: skip
+    trainable = {
+        p: len(train_rows(read_shard(DataLayout(root).asset_path("vae_latents", p)).ids, 0.1, 50))
+        for p in ("000-00", "001-00", "002-00")
+    }
     assert [firsts[e]["available_samples"] for e in (0, grown_epoch)] == [
-        trainable["000-00"], sum(trainable.values())]  # fmt: skip
+        trainable["000-00"],
+        sum(trainable.values()),
+    ]
     assert [trainable["000-00"], sum(trainable.values())] == [21, 55]
     assert (out / "coverage.png").stat().st_size > 5000

@@ -35,10 +35,13 @@ def _run(tmp_path: Path, asset: str, config: dict):
     res = FlowmatchResource(data_root=str(tmp_path / "data"), metadata_source="unused")
     with dg.instance_for_test() as instance:
         result = dg.materialize(
-            list(defs.assets), selection=[asset], instance=instance,
+            list(defs.assets),
+            selection=[asset],
+            instance=instance,
             resources={**resources_for(res), "pipes_subprocess_client": _Launcher()},
-            run_config={"ops": {asset: {"config": config}}}, raise_on_error=False,
-        )  # fmt: skip
+            run_config={"ops": {asset: {"config": config}}},
+            raise_on_error=False,
+        )
     failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
     return failure.step_failure_data.user_failure_data.description, res
 
@@ -47,17 +50,23 @@ def _run(tmp_path: Path, asset: str, config: dict):
     ("asset", "config", "line"),
     [
         ("flow_model", {"settings": {"data": {"bogus": 1}}}, "unknown config key 'data.bogus'"),
-        ("flow_model", {"settings": {"data": {"batch_size": "many"}}},
-         "data.batch_size: Input should be a valid integer"),
+        (
+            "flow_model",
+            {"settings": {"data": {"batch_size": "many"}}},
+            "data.batch_size: Input should be a valid integer",
+        ),
         ("flow_model", {"settings": {"optimizer": {"lr": 1}}}, "unknown config key 'optimizer'"),
         ("flow_model", {"overrides": ["optim.lrr=3"]}, "unknown config key 'optim.lrr'"),
-        ("flow_model", {"settings": {"optim": {"schedule": "linear"}}},
-         "optim.schedule: Input should be 'constant' or 'cosine'"),
+        (
+            "flow_model",
+            {"settings": {"optim": {"schedule": "linear"}}},
+            "optim.schedule: Input should be 'constant' or 'cosine'",
+        ),
         ("flow_model", {"overrides": ["optim.lr"]}, "--set 'optim.lr': expected key.sub=value"),
         ("flow_model", {"config_file": "nope.yaml"}, "config nope.yaml not found"),
         ("fine_tune", {"parent_run": "p", "weights": "rawish"}, "init.weights: Input should be"),
     ],
-)  # fmt: skip
+)
 def test_a_bad_setting_fails_the_run_before_any_training_process(tmp_path, asset, config, line):
     """No partition is complete either: the settings are checked first, in this process."""
     description, _ = _run(tmp_path, asset, config)
@@ -77,10 +86,18 @@ def test_the_process_receives_the_validated_config(tmp_path):
     for kind in TRAINING_INPUTS:  # one complete partition (the files are not read here)
         layout.asset_path(kind, "000-00").parent.mkdir(parents=True, exist_ok=True)
         layout.asset_path(kind, "000-00").touch()
-    settings = {"data": {"batch_size": 4}, "flow": {"shift": 2.5}, "trainer": {"val_every": 2},
-                "optim": {"schedule": "cosine"}}  # fmt: skip
-    config = {"run_name": "r", "max_steps": 7, "settings": settings,
-              "overrides": ["data.batch_size=8", "optim.lr=3e-4"]}  # fmt: skip
+    settings = {
+        "data": {"batch_size": 4},
+        "flow": {"shift": 2.5},
+        "trainer": {"val_every": 2},
+        "optim": {"schedule": "cosine"},
+    }
+    config = {
+        "run_name": "r",
+        "max_steps": 7,
+        "settings": settings,
+        "overrides": ["data.batch_size=8", "optim.lr=3e-4"],
+    }
     description, res = _run(tmp_path, "flow_model", config)
     assert description == "stopped before the training process (test)"
     (sent,) = _Launcher.requests
@@ -104,8 +121,10 @@ def test_settings_from_items_is_the_nested_form_of_set_items():
     got = settings_from_items(["data.sources=[a, b]", "data.batch_size=16", "flow.shift=3"])
     assert got == {"data": {"sources": ["a", "b"], "batch_size": 16}, "flow": {"shift": 3}}
     cfg = load_config(REPO / "configs" / "tiny.yaml", settings=got)
-    assert cfg == load_config(REPO / "configs" / "tiny.yaml", list(map(str, [
-        "data.sources=[a, b]", "data.batch_size=16", "flow.shift=3"])))  # fmt: skip
+    assert cfg == load_config(
+        REPO / "configs" / "tiny.yaml",
+        list(map(str, ["data.sources=[a, b]", "data.batch_size=16", "flow.shift=3"])),
+    )
 
 
 def test_the_lr_schedule_is_chosen_by_name():

@@ -85,7 +85,7 @@ def _train_cfg(**kw):
             },
             "sample": {"steps": 2},
             "logging": {"record_sample_ids": True},
-        },  # fmt: skip
+        },
         **kw,
     }
     return {"ops": {"flow_model": {"config": cfg}}}
@@ -171,8 +171,10 @@ def test_coverage_rule_then_train_resume_and_sample(tmp_path, small_sample, zoo,
             rec = json.loads(line)
             for sid in rec["ids"]:
                 seen.setdefault(sid, []).append(rec["step"])
-        rows = cat.query("SELECT sample_id, times_seen, first_step, last_step FROM ledger_samples "
-                         "WHERE run = 't' AND checkpoint_step = 9")  # fmt: skip
+        rows = cat.query(
+            "SELECT sample_id, times_seen, first_step, last_step FROM ledger_samples "
+            "WHERE run = 't' AND checkpoint_step = 9"
+        )
         assert {r["sample_id"]: r["times_seen"] for r in rows} == {
             k: len(v) for k, v in seen.items()
         }
@@ -181,8 +183,10 @@ def test_coverage_rule_then_train_resume_and_sample(tmp_path, small_sample, zoo,
             == (min(seen[r["sample_id"]]), max(seen[r["sample_id"]]))
             for r in rows
         )
-        parts = cat.query("SELECT checkpoint_step, samples_trained, epochs, partition_size "
-                          "FROM ledger_partitions WHERE run = 't' ORDER BY checkpoint_step")  # fmt: skip
+        parts = cat.query(
+            "SELECT checkpoint_step, samples_trained, epochs, partition_size "
+            "FROM ledger_partitions WHERE run = 't' ORDER BY checkpoint_step"
+        )
         assert [(p["checkpoint_step"], p["samples_trained"]) for p in parts] == [
             (4, 16),
             (7, 28),
@@ -216,9 +220,14 @@ def test_coverage_rule_then_train_resume_and_sample(tmp_path, small_sample, zoo,
             res,
             instance,
             ["samples"],
-            {"ops": {"samples": {"config": {"run_name": "t", "steps": 2,
-                                            "sizes": ["256x256", "320x224"]}}}},
-        )  # fmt: skip
+            {
+                "ops": {
+                    "samples": {
+                        "config": {"run_name": "t", "steps": 2, "sizes": ["256x256", "320x224"]}
+                    }
+                }
+            },
+        )
         assert result.success
         grid = Image.open(tmp_path / "data" / "samples" / "t.png")
         assert grid.size[0] > 256 and grid.mode == "RGB"
@@ -236,9 +245,19 @@ def test_coverage_rule_then_train_resume_and_sample(tmp_path, small_sample, zoo,
             res,
             instance,
             ["evaluation"],
-            {"ops": {"evaluation": {"config": {"run_name": "t", "n_prompts": 6, "steps": 2,
-                                               "sizes": ["256x256", "224x320"]}}}},
-        )  # fmt: skip
+            {
+                "ops": {
+                    "evaluation": {
+                        "config": {
+                            "run_name": "t",
+                            "n_prompts": 6,
+                            "steps": 2,
+                            "sizes": ["256x256", "224x320"],
+                        }
+                    }
+                }
+            },
+        )
         assert result.success
         rows = cat.query(
             "SELECT * FROM evaluations WHERE run = 't' AND size = '256x256' ORDER BY attribute"
@@ -253,18 +272,27 @@ def test_coverage_rule_then_train_resume_and_sample(tmp_path, small_sample, zoo,
 
         direct = evaluate_checkpoint(
             tmp_path / "data" / "runs" / "t" / "checkpoints" / "last.ckpt",
-            zoo["text"], zoo["vae"], n_prompts=6, steps=2,
-        )  # fmt: skip
+            zoo["text"],
+            zoo["vae"],
+            n_prompts=6,
+            steps=2,
+        )
         for a, r in by_attr.items():
             assert r["accuracy"] == pytest.approx(direct["accuracy"][a])
         # and at a wide bucket: landscape prompts, generated 224 x 320, recorded with the size
         wide = evaluate_checkpoint(
             tmp_path / "data" / "runs" / "t" / "checkpoints" / "last.ckpt",
-            zoo["text"], zoo["vae"], n_prompts=6, steps=2, size=(224, 320),
-        )  # fmt: skip
+            zoo["text"],
+            zoo["vae"],
+            n_prompts=6,
+            steps=2,
+            size=(224, 320),
+        )
         assert wide["images"].shape[1:3] == (224, 320)
-        got = {r["attribute"]: r["accuracy"] for r in cat.query(
-            "SELECT * FROM evaluations WHERE run = 't' AND size = '224x320'")}  # fmt: skip
+        got = {
+            r["attribute"]: r["accuracy"]
+            for r in cat.query("SELECT * FROM evaluations WHERE run = 't' AND size = '224x320'")
+        }
         assert got == pytest.approx(wide["accuracy"])
         fig = tmp_path / "data" / "runs" / "t" / "evaluation" / "step0000009_224x320.png"
         assert Image.open(fig).size[0] > 320
@@ -318,8 +346,9 @@ def _pipeline_matches_sampler(pipeline: Path, tmp_path: Path, zoo: dict) -> None
     prompt = re.search(r'pipe\("([^"]+)"', code).group(1)
     code = code.replace("data/runs/demo/pipeline", str(pipeline))
     env = {**os.environ, "PYTHONPATH": ""}  # plain diffusers: no flowmatch on the path
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
-                          capture_output=True, text=True)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     torch.set_num_threads(1)
@@ -330,10 +359,18 @@ def _pipeline_matches_sampler(pipeline: Path, tmp_path: Path, zoo: dict) -> None
     for png, size in (("red_circle.png", (256, 256)), ("red_circle_wide.png", (224, 320))):
         theirs = np.asarray(Image.open(tmp_path / png).convert("RGB")).astype(int)
         ours = generate(
-            model, text, mask, meta["scaling_factor"], load_vae(zoo["vae"]), steps=20,
-            cfg_scale=4.5, seed=0, shift=meta["flow_shift"], null_text=meta["null_text"],
+            model,
+            text,
+            mask,
+            meta["scaling_factor"],
+            load_vae(zoo["vae"]),
+            steps=20,
+            cfg_scale=4.5,
+            seed=0,
+            shift=meta["flow_shift"],
+            null_text=meta["null_text"],
             size=size,
-        )[0].astype(int)  # fmt: skip
+        )[0].astype(int)
         diff = np.abs(ours - theirs)
         assert ours.shape == theirs.shape == (*size, 3) and ours.std() > 5
         assert diff.mean() <= 1.0 and diff.max() <= 1, (png, diff.mean(), diff.max())

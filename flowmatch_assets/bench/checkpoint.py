@@ -41,17 +41,23 @@ def full_state(params: int, transformer_params: int, tensor_mb: float) -> dict:
 
     gen = torch.Generator().manual_seed(0)
     weights = {f"model.w{i}": torch.randn(k, generator=gen) for i, k in enumerate(chunks(params))}
-    ema = {f"ema.w{i}": torch.randn(k, generator=gen)
-           for i, k in enumerate(chunks(transformer_params))}  # fmt: skip
+    ema = {
+        f"ema.w{i}": torch.randn(k, generator=gen) for i, k in enumerate(chunks(transformer_params))
+    }
     adam = {
-        i: {"step": torch.tensor(1000.0), "exp_avg": torch.randn_like(w),
-            "exp_avg_sq": torch.rand_like(w)}
+        i: {
+            "step": torch.tensor(1000.0),
+            "exp_avg": torch.randn_like(w),
+            "exp_avg_sq": torch.rand_like(w),
+        }
         for i, w in enumerate(weights.values())
-    }  # fmt: skip
+    }
     return {
-        "epoch": 0, "global_step": 1000, "state_dict": {**weights, **ema},
+        "epoch": 0,
+        "global_step": 1000,
+        "state_dict": {**weights, **ema},
         "optimizer_states": [{"state": adam, "param_groups": [{"lr": 1e-4, "params": list(adam)}]}],
-    }  # fmt: skip
+    }
 
 
 def run(folder: Path, tensor_mb: float, saves: int = 4) -> dict:
@@ -71,19 +77,26 @@ def run(folder: Path, tensor_mb: float, saves: int = 4) -> dict:
     state = full_state(params, transformer, tensor_mb)
     nbytes = payload_bytes(state)
     folder.mkdir(parents=True, exist_ok=True)
-    out: dict = {"bench": "checkpoint", "params": params, "transformer_params": transformer,
-                 "state_gb": round(nbytes / 1e9, 3),
-                 "tensors": len(state["state_dict"]) + 3 * len(state["optimizer_states"][0]["state"]),
-                 "device": f"cpu ({platform.processor() or platform.machine()}, "
-                           f"{os.cpu_count()} cores)", "folder": str(folder),
-                 "load_average_1min": round(os.getloadavg()[0], 2)}  # fmt: skip
+    out: dict = {
+        "bench": "checkpoint",
+        "params": params,
+        "transformer_params": transformer,
+        "state_gb": round(nbytes / 1e9, 3),
+        "tensors": len(state["state_dict"]) + 3 * len(state["optimizer_states"][0]["state"]),
+        "device": f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
+        "folder": str(folder),
+        "load_average_1min": round(os.getloadavg()[0], 2),
+    }
     try:
         t0 = time.perf_counter()
         with atomic_path(folder / "old.ckpt") as tmp:
             torch.save(state, tmp)
         old = time.perf_counter() - t0
-        out["old"] = {"stall_s": round(old, 3), "write_s": round(old, 3),
-                      "gb_per_s": round(nbytes / old / 1e9, 2)}  # fmt: skip
+        out["old"] = {
+            "stall_s": round(old, 3),
+            "write_s": round(old, 3),
+            "gb_per_s": round(nbytes / old / 1e9, 2),
+        }
         (folder / "old.ckpt").unlink()
         writer, stalls, writes = StateWriter(background=True), [], []
         for i in range(saves):
@@ -97,9 +110,12 @@ def run(folder: Path, tensor_mb: float, saves: int = 4) -> dict:
             (folder / f"new{i}.ckpt").unlink()
         writer.release()
         steady = float(np.median(stalls[1:]))
-        out["new"] = {"stall_s": round(steady, 3), "stalls_s": [round(x, 3) for x in stalls],
-                      "background_write_s": round(float(np.median(writes)), 3),
-                      "host_copy_gb_per_s": round(nbytes / steady / 1e9, 2)}  # fmt: skip
+        out["new"] = {
+            "stall_s": round(steady, 3),
+            "stalls_s": [round(x, 3) for x in stalls],
+            "background_write_s": round(float(np.median(writes)), 3),
+            "host_copy_gb_per_s": round(nbytes / steady / 1e9, 2),
+        }
         out["stall_ratio"] = round(old / steady, 1)
     finally:
         for p in folder.glob("*.ckpt"):
@@ -111,11 +127,17 @@ def run(folder: Path, tensor_mb: float, saves: int = 4) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     """CLI: the result, printed last as one JSON line (and into ``--out``)."""
-    ap = argparse.ArgumentParser(prog="flowmatch bench checkpoint", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ap.add_argument("--dir", default=None,
-                    help="where the states are written (a disk, not tmpfs; default a temporary "
-                    "folder under the current one), deleted after")  # fmt: skip
+    ap = argparse.ArgumentParser(
+        prog="flowmatch bench checkpoint",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--dir",
+        default=None,
+        help="where the states are written (a disk, not tmpfs; default a temporary "
+        "folder under the current one), deleted after",
+    )
     ap.add_argument("--tensor-mb", type=float, default=8.0, help="size of each state tensor")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     a = ap.parse_args(argv)
@@ -124,8 +146,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     else:
         with tempfile.TemporaryDirectory(dir=".", prefix=".bench-checkpoint-") as d:
             out = run(Path(d), a.tensor_mb)
-    out["command"] = "flowmatch bench checkpoint" + (f" --tensor-mb {a.tensor_mb:g}"
-                                                       if a.tensor_mb != 8.0 else "")  # fmt: skip
+    out["command"] = "flowmatch bench checkpoint" + (
+        f" --tensor-mb {a.tensor_mb:g}" if a.tensor_mb != 8.0 else ""
+    )
     if a.out:
         from flowmatch_models.storage.atomic import atomic_write_text
 

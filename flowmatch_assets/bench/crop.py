@@ -189,33 +189,46 @@ def train_both(
     out: dict = {"steps": steps, "batch": batch, "text_encoder": text}
     for mode in ("square", "aspect"):
         res = FlowmatchResource(
-            data_root=str(work / mode), metadata_source=sample["metadata"], shard_size=10_000,
+            data_root=str(work / mode),
+            metadata_source=sample["metadata"],
+            shard_size=10_000,
             ingest=IngestConfig(file_root=sample["dest"], threads=threads, buckets=mode),
             encoders=enc,
-        )  # fmt: skip
+        )
         t0 = time.perf_counter()
         with dg.DagsterInstance.ephemeral() as inst:
             register_partitions(inst, res)
             for k in keys:
-                r = run_assets(["vae_latents", "dino_features", "text_embeddings"], k, res=res,
-                               dagster_instance=inst, steps=False)  # fmt: skip
+                r = run_assets(
+                    ["vae_latents", "dino_features", "text_embeddings"],
+                    k,
+                    res=res,
+                    dagster_instance=inst,
+                    steps=False,
+                )
                 if not r.success:
                     raise RuntimeError(f"{mode} {k}: the embeddings failed")
         emb_s = time.perf_counter() - t0
         cfg = yaml.safe_load((repo / "configs" / "tiny.yaml").read_text())
         cfg["run"].update(out_dir=str(work / "runs" / mode))
-        cfg["data"].update(root=str(work / mode), batch_size=batch, bucket_chunk=batch,
-                           num_workers=0)  # fmt: skip
+        cfg["data"].update(
+            root=str(work / mode), batch_size=batch, bucket_chunk=batch, num_workers=0
+        )
         cfg["trainer"].update(max_steps=steps, sample_every=0, checkpoint_every=steps)
         cfg["logging"].update(wandb=False)
         t0 = time.perf_counter()
         result = train(TrainRequest(config=cfg, resume="none"))
         ckpt = Path(result.run_dir) / "checkpoints" / "last.ckpt"
-        print(f"{mode}: embeddings {emb_s:.0f}s, {steps} steps in {time.perf_counter() - t0:.0f}s",
-              flush=True)  # fmt: skip
+        print(
+            f"{mode}: embeddings {emb_s:.0f}s, {steps} steps in {time.perf_counter() - t0:.0f}s",
+            flush=True,
+        )
         scored = evaluate_sizes(str(ckpt), text, str(DEMO_VAE), sizes, n_prompts)
-        out[mode] = {"sizes": scored["sizes"], "embeddings_s": round(emb_s, 1),
-                     "train_s": round(result.wall_s, 1)}  # fmt: skip
+        out[mode] = {
+            "sizes": scored["sizes"],
+            "embeddings_s": round(emb_s, 1),
+            "train_s": round(result.wall_s, 1),
+        }
     return out
 
 
@@ -241,14 +254,22 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--rows", type=int, default=96, help="pictures per metadata file")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work", default=None, help="folder to work in (default: a temporary one)")
-    p.add_argument("--checkpoint", default=None,
-                   help="instead: score this checkpoint's caption following at --sizes")  # fmt: skip
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        help="instead: score this checkpoint's caption following at --sizes",
+    )
     p.add_argument("--text-encoder", default="data/zoo/gemma3-270m")
     p.add_argument("--vae", default=None, help="default: the committed demo VAE")
     p.add_argument("--sizes", nargs="+", default=["256x256", "224x320", "320x224", "192x384"])
-    p.add_argument("--train", type=int, default=0, metavar="STEPS",
-                   help="then the A/B: embeddings, a tiny DiT trained STEPS steps on each mode "
-                   "(same batch), each scored at --sizes")  # fmt: skip
+    p.add_argument(
+        "--train",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="then the A/B: embeddings, a tiny DiT trained STEPS steps on each mode "
+        "(same batch), each scored at --sizes",
+    )
     p.add_argument("--batch", type=int, default=16, help="--train: batch size (and bucket chunk)")
     a = p.parse_args(argv)
     if a.checkpoint:
@@ -284,8 +305,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
         print("|---|" + "---|" * len(a.sizes))
         for mode in ("square", "aspect"):
             cells = [out["ab"][mode]["sizes"][z] for z in a.sizes]
-            print(f"| {mode} | " + " | ".join(f"{c.get('all_four', 0):.2f} / {c.get('position', 0):.2f}"
-                                            for c in cells) + " |")  # fmt: skip
+            print(
+                f"| {mode} | "
+                + " | ".join(
+                    f"{c.get('all_four', 0):.2f} / {c.get('position', 0):.2f}" for c in cells
+                )
+                + " |"
+            )
     print(json.dumps(out))
     return out
 

@@ -61,17 +61,32 @@ def prepare(root: Path, images: int) -> dict:
     ok = runs.materialize(sources=[SOURCE], res=res, missing_only=True)
     if not all(ok.values()):
         raise SystemExit(f"materializing {SOURCE} failed: {ok}")
-    return {**info, "materialize_s": round(time.perf_counter() - t0, 1), "encoders": {
-        "vae": res.encoders.vae, "text": res.encoders.text}}  # fmt: skip
+    return {
+        **info,
+        "materialize_s": round(time.perf_counter() - t0, 1),
+        "encoders": {"vae": res.encoders.vae, "text": res.encoders.text},
+    }
 
 
 def score(path: Path, encoders: dict, n_prompts: int) -> dict:
     """The new attribute (prompts of the new shape) and the old ones (the demo's prompts)."""
     all_shapes = SHAPES + NEW_SHAPES
-    new = evaluate_checkpoint(path, encoders["text"], encoders["vae"], n_prompts,
-                              prompt_shapes=NEW_SHAPES, analyser_shapes=all_shapes)  # fmt: skip
-    old = evaluate_checkpoint(path, encoders["text"], encoders["vae"], n_prompts,
-                              prompt_shapes=SHAPES, analyser_shapes=all_shapes)  # fmt: skip
+    new = evaluate_checkpoint(
+        path,
+        encoders["text"],
+        encoders["vae"],
+        n_prompts,
+        prompt_shapes=NEW_SHAPES,
+        analyser_shapes=all_shapes,
+    )
+    old = evaluate_checkpoint(
+        path,
+        encoders["text"],
+        encoders["vae"],
+        n_prompts,
+        prompt_shapes=SHAPES,
+        analyser_shapes=all_shapes,
+    )
     return {
         "new_shape": round(new["accuracy"]["shape"], 3),
         "new_all_four": round(new["accuracy"]["all_four"], 3),
@@ -79,19 +94,36 @@ def score(path: Path, encoders: dict, n_prompts: int) -> dict:
     }
 
 
-def run_variant(name: str, root: Path, out: Path, parent: Path, steps: int, every: int,
-                encoders: dict, n_prompts: int, config: Path, extra: list[str]) -> list[dict]:  # fmt: skip
+def run_variant(
+    name: str,
+    root: Path,
+    out: Path,
+    parent: Path,
+    steps: int,
+    every: int,
+    encoders: dict,
+    n_prompts: int,
+    config: Path,
+    extra: list[str],
+) -> list[dict]:
     """Train one variant and score each checkpoint (the parent's as step 0 of a fine-tune)."""
     from flowmatch_models.train.run import TrainRequest, train
 
     v = VARIANTS[name]
     run = out / name
     sets = {
-        "run.out_dir": str(run), "data.root": str(root), "trainer.max_steps": steps,
-        "trainer.checkpoint_every": every, "trainer.keep_ema": 0, "trainer.sample_every": 0,
-        "logging.wandb": False, "data.sources": v["sources"], "data.source_weights": v["weights"],
-        "encoders.vae": encoders["vae"], "encoders.text": encoders["text"],
-    }  # fmt: skip
+        "run.out_dir": str(run),
+        "data.root": str(root),
+        "trainer.max_steps": steps,
+        "trainer.checkpoint_every": every,
+        "trainer.keep_ema": 0,
+        "trainer.sample_every": 0,
+        "logging.wandb": False,
+        "data.sources": v["sources"],
+        "data.source_weights": v["weights"],
+        "encoders.vae": encoders["vae"],
+        "encoders.text": encoders["text"],
+    }
     if v["init"]:
         sets["init.from_run"] = str(parent)
     overrides = [f"{k}={json.dumps(x)}" for k, x in sets.items()] + list(extra)
@@ -104,8 +136,11 @@ def run_variant(name: str, root: Path, out: Path, parent: Path, steps: int, ever
         curve.append({"step": 0, **score(last, encoders, n_prompts)})
     for step, path in checkpoints(run, "all"):
         curve.append({"step": step, **score(path, encoders, n_prompts)})
-        print(f"  {name} step {step}: " + ", ".join(f"{k} {x:.2f}" for k, x in curve[-1].items()
-                                                    if k != "step"), flush=True)  # fmt: skip
+        print(
+            f"  {name} step {step}: "
+            + ", ".join(f"{k} {x:.2f}" for k, x in curve[-1].items() if k != "step"),
+            flush=True,
+        )
     curve[-1]["train_s"] = round(train_s, 1)
     return curve
 
@@ -126,8 +161,9 @@ def plot(results: dict[str, list[dict]], floor: float, out_png: Path) -> Path:
     for name, curve in results.items():
         x = [c["step"] for c in curve]
         axes[0].plot(x, [c["new_shape"] for c in curve], marker="o", label=name)
-        axes[1].plot(x, [sum(c[f"old_{a}"] for a in OLD) / len(OLD) for c in curve], marker="o",
-                     label=name)  # fmt: skip
+        axes[1].plot(
+            x, [sum(c[f"old_{a}"] for a in OLD) / len(OLD) for c in curve], marker="o", label=name
+        )
     axes[0].axhline(floor, ls=":", color="k", label=f"floor {floor}")
     axes[0].axhline(1 / 7, ls="--", color="grey", label="chance")
     axes[0].set_title("new attribute: prompts of a cross drawn as one")
@@ -145,8 +181,11 @@ def plot(results: dict[str, list[dict]], floor: float, out_png: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="flowmatch bench finetune", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="flowmatch bench finetune",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--data-root", default=os.environ.get("FLOWMATCH_DATA_ROOT", "data"))
     p.add_argument("--parent", default="demo", help="the run to fine-tune (under runs/)")
     p.add_argument("--config", default=str(REPO / "configs" / "tiny.yaml"))
@@ -164,16 +203,29 @@ def main(argv: list[str] | None = None) -> dict:
     if not (parent / "checkpoints" / "last.ckpt").is_file():
         raise SystemExit(f"no trained run {parent}; run `flowmatch demo` first (or --parent)")
     data = prepare(root, a.images)
-    print(f"{SOURCE}: {data['images']} images in {data['dest']}, materialized in "
-          f"{data['materialize_s']} s", flush=True)  # fmt: skip
+    print(
+        f"{SOURCE}: {data['images']} images in {data['dest']}, materialized in "
+        f"{data['materialize_s']} s",
+        flush=True,
+    )
     out = Path(a.out).resolve()
     results = {}
     for name in a.variants.split(","):
         if name not in VARIANTS:
             raise SystemExit(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
         print(f"{name}: {a.steps} steps, evaluating every {a.eval_every} ...", flush=True)
-        results[name] = run_variant(name, root, out, parent, a.steps, a.eval_every,
-                                    data["encoders"], a.prompts, Path(a.config), a.set)  # fmt: skip
+        results[name] = run_variant(
+            name,
+            root,
+            out,
+            parent,
+            a.steps,
+            a.eval_every,
+            data["encoders"],
+            a.prompts,
+            Path(a.config),
+            a.set,
+        )
     summary = {
         "bench": "finetune",
         "parent": str(parent),

@@ -51,8 +51,14 @@ def _data_root(root: Path, n: int, rng: np.random.Generator) -> dict:
     from flowmatch_models.storage.store import write_shard
 
     ids = [f"{i:08d}" for i in range(n)]
-    md = pa.table({"id": ids, "url": [f"https://x/{i}.jpg" for i in ids], "hash": ids,
-                   "caption": ["a large red circle on a sandy background"] * n})  # fmt: skip
+    md = pa.table(
+        {
+            "id": ids,
+            "url": [f"https://x/{i}.jpg" for i in ids],
+            "hash": ids,
+            "caption": ["a large red circle on a sandy background"] * n,
+        }
+    )
     (root / "metadata").mkdir(parents=True)
     pq.write_table(md, root / "metadata" / "000-00.parquet")
     blob = rng.integers(0, 255, 15_000, dtype=np.uint8).tobytes()
@@ -123,15 +129,17 @@ def run(samples: int, hash_mb: int, repeat: int, images_per_core_s: float, pairs
             (folders[role] / "config.json").write_text("{}")
             (folders[role] / "model.safetensors").write_bytes(rng.bytes(1 << 20))
         res = FlowmatchResource(
-            data_root=str(root), metadata_source=str(tmp),
+            data_root=str(root),
+            metadata_source=str(tmp),
             encoders=EncoderSpec(**{k: str(v) for k, v in folders.items()}),
-        )  # fmt: skip
+        )
         data, kinds = ["metadata", "images"], list(fingerprints.KINDS)
         for a in [*data, *kinds]:  # warm: the weights are hashed once per process anyway
             fp = fingerprints.current(res, a, "000-00")
             catalog.record_materialization(
-                root, MaterializationRecord(a, "000-00", samples, extra={"fingerprint": fp.to_json()})
-            )  # fmt: skip
+                root,
+                MaterializationRecord(a, "000-00", samples, extra={"fingerprint": fp.to_json()}),
+            )
         path = res.layout.asset_path
 
         def publish_work(a: str) -> None:
@@ -140,8 +148,10 @@ def run(samples: int, hash_mb: int, repeat: int, images_per_core_s: float, pairs
             fingerprints.metadata(fp)
 
         per = {a: _timed(lambda a=a: publish_work(a), repeat) for a in [*data, *kinds]}
-        body = {a: _timed(lambda a=a: fingerprints.staleness(res, ["000-00"], [a]), repeat)
-                for a in [*data, *kinds]}  # fmt: skip
+        body = {
+            a: _timed(lambda a=a: fingerprints.staleness(res, ["000-00"], [a]), repeat)
+            for a in [*data, *kinds]
+        }
         # the five checks as Dagster runs them (one in-process run), minus an empty run
         checks = [build_fresh_checks(shard_partitions)]
         with dg.instance_for_test() as instance:

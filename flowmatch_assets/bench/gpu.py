@@ -88,20 +88,37 @@ def gpu_check(budget_s: float = 540.0, smoke: bool = False) -> dict:
         "cuda": torch.version.cuda,
         "targets": TARGETS,
     }
-    peak = bench_train.matmul_peak(dev, torch.bfloat16 if cuda else torch.float32,
-                                   n=None if cuda else 256)  # fmt: skip
+    peak = bench_train.matmul_peak(
+        dev, torch.bfloat16 if cuda else torch.float32, n=None if cuda else 256
+    )
     result["matmul_peak_tflops"] = round(peak / 1e12, 2)
 
     # precalc: batch sweep (compile off), then compile on at the best batch
     sweep = (128, 256, 512) if cuda else (2,)
     runs = []
     for b in sweep:
-        runs.append(_phase(budget, 60, lambda b=b: bench_precalc.run(
-            device=str(dev), batch=b, iters=10 if cuda else 1, quick=not cuda), cuda))  # fmt: skip
+        runs.append(
+            _phase(
+                budget,
+                60,
+                lambda b=b: bench_precalc.run(
+                    device=str(dev), batch=b, iters=10 if cuda else 1, quick=not cuda
+                ),
+                cuda,
+            )
+        )
     best = _best(runs, "pairs_per_s")
     if best and cuda:
-        runs.append(_phase(budget, 150, lambda: bench_precalc.run(
-            device="cuda", batch=best["batch"], iters=10, compile_models=True), cuda))  # fmt: skip
+        runs.append(
+            _phase(
+                budget,
+                150,
+                lambda: bench_precalc.run(
+                    device="cuda", batch=best["batch"], iters=10, compile_models=True
+                ),
+                cuda,
+            )
+        )
     result["precalc"] = runs
     best = _best(runs, "pairs_per_s")
 
@@ -109,58 +126,96 @@ def gpu_check(budget_s: float = 540.0, smoke: bool = False) -> dict:
     preset, tsweep = ("base", (128, 256)) if cuda else ("tiny", (4,))
     truns = []
     for b in tsweep:
-        truns.append(_phase(budget, 60, lambda b=b: bench_train.bench(
-            preset, batch=b, device=str(dev), steps=10 if cuda else 2, warmup=3 if cuda else 1),
-            cuda))  # fmt: skip
+        truns.append(
+            _phase(
+                budget,
+                60,
+                lambda b=b: bench_train.bench(
+                    preset,
+                    batch=b,
+                    device=str(dev),
+                    steps=10 if cuda else 2,
+                    warmup=3 if cuda else 1,
+                ),
+                cuda,
+            )
+        )
     tbest = _best(truns, "mfu")
     if tbest and cuda:
-        truns.append(_phase(budget, 180, lambda: bench_train.bench(
-            preset, batch=tbest["batch"], device="cuda", steps=10, compile=True), cuda))  # fmt: skip
+        truns.append(
+            _phase(
+                budget,
+                180,
+                lambda: bench_train.bench(
+                    preset, batch=tbest["batch"], device="cuda", steps=10, compile=True
+                ),
+                cuda,
+            )
+        )
     result["train"] = truns
     tbest = _best(truns, "mfu")
 
-    result["loader"] = _phase(budget, 30, lambda: bench_train.bench_loader(
-        batch=256 if cuda else 16, batches=40 if cuda else 4,
-        per_shard=2000 if cuda else 64), cuda)  # fmt: skip
+    result["loader"] = _phase(
+        budget,
+        30,
+        lambda: bench_train.bench_loader(
+            batch=256 if cuda else 16, batches=40 if cuda else 4, per_shard=2000 if cuda else 64
+        ),
+        cuda,
+    )
 
     if cuda:  # a real backfill of the embedding kinds with the real forward passes
         from flowmatch_assets.bench import precompute as bench_precompute
 
-        result["precompute"] = _phase(budget, 240, lambda: bench_precompute.main(
-            ["--real", "--partitions", "4", "--rows", "4000"]), cuda)  # fmt: skip
+        result["precompute"] = _phase(
+            budget,
+            240,
+            lambda: bench_precompute.main(["--real", "--partitions", "4", "--rows", "4000"]),
+            cuda,
+        )
 
     result["achieved"] = {
         "precalc_pairs_per_s": best["pairs_per_s"] if best else None,
         "precalc_fraction_of_target": round(best["pairs_per_s"] / TARGETS["precalc_pairs_per_s"], 3)
-        if best else None,
+        if best
+        else None,
         "train_samples_per_s": tbest["samples_per_s"] if tbest else None,
         "train_mfu": tbest["mfu"] if tbest else None,
-        "train_fraction_of_target": round(tbest["mfu"] / TARGETS["train_mfu"], 3) if tbest else None,
-    }  # fmt: skip
+        "train_fraction_of_target": round(tbest["mfu"] / TARGETS["train_mfu"], 3)
+        if tbest
+        else None,
+    }
     result["wall_s"] = round(time.perf_counter() - budget.t0, 1)
     return result
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
     """CLI: the result dict, printed last as one JSON line (``{"bench": "gpu", ...}``)."""
-    ap = argparse.ArgumentParser(prog="flowmatch bench gpu", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap = argparse.ArgumentParser(
+        prog="flowmatch bench gpu",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--out", default="gpu_check.json", help="where the JSON goes")
     ap.add_argument("--budget-s", type=float, default=540.0, help="wall-clock budget")
     ap.add_argument("--smoke", action="store_true", help="every phase on the CPU, toy sizes")
     args = ap.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
-        print(f"gpu check: needs a CUDA GPU; none here (torch {torch.__version__}, "
-              f"cuda available: False). Nothing measured.")  # fmt: skip
+        print(
+            f"gpu check: needs a CUDA GPU; none here (torch {torch.__version__}, "
+            f"cuda available: False). Nothing measured."
+        )
         result = {"bench": "gpu", "skipped": "no CUDA GPU"}
         print(json.dumps(result), flush=True)
         return result
     result = gpu_check(args.budget_s, args.smoke)
     atomic_write_text(args.out, json.dumps(result, indent=1))
     a = result["achieved"]
-    print(f"gpu check: {result['device']}: precalc {a['precalc_pairs_per_s']} pairs/s "
-          f"({a['precalc_fraction_of_target']} of 1,100), train MFU {a['train_mfu']} "
-          f"({a['train_fraction_of_target']} of 0.40); {args.out}")  # fmt: skip
+    print(
+        f"gpu check: {result['device']}: precalc {a['precalc_pairs_per_s']} pairs/s "
+        f"({a['precalc_fraction_of_target']} of 1,100), train MFU {a['train_mfu']} "
+        f"({a['train_fraction_of_target']} of 0.40); {args.out}"
+    )
     print(json.dumps(result), flush=True)
     return result
 

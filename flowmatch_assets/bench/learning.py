@@ -37,14 +37,14 @@ VARIANTS = {
         "flow.repa_lambda": 0.5,
         "model.pos_embed": True,
         "model.text_norm": False,
-    },  # fmt: skip
+    },
     # SANA's stability settings (qk_norm, fp32 linear attention; defaults) off, REPA + PE on
     "repa+pe-nostab": {
         "flow.repa_lambda": 0.5,
         "model.pos_embed": True,
         "model.qk_norm": False,
         "model.fp32_attention": False,
-    },  # fmt: skip
+    },
 }
 ATTRS = ("colour", "shape", "size", "position", "all_four")
 
@@ -115,8 +115,14 @@ def toy_position(pos_embed: bool, steps: int = 400, seed: int = 0) -> dict[str, 
     model.eval()
     mse, mean_mse = [], []
     for c in range(n_cls):
-        z = fm.sample(model, text[c : c + 1].expand(32, -1, -1), mask[c : c + 1].expand(32, -1),
-                      steps=20, cfg_scale=1.0, generator=g)  # fmt: skip
+        z = fm.sample(
+            model,
+            text[c : c + 1].expand(32, -1, -1),
+            mask[c : c + 1].expand(32, -1),
+            steps=20,
+            cfg_scale=1.0,
+            generator=g,
+        )
         mse.append(((z - mu[c]) ** 2).mean().item())
         mean_mse.append(((z.mean(0) - mu[c]) ** 2).mean().item())
     return {"mse": sum(mse) / n_cls, "mean_mse": sum(mean_mse) / n_cls}

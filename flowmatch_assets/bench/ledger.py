@@ -19,8 +19,9 @@ import time
 from collections.abc import Sequence
 
 
-def run(partitions: int, per_partition: int, checkpoint_every: int, global_batch: int,
-        train_rate: float) -> dict:  # fmt: skip
+def run(
+    partitions: int, per_partition: int, checkpoint_every: int, global_batch: int, train_rate: float
+) -> dict:
     """One checkpoint's ledger (the samples of ``checkpoint_every`` steps, mid-epoch, as a delta
     on the previous checkpoint) against the training time of those steps."""
     from flowmatch_assets import catalog
@@ -29,10 +30,20 @@ def run(partitions: int, per_partition: int, checkpoint_every: int, global_batch
     names = [f"{i // 100:03d}-{i % 100:02d}" for i in range(partitions)]
     n = partitions * per_partition
     span = checkpoint_every * global_batch
-    seg = {"epoch": 3, "partitions": names, "sizes": [per_partition] * partitions, "seed": 0,
-           "shuffle_window": 8, "global_batch": global_batch, "accumulate": 1, "pos_from": 0,
-           "pos_to": span, "step_from": 3 * (n // global_batch),
-           "available_partitions": partitions, "available_samples": n}  # fmt: skip
+    seg = {
+        "epoch": 3,
+        "partitions": names,
+        "sizes": [per_partition] * partitions,
+        "seed": 0,
+        "shuffle_window": 8,
+        "global_batch": global_batch,
+        "accumulate": 1,
+        "pos_from": 0,
+        "pos_to": span,
+        "step_from": 3 * (n // global_batch),
+        "available_partitions": partitions,
+        "available_samples": n,
+    }
     prev, now = [seg], [{**seg, "pos_to": 2 * span}]
     ids = {p: [f"{p}/{j}" for j in range(per_partition)] for p in names}
     t0 = time.perf_counter()
@@ -58,14 +69,21 @@ def run(partitions: int, per_partition: int, checkpoint_every: int, global_batch
 
 def main(argv: Sequence[str] | None = None) -> dict:
     """CLI: the result, printed last as one JSON line."""
-    ap = argparse.ArgumentParser(prog="flowmatch bench ledger", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap = argparse.ArgumentParser(
+        prog="flowmatch bench ledger",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--partitions", type=int, default=1240, help="PD12M: 1,240 of 10,000")
     ap.add_argument("--per-partition", type=int, default=10_000)
     ap.add_argument("--checkpoint-every", type=int, default=2000, help="steps (configs/base.yaml)")
     ap.add_argument("--global-batch", type=int, default=1024)
-    ap.add_argument("--train-rate", type=float, default=3800.0,
-                    help="training samples/s to compare with (base, 40%% MFU on one H200)")  # fmt: skip
+    ap.add_argument(
+        "--train-rate",
+        type=float,
+        default=3800.0,
+        help="training samples/s to compare with (base, 40%% MFU on one H200)",
+    )
     a = ap.parse_args(argv)
     out = run(a.partitions, a.per_partition, a.checkpoint_every, a.global_batch, a.train_rate)
     print(json.dumps(out), flush=True)

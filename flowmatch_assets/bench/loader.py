@@ -226,8 +226,10 @@ def write_partitions(
         attrs = {"scaling_factor": 0.41407} if kind == "vae_latents" else {}
         t = time.perf_counter()
         stats = write_shard(path, arrs, ids, codec=codec, attrs=attrs, lossy=lossy_arrays)
-        print(f"{kind}: {stats.stored_bytes / size:,.0f} B/sample in "
-              f"{time.perf_counter() - t:.1f}s", file=sys.stderr)  # fmt: skip
+        print(
+            f"{kind}: {stats.stored_bytes / size:,.0f} B/sample in {time.perf_counter() - t:.1f}s",
+            file=sys.stderr,
+        )
         out[kind] = stats.stored_bytes
         for p in range(1, partitions):
             shutil.copyfile(path, layout.asset_path(kind, f"{p:03d}-00"))
@@ -258,9 +260,15 @@ def measure(
 
     torch.set_num_threads(1)
     dm = EmbeddingDataModule(
-        root, batch_size=batch_size, num_workers=num_workers, shuffle_window=shuffle_window,
-        text_max_len=text_max_len, heldout=heldout, load_dino=True, loader=loader,
-    )  # fmt: skip
+        root,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        shuffle_window=shuffle_window,
+        text_max_len=text_max_len,
+        heldout=heldout,
+        load_dino=True,
+        loader=loader,
+    )
     sizes = dm.source.sizes
     per_window = int(sizes[:shuffle_window].sum())
     boundary = per_window // batch_size  # the first batch that reaches the second window
@@ -295,7 +303,7 @@ def measure(
         # batches/s per block of 64 batches: a cold window or a stall shows as a dip
         "batches_per_s_by_64": [
             round(64 / float(gaps[i : i + 64].sum()), 1) for i in range(0, len(gaps) - 63, 64)
-        ],  # fmt: skip
+        ],
         "partition_samples": int(sizes[0]),
     }
 
@@ -312,16 +320,25 @@ def measure_in_subprocess(
     the memory this process used to write the partitions."""
     import subprocess
 
-    args = {"root": str(root), "batch_size": batch_size, "num_workers": num_workers,
-            "shuffle_window": shuffle_window, "max_batches": max_batches,
-            "loader": loader}  # fmt: skip
+    args = {
+        "root": str(root),
+        "batch_size": batch_size,
+        "num_workers": num_workers,
+        "shuffle_window": shuffle_window,
+        "max_batches": max_batches,
+        "loader": loader,
+    }
     code = (
         "import json, sys; from pathlib import Path; from flowmatch_assets.bench.loader import "
         "measure; a = json.loads(sys.argv[1]); a['root'] = Path(a['root']); "
         "print(json.dumps(measure(**a)))"
     )
-    proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(args)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, json.dumps(args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     with TreeMonitor(proc.pid) as mon:
         out, err = proc.communicate()
     if proc.returncode:
@@ -349,8 +366,9 @@ def device_decode_rate(root: Path, batch_size: int = 64, batches: int = 8) -> di
     from flowmatch_models.data.stream import BatchStream
 
     torch.set_num_threads(1)
-    dm = EmbeddingDataModule(root, batch_size=batch_size, num_workers=0, shuffle_window=8,
-                             heldout=(0.005, 50))  # fmt: skip
+    dm = EmbeddingDataModule(
+        root, batch_size=batch_size, num_workers=0, shuffle_window=8, heldout=(0.005, 50)
+    )
     stream = iter(BatchStream(dm.source, batch_size))
     stored = [next(stream) for _ in range(batches)]
     t = time.perf_counter()
@@ -389,8 +407,11 @@ def run(
         runs: dict[str, list[dict]] = {name: [] for name in loaders}
         for _ in range(repeats):
             for name in loaders:
-                runs[name].append(measure_in_subprocess(root, batch_size, num_workers,
-                                                        shuffle_window, max_batches, name))  # fmt: skip
+                runs[name].append(
+                    measure_in_subprocess(
+                        root, batch_size, num_workers, shuffle_window, max_batches, name
+                    )
+                )
         dec = device_decode_rate(root, batch_size) if storage == "default" else {}
     finally:
         if not keep:
@@ -401,8 +422,11 @@ def run(
     for name, ms in runs.items():
         rates = sorted(m["samples_per_s_per_core"] for m in ms)
         median = sorted(ms, key=lambda m: m["samples_per_s_per_core"])[(len(ms) - 1) // 2]
-        by_loader[name] = {**median, "samples_per_s_per_core_runs": rates,
-                           "boundary_vs_steady_runs": [m["boundary_vs_steady"] for m in ms]}  # fmt: skip
+        by_loader[name] = {
+            **median,
+            "samples_per_s_per_core_runs": rates,
+            "boundary_vs_steady_runs": [m["boundary_vs_steady"] for m in ms],
+        }
     m = by_loader[loaders[-1]]
     stored = np.minimum(lengths, 128)
     return {
@@ -416,7 +440,7 @@ def run(
             "text_max_len": 128,
             "partitions": partitions,
             "partition_size": partition_size,
-        },  # fmt: skip
+        },
         "text": f"real Gemma3-270M states of {captions} PD12M-like captions, tiled; "
         f"tokens stored mean {stored.mean():.1f}",
         "bytes_per_sample": {k: round(v) for k, v in per_sample.items()},
@@ -424,7 +448,7 @@ def run(
         "pd12m_gb": {
             **{k: round(v * PD12M_PAIRS / 1e9, 1) for k, v in per_sample.items()},
             "total": round(total * PD12M_PAIRS / 1e9, 1),
-        },  # fmt: skip
+        },
         "loader": loaders[-1],
         **m,
         "loaders": by_loader,
@@ -441,8 +465,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--storage", choices=STORAGES, default="default")
     parser.add_argument("--workdir", type=Path, default=Path(".bench/loader"))
     parser.add_argument("--partition-size", type=int, default=10_000)
-    parser.add_argument("--partitions", type=int, default=None,
-                        help="default: two shuffle windows")  # fmt: skip
+    parser.add_argument("--partitions", type=int, default=None, help="default: two shuffle windows")
     parser.add_argument("--workers", type=int, default=6)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--shuffle-window", type=int, default=8)
@@ -450,15 +473,34 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--gemma", type=Path, default=None)
     parser.add_argument("--max-batches", type=int, default=None)
     parser.add_argument("--keep", action="store_true", help="keep the written partitions")
-    parser.add_argument("--loaders", default="processes,threads",
-                        help="data.loader values to measure, in this order (the last is reported "
-                        "on top; the ratio is the last over the first)")  # fmt: skip
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="measure each loader this many times, alternated (median kept)")  # fmt: skip
+    parser.add_argument(
+        "--loaders",
+        default="processes,threads",
+        help="data.loader values to measure, in this order (the last is reported "
+        "on top; the ratio is the last over the first)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="measure each loader this many times, alternated (median kept)",
+    )
     a = parser.parse_args(argv)
-    r = run(a.storage, a.workdir, a.partition_size, a.partitions, a.workers, a.batch_size,
-            a.shuffle_window, a.captions, a.gemma, a.max_batches, a.keep,
-            tuple(a.loaders.split(",")), a.repeats)  # fmt: skip
+    r = run(
+        a.storage,
+        a.workdir,
+        a.partition_size,
+        a.partitions,
+        a.workers,
+        a.batch_size,
+        a.shuffle_window,
+        a.captions,
+        a.gemma,
+        a.max_batches,
+        a.keep,
+        tuple(a.loaders.split(",")),
+        a.repeats,
+    )
     for name, m in r["loaders"].items():
         print(
             f"loader {name} ({r['storage']}, {a.workers} workers): peak PSS "

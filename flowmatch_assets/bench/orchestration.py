@@ -123,8 +123,11 @@ query JobSnapshot($selector: PipelineSelector!) {
 def job_snapshot_id(url: str, job: str) -> str:
     """The snapshot id of ``job`` as the webserver's code location holds it now."""
     repo = backfill.graphql(url, REPOS)["repositoriesOrError"]["nodes"][0]
-    selector = {"repositoryLocationName": repo["location"]["name"],
-                "repositoryName": repo["name"], "pipelineName": job}  # fmt: skip
+    selector = {
+        "repositoryLocationName": repo["location"]["name"],
+        "repositoryName": repo["name"],
+        "pipelineName": job,
+    }
     return backfill.graphql(url, JOB_SNAPSHOT, {"selector": selector})["pipelineOrError"][
         "pipelineSnapshotId"
     ]
@@ -212,9 +215,19 @@ def write_metadata(root: Path, partitions: int, rows_per_file: int = 10) -> tupl
     for f in range(-(-partitions // rows_per_file)):
         rows = []
         for _ in range(min(rows_per_file, partitions - n)):
-            rows.append({"id": f"bench-{n:06d}", "url": img.as_uri(), "caption": caption,
-                         "width": im.size[0], "height": im.size[1], "mime_type": "image/jpeg",
-                         "hash": f"h{n}", "license": "cc0-1.0", "source": "bench"})  # fmt: skip
+            rows.append(
+                {
+                    "id": f"bench-{n:06d}",
+                    "url": img.as_uri(),
+                    "caption": caption,
+                    "width": im.size[0],
+                    "height": im.size[1],
+                    "mime_type": "image/jpeg",
+                    "hash": f"h{n}",
+                    "license": "cc0-1.0",
+                    "source": "bench",
+                }
+            )
             n += 1
         pq.write_table(pa.Table.from_pylist(rows), md_dir / f"pd12m.{f:03d}.parquet")
     return md_dir, root
@@ -235,10 +248,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--status-asset", default="images")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument(
-        "--images-per-s", type=float, default=216.0,
+        "--images-per-s",
+        type=float,
+        default=216.0,
         help="assumed image-stage rate of one partition (BENCHMARKS.md: ~108 images per "
         "CPU-second per core x 2 cores)",
-    )  # fmt: skip
+    )
     a = p.parse_args(argv)
 
     with tempfile.TemporaryDirectory(prefix="flowmatch-bench-orch-") as tmp:
@@ -262,37 +277,53 @@ def main(argv: list[str] | None = None) -> dict:
             # the asset page's partition status over all partitions
             times = []
             for _ in range(a.repeats):
-                _, s = _timed(backfill.graphql, dev.url, backfill.PARTITIONS,
-                              {"keys": [{"path": [a.status_asset]}]})  # fmt: skip
+                _, s = _timed(
+                    backfill.graphql,
+                    dev.url,
+                    backfill.PARTITIONS,
+                    {"keys": [{"path": [a.status_asset]}]},
+                )
                 times.append(s)
             status_s = statistics.median(times)
-            print(f"partition-status query over {len(keys)} partitions: median {status_s:.3f}s "
-                  f"({', '.join(f'{t:.2f}' for t in times)})")  # fmt: skip
+            print(
+                f"partition-status query over {len(keys)} partitions: median {status_s:.3f}s "
+                f"({', '.join(f'{t:.2f}' for t in times)})"
+            )
 
             # one tiny partition's run through the daemon: overhead = wall - compute
             key = keys[0]
-            run_id = launch_run(dev.url, ["metadata", "images"], {},
-                                         tags={"dagster/partition": key})  # fmt: skip
+            run_id = launch_run(
+                dev.url, ["metadata", "images"], {}, tags={"dagster/partition": key}
+            )
             status = wait_run(dev.url, run_id, timeout=600, poll=0.5)
             t = backfill.graphql(dev.url, RUN_TIMES, {"runId": run_id})["runOrError"]
-            compute = sum(r["seconds"] for r in Catalog(data).query(
-                "SELECT seconds FROM materializations WHERE partition = ?", [key]))  # fmt: skip
+            compute = sum(
+                r["seconds"]
+                for r in Catalog(data).query(
+                    "SELECT seconds FROM materializations WHERE partition = ?", [key]
+                )
+            )
             run_wall = t["endTime"] - t["startTime"]
             queued_wall = t["endTime"] - t["creationTime"]
             overhead = run_wall - compute
             partition_10k_s = 10_000 / a.images_per_s
-            print(f"run {run_id} {status}: created->end {queued_wall:.1f}s, start->end "
-                  f"{run_wall:.1f}s, compute {compute:.2f}s, overhead {overhead:.1f}s "
-                  f"= {overhead / partition_10k_s:.1%} of a 10k-image partition "
-                  f"({partition_10k_s:.0f}s at {a.images_per_s:g} images/s)")  # fmt: skip
+            print(
+                f"run {run_id} {status}: created->end {queued_wall:.1f}s, start->end "
+                f"{run_wall:.1f}s, compute {compute:.2f}s, overhead {overhead:.1f}s "
+                f"= {overhead / partition_10k_s:.1%} of a 10k-image partition "
+                f"({partition_10k_s:.0f}s at {a.images_per_s:g} images/s)"
+            )
 
             # missing-only backfill over every partition, launched then cancelled
             missing, missing_s = _timed(backfill.missing_partitions, dev.url, [a.asset])
-            bid, launch_s = _timed(backfill.launch_backfill, dev.url, missing, [a.asset],
-                                   title="bench orchestration")  # fmt: skip
+            bid, launch_s = _timed(
+                backfill.launch_backfill, dev.url, missing, [a.asset], title="bench orchestration"
+            )
             backfill.graphql(dev.url, CANCEL, {"id": bid})
-            print(f"missing partitions of {a.asset}: {len(missing)} in {missing_s:.2f}s; "
-                  f"backfill launched in {launch_s:.2f}s (then cancelled)")  # fmt: skip
+            print(
+                f"missing partitions of {a.asset}: {len(missing)} in {missing_s:.2f}s; "
+                f"backfill launched in {launch_s:.2f}s (then cancelled)"
+            )
 
     result = {
         "bench": "orchestration",

@@ -78,9 +78,21 @@ def write_images(root: Path, partitions: int, rows: int, seed: int = 0) -> list[
         shard = []
         for i in range(rows):
             data, caption = pool[(p * rows + i) % len(pool)]
-            shard.append({"id": f"{key}-{i:06d}", "caption": f"{caption} ({i})", "image": data,
-                          "format": "jpeg", "orig_width": 1024, "orig_height": 1024, "md5": "",
-                          "url": "", "height": 256, "width": 256, "kept": 1.0})  # fmt: skip
+            shard.append(
+                {
+                    "id": f"{key}-{i:06d}",
+                    "caption": f"{caption} ({i})",
+                    "image": data,
+                    "format": "jpeg",
+                    "orig_width": 1024,
+                    "orig_height": 1024,
+                    "md5": "",
+                    "url": "",
+                    "height": 256,
+                    "width": 256,
+                    "kept": 1.0,
+                }
+            )
         write_image_shard(layout.asset_path("images", key), shard)
         keys.append(key)
     return keys
@@ -124,8 +136,16 @@ def _timeline(instance: dg.DagsterInstance, record) -> dict:
     }
 
 
-def one_backfill(tmp: Path, keys: list[str], encoders: dict, rows: int, rate: float | None,
-                 per_run: int, label: str, settings: Path | None = None) -> dict:  # fmt: skip
+def one_backfill(
+    tmp: Path,
+    keys: list[str],
+    encoders: dict,
+    rows: int,
+    rate: float | None,
+    per_run: int,
+    label: str,
+    settings: Path | None = None,
+) -> dict:
     """One path at one simulated rate: a fresh data root copy's embeddings backfilled."""
     import shutil
 
@@ -189,7 +209,12 @@ def one_backfill(tmp: Path, keys: list[str], encoders: dict, rows: int, rate: fl
         }
         if steps and start_s:  # a run of per_run partitions, from these parts
             m = per_run
-            run = float(np.median(start_s)) + g + (m - 1) * float(np.median(steps)) + float(np.median(tails))  # fmt: skip
+            run = (
+                float(np.median(start_s))
+                + g
+                + (m - 1) * float(np.median(steps))
+                + float(np.median(tails))
+            )
             out["projected_gpu_busy_at_partitions_per_run"] = {str(m): round(m * g / run, 4)}
     else:
         out["pairs_per_s"] = round(pairs / wall, 1)
@@ -197,7 +222,9 @@ def one_backfill(tmp: Path, keys: list[str], encoders: dict, rows: int, rate: fl
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="flowmatch bench precompute", description=__doc__.split("\n\n")[0])  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="flowmatch bench precompute", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--partitions", type=int, default=4)
     p.add_argument("--rows", type=int, default=2000, help="images a partition (PD12M: 10,000)")
     p.add_argument("--rates", default="100,1100", help="simulated GPU pairs/s, comma-separated")
@@ -205,16 +232,20 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--quick", action="store_true", help="Gemma with an 8k vocabulary")
     p.add_argument("--real", action="store_true", help="the real forward passes (CUDA)")
     p.add_argument(
-        "--storage", choices=("default", "lossless"), default="default",
+        "--storage",
+        choices=("default", "lossless"),
+        default="default",
         help="the shards' storage: the default (caption and DINO states transform-coded: their "
         "fit runs on the encoders' device, the CPU here) or lossless zstd",
-    )  # fmt: skip
+    )
     p.add_argument("--out", default=None, help="also write the JSON here")
     a = p.parse_args(argv)
     rates: list[float | None] = [None] if a.real else [float(r) for r in a.rates.split(",")]
     result: dict = {
         "bench": "precompute",
-        "simulation": None if a.real else (
+        "simulation": None
+        if a.real
+        else (
             "SIMULATED GPU: the encoders' forward passes replaced by a sleep of pairs/rate (split "
             "by FLOPs) returning arrays of the real shapes; model loads, JPEG decoding, "
             "tokenizing, fitting, writing, catalog and Dagster all real"
@@ -224,14 +255,17 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "storage": a.storage,
         "cpu_count": os.cpu_count(),
         "results": [],
-    }  # fmt: skip
+    }
     with tempfile.TemporaryDirectory(prefix="flowmatch-bench-precompute-") as tmp:
         tmp = Path(tmp)
         t0 = time.perf_counter()
         keys = write_images(tmp / "images-root", a.partitions, a.rows)
         encoders = save_encoders(tmp / "encoders", a.quick)
-        print(f"{len(keys)} partitions of {a.rows} images and the encoders written in "
-              f"{time.perf_counter() - t0:.0f}s", flush=True)  # fmt: skip
+        print(
+            f"{len(keys)} partitions of {a.rows} images and the encoders written in "
+            f"{time.perf_counter() - t0:.0f}s",
+            flush=True,
+        )
         settings = None
         if a.storage == "lossless":
             settings = tmp / "lossless.yaml"
@@ -242,14 +276,23 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 r = one_backfill(tmp, keys, encoders, a.rows, rate, per_run, label, settings)
                 result["results"].append(r)
                 busy = f"GPU busy {r['gpu_busy']:.1%}, " if "gpu_busy" in r else ""
-                print(f"{label:>10}: {r['runs']} runs, wall {r['wall_s']:.1f}s, {busy}"
-                      f"fixed {r.get('fixed_s_per_partition', '-')} s/partition, "
-                      f"{r['materialized']}/{r['expected']} materialized", flush=True)  # fmt: skip
+                print(
+                    f"{label:>10}: {r['runs']} runs, wall {r['wall_s']:.1f}s, {busy}"
+                    f"fixed {r.get('fixed_s_per_partition', '-')} s/partition, "
+                    f"{r['materialized']}/{r['expected']} materialized",
+                    flush=True,
+                )
     for rate, target in TARGETS.items():
-        new = [r for r in result["results"] if r["path"] == "new" and r.get("simulated_pairs_per_s") == rate]  # fmt: skip
+        new = [
+            r
+            for r in result["results"]
+            if r["path"] == "new" and r.get("simulated_pairs_per_s") == rate
+        ]
         if new:
-            result[f"target_{int(rate)}"] = {"gpu_busy_at_least": target,
-                                             "met": new[0]["gpu_busy"] >= target}  # fmt: skip
+            result[f"target_{int(rate)}"] = {
+                "gpu_busy_at_least": target,
+                "met": new[0]["gpu_busy"] >= target,
+            }
     line = json.dumps(result)
     if a.out:
         atomic_write_text(a.out, line + "\n")

@@ -86,8 +86,10 @@ def keys_for(n: int) -> list[str]:
 def _metadata_file(path: Path, rows: int, rng: np.random.Generator) -> None:
     """One PD12M-format metadata file (one row group, as PD12M's files have)."""
     ids = [f"{i:08x}-5e1d-4c1f-9a7e-{i:012x}" for i in range(rows)]
-    words = np.array("a an the old red blue painting of portrait landscape river town map "
-                     "photograph drawing ship mountain flowers street bridge woman man".split())  # fmt: skip
+    words = np.array(
+        "a an the old red blue painting of portrait landscape river town map "
+        "photograph drawing ship mountain flowers street bridge woman man".split()
+    )
     n_words = rng.integers(4, 40, rows)
     caption = [" ".join(words[rng.integers(0, len(words), k)]) for k in n_words]
     w = rng.integers(200, 4000, rows)
@@ -124,9 +126,19 @@ def _templates(root: Path) -> dict[str, Path]:
 
     buf = io.BytesIO()
     Image.new("RGB", (256, 256), (90, 120, 30)).save(buf, "JPEG")
-    row = {"id": "a", "caption": "c", "image": buf.getvalue(), "format": "jpeg",
-           "orig_width": 512, "orig_height": 384, "md5": "0" * 32, "url": "u", "height": 256,
-           "width": 256, "kept": 0.75}  # fmt: skip
+    row = {
+        "id": "a",
+        "caption": "c",
+        "image": buf.getvalue(),
+        "format": "jpeg",
+        "orig_width": 512,
+        "orig_height": 384,
+        "md5": "0" * 32,
+        "url": "u",
+        "height": 256,
+        "width": 256,
+        "kept": 0.75,
+    }
     write_image_shard(out["images"], [row])
     for kind in KINDS:
         out[kind] = t / f"{kind}.fms"
@@ -166,8 +178,11 @@ class _Partition:
                 out.append(RowOutcome(self.ids[i], self.urls[i], "stored"))
             else:
                 outcome, reason = o.split(":")
-                out.append(RowOutcome(self.ids[i], self.urls[i], outcome, reason,
-                                      f"{reason} for {self.urls[i]}"))  # fmt: skip
+                out.append(
+                    RowOutcome(
+                        self.ids[i], self.urls[i], outcome, reason, f"{reason} for {self.urls[i]}"
+                    )
+                )
         return out
 
 
@@ -180,56 +195,110 @@ def _write_partition(root: str, p: _Partition, fps: dict, tmpl: dict, layout) ->
     n_kept = int((p.meta == "stored").sum())
     n_stored = len(p.stored)
     catalog.record_rows(root, "metadata", p.key, p.outcomes(p.meta, RowOutcome))
-    dups = [{"id": p.ids[i], "hash": f"{i:032x}", "kept_partition": "000-00", "kept_id": p.ids[0]}
-            for i in np.flatnonzero(p.meta == "filtered:duplicate_hash")]  # fmt: skip
+    dups = [
+        {"id": p.ids[i], "hash": f"{i:032x}", "kept_partition": "000-00", "kept_id": p.ids[0]}
+        for i in np.flatnonzero(p.meta == "filtered:duplicate_hash")
+    ]
     catalog.record_duplicates(root, "metadata", p.key, "hash", dups)
     catalog.record_rows(root, "images", p.key, p.outcomes(p.images, RowOutcome))
     md5 = rng.integers(0, 2**63, (n_stored, 2))
-    catalog.record_content(root, p.key, [
-        {"id": p.ids[i], "position": int(p.key[4:]) * n_rows + i, "md5": f"{a:016x}{b:016x}"}
-        for i, (a, b) in zip(p.stored, md5)])  # fmt: skip
-    cdups = [{"id": p.ids[i], "hash": "f" * 32, "kept_partition": p.key, "kept_id": p.ids[0]}
-             for i in np.flatnonzero(p.images == "filtered:duplicate_content")]  # fmt: skip
+    catalog.record_content(
+        root,
+        p.key,
+        [
+            {"id": p.ids[i], "position": int(p.key[4:]) * n_rows + i, "md5": f"{a:016x}{b:016x}"}
+            for i, (a, b) in zip(p.stored, md5)
+        ],
+    )
+    cdups = [
+        {"id": p.ids[i], "hash": "f" * 32, "kept_partition": p.key, "kept_id": p.ids[0]}
+        for i in np.flatnonzero(p.images == "filtered:duplicate_content")
+    ]
     catalog.record_duplicates(root, "images", p.key, "content", cdups)
     for kind in KINDS:
-        catalog.record_rows(root, kind, p.key, [RowOutcome(p.ids[i], None, "stored")
-                                                for i in p.stored])  # fmt: skip
+        catalog.record_rows(
+            root, kind, p.key, [RowOutcome(p.ids[i], None, "stored") for i in p.stored]
+        )
     tokens = rng.integers(5, 160, n_rows)
     w = rng.integers(200, 4000, n_rows)
     h = (w * rng.uniform(0.3, 1.6, n_rows)).astype(np.int64)
     stored = set(p.stored)
-    catalog.record_card_rows(root, p.key, [
-        {"id": p.ids[i], "caption_chars": int(tokens[i] * 4.6), "caption_tokens": int(tokens[i]),
-         "max_tokens": 128, "width": int(w[i]), "height": int(h[i]),
-         "orig_width": int(w[i]) if i in stored else None,
-         "orig_height": int(h[i]) if i in stored else None,
-         "bucket": "256x256" if i in stored else None,
-         "kept": float(min(w[i], h[i]) / max(w[i], h[i])) if i in stored else None,
-         "license": LICENSES[i % 2], "source": SOURCES[i % len(SOURCES)]}
-        for i in range(n_rows)])  # fmt: skip
+    catalog.record_card_rows(
+        root,
+        p.key,
+        [
+            {
+                "id": p.ids[i],
+                "caption_chars": int(tokens[i] * 4.6),
+                "caption_tokens": int(tokens[i]),
+                "max_tokens": 128,
+                "width": int(w[i]),
+                "height": int(h[i]),
+                "orig_width": int(w[i]) if i in stored else None,
+                "orig_height": int(h[i]) if i in stored else None,
+                "bucket": "256x256" if i in stored else None,
+                "kept": float(min(w[i], h[i]) / max(w[i], h[i])) if i in stored else None,
+                "license": LICENSES[i % 2],
+                "source": SOURCES[i % len(SOURCES)],
+            }
+            for i in range(n_rows)
+        ],
+    )
     common = {"partition": p.key, "run_id": "synthetic"}
-    extra_meta = {"source_file": "pd12m", "row_start": 0, "row_end": n_rows,
-                  "filtered": {"small_original": 1}, "failed": {}}  # fmt: skip
+    extra_meta = {
+        "source_file": "pd12m",
+        "row_start": 0,
+        "row_end": n_rows,
+        "filtered": {"small_original": 1},
+        "failed": {},
+    }
     recs = [
-        MaterializationRecord("metadata", samples=n_kept, input_rows=n_rows,
-                              raw_bytes=n_kept * 400, stored_bytes=n_kept * 200, seconds=0.6,
-                              extra={**extra_meta, "fingerprint": fps["metadata"]},
-                              **common),
-        MaterializationRecord("images", samples=n_stored, input_rows=n_kept,
-                              raw_bytes=n_stored * 196_608, stored_bytes=n_stored * 15_000,
-                              seconds=n_kept / 180, codec="jpeg", device="cpu",
-                              extra={"downloaded_bytes": n_kept * 440_000,
-                                     "fingerprint": fps["images"]}, **common),
-    ]  # fmt: skip
+        MaterializationRecord(
+            "metadata",
+            samples=n_kept,
+            input_rows=n_rows,
+            raw_bytes=n_kept * 400,
+            stored_bytes=n_kept * 200,
+            seconds=0.6,
+            extra={**extra_meta, "fingerprint": fps["metadata"]},
+            **common,
+        ),
+        MaterializationRecord(
+            "images",
+            samples=n_stored,
+            input_rows=n_kept,
+            raw_bytes=n_stored * 196_608,
+            stored_bytes=n_stored * 15_000,
+            seconds=n_kept / 180,
+            codec="jpeg",
+            device="cpu",
+            extra={"downloaded_bytes": n_kept * 440_000, "fingerprint": fps["images"]},
+            **common,
+        ),
+    ]
     for kind, b in zip(KINDS, (4096, 12_288, 36_000)):
-        extra = {"model": kind, "random_weights": False, "weights": "", "array_bytes": b * n_stored,
-                 "fingerprint": fps[kind]}  # fmt: skip
+        extra = {
+            "model": kind,
+            "random_weights": False,
+            "weights": "",
+            "array_bytes": b * n_stored,
+            "fingerprint": fps[kind],
+        }
         if kind == "text_embeddings":
             extra |= {"fp16_saturated": 0, "tokens": 30 * n_stored, "token_row_bytes": 359}
-        recs.append(MaterializationRecord(kind, samples=n_stored, raw_bytes=b * 4 * n_stored,
-                                          stored_bytes=b * n_stored, seconds=n_stored / 1100,
-                                          codec="none", device="cuda (NVIDIA H200)", extra=extra,
-                                          **common))  # fmt: skip
+        recs.append(
+            MaterializationRecord(
+                kind,
+                samples=n_stored,
+                raw_bytes=b * 4 * n_stored,
+                stored_bytes=b * n_stored,
+                seconds=n_stored / 1100,
+                codec="none",
+                device="cuda (NVIDIA H200)",
+                extra=extra,
+                **common,
+            )
+        )
     for r in recs:
         catalog.record_materialization(root, r)
     for a in ASSETS:
@@ -239,8 +308,15 @@ def _write_partition(root: str, p: _Partition, fps: dict, tmpl: dict, layout) ->
             os.link(tmpl[a], dest)
 
 
-def build(root: Path, n: int, rows: int, seed: int = 0, log=print, records_only: bool = False,
-          checks: bool = True) -> dict:  # fmt: skip
+def build(
+    root: Path,
+    n: int,
+    rows: int,
+    seed: int = 0,
+    log=print,
+    records_only: bool = False,
+    checks: bool = True,
+) -> dict:
     """Write the synthetic instance of ``n`` partitions under ``root`` (see the module doc);
     returns what it took (seconds per part, bytes of catalog records). ``records_only``: write
     the catalog records again (this code's writers), keep the metadata and Dagster; ``checks``:
@@ -302,15 +378,24 @@ def build(root: Path, n: int, rows: int, seed: int = 0, log=print, records_only:
                 inst.report_runless_asset_event(dg.AssetMaterialization(asset_key=a, partition=k))
                 if not checks:
                     continue
-                evaluations.append(dg.AssetCheckEvaluation(
-                    asset_key=dg.AssetKey(a), check_name=fingerprints.fresh_check_name(a),
-                    passed=True, partition=k, metadata={"partition": k}))  # fmt: skip
+                evaluations.append(
+                    dg.AssetCheckEvaluation(
+                        asset_key=dg.AssetKey(a),
+                        check_name=fingerprints.fresh_check_name(a),
+                        passed=True,
+                        partition=k,
+                        metadata={"partition": k},
+                    )
+                )
         if evaluations:
             with runs.quiet_console():
                 compat.report_check_evaluations(
-                    inst, evaluations, ("synthetic_fresh", "bench scale", "fresh"), {},
+                    inst,
+                    evaluations,
+                    ("synthetic_fresh", "bench scale", "fresh"),
+                    {},
                     runs.log_config(),
-                )  # fmt: skip
+                )
         t_dagster = time.perf_counter() - t2
     finally:
         for k, v in saved.items():
@@ -387,9 +472,14 @@ def _first_build(root: Path) -> None:
 
 
 def run_verb(
-    argv: list[str], env: dict, code: Path, timeout: float, mem_cap_gb: float, core: int | None,
+    argv: list[str],
+    env: dict,
+    code: Path,
+    timeout: float,
+    mem_cap_gb: float,
+    core: int | None,
     keep_output: bool = False,
-) -> dict:  # fmt: skip
+) -> dict:
     """Run one verb in its own process; wall and CPU seconds, peak RSS, exit code."""
     if argv[0].startswith("py:"):
         cmd = [sys.executable, "-c", argv[0][3:]]
@@ -408,8 +498,9 @@ def run_verb(
 
     out = tempfile.TemporaryFile()
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=full_env, cwd=str(code), stdout=out,
-                            stderr=subprocess.STDOUT, preexec_fn=pin)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, env=full_env, cwd=str(code), stdout=out, stderr=subprocess.STDOUT, preexec_fn=pin
+    )
     killed: list[str] = []
 
     def watch() -> None:
@@ -472,15 +563,20 @@ def time_in_process(root: Path, names: Sequence[str], repeat: int = 2) -> dict[s
                 if name == "catalog_build":
                     _first_build(root)
                 c0, w0 = time.process_time(), time.perf_counter()
-                with contextlib.redirect_stdout(io.StringIO()), \
-                        contextlib.redirect_stderr(io.StringIO()):  # fmt: skip
+                with (
+                    contextlib.redirect_stdout(io.StringIO()),
+                    contextlib.redirect_stderr(io.StringIO()),
+                ):
                     if args[0].startswith("py:"):
                         exec(args[0][3:], {})  # noqa: S102 - our own code (VIEWS_CODE)
                         rc = 0
                     else:
                         rc = cli.main(list(args))
-                best = {"cpu_s": min(best["cpu_s"], time.process_time() - c0),
-                        "wall_s": min(best["wall_s"], time.perf_counter() - w0), "rc": rc}  # fmt: skip
+                best = {
+                    "cpu_s": min(best["cpu_s"], time.process_time() - c0),
+                    "wall_s": min(best["wall_s"], time.perf_counter() - w0),
+                    "rc": rc,
+                }
             for k in extra:
                 os.environ.pop(k, None)
             out[name] = {k: round(v, 3) for k, v in best.items()}
@@ -493,8 +589,9 @@ def time_in_process(root: Path, names: Sequence[str], repeat: int = 2) -> dict[s
     return out
 
 
-def time_metadata(root: Path, code: Path, parts: int, timeout: float, mem_cap_gb: float,
-                  core: int | None) -> dict:  # fmt: skip
+def time_metadata(
+    root: Path, code: Path, parts: int, timeout: float, mem_cap_gb: float, core: int | None
+) -> dict:
     """``metadata`` for the first ``parts`` partitions of file 000, in one process, from
     no hash index: the first partition builds it over every metadata file; the others' wall
     seconds (each a whole Dagster run) are the per-partition cost."""
@@ -525,8 +622,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--mem-cap-gb", type=float, default=6.0)
     p.add_argument("--core", type=int, default=0, help="pin each verb to this core (-1: none)")
-    p.add_argument("--metadata-parts", type=int, default=5,
-                   help="partitions of metadata materialized for real (0: none)")  # fmt: skip
+    p.add_argument(
+        "--metadata-parts",
+        type=int,
+        default=5,
+        help="partitions of metadata materialized for real (0: none)",
+    )
     a = p.parse_args(argv)
     core = None if a.core < 0 else a.core
     tmp = None
@@ -536,8 +637,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
         tmp = tempfile.mkdtemp(prefix="flowmatch-scale-")
         root = Path(tmp)
     try:
-        out: dict = {"bench": "scale", "partitions": a.partitions, "rows": a.rows,
-                     "code": str(Path(a.code).resolve())}  # fmt: skip
+        out: dict = {
+            "bench": "scale",
+            "partitions": a.partitions,
+            "rows": a.rows,
+            "code": str(Path(a.code).resolve()),
+        }
         if not (root / "built.json").exists():
             print(f"building {a.partitions} partitions of {a.rows} rows in {root} ...")
             built = build(root, a.partitions, a.rows, log=print)

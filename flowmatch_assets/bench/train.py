@@ -143,9 +143,12 @@ def bench(
         _sync(dev)
         warm_s = time.perf_counter() - t0
         step_s = timed()
-        compiled = {"eager_step_s": round(eager_s, 5), "compiled_step_s": round(step_s, 5),
-                    "compile_speedup": round(eager_s / step_s, 3),
-                    "compile_warmup_s": round(warm_s, 1)}  # fmt: skip
+        compiled = {
+            "eager_step_s": round(eager_s, 5),
+            "compiled_step_s": round(step_s, 5),
+            "compile_speedup": round(eager_s / step_s, 3),
+            "compile_warmup_s": round(warm_s, 1),
+        }
     peak = matmul_peak(dev, dtype)
     achieved = flops / step_s
     return {
@@ -200,16 +203,29 @@ def bench_loader(
         for i in range(shards):
             p, ids = f"{i:03d}-00", [f"{i}/{j}" for j in range(per_shard)]
             lat = rng.standard_normal((per_shard, 32, 8, 8)).astype(np.float16)
-            write_shard(layout.asset_path("vae_latents", p), {"latents": lat}, ids, codec=codec,
-                        attrs={"scaling_factor": 0.41407})  # fmt: skip
+            write_shard(
+                layout.asset_path("vae_latents", p),
+                {"latents": lat},
+                ids,
+                codec=codec,
+                attrs={"scaling_factor": 0.41407},
+            )
             patch = rng.standard_normal((per_shard, 64, 384)).astype(np.float16)
             cls = rng.standard_normal((per_shard, 384)).astype(np.float16)
-            write_shard(layout.asset_path("dino_features", p), {"patch": patch, "cls": cls}, ids,
-                        codec=codec)  # fmt: skip
+            write_shard(
+                layout.asset_path("dino_features", p),
+                {"patch": patch, "cls": cls},
+                ids,
+                codec=codec,
+            )
             lengths = rng.integers(8, 65, per_shard).astype(np.int32)
             tokens = rng.standard_normal((int(lengths.sum()), 640)).astype(np.float16)
-            write_shard(layout.asset_path("text_embeddings", p),
-                        {"tokens": tokens, "lengths": lengths}, ids, codec=codec)  # fmt: skip
+            write_shard(
+                layout.asset_path("text_embeddings", p),
+                {"tokens": tokens, "lengths": lengths},
+                ids,
+                codec=codec,
+            )
     try:
         partitions = DataLayout(root).complete_partitions()
         source = ShardSource(root, partitions, cache_shards=len(partitions))
@@ -223,8 +239,13 @@ def bench_loader(
     finally:
         if tmp is not None:
             tmp.cleanup()
-    return {"bench": "train_loader", "codec": codec, "batch": batch, "samples": n,
-            "samples_per_s": round(n / dt, 1)}  # fmt: skip
+    return {
+        "bench": "train_loader",
+        "codec": codec,
+        "batch": batch,
+        "samples": n,
+        "samples_per_s": round(n / dt, 1),
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -247,9 +268,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
         print(json.dumps(out), flush=True)
         return out
     out = bench(
-        args.preset, args.batch, args.device, args.steps, args.warmup, args.text_len,
-        args.compile, args.gradient_checkpointing,
-    )  # fmt: skip
+        args.preset,
+        args.batch,
+        args.device,
+        args.steps,
+        args.warmup,
+        args.text_len,
+        args.compile,
+        args.gradient_checkpointing,
+    )
     print(json.dumps(out), flush=True)
     return out
 

@@ -90,8 +90,9 @@ def _aspect_bucket(a: np.ndarray) -> np.ndarray:
     return names[np.searchsorted(edges, a, side="right")]
 
 
-def _outcomes(cards: pa.Table, meta: pa.Table | None, images: pa.Table | None,
-              losers: set[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+def _outcomes(
+    cards: pa.Table, meta: pa.Table | None, images: pa.Table | None, losers: set[str]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Each card row's final outcome and reason by the ``dataset_rows`` rules (the metadata's;
     else the image stage's, ``pending`` before it ran, a content duplicate's ``filtered:
     duplicate_content``), and which card rows have a metadata row at all."""
@@ -112,18 +113,30 @@ def _outcomes(cards: pa.Table, meta: pa.Table | None, images: pa.Table | None,
 
     has_m, m_out, m_why = lookup(meta)
     has_i, i_out, i_why = lookup(images)
-    lost = (pc.is_in(ids, value_set=pa.array(sorted(losers), pa.string())).to_numpy(
-        zero_copy_only=False) if losers else np.zeros(n, bool))  # fmt: skip
+    lost = (
+        pc.is_in(ids, value_set=pa.array(sorted(losers), pa.string())).to_numpy(
+            zero_copy_only=False
+        )
+        if losers
+        else np.zeros(n, bool)
+    )
     by_meta = m_out != "stored"
-    outcome = np.where(by_meta, m_out, np.where(~has_i, "pending",
-                       np.where(lost, "filtered", i_out)))  # fmt: skip
-    reason = np.where(by_meta, m_why, np.where(lost, "duplicate_content",
-                      np.where(has_i, i_why, None)))  # fmt: skip
+    outcome = np.where(
+        by_meta, m_out, np.where(~has_i, "pending", np.where(lost, "filtered", i_out))
+    )
+    reason = np.where(
+        by_meta, m_why, np.where(lost, "duplicate_content", np.where(has_i, i_why, None))
+    )
     return outcome, reason, has_m
 
 
-def card_summary(partition: str, cards: pa.Table, meta: pa.Table | None,
-                 images: pa.Table | None, losers: set[str]) -> pa.Table:  # fmt: skip
+def card_summary(
+    partition: str,
+    cards: pa.Table,
+    meta: pa.Table | None,
+    images: pa.Table | None,
+    losers: set[str],
+) -> pa.Table:
     """One partition's data card from its card records and its metadata and image row
     records (``losers``: its stored rows whose bytes an earlier row stored): rows per item of
     each count section, each distribution's exact p10 / p50 / p90 / mean / max (+ sum and
@@ -138,8 +151,9 @@ def card_summary(partition: str, cards: pa.Table, meta: pa.Table | None,
     out: list[tuple] = []
 
     def counts(section: str, values) -> None:
-        vc = pc.value_counts(pa.array(values) if not isinstance(values, pa.ChunkedArray)
-                             else values.combine_chunks())  # fmt: skip
+        vc = pc.value_counts(
+            pa.array(values) if not isinstance(values, pa.ChunkedArray) else values.combine_chunks()
+        )
         for v, k in zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist()):
             out.append((section, "(none)" if v is None else str(v), None, int(k)))
 
@@ -174,8 +188,10 @@ def card_summary(partition: str, cards: pa.Table, meta: pa.Table | None,
         if not len(x):
             continue
         q = np.quantile(x, [0.1, 0.5, 0.9])
-        for item, v in zip(("p10", "p50", "p90", "mean", "max", "sum", "count"),
-                           (*q, x.mean(), x.max(), x.sum(), len(x))):  # fmt: skip
+        for item, v in zip(
+            ("p10", "p50", "p90", "mean", "max", "sum", "count"),
+            (*q, x.mean(), x.max(), x.sum(), len(x)),
+        ):
             out.append((section, item, float(v), None))
         out += [(section, "bin", float(v), int(k)) for v, k in zip(*_bins(x))]
     for section, x in (("aspect_value", aspect), ("max_tokens", floats("max_tokens"))):
@@ -188,11 +204,16 @@ def card_summary(partition: str, cards: pa.Table, meta: pa.Table | None,
         out.append(("text", "captions_over_max_tokens", None, over))
         out.append(("text", "tokenized", None, int(np.sum(~np.isnan(tokens)))))
     sections, items_, vals, ns = zip(*out) if out else ((), (), (), ())
-    return pa.table({"partition": pa.repeat(pa.scalar(partition, pa.string()), len(out)),
-                     "section": pa.array(sections, pa.string()),
-                     "item": pa.array(items_, pa.string()),
-                     "value": pa.array(vals, pa.float64()),
-                     "n": pa.array(ns, pa.int64())}, schema=CARD_SUMMARY_SCHEMA)  # fmt: skip
+    return pa.table(
+        {
+            "partition": pa.repeat(pa.scalar(partition, pa.string()), len(out)),
+            "section": pa.array(sections, pa.string()),
+            "item": pa.array(items_, pa.string()),
+            "value": pa.array(vals, pa.float64()),
+            "n": pa.array(ns, pa.int64()),
+        },
+        schema=CARD_SUMMARY_SCHEMA,
+    )
 
 
 def _ident(path: Path) -> list | None:
@@ -251,9 +272,13 @@ def write_card_summary(layout: DataLayout, partition: str, losers: set[str] | No
         card_summary_path(layout, partition).unlink(missing_ok=True)
         return
     cols = ["id", "outcome", "reason"]
-    t = card_summary(partition, cards, read(record_path(layout, "rows", "metadata", partition),
-                                             cols),
-                     read(record_path(layout, "rows", "images", partition), cols), losers)  # fmt: skip
+    t = card_summary(
+        partition,
+        cards,
+        read(record_path(layout, "rows", "metadata", partition), cols),
+        read(record_path(layout, "rows", "images", partition), cols),
+        losers,
+    )
     t = t.replace_schema_metadata({"flowmatch_inputs": json.dumps(inputs)})
     _write_table(card_summary_path(layout, partition), t)
 
@@ -300,5 +325,6 @@ def content_hashes_path(layout: DataLayout, partition: str) -> Path:
 def write_content_hashes(layout: DataLayout, partition: str, md5, ident: list[int]) -> None:
     """Write a partition's md5 hashes (``record_content`` calls it with the record it wrote)."""
     h = np.sort(md5_hashes(md5))
-    _write_bytes(content_hashes_path(layout, partition),
-                 np.asarray(ident, np.uint64).tobytes() + h.tobytes())  # fmt: skip
+    _write_bytes(
+        content_hashes_path(layout, partition), np.asarray(ident, np.uint64).tobytes() + h.tobytes()
+    )

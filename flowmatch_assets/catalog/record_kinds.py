@@ -256,25 +256,37 @@ def step_key(step: int) -> str:
 RECORD_KINDS: dict[str, RecordKind] = {
     k.name: k
     for k in (
-        RecordKind("materializations", MATERIALIZATION_SCHEMA, "partition",
-                   cleared_with_file=True),
+        RecordKind("materializations", MATERIALIZATION_SCHEMA, "partition", cleared_with_file=True),
         RecordKind("rows", ROW_SCHEMA, "row", view="rows", cleared_with_file=True),
         RecordKind("partitions", PARTITION_SCHEMA, "root", view="partitions"),
-        RecordKind("evaluations", EVALUATION_SCHEMA, "checkpoint", view="evaluations",
-                   columns="*, accuracy / nullif(chance, 0) AS x_chance", by_name=True),
+        RecordKind(
+            "evaluations",
+            EVALUATION_SCHEMA,
+            "checkpoint",
+            view="evaluations",
+            columns="*, accuracy / nullif(chance, 0) AS x_chance",
+            by_name=True,
+        ),
         RecordKind("validation", VALIDATION_SCHEMA, "run", view="validation", by_name=True),
         RecordKind("fd", FD_SCHEMA, "checkpoint", view="fd_dinov2", by_name=True),
         RecordKind("ledger", LEDGER_SAMPLE_SCHEMA, "checkpoint", view="ledger_deltas"),
         RecordKind("ledger_chain", LEDGER_CHAIN_SCHEMA, "checkpoint", view="ledger_chain"),
-        RecordKind("ledger_epochs", LEDGER_EPOCH_SCHEMA, "checkpoint", view="ledger_epochs",
-                   columns="*, pos_to - pos_from AS samples", by_name=True),
+        RecordKind(
+            "ledger_epochs",
+            LEDGER_EPOCH_SCHEMA,
+            "checkpoint",
+            view="ledger_epochs",
+            columns="*, pos_to - pos_from AS samples",
+            by_name=True,
+        ),
         RecordKind("attempts", ROW_SCHEMA, "row"),
-        RecordKind("duplicates", DUPLICATE_SCHEMA, "row", view="duplicate_records",
-                   cleared_with_file=True),
+        RecordKind(
+            "duplicates", DUPLICATE_SCHEMA, "row", view="duplicate_records", cleared_with_file=True
+        ),
         RecordKind("content", CONTENT_SCHEMA, "row", cleared_with_file=True),
         RecordKind("cards", CARD_SCHEMA, "row"),
     )
-}  # fmt: skip
+}
 
 
 def record_kind(name: str) -> RecordKind:

@@ -261,9 +261,14 @@ def read_ledger_segments(
     c = ledger_path(data_root, run, step, "ledger_chain")
     if not (p.exists() and c.exists()):
         return [], []
-    segs = [{k: v for k, v in r.items()
-             if k not in ("run", "checkpoint_step") and not (k == "bucket_chunk" and v is None)}
-            for r in pq.read_table(p).to_pylist()]  # fmt: skip
+    segs = [
+        {
+            k: v
+            for k, v in r.items()
+            if k not in ("run", "checkpoint_step") and not (k == "bucket_chunk" and v is None)
+        }
+        for r in pq.read_table(p).to_pylist()
+    ]
     return segs, [r["delta_step"] for r in pq.read_table(c).to_pylist()]
 
 
@@ -284,8 +289,10 @@ def record_ledger(
         {**{k: seg.get(k) for k in LEDGER_EPOCH_SCHEMA.names}, "run": run, "checkpoint_step": step}
         for seg in segments
     ]
-    _write_parquet(ledger_path(data_root, run, step, "ledger_epochs"),
-                   pa.Table.from_pylist(seg_rows, schema=LEDGER_EPOCH_SCHEMA))  # fmt: skip
+    _write_parquet(
+        ledger_path(data_root, run, step, "ledger_epochs"),
+        pa.Table.from_pylist(seg_rows, schema=LEDGER_EPOCH_SCHEMA),
+    )
     n = len(samples["sample_id"])
     cols = {
         "run": pa.repeat(pa.scalar(run, pa.string()), n),
@@ -296,8 +303,10 @@ def record_ledger(
     path = ledger_path(data_root, run, step)
     _write_parquet(path, table)
     chain_rows = [{"run": run, "checkpoint_step": step, "delta_step": d} for d in chain]
-    _write_parquet(ledger_path(data_root, run, step, "ledger_chain"),
-                   pa.Table.from_pylist(chain_rows, schema=LEDGER_CHAIN_SCHEMA))  # fmt: skip
+    _write_parquet(
+        ledger_path(data_root, run, step, "ledger_chain"),
+        pa.Table.from_pylist(chain_rows, schema=LEDGER_CHAIN_SCHEMA),
+    )
     return path
 
 
@@ -321,12 +330,20 @@ def validation_rows(metrics_csv: str | Path, run: str) -> list[dict]:
             if not r.get("val/loss"):
                 continue
             step, n = int(r["step"]), int(float(r.get("val/samples") or 0))
-            out.append({"run": run, "step": step, "t_bin": -1, "loss": float(r["val/loss"]),
-                        "samples": n})  # fmt: skip
+            out.append(
+                {"run": run, "step": step, "t_bin": -1, "loss": float(r["val/loss"]), "samples": n}
+            )
             for k, v in r.items():
                 if k.startswith("val/t") and v:
-                    out.append({"run": run, "step": step, "t_bin": int(k[5:]),
-                                "loss": float(v), "samples": n})  # fmt: skip
+                    out.append(
+                        {
+                            "run": run,
+                            "step": step,
+                            "t_bin": int(k[5:]),
+                            "loss": float(v),
+                            "samples": n,
+                        }
+                    )
     return out
 
 

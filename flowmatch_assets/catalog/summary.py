@@ -173,9 +173,12 @@ def _scan(layout: DataLayout, state: _State, kinds: Sequence[str]) -> tuple[_Cha
                 st = folder.stat()
             except FileNotFoundError:
                 st = None
-            if (st is not None and seen is not None
-                    and [st.st_mtime_ns, st.st_ino] == seen["at"]
-                    and seen["listed"] > st.st_mtime_ns / 1e9 + FRESH_DIR_S):  # fmt: skip
+            if (
+                st is not None
+                and seen is not None
+                and [st.st_mtime_ns, st.st_ino] == seen["at"]
+                and seen["listed"] > st.st_mtime_ns / 1e9 + FRESH_DIR_S
+            ):
                 continue  # the folder did not change since it was listed
             old = state.listing(rel)
             new: dict[str, list] = {}
@@ -200,8 +203,11 @@ def _scan(layout: DataLayout, state: _State, kinds: Sequence[str]) -> tuple[_Cha
                 state.dirs.pop(rel, None)
             else:
                 prev = seen.get("legacy", []) if seen else []
-                state.dirs[rel] = {"at": [st.st_mtime_ns, st.st_ino], "listed": now,
-                                   "legacy": sorted(set(prev) & set(new))}  # fmt: skip
+                state.dirs[rel] = {
+                    "at": [st.st_mtime_ns, st.st_ino],
+                    "listed": now,
+                    "legacy": sorted(set(prev) & set(new)),
+                }
             listed.append(rel)
     return changes, listed
 
@@ -276,8 +282,10 @@ def _footers(changes: _Changes) -> dict[str, _Seen]:
         for f in changes.changed.get(kind, []):
             try:
                 raw = _footer(f.path)
-                out[f.path] = _Seen(_own_summary(raw, f.path) if own else None,
-                                    all(n in raw for n in names.get(kind, ())))  # fmt: skip
+                out[f.path] = _Seen(
+                    _own_summary(raw, f.path) if own else None,
+                    all(n in raw for n in names.get(kind, ())),
+                )
             except (OSError, ValueError):
                 continue
     return out
@@ -326,8 +334,9 @@ def _read(con, paths: Sequence[str], select: str, tail: str = "") -> pa.Table | 
             paths = present
 
 
-def _replace_rows(path: Path, keep_out: set[str], news: Sequence[pa.Table | None],
-                  schema: pa.Schema) -> None:  # fmt: skip
+def _replace_rows(
+    path: Path, keep_out: set[str], news: Sequence[pa.Table | None], schema: pa.Schema
+) -> None:
     """A summary table (with a ``filename`` column) without the rows of ``keep_out`` files,
     plus the rows of ``news``; written atomically."""
     full = schema.append(pa.field("filename", pa.string()))
@@ -342,10 +351,13 @@ def _replace_rows(path: Path, keep_out: set[str], news: Sequence[pa.Table | None
         if new is None or not new.num_rows:
             continue
         cols = {
-            f.name: (new.column(f.name).cast(f.type) if f.name in new.column_names
-                     else pa.nulls(new.num_rows, f.type))
+            f.name: (
+                new.column(f.name).cast(f.type)
+                if f.name in new.column_names
+                else pa.nulls(new.num_rows, f.type)
+            )
             for f in full
-        }  # fmt: skip
+        }
         parts.append(pa.table(cols, schema=full))
     _write_table(path, pa.concat_tables(parts))
 
@@ -394,8 +406,12 @@ def _refresh(layout: DataLayout, s: Path) -> frozenset[str]:
     changes, listed = _scan(layout, state, ["materializations", *kinds])
     footers = _footers(changes)
     made = ("materializations.parquet", "outcomes.parquet", "content_losers.parquet")
-    if (changes.changed or changes.gone or not all((s / m).exists() for m in made)
-            or not card_summary_path(layout, "_empty").exists()):  # fmt: skip
+    if (
+        changes.changed
+        or changes.gone
+        or not all((s / m).exists() for m in made)
+        or not card_summary_path(layout, "_empty").exists()
+    ):
         _update(layout, s, state, changes, footers)
     for kind in kinds:  # which files are of an older schema
         for f in changes.changed.get(kind, []):
@@ -414,8 +430,9 @@ def _refresh(layout: DataLayout, s: Path) -> frozenset[str]:
     return legacy
 
 
-def _update(layout: DataLayout, s: Path, state: _State, changes: _Changes,
-            footers: dict[str, _Seen]) -> None:  # fmt: skip
+def _update(
+    layout: DataLayout, s: Path, state: _State, changes: _Changes, footers: dict[str, _Seen]
+) -> None:
     spill = s / ".tmp-duckdb"
     try:
         with _con(spill) as con:
@@ -472,8 +489,9 @@ def _refresh_outcomes(con, s: Path, changes: _Changes, footers: dict) -> None:
     written before footers carried them: from its rows)."""
     changed = changes.changed.get("rows", [])
     out = {f.path for f in [*changed, *changes.gone.get("rows", [])]}
-    cols: dict[str, list] = {k: [] for k in ("asset", "partition", "outcome", "reason", "rows",
-                                             "filename")}  # fmt: skip
+    cols: dict[str, list] = {
+        k: [] for k in ("asset", "partition", "outcome", "reason", "rows", "filename")
+    }
     legacy = []
     for f in changed:
         own = footers[f.path].summary if f.path in footers else None
@@ -486,9 +504,14 @@ def _refresh_outcomes(con, s: Path, changes: _Changes, footers: dict) -> None:
     schema = OUTCOME_SCHEMA.append(pa.field("filename", pa.string()))
     new = [pa.table(cols, schema=schema)]
     for i in range(0, len(legacy), BATCH):
-        new.append(_read(con, legacy[i : i + BATCH],
-                         "asset, partition, outcome, reason, count(*) AS rows, filename",
-                         "WHERE asset IS NOT NULL GROUP BY ALL"))  # fmt: skip
+        new.append(
+            _read(
+                con,
+                legacy[i : i + BATCH],
+                "asset, partition, outcome, reason, count(*) AS rows, filename",
+                "WHERE asset IS NOT NULL GROUP BY ALL",
+            )
+        )
     _replace_rows(s / "outcomes.parquet", out, new, OUTCOME_SCHEMA)
 
 
@@ -522,8 +545,13 @@ def _refresh_content(layout: DataLayout, s: Path, state: _State, changes: _Chang
     partition's, then the exact md5s of the rows that have one. Returns whether they changed."""
     import pyarrow.compute as pc
 
-    images_changed = any(f.asset == "images" for f in [
-        *changes.changed.get("materializations", []), *changes.gone.get("materializations", [])])  # fmt: skip
+    images_changed = any(
+        f.asset == "images"
+        for f in [
+            *changes.changed.get("materializations", []),
+            *changes.gone.get("materializations", []),
+        ]
+    )
     losers = s / "content_losers.parquet"
     if not (changes.any("content") or images_changed or not losers.exists()):
         return False
@@ -535,8 +563,11 @@ def _refresh_content(layout: DataLayout, s: Path, state: _State, changes: _Chang
     rows = LOSER_SCHEMA.empty_table()
     if len(dup):
         c = record_kind("content").folder(layout) / "images"
-        hit = [p for p in parts
-               if np.isin(np.fromfile(content_hashes_path(layout, p), np.uint64)[3:], dup).any()]  # fmt: skip
+        hit = [
+            p
+            for p in parts
+            if np.isin(np.fromfile(content_hashes_path(layout, p), np.uint64)[3:], dup).any()
+        ]
         cand = []
         for p in hit:
             t = pq.read_table(c / f"{p}.parquet", columns=["partition", "id", "position", "md5"])
@@ -547,10 +578,20 @@ def _refresh_content(layout: DataLayout, s: Path, state: _State, changes: _Chang
         allc = pa.concat_tables(cand).to_pylist()
         for r in sorted(allc, key=lambda r: (r["partition"], r["position"])):
             first.setdefault(r["md5"], (r["partition"], r["id"]))
-        rows = pa.Table.from_pylist([
-            {"partition": r["partition"], "id": r["id"], "md5": r["md5"],
-             "kept_partition": first[r["md5"]][0], "kept_id": first[r["md5"]][1]}
-            for r in allc if (r["partition"], r["id"]) != first[r["md5"]]], schema=LOSER_SCHEMA)  # fmt: skip
+        rows = pa.Table.from_pylist(
+            [
+                {
+                    "partition": r["partition"],
+                    "id": r["id"],
+                    "md5": r["md5"],
+                    "kept_partition": first[r["md5"]][0],
+                    "kept_id": first[r["md5"]][1],
+                }
+                for r in allc
+                if (r["partition"], r["id"]) != first[r["md5"]]
+            ],
+            schema=LOSER_SCHEMA,
+        )
     old = pq.read_table(losers) if losers.exists() else None
     if old is None or not old.sort_by([("partition", "ascending"), ("id", "ascending")]).equals(
         rows.sort_by([("partition", "ascending"), ("id", "ascending")])
@@ -565,8 +606,11 @@ def _materialized(s: Path, asset: str) -> set[str]:
     if not p.exists():
         return set()
     t = pq.read_table(p, columns=["asset", "partition"])
-    return {pt for a, pt in zip(t.column("asset").to_pylist(), t.column("partition").to_pylist())
-            if a == asset}  # fmt: skip
+    return {
+        pt
+        for a, pt in zip(t.column("asset").to_pylist(), t.column("partition").to_pylist())
+        if a == asset
+    }
 
 
 def _repeated_hashes(files: Sequence[Path], sizes: Sequence[int]) -> np.ndarray:
@@ -593,8 +637,9 @@ def _card_is_current(layout: DataLayout, s: Path, partition: str, losers: set[st
     return made == card_inputs(layout, partition, losers)
 
 
-def _refresh_cards(layout: DataLayout, s: Path, state: _State, changes: _Changes,
-                   losers_changed: bool) -> None:  # fmt: skip
+def _refresh_cards(
+    layout: DataLayout, s: Path, state: _State, changes: _Changes, losers_changed: bool
+) -> None:
     """Re-summarise the cards whose inputs changed (their card records, their metadata or
     image row records, their content losers) and whose summary was not written with them."""
     empty = card_summary_path(layout, "_empty")

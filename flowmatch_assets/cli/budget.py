@@ -29,8 +29,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--watts", type=float, default=d.box_watts, help="owned box watts at load")
     p.add_argument("--kwh-usd", type=float, default=d.kwh_usd, help="electricity $/kWh")
     p.add_argument("--hardware-usd", type=float, default=None, help="owned box price (payback)")
-    p.add_argument("--ssd-tb", type=float, default=d.ssd_tb,
-                   help="the SSD for embeddings + checkpoints, TB (says whether they fit)")  # fmt: skip
+    p.add_argument(
+        "--ssd-tb",
+        type=float,
+        default=d.ssd_tb,
+        help="the SSD for embeddings + checkpoints, TB (says whether they fit)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     return p
 

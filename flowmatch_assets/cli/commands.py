@@ -112,7 +112,7 @@ COMMANDS: dict[str, Command] = {
                 action="store_true",
                 help="remove: every key with no data behind it (ORPHAN in list)",
             ),
-        ],  # fmt: skip
+        ],
     ),
     "sources": Command(
         cmd_sources,
@@ -161,7 +161,7 @@ COMMANDS: dict[str, Command] = {
                 action="store_true",
                 help="remove: also delete what was made from its partitions (shards, records)",
             ),
-        ],  # fmt: skip
+        ],
     ),
     "materialize": Command(
         cmd_materialize,
@@ -193,7 +193,7 @@ COMMANDS: dict[str, Command] = {
                 default=[],
                 help="every partition of this source (repeatable; pd12m or a source name)",
             ),
-        ],  # fmt: skip
+        ],
     ),
     "retry": Command(
         cmd_retry,
@@ -207,7 +207,7 @@ COMMANDS: dict[str, Command] = {
                 default=[],
                 help="failure reason to re-fetch (repeatable; default: every retryable one)",
             ),
-        ],  # fmt: skip
+        ],
     ),
     "verify": Command(
         cmd_verify,
@@ -235,7 +235,7 @@ COMMANDS: dict[str, Command] = {
                 default=1.0,
                 help="fraction of the (chosen sources') partitions that must be covered",
             ),
-        ],  # fmt: skip
+        ],
     ),
     "finetune": Command(
         cmd_finetune,
@@ -275,7 +275,7 @@ COMMANDS: dict[str, Command] = {
                 help="fraction of the chosen sources' partitions that must be covered",
             ),
             arg("--no-samples", action="store_true"),
-        ],  # fmt: skip
+        ],
     ),
     "export": Command(
         cmd_export,
@@ -330,7 +330,7 @@ COMMANDS: dict[str, Command] = {
                 help="caption encoder: the real Gemma3-270M (default; made once from the PyPI "
                 "GGUF) or the zoo's random Gemma3",
             ),
-        ],  # fmt: skip
+        ],
     ),
     "catalog": Command(
         cmd_catalog,
@@ -356,7 +356,7 @@ COMMANDS: dict[str, Command] = {
                 help="SQL for `catalog sql` (`flowmatch catalog views` lists the views)",
             ),
             arg("--json", dest="as_json", action="store_true"),
-        ],  # fmt: skip
+        ],
     ),
     "data-card": Command(
         cmd_data_card,
@@ -370,7 +370,7 @@ COMMANDS: dict[str, Command] = {
                 help="print from the records as they are (materialize nothing)",
             ),
             arg("--json", dest="as_json", action="store_true"),
-        ],  # fmt: skip
+        ],
     ),
     "stale": Command(
         cmd_stale,
@@ -390,7 +390,7 @@ COMMANDS: dict[str, Command] = {
                 action="store_true",
                 help="do not report the <asset>_fresh check results to Dagster",
             ),
-        ],  # fmt: skip
+        ],
     ),
     "zoo": Command(
         cmd_zoo,

@@ -54,11 +54,15 @@ def cmd_partitions(action: str, source: str | None, partition: list[str], orphan
             notes.append(pending.skipped_line(name))
     for p in rows:
         mark = "NEW" if p.get("new") or p["partition"] not in known else "registered"
-        print(f"{p['partition']}  {p['source']}  rows [{p['row_start']}, {p['row_end']})  "
-              f"{p['source_file']}  {mark}")  # fmt: skip
+        print(
+            f"{p['partition']}  {p['source']}  rows [{p['row_start']}, {p['row_end']})  "
+            f"{p['source_file']}  {mark}"
+        )
     for key in orphan if source is None else []:
-        print(f"{key}  ?  no data behind it (no PD12M shard, no registered source partition)  "
-              "ORPHAN: `flowmatch partitions remove --orphans`")  # fmt: skip
+        print(
+            f"{key}  ?  no data behind it (no PD12M shard, no registered source partition)  "
+            "ORPHAN: `flowmatch partitions remove --orphans`"
+        )
     for line in notes:
         print(f"skipped {line}")
     return 0
@@ -85,11 +89,23 @@ def _remove_partitions(inst, name: str, keys: list[str], orphan: list[str], foun
     return 0
 
 
-def cmd_sources(action: str, name: str | None, kind: str | None, location: str | None,
-                caption_field: str | None, shard_size: int | None, image_field: str | None,
-                id_field: str | None, url_field: str | None, hash_field: str | None,
-                license: str | None, follow_links: bool, replace: bool, allow_missing: bool,
-                purge: bool) -> int:  # fmt: skip
+def cmd_sources(
+    action: str,
+    name: str | None,
+    kind: str | None,
+    location: str | None,
+    caption_field: str | None,
+    shard_size: int | None,
+    image_field: str | None,
+    id_field: str | None,
+    url_field: str | None,
+    hash_field: str | None,
+    license: str | None,
+    follow_links: bool,
+    replace: bool,
+    allow_missing: bool,
+    purge: bool,
+) -> int:
     """`flowmatch sources [list|add NAME ...|remove NAME]`: the sources of your own images (the
     YAML file FLOWMATCH_SOURCES, default <data root>/sources.yaml)."""
     from flowmatch_assets.ingest import sources as src
@@ -97,10 +113,25 @@ def cmd_sources(action: str, name: str | None, kind: str | None, location: str |
     res = flowmatch_resource()
     path = src.sources_file(res.data_root)
     if action == "add":
-        return _add_source(res, path, name, kind, location, replace, allow_missing, {
-            "caption_field": caption_field, "shard_size": shard_size, "image_field": image_field,
-            "id_field": id_field, "url_field": url_field, "hash_field": hash_field,
-            "license": license, "follow_links": follow_links or None})  # fmt: skip
+        return _add_source(
+            res,
+            path,
+            name,
+            kind,
+            location,
+            replace,
+            allow_missing,
+            {
+                "caption_field": caption_field,
+                "shard_size": shard_size,
+                "image_field": image_field,
+                "id_field": id_field,
+                "url_field": url_field,
+                "hash_field": hash_field,
+                "license": license,
+                "follow_links": follow_links or None,
+            },
+        )
     if action == "remove":
         return _remove_source(res, path, name, purge)
     print(f"sources file: {path}" + ("" if path.is_file() else " (none yet)"))
@@ -109,21 +140,33 @@ def cmd_sources(action: str, name: str | None, kind: str | None, location: str |
         cfg = res.source(n)
         parts = src.registered(res.data_root, n)
         links = "  follows links" if cfg.follow_links else ""
-        print(f"{n}  {cfg.kind}  {cfg.shown}  caption {cfg.caption()!r}  shard_size "
-              f"{cfg.shard_size}  {len(parts)} partitions registered{links}")  # fmt: skip
+        print(
+            f"{n}  {cfg.kind}  {cfg.shown}  caption {cfg.caption()!r}  shard_size "
+            f"{cfg.shard_size}  {len(parts)} partitions registered{links}"
+        )
     return 0
 
 
-def _add_source(res, path: Path, name: str | None, kind: str | None, location: str | None,
-                replace: bool, allow_missing: bool, options: dict) -> int:  # fmt: skip
+def _add_source(
+    res,
+    path: Path,
+    name: str | None,
+    kind: str | None,
+    location: str | None,
+    replace: bool,
+    allow_missing: bool,
+    options: dict,
+) -> int:
     """`sources add`: a new source (or, with ``replace``, new settings of an existing one);
     its location must exist unless ``allow_missing``."""
     from flowmatch_assets.ingest import sources as src
     from flowmatch_assets.ingest.sources.location import Location
 
     if not name or not kind or not location:
-        raise CliError(f"sources add needs NAME, --kind {'|'.join(src.SOURCE_KINDS)} and "
-                       "--location FOLDER_OR_URL")  # fmt: skip
+        raise CliError(
+            f"sources add needs NAME, --kind {'|'.join(src.SOURCE_KINDS)} and "
+            "--location FOLDER_OR_URL"
+        )
     if kind not in src.SOURCE_KINDS:
         raise CliError(f"--kind {kind!r}: choose one of {', '.join(src.SOURCE_KINDS)}")
     given = {"kind": kind, "location": src.config.absolute(location), **options}
@@ -147,14 +190,18 @@ def _add_source(res, path: Path, name: str | None, kind: str | None, location: s
         Location(cfg)  # SourceError (one line) when it does not exist or cannot be reached
     src.write_source(path, name, cfg)
     if old is not None:
-        print(f"source {name} replaced: {cfg.kind} at {cfg.shown} (in {path}). Its "
-              f"{len(parts)} registered partitions keep the samples they hold (their manifests) "
-              "and read them from the new location when next materialized (a file not there "
-              "fails as not_found; `flowmatch stale` shows which settings changed); new files "
-              "become new partitions")  # fmt: skip
+        print(
+            f"source {name} replaced: {cfg.kind} at {cfg.shown} (in {path}). Its "
+            f"{len(parts)} registered partitions keep the samples they hold (their manifests) "
+            "and read them from the new location when next materialized (a file not there "
+            "fails as not_found; `flowmatch stale` shows which settings changed); new files "
+            "become new partitions"
+        )
     else:
-        print(f"source {name}: {cfg.kind} at {cfg.shown} (in {path}); next: "
-              f"`flowmatch partitions register --source {name}`")  # fmt: skip
+        print(
+            f"source {name}: {cfg.kind} at {cfg.shown} (in {path}); next: "
+            f"`flowmatch partitions register --source {name}`"
+        )
     return 0
 
 
@@ -169,9 +216,12 @@ def _remove_source(res, path: Path, name: str | None, purge: bool) -> int:
     if name not in res.sources:
         res.source(name)  # unknown: one line naming the configured ones
     inst = dagster_instance()
-    keys = sorted({*(p["key"] for p in src.registered(res.data_root, name)),
-                   *(k for k in inst.get_dynamic_partitions(SHARDS)
-                     if k.startswith(f"{name}-"))})  # fmt: skip
+    keys = sorted(
+        {
+            *(p["key"] for p in src.registered(res.data_root, name)),
+            *(k for k in inst.get_dynamic_partitions(SHARDS) if k.startswith(f"{name}-")),
+        }
+    )
     made = runs.partition_files(res, keys)
     if made and not purge:
         raise CliError(
@@ -185,16 +235,23 @@ def _remove_source(res, path: Path, name: str | None, purge: bool) -> int:
         inst.delete_dynamic_partition(SHARDS, k)
     src.forget(res.data_root, name)
     src.write_source(path, name, None)
-    print(f"source {name} removed: {len(keys)} partitions"
-          + (f", {len(made)} files deleted" if made else ""))  # fmt: skip
+    print(
+        f"source {name} removed: {len(keys)} partitions"
+        + (f", {len(made)} files deleted" if made else "")
+    )
     return 0
 
 
 def cmd_materialize(
     partition: list[str], asset: list[str], missing: bool, stale: bool, source: list[str]
 ) -> int:
-    res = runs.materialize(partition or None, asset or None, missing_only=missing,
-                           stale_only=stale, sources=source or None)  # fmt: skip
+    res = runs.materialize(
+        partition or None,
+        asset or None,
+        missing_only=missing,
+        stale_only=stale,
+        sources=source or None,
+    )
     return 0 if all(res.values()) else 1
 
 
@@ -242,8 +299,10 @@ def cmd_stale(partition: list[str], asset: list[str], as_json: bool, no_report: 
     found = staleness(res, partition or None, assets) if assets else []
     models = model_staleness(res) if not asset or "flow_model" in asset else []
     rows = [{"asset": s.asset, "partition": s.partition, "reason": s.reason} for s in found]
-    rows += [{"asset": "flow_model", "partition": f"run {s.partition}", "reason": s.reason}
-             for s in models]  # fmt: skip
+    rows += [
+        {"asset": "flow_model", "partition": f"run {s.partition}", "reason": s.reason}
+        for s in models
+    ]
     with_models = models if not asset or "flow_model" in asset else None
     if as_json:
         print(json.dumps(rows, indent=1), flush=True)
@@ -253,13 +312,19 @@ def cmd_stale(partition: list[str], asset: list[str], as_json: bool, no_report: 
         print(
             f"{len(found)} stale asset partitions in {len(parts)} partitions"
             + (f", {len(models)} stale training runs" if models else "")
-            + ("; re-make them with `flowmatch backfill --stale` (or `flowmatch materialize "
-               "--stale`)" if found else ""), flush=True,
-        )  # fmt: skip
+            + (
+                "; re-make them with `flowmatch backfill --stale` (or `flowmatch materialize "
+                "--stale`)"
+                if found
+                else ""
+            ),
+            flush=True,
+        )
     if not no_report and (assets or with_models is not None):
         with runs.quiet_console():
-            n = report(instance, res, found, partition or known, assets, runs.log_config(),
-                       with_models)  # fmt: skip
+            n = report(
+                instance, res, found, partition or known, assets, runs.log_config(), with_models
+            )
         if n and not as_json:
             print(f"{n} `<asset>_fresh` check results reported to Dagster")
     return 1 if rows else 0

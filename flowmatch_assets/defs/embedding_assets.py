@@ -107,7 +107,9 @@ def _encode(
         src = flowmatch.layout.asset_path("images", part)
         if ahead is None:  # the cheap refusals before any encoder loads
             if not src.exists():
-                raise dg.Failure(f"partition {part} has no images shard ({src}); materialize images first")  # fmt: skip
+                raise dg.Failure(
+                    f"partition {part} has no images shard ({src}); materialize images first"
+                )
             if pq.ParquetFile(src).metadata.num_rows == 0:
                 raise _no_images(part, selected)
             ahead = _read_ahead(flowmatch, part, selected, device)
@@ -165,7 +167,9 @@ def _read_ahead(flowmatch: FlowmatchResource, part: str, selected, device: str) 
     src = flowmatch.layout.asset_path("images", part)
     if not src.exists():
         return None
-    return read_ahead(src, selected, flowmatch.encoders, device, weights_cache_file(flowmatch.data_root))  # fmt: skip
+    return read_ahead(
+        src, selected, flowmatch.encoders, device, weights_cache_file(flowmatch.data_root)
+    )
 
 
 @dataclass
@@ -275,11 +279,15 @@ def encode_many(context, flowmatch: FlowmatchResource, selected: list[EmbeddingK
                         report(*pending)
                         pending = None
                     if encoded is not None:
-                        fut = writer.submit(_publish_partition, context, flowmatch, part, ids, encoded)  # fmt: skip
+                        fut = writer.submit(
+                            _publish_partition, context, flowmatch, part, ids, encoded
+                        )
                         pending = (part, fut)
                         del ids, encoded  # the writer holds them now
                     rate = (i + 1) / max(time.perf_counter() - t0, 1e-9)
-                    context.log.info(f"[{i + 1}/{n}] {part} encoded ({rate * 60:.1f} partitions/min)")  # fmt: skip
+                    context.log.info(
+                        f"[{i + 1}/{n}] {part} encoded ({rate * 60:.1f} partitions/min)"
+                    )
             finally:  # stopped, crashed or done: what was published is reported
                 if ahead is not None:
                     ahead.close()
@@ -294,7 +302,7 @@ def encode_many(context, flowmatch: FlowmatchResource, selected: list[EmbeddingK
             + "; ".join(lines[:5])
             + (f" ... and {len(lines) - 5} more (see the run's log)" if len(lines) > 5 else ""),
             metadata={"failed": dg.MetadataValue.json(failed), "published": ok},
-        )  # fmt: skip
+        )
 
 
 def _materialization(context, flowmatch, name: str, part: str, r: dg.MaterializeResult):
@@ -321,17 +329,23 @@ def _run_checks(selected: list[EmbeddingKind], published: list[_Published]):
         problems = [x for p in parts for x in p.problems[k.name]]
         r = shards_check_result([p.partition for p in parts], problems)
         yield dg.AssetCheckEvaluation(
-            asset_key=dg.AssetKey(k.name), check_name=f"{k.name}_valid", passed=r.passed,
-            metadata=r.metadata, blocking=True,
-        )  # fmt: skip
+            asset_key=dg.AssetKey(k.name),
+            check_name=f"{k.name}_valid",
+            passed=r.passed,
+            metadata=r.metadata,
+            blocking=True,
+        )
         for rule in k.warnings:
             per = {p.partition: p.warnings[k.name][rule.attr] for p in parts}
             w = _warn_result(rule, per)
             yield dg.AssetCheckEvaluation(
-                asset_key=dg.AssetKey(k.name), check_name=f"{k.name}_{rule.name}",
-                passed=w.passed, metadata=w.metadata, description=w.description,
+                asset_key=dg.AssetKey(k.name),
+                check_name=f"{k.name}_{rule.name}",
+                passed=w.passed,
+                metadata=w.metadata,
+                description=w.description,
                 severity=dg.AssetCheckSeverity.WARN,
-            )  # fmt: skip
+            )
 
 
 def _error(exc: BaseException) -> tuple[str, str]:
@@ -354,12 +368,23 @@ def _publish_kind(
     kind, spec = e.kind, flowmatch.encoders
     mode = spec.lossy.get(kind.name)
     lossy = dict.fromkeys(kind.lossy, mode) if mode else None
-    stats = write_shard(out.path, e.arrays, ids, codec=spec.codec, attrs=e.attrs, lossy=lossy,
-                        fit_device=e.attrs["device"])  # fmt: skip
+    stats = write_shard(
+        out.path,
+        e.arrays,
+        ids,
+        codec=spec.codec,
+        attrs=e.attrs,
+        lossy=lossy,
+        fit_device=e.attrs["device"],
+    )
     errs = [a["lossy"] for a in stats.arrays.values() if "lossy" in a]
     modes = sorted({x["mode"] for x in errs})
-    storage = ", ".join([*(f"lossy {m}" for m in modes),
-                         "no byte codec" if spec.codec == "none" else f"{spec.codec} codec"])  # fmt: skip
+    storage = ", ".join(
+        [
+            *(f"lossy {m}" for m in modes),
+            "no byte codec" if spec.codec == "none" else f"{spec.codec} codec",
+        ]
+    )
     seed = kind.seed_format_bytes(len(ids), spec, e.arrays)
     counts = {w.attr: e.attrs[w.attr] for w in kind.warnings}
     ragged = {}  # a kind with token rows: how many, and the bytes of one (the SSD projection)
@@ -367,8 +392,10 @@ def _publish_kind(
         if a.rows == "token" and "lengths" in e.arrays:
             tokens = int(np.asarray(e.arrays["lengths"]).sum())
             st = stats.arrays[a.name]
-            ragged = {"tokens": tokens,
-                      "token_row_bytes": st.get("row_bytes") or st["stored_bytes"] / max(tokens, 1)}  # fmt: skip
+            ragged = {
+                "tokens": tokens,
+                "token_row_bytes": st.get("row_bytes") or st["stored_bytes"] / max(tokens, 1),
+            }
     label = f" ({e.attrs['weights']})" if e.attrs["weights"] else ""
     context.log.info(
         f"{out.partition}: {kind.name} {len(ids)} samples, {stats.stored_bytes} B{label}"

@@ -69,11 +69,20 @@ def samples(
         name = config.run_name + ("" if i == 0 else f"_{label(size)}")
         out = Path(flowmatch.data_root) / "samples" / f"{name}.png"
         sample_grid(
-            model, text, mask, out, scaling_factor=float(meta.get("scaling_factor", 1.0)),
-            vae=vae, steps=config.steps, cfg_scale=config.cfg_scale, seed=config.seed,
-            shift=float(meta.get("flow_shift", 1.0)), labels=labels,
-            null_text=meta.get("null_text"), size=None if size == (256, 256) else size,
-        )  # fmt: skip
+            model,
+            text,
+            mask,
+            out,
+            scaling_factor=float(meta.get("scaling_factor", 1.0)),
+            vae=vae,
+            steps=config.steps,
+            cfg_scale=config.cfg_scale,
+            seed=config.seed,
+            shift=float(meta.get("flow_shift", 1.0)),
+            labels=labels,
+            null_text=meta.get("null_text"),
+            size=None if size == (256, 256) else size,
+        )
         context.log.info(f"sample grid at {label(size)}: {out}")
         key = "grid" if i == 0 else f"grid_{label(size)}"
         md[f"{key}_png"] = dg.MetadataValue.path(str(out))
@@ -150,12 +159,26 @@ def evaluation(
         by_size = {}
         for size in sizes:
             by_size[size] = evaluate_checkpoint(
-                path, enc.text, enc.vae, config.n_prompts, config.seed, config.steps,
-                config.cfg_scale, size=None if size == (256, 256) else size,
-            )  # fmt: skip
+                path,
+                enc.text,
+                enc.vae,
+                config.n_prompts,
+                config.seed,
+                config.steps,
+                config.cfg_scale,
+                size=None if size == (256, 256) else size,
+            )
         result = by_size[sizes[0]]
-        fd = fd_dinov2(path, flowmatch.data_root, enc.vae, enc.dino, held, config.steps,
-                       config.cfg_scale, config.seed)  # fmt: skip
+        fd = fd_dinov2(
+            path,
+            flowmatch.data_root,
+            enc.vae,
+            enc.dino,
+            held,
+            config.steps,
+            config.cfg_scale,
+            config.seed,
+        )
         result["fd_dinov2"], result["fd"] = fd["fd_dinov2"], fd
         catalog.record_evaluation(
             flowmatch.data_root,
@@ -165,17 +188,29 @@ def evaluation(
                 row
                 for size, r in by_size.items()
                 for row in rows_for_catalog(r, config.run_name, path, label(size))
-            ],  # fmt: skip
+            ],
         )
         fig = evaluation_figure(result, out / "evaluation" / f"step{step:07d}.png")
         for size, r in list(by_size.items())[1:]:
             evaluation_figure(r, out / "evaluation" / f"step{step:07d}_{label(size)}.png")
         if fd["fd_dinov2"] is not None:
-            catalog.record_fd(flowmatch.data_root, config.run_name, step, {
-                "checkpoint": str(path), "fd_dinov2": fd["fd_dinov2"], "n": fd["n"],
-                "dino": fd["dino"], "dino_weights": fd["dino_weights"]})  # fmt: skip
-        fd_line = (f"FD-DINOv2 {fd['fd_dinov2']:.2f} on {fd['n']} held-out" if fd["fd_dinov2"]
-                   is not None else f"no FD-DINOv2 ({fd['reason']})")  # fmt: skip
+            catalog.record_fd(
+                flowmatch.data_root,
+                config.run_name,
+                step,
+                {
+                    "checkpoint": str(path),
+                    "fd_dinov2": fd["fd_dinov2"],
+                    "n": fd["n"],
+                    "dino": fd["dino"],
+                    "dino_weights": fd["dino_weights"],
+                },
+            )
+        fd_line = (
+            f"FD-DINOv2 {fd['fd_dinov2']:.2f} on {fd['n']} held-out"
+            if fd["fd_dinov2"] is not None
+            else f"no FD-DINOv2 ({fd['reason']})"
+        )
         if fd["dino_weights"]:
             fd_line += f" [{fd['dino_weights']}]"
         context.log.info(f"{config.run_name} step {step}: {summary_line(result)}; {fd_line}")

@@ -145,12 +145,17 @@ def metadata_partition_sensor(
     # keys with no metadata behind them (added by hand in the Materialize dialog): flagged on
     # every tick, before a run of them fails
     have = set(keys)
-    orphans = sorted(k for k in context.instance.get_dynamic_partitions(SHARDS)
-                     if source_of(k) in mine and k not in have)  # fmt: skip
+    orphans = sorted(
+        k
+        for k in context.instance.get_dynamic_partitions(SHARDS)
+        if source_of(k) in mine and k not in have
+    )
     if orphans:
-        line = (f"{len(orphans)} partition keys have no metadata behind them "
-                f"({', '.join(orphans[:5])}{' ...' if len(orphans) > 5 else ''}); a run of them "
-                "fails: remove them with `flowmatch partitions remove --orphans`")  # fmt: skip
+        line = (
+            f"{len(orphans)} partition keys have no metadata behind them "
+            f"({', '.join(orphans[:5])}{' ...' if len(orphans) > 5 else ''}); a run of them "
+            "fails: remove them with `flowmatch partitions remove --orphans`"
+        )
         context.log.warning(line)
         if isinstance(result, dg.SkipReason):
             return dg.SkipReason(f"{result.skip_message}; {line}")

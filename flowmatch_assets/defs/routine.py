@@ -105,7 +105,7 @@ def shards_check_result(
             f"{len(problems)} problems in {names}: {problems[0]}"
             if problems
             else f"{names}: every shard checked is whole"
-        ),  # fmt: skip
+        ),
         metadata=md,
     )
 
@@ -133,8 +133,10 @@ class PartitionOutput:
         content hashes, ...)."""
         t = Path(os.path.abspath(target))
         layout = self.flowmatch.layout
-        if t in (Path(os.path.abspath(self.path)),
-                 Path(os.path.abspath(layout.preview_path(self.asset, self.partition)))):  # fmt: skip
+        if t in (
+            Path(os.path.abspath(self.path)),
+            Path(os.path.abspath(layout.preview_path(self.asset, self.partition))),
+        ):
             return True
         catalog = Path(os.path.abspath(layout.catalog_dir))
         if not (t.is_relative_to(catalog) and t.name.startswith(f"{self.partition}.")):
@@ -206,10 +208,17 @@ class PartitionOutput:
         size = self.written().stat().st_size if stored_bytes is None else stored_bytes
         catalog.record_rows(root, self.asset, self.partition, rows)
         record_materialization(
-            self.context, self.flowmatch, self.asset, self.partition,
-            samples=samples, raw_bytes=raw_bytes, stored_bytes=size, seconds=seconds,
-            extra=extra, **record,
-        )  # fmt: skip
+            self.context,
+            self.flowmatch,
+            self.asset,
+            self.partition,
+            samples=samples,
+            raw_bytes=raw_bytes,
+            stored_bytes=size,
+            seconds=seconds,
+            extra=extra,
+            **record,
+        )
         clear = lambda: catalog.clear_attempt(root, self.asset, self.partition)  # noqa: E731
         if self._tx is not None and self._tx.open:
             self._tx.after(clear)  # a rejected attempt's records go when this one is published

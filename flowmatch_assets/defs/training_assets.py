@@ -337,8 +337,12 @@ def train_settings(config: TrainRunConfig, flowmatch: FlowmatchResource, init: d
     if config.source_weights:
         data["source_weights"] = dict(config.source_weights)
     enc = flowmatch.encoders
-    own = {"data": data, "run": {"name": config.run_name},
-           "encoders": {"vae": enc.vae, "text": enc.text}, **init}  # fmt: skip
+    own = {
+        "data": data,
+        "run": {"name": config.run_name},
+        "encoders": {"vae": enc.vae, "text": enc.text},
+        **init,
+    }
     return merge_settings(own, settings_from_items(config.overrides), config.settings)
 
 
@@ -353,15 +357,21 @@ def train_config(config: TrainRunConfig, flowmatch: FlowmatchResource, init: dic
         raise dg.Failure(description=f"error: {e}") from None
 
 
-def train_request(config: TrainRunConfig, cfg: TrainConfig, known: list[str], parts: list[str],
-                  frac: float) -> "TrainRequest":  # fmt: skip
+def train_request(
+    config: TrainRunConfig, cfg: TrainConfig, known: list[str], parts: list[str], frac: float
+) -> "TrainRequest":
     """The TrainRequest the training process receives: the validated config as a full dump (no
     ``key=value`` items left to parse), the partitions, the steps, the resume."""
     from flowmatch_models.train.run import TrainRequest
 
     coverage = {"partitions_known": len(set(known) | set(parts)), "coverage": round(frac, 4)}
-    return TrainRequest(config=cfg.to_dict(), partitions=parts, extra_steps=config.extra_steps,
-                        resume=config.resume, coverage=coverage)  # fmt: skip
+    return TrainRequest(
+        config=cfg.to_dict(),
+        partitions=parts,
+        extra_steps=config.extra_steps,
+        resume=config.resume,
+        coverage=coverage,
+    )
 
 
 def run_training(
@@ -419,22 +429,35 @@ def publish_training(
     if rate is None:
         rate = result.metrics.get("samples_per_s")
     if result.metrics_csv:  # the held-out validation curve (catalog `validation` view)
-        catalog.record_validation(flowmatch.data_root, config.run_name,
-                                  catalog.validation_rows(result.metrics_csv, config.run_name))  # fmt: skip
+        catalog.record_validation(
+            flowmatch.data_root,
+            config.run_name,
+            catalog.validation_rows(result.metrics_csv, config.run_name),
+        )
     t0 = time.perf_counter()
     ledgers = write_ledgers(flowmatch.data_root, config.run_name, out)
     ledger_s = time.perf_counter() - t0
     context.log.info(f"ledger of checkpoints {ledgers} in {ledger_s:.1f}s")
-    facts = {"run_name": config.run_name, "coverage": round(frac, 3),
-             "run_dir": dg.MetadataValue.path(str(out)),
-             "ledger_checkpoints": dg.MetadataValue.json(ledgers), "ledger_s": round(ledger_s, 2)}  # fmt: skip
+    facts = {
+        "run_name": config.run_name,
+        "coverage": round(frac, 3),
+        "run_dir": dg.MetadataValue.path(str(out)),
+        "ledger_checkpoints": dg.MetadataValue.json(ledgers),
+        "ledger_s": round(ledger_s, 2),
+    }
     reported = invocation.get_materialize_result().metadata or {}
     return publish_run(
-        context, flowmatch, "flow_model", config.run_name,
-        samples=result.samples_session, seconds=result.wall_s, device=result.device, rate=rate,
+        context,
+        flowmatch,
+        "flow_model",
+        config.run_name,
+        samples=result.samples_session,
+        seconds=result.wall_s,
+        device=result.device,
+        rate=rate,
         extra=run_record(flowmatch, result, rate, windows),
         metadata=training_metadata(reported, result, rate, facts),
-    )  # fmt: skip
+    )
 
 
 def run_record(
@@ -485,8 +508,11 @@ def training_metadata(
         md["pipeline"] = dg.MetadataValue.path(result.export_dir)
     if result.parent:
         md["parent"] = dg.MetadataValue.json(result.parent)
-    for key, label in (("loss_curve", "loss curve"), ("coverage_curve", "coverage per epoch"),
-                       ("sample_grid", "samples")):  # fmt: skip
+    for key, label in (
+        ("loss_curve", "loss curve"),
+        ("coverage_curve", "coverage per epoch"),
+        ("sample_grid", "samples"),
+    ):
         p = getattr(result, key)
         if p and Path(p).exists():
             from PIL import Image

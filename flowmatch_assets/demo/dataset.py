@@ -94,9 +94,20 @@ def _polygon(shape: str, cx: float, cy: float, r: float) -> list[tuple[float, fl
         return [(cx, cy - r), (cx + r, cy), (cx, cy + r), (cx - r, cy)]
     if shape == "cross":  # a plus sign: two bars of width 2 a r
         a = CROSS_ARM * r
-        return [(cx - a, cy - r), (cx + a, cy - r), (cx + a, cy - a), (cx + r, cy - a),
-                (cx + r, cy + a), (cx + a, cy + a), (cx + a, cy + r), (cx - a, cy + r),
-                (cx - a, cy + a), (cx - r, cy + a), (cx - r, cy - a), (cx - a, cy - a)]  # fmt: skip
+        return [
+            (cx - a, cy - r),
+            (cx + a, cy - r),
+            (cx + a, cy - a),
+            (cx + r, cy - a),
+            (cx + r, cy + a),
+            (cx + a, cy + a),
+            (cx + a, cy + r),
+            (cx - a, cy + r),
+            (cx - a, cy + a),
+            (cx - r, cy + a),
+            (cx - r, cy - a),
+            (cx - a, cy - a),
+        ]
     if shape == "star":
         pts = []
         for k in range(10):

@@ -387,9 +387,12 @@ def _backfill_stale(a: argparse.Namespace, assets: Sequence[str]) -> int:
     ok = True
     for bid in ids:
         st = wait_backfill(
-            a.url, bid, timeout=a.timeout, poll=a.poll,
+            a.url,
+            bid,
+            timeout=a.timeout,
+            poll=a.poll,
             progress_cb=lambda s: print(format_status(s), flush=True),
-        )  # fmt: skip
+        )
         ok = ok and st["ok"]
     return 0 if ok else 1
 

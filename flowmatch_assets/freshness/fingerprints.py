@@ -237,7 +237,13 @@ def staleness(
                 if (id(fp), key) not in diffs:
                     diffs[(id(fp), key)] = diff(fp.fields, expected[key])
                 changed = diffs[(id(fp), key)]
-                links = _upstream_reasons(a, fp, recs.get((up, p), _NONE) if (up := upstream_of(a)) else _NONE, stale, row_stale)  # fmt: skip
+                links = _upstream_reasons(
+                    a,
+                    fp,
+                    recs.get((up, p), _NONE) if (up := upstream_of(a)) else _NONE,
+                    stale,
+                    row_stale,
+                )
                 reasons = [*changed, *links]
                 keep = ROW_FIELDS.get(a)
                 row_reasons = [r for r in changed if keep is None or _field(r) in keep] + links
@@ -495,7 +501,7 @@ def report(
                 passed=passed,
                 description=desc,
                 metadata={"stale_runs": runs},
-            )  # fmt: skip
+            )
         )
     if evaluations:
         compat.report_check_evaluations(

@@ -95,8 +95,9 @@ def _process_one(row: Mapping, data: bytes | IngestError, cfg: IngestConfig) -> 
             rid, url, "failed", e.reason, e.detail or None, bytes_downloaded=len(data)
         )
     except Exception as e:  # noqa: BLE001 - a bad row must never crash the shard
-        return IngestResult(rid, url, "failed", "internal", f"{type(e).__name__}: {e}",
-                            bytes_downloaded=len(data))  # fmt: skip
+        return IngestResult(
+            rid, url, "failed", "internal", f"{type(e).__name__}: {e}", bytes_downloaded=len(data)
+        )
     return IngestResult(rid, url, "stored", None, None, image, ow, oh, md5, len(data))
 
 
@@ -156,7 +157,7 @@ def ingest_blobs(
             "failed",
             "internal",
             "the source never yielded this row's bytes",
-        )  # fmt: skip
+        )
         for i, r in enumerate(results)
     ]
 

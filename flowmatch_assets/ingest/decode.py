@@ -280,9 +280,16 @@ def jpeg_plan(data: bytes, cfg: IngestConfig) -> JpegPlan | None:
     tw, th = _decoded_target(ow, oh, orientation, cfg)
     scale = max(tw / w, th / h)
     return JpegPlan(
-        w, h, ow, oh, orientation, target,
-        max(1, math.ceil(w * scale)), max(1, math.ceil(h * scale)), (tw, th),
-    )  # fmt: skip
+        w,
+        h,
+        ow,
+        oh,
+        orientation,
+        target,
+        max(1, math.ceil(w * scale)),
+        max(1, math.ceil(h * scale)),
+        (tw, th),
+    )
 
 
 def jpeg_decode_scaled(data: bytes, plan: JpegPlan) -> np.ndarray | None:

@@ -343,7 +343,7 @@ def _surely_kept(table: pa.Table, cfg: FilterConfig) -> np.ndarray | None:
         pc.greater_equal(h, cfg.min_height),
         pc.less_equal(
             pc.divide(pc.max_element_wise(w, h), pc.min_element_wise(w, h)), cfg.max_aspect_ratio
-        ),  # fmt: skip
+        ),
     ]
     if cfg.min_caption_words > 0:  # vouched for only where str.split's whitespace is the space:
         ok.append(pc.match_substring_regex(cap, "^[ -~]*$"))  # printable ASCII and spaces

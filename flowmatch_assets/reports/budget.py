@@ -233,7 +233,7 @@ def _bytes_per_sample(catalog: Catalog) -> dict[str, dict]:
             "samples": int(r["samples"]),
             "tokens": r["tokens"],
             "token_row_bytes": r["token_row_bytes"],
-        }  # fmt: skip
+        }
         for r in rows
         if r["b"]
     }
@@ -312,26 +312,59 @@ def project(measured: dict, cfg: BudgetConfig) -> list[dict]:
             note = f"{r.samples:,} samples in {r.seconds:,.0f} s over {r.count} {what}"
             note += f"; {r.note}" if r.note else ""
             rows.append(
-                _row(label[stage], "ours", txt, r.device, hours, price(r.device), cfg,
-                     cfg.box_watts, note)
-            )  # fmt: skip
+                _row(
+                    label[stage],
+                    "ours",
+                    txt,
+                    r.device,
+                    hours,
+                    price(r.device),
+                    cfg,
+                    cfg.box_watts,
+                    note,
+                )
+            )
     seed, seed_dev = "seed (2x RTX 3090)", "2x RTX 3090"
     seed_ups = SEED_UPDATES_S * SEED_BATCH / B  # same samples/s, at our batch
     rows.append(
-        _row(label["precalc"], seed, f"{SEED_PRECALC_PAIRS_S:g} pairs/s", seed_dev,
-             P / SEED_PRECALC_PAIRS_S / 3600, cfg.gpu_hour_usd * SEED_GPUS, cfg, SEED_BOX_WATTS,
-             "seed: ~17 h for PD12M")
-    )  # fmt: skip
+        _row(
+            label["precalc"],
+            seed,
+            f"{SEED_PRECALC_PAIRS_S:g} pairs/s",
+            seed_dev,
+            P / SEED_PRECALC_PAIRS_S / 3600,
+            cfg.gpu_hour_usd * SEED_GPUS,
+            cfg,
+            SEED_BOX_WATTS,
+            "seed: ~17 h for PD12M",
+        )
+    )
     rows.append(
-        _row(label["training"], seed, f"{seed_ups:.4g} updates/s", seed_dev,
-             U / seed_ups / 3600, cfg.gpu_hour_usd * SEED_GPUS, cfg, SEED_BOX_WATTS,
-             f"seed: {SEED_UPDATES_S} updates/s at batch {SEED_BATCH} (~33k/day)")
-    )  # fmt: skip
+        _row(
+            label["training"],
+            seed,
+            f"{seed_ups:.4g} updates/s",
+            seed_dev,
+            U / seed_ups / 3600,
+            cfg.gpu_hour_usd * SEED_GPUS,
+            cfg,
+            SEED_BOX_WATTS,
+            f"seed: {SEED_UPDATES_S} updates/s at batch {SEED_BATCH} (~33k/day)",
+        )
+    )
     rows.append(
-        _row(label["training"], "REPA paper (8x H100)", f"{REPA_UPDATES_S:g} updates/s",
-             "8x H100", U / REPA_UPDATES_S / 3600, cfg.gpu_hour_usd * REPA_GPUS, cfg, None,
-             f"as quoted, at REPA's own batch; {REPA_QUOTE}")
-    )  # fmt: skip
+        _row(
+            label["training"],
+            "REPA paper (8x H100)",
+            f"{REPA_UPDATES_S:g} updates/s",
+            "8x H100",
+            U / REPA_UPDATES_S / 3600,
+            cfg.gpu_hour_usd * REPA_GPUS,
+            cfg,
+            None,
+            f"as quoted, at REPA's own batch; {REPA_QUOTE}",
+        )
+    )
     return rows
 
 
@@ -343,10 +376,16 @@ def project_disk(measured: dict, cfg: BudgetConfig) -> list[dict]:
     per = measured.get("bytes") or {}
     out = []
     images = per.get("images")
-    out.append({"what": "images (HDD)", "bytes_per_sample": images and images["bytes"],
-                "gb": images and images["bytes"] * cfg.dataset_pairs / 1e9,
-                "note": f"images {images['codec'] or '?'}; from {images['samples']:,} samples"
-                if images else "not measured: images"})  # fmt: skip
+    out.append(
+        {
+            "what": "images (HDD)",
+            "bytes_per_sample": images and images["bytes"],
+            "gb": images and images["bytes"] * cfg.dataset_pairs / 1e9,
+            "note": f"images {images['codec'] or '?'}; from {images['samples']:,} samples"
+            if images
+            else "not measured: images",
+        }
+    )
     missing = [a for a in EMBEDDING_ASSETS if a not in per]
     total = worst = 0.0
     for a in EMBEDDING_ASSETS:
@@ -358,31 +397,62 @@ def project_disk(measured: dict, cfg: BudgetConfig) -> list[dict]:
         if m.get("tokens") and m.get("token_row_bytes"):
             mean = m["tokens"] / m["samples"]
             bw = b + (cfg.max_tokens - mean) * m["token_row_bytes"]
-            note += (f"; {mean:.1f} tokens/caption measured x {m['token_row_bytes']:,.0f} B; "
-                     f"{cfg.max_tokens} tokens each: {bw:,.0f} B/sample, "
-                     f"{bw * cfg.dataset_pairs / 1e9:,.0f} GB")  # fmt: skip
+            note += (
+                f"; {mean:.1f} tokens/caption measured x {m['token_row_bytes']:,.0f} B; "
+                f"{cfg.max_tokens} tokens each: {bw:,.0f} B/sample, "
+                f"{bw * cfg.dataset_pairs / 1e9:,.0f} GB"
+            )
         total, worst = total + b, worst + bw
-        out.append({"what": f"  {a} (SSD)", "bytes_per_sample": b,
-                    "gb": b * cfg.dataset_pairs / 1e9, "note": note})  # fmt: skip
+        out.append(
+            {
+                "what": f"  {a} (SSD)",
+                "bytes_per_sample": b,
+                "gb": b * cfg.dataset_pairs / 1e9,
+                "note": note,
+            }
+        )
     if missing:
-        out.append({"what": "embeddings (SSD)", "bytes_per_sample": None, "gb": None,
-                    "note": f"not measured: {', '.join(missing)}"})  # fmt: skip
+        out.append(
+            {
+                "what": "embeddings (SSD)",
+                "bytes_per_sample": None,
+                "gb": None,
+                "note": f"not measured: {', '.join(missing)}",
+            }
+        )
     else:
-        out.append({"what": "embeddings (SSD)", "bytes_per_sample": total,
-                    "gb": total * cfg.dataset_pairs / 1e9,
-                    "note": f"every kind; {worst * cfg.dataset_pairs / 1e9:,.0f} GB if every "
-                    f"caption had {cfg.max_tokens} tokens"})  # fmt: skip
+        out.append(
+            {
+                "what": "embeddings (SSD)",
+                "bytes_per_sample": total,
+                "gb": total * cfg.dataset_pairs / 1e9,
+                "note": f"every kind; {worst * cfg.dataset_pairs / 1e9:,.0f} GB if every "
+                f"caption had {cfg.max_tokens} tokens",
+            }
+        )
     ckpt = checkpoint_row(cfg)
     out.append(ckpt)
     if not missing:
-        out.append(ssd_fit(total * cfg.dataset_pairs / 1e9, worst * cfg.dataset_pairs / 1e9,
-                           ckpt["gb"], cfg.ssd_tb))  # fmt: skip
+        out.append(
+            ssd_fit(
+                total * cfg.dataset_pairs / 1e9,
+                worst * cfg.dataset_pairs / 1e9,
+                ckpt["gb"],
+                cfg.ssd_tb,
+            )
+        )
     for what, gb in (
         ("seed: images 256 px", SEED_IMAGES_GB),
         ("seed: embeddings", SEED_EMBEDDINGS_GB),
     ):
-        out.append({"what": what, "bytes_per_sample": gb * 1e9 / PD12M_PAIRS,
-                    "gb": gb * cfg.dataset_pairs / PD12M_PAIRS, "note": "seed, for PD12M, scaled"})  # fmt: skip
+        out.append(
+            {
+                "what": what,
+                "bytes_per_sample": gb * 1e9 / PD12M_PAIRS,
+                "gb": gb * cfg.dataset_pairs / PD12M_PAIRS,
+                "note": "seed, for PD12M, scaled",
+            }
+        )
     return out
 
 
@@ -391,18 +461,27 @@ def ssd_fit(embeddings_gb: float, worst_gb: float, checkpoints_gb: float, ssd_tb
     cap = ssd_tb * 1000
     need, need_worst = embeddings_gb + checkpoints_gb, worst_gb + checkpoints_gb
     fits, fits_worst = need <= cap, need_worst <= cap
-    verdict = (f"fits: {cap - need:,.0f} GB left" if fits
-               else f"does NOT fit: {need - cap:,.0f} GB short")  # fmt: skip
+    verdict = (
+        f"fits: {cap - need:,.0f} GB left" if fits else f"does NOT fit: {need - cap:,.0f} GB short"
+    )
     verdict += "; at 128-token captions " + (
         f"fits too ({cap - need_worst:,.0f} GB left)"
         if fits_worst
-        else f"{need_worst - cap:,.0f} GB short"  # fmt: skip
+        else f"{need_worst - cap:,.0f} GB short"
     )
     if not fits:
-        verdict += ("; store the text and DINO arrays lossy (EncoderSpec.lossy: pca4.5/pca4, "
-                    "the default) or plan a larger SSD")  # fmt: skip
-    return {"what": f"SSD {ssd_tb:g} TB: embeddings + checkpoints", "bytes_per_sample": None,
-            "gb": need, "note": verdict, "fits": fits, "fits_worst_case": fits_worst}  # fmt: skip
+        verdict += (
+            "; store the text and DINO arrays lossy (EncoderSpec.lossy: pca4.5/pca4, "
+            "the default) or plan a larger SSD"
+        )
+    return {
+        "what": f"SSD {ssd_tb:g} TB: embeddings + checkpoints",
+        "bytes_per_sample": None,
+        "gb": need,
+        "note": verdict,
+        "fits": fits,
+        "fits_worst_case": fits_worst,
+    }
 
 
 #: Parameter counts of the DiT presets (flowmatch_models/model/dit.py), recorded so that the budget
@@ -477,11 +556,17 @@ def checkpoint_row(cfg: BudgetConfig) -> dict:
     params, transformer = param_counts(base.model.preset, base.model.projector_hidden)
     plan = checkpoint_disk_plan(base, params, transformer)
     t = base.trainer
-    note = (f"base.yaml: {plan['ema_snapshots_kept']} EMA snapshots (every {t.checkpoint_every:,}) "
-            f"x {plan['ema_snapshot_bytes'] / 1e9:.2f} GB + {plan['full_states_kept']} full states "
-            f"x {plan['full_state_bytes'] / 1e9:.2f} GB; last.ckpt a link")  # fmt: skip
-    return {"what": f"checkpoints (SSD, {cfg.updates:,} updates)", "bytes_per_sample": None,
-            "gb": plan["total_bytes"] / 1e9, "note": note}  # fmt: skip
+    note = (
+        f"base.yaml: {plan['ema_snapshots_kept']} EMA snapshots (every {t.checkpoint_every:,}) "
+        f"x {plan['ema_snapshot_bytes'] / 1e9:.2f} GB + {plan['full_states_kept']} full states "
+        f"x {plan['full_state_bytes'] / 1e9:.2f} GB; last.ckpt a link"
+    )
+    return {
+        "what": f"checkpoints (SSD, {cfg.updates:,} updates)",
+        "bytes_per_sample": None,
+        "gb": plan["total_bytes"] / 1e9,
+        "note": note,
+    }
 
 
 #: ``flowmatch bench checkpoint``'s raw numbers (the stall per full state, old and new writer)

@@ -127,8 +127,10 @@ def _values(cat: Catalog, scope: str) -> dict[str, tuple[np.ndarray, np.ndarray]
     out = {}
     for key, section in HISTOGRAMS.items():
         sub = [r for r in rows if r["section"] == section]
-        out[key] = (np.array([r["value"] for r in sub], float),
-                    np.array([r["n"] for r in sub], float))  # fmt: skip
+        out[key] = (
+            np.array([r["value"] for r in sub], float),
+            np.array([r["n"] for r in sub], float),
+        )
     return out
 
 
@@ -173,8 +175,9 @@ def render(cat: Catalog, scope: str = DATASET, rows: list[dict] | None = None) -
         limit = v["max_tokens"][0][0]
         tokens = v["caption_tokens"][0]
         if len(tokens) and max(tokens) < limit / 2:  # a line far right would squeeze the bars
-            ax[0, 1].set_title(f"caption length (tokens; max_tokens {limit:.0f}, all below)",
-                               fontsize=10)  # fmt: skip
+            ax[0, 1].set_title(
+                f"caption length (tokens; max_tokens {limit:.0f}, all below)", fontsize=10
+            )
         else:
             ax[0, 1].axvline(limit, color="#c44e52", ls="--", label="max_tokens")
             ax[0, 1].legend(fontsize=8)

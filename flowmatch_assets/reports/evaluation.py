@@ -93,17 +93,31 @@ def evaluate_checkpoint(
     text, mask = _prompt_embeddings(tuple(prompts), text_encoder)
     with torch.inference_mode():
         images = generate(
-            model, text, mask, float(meta["scaling_factor"]), _vae(vae), steps, cfg_scale,
-            seed, float(meta.get("flow_shift", 1.0)), meta.get("null_text"), size,
-        )  # fmt: skip
+            model,
+            text,
+            mask,
+            float(meta["scaling_factor"]),
+            _vae(vae),
+            steps,
+            cfg_scale,
+            seed,
+            float(meta.get("flow_shift", 1.0)),
+            meta.get("null_text"),
+            size,
+        )
     result = caption_eval.score(prompts, images, shapes=analyser_shapes)
     # colour, shape, size and position all right, as one more attribute (chance: the product)
     result["accuracy"]["all_four"] = result["all_correct"]
     result["chance"]["all_four"] = float(np.prod([result["chance"][a] for a in ATTRIBUTES]))
     result["images"] = images
     result["step"] = int(meta.get("step", -1))
-    result["settings"] = {"n_prompts": n_prompts, "seed": seed, "steps": steps, "cfg": cfg_scale,
-                          "size": list(images.shape[1:3])}  # fmt: skip
+    result["settings"] = {
+        "n_prompts": n_prompts,
+        "seed": seed,
+        "steps": steps,
+        "cfg": cfg_scale,
+        "size": list(images.shape[1:3]),
+    }
     return result
 
 
@@ -159,10 +173,12 @@ def _cell_lines(item: dict, font, width: float) -> list[list[tuple[str, tuple]]]
     nothing read)."""
     t = item["truth"]
     read = [
-        ("?" if item["pred"][a] == caption_eval.UNKNOWN else str(item["pred"][a]),
-         _RIGHT if item["correct"][a] else _WRONG)
+        (
+            "?" if item["pred"][a] == caption_eval.UNKNOWN else str(item["pred"][a]),
+            _RIGHT if item["correct"][a] else _WRONG,
+        )
         for a in ("size", "colour", "shape", "position")
-    ]  # fmt: skip
+    ]
     return [
         *_wrap(
             [(w, _TEXT) for w in f"{t['size']} {t['colour']} {t['shape']}".split()], font, width
@@ -336,8 +352,14 @@ def heldout_set(data_root: str | Path, checkpoint: str | Path, max_samples: int 
             rows = rows[:left]
             cls.append(np.asarray(read_shard(layout.asset_path("dino_features", p))["cls"])[rows])
             left -= len(rows)
-    return {"n": len(batch["ids"]), "rule": rule, "ids": batch["ids"], "text": batch["text"].float(),
-            "mask": batch["mask"], "cls": np.concatenate(cls).astype(np.float32)}  # fmt: skip
+    return {
+        "n": len(batch["ids"]),
+        "rule": rule,
+        "ids": batch["ids"],
+        "text": batch["text"].float(),
+        "mask": batch["mask"],
+        "cls": np.concatenate(cls).astype(np.float32),
+    }
 
 
 def fd_dinov2(
@@ -363,17 +385,35 @@ def fd_dinov2(
     held = held if held is not None else heldout_set(data_root, checkpoint)
     label = weights_label(dino)
     if held["n"] < 2:
-        return {"fd_dinov2": None, "n": held["n"], "dino": dino, "dino_weights": label,
-                "reason": "fewer than 2 held-out samples (data.heldout_fraction)"}  # fmt: skip
+        return {
+            "fd_dinov2": None,
+            "n": held["n"],
+            "dino": dino,
+            "dino_weights": label,
+            "reason": "fewer than 2 held-out samples (data.heldout_fraction)",
+        }
     model, meta = load_model(checkpoint=checkpoint)
     with torch.inference_mode():
         images = generate(
-            model, held["text"], held["mask"], float(meta["scaling_factor"]), _vae(vae), steps,
-            cfg_scale, seed, float(meta.get("flow_shift", 1.0)), meta.get("null_text"),
-        )  # fmt: skip
+            model,
+            held["text"],
+            held["mask"],
+            float(meta["scaling_factor"]),
+            _vae(vae),
+            steps,
+            cfg_scale,
+            seed,
+            float(meta.get("flow_shift", 1.0)),
+            meta.get("null_text"),
+        )
     _, cls = _dino(dino).encode_dino(images)
-    return {"fd_dinov2": frechet_distance(cls.astype(np.float32), held["cls"]), "n": held["n"],
-            "step": int(meta.get("step", -1)), "dino": dino, "dino_weights": label}  # fmt: skip
+    return {
+        "fd_dinov2": frechet_distance(cls.astype(np.float32), held["cls"]),
+        "n": held["n"],
+        "step": int(meta.get("step", -1)),
+        "dino": dino,
+        "dino_weights": label,
+    }
 
 
 @functools.lru_cache(maxsize=1)

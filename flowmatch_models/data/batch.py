@@ -144,8 +144,20 @@ def plan_batch(
             "(epoch_order keeps them so; heldout_batches groups by bucket)"
         )
     gh, gw = (int(x) for x in grid[0])
-    return BatchPlan(shard_idx, rows, order, parts, counts, arrays, info[:, 1], n_tok,
-                     info[:, 2], (gh, gw), width, latents)  # fmt: skip
+    return BatchPlan(
+        shard_idx,
+        rows,
+        order,
+        parts,
+        counts,
+        arrays,
+        info[:, 1],
+        n_tok,
+        info[:, 2],
+        (gh, gw),
+        width,
+        latents,
+    )
 
 
 def read_batch(
@@ -165,14 +177,35 @@ def read_batch(
     cells, width = gh * gw, plan.width
     t_end = np.cumsum(n_tok)
     t0 = int(t_end[-1]) if b else 0
-    read_rows(views["text_rows"], [a["tokens"] for a in arrays], counts, plan.first_token,
-              n_tok, t_end - n_tok, io)  # fmt: skip
+    read_rows(
+        views["text_rows"],
+        [a["tokens"] for a in arrays],
+        counts,
+        plan.first_token,
+        n_tok,
+        t_end - n_tok,
+        io,
+    )
     if plan.latents:
-        read_rows(views["latents"], [a["latents"] for a in arrays], counts, plan.first_cell,
-                  cells, order * cells, io)  # fmt: skip
+        read_rows(
+            views["latents"],
+            [a["latents"] for a in arrays],
+            counts,
+            plan.first_cell,
+            cells,
+            order * cells,
+            io,
+        )
         if dino:
-            read_rows(views["dino_rows"], [a["patch"] for a in arrays], counts, plan.first_cell,
-                      cells, np.arange(b) * cells, io)  # fmt: skip
+            read_rows(
+                views["dino_rows"],
+                [a["patch"] for a in arrays],
+                counts,
+                plan.first_cell,
+                cells,
+                np.arange(b) * cells,
+                io,
+            )
             views["dino_dst"][:b] = order
     # where each token goes in the flat padded [B * W] batch, and the mask
     within = np.arange(t0) - np.repeat(t_end - n_tok, n_tok)
@@ -195,17 +228,19 @@ def read_batch(
             k
             for k, v in (("text", first["tokens"]), ("dino", first.get("patch")))
             if v is not None and v.coded
-        ],  # fmt: skip
+        ],
         "text_counts": t_counts.tolist(),
         # the tables of the file versions these rows were read from, per group
         "text_tables": [a["table_keys"]["text"] for a in arrays],
         # per group: its captions' first state is the null caption's (exact on decode)
         "text_first_null": [a["first_null"] for a in arrays],
-        **({"dino_counts": counts,
-            "dino_tables": [a["table_keys"]["dino"] for a in arrays]}
-           if dino and plan.latents else {}),
+        **(
+            {"dino_counts": counts, "dino_tables": [a["table_keys"]["dino"] for a in arrays]}
+            if dino and plan.latents
+            else {}
+        ),
         "sizes": sizes,
-    }  # fmt: skip
+    }
 
 
 def slot_views(buf: dict[str, torch.Tensor], sizes: BatchSizes) -> StoredBatch:

@@ -82,8 +82,10 @@ def parse_sizes(texts: Sequence[str], grid: int = GRID) -> list[Bucket]:
     except ValueError as e:
         raise ValueError(f"sizes {list(texts)}: {e}") from e
     if not sizes or any(h % grid or w % grid or h < grid or w < grid for h, w in sizes):
-        raise ValueError(f"sizes {list(texts)}: give at least one height x width, each a multiple "
-                         f"of {grid} (a latent cell), e.g. ['256x256', '224x320']")  # fmt: skip
+        raise ValueError(
+            f"sizes {list(texts)}: give at least one height x width, each a multiple "
+            f"of {grid} (a latent cell), e.g. ['256x256', '224x320']"
+        )
     return sizes
 
 

@@ -65,8 +65,12 @@ def decode_batch(
                 raise ValueError("a batch with exact first states needs null_first")
             first = dst % width == 0
             if not all(flags):  # partitions stored before the flag: as stored
-                first &= torch.cat([torch.full((n,), f, dtype=torch.bool, device=dst.device)
-                                    for f, n in zip(flags, batch["text_counts"])])  # fmt: skip
+                first &= torch.cat(
+                    [
+                        torch.full((n,), f, dtype=torch.bool, device=dst.device)
+                        for f, n in zip(flags, batch["text_counts"])
+                    ]
+                )
             values = torch.where(first[:, None], null_first.to(values.device), values)
         x.index_copy_(0, dst, values)
         out[key] = x.view(b, width, -1) if key == "text" else x

@@ -51,13 +51,17 @@ def rank_disagreement(rank0: dict, mine: dict, rank: int) -> str | None:
     if rank0["partitions"] != mine["partitions"]:
         a, b = rank0["partitions"], mine["partitions"]
         diff = sorted(set(a) ^ set(b)) or [next(x for x, y in zip(a, b) if x != y)]
-        return (f"rank {rank} and rank 0 train different partitions this epoch (first: {diff[0]}): "
-                "a partition was made or removed while they read the folder; resume with "
-                "--resume auto")  # fmt: skip
+        return (
+            f"rank {rank} and rank 0 train different partitions this epoch (first: {diff[0]}): "
+            "a partition was made or removed while they read the folder; resume with "
+            "--resume auto"
+        )
     for p, n0, n in zip(mine["partitions"], rank0["sizes"], mine["sizes"]):
         if n0 != n:
-            return (f"partition {p} has {n} trainable samples on rank {rank} but {n0} on rank 0: "
-                    "it was re-made while the ranks read it; resume with --resume auto")  # fmt: skip
+            return (
+                f"partition {p} has {n} trainable samples on rank {rank} but {n0} on rank 0: "
+                "it was re-made while the ranks read it; resume with --resume auto"
+            )
     return None
 
 
@@ -158,9 +162,14 @@ class EmbeddingDataModule(L.LightningDataModule):
 
     def _open(self, partitions: list[str]) -> ShardSource:
         return ShardSource(
-            self.root, partitions, self.text_max_len, self.load_dino, 2 * self.shuffle_window + 1,
-            fixed_text_len=self.fixed_text_len, heldout=self.heldout,
-        )  # fmt: skip
+            self.root,
+            partitions,
+            self.text_max_len,
+            self.load_dino,
+            2 * self.shuffle_window + 1,
+            fixed_text_len=self.fixed_text_len,
+            heldout=self.heldout,
+        )
 
     @property
     def scaling_factor(self) -> float:
@@ -194,17 +203,21 @@ class EmbeddingDataModule(L.LightningDataModule):
             found = [p for p in found if p not in self._skipped]
             log.warning(
                 "epoch %d: skipping %d partitions made with other settings than this run's "
-                "(training never mixes fingerprints within one kind): %s", self.epoch,
-                len(self._skipped), "; ".join(f"{p} ({w})" for p, w in list(self._skipped.items())[:5]),
-            )  # fmt: skip
+                "(training never mixes fingerprints within one kind): %s",
+                self.epoch,
+                len(self._skipped),
+                "; ".join(f"{p} ({w})" for p, w in list(self._skipped.items())[:5]),
+            )
         if found and found != self.partitions:
             new = sorted(set(found) - set(self.partitions))
             gone = sorted(set(self.partitions) - set(found))
             log.warning(
-                "epoch %d: %d partitions (%s%s)", self.epoch, len(found),
+                "epoch %d: %d partitions (%s%s)",
+                self.epoch,
+                len(found),
                 f"+{len(new)} new: {', '.join(new[:5])}" if new else "",
                 f" -{len(gone)} gone: {', '.join(gone[:5])}" if gone else "",
-            )  # fmt: skip
+            )
             self.partitions, self.source, self._orders = list(found), self._open(found), {}
             for p in found:
                 self.trained_counts.setdefault(p, 0)
@@ -254,9 +267,16 @@ class EmbeddingDataModule(L.LightningDataModule):
             # its own multiples (chunk boundaries are); the samples up to the next are left for
             # the next epoch (the ledger's segment starts there)
             skip = g - self.position % g
-            log.warning("epoch %d: position %d is not a multiple of the global batch %d; "
-                        "starting at %d (%d samples of this epoch skipped to keep batches one "
-                        "bucket)", self.epoch, self.position, g, self.position + skip, skip)  # fmt: skip
+            log.warning(
+                "epoch %d: position %d is not a multiple of the global batch %d; "
+                "starting at %d (%d samples of this epoch skipped to keep batches one "
+                "bucket)",
+                self.epoch,
+                self.position,
+                g,
+                self.position + skip,
+                skip,
+            )
             self.position += skip
         stream = BatchStream(
             self.source,
@@ -294,19 +314,30 @@ class EmbeddingDataModule(L.LightningDataModule):
         if self.loader == "threads":
             # num_workers threads of this process fill a ring of reusable buffers
             loader = ThreadLoader(stream, self.num_workers)
-            log.info("loader: %d threads, %d batch buffers, %.0f MB", self.num_workers,
-                     len(loader.ring.buffers), loader.ring.nbytes / 1e6)  # fmt: skip
+            log.info(
+                "loader: %d threads, %d batch buffers, %.0f MB",
+                self.num_workers,
+                len(loader.ring.buffers),
+                loader.ring.nbytes / 1e6,
+            )
             return loader
         # a ring of reusable shared buffers: batches are neither copied between processes
         # nor written to fresh memory (sized for the longest batch; memory as logged)
         prefetch = 4 if self.num_workers > 0 else None
         stream.ring = BatchRing(self.source, self.batch_size, self.num_workers, (prefetch or 0) + 3)
-        log.info("loader: %d workers, %d batch buffers, %.0f MB", self.num_workers,
-                 len(stream.ring.buffers), stream.ring.nbytes / 1e6)  # fmt: skip
+        log.info(
+            "loader: %d workers, %d batch buffers, %.0f MB",
+            self.num_workers,
+            len(stream.ring.buffers),
+            stream.ring.nbytes / 1e6,
+        )
         return RingLoader(
-            stream, stream.ring, num_workers=self.num_workers, prefetch_factor=prefetch,
+            stream,
+            stream.ring,
+            num_workers=self.num_workers,
+            prefetch_factor=prefetch,
             persistent_workers=False,
-        )  # fmt: skip
+        )
 
     def decode_batch(self, batch: StoredBatch, device) -> DecodedBatch:
         """A stored training batch as float32 model inputs on ``device`` (where it was moved):
@@ -351,8 +382,11 @@ class EmbeddingDataModule(L.LightningDataModule):
     def mark_consumed(self, epoch: int, position: int, global_batch: int) -> None:
         """Record that the global batch at ``(epoch, position)`` was trained on (all ranks)."""
         if epoch not in self._orders:
-            self._orders = {epoch: self.source.epoch_order(epoch, self.seed, self.shuffle_window,
-                                                           self.bucket_chunk)}  # fmt: skip
+            self._orders = {
+                epoch: self.source.epoch_order(
+                    epoch, self.seed, self.shuffle_window, self.bucket_chunk
+                )
+            }
         idx = self._orders[epoch][position : position + global_batch]
         shard = np.searchsorted(np.cumsum(self.source.sizes), idx, side="right")
         for s, c in zip(*np.unique(shard, return_counts=True)):
@@ -392,8 +426,11 @@ class EmbeddingDataModule(L.LightningDataModule):
         self.trained_counts = {p: 0 for p in self.partitions}
         self.trained_counts.update({k: int(v) for k, v in state["trained_counts"].items()})
         self.ledger = [dict(s) for s in state.get("ledger", [])]
-        ours = {"seed": self.seed, "shuffle_window": self.shuffle_window,
-                "heldout": [float(x) for x in self.heldout]}  # fmt: skip
+        ours = {
+            "seed": self.seed,
+            "shuffle_window": self.shuffle_window,
+            "heldout": [float(x) for x in self.heldout],
+        }
         if "bucket_chunk" in state:  # its epoch was cut in chunks (several buckets)
             ours["bucket_chunk"] = self.bucket_chunk
         # a checkpoint from before held-out splits held nothing out

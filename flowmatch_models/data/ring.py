@@ -32,8 +32,14 @@ class BatchRing:
     mix of two batches.
     """
 
-    def __init__(self, source: ShardSource, batch_size: int, workers: int, slots_per_worker: int,
-                 shared: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        source: ShardSource,
+        batch_size: int,
+        workers: int,
+        slots_per_worker: int,
+        shared: bool = True,
+    ):
         """``shared`` False: ordinary memory, for threads of one process (:class:`ThreadLoader`),
         faulted in here once (zeroed) rather than page by page under the first batches."""
         self.workers, self.slots = max(1, workers), slots_per_worker

@@ -28,9 +28,12 @@ _nowait = {"on": True}
 def _nowait_refused(e: OSError) -> None:
     if _nowait["on"]:
         _nowait["on"] = False
-        log.warning("preadv(RWF_NOWAIT) failed with %s (%s): this process reads with blocking "
-                    "reads on the loader's io threads from now on", errno.errorcode.get(
-                        e.errno, e.errno), e.strerror)  # fmt: skip
+        log.warning(
+            "preadv(RWF_NOWAIT) failed with %s (%s): this process reads with blocking "
+            "reads on the loader's io threads from now on",
+            errno.errorcode.get(e.errno, e.errno),
+            e.strerror,
+        )
 
 
 class FileRows:
@@ -110,8 +113,15 @@ def _read_blocking(mv: memoryview, runs: list[tuple[int, int, int, int]], rows: 
             raise StoreError(f"{path}: short read at byte {off}; the file is truncated")
 
 
-def read_rows(out: np.ndarray, rows: list, sizes: list[int], start: np.ndarray, count,
-              dst: np.ndarray, io: ReadPool | None = None) -> None:  # fmt: skip
+def read_rows(
+    out: np.ndarray,
+    rows: list,
+    sizes: list[int],
+    start: np.ndarray,
+    count,
+    dst: np.ndarray,
+    io: ReadPool | None = None,
+) -> None:
     """A batch's runs of rows of several partitions' arrays into ``out`` (the numpy view of a
     batch buffer): group ``g`` (``sizes[g]`` runs) from ``rows[g]`` (a :class:`FileRows` or
     :class:`ArrayRows`); run ``i`` is rows ``start[i] .. start[i] + count[i]`` to ``out``'s
@@ -137,8 +147,9 @@ def read_rows(out: np.ndarray, rows: list, sizes: list[int], start: np.ndarray, 
     base = np.repeat(np.array([r.base for r in rows], np.int64), sizes)
     fds = np.repeat(np.array([r.fd for r in rows]), sizes).tolist()
     lo = dst * rb
-    runs = zip(fds, (base + start * rb).tolist(), lo.tolist(),
-               (lo + np.multiply(count, rb)).tolist())  # fmt: skip
+    runs = zip(
+        fds, (base + start * rb).tolist(), lo.tolist(), (lo + np.multiply(count, rb)).tolist()
+    )
     if io is None:
         _read_blocking(mv, runs, rows)
         return

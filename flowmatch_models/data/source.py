@@ -162,8 +162,9 @@ class ShardSource:
         """:func:`epoch_order` of these partitions' trainable samples (with their buckets when
         there are several, in chunks of ``chunk``)."""
         multi = len(self.grids) > 1
-        return epoch_order(self.sizes, epoch, seed, window, self.buckets if multi else None,
-                           chunk if multi else 0)  # fmt: skip
+        return epoch_order(
+            self.sizes, epoch, seed, window, self.buckets if multi else None, chunk if multi else 0
+        )
 
     def __getstate__(self) -> dict:
         """Pickled (a DataLoader worker under ``spawn``): without open files; reopened there."""
@@ -233,15 +234,19 @@ class ShardSource:
             shard = self._shard(self.text, p)
             tokens = open_rows(shard, "tokens")
             rows = min(tokens.shape[0], max_tokens - n)
-            dev = tokens.coded and self.tables(self.text, p, key=shard.table_key("tokens"),
-                                               shard=shard)  # fmt: skip
+            dev = tokens.coded and self.tables(
+                self.text, p, key=shard.table_key("tokens"), shard=shard
+            )
             # a causal encoder's first states: the null caption's, as training decodes them
-            firsts = (ragged_offsets(np.asarray(shard["lengths"]))[:-1]
-                      if shard.attrs.get(FIRST_TOKEN_ATTR) and self.null_tokens is not None
-                      else np.zeros(0, np.int64))  # fmt: skip
+            firsts = (
+                ragged_offsets(np.asarray(shard["lengths"]))[:-1]
+                if shard.attrs.get(FIRST_TOKEN_ATTR) and self.null_tokens is not None
+                else np.zeros(0, np.int64)
+            )
             for a in range(0, rows, chunk):
-                part = torch.from_numpy(np.empty((min(chunk, rows - a), *tokens.row_shape),
-                                                 tokens.dtype))  # fmt: skip
+                part = torch.from_numpy(
+                    np.empty((min(chunk, rows - a), *tokens.row_shape), tokens.dtype)
+                )
                 tokens.read([a], len(part), part, [0])
                 t = (transform_codec.decode(part, dev) if dev else part.float()).double().numpy()
                 at = firsts[(firsts >= a) & (firsts < a + len(t))] - a
@@ -297,16 +302,22 @@ class ShardSource:
         shards = [vae, text]
         grids = sample_grids(vae)
         channels = int(vae.info("latents")["shape"][1])
-        out = {"ids": vae.ids, "tokens": open_rows(text, "tokens"), "grids": grids,
-               "latents": open_rows(vae, "latents", cells=True, width=channels)}  # fmt: skip
+        out = {
+            "ids": vae.ids,
+            "tokens": open_rows(text, "tokens"),
+            "grids": grids,
+            "latents": open_rows(vae, "latents", cells=True, width=channels),
+        }
         out["lengths"] = np.asarray(text["lengths"]).astype(np.int64)
         out["offsets"] = ragged_offsets(out["lengths"])
         # a sample's latent cells and its DINO rows start at the same cell offset
         out["cells"] = ragged_offsets(grids.astype(np.int64).prod(1))
         #: per row what a plan needs, one take a partition: caption length, first token, first
         #: cell, latent grid (h, w); and the trainable rows (held-out ones left out)
-        out["rows"] = np.stack([out["lengths"], out["offsets"][:-1], out["cells"][:-1],
-                                *grids.astype(np.int64).T], axis=1)  # fmt: skip
+        out["rows"] = np.stack(
+            [out["lengths"], out["offsets"][:-1], out["cells"][:-1], *grids.astype(np.int64).T],
+            axis=1,
+        )
         out["train_rows"] = np.delete(np.arange(len(grids)), self.heldout_rows[i])
         if self.load_dino:
             dino = self._shard(self.dino, p)
@@ -381,17 +392,24 @@ class ShardSource:
     def _heldout_pairs(self, max_samples: int) -> list[tuple[int, int]]:
         return [(i, r) for i, rows in enumerate(self.heldout_rows) for r in rows][:max_samples]
 
-    def plan(self, shard_idx: np.ndarray, rows: np.ndarray, latents: bool = True,
-             train: bool = False) -> BatchPlan:  # fmt: skip
+    def plan(
+        self, shard_idx: np.ndarray, rows: np.ndarray, latents: bool = True, train: bool = False
+    ) -> BatchPlan:
         """The :class:`BatchPlan` of samples ``(shard_idx[j], rows[j])`` (:func:`plan_batch`:
         their partitions opened; ``train``: ``rows`` index each partition's trainable rows, the
         held-out ones skipped). The samples share one latent grid (one aspect-ratio bucket)
         unless ``latents`` is False (captions only, any buckets)."""
-        return plan_batch(shard_idx, rows, self._arrays, self.text_max_len,
-                          self.fixed_text_len, latents, train)  # fmt: skip
+        return plan_batch(
+            shard_idx, rows, self._arrays, self.text_max_len, self.fixed_text_len, latents, train
+        )
 
-    def read(self, plan: BatchPlan, out: dict | None = None,
-             out_arrays: dict | None = None, io: ReadPool | None = None) -> StoredBatch:  # fmt: skip
+    def read(
+        self,
+        plan: BatchPlan,
+        out: dict | None = None,
+        out_arrays: dict | None = None,
+        io: ReadPool | None = None,
+    ) -> StoredBatch:
         """The stored batch of ``plan`` (:func:`read_batch`). ``out``: buffers to fill (a
         :class:`BatchRing` slot, :meth:`buffers`; ``out_arrays`` their numpy views): the batch
         then leaves the tensors out (they are ``out``'s, cut by ``sizes``: :func:`slot_views`);
@@ -410,8 +428,13 @@ class ShardSource:
     def decode(self, batch: StoredBatch, device="cpu") -> DecodedBatch:
         """A stored batch as float32 model inputs on ``device`` (where its tensors are):
         :func:`decode_batch` with this source's tables (:meth:`tables`, on ``device``)."""
-        return decode_batch(batch, lambda k, p, key: self.tables(k, p, device, key),
-                            self.scaling_factor, device, self.null_first(device))  # fmt: skip
+        return decode_batch(
+            batch,
+            lambda k, p, key: self.tables(k, p, device, key),
+            self.scaling_factor,
+            device,
+            self.null_first(device),
+        )
 
     def buffers(self, b: int, tokens: int, first: dict | None = None, shared: bool = False) -> dict:
         """Empty buffers for a stored batch of ``b`` samples and ``tokens`` caption tokens."""
@@ -449,8 +472,11 @@ class ShardSource:
             self._tables.move_to_end((kind, key, str(device)))
             return self._tables[(kind, key, str(device))]
         with self._lock:
-            opened = [a["shards"].get(kind) for i, a in self._open.items()
-                      if self.partitions[i] == partition]  # fmt: skip
+            opened = [
+                a["shards"].get(kind)
+                for i, a in self._open.items()
+                if self.partitions[i] == partition
+            ]
         found = None
         for s in [shard, *opened]:
             if s is not None and (key is None or s.table_key(array) == key):

@@ -78,8 +78,10 @@ class BatchStream(IterableDataset):
     def order(self, epoch: int) -> np.ndarray:
         """The epoch's sample order (:func:`epoch_order`; the newest epoch's kept)."""
         if self._order is None or self._order[0] != epoch:
-            self._order = (epoch, self.source.epoch_order(epoch, self.seed, self.window,
-                                                          self.chunk))  # fmt: skip
+            self._order = (
+                epoch,
+                self.source.epoch_order(epoch, self.seed, self.window, self.chunk),
+            )
         return self._order[1]
 
     def positions(self) -> Iterator[tuple[int, int]]:
@@ -118,14 +120,22 @@ class BatchStream(IterableDataset):
             if w + 1 < len(windows):
                 start = ends[w - 1] if w else 0
                 due = int((g0 - start) / max(ends[w] - start, 1) * (len(windows[w + 1]) + 1))
-                todo = next((int(p) for p in windows[w + 1][:due]
-                             if not self.source.is_open(int(p))), None)  # fmt: skip
+                todo = next(
+                    (int(p) for p in windows[w + 1][:due] if not self.source.is_open(int(p))), None
+                )
             lo = g0 + self.rank * self.batch_size
             yield k, epoch, g0, order[lo : lo + self.batch_size], todo
 
-    def build(self, epoch: int, g0: int, idx: np.ndarray, todo: int | None,
-              slot: int | None = None, ring: BatchRing | None = None,
-              io: ReadPool | None = None) -> StoredBatch:  # fmt: skip
+    def build(
+        self,
+        epoch: int,
+        g0: int,
+        idx: np.ndarray,
+        todo: int | None,
+        slot: int | None = None,
+        ring: BatchRing | None = None,
+        io: ReadPool | None = None,
+    ) -> StoredBatch:
         """The stored batch of samples ``idx`` (of :meth:`plan`) with its ``meta``: read into
         ``ring``'s ``slot`` (the batch then holds only what is not in the slot's buffers), or
         new buffers. ``io``: reads that would wait on the disk go to its threads
@@ -141,9 +151,13 @@ class BatchStream(IterableDataset):
             batch = self.source.read(plan)
         # bookkeeping as host values beside the tensors: the module takes it off the batch
         # before the transfer, so reading it never waits on the device
-        batch["meta"] = {"epoch": int(epoch), "position": int(g0),
-                         "global_batch": int(self.global_batch), "ids": batch.pop("ids"),
-                         "shard": batch.pop("shard")}  # fmt: skip
+        batch["meta"] = {
+            "epoch": int(epoch),
+            "position": int(g0),
+            "global_batch": int(self.global_batch),
+            "ids": batch.pop("ids"),
+            "shard": batch.pop("shard"),
+        }
         return batch
 
     def __iter__(self) -> Iterator[dict]:
@@ -193,8 +207,7 @@ class ThreadLoader:
 
     def __init__(self, stream: BatchStream, threads: int, prefetch: int = 2):
         self.stream, self.threads, self.prefetch = stream, max(0, int(threads)), prefetch
-        self.ring = BatchRing(stream.source, stream.batch_size, 1, self.prefetch + 3,
-                              shared=False)  # fmt: skip
+        self.ring = BatchRing(stream.source, stream.batch_size, 1, self.prefetch + 3, shared=False)
         stream.ring = None  # this loader fills its ring itself
         self._pass: Iterator[dict] | None = None  # the pass in progress
 
@@ -224,9 +237,13 @@ class ThreadLoader:
         it again in the building thread, and fails there if the error stays)."""
         if not f.cancelled() and f.exception() is not None:
             e = f.exception()
-            log.warning("loader: opening partition %s ahead failed (%s: %s); the batch that "
-                        "needs it opens it again", self.stream.source.partitions[part],
-                        type(e).__name__, e)  # fmt: skip
+            log.warning(
+                "loader: opening partition %s ahead failed (%s: %s); the batch that "
+                "needs it opens it again",
+                self.stream.source.partitions[part],
+                type(e).__name__,
+                e,
+            )
 
     def _iterate(self) -> Iterator[dict]:
         plan = self.stream.plan()

@@ -53,8 +53,10 @@ def shard_problems(kind: EmbeddingKind, shard: Shard, ids: Sequence[str]) -> lis
         if dtype.kind == "f":
             if "aux" in info[spec.name]:
                 t = shard.coded(spec.name).tables
-                finite = all(np.isfinite(np.asarray(x, np.float32)).all()
-                             for x in (t.mean, t.weight, t.lo, t.step))  # fmt: skip
+                finite = all(
+                    np.isfinite(np.asarray(x, np.float32)).all()
+                    for x in (t.mean, t.weight, t.lo, t.step)
+                )
             else:
                 finite = bool(np.isfinite(shard[spec.name]).all())
             if not finite:

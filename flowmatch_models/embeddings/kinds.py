@@ -340,7 +340,7 @@ register(
             ArraySpec("patch", (None,), rows="cell"),
             ArraySpec("cls", (None,)),
             ArraySpec("grid", (2,), "int32"),
-        ),  # fmt: skip
+        ),
         seed_format_bytes=dense_bytes("patch", "cls"),
         lossy=("patch",),
         model_input=ModelInput("patch", batch="dino", width="repa"),

@@ -119,7 +119,7 @@ class Ahead:
         images = any(k.role.input == "images" for k in kinds)
         self._thread = threading.Thread(
             target=self._produce, args=(tokenizers, images), name="flowmatch-prefetch", daemon=True
-        )  # fmt: skip
+        )
         self._thread.start()
 
     def _put(self, item) -> bool:  # False: closed
@@ -140,7 +140,9 @@ class Ahead:
             src = pa.memory_map(str(self.path))
             self._meta = read_image_meta(src)
             captions = self._meta.column("caption").to_pylist()
-            self.tokens = {name: self._pool.submit(tok, captions) for name, tok in tokenizers.items()}  # fmt: skip
+            self.tokens = {
+                name: self._pool.submit(tok, captions) for name, tok in tokenizers.items()
+            }
         except BaseException as e:  # noqa: BLE001 - raised to the consumer
             self._error = e
             return
@@ -272,7 +274,7 @@ def _encode(ahead: Ahead, kinds, spec, device, encs, log, inputs, weights_cache)
                 {"simulated_gpu_pairs_per_s": enc.simulated_pairs_per_s}
                 if enc.simulated_pairs_per_s
                 else {}
-            ),  # fmt: skip
+            ),
             "dtype": str(enc.dtype),
             "source": f"images/{Path(images_path).stem}",
             **extra_attrs,

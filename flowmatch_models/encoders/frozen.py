@@ -216,9 +216,12 @@ class Encoders:
         (256 x 256, or an aspect-ratio bucket)."""
         images = np.asarray(images)
         if (
-            images.dtype != np.uint8 or images.ndim != 4 or images.shape[3] != 3
-            or images.shape[1] % GRID or images.shape[2] % GRID
-        ):  # fmt: skip
+            images.dtype != np.uint8
+            or images.ndim != 4
+            or images.shape[3] != 3
+            or images.shape[1] % GRID
+            or images.shape[2] % GRID
+        ):
             raise ValueError(
                 f"expected uint8 images [N, H, W, 3] with H and W multiples of {GRID} (256 x 256 "
                 f"or an aspect-ratio bucket), got {images.dtype} {images.shape}"

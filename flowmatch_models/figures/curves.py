@@ -94,8 +94,10 @@ def plot_coverage(ledger: list[dict], out_png: Path) -> Path | None:
     epochs = sorted(per_epoch)
     fig, ax = plt.subplots(1, 2, figsize=(10, 3.2))
     for a, what in zip(ax, ("partitions", "samples")):
-        used = [len(per_epoch[e]["partitions"]) if what == "partitions"
-                else sum(per_epoch[e]["sizes"]) for e in epochs]  # fmt: skip
+        used = [
+            len(per_epoch[e]["partitions"]) if what == "partitions" else sum(per_epoch[e]["sizes"])
+            for e in epochs
+        ]
         avail = [per_epoch[e].get(f"available_{what}", u) for e, u in zip(epochs, used)]
         a.step(epochs, used, where="post", label="used", color="C0", lw=3)
         a.step(epochs, avail, where="post", label="available (complete)", color="C1", ls="--")

@@ -126,8 +126,9 @@ def export_pipeline(
             atomic_write_text(tmp / "flowmatch_call.json", json.dumps(info, indent=1))
         else:
             scheduler.save_pretrained(tmp / "scheduler")
-        write_transformer(ema, tmp / "transformer", scaling_factor, preset, shift, null_text,
-                          parent)  # fmt: skip
+        write_transformer(
+            ema, tmp / "transformer", scaling_factor, preset, shift, null_text, parent
+        )
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -155,8 +156,13 @@ def export_checkpoint(
     model, meta = load_model(checkpoint=checkpoint)
     used = meta.get("encoders") or {}
     return export_pipeline(
-        model, out, scaling_factor=float(meta["scaling_factor"]), preset=meta["preset"],
-        shift=float(meta.get("flow_shift", 1.0)), null_text=meta.get("null_text"),
+        model,
+        out,
+        scaling_factor=float(meta["scaling_factor"]),
+        preset=meta["preset"],
+        shift=float(meta.get("flow_shift", 1.0)),
+        null_text=meta.get("null_text"),
         vae=vae or used.get("vae") or default_vae,
-        text_encoder=text_encoder or used.get("text") or default_text, parent=meta.get("parent"),
-    )  # fmt: skip
+        text_encoder=text_encoder or used.get("text") or default_text,
+        parent=meta.get("parent"),
+    )

@@ -36,11 +36,12 @@ class FlowSettings:
     mode_scale: Annotated[
         float,
         Field(
-            ge=-1, le=2 / (math.pi - 2),
+            ge=-1,
+            le=2 / (math.pi - 2),
             description="mode: SD3's scale s (paper eq. 20; 1.29 in its rf/mode(1.29)); "
             "0 = uniform; -1 <= s <= 2/(pi-2) keeps the density positive.",
         ),
-    ] = 1.29  # fmt: skip
+    ] = 1.29
     train_shift: Annotated[
         float,
         Field(gt=0, description="SD3 shift of the training t, s t / (1 + (s-1) t) (1 = none)."),

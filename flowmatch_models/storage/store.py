@@ -184,13 +184,25 @@ def write_shard(
             tables = transform_codec.fit(rows, bits, fit_device)
             codes = transform_codec.encode(rows, tables, device=fit_device)
             err = pca_error(rows, codes, tables, fit_device)
-            lossy_attrs[name] = {"mode": mode, **err,
-                                 "bits_per_value": 8 * tables.row_bytes() / arr.shape[-1]}  # fmt: skip
-            aux = {"codes": codes.reshape(*arr.shape[:-1], codes.shape[-1]), "mean": tables.mean,
-                   "weight": tables.weight, "lo": tables.lo, "step": tables.step}  # fmt: skip
-            extra = {"raw_dtype": arr.dtype.str, "lossy": mode, "codes_none": True,
-                     "counts": {str(w): n for w, n in tables.counts.items()},
-                     "aux": {role: f"{name}{_AUX}{role}__" for role in aux}}  # fmt: skip
+            lossy_attrs[name] = {
+                "mode": mode,
+                **err,
+                "bits_per_value": 8 * tables.row_bytes() / arr.shape[-1],
+            }
+            aux = {
+                "codes": codes.reshape(*arr.shape[:-1], codes.shape[-1]),
+                "mean": tables.mean,
+                "weight": tables.weight,
+                "lo": tables.lo,
+                "step": tables.step,
+            }
+            extra = {
+                "raw_dtype": arr.dtype.str,
+                "lossy": mode,
+                "codes_none": True,
+                "counts": {str(w): n for w, n in tables.counts.items()},
+                "aux": {role: f"{name}{_AUX}{role}__" for role in aux},
+            }
             plan.append((name, np.zeros((*arr.shape[:-1], 0), np.float16), extra))
             for role, a in aux.items():
                 plan.append(
@@ -330,8 +342,11 @@ class Shard:
         if "aux" in e:
             width = self._entries[e["aux"]["mean"]]["shape"][-1]
             lead = self._entries[e["aux"]["codes"]]["shape"][:-1]
-            e.update(dtype=np.dtype(np.float16).str, shape=[*lead, width],
-                     nbytes=sum(self._entries[a]["nbytes"] for a in _aux_names(e)))  # fmt: skip
+            e.update(
+                dtype=np.dtype(np.float16).str,
+                shape=[*lead, width],
+                nbytes=sum(self._entries[a]["nbytes"] for a in _aux_names(e)),
+            )
         return e
 
     @property
@@ -377,9 +392,11 @@ class Shard:
             empty.flags.writeable = False
             return empty
         view = np.frombuffer(
-            self._mapped(), dtype=dtype, count=int(np.prod(shape)),
+            self._mapped(),
+            dtype=dtype,
+            count=int(np.prod(shape)),
             offset=self._data_start + e["offset"],
-        ).reshape(shape)  # fmt: skip
+        ).reshape(shape)
         if check and name not in self._verified:
             self._check_streaming(name, view)
         return view
@@ -444,13 +461,19 @@ class Shard:
         e = self._entry(name)
         if "aux" not in e:
             raise ValueError(f"{self.path}: array {name!r} is not transform-coded")
-        aux = {role: self._raw_view(a, check=verify or role != "codes")  # tables: always
-               for role, a in e["aux"].items()}  # fmt: skip
+        aux = {
+            role: self._raw_view(a, check=verify or role != "codes")  # tables: always
+            for role, a in e["aux"].items()
+        }
         counts = {int(w): int(n) for w, n in e["counts"].items()}
         tables = transform_codec.Tables(  # small: copied out of the file's mapping
-            np.array(aux["mean"]), np.array(aux["weight"]), np.array(aux["lo"]),
-            np.array(aux["step"]), counts, int(aux["codes"].shape[-1]),
-        )  # fmt: skip
+            np.array(aux["mean"]),
+            np.array(aux["weight"]),
+            np.array(aux["lo"]),
+            np.array(aux["step"]),
+            counts,
+            int(aux["codes"].shape[-1]),
+        )
         return Coded(aux["codes"], tables)
 
     def __getitem__(self, name: str) -> np.ndarray:

@@ -143,9 +143,15 @@ def fit(x: np.ndarray, bits: float, device: str = "cpu") -> Tables:
     xs = torch.from_numpy(np.asarray(sample, np.float32)).to(device)
     if r < 2:  # nothing to learn axes from: the rows are the mean
         mean = xs.mean(0).cpu() if r else torch.zeros(d)
-        return Tables(mean.numpy(), np.zeros((0, d), np.float16), np.zeros(0, np.float32),
-                      np.zeros(0, np.float32), dict.fromkeys(WIDTHS, 0), row_size(d, bits),
-                      np.zeros((d, 0), np.float32))  # fmt: skip
+        return Tables(
+            mean.numpy(),
+            np.zeros((0, d), np.float16),
+            np.zeros(0, np.float32),
+            np.zeros(0, np.float32),
+            dict.fromkeys(WIDTHS, 0),
+            row_size(d, bits),
+            np.zeros((d, 0), np.float32),
+        )
     mean = xs.double().mean(0)
     std = xs.double().std(0, correction=0)
     std = torch.where(std > 0, std, torch.ones_like(std))
@@ -163,8 +169,9 @@ def fit(x: np.ndarray, bits: float, device: str = "cpu") -> Tables:
     counts = {w: int((widths == w).sum()) for w in WIDTHS}
     proj = (axes / std[:, None].float()).cpu().numpy()
     cpu = lambda t: t.float().cpu().numpy()  # noqa: E731
-    return Tables(cpu(mean), weight.half().cpu().numpy(), cpu(lo), cpu(step), counts,
-                  row_size(d, bits), proj)  # fmt: skip
+    return Tables(
+        cpu(mean), weight.half().cpu().numpy(), cpu(lo), cpu(step), counts, row_size(d, bits), proj
+    )
 
 
 def _ranges(y, widths):
@@ -218,8 +225,9 @@ def encode(x: np.ndarray, tables: Tables, chunk: int = 65_536, device: str = "cp
         y = (on(x[a : a + chunk]) - mean) @ proj
         col = 0
         for w, s, n in _spans(tables.counts):
-            q = torch.clamp(torch.floor((y[:, s : s + n] - lo[s : s + n]) / step[s : s + n]),
-                            0, 2**w - 1).to(torch.uint8)  # fmt: skip
+            q = torch.clamp(
+                torch.floor((y[:, s : s + n] - lo[s : s + n]) / step[s : s + n]), 0, 2**w - 1
+            ).to(torch.uint8)
             out[a : a + chunk, col : col + n * w // 8] = _pack(q, w).cpu().numpy()
             col += n * w // 8
     return out

@@ -126,9 +126,18 @@ class CheckpointPolicy(Callback):
     Every write is atomic; a full disk leaves the previous files intact and stops the run on
     every rank with one line (:class:`DiskFullError`)."""
 
-    def __init__(self, ckpt_dir: Path, io: AtomicCheckpointIO, every: int, full_every: int,
-                 keep_full: int, keep_ema: int, full_every_minutes: float | None = None,
-                 background: bool = True, stop: SignalStop | None = None):  # fmt: skip
+    def __init__(
+        self,
+        ckpt_dir: Path,
+        io: AtomicCheckpointIO,
+        every: int,
+        full_every: int,
+        keep_full: int,
+        keep_ema: int,
+        full_every_minutes: float | None = None,
+        background: bool = True,
+        stop: SignalStop | None = None,
+    ):
         self.dir, self.io = Path(ckpt_dir), io
         self.every, self.full_every = every, full_every
         self.keep_full, self.keep_ema = max(1, keep_full), keep_ema
@@ -160,9 +169,10 @@ class CheckpointPolicy(Callback):
     def _agree(self, trainer) -> tuple[int, bool]:
         """(signal number or 0, wall-clock interval due): the same on every rank."""
         due = bool(
-            self.interval_s and trainer.is_global_zero
+            self.interval_s
+            and trainer.is_global_zero
             and time.monotonic() - self._t_full >= self.interval_s
-        )  # fmt: skip
+        )
         sig = int(self.stop.signum or 0)
         if trainer.world_size > 1:
             import torch.distributed as dist
@@ -375,10 +385,19 @@ class SampleGridCallback(Callback):
         s = self.cfg.sample
         out = self.cfg.run_dir() / "samples" / f"step{trainer.global_step:07d}.png"
         self.last_path = sample_grid(
-            pl_module.sampling_transformer(), text, mask, out, self.dm.scaling_factor, vae=self._vae,
-            steps=s.steps, cfg_scale=s.cfg_scale, seed=s.seed, shift=self.cfg.flow.sample_shift,
-            labels=labels, null_text=pl_module.flow.null_text,
-        )  # fmt: skip
+            pl_module.sampling_transformer(),
+            text,
+            mask,
+            out,
+            self.dm.scaling_factor,
+            vae=self._vae,
+            steps=s.steps,
+            cfg_scale=s.cfg_scale,
+            seed=s.seed,
+            shift=self.cfg.flow.sample_shift,
+            labels=labels,
+            null_text=pl_module.flow.null_text,
+        )
         self.last_step = trainer.global_step
         return self.last_path
 

@@ -118,11 +118,13 @@ class OptimConfig(_Section):
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine floor as a fraction of lr.")
     grad_clip: float = Field(1.0, ge=0, description="Gradient-norm clip; 0 = none.")
     ema_decay: float = Field(
-        0.9999, ge=0, le=1,
+        0.9999,
+        ge=0,
+        le=1,
         description="EMA decay per optimizer step, after a warm-up ramp (1+n)/(10+n) over the "
         "EMA's age n: the run's steps, plus the parent's step for a fine-tune (its EMA goes on "
         "from the parent's: choose the decay for the fine-tune's length).",
-    )  # fmt: skip
+    )
 
 
 class DataConfig(_Section):
@@ -132,10 +134,11 @@ class DataConfig(_Section):
     )
     batch_size: int = Field(64, ge=1, description="Per device.")
     num_workers: int = Field(
-        2, ge=0,
+        2,
+        ge=0,
         description="Loader threads (data.loader threads) or DataLoader worker processes "
         "(processes); 0: batches built in the training loop's thread.",
-    )  # fmt: skip
+    )
     loader: Literal["threads", "processes"] = Field(
         "threads",
         description="How batches are built: threads of the training process (reads release "
@@ -144,17 +147,20 @@ class DataConfig(_Section):
     )
     shuffle_window: int = Field(4, ge=1, description="Shards mixed in one shuffle window.")
     bucket_chunk: int = Field(
-        256, ge=1,
+        256,
+        ge=1,
         description="With aspect-ratio buckets: each window's samples of one bucket are cut in "
         "chunks of this many and every global batch (batch_size x devices) is cut from one, so "
         "it must divide this (resume with another global batch that divides it too).",
-    )  # fmt: skip
+    )
     text_max_len: int = Field(128, ge=1, description="Caption tokens kept per sample.")
     heldout_fraction: float = Field(
-        0.005, ge=0, le=0.5,
+        0.005,
+        ge=0,
+        le=0.5,
         description="Held out of every partition by id hash, never trained on (validation, "
         "FD); 0 = none. Changing it changes the data order (like run.seed).",
-    )  # fmt: skip
+    )
     heldout_max_per_partition: int = Field(50, ge=0, description="Cap on held-out per partition.")
     allow_order_change: bool = Field(
         False, description="Resume although run.seed/shuffle_window changed (next epoch)."
@@ -227,16 +233,18 @@ class TrainerConfig(_Section):
         500, ge=1, description="EMA-only snapshot stepN-ema.ckpt (evaluation, export) cadence."
     )
     full_every: int | None = Field(
-        None, ge=1,
+        None,
+        ge=1,
         description="Full resumable state stepN.ckpt (weights, Adam, EMA) cadence; null = "
         "checkpoint_every. Also at the end of every session.",
-    )  # fmt: skip
+    )
     full_every_minutes: float | None = Field(
-        30.0, ge=0,
+        30.0,
+        ge=0,
         description="Also a full resumable state at the first step boundary this many minutes "
         "(wall clock) after the previous one: a crash or preemption loses at most this much "
         "(half on average; flowmatch budget); written in the background. null/0 = steps only.",
-    )  # fmt: skip
+    )
     keep_full: int = Field(2, ge=1, description="Newest full states kept (last.ckpt links one).")
     keep_ema: int = Field(0, ge=0, description="Newest EMA snapshots kept; 0 = all.")
     val_every: int = Field(

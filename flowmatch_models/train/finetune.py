@@ -65,9 +65,12 @@ def checkpoint_for(run_dir: Path, step: int | None, weights: str) -> tuple[Path,
     if not ok:
         raise ConfigError(
             f"init: run folder {run_dir} has no {'full ' if weights == 'raw' else ''}checkpoint"
-            + (" (init.weights=raw needs a full stepN.ckpt; use init.weights=ema)" if have else
-               "; train it first or point init.from_run/from_checkpoint elsewhere")
-        )  # fmt: skip
+            + (
+                " (init.weights=raw needs a full stepN.ckpt; use init.weights=ema)"
+                if have
+                else "; train it first or point init.from_run/from_checkpoint elsewhere"
+            )
+        )
     s = max(ok) if step is None else step
     if s not in ok:
         raise ConfigError(
@@ -100,8 +103,10 @@ def resolve_parent(init: InitConfig, data_root: Path, run_dir: Path) -> dict:
             raise ConfigError(f"init.from_checkpoint {ckpt}: no such checkpoint")
         state = _load(ckpt)
         if init.weights == "raw" and state.get("kind") == "ema":
-            raise ConfigError(f"init.weights=raw: {ckpt.name} is an EMA-only snapshot; pass a "
-                              "full stepN.ckpt or use init.weights=ema")  # fmt: skip
+            raise ConfigError(
+                f"init.weights=raw: {ckpt.name} is an EMA-only snapshot; pass a "
+                "full stepN.ckpt or use init.weights=ema"
+            )
         step = int(state.get("global_step", 0))
         parent_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
     else:
@@ -143,8 +148,10 @@ def parent_changed(parent: dict, cache: dict | None = None) -> str | None:
     found = checkpoints_at(run_dir).get(int(parent["step"]), {})
     path = found.get("ema") or found.get("full")
     if path is None:
-        return (f"its parent {parent['run']} has no checkpoint at step {parent['step']} any "
-                "more (re-trained, or pruned): the weights it started from are unknown")  # fmt: skip
+        return (
+            f"its parent {parent['run']} has no checkpoint at step {parent['step']} any "
+            "more (re-trained, or pruned): the weights it started from are unknown"
+        )
     key = (str(path), path.stat().st_mtime_ns, path.stat().st_size)
     if cache is not None and key in cache:
         digest = cache[key]
@@ -153,8 +160,10 @@ def parent_changed(parent: dict, cache: dict | None = None) -> str | None:
         if cache is not None:
             cache[key] = digest
     if digest != parent["digest"]:
-        return (f"its parent {parent['run']} was re-trained: its step-{parent['step']} weights "
-                f"changed ({parent['digest'][:12]} -> {digest[:12]})")  # fmt: skip
+        return (
+            f"its parent {parent['run']} was re-trained: its step-{parent['step']} weights "
+            f"changed ({parent['digest'][:12]} -> {digest[:12]})"
+        )
     return None
 
 
@@ -227,8 +236,9 @@ def freeze(model: torch.nn.Module, prefixes: list[str]) -> int:
         hit = [k for k in names if k == pre or k.startswith(pre.rstrip(".") + ".")]
         if not hit:
             top = sorted({".".join(k.split(".")[:2]) for k in names})
-            raise ConfigError(f"init.freeze {pre!r} matches no parameter; names start with: "
-                              f"{', '.join(top)}")  # fmt: skip
+            raise ConfigError(
+                f"init.freeze {pre!r} matches no parameter; names start with: {', '.join(top)}"
+            )
         for k in hit:
             if names[k].requires_grad:
                 names[k].requires_grad_(False)

@@ -32,11 +32,13 @@ def segment_samples(
     if chunk:
         if grids_of is None:
             raise ValueError("a segment of several buckets: segment_samples needs grids_of")
-        g = np.concatenate([np.asarray(grids_of(p), np.int64).reshape(-1, 2)
-                            for p in seg["partitions"]])  # fmt: skip
+        g = np.concatenate(
+            [np.asarray(grids_of(p), np.int64).reshape(-1, 2) for p in seg["partitions"]]
+        )
         buckets = np.unique(g, axis=0, return_inverse=True)[1].reshape(-1).astype(np.uint8)
-    order = epoch_order(sizes, int(seg["epoch"]), int(seg["seed"]), int(seg["shuffle_window"]),
-                        buckets, chunk)  # fmt: skip
+    order = epoch_order(
+        sizes, int(seg["epoch"]), int(seg["seed"]), int(seg["shuffle_window"]), buckets, chunk
+    )
     start = int(seg.get("emit_from", seg["pos_from"]))  # a delta: only positions from here
     idx = order[start : int(seg["pos_to"])]
     k = (np.arange(len(idx)) + start - int(seg["pos_from"])) // int(seg["global_batch"])
@@ -46,8 +48,19 @@ def segment_samples(
 
 
 #: What places a segment's samples (its other fields are reports: available, skipped).
-ORDER_KEYS = ("epoch", "partitions", "sizes", "seed", "shuffle_window", "heldout",
-              "bucket_chunk", "global_batch", "accumulate", "pos_from", "step_from")  # fmt: skip
+ORDER_KEYS = (
+    "epoch",
+    "partitions",
+    "sizes",
+    "seed",
+    "shuffle_window",
+    "heldout",
+    "bucket_chunk",
+    "global_batch",
+    "accumulate",
+    "pos_from",
+    "step_from",
+)
 
 
 def is_prefix(base: Sequence[dict], segs: Sequence[dict]) -> bool:
@@ -164,8 +177,11 @@ def checkpoint_ledgers(
         if step in done or is_recorded(step, ckpt):
             continue
         segs = (state.get("EmbeddingDataModule") or {}).get("ledger") or []
-        bases = [b for b in sorted(recorded, reverse=True)
-                 if b < step and is_prefix(recorded[b][0], segs)]  # fmt: skip
+        bases = [
+            b
+            for b in sorted(recorded, reverse=True)
+            if b < step and is_prefix(recorded[b][0], segs)
+        ]
         base_segs, base_chain = recorded[bases[0]] if bases else ([], [])
         rows = expand(delta(base_segs, segs), ids_of, grids_of)
         chain = [*base_chain, step]

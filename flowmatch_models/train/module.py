@@ -124,9 +124,12 @@ class FlowMatchModule(L.LightningModule):
         o, max_steps = self.config.optim, self.config.trainer.max_steps
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # init.freeze
         opt = torch.optim.AdamW(
-            trainable, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay,
+            trainable,
+            lr=o.lr,
+            betas=o.betas,
+            weight_decay=o.weight_decay,
             fused=True,  # honours found_inf: a non-finite step is skipped on the device
-        )  # fmt: skip
+        )
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda s: lr_factor(s, o.warmup_steps, o.schedule, max_steps, o.min_lr_ratio)
         )
@@ -204,9 +207,10 @@ class FlowMatchModule(L.LightningModule):
         self._skipped += b
         self._streak = (self._streak + 1) * b
         self._streak_start = torch.where(
-            self._streak == 1, torch.full_like(self._streak, self.global_step + 1),
+            self._streak == 1,
+            torch.full_like(self._streak, self.global_step + 1),
             self._streak_start,
-        )  # fmt: skip
+        )
         self._streak_max = torch.maximum(self._streak_max, self._streak)
 
     def grad_norm_mean(self) -> float | None:

@@ -133,12 +133,20 @@ class TrainResult:
 
     def materialization_metadata(self) -> dict:
         """Scalars for a Dagster materialization (Pipes)."""
-        keep = {"step": self.step, "device": self.device, "checkpoint": self.checkpoint,
-                "samples_session": self.samples_session, "samples_total": self.samples_total,
-                "wall_s": round(self.wall_s, 1), "export_dir": self.export_dir,
-                "skipped_steps": self.skipped_steps, "disk_bytes": self.disk_bytes,
-                "grad_norm_mean": self.grad_norm_mean, "wandb_dir": self.wandb_dir,
-                **self.metrics}  # fmt: skip
+        keep = {
+            "step": self.step,
+            "device": self.device,
+            "checkpoint": self.checkpoint,
+            "samples_session": self.samples_session,
+            "samples_total": self.samples_total,
+            "wall_s": round(self.wall_s, 1),
+            "export_dir": self.export_dir,
+            "skipped_steps": self.skipped_steps,
+            "disk_bytes": self.disk_bytes,
+            "grad_norm_mean": self.grad_norm_mean,
+            "wandb_dir": self.wandb_dir,
+            **self.metrics,
+        }
         if self.parent:
             keep["parent_run"], keep["parent_step"] = self.parent["run"], self.parent["step"]
         return {k: v for k, v in keep.items() if v is not None}
@@ -206,8 +214,10 @@ def select_sources(partitions: Sequence[str], cfg: TrainConfig) -> list[str]:
     picked = [p for p in partitions if d.sources is None or source_of(p) in d.sources]
     if not picked:
         have = sorted({source_of(p) for p in partitions})
-        raise ConfigError(f"data.sources {d.sources}: no complete partition of them (complete "
-                          f"partitions are of {have}); materialize their embeddings first")  # fmt: skip
+        raise ConfigError(
+            f"data.sources {d.sources}: no complete partition of them (complete "
+            f"partitions are of {have}); materialize their embeddings first"
+        )
     d.grow = False
     return [p for p in picked for _ in range(d.source_weights.get(source_of(p), 1))]
 
@@ -240,21 +250,34 @@ def _fit(request: TrainRequest, cfg: TrainConfig, pipes) -> TrainResult:
     L.seed_everything(cfg.run.seed, workers=True, verbose=False)
     d, t = cfg.data, cfg.trainer
     dm = EmbeddingDataModule(
-        cfg.data.root, request.partitions, batch_size=d.batch_size, num_workers=d.num_workers,
-        seed=cfg.run.seed, shuffle_window=d.shuffle_window, text_max_len=d.text_max_len,
-        load_dino=cfg.flow.repa_lambda > 0, allow_order_change=d.allow_order_change,
-        grow=d.grow, accumulate=t.accumulate_grad_batches, fixed_text_len=cfg.model.compile,
-        heldout=(d.heldout_fraction, d.heldout_max_per_partition), bucket_chunk=d.bucket_chunk,
+        cfg.data.root,
+        request.partitions,
+        batch_size=d.batch_size,
+        num_workers=d.num_workers,
+        seed=cfg.run.seed,
+        shuffle_window=d.shuffle_window,
+        text_max_len=d.text_max_len,
+        load_dino=cfg.flow.repa_lambda > 0,
+        allow_order_change=d.allow_order_change,
+        grow=d.grow,
+        accumulate=t.accumulate_grad_batches,
+        fixed_text_len=cfg.model.compile,
+        heldout=(d.heldout_fraction, d.heldout_max_per_partition),
+        bucket_chunk=d.bucket_chunk,
         loader=d.loader,
-    )  # fmt: skip
+    )
     module = FlowMatchModule(cfg, widths=dm.source.widths)
     module.parent = request.parent
     if request.parent and ckpt_path is None:  # a fine-tune: the parent's weights and text_norm
         for note in finetune.load_parent(module, request.parent, dm.source.widths):
-            print(f"init from {request.parent['run']} step {request.parent['step']} "
-                  f"({request.parent['weights']}): {note}", flush=True)  # fmt: skip
-        note = finetune.ema_warning(cfg.optim.ema_decay, module.ema_steps(), t.max_steps,
-                                    request.parent)  # fmt: skip
+            print(
+                f"init from {request.parent['run']} step {request.parent['step']} "
+                f"({request.parent['weights']}): {note}",
+                flush=True,
+            )
+        note = finetune.ema_warning(
+            cfg.optim.ema_decay, module.ema_steps(), t.max_steps, request.parent
+        )
         if note and distributed.is_launcher():
             print(note, flush=True)
     elif request.parent:  # a resume: the weights are its own; the same parts stay frozen
@@ -278,29 +301,46 @@ def _fit(request: TrainRequest, cfg: TrainConfig, pipes) -> TrainResult:
     ]
     if cfg.logging.wandb:
         _quiet_wandb()
-        loggers.append(wandb_run.make_logger(cfg, run_dir, distributed.is_launcher(), coverage,
-                                             request.parent))  # fmt: skip
+        loggers.append(
+            wandb_run.make_logger(cfg, run_dir, distributed.is_launcher(), coverage, request.parent)
+        )
     ckpt_io = AtomicCheckpointIO()
     stop = SignalStop()  # a signal from here on is a stop with a full state saved
     stop.install()
     ckpt_cb = CheckpointPolicy(
-        run_dir / "checkpoints", ckpt_io, t.checkpoint_every, t.full_every or t.checkpoint_every,
-        t.keep_full, t.keep_ema, full_every_minutes=t.full_every_minutes, stop=stop,
-    )  # fmt: skip
+        run_dir / "checkpoints",
+        ckpt_io,
+        t.checkpoint_every,
+        t.full_every or t.checkpoint_every,
+        t.keep_full,
+        t.keep_ema,
+        full_every_minutes=t.full_every_minutes,
+        stop=stop,
+    )
     grid_cb = SampleGridCallback(cfg, dm)
     callbacks = [ckpt_cb, ProgressPrinter(t.log_every, pipes), grid_cb]
     if cfg.logging.record_sample_ids:
         callbacks.append(SampleIdRecorder(run_dir))
     trainer = L.Trainer(
-        accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes,
-        strategy=t.strategy, precision=precision, max_steps=t.max_steps, max_epochs=-1,
+        accelerator=t.accelerator,
+        devices=t.devices,
+        num_nodes=t.num_nodes,
+        strategy=t.strategy,
+        precision=precision,
+        max_steps=t.max_steps,
+        max_epochs=-1,
         accumulate_grad_batches=t.accumulate_grad_batches,
         log_every_n_steps=t.log_every,  # gradients clipped by the module (with the skip check)
-        logger=loggers, callbacks=callbacks, plugins=[ckpt_io], enable_checkpointing=False,
-        use_distributed_sampler=False, enable_progress_bar=t.progress_bar,
-        enable_model_summary=False, num_sanity_val_steps=0,
+        logger=loggers,
+        callbacks=callbacks,
+        plugins=[ckpt_io],
+        enable_checkpointing=False,
+        use_distributed_sampler=False,
+        enable_progress_bar=t.progress_bar,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
         reload_dataloaders_every_n_epochs=1,  # one loader per epoch: its partitions decided at its start
-    )  # fmt: skip
+    )
     samples_before = _samples_in(ckpt_path)
     t0 = time.perf_counter()
     try:
@@ -309,9 +349,10 @@ def _fit(request: TrainRequest, cfg: TrainConfig, pipes) -> TrainResult:
         ckpt_cb.writer.wait()
         last = run_dir / "checkpoints" / "last.ckpt"
         raise StoppedBySignal(
-            "SIGTERM", _checkpoint_step(str(last)) if last.is_file() else 0,
+            "SIGTERM",
+            _checkpoint_step(str(last)) if last.is_file() else 0,
             str(last) if last.is_file() else None,
-        ) from None  # fmt: skip
+        ) from None
     finally:
         stop.restore()
         ckpt_cb.writer.release()
@@ -412,19 +453,27 @@ def _finish_outputs(result, cfg, trainer, module, dm, grid_cb, loggers) -> None:
     try:
         result.export_dir = str(
             export_pipeline(
-                module.sampling_transformer(), run_dir / "pipeline", scaling_factor=dm.scaling_factor,
-                preset=cfg.model.preset, shift=cfg.flow.sample_shift, null_text=module.flow.null_text,
-                vae=cfg.encoders.vae, text_encoder=cfg.encoders.text, parent=result.parent,
+                module.sampling_transformer(),
+                run_dir / "pipeline",
+                scaling_factor=dm.scaling_factor,
+                preset=cfg.model.preset,
+                shift=cfg.flow.sample_shift,
+                null_text=module.flow.null_text,
+                vae=cfg.encoders.vae,
+                text_encoder=cfg.encoders.text,
+                parent=result.parent,
             )
-        )  # fmt: skip
+        )
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         need = sum(p.numel() * p.element_size() for p in module.ema.parameters())
         raise DiskFullError(
-            e.errno, disk_full_message(run_dir / "pipeline", need, final)
-            .replace("nothing half-written was left", "the previous pipeline/ is unchanged"),
-        ) from None  # fmt: skip
+            e.errno,
+            disk_full_message(run_dir / "pipeline", need, final).replace(
+                "nothing half-written was left", "the previous pipeline/ is unchanged"
+            ),
+        ) from None
     result.disk_bytes = folder_bytes(run_dir)
     result.wandb_dir = wandb_run.finish(loggers)
 
@@ -466,8 +515,11 @@ def _quiet_wandb() -> None:
     would read the environment before the logger sets ``WANDB_MODE`` for an offline run.)"""
     if verbose():
         return
-    for key, value in (("WANDB_QUIET", "true"), ("WANDB_SHOW_INFO", "false"),
-                       ("WANDB_SHOW_WARNINGS", "false")):  # fmt: skip
+    for key, value in (
+        ("WANDB_QUIET", "true"),
+        ("WANDB_SHOW_INFO", "false"),
+        ("WANDB_SHOW_WARNINGS", "false"),
+    ):
         os.environ.setdefault(key, value)
     import wandb
 
@@ -503,15 +555,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     75 (:data:`~flowmatch_models.train.signals.EXIT_STOPPED`) stopped by SIGTERM, SIGINT or
     SIGUSR1 after saving a full state (resume with ``--resume auto``); 128 + N a second signal N
     (exited at once)."""
-    ap = argparse.ArgumentParser(prog="python -m flowmatch_models.train", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap = argparse.ArgumentParser(
+        prog="python -m flowmatch_models.train",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--config", help="run YAML (see configs/tiny.yaml)")
     ap.add_argument("--resume", default="auto", help="auto (last.ckpt if any), none, or a path")
     ap.add_argument("--max-steps", type=int, default=None, help="total steps")
     ap.add_argument("--extra-steps", type=int, default=None, help="steps beyond the checkpoint")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--pipes-request", action="store_true",
-                    help="read the TrainRequest from the Dagster Pipes extras (flow_model)")  # fmt: skip
+    ap.add_argument(
+        "--pipes-request",
+        action="store_true",
+        help="read the TrainRequest from the Dagster Pipes extras (flow_model)",
+    )
     ap.add_argument("--result-json", default=None, help="also write the TrainResult here")
     args = ap.parse_args(argv)
     quiet_libraries()
@@ -524,9 +582,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 request = TrainRequest.from_dict(extras) if extras else TrainRequest()
             elif args.config:
                 request = TrainRequest(
-                    config=args.config, overrides=list(args.set), max_steps=args.max_steps,
-                    extra_steps=args.extra_steps, resume=args.resume,
-                )  # fmt: skip
+                    config=args.config,
+                    overrides=list(args.set),
+                    max_steps=args.max_steps,
+                    extra_steps=args.extra_steps,
+                    resume=args.resume,
+                )
             else:
                 raise ConfigError("pass --config run.yaml (see configs/tiny.yaml)")
             result = train(request, pipes)

@@ -61,12 +61,19 @@ class SignalStop:
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
         if self.signum is not None:
-            print(f"{name} again: exiting now without saving; the newest complete full state "
-                  "(checkpoints/last.ckpt) is kept", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"{name} again: exiting now without saving; the newest complete full state "
+                "(checkpoints/last.ckpt) is kept",
+                file=sys.stderr,
+                flush=True,
+            )
             os._exit(128 + signum)
         self.signum = signum
-        print(f"{name}: saving a full state at the next step boundary, then stopping "
-              f"(send it again to exit at once)", flush=True)  # fmt: skip
+        print(
+            f"{name}: saving a full state at the next step boundary, then stopping "
+            f"(send it again to exit at once)",
+            flush=True,
+        )
 
 
 class StoppedBySignal(Exception):
@@ -74,8 +81,11 @@ class StoppedBySignal(Exception):
 
     def __init__(self, name: str, step: int, checkpoint: str | None):
         self.name, self.step, self.checkpoint = name, step, checkpoint
-        where = f"full state saved at step {step}: {checkpoint}" if checkpoint else (
-            "no full state could be saved")  # fmt: skip
+        where = (
+            f"full state saved at step {step}: {checkpoint}"
+            if checkpoint
+            else ("no full state could be saved")
+        )
         super().__init__(
             f"stopped by {name}: {where}; resume with --resume auto "
             f"(flowmatch resume, or materialize flow_model again)"

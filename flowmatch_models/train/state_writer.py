@@ -71,9 +71,11 @@ class StateWriter:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # the non-blocking device-to-host copies are complete
         self._thread = threading.Thread(
-            target=self._run, args=(copy, Path(path), after), name="flowmatch-state-writer",
+            target=self._run,
+            args=(copy, Path(path), after),
+            name="flowmatch-state-writer",
             daemon=True,
-        )  # fmt: skip
+        )
         self._thread.start()
         self.last_stall_s = time.perf_counter() - t0
 

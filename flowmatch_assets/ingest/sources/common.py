@@ -41,10 +41,19 @@ from flowmatch_assets.ingest.sources.config import SourceConfig
 
 #: Failure reasons of the listing (the images stage adds its own: ingest/images.py REASONS).
 LISTING_REASONS = (
-    "missing_caption", "missing_url", "missing_image", "bad_caption", "bad_metadata", "duplicate_id",
-    "outside_source", "not_regular_file", "unreadable", "corrupt_container", "too_large",
+    "missing_caption",
+    "missing_url",
+    "missing_image",
+    "bad_caption",
+    "bad_metadata",
+    "duplicate_id",
+    "outside_source",
+    "not_regular_file",
+    "unreadable",
+    "corrupt_container",
+    "too_large",
     "not_found",
-)  # fmt: skip
+)
 
 #: The largest caption file, caption member or ``.json`` member read (a caption is a sentence,
 #: PD12M's longest are ~2 KB); past it the sample fails as ``too_large``.

@@ -210,8 +210,12 @@ class FolderKind(SourceKind):
                     try:
                         rel = _target(loc, base, rec["file_name"])
                     except IngestError as e:
-                        found[sid] = {"id": sid, "image": None, "reason": e.reason,
-                                      "problem": f"line {n}: {e.detail}"}  # fmt: skip
+                        found[sid] = {
+                            "id": sid,
+                            "image": None,
+                            "reason": e.reason,
+                            "problem": f"line {n}: {e.detail}",
+                        }
                         continue
                     found.setdefault(
                         rel, {"id": rel, "image": rel}
@@ -248,8 +252,9 @@ class FolderKind(SourceKind):
         for i, e in enumerate(m.entries):
             sid = e["id"]
             if e.get("problem"):
-                failed.append(failure(sid, sid.split("#")[0], e.get("reason", "bad_metadata"),
-                                      e["problem"]))  # fmt: skip
+                failed.append(
+                    failure(sid, sid.split("#")[0], e.get("reason", "bad_metadata"), e["problem"])
+                )
                 continue
             if not e.get("image"):
                 failed.append(
@@ -280,8 +285,14 @@ class FolderKind(SourceKind):
                 if bad is not None:
                     failed.append(failure(sid, img, bad.reason, f"no {side}, and {bad.detail}"))
                     continue
-                failed.append(failure(sid, img, "missing_caption",
-                                      f"no {side} and no {JSONL} line with {field!r} for it"))  # fmt: skip
+                failed.append(
+                    failure(
+                        sid,
+                        img,
+                        "missing_caption",
+                        f"no {side} and no {JSONL} line with {field!r} for it",
+                    )
+                )
                 continue
             out.append(row(cfg, name, sid, img, caption, i))
         return Listing(out, failed)

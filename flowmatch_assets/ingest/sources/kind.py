@@ -92,8 +92,10 @@ class NewPartition(NamedTuple):
 def cut(unit: str, n: int, size: int) -> list[NewPartition]:
     """The ``n`` rows of file ``unit`` as new partitions of at most ``size`` rows each (one,
     empty, when it has none)."""
-    return [NewPartition(unit, k * size, min(n, (k + 1) * size), [])
-            for k in range(max(1, math.ceil(n / size)))]  # fmt: skip
+    return [
+        NewPartition(unit, k * size, min(n, (k + 1) * size), [])
+        for k in range(max(1, math.ceil(n / size)))
+    ]
 
 
 class Skipped(NamedTuple):

@@ -112,8 +112,9 @@ def _stem(m) -> str:
     return posixpath.basename(m.unit).removesuffix(".parquet")
 
 
-def _rows_of(cfg: SourceConfig, name: str, m, stem: str, t: pa.Table, start: int,
-             out: list, failed: list) -> None:  # fmt: skip
+def _rows_of(
+    cfg: SourceConfig, name: str, m, stem: str, t: pa.Table, start: int, out: list, failed: list
+) -> None:
     """The rows (into ``out``) and failures (into ``failed``) of ``t``, rows ``start``... of
     the file."""
     captions = t.column(cfg.caption()).to_pylist()
@@ -208,14 +209,21 @@ class ParquetKind(SourceKind):
                 except _BROKEN as e:
                     raise _broken(m.unit, e) from None
         except IngestError as e:  # the whole file: each of its rows fails with the reason
-            return Listing([], [failure(f"{stem}/{r}", f"{m.unit}#{r}", e.reason, e.detail)
-                                for r in range(m.start, m.end)])  # fmt: skip
+            return Listing(
+                [],
+                [
+                    failure(f"{stem}/{r}", f"{m.unit}#{r}", e.reason, e.detail)
+                    for r in range(m.start, m.end)
+                ],
+            )
         out, failed = [], []
         for at, n, t in parts:
             lo, hi = max(m.start, at), min(m.end, at + n)
             if isinstance(t, IngestError):  # a row group too big to read: each of its rows says so
-                failed += [failure(f"{stem}/{r}", f"{m.unit}#{r}", t.reason, t.detail)
-                           for r in range(lo, hi)]  # fmt: skip
+                failed += [
+                    failure(f"{stem}/{r}", f"{m.unit}#{r}", t.reason, t.detail)
+                    for r in range(lo, hi)
+                ]
                 continue
             _rows_of(cfg, name, m, stem, t.slice(lo - at, hi - lo), lo, out, failed)
         return Listing(out, failed)

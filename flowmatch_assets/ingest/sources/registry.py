@@ -155,7 +155,7 @@ def unregistered(root: str | Path, name: str, cfg: SourceConfig) -> Scan:
                 p.end,
                 p.entries,
                 p.span,
-            )  # fmt: skip
+            )
             for i, p in enumerate(found.new)
         ],
         skipped,
@@ -236,8 +236,14 @@ def partition_rows(
     unique = []
     for r in rows:  # an id names one row of the partition (catalog records, the images stage)
         if r["id"] in seen:
-            failed.append(failure(r["id"], r["url"], "duplicate_id",
-                                  f"another sample of {key} has the id {r['id']!r}"))  # fmt: skip
+            failed.append(
+                failure(
+                    r["id"],
+                    r["url"],
+                    "duplicate_id",
+                    f"another sample of {key} has the id {r['id']!r}",
+                )
+            )
             continue
         seen.add(r["id"])
         unique.append(r)
@@ -296,8 +302,13 @@ class ConfiguredSource(PartitionSource):
         """Listed from the partition's manifest: rows, and the samples that cannot be rows."""
         table, failed, m = partition_rows(self.res.data_root, self.cfg, key)
         where = m.as_partition(self.cfg.location)
-        extra = {"source_file": where["source_file"], "row_start": m.start, "row_end": m.end,
-                 "source_kind": self.cfg.kind, "manifest": m.digest()}  # fmt: skip
+        extra = {
+            "source_file": where["source_file"],
+            "row_start": m.start,
+            "row_end": m.end,
+            "source_kind": self.cfg.kind,
+            "manifest": m.digest(),
+        }
         return table, failed, extra
 
     def reader(self, key: str, max_bytes: int):

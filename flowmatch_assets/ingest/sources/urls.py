@@ -193,8 +193,10 @@ class UrlsKind(SourceKind):
         try:
             listed = read_list(Location(cfg), m.unit, cfg)
         except IngestError as e:  # the whole file: each of its rows fails with the reason
-            return Listing([], [failure(f"{stem}/{r}", None, e.reason, e.detail)
-                                for r in range(m.start, m.end)])  # fmt: skip
+            return Listing(
+                [],
+                [failure(f"{stem}/{r}", None, e.reason, e.detail) for r in range(m.start, m.end)],
+            )
         n = len(listed)
         if isinstance(listed, pa.Table):  # only this partition's rows become Python objects
             listed = listed.slice(m.start, max(0, min(n, m.end) - m.start)).to_pylist()
@@ -208,15 +210,20 @@ class UrlsKind(SourceKind):
                 continue
             got = listed[r - m.start]
             if got is None:
-                failed.append(failure(f"{stem}/{r}", None, "bad_metadata",
-                                      f"line {r} of {m.unit} is not a JSON object"))  # fmt: skip
+                failed.append(
+                    failure(
+                        f"{stem}/{r}",
+                        None,
+                        "bad_metadata",
+                        f"line {r} of {m.unit} is not a JSON object",
+                    )
+                )
                 continue
             sid = _text(got.get(cfg.id_field)) if cfg.id_field else None
             sid = sid or f"{stem}/{r}"
             url = _text(got.get(cfg.url()))
             if url is None:
-                failed.append(failure(sid, None, "missing_url",
-                                      f"{cfg.url()} is empty in row {r}"))  # fmt: skip
+                failed.append(failure(sid, None, "missing_url", f"{cfg.url()} is empty in row {r}"))
                 continue
             try:
                 text = caption_text(got.get(cfg.caption()))
@@ -226,8 +233,9 @@ class UrlsKind(SourceKind):
                 )
                 continue
             if not text:
-                failed.append(failure(sid, url, "missing_caption",
-                                      f"{cfg.caption()} is empty in row {r}"))  # fmt: skip
+                failed.append(
+                    failure(sid, url, "missing_caption", f"{cfg.caption()} is empty in row {r}")
+                )
                 continue
             one = row(cfg, name, sid, url, text, r - m.start)
             one["mime_type"] = mime_of(url.split("?", 1)[0])
@@ -283,8 +291,11 @@ class Pd12mSource(PartitionSource):
         res = self.res
         table, spec = read_metadata_shard(res.metadata_source, key, res.shard_size)
         table = ids_as_strings(table)
-        extra: dict = {"source_file": spec.path, "row_start": spec.row_start,
-                       "row_end": spec.row_end}  # fmt: skip
+        extra: dict = {
+            "source_file": spec.path,
+            "row_start": spec.row_start,
+            "row_end": spec.row_end,
+        }
         if res.filters.drop_duplicate_hash:  # across the whole dataset: dedupe.py
             index = build_hash_index(
                 res.data_root, res.metadata_source, res.filters, res.shard_size, log=log

@@ -267,8 +267,11 @@ class WebDatasetKind(SourceKind):
                 )
                 continue
             if s["big"]:
-                failed.append(failure(key, url, "too_large", f"{s['big'][0]} is above "
-                                      f"{CAPTION_MAX_BYTES} bytes"))  # fmt: skip
+                failed.append(
+                    failure(
+                        key, url, "too_large", f"{s['big'][0]} is above {CAPTION_MAX_BYTES} bytes"
+                    )
+                )
                 continue
             caption = None
             try:
@@ -291,8 +294,14 @@ class WebDatasetKind(SourceKind):
                 failed.append(failure(key, url, "bad_caption", f"{where} is {e}"))
                 continue
             if caption is None:
-                failed.append(failure(key, url, "missing_caption",
-                                      f"sample {key} has no .{field} member and no {field!r} in its .json"))  # fmt: skip
+                failed.append(
+                    failure(
+                        key,
+                        url,
+                        "missing_caption",
+                        f"sample {key} has no .{field} member and no {field!r} in its .json",
+                    )
+                )
                 continue
             out.append(row(cfg, name, key, url, caption, i))
         return Listing(out, failed)
