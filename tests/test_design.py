@@ -28,7 +28,6 @@ LONGER = {
     "flowmatch_assets/catalog/views.py",
     "flowmatch_assets/freshness/fingerprints.py",
     "flowmatch_assets/ingest/decode.py",
-    "flowmatch_assets/ingest/sources/location.py",
     "flowmatch_assets/reports/budget.py",
     "flowmatch_assets/runs.py",
     "flowmatch_models/storage/store.py",

@@ -159,6 +159,8 @@ def _add_source(
 ) -> int:
     """`sources add`: a new source (or, with ``replace``, new settings of an existing one);
     its location must exist unless ``allow_missing``."""
+    from pydantic import ValidationError
+
     from flowmatch_assets.ingest import sources as src
     from flowmatch_assets.ingest.sources.location import Location
 
@@ -170,7 +172,12 @@ def _add_source(
     if kind not in src.SOURCE_KINDS:
         raise CliError(f"--kind {kind!r}: choose one of {', '.join(src.SOURCE_KINDS)}")
     given = {"kind": kind, "location": src.config.absolute(location), **options}
-    cfg = src.SourceConfig.model_validate({k: v for k, v in given.items() if v is not None})
+    try:
+        cfg = src.SourceConfig.model_validate({k: v for k, v in given.items() if v is not None})
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(x) for x in err["loc"])
+        raise CliError(f"sources add {name}: {field}: {err['msg']}") from None
     cfg.allowing(res.ingest.allow_networks)
     src.check_name(name)
     parts = src.registered(res.data_root, name)

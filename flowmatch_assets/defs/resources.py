@@ -21,6 +21,7 @@ from flowmatch_assets.demo import DEMO_VAE
 from flowmatch_assets.ingest.images import IngestConfig
 from flowmatch_assets.ingest.metadata import FilterConfig
 from flowmatch_assets.ingest.sources import SourceConfig, SourceError, read_sources, sources_file
+from flowmatch_assets.ingest.sources.config import check_location
 from flowmatch_models.encoders.spec import EncoderSpec
 from flowmatch_models.storage.layout import DataLayout
 
@@ -57,6 +58,11 @@ class FlowmatchResource(dg.ConfigurableResource):
         "<data root>/sources.yaml (`flowmatch sources add`). Their partitions are <name>-NNNNN.",
     )
 
+    @field_validator("metadata_source")
+    @classmethod
+    def _allowed_metadata(cls, v: str) -> str:
+        return check_location(v)  # the sources' scheme allow-list (no fsspec chains)
+
     @field_validator("filters", "ingest", "encoders", mode="before")
     @classmethod
     def _plain(cls, v: Any) -> Any:
@@ -91,7 +97,9 @@ class FlowmatchResource(dg.ConfigurableResource):
 
 
 def _abs(p: str) -> str:
-    return p if "://" in p else str(Path(p).expanduser().resolve())
+    if "://" in p or "::" in p or p != p.strip():
+        return p  # a URL as it is; an odd location is refused, as written, by check_location
+    return str(Path(p).expanduser().resolve())
 
 
 class SettingError(ValueError):

@@ -59,6 +59,46 @@ class SourceError(ValueError):
     """A source that cannot be used as configured; the message names it and the fix."""
 
 
+#: The location schemes a source (and PD12M's ``metadata_source``) may name, besides a local
+#: path. Every other fsspec protocol is refused before anything is opened: chains
+#: (``simplecache::http://...``) and wrappers open their inner URL without the address guard,
+#: and ``ftp``, ``webhdfs``, ``tar``, ``jupyter``, ... connect or read where no bound holds.
+ALLOWED_SCHEMES = ("file", "http", "https", "s3")
+_HINTS = {
+    "tar": "name the .tar itself with --kind webdataset (its headers are bounded)",
+    "zip": "unpack it into a folder",
+}
+
+
+def check_location(location: str) -> str:
+    """``location`` when it is a local path or a URL of an allowed scheme
+    (:data:`ALLOWED_SCHEMES`), else SourceError in one line naming the scheme and the fix."""
+    if not isinstance(location, str) or not location:
+        raise SourceError("a location must be a non-empty folder, file or URL")
+    if location != location.strip() or any(ord(c) < 32 or ord(c) == 127 for c in location):
+        raise SourceError(
+            f"location {redacted(location)!r} starts or ends with white space or holds a "
+            "control character: write it as the path or URL alone"
+        )
+    allowed = "a local path, " + ", ".join(f"{s}://" for s in ALLOWED_SCHEMES)
+    if "::" in location:
+        outer = location.split("::", 1)[0].split("://", 1)[0]
+        raise SourceError(
+            f"location {redacted(location)!r} chains filesystems ({outer}::...): not allowed, "
+            "a chain opens its inner URL past the address guard; "
+            + _HINTS.get(outer.lower(), f"name the inner location itself ({allowed})")
+        )
+    scheme = location.split("://", 1)[0].lower() if "://" in location else None
+    if scheme is None and location.lower().startswith("data:"):
+        scheme = "data"
+    if scheme is not None and scheme not in ALLOWED_SCHEMES:
+        hint = _HINTS.get(scheme, f"use {allowed}")
+        raise SourceError(
+            f"location scheme {scheme!r} is not allowed ({redacted(location)!r}): {hint}"
+        )
+    return location
+
+
 def _userinfo(location: str) -> tuple[str, str] | None:
     """``(user, password)`` of a URL location that carries a password, else None."""
     if "://" not in location:
@@ -134,6 +174,11 @@ class SourceConfig(BaseModel):
         description="Read files through links that leave the location (off: such a file is a "
         "failed row, outside_source). Only regular files are read either way.",
     )
+
+    @field_validator("location")
+    @classmethod
+    def _allowed(cls, v: str) -> str:
+        return check_location(v)
 
     @field_validator("caption_extension")
     @classmethod
@@ -217,8 +262,15 @@ def read_sources(path: str | Path) -> dict[str, dict]:
         check_name(str(name))
         raw = dict(raw or {})
         loc = raw.get("location")
-        if isinstance(loc, str) and "://" not in loc and not Path(loc).expanduser().is_absolute():
-            raw["location"] = str((p.parent / loc).resolve())  # relative to the sources file
+        if (
+            isinstance(loc, str)
+            and loc == loc.strip()
+            and "://" not in loc
+            and "::" not in loc
+            and not Path(loc).expanduser().is_absolute()
+        ):
+            # relative to the sources file; a link stays a link (followed when read)
+            raw["location"] = os.path.abspath(p.parent / loc)
         try:
             out[str(name)] = SourceConfig.model_validate(raw).model_dump(exclude_unset=True)
         except ValidationError as e:
@@ -243,5 +295,8 @@ def write_source(path: str | Path, name: str, cfg: SourceConfig | None) -> Path:
 
 
 def absolute(location: str) -> str:
-    """A local location as an absolute path (URLs as they are)."""
-    return location if "://" in location else str(Path(location).expanduser().resolve())
+    """A local location as an absolute path (URLs as they are). A link is kept as given, not
+    resolved: re-pointing it later points the source at the new target."""
+    if "://" in location or location != location.strip():
+        return location  # check_location names what is wrong with an odd one
+    return os.path.abspath(os.path.expanduser(location))

@@ -21,7 +21,7 @@ reaches its files, and it holds every read to these rules:
 Remote locations (any other fsspec filesystem: http, s3, ...) have no links: their names are
 confined by construction (relative to the location), their listings never leave the location's
 path, and their reads are bounded in bytes. An http(s) location is read behind the downloads'
-address policy (:func:`guarded_http`): every connection to a public address (or
+address policy (``network.guarded_http``; an ``s3://`` one ``guarded_s3``): every connection to a public address (or
 ``ingest.allow_networks``), no redirect off the location's host. A password in the location
 is redacted from every detail (``config.redact``). Every
 refusal is an :class:`~flowmatch_assets.ingest.images.IngestError` whose detail names the file and
@@ -42,6 +42,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from flowmatch_assets.ingest.images import IngestError
 from flowmatch_assets.ingest.sources.config import SourceConfig, SourceError, redact
+from flowmatch_assets.ingest.sources.network import guarded_http, guarded_s3
 
 _CHUNK = 1 << 20
 #: The endings of a remote location that is one file (a container, a URL list: urls.py)
@@ -110,8 +111,11 @@ class Location:
 
     def __init__(self, cfg: SourceConfig):
         self.cfg = cfg
-        if cfg.location.split("://", 1)[0].lower() in ("http", "https"):
+        scheme = cfg.location.split("://", 1)[0].lower() if "://" in cfg.location else ""
+        if scheme in ("http", "https"):
             self.fs, root = guarded_http(cfg), cfg.location
+        elif scheme == "s3":
+            self.fs, root = guarded_s3(cfg), cfg.location.split("://", 1)[1]
         else:
             self.fs, root = fsspec.core.url_to_fs(cfg.location)
         self.root = root.rstrip("/") or "/"
@@ -460,61 +464,6 @@ class Location:
             s.seekable = lambda: False  # it says True, but cannot seek
             return s
         return io.BytesIO(fs.cat_file(path))
-
-
-def guarded_http(cfg: SourceConfig):
-    """fsspec's HTTP filesystem for ``cfg.location`` behind the downloads' address policy
-    (ingest/fetch.py): every connection, redirects included, goes to an address
-    :func:`~flowmatch_assets.ingest.fetch.address_refusal` allows (or ``cfg``'s allowed
-    networks), checked on the very address the socket connects to (a DNS answer that changes
-    between check and connect cannot slip by), else ``private_address``; a redirect off the
-    location's host (or to another scheme) is ``redirect_refused``; no proxy from the
-    environment."""
-    import ipaddress
-    import socket
-
-    import aiohttp
-    from fsspec.implementations.http import HTTPFileSystem
-    from yarl import URL
-
-    from flowmatch_assets.ingest.fetch import address_refusal
-
-    allowed = tuple(ipaddress.ip_network(n, strict=False) for n in cfg._allow_networks)
-    home = URL(cfg.location)
-
-    def socket_factory(addr_info) -> socket.socket:
-        family, type_, proto, _name, sockaddr = addr_info
-        ip = ipaddress.ip_address(str(sockaddr[0]).split("%", 1)[0])
-        why = address_refusal(ip, allowed)
-        if why is not None:
-            raise IngestError(
-                "private_address",
-                f"the source's host {home.host} reaches {ip} ({why}): not read; "
-                "ingest.allow_networks (FLOWMATCH_ALLOW_NETWORKS) allows chosen networks",
-            )
-        return socket.socket(family, type_, proto)
-
-    async def on_redirect(_session, _ctx, params) -> None:
-        target = params.url.join(URL(params.response.headers.get("Location", "")))
-        if target.scheme not in ("http", "https") or (target.host, target.port) != (
-            home.host,
-            home.port,
-        ):
-            raise IngestError(
-                "redirect_refused",
-                f"{params.url.path} redirects off the source's host ({target.scheme}://"
-                f"{target.host}:{target.port})",
-            )
-
-    async def get_client(**kwargs):
-        trace = aiohttp.TraceConfig()
-        trace.on_request_redirect.append(on_redirect)
-        connector = aiohttp.TCPConnector(socket_factory=socket_factory)
-        return aiohttp.ClientSession(
-            connector=connector, trace_configs=[trace], trust_env=False, **kwargs
-        )
-
-    return HTTPFileSystem(get_client=get_client, skip_instance_cache=True)
 
 
 def _read_bounded(f, rel: str, limit: int, what: str) -> bytes:
