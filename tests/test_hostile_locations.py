@@ -140,3 +140,58 @@ def test_an_s3_endpoint_on_an_internal_address_is_refused_before_connecting(
 
         assert cli_main(add) == 2  # the listener closes every connection: not an s3 service
         assert tcp.connections >= 1
+
+
+_REGISTER = """
+import sys
+sys.stderr = sys.stdout  # the skip lines, with the rest of the output
+from flowmatch_assets.cli import main
+sys.exit(main(["partitions", "register"]))
+"""
+
+
+def _many_rows_few_bytes(path, n: int, columns: dict[str, object]) -> None:
+    """A real parquet file of ``n`` rows, each column one repeated value (dictionary-encoded
+    and run-length packed: ~150 KB for 20M rows): what a hostile footer claims, made honestly."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    idx = pa.array(np.zeros(n, dtype=np.int8))
+    table = pa.table(
+        {k: pa.DictionaryArray.from_arrays(idx, pa.array([v])) for k, v in columns.items()}
+    )
+    pq.write_table(table, path, row_group_size=n)
+
+
+def test_a_parquet_footer_claiming_more_rows_than_bytes_registers_nothing(env, monkeypatch):  # noqa: F811
+    """A 150 KB parquet claiming 20M rows, as a `urls` list and as a `parquet` source: both
+    skipped at `partitions register` with the claim in the line, no partition file written,
+    quickly and in bounded memory (before: 20,000 partitions of each; 10^10 rows: GBs and
+    574k files until killed)."""
+    import time
+
+    from flowmatch_assets.ingest import sources as src
+    from tests import hostile_sources as hs
+    from tests.test_hostile_bounds import _peak_rss
+
+    n = 20_000_000
+    (env / "hf").mkdir()
+    _many_rows_few_bytes(env / "list.parquet", n, {"url": "http://x/a.jpg", "caption": "a cat"})
+    _many_rows_few_bytes(env / "hf" / "d.parquet", n, {"image": hs.jpeg(1), "text": "a cat"})
+    sources = env / "sources.yaml"
+    sources.write_text(
+        "sources:\n"
+        f"  lst: {{kind: urls, location: {env / 'list.parquet'}}}\n"
+        f"  hf: {{kind: parquet, location: {env / 'hf'}}}\n"
+    )
+    monkeypatch.setenv("FLOWMATCH_SOURCES", str(sources))
+    t0 = time.monotonic()
+    peak, out = _peak_rss(_REGISTER, timeout=120)
+    took = time.monotonic() - t0
+    size = (env / "list.parquet").stat().st_size
+    assert f"claims {n} rows in {size} bytes" in out, out
+    assert "d.parquet claims 20000000 rows" in out, out
+    data = env / "data"
+    assert src.registered(data, "lst") == [] and src.registered(data, "hf") == []
+    assert took < 60 and peak < 1.5e9, (took, peak)

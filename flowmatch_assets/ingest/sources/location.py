@@ -435,6 +435,8 @@ class Location:
     def size(self, f) -> int | None:
         """The size of an opened container, where known (a tar's members are checked
         against it)."""
+        if isinstance(f, io.BytesIO):  # a remote file read whole
+            return f.getbuffer().nbytes
         try:
             if hasattr(f, "fileno"):
                 return os.fstat(f.fileno()).st_size

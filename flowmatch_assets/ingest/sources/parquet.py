@@ -47,6 +47,20 @@ IMAGE_CHUNK_MAX_BYTES = 512 << 20
 _BROKEN = (pa.ArrowException, OSError, ValueError, EOFError)
 
 
+def footer_rows(pf: pq.ParquetFile, size: int | None, rel: str) -> int:
+    """The rows ``pf``'s footer claims, refused (``corrupt_container``) when it claims more
+    rows than the file has bytes: a footer is the file's own word, and a 2 KB file claiming
+    10^10 rows would otherwise be cut into millions of partitions. Every real row of a source
+    holds an image or a URL, so a real file always has more bytes than rows."""
+    n = pf.metadata.num_rows
+    if n < 0 or (size is not None and n > size):
+        raise IngestError(
+            "corrupt_container",
+            f"{rel} claims {n} rows in {size} bytes (more rows than bytes): not registered",
+        )
+    return n
+
+
 def _broken(rel: str, e: BaseException) -> IngestError:
     first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
     return IngestError("corrupt_container", f"{rel} cannot be read as parquet: {first}")
@@ -173,7 +187,7 @@ class ParquetKind(SourceKind):
                 continue
             try:
                 with loc.open(rel) as f:
-                    n = pq.ParquetFile(f).metadata.num_rows
+                    n = footer_rows(pq.ParquetFile(f), loc.size(f), rel)
             except IngestError as e:
                 skipped.append(Skipped(rel, e.reason, e.detail))
                 continue

@@ -52,6 +52,7 @@ from flowmatch_assets.ingest.sources.kind import (
     cut,
 )
 from flowmatch_assets.ingest.sources.location import Location
+from flowmatch_assets.ingest.sources.parquet import footer_rows
 from flowmatch_models.storage.layout import PD12M
 
 #: The list formats read (img2dataset's input formats), by the file name's ending.
@@ -174,7 +175,7 @@ class UrlsKind(SourceKind):
             try:
                 if _suffix(rel) == ".parquet":
                     with loc.open(rel) as f:
-                        n = pq.ParquetFile(f).metadata.num_rows
+                        n = footer_rows(pq.ParquetFile(f), loc.size(f), rel)
                 else:
                     n = len(read_list(loc, rel, cfg))
             except IngestError as e:
