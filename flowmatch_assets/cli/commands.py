@@ -140,6 +140,7 @@ COMMANDS: dict[str, Command] = {
             arg("--url-field", default=None, help="urls: the column of image URLs (url)"),
             arg("--hash-field", default=None, help="urls: a column of md5s to check (none)"),
             arg("--license", default=None, help="recorded for every image"),
+            arg("--deadline-s", type=float, default=None, help="remote reads' limit (600 s)"),
             arg(
                 "--follow-links",
                 action="store_true",

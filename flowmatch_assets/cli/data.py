@@ -8,6 +8,7 @@ from pathlib import Path
 
 from flowmatch_assets import runs
 from flowmatch_assets.cli.common import CliError, dagster_instance, flowmatch_resource
+from flowmatch_assets.ingest.sources.common import printable
 from flowmatch_assets.runs import check_assets, check_partitions, known_partitions
 
 
@@ -30,7 +31,7 @@ def cmd_partitions(action: str, source: str | None, partition: list[str], orphan
         )
         print(f"registered {len(new)} new partitions" + (f": {', '.join(new[:10])}" if new else ""))
         if skipped:  # what could not be read, one line, on stderr; the rest is registered
-            print(f"flowmatch: {'; '.join(skipped)}", file=sys.stderr)
+            print(f"flowmatch: {printable('; '.join(skipped))}", file=sys.stderr)
         return 0
     inst = dagster_instance()
     found = discover(res)
@@ -64,7 +65,7 @@ def cmd_partitions(action: str, source: str | None, partition: list[str], orphan
             "ORPHAN: `flowmatch partitions remove --orphans`"
         )
     for line in notes:
-        print(f"skipped {line}")
+        print(f"skipped {printable(line)}")
     return 0
 
 
@@ -101,6 +102,7 @@ def cmd_sources(
     url_field: str | None,
     hash_field: str | None,
     license: str | None,
+    deadline_s: float | None,
     follow_links: bool,
     replace: bool,
     allow_missing: bool,
@@ -129,6 +131,7 @@ def cmd_sources(
                 "url_field": url_field,
                 "hash_field": hash_field,
                 "license": license,
+                "deadline_s": deadline_s,
                 "follow_links": follow_links or None,
             },
         )

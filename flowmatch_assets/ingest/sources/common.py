@@ -65,6 +65,15 @@ METADATA_MAX_BYTES = 1 << 30
 JSONL_LINE_MAX_BYTES = 2 << 20
 
 
+def printable(text: str) -> str:
+    """``text`` with every character that is not printable (terminal escapes, a bell, a
+    newline) written as its escape (``\\x1b``): a file name or detail printed from an untrusted
+    dataset can never drive the terminal."""
+    return "".join(
+        c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text
+    )
+
+
 def mime_of(name: str) -> str | None:
     return mimetypes.guess_type(name)[0]
 

@@ -169,6 +169,12 @@ class SourceConfig(BaseModel):
     license: str | None = Field(
         default=None, description="License recorded for every image (filters.licenses applies)."
     )
+    deadline_s: float = Field(
+        default=600,
+        gt=0,
+        description="The longest a remote read of this source may take (a list read at "
+        "registration, a file): past it the file or rows fail as timeout.",
+    )
     follow_links: bool = Field(
         default=False,
         description="Read files through links that leave the location (off: such a file is a "
@@ -212,7 +218,7 @@ class SourceConfig(BaseModel):
         with each materialization: the location redacted); ``follow_links`` only when on, so
         sources made before it existed stay fresh (``url_field``/``hash_field`` alike: a
         ``urls`` source's url column always)."""
-        skip = {"shard_size"} | (set() if self.follow_links else {"follow_links"})
+        skip = {"shard_size", "deadline_s"} | (set() if self.follow_links else {"follow_links"})
         skip |= {k for k in ("url_field", "hash_field") if getattr(self, k) is None}
         urls = {"url_field": self.url()} if self.kind == "urls" else {}
         return (

@@ -65,6 +65,7 @@ def guarded_http(cfg: SourceConfig):
         trace = aiohttp.TraceConfig()
         trace.on_request_redirect.append(on_redirect)
         connector = aiohttp.TCPConnector(socket_factory=socket_factory)
+        kwargs.setdefault("timeout", aiohttp.ClientTimeout(total=cfg.deadline_s))
         return aiohttp.ClientSession(
             connector=connector, trace_configs=[trace], trust_env=False, **kwargs
         )

@@ -13,8 +13,9 @@ DOWNLOADS a ``urls`` partition's rows (:attr:`UrlsKind.downloads`) exactly as it
 PD12M's: the guarded address pool (``ingest.allow_networks``), the thread pool, the byte and
 time bounds, and the md5 check where the row has a hash (``ingest.check_hash``).
 
-A list file is read whole, bounded (``LIST_MAX_BYTES``, a ``.tsv.gz`` decompressed too) and
-confined like every source read (``location.Location``).
+A list file is never read whole: it is streamed once at registration and each partition reads
+its own stretch, a bad row costing its own row (``url_lists.py``); reads are confined like every
+source read (``location.Location``).
 
 PD12M itself is such a list, with the partition keys and the dedupe it had before sources
 existed, kept so every data root and Dagster instance keeps working: :class:`Pd12mSource`
@@ -25,19 +26,15 @@ dedupes by hash across the whole dataset (``ingest/dedupe.py``) and has its imag
 
 from __future__ import annotations
 
-import csv
-import gzip
-import io
-import json
 import posixpath
 from collections.abc import Callable, Iterator, Sequence
 from typing import ClassVar
 
 import pyarrow as pa
-import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from flowmatch_assets.ingest.images import IngestError
+from flowmatch_assets.ingest.sources import url_lists as lists
 from flowmatch_assets.ingest.sources.common import NotText, caption_text, failure, mime_of, row
 from flowmatch_assets.ingest.sources.config import SourceConfig, SourceError
 from flowmatch_assets.ingest.sources.kind import (
@@ -46,21 +43,20 @@ from flowmatch_assets.ingest.sources.kind import (
     ListedRow,
     Listing,
     Manifest,
+    NewPartition,
     PartitionSource,
     Skipped,
     SourceKind,
     cut,
 )
 from flowmatch_assets.ingest.sources.location import Location
-from flowmatch_assets.ingest.sources.parquet import footer_rows
+from flowmatch_assets.ingest.sources.parquet import _group_rows, _groups, _too_big, footer_rows
 from flowmatch_models.storage.layout import PD12M
 
 #: The list formats read (img2dataset's input formats), by the file name's ending.
 LIST_SUFFIXES = (".csv", ".tsv", ".tsv.gz", ".jsonl", ".parquet")
-#: The most bytes a list file may hold (a ``.tsv.gz``: decompressed), checked while reading.
-LIST_MAX_BYTES = 1 << 30
-#: What reading a damaged list raises.
-_BROKEN = (pa.ArrowException, OSError, ValueError, EOFError, UnicodeDecodeError, csv.Error)
+#: What reading a damaged parquet list raises.
+_BROKEN = (pa.ArrowException, OSError, ValueError, EOFError)
 
 
 def _suffix(rel: str) -> str | None:
@@ -72,81 +68,87 @@ def _stem(unit: str) -> str:
     return base[: -len(_suffix(base) or "")] if _suffix(base) else base
 
 
-def _columns(cfg: SourceConfig) -> dict[str, str]:
-    """The columns a list must have, by setting: ``{url_field: ..., caption_field: ...}``
-    (``hash_field``, ``id_field`` when set)."""
-    want = {"url_field": cfg.url(), "caption_field": cfg.caption()}
-    want |= {k: getattr(cfg, k) for k in ("hash_field", "id_field") if getattr(cfg, k)}
-    return want
+def _open_text(loc: Location, rel: str, cfg: SourceConfig, f) -> tuple[lists.Stream, list | None]:
+    """The list's stream and (csv/tsv) its checked header."""
+    stream = lists.open_text(f, rel, cfg.deadline_s)
+    if _suffix(rel) == ".jsonl":
+        return stream, None
+    delim = "," if _suffix(rel) == ".csv" else "\t"
+    return stream, lists.header_of(stream, delim, cfg, rel, list(lists.columns(cfg).values()))
 
 
-def _check(names: Sequence[str], cfg: SourceConfig, rel: str) -> None:
-    """SourceError (the user's fix) when the list lacks a column its settings name."""
-    for key, col in _columns(cfg).items():
-        if col not in names:
-            raise SourceError(
-                f"{rel} has no column {col!r} (the source's {key}); its columns: "
-                f"{', '.join(map(str, names))}. Set {key} in the sources file"
-            )
+def _scan_text(loc: Location, rel: str, cfg: SourceConfig) -> list[NewPartition]:
+    """A text list read once, streamed: its partitions, each with the span of its stretch."""
+    size = cfg.shard_size
+    with loc.open(rel, stream_ok=True) as f:
+        stream, header = _open_text(loc, rel, cfg, f)
+        n, start, spans = 0, stream.pos, []
+        for _ in lists.text_records(stream, cfg, rel, header, check=True):
+            n += 1
+            if n % size == 0:
+                spans.append([start, stream.pos])
+                start = stream.pos
+        if n == 0 or n % size:
+            spans.append([start, stream.pos])
+    return [
+        NewPartition(rel, k * size, min(n, (k + 1) * size), [], span)
+        for k, span in enumerate(spans)
+    ]
 
 
-def _gunzip(data: bytes, rel: str) -> bytes:
-    with gzip.GzipFile(fileobj=io.BytesIO(data)) as g:
-        out = g.read(LIST_MAX_BYTES + 1)
-    if len(out) > LIST_MAX_BYTES:
-        raise IngestError("too_large", f"{rel} is above {LIST_MAX_BYTES} bytes decompressed")
-    return out
+def _text_records(loc: Location, m: Manifest, cfg: SourceConfig) -> Iterator[lists.Record]:
+    """The records of rows ``[m.start, m.end)`` of a text list: its own stretch (``m.span``;
+    a plain file seeks there, a ``.tsv.gz`` is decompressed up to it), else the rows before
+    it read past."""
+    with loc.open(m.unit, stream_ok=True) as f:
+        stream, header = _open_text(loc, m.unit, cfg, f)
+        span, skip = getattr(m, "span", None), m.start
+        if span and span[0] >= stream.pos:
+            plain = not m.unit.lower().endswith(".gz") and f.seekable()
+            if plain:
+                f.seek(span[0])
+                stream = lists.Stream(f, m.unit, cfg.deadline_s)
+                stream.pos = span[0]
+            else:
+                stream.skip(span[0] - stream.pos)
+            skip = 0
+        records = lists.text_records(stream, cfg, m.unit, header)
+        for _ in range(skip):
+            if next(records, None) is None:
+                return
+        for _, rec in zip(range(m.start, m.end), records):
+            yield rec
 
 
-def read_list(loc: Location, rel: str, cfg: SourceConfig) -> pa.Table | list[dict | None]:
-    """The columns its settings name of every row of list file ``rel``: a table, or (jsonl)
-    one ``{column: value}`` per line (None: a line that is not a JSON object). Raises
-    SourceError for a missing column, IngestError for a file that cannot be read."""
-    suffix = _suffix(rel)
-    cols = list(_columns(cfg).values())
+def _parquet_records(loc: Location, m: Manifest, cfg: SourceConfig) -> Iterator[lists.Record]:
+    """The records of rows ``[m.start, m.end)`` of a parquet list, read per row group (each
+    column's size checked against the footer first: ``too_large``)."""
+    want = list(lists.columns(cfg).values())
     try:
-        if suffix == ".parquet":
-            with loc.open(rel) as f:
-                pf = pq.ParquetFile(f)
-                _check(pf.schema_arrow.names, cfg, rel)
-                return pf.read(columns=cols)
-        data = loc.read(rel, LIST_MAX_BYTES, "url list")
-        if suffix == ".tsv.gz":
-            data = _gunzip(data, rel)
-        if suffix == ".jsonl":
-            return _jsonl(data, cfg, rel)
-        delim = "," if suffix == ".csv" else "\t"
-        first = data.split(b"\n", 1)[0].decode("utf-8-sig").rstrip("\r")
-        _check(next(csv.reader([first], delimiter=delim), []), cfg, rel)
-        return pacsv.read_csv(
-            io.BytesIO(data),
-            parse_options=pacsv.ParseOptions(delimiter=delim, newlines_in_values=True),
-            convert_options=pacsv.ConvertOptions(
-                include_columns=cols, column_types={c: pa.string() for c in cols}
-            ),
-        )
+        with loc.open(m.unit) as f:
+            pf = pq.ParquetFile(f)
+            lists.check_columns(pf.schema_arrow.names, cfg, m.unit, want)
+            groups, first = _groups(pf, m.start, m.end)
+            for g, at in _group_rows(pf, groups, first):
+                lo, hi = max(m.start, at), min(m.end, at + pf.metadata.row_group(g).num_rows)
+                big = next(
+                    (e for c in want if (e := _too_big(pf, g, c, LIST_CELLS_MAX, m.unit))), None
+                )
+                if big is not None:
+                    yield from [(None, (big.reason, big.detail))] * (hi - lo)
+                    continue
+                table = pf.read_row_group(g, columns=want).slice(lo - at, hi - lo)
+                for values in table.to_pylist():
+                    yield values, None
     except (SourceError, IngestError):
-        raise
+        raise  # a column the settings name is missing (the user's fix); a refused read
     except _BROKEN as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise IngestError("corrupt_container", f"{rel} cannot be read as a list: {first}") from None
+        raise IngestError("corrupt_container", f"{m.unit} cannot be read: {first}") from None
 
 
-def _jsonl(data: bytes, cfg: SourceConfig, rel: str) -> list[dict | None]:
-    out: list[dict | None] = []
-    keys: set[str] = set()
-    for line in data.decode("utf-8-sig").splitlines():
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            obj = None
-        out.append(obj if isinstance(obj, dict) else None)
-        keys |= set(obj) if isinstance(obj, dict) else set()
-    if keys:  # a column no line has is a setting to fix, as a csv header's would be
-        _check(sorted(keys), cfg, rel)
-    return out
+#: The most bytes one row group's URL, caption, hash or id column may hold uncompressed.
+LIST_CELLS_MAX = 256 << 20
 
 
 def _text(value) -> str | None:
@@ -164,8 +166,10 @@ class UrlsKind(SourceKind):
     downloads: ClassVar[bool] = True
 
     def scan(self, cfg: SourceConfig, known: Sequence[Manifest]) -> Found:
-        """New partitions ``(file, start row, end row, [])`` for every list file under the
-        location not registered yet, in path order; the files that cannot be read, skipped."""
+        """New partitions ``(file, start row, end row, [], span)`` for every list file under
+        the location not registered yet, in path order; the files that cannot be read,
+        skipped. A text list is streamed once (``url_lists.py``); a parquet list's footer
+        may not claim more rows than the file has bytes."""
         loc = Location(cfg)
         held = {m.unit for m in known}
         out, skipped = [], []
@@ -176,49 +180,38 @@ class UrlsKind(SourceKind):
                 if _suffix(rel) == ".parquet":
                     with loc.open(rel) as f:
                         n = footer_rows(pq.ParquetFile(f), loc.size(f), rel)
+                    out += cut(rel, n, cfg.shard_size)
                 else:
-                    n = len(read_list(loc, rel, cfg))
+                    out += _scan_text(loc, rel, cfg)
             except IngestError as e:
                 skipped.append(Skipped(rel, e.reason, e.detail))
-                continue
+            except SourceError:
+                raise
             except _BROKEN as e:
                 skipped.append(Skipped(rel, "corrupt_container", f"{rel}: {e}"[:200]))
-                continue
-            out += cut(rel, n, cfg.shard_size)
         return Found(out, skipped)
 
     def rows(self, cfg: SourceConfig, name: str, m: Manifest) -> Listing:
         """Rows ``[start, end)`` of the list that carry a URL and a caption; the others fail
         (``missing_url``, ``missing_caption``, ``bad_caption``, ``bad_metadata``)."""
         stem = _stem(m.unit)
+        loc = Location(cfg)
+        read = _parquet_records if _suffix(m.unit) == ".parquet" else _text_records
+        records: list[lists.Record] = []
         try:
-            listed = read_list(Location(cfg), m.unit, cfg)
-        except IngestError as e:  # the whole file: each of its rows fails with the reason
-            return Listing(
-                [],
-                [failure(f"{stem}/{r}", None, e.reason, e.detail) for r in range(m.start, m.end)],
-            )
-        n = len(listed)
-        if isinstance(listed, pa.Table):  # only this partition's rows become Python objects
-            listed = listed.slice(m.start, max(0, min(n, m.end) - m.start)).to_pylist()
-        else:
-            listed = listed[m.start : m.end]
+            records.extend(read(loc, m, cfg))
+        except IngestError as e:  # the rest of the file: each of its rows fails with the reason
+            records += [(None, (e.reason, e.detail))] * (m.end - m.start - len(records))
         out: list[ListedRow] = []
         failed = []
         for r in range(m.start, m.end):
-            if r >= n:
+            if r - m.start >= len(records):
                 failed.append(failure(f"{stem}/{r}", None, "not_found", f"{m.unit} has no row {r}"))
                 continue
-            got = listed[r - m.start]
+            got, why = records[r - m.start]
             if got is None:
-                failed.append(
-                    failure(
-                        f"{stem}/{r}",
-                        None,
-                        "bad_metadata",
-                        f"line {r} of {m.unit} is not a JSON object",
-                    )
-                )
+                reason, detail = why
+                failed.append(failure(f"{stem}/{r}", None, reason, f"row {r}: {detail}"))
                 continue
             sid = _text(got.get(cfg.id_field)) if cfg.id_field else None
             sid = sid or f"{stem}/{r}"
