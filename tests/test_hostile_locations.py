@@ -314,3 +314,78 @@ def test_a_remote_list_that_trickles_is_ended_by_its_deadline(env, capsys, monke
         took = time.monotonic() - t0
     assert "timeout" in err, (out, err)
     assert took < 20, took
+
+
+def test_the_jpeg_scan_count_resynchronises_as_the_decoder_does():
+    """600 scans behind a comment segment and a stray byte after the first scan: libjpeg skips
+    the byte and decodes every scan (PIL opens it whole), and the counter now does the same
+    (before: it stopped at the byte and counted 1 scan, and the file decoded for minutes)."""
+    import io
+
+    from PIL import Image
+
+    from flowmatch_assets.ingest.decode import jpeg_scans, process_image
+    from flowmatch_assets.ingest.images import IngestConfig, IngestError
+    from tests import hostile_sources as hs
+
+    bomb = hs.scan_bomb((400, 300), 600)
+    first = bomb.index(b"\xff\xda")
+    second = bomb.index(b"\xff\xda", first + 2)
+    hostile = bomb[:second] + b"\xff\xfe\x00\x05abc" + b"\x42" + b"\xff\x00" + bomb[second:]
+    Image.open(io.BytesIO(hostile)).load()  # the decoder reads past the junk
+    assert jpeg_scans(hostile, 10**6) == 600
+    with pytest.raises(IngestError) as e:
+        process_image(hostile, IngestConfig())
+    assert e.value.reason == "too_many_scans"
+
+
+def test_a_gzip_compressed_tar_registers_its_samples(env, capsys):  # noqa: F811
+    """A WebDataset shard compressed with gzip (img2dataset can write them): its 3 samples
+    register (before: refused, its members' offsets compared with the compressed size)."""
+    import gzip
+    import io
+    import tarfile
+
+    from flowmatch_assets.ingest import sources as src
+    from tests import hostile_sources as hs
+
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w") as tar:
+        for i in range(3):
+            for name, data in ((f"{i:05d}.jpg", hs.jpeg(i)), (f"{i:05d}.txt", b"a caption")):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    (env / "wds").mkdir()
+    (env / "wds" / "00000.tar").write_bytes(gzip.compress(raw.getvalue()))
+    _cli(capsys, 0, "sources", "add", "w", "--kind", "webdataset", "--location", str(env / "wds"))
+    out, err = _cli(capsys, 0, "partitions", "register")
+    assert "skipped" not in out + err, (out, err)
+    parts = src.registered(env / "data", "w")
+    assert sum(p["end"] - p["start"] for p in parts) == 3
+
+
+def test_a_linked_location_is_followed_as_given_not_frozen_to_its_target(env, capsys):  # noqa: F811
+    """A location that is a link (a `current` folder re-pointed at each new download) is kept
+    as given: re-pointed after `sources add`, registration reads the new target (before: the
+    link was resolved once, at add, and the old folder read for ever)."""
+    from flowmatch_assets.ingest import sources as src
+    from tests import hostile_sources as hs
+
+    for d, names in (("old", ["a"]), ("new", ["b", "c"])):
+        (env / d).mkdir()
+        for n in names:
+            (env / d / f"{n}.jpg").write_bytes(hs.jpeg(ord(n)))
+            (env / d / f"{n}.txt").write_text(f"picture {n}")
+    link = env / "current"
+    link.symlink_to(env / "old")
+    _cli(capsys, 0, "sources", "add", "p", "--kind", "folder", "--location", str(link))
+    link.unlink()
+    link.symlink_to(env / "new")
+    _cli(capsys, 0, "partitions", "register")
+    manifests = [
+        src.registry.manifest(env / "data", p["key"]) for p in src.registered(env / "data", "p")
+    ]
+    assert [m.entries for m in manifests] == [
+        [{"id": "b.jpg", "image": "b.jpg"}, {"id": "c.jpg", "image": "c.jpg"}]
+    ]

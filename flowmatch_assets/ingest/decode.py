@@ -183,14 +183,23 @@ _MARKER_IN_SCAN = re.compile(rb"\xff(?=[^\x00\xd0-\xd7\xff])")
 def jpeg_scans(data: bytes, stop: int) -> int:
     """How many scans (SOS segments) a JPEG has, counted by walking its markers without
     decoding: a progressive JPEG decodes every scan over the whole image (a 1.4 MB file of
-    10000 x 9999 with 7,000 scans decodes for 45 s). Stops counting past ``stop``."""
+    10000 x 9999 with 7,000 scans decodes for 45 s). Bytes between segments are skipped to the
+    next marker, as the decoder resynchronises. Stops counting past ``stop``."""
     n, i, size = 0, 2, len(data)
     while i + 4 <= size and n <= stop:
         if data[i] != 0xFF:
-            break  # garbage between segments: the decoder reports it
+            # garbage between segments: libjpeg's next_marker skips to the next 0xFF (warning
+            # "extraneous bytes") and goes on decoding, so the count goes on from there too
+            i = data.find(b"\xff", i)
+            if i < 0:
+                break
+            continue
         marker = data[i + 1]
         if marker == 0xFF:  # fill byte
             i += 1
+            continue
+        if marker == 0x00:  # a stuffed 0xFF outside a scan: not a marker, skipped the same way
+            i += 2
             continue
         if marker == 0xD9:  # end of image
             break

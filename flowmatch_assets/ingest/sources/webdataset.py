@@ -136,7 +136,9 @@ def _members(
                     raise _broken(rel, e) from None
                 if end is not None and info.offset >= end:
                     return
-                if size is not None and info.offset_data + info.size > size:
+                # offsets are in the file only for a plain tar read from it (a gzip tar's
+                # are in its decompressed stream: a cut member is caught by its read below)
+                if size is not None and tf.fileobj is f and info.offset_data + info.size > size:
                     what = f"member {info.name!r} declares {info.size} bytes, past the end of "
                     raise _broken(rel, ValueError(f"{what}the file ({size} bytes)"), info.name)
                 if not info.isfile():
