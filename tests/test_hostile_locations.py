@@ -389,3 +389,76 @@ def test_a_linked_location_is_followed_as_given_not_frozen_to_its_target(env, ca
     assert [m.entries for m in manifests] == [
         [{"id": "b.jpg", "image": "b.jpg"}, {"id": "c.jpg", "image": "c.jpg"}]
     ]
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _lying_footer(path, column: str, claim: int) -> int:
+    """Rewrite ``path``'s footer so that ``column``'s total_uncompressed_size says ``claim``
+    (a varint padded to the real one's length: the file stays valid parquet); the real size."""
+    import pyarrow.parquet as pq
+
+    real = pq.ParquetFile(path).metadata.row_group(0)
+    real = next(
+        real.column(i).total_uncompressed_size
+        for i in range(real.num_columns)
+        if real.column(i).path_in_schema == column
+    )
+    data = bytearray(path.read_bytes())
+    flen = int.from_bytes(data[-8:-4], "little")
+    start = len(data) - 8 - flen
+    footer = bytes(data[start:-8])
+    old = _varint(real * 2)  # zigzag
+    assert footer.count(old) == 1
+    new = bytearray(_varint(claim * 2))
+    while len(new) < len(old):  # a longer encoding of the same value (continuation bits)
+        new[-1] |= 0x80
+        new.append(0)
+    at = start + footer.index(old)
+    data[at : at + len(old)] = new
+    path.write_bytes(bytes(data))
+    return real
+
+
+def test_a_column_chunk_is_sized_by_its_pages_not_its_footer(tmp_path, monkeypatch):
+    """A parquet source whose footer says its caption column holds 100 bytes while its pages
+    hold ~8 MB (zstd, a small file): the pages' own headers are read, and its rows fail
+    `too_large` (before: the footer was believed and the column read; with larger lies that
+    peaked at 3.67 GB)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from flowmatch_assets.ingest.sources import Manifest, SourceConfig, parquet, source_kind
+
+    rng = np.random.default_rng(0)
+    captions = ["".join(rng.choice(list("ab"), 2_000_000)) for _ in range(4)]
+    (tmp_path / "src").mkdir()
+    path = tmp_path / "src" / "d.parquet"
+    table = pa.table({"image": [b"x"] * 4, "text": captions})
+    pq.write_table(table, path, compression="zstd", use_dictionary=False)
+    real = _lying_footer(path, "text", 100)
+    assert real > 8_000_000 and path.stat().st_size < 2_500_000
+    assert pq.ParquetFile(path).metadata.row_group(0).column(1).total_uncompressed_size == 100
+    assert pq.read_table(path)["text"].to_pylist() == captions  # still a valid file
+    monkeypatch.setattr(parquet, "CAPTION_CHUNK_MAX_BYTES", 1 << 20)
+    cfg = SourceConfig(kind="parquet", location=str(tmp_path / "src"))
+    listing = source_kind("parquet").rows(
+        cfg, "p", Manifest("k", "p", "parquet", "d.parquet", 0, 4)
+    )
+    assert listing.rows == []
+    assert {f["reason"] for f in listing.failed} == {"too_large"}
+    assert "(its footer or its pages)" in listing.failed[0]["detail"]
+    # an honest file of the same size is read
+    monkeypatch.setattr(parquet, "CAPTION_CHUNK_MAX_BYTES", 16 << 20)
+    listing = source_kind("parquet").rows(
+        cfg, "p", Manifest("k", "p", "parquet", "d.parquet", 0, 4)
+    )
+    assert [r["caption"] for r in listing.rows] == captions

@@ -35,6 +35,7 @@ from flowmatch_assets.ingest.sources.kind import (
     cut,
 )
 from flowmatch_assets.ingest.sources.location import Location
+from flowmatch_assets.ingest.sources.parquet_pages import BadPage, pages_bytes
 
 BATCH_ROWS = 64  # image rows decoded from parquet at a time (memory: 64 originals)
 #: The most bytes one row group's column may hold uncompressed (its footer's column-chunk
@@ -78,16 +79,37 @@ def _groups(pf: pq.ParquetFile, start: int, end: int) -> tuple[list[int], int]:
     return groups, first or 0
 
 
-def _chunk_bytes(pf: pq.ParquetFile, g: int, column: str) -> int:
+def _chunk_bytes(pf: pq.ParquetFile, g: int, column: str, f=None, limit: int = 0) -> int:
     """Uncompressed bytes of ``column`` (all its leaves: a struct's ``bytes`` and ``path``) in
-    row group ``g``, as the footer says."""
+    row group ``g``: the footer's word, and with the open file ``f`` the larger of it and what
+    the pages' own headers say (what Arrow allocates: ``parquet_pages.py``), read up to past
+    ``limit``. A page header that cannot be read raises BadPage."""
     rg = pf.metadata.row_group(g)
+    size = _file_size(f)
     total = 0
     for i in range(rg.num_columns):
         c = rg.column(i)
         if c.path_in_schema == column or c.path_in_schema.startswith(column + "."):
-            total += c.total_uncompressed_size
+            n = c.total_uncompressed_size
+            if size is not None:
+                start = c.data_page_offset
+                if c.has_dictionary_page and c.dictionary_page_offset:
+                    start = min(start, c.dictionary_page_offset)
+                n = max(n, pages_bytes(f, start, c.num_values, size, limit - total))
+            total += n
     return total
+
+
+def _file_size(f) -> int | None:
+    if f is None:
+        return None
+    try:
+        here = f.tell()
+        end = f.seek(0, 2)
+        f.seek(here)
+        return end
+    except (OSError, ValueError):
+        return None
 
 
 def _group_rows(pf: pq.ParquetFile, groups: list[int], first: int) -> Iterator[tuple[int, int]]:
@@ -97,15 +119,22 @@ def _group_rows(pf: pq.ParquetFile, groups: list[int], first: int) -> Iterator[t
         first += pf.metadata.row_group(g).num_rows
 
 
-def _too_big(pf: pq.ParquetFile, g: int, column: str, limit: int, rel: str) -> IngestError | None:
-    """``too_large`` when row group ``g``'s ``column`` is above ``limit`` bytes uncompressed."""
-    n = _chunk_bytes(pf, g, column)
+def _too_big(
+    pf: pq.ParquetFile, g: int, column: str, limit: int, rel: str, f=None
+) -> IngestError | None:
+    """``too_large`` when row group ``g``'s ``column`` is above ``limit`` bytes uncompressed
+    (its footer, and with the open file ``f`` its pages' headers); ``corrupt_container`` when
+    a page header cannot be read."""
+    try:
+        n = _chunk_bytes(pf, g, column, f, limit)
+    except BadPage as e:
+        return IngestError("corrupt_container", f"{rel} row group {g}: column {column!r}: {e}")
     if n <= limit:
         return None
     return IngestError(
         "too_large",
-        f"{rel} row group {g}: column {column!r} is {n} bytes uncompressed (its footer), above "
-        f"{limit}; not read",
+        f"{rel} row group {g}: column {column!r} is above {limit} bytes uncompressed (its "
+        "footer or its pages); not read",
     )
 
 
@@ -213,9 +242,9 @@ class ParquetKind(SourceKind):
                     cols = [cfg.caption()] + ([cfg.id_field] if cfg.id_field else [])
                     groups, first = _groups(pf, m.start, m.end)
                     for g, at in _group_rows(pf, groups, first):
-                        big = _too_big(pf, g, cfg.caption(), CAPTION_CHUNK_MAX_BYTES, m.unit)
+                        big = _too_big(pf, g, cfg.caption(), CAPTION_CHUNK_MAX_BYTES, m.unit, f)
                         if big is None and cfg.id_field:
-                            big = _too_big(pf, g, cfg.id_field, CAPTION_CHUNK_MAX_BYTES, m.unit)
+                            big = _too_big(pf, g, cfg.id_field, CAPTION_CHUNK_MAX_BYTES, m.unit, f)
                         n = pf.metadata.row_group(g).num_rows
                         parts.append((at, n, big or pf.read_row_group(g, columns=cols)))
                 except SourceError:
@@ -261,7 +290,7 @@ class ParquetKind(SourceKind):
                     _check_columns(pf, cfg, m.unit)
                     groups, first = _groups(pf, lo, hi)
                     for g, pos in _group_rows(pf, groups, first):
-                        big = _too_big(pf, g, cfg.image_field, IMAGE_CHUNK_MAX_BYTES, m.unit)
+                        big = _too_big(pf, g, cfg.image_field, IMAGE_CHUNK_MAX_BYTES, m.unit, f)
                         if big is not None:
                             n = pf.metadata.row_group(g).num_rows
                             for r in [r for r in want if pos <= r < pos + n]:

@@ -132,7 +132,7 @@ def _parquet_records(loc: Location, m: Manifest, cfg: SourceConfig) -> Iterator[
             for g, at in _group_rows(pf, groups, first):
                 lo, hi = max(m.start, at), min(m.end, at + pf.metadata.row_group(g).num_rows)
                 big = next(
-                    (e for c in want if (e := _too_big(pf, g, c, LIST_CELLS_MAX, m.unit))), None
+                    (e for c in want if (e := _too_big(pf, g, c, LIST_CELLS_MAX, m.unit, f))), None
                 )
                 if big is not None:
                     yield from [(None, (big.reason, big.detail))] * (hi - lo)
