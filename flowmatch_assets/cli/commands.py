@@ -481,8 +481,9 @@ def _one_line(e: BaseException) -> str | None:
     from flowmatch_assets.ingest.metadata import MetadataError
     from flowmatch_assets.ingest.sources import SourceError
     from flowmatch_models.inference.export import ExportError
+    from flowmatch_models.storage.remote import RemoteError
 
-    if isinstance(e, CliError | MetadataError | ExportError | SourceError):
+    if isinstance(e, CliError | MetadataError | ExportError | SourceError | RemoteError):
         return str(e)  # MetadataError names the folder and FLOWMATCH_METADATA already
     if isinstance(e, ValidationError | SettingError):
         return _setting_message(e)

@@ -13,4 +13,9 @@ def dagster_instance():
 
 
 def flowmatch_resource(overrides: dict | None = None):
-    return runs.resource(overrides)  # bad settings: see _one_line
+    """The settings of a verb (bad ones: see _one_line), its remote data root synced first."""
+    import sys
+
+    from flowmatch_assets.defs.resources import synced
+
+    return synced(runs.resource(overrides), lambda line: print(line, file=sys.stderr))

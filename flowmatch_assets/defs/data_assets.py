@@ -28,6 +28,7 @@ from flowmatch_assets.ingest.metadata import MetadataError, filter_rows
 from flowmatch_assets.ingest.shard import NothingToRetry, TooFewStored, make_image_shard
 from flowmatch_assets.ingest.sources import SourceError, partition_source
 from flowmatch_models.figures.grid import make_grid, markdown_image, save_png
+from flowmatch_models.storage import remote
 from flowmatch_models.storage.atomic import atomic_path, write_parquet
 from flowmatch_models.storage.fingerprint import rows_digest
 from flowmatch_models.storage.image_shard import decode, read_image_meta, write_image_shard
@@ -161,7 +162,7 @@ def _images(
 ) -> dg.MaterializeResult:
     t0 = time.perf_counter()
     part, root = out.partition, flowmatch.data_root
-    rows = pq.read_table(flowmatch.layout.asset_path("metadata", part)).to_pylist()
+    rows = pq.read_table(remote.ensure(flowmatch.layout.asset_path("metadata", part))).to_pylist()
 
     def progress(done: int, total: int) -> None:
         if done % max(1, total // 10) == 0 or done == total:
@@ -265,7 +266,9 @@ def images_complete(
     problems, rows = [], 0
     for p in parts:
         md_ids = set(
-            pq.read_table(layout.asset_path("metadata", p), columns=["id"]).column("id").to_pylist()
+            pq.read_table(remote.ensure(layout.asset_path("metadata", p)), columns=["id"])
+            .column("id")
+            .to_pylist()
         )
         rows += len(md_ids)
         rows_file = catalog.record_path(layout, "rows", "images", p)

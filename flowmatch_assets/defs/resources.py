@@ -232,5 +232,22 @@ def _int_env(env: Any, var: str, default: int) -> int:
     "shard_size, filters, ingest, encoders), nested ones field by field.",
 )
 def flowmatch_from_env(init_context: dg.InitResourceContext) -> FlowmatchResource:
-    """The code location's resource: built from the environment when a run (or sensor) needs it."""
-    return resource_from_env(overrides=init_context.resource_config)
+    """The code location's resource: built from the environment when a run (or sensor) needs it;
+    with a remote data root, this machine's cache first catches up with what other machines
+    published (flowmatch_models/storage/remote.py)."""
+    res = resource_from_env(overrides=init_context.resource_config)
+    synced(res, init_context.log.info if init_context.log else None)
+    return res
+
+
+def synced(res: FlowmatchResource, say=None) -> FlowmatchResource:
+    """``res`` after its remote's journal is applied to this machine's cache (no remote: as
+    it is). ``say`` gets one line when other machines published something."""
+    from flowmatch_models.storage import remote
+
+    store = remote.active(res.data_root)
+    if store is not None:
+        n = store.sync()
+        if n and say is not None:
+            say(f"remote {store.url}: {n} new publishes from other machines")
+    return res

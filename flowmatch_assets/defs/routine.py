@@ -33,7 +33,7 @@ from flowmatch_assets import catalog
 from flowmatch_assets.catalog import MaterializationRecord, RowOutcome
 from flowmatch_assets.defs.resources import FlowmatchResource
 from flowmatch_assets.freshness import fingerprints
-from flowmatch_models.storage import atomic
+from flowmatch_models.storage import atomic, remote
 from flowmatch_models.storage.atomic import remove_stale_temps
 from flowmatch_models.storage.fingerprint import Fingerprint
 from flowmatch_models.storage.layout import PARTITIONED_ASSETS
@@ -153,6 +153,9 @@ class PartitionOutput:
                 f"{self.partition}: removed the temp files of an earlier, killed {self.asset} run"
             )
         self._tx = stack.enter_context(atomic.deferred(self.owns))
+        store = remote.active(self.flowmatch.data_root)
+        if store is not None:  # the remote's publish first, its marker last; then the renames
+            self._tx.before(lambda files: store.publish(files, self.asset, self.partition))
         self._stack = stack
         return self
 
@@ -163,6 +166,8 @@ class PartitionOutput:
                 stack.__exit__(kind, exc, tb)  # commit (or discard) the writes, unlock
         except OSError as e:  # the commit itself failed (a full disk while renaming)
             raise self._failure(e) from e
+        except remote.RemoteError as e:  # the remote could not take the publish: nothing is
+            raise dg.Failure(f"{self.asset} {self.partition}: {e}; nothing was published") from None
         if isinstance(exc, OSError):
             raise self._failure(exc) from exc
         return False

@@ -32,6 +32,7 @@ import pyarrow.parquet as pq
 
 from flowmatch_assets import compat
 from flowmatch_assets.catalog.record_kinds import record_path
+from flowmatch_models.storage import remote
 from flowmatch_models.storage.layout import PARTITIONED_ASSETS, DataLayout
 
 PRESENT = "present"
@@ -64,6 +65,8 @@ def file_state(
 ) -> tuple[str, str]:
     """(``present`` | ``gone`` | ``corrupt``, detail) of the partition's file alone."""
     path = layout.asset_path(asset, partition)
+    if not path.is_file() and partition in _published(layout, asset):
+        return PRESENT, ""  # published by another machine: fetched (and checked) on first read
     if not path.is_file():
         return "gone", f"no file {path}"
     try:
@@ -77,6 +80,11 @@ def file_state(
     except Exception as e:  # noqa: BLE001 - any unreadable file is corrupt
         return "corrupt", f"{path.name}: {type(e).__name__}: {e}"[:300]
     return PRESENT, ""
+
+
+def _published(layout: DataLayout, asset: str) -> set[str]:
+    """With a remote data root: the partitions of ``asset`` published on any machine."""
+    return remote.published(layout.root, asset) if remote.active(layout.root) else set()
 
 
 def _record_path(layout: DataLayout, asset: str, partition: str) -> Path:
@@ -94,6 +102,9 @@ def partition_states(
 
     parts = list(partitions)
     done = {a: dagster_materialized(instance, a) for a in assets} if instance is not None else {}
+    # a partition published to the remote by another machine is materialized there, whatever
+    # this machine's Dagster instance knows (machines that share no instance)
+    done = {a: done[a] | _published(layout, a) for a in done}
     out = []
     for p in parts:
         for a in assets:

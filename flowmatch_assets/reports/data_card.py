@@ -35,6 +35,7 @@ from PIL import Image
 
 from flowmatch_assets.catalog import CARD_SECTIONS, Catalog, format_table
 from flowmatch_assets.ingest.metadata import ids_as_strings, read_metadata_shard
+from flowmatch_models.storage import remote
 from flowmatch_models.storage.image_shard import read_image_meta
 from flowmatch_models.storage.layout import DataLayout
 
@@ -57,7 +58,7 @@ def card_rows(
         table, _ = read_metadata_shard(metadata_source, partition, shard_size)
         rows = ids_as_strings(table).to_pylist()
     decoded: dict[str, dict] = {}
-    shard = layout.asset_path("images", partition)
+    shard = remote.ensure(layout.asset_path("images", partition))  # another machine's: fetched
     if shard.exists():
         decoded = {r["id"]: r for r in read_image_meta(shard, image_size).to_pylist()}
     captions = [r.get("caption") or "" for r in rows]

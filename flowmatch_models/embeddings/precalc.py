@@ -26,6 +26,7 @@ from flowmatch_models.embeddings.kinds import (
     kind_inputs,
 )
 from flowmatch_models.encoders.spec import EncoderSpec
+from flowmatch_models.storage import remote
 from flowmatch_models.storage.fingerprint import ATTR as FINGERPRINT_ATTR
 from flowmatch_models.storage.fingerprint import weights_identity
 
@@ -137,7 +138,7 @@ class Ahead:
         from flowmatch_models.storage.image_shard import iter_image_batches, read_image_meta
 
         try:  # one version of the file for the rows and the images, whatever replaces it
-            src = pa.memory_map(str(self.path))
+            src = pa.memory_map(str(remote.ensure(self.path)))
             self._meta = read_image_meta(src)
             captions = self._meta.column("caption").to_pylist()
             self.tokens = {

@@ -30,6 +30,7 @@ class Transaction:
         self.pending: dict[Path, Path] = {}  # target -> its written temp file, in write order
         self.open = True
         self._after: list[Callable[[], object]] = []
+        self._before: list[Callable[[dict[Path, Path]], object]] = []
 
     def owns(self, target: Path) -> bool:
         return self.open and self._owns(target)
@@ -39,6 +40,12 @@ class Transaction:
         if old is not None and old != tmp:
             old.unlink(missing_ok=True)
         self.pending[target] = tmp
+
+    def before(self, fn: Callable[[dict[Path, Path]], object]) -> None:
+        """Run ``fn(pending)`` (target -> its written temp file) before anything is renamed;
+        if it raises, nothing is renamed (e.g. publish the files to a remote first: the local
+        rename then follows a complete remote publish, never precedes it)."""
+        self._before.append(fn)
 
     def after(self, fn: Callable[[], object]) -> None:
         """Run ``fn`` once everything is renamed (e.g. remove a file the commit supersedes)."""
@@ -55,6 +62,9 @@ class Transaction:
         self.open = False
         done: list[tuple[Path, Path | None]] = []
         try:
+            before, self._before = self._before, []
+            for fn in before:
+                fn(dict(self.pending))
             for target, tmp in self.pending.items():
                 backup = None
                 if target.exists():
@@ -89,6 +99,7 @@ class Transaction:
             tmp.unlink(missing_ok=True)
         self.pending.clear()
         self._after.clear()
+        self._before.clear()
 
 
 _ACTIVE: contextvars.ContextVar[Transaction | None] = contextvars.ContextVar(

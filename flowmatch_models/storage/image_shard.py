@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
+from flowmatch_models.storage import remote
 from flowmatch_models.storage.atomic import atomic_path, write_parquet, written
 
 IMAGE_SHARD_SCHEMA = pa.schema(
@@ -60,6 +61,7 @@ def read_image_meta(path: str | Path, size: int = 256, images: bool = False) -> 
     """Every column but the image bytes (``images``: with them), in today's schema (a shard
     from before buckets: ``height = width = size``, the square it holds, and ``kept`` = short
     side / long side of the original)."""
+    path = remote.ensure(path)  # with a remote data root: in this machine's cache first
     have = set(pq.read_schema(path).names)
     cols = [n for n in IMAGE_SHARD_SCHEMA.names if (images or n != "image") and n in have]
     t = pq.read_table(path, columns=cols)
@@ -87,7 +89,7 @@ def iter_image_batches(
     ``[H, W, 3]`` at its stored size (one size in square mode; its bucket's in aspect mode).
     ``threads`` > 1: a batch's images are decoded by that many threads (Pillow's decoder
     releases the GIL), in order."""
-    pf = pq.ParquetFile(path)
+    pf = pq.ParquetFile(remote.ensure(path))
     pool = (
         ThreadPoolExecutor(threads, thread_name_prefix="flowmatch-decode") if threads > 1 else None
     )

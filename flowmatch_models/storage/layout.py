@@ -79,16 +79,21 @@ class DataLayout:
         return self.root / "previews" / asset / f"{partition}.png"
 
     def partitions_with(self, asset: str) -> list[str]:
-        """Sorted partition keys whose file for ``asset`` exists (complete by construction)."""
+        """Sorted partition keys whose file for ``asset`` exists (complete by construction),
+        and with a remote data root those another machine published (their synced markers:
+        ``storage/remote.py``; the file is fetched on first read)."""
+        from flowmatch_models.storage import remote
+
         d = self.asset_dir(asset)
-        if not d.is_dir():
-            return []
         suffix = PARTITIONED_ASSETS[asset]
-        return sorted(
+        here = {
             p.name[: -len(suffix)]
-            for p in d.iterdir()
+            for p in (d.iterdir() if d.is_dir() else ())
             if p.name.endswith(suffix) and not p.name.startswith(".")
-        )
+        }
+        if remote.active(self.root) is not None:
+            here |= remote.published(self.root, asset)
+        return sorted(here)
 
     def complete_partitions(self, assets: Sequence[str] = TRAINING_INPUTS) -> list[str]:
         """Partitions that have every asset in ``assets`` (default: every training input)."""

@@ -55,6 +55,7 @@ import numpy as np
 import xxhash
 import zstandard
 
+from flowmatch_models.storage import remote
 from flowmatch_models.storage import transform as transform_codec
 from flowmatch_models.storage.atomic import atomic_path
 from flowmatch_models.storage.codecs import CODECS, decode, encode
@@ -507,7 +508,7 @@ def read_shard(path: str | os.PathLike, verify: bool = False) -> Shard:
 
     ``verify=True`` also checks every array's checksum now.
     """
-    path = Path(path)
+    path = remote.ensure(path)  # with a remote data root: in this machine's cache first
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:

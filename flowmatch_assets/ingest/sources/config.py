@@ -297,6 +297,11 @@ def write_source(path: str | Path, name: str, cfg: SourceConfig | None) -> Path:
     else:
         sources[name] = cfg.model_dump(exclude_defaults=True) | {"kind": cfg.kind}
     atomic_write_text(p, yaml.safe_dump({"sources": sources}, sort_keys=False))
+    from flowmatch_models.storage import remote
+
+    store = remote.active(p.parent)  # the default sources file, in a remote data root
+    if store is not None and p.parent.resolve() == store.root:
+        store.push_files([p])
     return p
 
 

@@ -185,7 +185,17 @@ def register(root: str | Path, name: str, cfg: SourceConfig) -> Scan:
         if scan.new:
             index = [*registered(root, name), *(m.summary() for m in scan.new)]
             atomic_write_text(d / "index.json", json.dumps(index, indent=0))
+            _share(root, [d / "shards" / f"{m.key}.json" for m in scan.new] + [d / "index.json"])
     return scan
+
+
+def _share(root: str | Path, paths: list[Path]) -> None:
+    """With a remote data root, what a registration wrote goes to the other machines too."""
+    from flowmatch_models.storage import remote
+
+    store = remote.active(root)
+    if store is not None:
+        store.push_files(paths)
 
 
 def forget(root: str | Path, name: str) -> None:

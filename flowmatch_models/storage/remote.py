@@ -1,0 +1,380 @@
+"""A remote data root: an S3-compatible object store is the truth, the local data root is this
+machine's cache of it (as MosaicML streaming and LitData keep a remote and a local cache).
+
+``FLOWMATCH_REMOTE=s3://bucket/prefix`` turns it on; the endpoint and credentials come from the
+standard AWS variables and files (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...), read by
+the client and never written anywhere by flowmatch. The client is s3fs: fsspec, which the
+sources already use, batching concurrent PUTs and GETs on aiobotocore. Every local-path file
+of the project stays local-path code: the remote lives at two boundaries.
+
+**Publish** (:meth:`Remote.publish`, called by a partition's transaction before its local
+renames: ``flowmatch_models.storage.atomic``): each file of the partition (its shard, preview
+and catalog records, written and fsynced but not renamed yet) is uploaded under a key of its
+own publish (``data/<path>.<publish id>``: never overwritten), then the partition's marker
+``commits/<asset>/<partition>.json`` (each file's key, size and sha256) and a journal entry
+``journal/<time>-<publish id>.json`` with the same content. The marker is written last, so a
+reader never sees half a publish; an upload that fails raises and the transaction publishes
+nothing locally either. Objects of the publish a marker replaces are deleted after it.
+
+**Read**: :meth:`Remote.sync` reads the journal after the last entry this machine saw (one
+LIST when nothing changed), keeps each new marker locally (``.remote/commits/``: what
+``DataLayout.partitions_with`` counts as present) and brings the small files (catalog records,
+previews, the sources registry); shards stay remote until :func:`readable` fetches one, checks
+its size and sha256 and renames it into place. A cached file is trusted while its size,
+mtime and inode are the ones recorded when it was verified; otherwise it is fetched again.
+``cache_files`` / ``trim`` show and trim the cache (least recently used first).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import time
+import uuid
+from pathlib import Path
+
+#: The environment variable that names the remote (``s3://bucket/prefix``).
+REMOTE_ENV = "FLOWMATCH_REMOTE"
+#: Under the local data root: the markers synced, the cache's stamps, the journal position.
+STATE_DIR = ".remote"
+#: How far before the last journal entry seen a sync lists again (clock skew between machines).
+SKEW_S = 300
+_CHUNK = 8 << 20
+
+
+class RemoteError(RuntimeError):
+    """The remote cannot be reached or holds something else than its marker says."""
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _stamp(path: Path) -> list[int]:
+    st = os.stat(path)
+    return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+
+def _write_json(path: Path, obj) -> None:
+    from flowmatch_models.storage.atomic import atomic_write_text
+
+    atomic_write_text(path, json.dumps(obj, sort_keys=True))
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+class Remote:
+    """The object store at ``url`` (``s3://bucket/prefix``) for the data root ``root``."""
+
+    def __init__(self, url: str, root: str | Path):
+        if not url.startswith("s3://") or len(url) <= 5:
+            raise RemoteError(f"{REMOTE_ENV}={url!r}: give it as s3://bucket/prefix")
+        self.url = url.rstrip("/")
+        self.base = self.url[5:]
+        self.root = Path(root).expanduser().resolve()
+        self.state = self.root / STATE_DIR
+        self._fs = None
+
+    @property
+    def endpoint(self) -> str:
+        return os.environ.get("AWS_ENDPOINT_URL") or "the AWS default endpoint"
+
+    @property
+    def fs(self):
+        if self._fs is None:
+            import s3fs
+
+            self._fs = s3fs.S3FileSystem(skip_instance_cache=True)
+        return self._fs
+
+    def _fail(self, what: str, e: BaseException) -> RemoteError:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        return RemoteError(
+            f"remote {self.url} ({self.endpoint}): {what} failed: {type(e).__name__}: {first}"
+        )
+
+    def key(self, *parts: str) -> str:
+        return "/".join([self.base, *parts])
+
+    # -------------------------------------------------------------------------------- publish
+
+    def publish(self, files: dict[Path, Path], asset: str, partition: str) -> dict:
+        """Upload ``files`` (target -> its written temp file) as one publish of ``asset``'s
+        ``partition``, then its marker and journal entry (module doc); returns the marker."""
+        pub = f"{time.time_ns():020d}-{uuid.uuid4().hex[:12]}"
+        entry: dict = {
+            "kind": "partition",
+            "asset": asset,
+            "partition": partition,
+            "publish": pub,
+            "host": socket.gethostname(),
+            "time": time.time(),
+            "files": {},
+        }
+        uploads = {}
+        for target, tmp in files.items():
+            rel = Path(os.path.abspath(target)).relative_to(self.root).as_posix()
+            key = self.key("data", f"{rel}.{pub}")
+            entry["files"][rel] = {
+                "key": key,
+                "size": os.path.getsize(tmp),
+                "sha256": sha256_file(tmp),
+            }
+            uploads[str(tmp)] = key
+        marker_key = self.key("commits", asset, f"{partition}.json")
+        try:
+            old = self._marker(marker_key)
+            if uploads:
+                self.fs.put(list(uploads), list(uploads.values()))
+            body = json.dumps(entry, sort_keys=True).encode()
+            self.fs.pipe(marker_key, body)  # the commit: readers see this publish from here on
+            self.fs.pipe(self.key("journal", f"{pub}.json"), body)
+        except Exception as e:  # noqa: BLE001 - any client error: one line naming the remote
+            self._forget(uploads.values())
+            raise self._fail(f"publishing {asset} {partition}", e) from None
+        if old:
+            keep = {f["key"] for f in entry["files"].values()}
+            self._forget(f["key"] for f in old.get("files", {}).values() if f["key"] not in keep)
+        # this machine's own copy of the marker, and the stamps of the files it now caches
+        self._keep_marker(entry, files)
+        return entry
+
+    def _keep_marker(self, entry: dict, files: dict[Path, Path] | None = None) -> None:
+        for target, tmp in (files or {}).items():
+            rel = Path(os.path.abspath(target)).relative_to(self.root).as_posix()
+            info = entry["files"][rel]
+            _write_json(self.state / "cached" / f"{rel}.json", {**info, "stamp": _stamp(tmp)})
+        _write_json(self.marker_path(entry["asset"], entry["partition"]), entry)
+
+    def _marker(self, key: str) -> dict | None:
+        try:
+            return json.loads(self.fs.cat(key))
+        except FileNotFoundError:
+            return None
+
+    def _forget(self, keys) -> None:
+        keys = list(keys)
+        if keys:
+            try:
+                self.fs.rm(keys)
+            except Exception:  # noqa: BLE001, S110 - retired objects: a later publish retries
+                pass
+
+    def push_files(self, paths: list[Path]) -> None:
+        """Mirror small shared files (the sources registry) to ``files/``, with one journal
+        entry naming them, so other machines' syncs bring them."""
+        pub = f"{time.time_ns():020d}-{uuid.uuid4().hex[:12]}"
+        entry: dict = {"kind": "files", "publish": pub, "time": time.time(), "files": {}}
+        uploads = {}
+        for p in paths:
+            if not Path(p).is_file():
+                continue
+            rel = Path(os.path.abspath(p)).relative_to(self.root).as_posix()
+            key = self.key("files", f"{rel}.{pub}")
+            entry["files"][rel] = {"key": key, "size": os.path.getsize(p), "sha256": sha256_file(p)}
+            uploads[str(p)] = key
+        if not uploads:
+            return
+        try:
+            self.fs.put(list(uploads), list(uploads.values()))
+            self.fs.pipe(self.key("journal", f"{pub}.json"), json.dumps(entry).encode())
+        except Exception as e:  # noqa: BLE001
+            raise self._fail("publishing the sources registry", e) from None
+
+    # ----------------------------------------------------------------------------------- read
+
+    def marker_path(self, asset: str, partition: str) -> Path:
+        return self.state / "commits" / asset / f"{partition}.json"
+
+    def sync(self) -> int:
+        """Apply the journal entries this machine has not seen; returns how many."""
+        pos = _read_json(self.state / "journal.json") or {}
+        last = pos.get("last", "")
+        seen = set(pos.get("recent", []))
+        after = ""
+        if last:
+            ns = max(0, int(last.split("-", 1)[0]) - SKEW_S * 10**9)
+            after = self.key("journal", f"{ns:020d}")
+        try:
+            keys = self._list_after(self.key("journal") + "/", after)
+        except Exception as e:  # noqa: BLE001
+            raise self._fail("reading its journal", e) from None
+        new = [k for k in keys if k.rsplit("/", 1)[1].removesuffix(".json") not in seen]
+        for k in new:
+            try:
+                entry = json.loads(self.fs.cat(k))
+            except Exception as e:  # noqa: BLE001
+                raise self._fail(f"reading {k}", e) from None
+            self._apply(entry)
+            name = k.rsplit("/", 1)[1].removesuffix(".json")
+            seen.add(name)
+            last = max(last, name)
+        if new:
+            horizon = int(last.split("-", 1)[0]) - 2 * SKEW_S * 10**9
+            recent = sorted(s for s in seen if int(s.split("-", 1)[0]) >= horizon)
+            _write_json(self.state / "journal.json", {"last": last, "recent": recent})
+        return len(new)
+
+    def _list_after(self, prefix: str, after: str) -> list[str]:
+        bucket, _, key_prefix = prefix.partition("/")
+        out, token = [], None
+        while True:
+            kw = {"Bucket": bucket, "Prefix": key_prefix}
+            if token:
+                kw["ContinuationToken"] = token
+            elif after:
+                kw["StartAfter"] = after.partition("/")[2]
+            r = self.fs.call_s3("list_objects_v2", **kw)
+            out += [f"{bucket}/{o['Key']}" for o in r.get("Contents", [])]
+            token = r.get("NextContinuationToken")
+            if not token:
+                return out
+
+    def _apply(self, entry: dict) -> None:
+        if entry.get("kind") == "files":
+            for rel, info in entry["files"].items():
+                self._fetch(info, self.root / rel)
+            return
+        mine = _read_json(self.marker_path(entry["asset"], entry["partition"]))
+        if mine and mine.get("publish", "") >= entry["publish"]:
+            return  # this publish (or a newer one) is known here already
+        shard = self._shard_rel(entry)
+        for rel, info in entry["files"].items():
+            if rel != shard:  # records and previews now; the shard on first use
+                self._fetch(info, self.root / rel)
+        _write_json(self.marker_path(entry["asset"], entry["partition"]), entry)
+
+    @staticmethod
+    def _shard_rel(entry: dict) -> str | None:
+        """The marker's shard (the asset's own file), by its folder."""
+        return next((r for r in entry["files"] if r.split("/", 1)[0] == entry["asset"]), None)
+
+    def _fetch(self, info: dict, dest: Path) -> None:
+        """Download ``info``'s object to ``dest``, checked (size and sha256) before it is
+        renamed into place; its stamp kept for later reads."""
+        from flowmatch_models.storage.atomic import atomic_path
+
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(dest) as tmp:
+            try:
+                self.fs.get(info["key"], str(tmp))
+            except Exception as e:  # noqa: BLE001
+                raise self._fail(f"fetching {info['key']}", e) from None
+            size, digest = os.path.getsize(tmp), sha256_file(tmp)
+            if (size, digest) != (info["size"], info["sha256"]):
+                raise RemoteError(
+                    f"remote {self.url}: {info['key']} is {size} bytes, sha256 {digest[:12]}; "
+                    f"its marker says {info['size']} bytes, {info['sha256'][:12]}: not used"
+                )
+        rel = dest.relative_to(self.root).as_posix()
+        _write_json(self.state / "cached" / f"{rel}.json", {**info, "stamp": _stamp(dest)})
+
+    def readable(self, asset: str, partition: str, path: Path) -> Path:
+        """``path`` (the partition's shard of ``asset``) in this machine's cache, fetched and
+        verified when the marker names a file that is not here or not as it was verified."""
+        entry = _read_json(self.marker_path(asset, partition))
+        if not entry:
+            return path
+        rel = Path(os.path.abspath(path)).relative_to(self.root).as_posix()
+        info = entry["files"].get(rel)
+        if info is None:
+            return path
+        kept = _read_json(self.state / "cached" / f"{rel}.json") or {}
+        try:
+            fresh = kept.get("sha256") == info["sha256"] and kept.get("stamp") == _stamp(path)
+        except OSError:
+            fresh = False
+        if not fresh:
+            self._fetch(info, path)
+        return path
+
+    # ---------------------------------------------------------------------------------- cache
+
+    def cache_files(self) -> list[dict]:
+        """The cached shards the remote holds (removable: fetched again on use), newest use
+        first: ``{path, size, atime}``."""
+        out = []
+        for m in (self.state / "commits").glob("*/*.json"):
+            entry = _read_json(m) or {}
+            rel = self._shard_rel(entry) if entry else None
+            p = self.root / rel if rel else None
+            if p is not None and p.is_file():
+                st = p.stat()
+                out.append({"path": p, "size": st.st_size, "atime": st.st_atime})
+        return sorted(out, key=lambda f: f["atime"], reverse=True)
+
+    def trim(self, max_bytes: int) -> list[Path]:
+        """Remove the least recently used cached shards until the rest fit ``max_bytes``."""
+        files = self.cache_files()
+        total = sum(f["size"] for f in files)
+        gone = []
+        for f in reversed(files):
+            if total <= max_bytes:
+                break
+            f["path"].unlink(missing_ok=True)
+            total -= f["size"]
+            gone.append(f["path"])
+        return gone
+
+
+_ACTIVE: dict[tuple[str, str], Remote] = {}
+
+
+def active(root: str | Path) -> Remote | None:
+    """The remote of data root ``root`` (``FLOWMATCH_REMOTE``), or None when there is none."""
+    url = os.environ.get(REMOTE_ENV, "").strip()
+    if not url:
+        return None
+    key = (url, str(Path(root).expanduser().resolve()))
+    if key not in _ACTIVE:
+        _ACTIVE[key] = Remote(url, root)
+    return _ACTIVE[key]
+
+
+def readable(root: str | Path, asset: str, partition: str, path: Path) -> Path:
+    """``path`` ready to read: with a remote, fetched into the cache first where needed."""
+    r = active(root)
+    return r.readable(asset, partition, Path(path)) if r is not None else Path(path)
+
+
+def ensure(path):
+    """A partition file ``<root>/<asset>/<partition>.<suffix>`` ready to read, whoever asks
+    (``read_shard``, the image shard readers): with a remote, fetched into the cache first
+    where a synced marker names it; a no-op without one (one environment lookup), and for
+    what is not a path (an open or memory-mapped file is read as it is)."""
+    if not isinstance(path, str | os.PathLike) or not os.environ.get(REMOTE_ENV, "").strip():
+        return path
+    path = Path(path)
+    root, asset = path.parent.parent, path.parent.name
+    partition = path.name.split(".", 1)[0]
+    if not (root / STATE_DIR / "commits" / asset / f"{partition}.json").is_file():
+        return path
+    return readable(root, asset, partition, path)
+
+
+def published(root: str | Path, asset: str) -> set[str]:
+    """Partitions of ``asset`` a synced marker says are published (on any machine)."""
+    d = Path(root).expanduser().resolve() / STATE_DIR / "commits" / asset
+    try:
+        stamp = d.stat().st_mtime_ns
+    except OSError:
+        return set()
+    got = _PUBLISHED.get(d)
+    if got is None or got[0] != stamp:  # listed again only when a marker came or went
+        got = (stamp, frozenset(p.name[:-5] for p in d.iterdir() if p.name.endswith(".json")))
+        _PUBLISHED[d] = got
+    return set(got[1])
+
+
+_PUBLISHED: dict[Path, tuple[int, frozenset[str]]] = {}
