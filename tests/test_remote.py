@@ -116,6 +116,13 @@ def test_two_machines_share_the_data_through_the_remote(s3, zoo, tmp_path, monke
             assert mine.read_bytes() == theirs.read_bytes(), (kind, p)
     assert sorted(p.name for p in (b.root / "images").glob("*.parquet")) == ["photos-00001.parquet"]
 
+    # B's cache: shown, trimmed to nothing, refilled on the next read
+    out, _ = b.run(monkeypatch, capsys, "cache")
+    assert "10 shards" in out, out  # 3 x 3 embeddings + the data card's images shard
+    out, _ = b.run(monkeypatch, capsys, "cache", "trim", "--max-gb", "0")
+    assert out.startswith("removed 10 cached shards") and "0 shards" in out, out
+    assert not (b.root / "vae_latents" / "photos-00000.fms").exists()
+
     # B registers and makes a 4th partition; --missing skips A's three
     _photos(src, 12, 4)
     out, _ = b.run(monkeypatch, capsys, "partitions", "register")

@@ -2,7 +2,7 @@
 (:mod:`flowmatch_assets.runs`); the verbs whose module has its own parser (budget, backfill, bench,
 sample, zoo) take the rest of the line."""
 
-from flowmatch_assets.cli.commands import main
 from flowmatch_assets.cli.common import CliError
+from flowmatch_assets.cli.main import main
 
 __all__ = ["CliError", "main"]

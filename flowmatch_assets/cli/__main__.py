@@ -2,6 +2,6 @@
 
 import sys
 
-from flowmatch_assets.cli.commands import main
+from flowmatch_assets.cli.main import main
 
 sys.exit(main())

@@ -357,3 +357,29 @@ def cmd_demo_data(argv: list[str]) -> int:
 
     main(argv)
     return 0
+
+
+def cmd_cache(action: str, max_gb: float | None) -> int:
+    """`flowmatch cache [show|trim --max-gb N]`: the shards this machine holds of the remote
+    data root (each removable: the remote keeps it and a reader fetches it again), least
+    recently used trimmed first."""
+    from flowmatch_assets.defs.routine import human_bytes
+    from flowmatch_models.storage import remote
+
+    res = flowmatch_resource()
+    store = remote.active(res.data_root)
+    if store is None:
+        raise CliError(
+            f"no remote data root: set {remote.REMOTE_ENV}=s3://bucket/prefix (docs/scaling-out.md)"
+        )
+    if action == "trim":
+        if max_gb is None:
+            raise CliError("cache trim needs --max-gb N (0 empties the cache)")
+        gone = store.trim(int(max_gb * 1e9))
+        print(f"removed {len(gone)} cached shards; the remote keeps them")
+    files = store.cache_files()
+    total = sum(f["size"] for f in files)
+    print(f"cache of {store.url} in {store.root}: {len(files)} shards, {human_bytes(total)}")
+    for f in files[:20]:
+        print(f"  {f['path'].relative_to(store.root)}  {human_bytes(f['size'])}")
+    return 0

@@ -33,6 +33,7 @@ from flowmatch_models.data.ring import BatchRing
 from flowmatch_models.data.source import PartitionChangedError, ShardSource, shard_fingerprint
 from flowmatch_models.data.stream import BatchStream, RingLoader, ThreadLoader
 from flowmatch_models.embeddings.kinds import model_inputs
+from flowmatch_models.storage import remote
 from flowmatch_models.storage.fingerprint import Fingerprint
 from flowmatch_models.storage.layout import DataLayout
 from flowmatch_models.storage.store import read_shard
@@ -190,6 +191,8 @@ class EmbeddingDataModule(L.LightningDataModule):
         ddp = trainer is not None and trainer.world_size > 1
         decided = None
         if not ddp or trainer.is_global_zero:  # rank 0 reads the folder and the fingerprints
+            if self.grow and (store := remote.active(self.root)) is not None:
+                store.sync()  # what other machines published since: a growing run takes it
             complete = DataLayout(self.root).complete_partitions()
             found = complete if self.grow else (self.fixed or self._initial)
             skipped = self._other_fingerprints(found) if self.grow else {}

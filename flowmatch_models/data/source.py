@@ -23,6 +23,7 @@ from flowmatch_models.data.decode import decode_batch
 from flowmatch_models.data.order import epoch_order, heldout_rows
 from flowmatch_models.data.rows import ReadPool, empty_buffer, open_rows, sample_grids
 from flowmatch_models.embeddings.kinds import FIRST_TOKEN_ATTR, KINDS, model_inputs
+from flowmatch_models.storage import remote
 from flowmatch_models.storage import transform as transform_codec
 from flowmatch_models.storage.fingerprint import ATTR as FINGERPRINT_ATTR
 from flowmatch_models.storage.fingerprint import Fingerprint, diff, disagreement, hash_of
@@ -110,6 +111,8 @@ class ShardSource:
             )
         self.text_max_len = text_max_len
         self.load_dino = load_dino
+        # with a remote data root: the embeddings another machine made, fetched in parallel
+        remote.prefetch(root, [(k, p) for p in self.partitions for k in self.kinds])
         self.cache_shards = max(1, cache_shards)
         self._open: OrderedDict[int, dict] = OrderedDict()
         self._lock = threading.Lock()  # the caches, for a loader's threads (ThreadLoader)

@@ -363,6 +363,24 @@ def ensure(path):
     return readable(root, asset, partition, path)
 
 
+def prefetch(root: str | Path, wanted, threads: int = 8) -> int:
+    """Fetch the shards ``wanted`` (``(asset, partition)`` pairs) that this machine's cache
+    lacks, ``threads`` at a time (a training start: its embeddings, ahead of the loader);
+    returns how many were checked. A no-op without a remote."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from flowmatch_models.storage.layout import DataLayout
+
+    store = active(root)
+    if store is None:
+        return 0
+    layout = DataLayout(root)
+    pairs = [(a, p) for a, p in wanted if p in published(root, a)]
+    with ThreadPoolExecutor(threads, thread_name_prefix="flowmatch-prefetch") as pool:
+        list(pool.map(lambda ap: store.readable(*ap, layout.asset_path(*ap)), pairs))
+    return len(pairs)
+
+
 def published(root: str | Path, asset: str) -> set[str]:
     """Partitions of ``asset`` a synced marker says are published (on any machine)."""
     d = Path(root).expanduser().resolve() / STATE_DIR / "commits" / asset
