@@ -27,5 +27,6 @@ BENCHES = {
         "crop",
         "scale",
         "checkpoint",
+        "remote",
     )
 }

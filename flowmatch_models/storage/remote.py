@@ -41,6 +41,8 @@ REMOTE_ENV = "FLOWMATCH_REMOTE"
 STATE_DIR = ".remote"
 #: How far before the last journal entry seen a sync lists again (clock skew between machines).
 SKEW_S = 300
+#: Journal entries read (and their files fetched) at a time by a sync.
+SYNC_BATCH = 512
 _CHUNK = 8 << 20
 
 
@@ -62,9 +64,13 @@ def _stamp(path: Path) -> list[int]:
 
 
 def _write_json(path: Path, obj) -> None:
-    from flowmatch_models.storage.atomic import atomic_write_text
-
-    atomic_write_text(path, json.dumps(obj, sort_keys=True))
+    """Write this machine's remote state (a marker, a cache stamp, the journal position)
+    atomically, without an fsync each: it is a cache of the remote, and removing
+    ``.remote/`` and syncing again rebuilds it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{path.name}.{uuid.uuid4().hex[:8]}")
+    tmp.write_text(json.dumps(obj, sort_keys=True))
+    os.replace(tmp, path)
 
 
 def _read_json(path: Path):
@@ -198,7 +204,9 @@ class Remote:
         return self.state / "commits" / asset / f"{partition}.json"
 
     def sync(self) -> int:
-        """Apply the journal entries this machine has not seen; returns how many."""
+        """Apply the journal entries this machine has not seen; returns how many. Entries are
+        read and their files fetched many at a time (s3fs runs the GETs concurrently), and
+        applied in journal order."""
         pos = _read_json(self.state / "journal.json") or {}
         last = pos.get("last", "")
         seen = set(pos.get("recent", []))
@@ -211,18 +219,20 @@ class Remote:
         except Exception as e:  # noqa: BLE001
             raise self._fail("reading its journal", e) from None
         new = [k for k in keys if k.rsplit("/", 1)[1].removesuffix(".json") not in seen]
-        for k in new:
+        for i in range(0, len(new), SYNC_BATCH):
+            batch = new[i : i + SYNC_BATCH]
             try:
-                entry = json.loads(self.fs.cat(k))
+                bodies = self.fs.cat(batch)
             except Exception as e:  # noqa: BLE001
-                raise self._fail(f"reading {k}", e) from None
-            self._apply(entry)
-            name = k.rsplit("/", 1)[1].removesuffix(".json")
-            seen.add(name)
-            last = max(last, name)
-        if new:
+                raise self._fail("reading its journal", e) from None
+            entries = [json.loads(bodies[k]) for k in batch]
+            self._apply_many(entries)
+            for k in batch:
+                name = k.rsplit("/", 1)[1].removesuffix(".json")
+                seen.add(name)
+                last = max(last, name)
             horizon = int(last.split("-", 1)[0]) - 2 * SKEW_S * 10**9
-            recent = sorted(s for s in seen if int(s.split("-", 1)[0]) >= horizon)
+            recent = sorted(x for x in seen if int(x.split("-", 1)[0]) >= horizon)
             _write_json(self.state / "journal.json", {"last": last, "recent": recent})
         return len(new)
 
@@ -241,19 +251,26 @@ class Remote:
             if not token:
                 return out
 
-    def _apply(self, entry: dict) -> None:
-        if entry.get("kind") == "files":
-            for rel, info in entry["files"].items():
-                self._fetch(info, self.root / rel)
-            return
-        mine = _read_json(self.marker_path(entry["asset"], entry["partition"]))
-        if mine and mine.get("publish", "") >= entry["publish"]:
-            return  # this publish (or a newer one) is known here already
-        shard = self._shard_rel(entry)
-        for rel, info in entry["files"].items():
-            if rel != shard:  # records and previews now; the shard on first use
-                self._fetch(info, self.root / rel)
-        _write_json(self.marker_path(entry["asset"], entry["partition"]), entry)
+    def _apply_many(self, entries: list[dict]) -> None:
+        """Bring the files of ``entries`` (a partition's records and preview, not its shard;
+        the sources registry's files), then keep each partition's marker; the newest
+        publish of a file wins."""
+        wanted: dict[Path, dict] = {}
+        markers: dict[tuple[str, str], dict] = {}
+        for entry in entries:
+            if entry.get("kind") == "files":
+                wanted.update({self.root / r: info for r, info in entry["files"].items()})
+                continue
+            at = (entry["asset"], entry["partition"])
+            mine = markers.get(at) or _read_json(self.marker_path(*at))
+            if mine and mine.get("publish", "") >= entry["publish"]:
+                continue  # this publish (or a newer one) is known here already
+            shard = self._shard_rel(entry)
+            wanted.update({self.root / r: info for r, info in entry["files"].items() if r != shard})
+            markers[at] = entry
+        self._fetch_many(wanted)
+        for entry in markers.values():
+            _write_json(self.marker_path(entry["asset"], entry["partition"]), entry)
 
     @staticmethod
     def _shard_rel(entry: dict) -> str | None:
@@ -263,22 +280,40 @@ class Remote:
     def _fetch(self, info: dict, dest: Path) -> None:
         """Download ``info``'s object to ``dest``, checked (size and sha256) before it is
         renamed into place; its stamp kept for later reads."""
-        from flowmatch_models.storage.atomic import atomic_path
+        self._fetch_many({dest: info})
 
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_path(dest) as tmp:
+    def _fetch_many(self, wanted: dict[Path, dict]) -> None:
+        """Download each ``dest: info`` (concurrently), check each against its marker (size and
+        sha256) and rename it into place; a file that does not match is never placed."""
+        if not wanted:
+            return
+        temps: dict[Path, Path] = {}
+        try:
+            for dest in wanted:
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                temps[dest] = dest.with_name(f".tmp-{dest.name}.{uuid.uuid4().hex[:8]}")
             try:
-                self.fs.get(info["key"], str(tmp))
+                self.fs.get([wanted[d]["key"] for d in temps], [str(t) for t in temps.values()])
             except Exception as e:  # noqa: BLE001
-                raise self._fail(f"fetching {info['key']}", e) from None
-            size, digest = os.path.getsize(tmp), sha256_file(tmp)
-            if (size, digest) != (info["size"], info["sha256"]):
-                raise RemoteError(
-                    f"remote {self.url}: {info['key']} is {size} bytes, sha256 {digest[:12]}; "
-                    f"its marker says {info['size']} bytes, {info['sha256'][:12]}: not used"
+                raise self._fail(f"fetching {len(temps)} files", e) from None
+            for dest, tmp in temps.items():
+                info = wanted[dest]
+                size, digest = os.path.getsize(tmp), sha256_file(tmp)
+                if (size, digest) != (info["size"], info["sha256"]):
+                    raise RemoteError(
+                        f"remote {self.url}: {info['key']} is {size} bytes, sha256 "
+                        f"{digest[:12]}; its marker says {info['size']} bytes, "
+                        f"{info['sha256'][:12]}: not used"
+                    )
+            for dest, tmp in temps.items():
+                os.replace(tmp, dest)
+                rel = dest.relative_to(self.root).as_posix()
+                _write_json(
+                    self.state / "cached" / f"{rel}.json", {**wanted[dest], "stamp": _stamp(dest)}
                 )
-        rel = dest.relative_to(self.root).as_posix()
-        _write_json(self.state / "cached" / f"{rel}.json", {**info, "stamp": _stamp(dest)})
+        finally:
+            for tmp in temps.values():
+                tmp.unlink(missing_ok=True)
 
     def readable(self, asset: str, partition: str, path: Path) -> Path:
         """``path`` (the partition's shard of ``asset``) in this machine's cache, fetched and
