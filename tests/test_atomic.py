@@ -48,3 +48,26 @@ def test_a_failed_rename_restores_what_was_renamed(tmp_path):
     assert a.read_text() == "old a"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "dir"]
     assert [p.name for p in blocked.parent.iterdir()] == ["b.txt"]  # the folder, no temp
+
+
+def test_a_before_hook_sees_every_pending_file_and_its_failure_publishes_nothing(tmp_path):
+    """A transaction's ``before`` hook (a remote publish: storage/remote.py) gets every pending
+    target with its written temp file, before any rename; when it raises (the remote is down),
+    nothing is renamed and the temp files are gone: no local-only publish that looks complete."""
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("old a")
+    seen: dict = {}
+
+    def upload(files):
+        seen.update({t: tmp.read_text() for t, tmp in files.items()})
+        assert not b.exists()  # before any rename
+        raise OSError("the remote is down")
+
+    with pytest.raises(OSError, match="remote is down"):
+        with deferred(lambda p: p.name in ("a.txt", "b.txt")) as tx:
+            atomic_write_text(a, "new a")
+            atomic_write_text(b, "new b")
+            tx.before(upload)
+    assert seen == {a: "new a", b: "new b"}
+    assert a.read_text() == "old a" and not b.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]
