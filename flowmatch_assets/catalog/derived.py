@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from flowmatch_assets.catalog import outcome_rules
 from flowmatch_assets.catalog.record_kinds import record_path
 from flowmatch_models.storage.atomic import atomic_path, write_parquet
 from flowmatch_models.storage.layout import DataLayout
@@ -120,12 +121,15 @@ def _outcomes(
         if losers
         else np.zeros(n, bool)
     )
-    by_meta = m_out != "stored"
-    outcome = np.where(
-        by_meta, m_out, np.where(~has_i, "pending", np.where(lost, "filtered", i_out))
-    )
-    reason = np.where(
-        by_meta, m_why, np.where(lost, "duplicate_content", np.where(has_i, i_why, None))
+    outcome, reason = outcome_rules.select(
+        {
+            "metadata.outcome": m_out,
+            "metadata.reason": m_why,
+            "images.has": has_i,
+            "images.outcome": i_out,
+            "images.reason": i_why,
+            "content_duplicate": lost,
+        }
     )
     return outcome, reason, has_m
 

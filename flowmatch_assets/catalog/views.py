@@ -30,7 +30,7 @@ from pathlib import Path
 import duckdb
 import pyarrow.parquet as pq
 
-from flowmatch_assets.catalog import derived, summary
+from flowmatch_assets.catalog import derived, outcome_rules, summary
 from flowmatch_assets.catalog.record_kinds import RECORD_KINDS, RecordKind
 from flowmatch_assets.catalog.records import CARD_SECTIONS, _write_parquet
 from flowmatch_assets.catalog.summary import file_lock
@@ -226,20 +226,15 @@ def _dedupe_views(layout: DataLayout, legacy: frozenset[str], losers: str) -> li
            UNION ALL
            SELECT partition, id, 'content', md5, kept_partition, kept_id, true
            FROM content_duplicates""",
-        # every input row's final outcome: filtered by the metadata filters (or failed when a
-        # source's listing cannot make it a row: a missing caption, ...), else the image
-        # stage's outcome (pending before it ran), a content duplicate counted as filtered
-        """CREATE OR REPLACE VIEW dataset_rows AS
+        # every input row's final outcome by the one table of rules (outcome_rules.py, which
+        # the data card's numpy reads too): the metadata's, else the image stage's (pending
+        # before it ran), a content duplicate counted as filtered
+        f"""CREATE OR REPLACE VIEW dataset_rows AS
            SELECT m.partition, m.id, m.url,
                   CASE WHEN m.outcome != 'stored' THEN 'metadata'
                        WHEN i.id IS NOT NULL THEN 'images' END AS stage,
-                  CASE WHEN m.outcome != 'stored' THEN m.outcome
-                       WHEN i.id IS NULL THEN 'pending'
-                       WHEN c.id IS NOT NULL THEN 'filtered'
-                       ELSE i.outcome END AS outcome,
-                  CASE WHEN m.outcome != 'stored' THEN m.reason
-                       WHEN c.id IS NOT NULL THEN 'duplicate_content'
-                       ELSE i.reason END AS reason,
+                  {outcome_rules.sql_case("outcome")} AS outcome,
+                  {outcome_rules.sql_case("reason")} AS reason,
                   d.kept_partition, d.kept_id
            FROM rows m
            LEFT JOIN rows i ON i.asset = 'images' AND i.partition = m.partition AND i.id = m.id
@@ -303,7 +298,8 @@ def _card_select(src: str, dataset: bool) -> str:
         for q in (0.1, 0.5, 0.9)
     )
     outcome = "split_part(item, ':', 1)"
-    outcomes = ("stored", "filtered", "failed", "pending")
+    outcomes = outcome_rules.OUTCOMES
+    items = ", ".join(f"'{o}'" for o in ("input", *outcomes))
     counts = ", ".join(f"coalesce(sum(n) FILTER ({outcome} = '{o}'), 0)" for o in outcomes)
     share = ", ".join(f"coalesce(sum(n) FILTER ({outcome} = '{o}'), 0) / sum(n)" for o in outcomes)
     whole_counts = """UNION ALL
@@ -336,7 +332,7 @@ def _card_select(src: str, dataset: bool) -> str:
               {whole_counts if dataset else ""}){whole_stats if dataset else ""},
             parts AS (
               SELECT scope, 'rows' AS section,
-                     unnest(['input', 'stored', 'filtered', 'failed', 'pending']) AS item,
+                     unnest([{items}]) AS item,
                      unnest([sum(n), {counts}])::DOUBLE AS value,
                      unnest([1.0, {share}]) AS share
               FROM counts WHERE section = 'outcome' GROUP BY scope

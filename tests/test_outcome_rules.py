@@ -1,0 +1,70 @@
+"""One place for the row-outcome rules (issue 47): the catalog's ``dataset_rows`` SQL and the
+data card's numpy come from ``catalog/outcome_rules.py`` and agree on every combination of a
+row's facts; no second copy of a rule is written elsewhere in the catalog."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from pathlib import Path
+
+import duckdb
+import numpy as np
+
+from flowmatch_assets.catalog import outcome_rules
+
+REPO = Path(__file__).resolve().parents[1]
+META = [("stored", None), ("filtered", "too_small"), ("failed", "missing_caption")]
+IMAGES = [None, ("stored", None), ("failed", "timeout"), ("filtered", "too_small")]
+
+
+def test_sql_and_numpy_agree_on_every_combination_of_a_rows_facts():
+    combos = list(itertools.product(META, IMAGES, (False, True)))
+    con = duckdb.connect()
+    con.execute("CREATE TABLE m (id INT, outcome TEXT, reason TEXT)")
+    con.execute("CREATE TABLE i (id INT, outcome TEXT, reason TEXT)")
+    con.execute("CREATE TABLE c (id INT)")
+    for k, (meta, img, dup) in enumerate(combos):
+        con.execute("INSERT INTO m VALUES (?, ?, ?)", [k, *meta])
+        if img is not None:
+            con.execute("INSERT INTO i VALUES (?, ?, ?)", [k, *img])
+        if dup:
+            con.execute("INSERT INTO c VALUES (?)", [k])
+    sql = (
+        f"SELECT m.id, {outcome_rules.sql_case('outcome')}, {outcome_rules.sql_case('reason')} "
+        "FROM m LEFT JOIN i ON i.id = m.id LEFT JOIN c ON c.id = m.id ORDER BY m.id"
+    )
+    by_sql = [(o, r) for _, o, r in con.execute(sql).fetchall()]
+    facts = {
+        "metadata.outcome": np.array([m[0] for m, _, _ in combos], object),
+        "metadata.reason": np.array([m[1] for m, _, _ in combos], object),
+        "images.has": np.array([i is not None for _, i, _ in combos]),
+        "images.outcome": np.array([i[0] if i else None for _, i, _ in combos], object),
+        "images.reason": np.array([i[1] if i else None for _, i, _ in combos], object),
+        "content_duplicate": np.array([d for _, _, d in combos]),
+    }
+    outcome, reason = outcome_rules.select(facts)
+    assert list(zip(outcome, reason)) == by_sql
+    # and the rules say what they should, on a few rows by hand
+    got = dict(zip(combos, by_sql))
+    assert got[(META[1], IMAGES[1], True)] == ("filtered", "too_small")  # the metadata's first
+    assert got[(META[0], None, False)] == ("pending", None)
+    assert got[(META[0], IMAGES[1], True)] == ("filtered", "duplicate_content")
+    assert got[(META[0], IMAGES[2], False)] == ("failed", "timeout")
+    assert {o for o, _ in by_sql} <= set(outcome_rules.OUTCOMES)
+
+
+def test_no_second_copy_of_an_outcome_rule_in_the_catalog():
+    """The literals only the rules produce appear in no other catalog file as a rule would
+    write them (a CASE branch, a numpy choice): a copy planted in views.py or derived.py fails
+    here."""
+    planted = re.compile(
+        r"""THEN\s+'(pending|duplicate_content)'|["'](pending|duplicate_content)["']\s*[,)]"""
+    )
+    folder = REPO / "flowmatch_assets" / "catalog"
+    copies = {
+        f.name: planted.findall(f.read_text())
+        for f in folder.glob("*.py")
+        if f.name != "outcome_rules.py"
+    }
+    assert not {k: v for k, v in copies.items() if v}, copies
