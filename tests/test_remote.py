@@ -130,9 +130,13 @@ def test_two_machines_share_the_data_through_the_remote(s3, zoo, tmp_path, monke
     out, _ = b.run(monkeypatch, capsys, "materialize", "--source", "photos", "--missing")
     assert out.count(" ok (") == 1 and "photos-00003" in out, out
 
-    # A sees the 4th partition and can read its shards
+    # A sees the 4th partition and can read its shards, and B's training run in its catalog
     a.run(monkeypatch, capsys, "catalog", "coverage")
     assert sorted(r["partition"] for r in Catalog(a.root).coverage()) == [*parts, "photos-00003"]
+    runs = Catalog(a.root).query(
+        "SELECT partition FROM materializations WHERE asset = 'flow_model'"
+    )
+    assert [r["partition"] for r in runs] == ["onb"]
     monkeypatch.setenv("FLOWMATCH_REMOTE", a.env["FLOWMATCH_REMOTE"])
     monkeypatch.setenv("FLOWMATCH_DATA_ROOT", str(a.root))
     shard = read_shard(a.root / "vae_latents" / "photos-00003.fms")

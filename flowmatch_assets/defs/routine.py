@@ -269,6 +269,17 @@ def publish_run(
     budget``/``stale`` and the reports read as the run), then the result with ``metadata``. The
     run folder is the training process's own (written atomically there), so nothing here is
     locked or deferred, and no fingerprint, path or data version is added: a run's inputs are
-    its record's ``input_fingerprints``."""
-    record_materialization(context, flowmatch, asset, run_name, **record)
+    its record's ``input_fingerprints``. With a remote data root the record is published there
+    too (its marker under the run's name), so every machine's catalog and budget see the run."""
+    store = remote.active(flowmatch.data_root)
+    if store is None:
+        record_materialization(context, flowmatch, asset, run_name, **record)
+        return dg.MaterializeResult(metadata=metadata)
+    catalog_dir = flowmatch.layout.catalog_dir.resolve()
+    try:
+        with atomic.deferred(lambda p: Path(os.path.abspath(p)).is_relative_to(catalog_dir)) as tx:
+            tx.before(lambda files: store.publish(files, asset, run_name))
+            record_materialization(context, flowmatch, asset, run_name, **record)
+    except remote.RemoteError as e:
+        raise dg.Failure(f"{asset} {run_name}: {e}; its record was not published") from None
     return dg.MaterializeResult(metadata=metadata)
