@@ -45,12 +45,21 @@ def _podman(env: dict, *args: str, timeout: float = 1200, check: bool = True):
 
 
 def _host_pip_mounts() -> list[str]:
-    """This machine's pip settings and local wheel folders, read-only, for the build's pip
-    (a user elsewhere builds with PyPI and TORCH_INDEX instead)."""
+    """This machine's pip settings, CA bundle and local wheel folders, read-only, for the
+    build's pip (a user elsewhere builds with PyPI and TORCH_INDEX instead)."""
+    home = os.path.expanduser("~/.config/pip")
     out = []
-    for p in ("/etc/pip.conf", "/etc/xdg/pip", "/opt/wheels", "/opt/pypi", "/opt/pypi-more"):
+    for p in (
+        "/etc/pip.conf",
+        "/etc/xdg/pip",
+        home,
+        "/etc/ssl/certs",
+        "/opt/wheels",
+        "/opt/pypi",
+        "/opt/pypi-more",
+    ):
         if os.path.exists(p):
-            out += ["-v", f"{p}:{p}:ro"]
+            out += ["-v", f"{p}:{p.replace(os.path.expanduser('~'), '/root')}:ro"]
     return out
 
 
