@@ -38,11 +38,15 @@ COPY configs configs
 COPY docs/benchmarks docs/benchmarks
 RUN pip install -e ".[scale]" && python -c "import flowmatch_assets.definitions"
 
-# a user of its own; the data root is a volume
-RUN useradd --uid 1000 --create-home flowmatch && mkdir -p /data && chown flowmatch /data
+# a user of its own; the data root is a volume; a Dagster instance of its own (sqlite, telemetry
+# off) until DAGSTER_HOME names a shared one (deploy/dagster.postgres.yaml, the Helm chart's)
+RUN useradd --uid 1000 --create-home flowmatch && mkdir -p /data && chown flowmatch /data \
+    && mkdir -p /home/flowmatch/dagster_home \
+    && printf 'telemetry:\n  enabled: false\n' > /home/flowmatch/dagster_home/dagster.yaml \
+    && chown -R flowmatch /home/flowmatch/dagster_home
 USER flowmatch
 ENV FLOWMATCH_DATA_ROOT=/data \
-    DAGSTER_HOME=/data/dagster_home \
+    DAGSTER_HOME=/home/flowmatch/dagster_home \
     HOME=/home/flowmatch
 VOLUME /data
 EXPOSE 3030
