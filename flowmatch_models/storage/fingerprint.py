@@ -119,7 +119,9 @@ def disagreement(
     With ``source_of`` (partition -> its source), partitions of one source must share a
     fingerprint and partitions of different sources only its ``fields`` (the kind's own
     settings): their ``inputs`` differ because each source's rows stage records its own
-    settings (flowmatch_assets/ingest/sources), which changes no array's meaning."""
+    settings (flowmatch_assets/ingest/sources), which changes no array's meaning. A fingerprint
+    recorded before the resolved compute dtype reads as :func:`as_resolved` makes it."""
+    fps = {p: as_resolved(fp) for p, fp in fps.items()}
     if source_of is not None:
         by: dict[str, dict[str, Fingerprint | None]] = {}
         for p, fp in fps.items():
