@@ -7,11 +7,15 @@ resolves to here). Real parts throughout: in-process Dagster, the zoo encoders, 
 from __future__ import annotations
 
 import hashlib
+import io
 import shutil
+import threading
+import time
 
 import dagster as dg
 import numpy as np
 import pytest
+import torch
 
 from flowmatch_assets.catalog import MaterializationRecord, record_materialization
 from flowmatch_assets.defs import embedding_assets
@@ -48,6 +52,32 @@ def _input_version(instance, asset: str, part: str) -> str:
 
 def _sha(version: str) -> str:
     return hashlib.sha256(version.encode()).hexdigest()
+
+
+def _images(folder, n: int):
+    """An images shard of ``n`` 256 px noise JPEGs (as the ``images`` asset writes them)."""
+    from PIL import Image
+
+    from flowmatch_models.storage.image_shard import write_image_shard
+
+    rng, rows = np.random.default_rng(0), []
+    for i in range(n):
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (256, 256, 3), np.uint8)).save(buf, "JPEG")
+        rows.append(
+            {
+                **dict.fromkeys(("md5", "url"), ""),
+                "id": f"000-00-{i:06d}",
+                "caption": f"noise {i}",
+                "image": buf.getvalue(),
+                "format": "jpeg",
+                **dict.fromkeys(("orig_width", "orig_height", "height", "width"), 256),
+                "kept": 1.0,
+            }
+        )
+    path = folder / "000-00.parquet"
+    write_image_shard(path, rows)
+    return path
 
 
 @pytest.fixture
@@ -170,12 +200,9 @@ def test_a_weights_folder_rewritten_mid_encode_is_not_what_the_shard_names(
     """The VAE folder is rewritten in place after the model is loaded, during the encode: the
     shard's latents are the loaded (old) weights' and its fingerprint names those weights, not
     the folder's new ones."""
-    from flowmatch_assets.bench.precompute import write_images
     from flowmatch_models.encoders.frozen import Encoders
-    from flowmatch_models.storage.layout import DataLayout
 
-    write_images(tmp_path / "img", 1, 6)
-    images = DataLayout(tmp_path / "img").asset_path("images", "000-00")
+    images = _images(tmp_path, 4)
     vae, old = tmp_path / "vae", tmp_path / "vae-old"
     shutil.copytree(zoo["vae"], vae)
     shutil.copytree(zoo["vae"], old)
@@ -237,17 +264,14 @@ def test_fp32_and_bf16_shards_never_share_a_fingerprint(tmp_path, small_sample, 
     same fingerprint. A fingerprint recorded before (``compute_dtype: auto``, no device) reads
     fresh where auto resolves to the dtype the settings ask now, stale where they ask another,
     and trains beside the shards made here since."""
-    from flowmatch_assets.bench.precompute import write_images
     from flowmatch_models.data.source import agreeing
-    from flowmatch_models.storage.layout import DataLayout
 
-    write_images(tmp_path / "img", 1, 4)
-    images = DataLayout(tmp_path / "img").asset_path("images", "000-00")
+    images = _images(tmp_path, 2)
     kind = KINDS["vae_latents"]
     fps = {}
     precalc.clear_shared_encoders()
     for dtype in ("fp32", "bf16", "auto"):
-        spec = EncoderSpec(**zoo, batch_size=4, dtype=dtype)
+        spec = EncoderSpec(**zoo, batch_size=2, dtype=dtype)
         got = precalc.encode_partition(images, [kind], spec, "cpu", inputs={"images": "h"})
         fps[dtype] = Fingerprint.from_json(got["vae_latents"].attrs["fingerprint"])
     precalc.clear_shared_encoders()
@@ -284,3 +308,59 @@ def test_fp32_and_bf16_shards_never_share_a_fingerprint(tmp_path, small_sample, 
     )
     assert agreeing("vae_latents", legacy).hash != legacy.hash  # read, never rewritten
     assert "compute_dtype: fp32 -> bf16" in disagreement({"old": legacy, "gpu": fps["bf16"]})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (auto: bf16 there)")
+def test_auto_on_a_gpu_and_on_the_cpu_never_share_a_fingerprint(tmp_path, zoo) -> None:
+    """``dtype: auto`` computes in bf16 on a GPU and fp32 on the CPU: two fingerprints."""
+    images, kind = _images(tmp_path, 2), KINDS["vae_latents"]
+    spec = EncoderSpec(**zoo, batch_size=2)
+    fps = {}
+    precalc.clear_shared_encoders()
+    for device in ("cuda", "cpu"):
+        got = precalc.encode_partition(images, [kind], spec, device, inputs={"images": "h"})
+        fps[device] = Fingerprint.from_json(got["vae_latents"].attrs["fingerprint"])
+    precalc.clear_shared_encoders()
+    assert fps["cuda"].fields["compute_dtype"] == "bf16" and fps["cuda"].fields["device"] == "cuda"
+    assert fps["cuda"].hash != fps["cpu"].hash
+    assert "compute_dtype: bf16 -> fp32" in disagreement({"a": fps["cuda"], "b": fps["cpu"]})
+
+
+def test_the_images_reader_waits_for_a_writer_in_progress(tmp_path, small_sample) -> None:
+    """The read-ahead's reader lock (``routine.reading``) waits while an images partition is
+    being written (``PartitionOutput`` holds the exclusive lock from its first write to its
+    record), so the record and the file it reads are one version."""
+    from flowmatch_assets.defs.routine import lock_path, partition_lock, reading
+
+    res = make_resource(tmp_path / "data", small_sample)
+    order: list[str] = []
+
+    class Log:
+        def info(self, m: str) -> None:
+            order.append("writer waits")
+
+    def read() -> None:
+        with reading(res, "images", "000-00"):
+            order.append("read")
+
+    with partition_lock(lock_path(res, "images", "000-00"), Log(), "000-00", "images"):
+        reader = threading.Thread(target=read)
+        reader.start()
+        time.sleep(0.3)
+        order.append("written")
+    reader.join(5)
+    assert order == ["written", "read"]
+
+    def write() -> None:
+        with partition_lock(lock_path(res, "images", "000-00"), Log(), "000-00", "images"):
+            order.append("writer in")
+
+    with reading(res, "images", "000-00"):  # readers share; a writer waits for them
+        with reading(res, "images", "000-00"):
+            order.append("two readers")
+        writer = threading.Thread(target=write)
+        writer.start()
+        time.sleep(0.3)
+        order.append("read done")
+    writer.join(5)
+    assert order[2:] == ["two readers", "writer waits", "read done", "writer in"]
