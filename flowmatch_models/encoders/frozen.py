@@ -97,6 +97,7 @@ class Encoders:
         self._dino: Any = None
         self._text: Any = None
         self._tokenizer: Any = None
+        self._tokenizer_given = False  # from_models: kept when the text model loads
 
     @classmethod
     def from_models(
@@ -126,6 +127,7 @@ class Encoders:
                 text = text.to(enc.text_dtype)
             enc._text = enc._prepare(text, compile_it=False)
         enc._tokenizer = tokenizer
+        enc._tokenizer_given = tokenizer is not None
         return enc
 
     def _compiling(self) -> bool:
@@ -161,7 +163,7 @@ class Encoders:
         """Load ``role``'s model now (``vae``, ``dino``, or ``text`` with its tokenizer), on
         this thread: the lazy imports of diffusers and transformers are not safe to race."""
         if role == "text":
-            _ = self.tokenizer, self.text_model
+            _ = self.text_model  # its tokenizer with it: one version of the folder
         else:
             getattr(self, role)
 
@@ -223,21 +225,22 @@ class Encoders:
 
     @property
     def tokenizer(self) -> Any:
-        """The caption tokenizer (loaded on first use, with the text model: one version of its
-        folder for both)."""
+        """The caption tokenizer (loaded on first use: alone, where only it is needed; with the
+        text model, :meth:`load`, the two from one version of the folder)."""
         if self._tokenizer is None:
-            self._load_text()
+            self._tokenizer = self._load_tokenizer()
         return self._tokenizer
 
-    def _load_text(self) -> None:
-        from transformers import AutoModel, AutoTokenizer
+    def _load_tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
 
-        def load() -> tuple[Any, Any]:  # what from_models was given is kept
-            tok = self._tokenizer or load_pretrained(
-                "text", self.spec.text, AutoTokenizer.from_pretrained
-            )
-            if self._text is not None:
-                return tok, self._text
+        return load_pretrained("text", self.spec.text, AutoTokenizer.from_pretrained)
+
+    def _load_text(self) -> None:
+        from transformers import AutoModel
+
+        def load() -> tuple[Any, Any]:  # a tokenizer from_models was given is kept
+            tok = self._tokenizer if self._tokenizer_given else self._load_tokenizer()
             model = load_pretrained(
                 "text", self.spec.text, AutoModel.from_pretrained, dtype=self.text_dtype
             )
