@@ -199,14 +199,12 @@ def partition_materialization_tags(
     version given by the asset, and each input partition's data version and event pointer), for
     an ``AssetMaterialization`` of one partition logged by a step that runs many (a
     multi-partition run reports each partition it published on its own). ``inputs``: ``(asset,
-    partition)`` read. Private: ``dagster._core.definitions.data_version``."""
+    partition)`` read (its latest materialization). Private:
+    ``dagster._core.definitions.data_version``."""
     from dagster._core.definitions.data_version import (
         CODE_VERSION_TAG,
         DATA_VERSION_IS_USER_PROVIDED_TAG,
         DATA_VERSION_TAG,
-        NULL_EVENT_POINTER,
-        get_input_data_version_tag,
-        get_input_event_pointer_tag,
     )
 
     tags = {
@@ -215,23 +213,52 @@ def partition_materialization_tags(
         DATA_VERSION_IS_USER_PROVIDED_TAG: "true",
     }
     for asset, partition in inputs:
-        key = dg.AssetKey(asset)
-        got = instance.fetch_materializations(
-            dg.AssetRecordsFilter(asset_key=key, asset_partitions=[partition]), limit=1
-        ).records
-        event = got[0] if got else None
-        version = None
-        if event is not None and event.asset_materialization is not None:
-            version = (event.asset_materialization.tags or {}).get(DATA_VERSION_TAG)
-        # as Dagster versions a partitioned input: sha256 over its partitions' data versions
-        # (dagster._core.execution.context.data_version_cache), here the one partition read
-        tags[get_input_data_version_tag(key)] = (
-            hashlib.sha256(version.encode()).hexdigest() if version else "INITIAL"
-        )
-        tags[get_input_event_pointer_tag(key)] = (
-            str(event.storage_id) if event is not None else NULL_EVENT_POINTER
-        )
+        tags.update(input_tags(instance, asset, partition))
     return tags
+
+
+def input_tags(
+    instance: dg.DagsterInstance, asset: str, partition: str, version: str | None = None
+) -> dict[str, str]:
+    """The input data version and event pointer tags of one input partition read: the
+    ``version`` given (the data version of the file version actually read) and the latest of its
+    materializations that recorded it; without ``version``, the latest materialization's.
+    Dagster's own are taken when the output is handled, from whatever materialization is latest
+    then (a partition re-made during the step would be named though its old file was read):
+    these override them (``MaterializeResult(tags=...)``). Private:
+    ``dagster._core.definitions.data_version``."""
+    from dagster._core.definitions.data_version import (
+        DATA_VERSION_TAG,
+        NULL_EVENT_POINTER,
+        get_input_data_version_tag,
+        get_input_event_pointer_tag,
+    )
+
+    key = dg.AssetKey(asset)
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=key, asset_partitions=[partition]),
+        limit=1 if version is None else 20,
+    ).records
+
+    def version_of(r) -> str | None:
+        m = r.asset_materialization
+        return (m.tags or {}).get(DATA_VERSION_TAG) if m is not None else None
+
+    event = next((r for r in records if version is None or version_of(r) == version), None)
+    if event is None and records:  # recorded long ago, or outside Dagster: the latest's place
+        event = records[0]
+    if version is None and event is not None:
+        version = version_of(event)
+    # as Dagster versions a partitioned input: sha256 over its partitions' data versions
+    # (dagster._core.execution.context.data_version_cache), here the one partition read
+    return {
+        get_input_data_version_tag(key): (
+            hashlib.sha256(version.encode()).hexdigest() if version else "INITIAL"
+        ),
+        get_input_event_pointer_tag(key): (
+            str(event.storage_id) if event is not None else NULL_EVENT_POINTER
+        ),
+    }
 
 
 def execute_code_location_run(

@@ -28,6 +28,7 @@ from flowmatch_assets.defs.resources import FlowmatchResource
 from flowmatch_assets.defs.routine import (
     PartitionOutput,
     human_bytes,
+    pin_version,
     run_partitions,
     shards_check_result,
 )
@@ -123,6 +124,10 @@ def _encode_one(context, flowmatch, part: str, selected, device: str, ahead: Ahe
     spec = flowmatch.encoders
     src = ahead.path
     ids = ahead.meta().column("id").to_pylist()  # the rows encoded (one version of the file)
+    # what it was made from: that version's (pinned when it was mapped), never the record's now
+    inputs = (
+        ahead.version.inputs if ahead.version else fingerprints.inputs_of(flowmatch, "images", part)
+    )
     if not ids:  # an empty shard never replaces a good one (nor is written at all)
         raise _no_images(part, selected)
     context.log.info(f"{part}: encoding {len(ids)} samples on {device}")
@@ -132,7 +137,7 @@ def _encode_one(context, flowmatch, part: str, selected, device: str, ahead: Ahe
         spec,
         device,
         log=_every(10.0, lambda m: context.log.info(f"{part}: {m}")),
-        inputs=fingerprints.inputs_of(flowmatch, selected[0].name, part),
+        inputs=inputs,
         weights_cache=weights_cache_file(flowmatch.data_root),
         ahead=ahead,
     )
@@ -163,12 +168,18 @@ def _every(seconds: float, log):
 
 def _read_ahead(flowmatch: FlowmatchResource, part: str, selected, device: str) -> Ahead | None:
     """``part``'s images shard read ahead (rows, tokens, first batches) while the one before it
-    is encoded; None when it has no shard (its encode says so)."""
+    is encoded, pinned to the version it maps (its fingerprint and data version: what the shards
+    made from it record, :func:`pin_version`); None when it has no shard (its encode says so)."""
     src = flowmatch.layout.asset_path("images", part)
     if not src.exists():
         return None
     return read_ahead(
-        src, selected, flowmatch.encoders, device, weights_cache_file(flowmatch.data_root)
+        src,
+        selected,
+        flowmatch.encoders,
+        device,
+        weights_cache_file(flowmatch.data_root),
+        pin=pin_version(flowmatch, "images", part),
     )
 
 
@@ -315,7 +326,7 @@ def _materialization(context, flowmatch, name: str, part: str, r: dg.Materialize
         asset_key=name,
         partition=part,
         metadata=r.metadata,
-        tags={**tags, **({"dagster/backfill": backfill} if backfill else {})},
+        tags={**tags, **(r.tags or {}), **({"dagster/backfill": backfill} if backfill else {})},
     )
 
 
@@ -407,6 +418,8 @@ def _publish_kind(
         raw_bytes=seed,
         stored_bytes=stats.stored_bytes,
         fingerprint=Fingerprint.from_json(e.attrs[FINGERPRINT_ATTR]),
+        # the images version read, not whichever is latest when Dagster handles the output
+        tags=e.version.tags(context.instance) if e.version is not None else None,
         codec=spec.codec + (f"+{'/'.join(modes)}" if modes else ""),
         device=e.attrs["device"],
         lossy_min_cosine=min((x["min_cosine"] for x in errs), default=None),

@@ -24,18 +24,20 @@ import contextlib
 import fcntl
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 
-from flowmatch_assets import catalog
+from flowmatch_assets import catalog, compat
 from flowmatch_assets.catalog import MaterializationRecord, RowOutcome
 from flowmatch_assets.defs.resources import FlowmatchResource
 from flowmatch_assets.freshness import fingerprints
 from flowmatch_models.storage import atomic, remote
 from flowmatch_models.storage.atomic import remove_stale_temps
-from flowmatch_models.storage.fingerprint import Fingerprint
+from flowmatch_models.storage.fingerprint import Fingerprint, hash_of
 from flowmatch_models.storage.layout import PARTITIONED_ASSETS
 
 
@@ -54,6 +56,65 @@ def partition_lock(path: Path, log, partition: str, asset: str) -> Iterator[None
             yield
         finally:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def lock_path(flowmatch: FlowmatchResource, asset: str, partition: str) -> Path:
+    """The file whose lock a writer of ``asset``'s ``partition`` holds (:class:`PartitionOutput`)."""
+    return flowmatch.layout.root / ".locks" / asset / f"{partition}.lock"
+
+
+@contextlib.contextmanager
+def reading(flowmatch: FlowmatchResource, asset: str, partition: str) -> Iterator[None]:
+    """Hold ``asset``'s ``partition`` lock shared: no writer publishes it inside the block (one
+    in the middle of its write is waited for), so its catalog record and its file read there
+    are one version (what the embedding step reads of an images partition). Readers do not wait
+    for each other; a data root that cannot hold a lock file is read unlocked."""
+    path = lock_path(flowmatch, asset, partition)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path, "a+")
+    except OSError:  # a read-only data root: nothing writes it either
+        yield
+        return
+    with f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+@dataclass(frozen=True)
+class ReadVersion:
+    """The version of an upstream partition's file a step read: ``inputs`` for the fingerprint
+    (``{asset: its fingerprint hash}``) and its Dagster data version (None: no record)."""
+
+    asset: str
+    partition: str
+    inputs: dict[str, str]
+    data_version: str | None
+
+    def tags(self, instance: dg.DagsterInstance) -> dict[str, str]:
+        """The input tags of a materialization made from it (:func:`compat.input_tags`)."""
+        return compat.input_tags(instance, self.asset, self.partition, self.data_version)
+
+
+def pin_version(
+    flowmatch: FlowmatchResource, asset: str, partition: str
+) -> Callable[[Callable[[], Any]], ReadVersion]:
+    """A read-ahead's ``pin`` (flowmatch_models.embeddings.precalc.Ahead) for ``asset``'s
+    ``partition``: under the partition's reader lock (:func:`reading`) its record's fingerprint
+    is read and its file mapped (so they are one version whatever re-makes it after), then the
+    mapped bytes' content id gives its data version (:func:`fingerprints.data_version`)."""
+
+    def pin(open_file: Callable[[], Any]) -> ReadVersion:
+        with reading(flowmatch, asset, partition):
+            fp = fingerprints.stored(flowmatch, asset, partition)
+            src = open_file()
+        version = f"{fp.hash}-{fingerprints.content_id(src)}" if fp is not None else None
+        return ReadVersion(asset, partition, {asset: hash_of(fp)}, version)
+
+    return pin
 
 
 def run_id(context: dg.AssetExecutionContext) -> str | None:
@@ -146,7 +207,7 @@ class PartitionOutput:
 
     def __enter__(self) -> PartitionOutput:
         stack = contextlib.ExitStack()
-        lock = self.flowmatch.layout.root / ".locks" / self.asset / f"{self.partition}.lock"
+        lock = lock_path(self.flowmatch, self.asset, self.partition)
         stack.enter_context(partition_lock(lock, self.context.log, self.partition, self.asset))
         if remove_stale_temps(self.path):  # safe: no other run of this partition is writing
             self.context.log.warning(
@@ -201,12 +262,14 @@ class PartitionOutput:
         raw_bytes: int = 0,
         stored_bytes: int | None = None,
         fingerprint: Fingerprint | None = None,
+        tags: dict[str, str] | None = None,
         **record: object,
     ) -> dg.MaterializeResult:
         """Record rows and the materialization (``record``: the other MaterializationRecord
         fields) in the catalog and return the result with ``metadata`` and the path; with the
         ``fingerprint`` of what made it (default: the asset's current one,
-        flowmatch_assets/freshness/fingerprints.py) in the record, the metadata and the data version."""
+        flowmatch_assets/freshness/fingerprints.py) in the record, the metadata and the data version;
+        ``tags``: the materialization's (e.g. the input versions read, ``compat.input_tags``)."""
         fp = fingerprint or fingerprints.current(self.flowmatch, self.asset, self.partition)
         extra = {**dict(record.pop("extra", None) or {}), "fingerprint": fp.to_json()}  # type: ignore[call-overload]
         root = self.flowmatch.data_root
@@ -237,6 +300,7 @@ class PartitionOutput:
                 "path": dg.MetadataValue.path(str(self.path)),
             },
             data_version=fingerprints.data_version(fp, self.written()),
+            tags=tags,
         )
 
 

@@ -31,10 +31,16 @@ from flowmatch_assets.defs.resources import FlowmatchResource
 from flowmatch_assets.ingest.metadata import filter_fields
 from flowmatch_assets.ingest.sources import SourceError, partition_source
 from flowmatch_models.data.buckets import label
-from flowmatch_models.embeddings.kinds import KINDS, TRAINING_INPUTS, kind_fingerprint
+from flowmatch_models.embeddings.kinds import (
+    KINDS,
+    TRAINING_INPUTS,
+    compute_agrees,
+    kind_fingerprint,
+)
 from flowmatch_models.storage.fingerprint import (
     UNKNOWN,
     Fingerprint,
+    as_resolved,
     diff,
     hash_of,
     weights_cache_file,
@@ -115,17 +121,23 @@ def current(res: FlowmatchResource, asset: str, partition: str) -> Fingerprint:
     return Fingerprint(expected_fields(res, asset, partition), inputs_of(res, asset, partition))
 
 
-def content_id(path: Path) -> str:
+def content_id(path) -> str:
     """A cheap identity of a partition file's content: the store footer's header hash (which
     covers every array's checksum), or for parquet an xxh3 of its id, md5/hash, caption and
-    image columns (the images shard is still in the page cache when it is published)."""
-    with open(path, "rb") as f:  # by content: a file being published has its temp name
-        if f.read(4) != b"PAR1":
-            f.seek(-32, 2)
-            return f.read(32)[16:24].hex()
+    image columns (the images shard is still in the page cache when it is published).
+    ``path``: a path, or an open pyarrow file (a memory map: the version it maps)."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
     import xxhash
 
+    if isinstance(path, pa.NativeFile):
+        if path.read_at(4, 0) != b"PAR1":
+            return path.read_at(32, path.size() - 32)[16:24].hex()
+    else:
+        with open(path, "rb") as f:  # by content: a file being published has its temp name
+            if f.read(4) != b"PAR1":
+                f.seek(-32, 2)
+                return f.read(32)[16:24].hex()
     names = pq.read_schema(path).names
     cols = [c for c in ("id", "md5", "hash", "caption", "image") if c in names]
     t = pq.read_table(path, columns=cols)
@@ -235,7 +247,7 @@ def staleness(
                     except SourceError as e:  # the source was removed, or its manifest
                         expected[key] = {"source": f"unavailable ({str(e).split(';')[0]})"}
                 if (id(fp), key) not in diffs:
-                    diffs[(id(fp), key)] = diff(fp.fields, expected[key])
+                    diffs[(id(fp), key)] = diff(_compared(res, a, fp, expected[key]), expected[key])
                 changed = diffs[(id(fp), key)]
                 links = _upstream_reasons(
                     a,
@@ -254,6 +266,21 @@ def staleness(
                 if a in wanted:
                     out.append(Stale(a, p, tuple(reasons)))
     return out
+
+
+def _compared(res: FlowmatchResource, asset: str, fp: Fingerprint, expected: dict) -> dict:
+    """A kind's stored fields as compared with the ``expected`` ones: one recorded before the
+    resolved compute dtype as what ``auto`` resolves to here (``as_resolved``), and a compute
+    dtype and device that the settings make where it was made (``compute_agrees``) as agreeing."""
+    if asset not in KINDS:
+        return fp.fields
+    fields = as_resolved(fp).fields  # type: ignore[union-attr]
+    if compute_agrees(KINDS[asset], res.encoders, fields):
+        fields = {
+            **fields,
+            **{k: expected[k] for k in ("compute_dtype", "device") if k in expected},
+        }
+    return fields
 
 
 #: An asset's fingerprint fields that change which rows it holds (an images setting such as the

@@ -26,7 +26,13 @@ from flowmatch_models.embeddings.kinds import FIRST_TOKEN_ATTR, KINDS, model_inp
 from flowmatch_models.storage import remote
 from flowmatch_models.storage import transform as transform_codec
 from flowmatch_models.storage.fingerprint import ATTR as FINGERPRINT_ATTR
-from flowmatch_models.storage.fingerprint import Fingerprint, diff, disagreement, hash_of
+from flowmatch_models.storage.fingerprint import (
+    Fingerprint,
+    as_resolved,
+    diff,
+    disagreement,
+    hash_of,
+)
 from flowmatch_models.storage.layout import DataLayout, source_of
 from flowmatch_models.storage.store import Shard, StoreError, ragged_offsets, read_shard
 
@@ -60,7 +66,10 @@ def agreeing(kind: str, fp: Fingerprint | None) -> Fingerprint | None:
     """What partitions of ``kind`` must share to be trained together: the fingerprint; for a
     kind that reads only the rows' captions (its values do not depend on how the images were
     stored), its fields alone (a shard from before exact inputs recorded the images partition's
-    fingerprint as its input; one made since, the rows it read: both train together)."""
+    fingerprint as its input; one made since, the rows it read: both train together). One
+    recorded before the resolved compute dtype reads as made with what ``auto`` resolves to here
+    (``as_resolved``): it trains with the shards made here since."""
+    fp = as_resolved(fp)
     k = KINDS.get(kind)
     if fp is None or k is None or k.role.input != "captions":
         return fp

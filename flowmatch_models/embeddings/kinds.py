@@ -33,7 +33,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from flowmatch_models.encoders.spec import EncoderSpec, simulated_rate
-from flowmatch_models.storage.fingerprint import Fingerprint, rows_digest, weights_identity
+from flowmatch_models.storage.fingerprint import (
+    Fingerprint,
+    dtype_name,
+    rows_digest,
+    weights_identity,
+)
 
 if TYPE_CHECKING:
     from flowmatch_models.encoders.frozen import Encoders
@@ -381,20 +386,27 @@ def kind_fingerprint(
     spec: EncoderSpec,
     inputs: dict[str, str | None] | None = None,
     weights_cache: str | Path | None = None,
+    *,
+    weights: dict | None = None,
+    compute: dict | None = None,
 ) -> Fingerprint:
     """What makes ``kind``'s values under ``spec``: model and weights identity, the role's
-    preprocessing settings, compute and storage dtype, codec and the kind's code version;
-    ``inputs``: the fingerprint hash of the images partition it is made from. Weights are
-    hashed once per process (flowmatch_models.storage.fingerprint.folder_sha256)."""
+    preprocessing settings, compute dtype and device class as resolved, storage dtype, codec
+    and the kind's code version; ``inputs``: the fingerprint hash of the images partition it is
+    made from. ``weights``: the identity of the weights the values came from (taken when they
+    were loaded: ``Encoders.weights``); without it the folder is hashed now (once per process
+    and folder state, flowmatch_models.storage.fingerprint.folder_sha256). ``compute``: the
+    ``compute_dtype`` and ``device`` the encoder ran with (``Encoders.compute``); without it,
+    what ``spec`` resolves to on this machine (:func:`resolved_compute`)."""
     model = kind.model_in(spec)
     lossy = spec.lossy.get(kind.name) if kind.lossy else None
     fields = {
         "kind": kind.name,
         "code_version": kind.code_version,
         "model": model,
-        **weights_identity(model, weights_cache),
+        **(weights if weights is not None else weights_identity(model, weights_cache)),
         **kind.role.settings(spec),
-        "compute_dtype": getattr(spec, kind.role.dtype_field),
+        **(compute if compute is not None else resolved_compute(kind, spec)),
         "storage_dtype": lossy or "float16",
         "lossy": bool(lossy),
         "codec": spec.codec,
@@ -402,6 +414,33 @@ def kind_fingerprint(
     if simulated_rate():  # a benchmark's stand-in made these values: never fresh, never trained
         fields["simulated_gpu_pairs_per_s"] = simulated_rate()
     return Fingerprint(fields, dict(inputs or {}))
+
+
+def resolved_compute(kind: EmbeddingKind, spec: EncoderSpec) -> dict:
+    """``{"compute_dtype": "bf16", "device": "cuda"}``: the dtype ``kind``'s encoder computes
+    in under ``spec`` (its ``dtype_field``; ``auto``: bf16 on a GPU, fp32 on the CPU) and the
+    device class, as resolved on this machine (flowmatch_models.encoders.loading)."""
+    from flowmatch_models.encoders.loading import resolve_device, resolve_dtype
+
+    dev = resolve_device(spec.device)
+    dtype = resolve_dtype(getattr(spec, kind.role.dtype_field), dev)
+    return {"compute_dtype": dtype_name(dtype), "device": dev.type}
+
+
+def compute_agrees(kind: EmbeddingKind, spec: EncoderSpec, fields: dict) -> bool:
+    """A shard's recorded ``compute_dtype`` and ``device`` (``fields``) are what ``spec`` makes:
+    what it resolves to on this machine, or, with ``device: auto``, on the device class the
+    shard was made on (a GPU shard made under ``auto`` is not stale to a CPU-only machine; it
+    is never trained together with a CPU one: their hashes differ)."""
+    from flowmatch_models.encoders.loading import resolve_device, resolve_dtype
+
+    got = {"compute_dtype": fields.get("compute_dtype"), "device": fields.get("device")}
+    if got == resolved_compute(kind, spec):
+        return True
+    if spec.device != "auto" or got["device"] not in ("cpu", "cuda"):
+        return False
+    there = resolve_dtype(getattr(spec, kind.role.dtype_field), resolve_device(got["device"]))
+    return dtype_name(there) == got["compute_dtype"]
 
 
 def kind_inputs(

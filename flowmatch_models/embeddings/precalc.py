@@ -39,6 +39,9 @@ class Encoded:
     arrays: dict[str, np.ndarray]
     attrs: dict
     seconds: float
+    #: what the read-ahead's ``pin`` said of the version of the images file it read
+    #: (:attr:`Ahead.version`), None without one
+    version: Any = None
 
 
 def encode_partition(
@@ -64,10 +67,18 @@ def encode_partition(
     image batches decoded on threads (:class:`Ahead`) while the device encodes; a caller that
     encodes many partitions passes ``ahead`` = :func:`read_ahead` of this partition, started
     while the previous one was encoded, so that the device does not wait at a partition's start
-    either. ``ahead`` is closed here."""
-    encs = _encoders(kinds, spec, device, weights_cache)
+    either. ``ahead`` is closed here; its encoders (loaded when it started, which tokenized its
+    captions) are the ones that encode it.
+
+    The fingerprint names what the values came from: the weights identity taken when each
+    model was loaded (``Encoders.weights``), the compute dtype and device it ran with, and the
+    ``inputs`` given (a caller that pinned ``ahead``: those of the very file version it read,
+    :attr:`Ahead.version`)."""
     if ahead is None:
-        ahead = Ahead(images_path, kinds, encs, spec.batch_size)
+        ahead = Ahead(
+            images_path, kinds, _encoders(kinds, spec, device, weights_cache), spec.batch_size
+        )
+    encs = ahead.encs
     try:
         return _encode(ahead, kinds, spec, device, encs, log, inputs, weights_cache)
     finally:
@@ -80,12 +91,14 @@ def read_ahead(
     spec: EncoderSpec,
     device: str,
     weights_cache: str | Path | None = None,
+    pin: Callable[[Callable[[], Any]], Any] | None = None,
 ) -> Ahead:
     """Start reading ``images_path`` for :func:`encode_partition` now, on threads (its rows,
     its captions tokenized, its first image batches decoded), with the process's shared
     encoders' tokenizers. Never raises: a failure to read is raised by the encode that uses it.
-    The caller passes it to :func:`encode_partition` or closes it."""
-    return Ahead(images_path, kinds, _encoders(kinds, spec, device, weights_cache), spec.batch_size)
+    The caller passes it to :func:`encode_partition` or closes it. ``pin``: see :class:`Ahead`."""
+    encs = _encoders(kinds, spec, device, weights_cache)
+    return Ahead(images_path, kinds, encs, spec.batch_size, pin=pin)
 
 
 def _encoders(kinds, spec: EncoderSpec, device: str, weights_cache) -> dict[str, Any]:
@@ -102,13 +115,31 @@ class Ahead:
     (ids, captions, sizes), its captions tokenized (one future per caption kind) and its image
     batches decoded up to ``depth`` batches ahead (by ``min(4, cores)`` decoding threads). An
     error is kept and raised to the consumer, in order. :meth:`close` stops and joins every
-    thread it started."""
+    thread it started.
+
+    ``pin``: called on the reading thread as ``pin(open_file)`` before anything is read, where
+    ``open_file()`` memory-maps the file (the one version every row and pixel is read from) and
+    returns the mapping; what ``pin`` returns is kept as :attr:`version`. A caller names the
+    version it reads there (flowmatch_assets: under the images partition's reader lock, its
+    catalog record's fingerprint and the mapped bytes' content id). ``encs``: kept, the
+    encoders that encode what it read."""
 
     _DONE = object()
 
-    def __init__(self, images_path, kinds, encs: dict[str, Any], batch_size: int, depth: int = 2):
+    def __init__(
+        self,
+        images_path,
+        kinds,
+        encs: dict[str, Any],
+        batch_size: int,
+        depth: int = 2,
+        pin: Callable[[Callable[[], Any]], Any] | None = None,
+    ):
         self.path = Path(images_path)
         self.batch_size = int(batch_size)
+        self.encs = encs
+        self.version: Any = None
+        self._pin = pin
         self.tokens: dict[str, Future] = {}
         self._meta: Any = None
         self._error: BaseException | None = None
@@ -137,8 +168,18 @@ class Ahead:
 
         from flowmatch_models.storage.image_shard import iter_image_batches, read_image_meta
 
+        mapped: list = []
+
+        def open_file():
+            if not mapped:
+                # with a remote data root: another machine's shard fetched into the cache first
+                mapped.append(pa.memory_map(str(remote.ensure(self.path))))
+            return mapped[0]
+
         try:  # one version of the file for the rows and the images, whatever replaces it
-            src = pa.memory_map(str(remote.ensure(self.path)))
+            if self._pin is not None:
+                self.version = self._pin(open_file)
+            src = open_file()
             self._meta = read_image_meta(src)
             captions = self._meta.column("caption").to_pylist()
             self.tokens = {
@@ -279,9 +320,9 @@ def _encode(ahead: Ahead, kinds, spec, device, encs, log, inputs, weights_cache)
             "dtype": str(enc.dtype),
             "source": f"images/{Path(images_path).stem}",
             **extra_attrs,
-            FINGERPRINT_ATTR: _fingerprint(k, spec, inputs, weights_cache, ids, captions),
+            FINGERPRINT_ATTR: _fingerprint(k, spec, inputs, weights_cache, ids, captions, enc),
         }
-        out[k.name] = Encoded(k, arrays, attrs, secs[k.name])
+        out[k.name] = Encoded(k, arrays, attrs, secs[k.name], ahead.version)
     return out
 
 
@@ -307,7 +348,9 @@ def shared_encoders(kind: EmbeddingKind, spec: EncoderSpec, weights_cache=None) 
     with _SHARED_LOCK:
         got = _SHARED.get(kind.name)
         if got is None or got[0] != key:
-            _SHARED[kind.name] = (key, Encoders(spec))
+            enc = Encoders(spec)
+            enc.weights_cache = weights_cache
+            _SHARED[kind.name] = (key, enc)
         return _SHARED[kind.name][1]
 
 
@@ -317,10 +360,14 @@ def clear_shared_encoders() -> None:
         _SHARED.clear()
 
 
-def _fingerprint(kind, spec, images_inputs, weights_cache, ids, captions) -> dict:
-    """The kind's fingerprint with exactly its inputs (:func:`kind_inputs`), as stored."""
+def _fingerprint(kind, spec, images_inputs, weights_cache, ids, captions, enc=None) -> dict:
+    """The kind's fingerprint with exactly its inputs (:func:`kind_inputs`), as stored: the
+    weights ``enc`` loaded (identified at the load) and the dtype and device it computed in."""
     inputs, rows = kind_inputs(kind, images_inputs, ids, captions)
-    return kind_fingerprint(kind, spec, inputs, weights_cache).with_rows(**rows).to_json()
+    weights = enc.weights.get(kind.encoder) if enc is not None else None
+    compute = enc.compute(kind.encoder) if enc is not None else None
+    fp = kind_fingerprint(kind, spec, inputs, weights_cache, weights=weights, compute=compute)
+    return fp.with_rows(**rows).to_json()
 
 
 def _cells(key: str, col: list[np.ndarray]) -> np.ndarray:

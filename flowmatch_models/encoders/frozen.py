@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -32,9 +32,16 @@ import torch
 import torch.nn.functional as F
 
 from flowmatch_models.data.buckets import GRID
-from flowmatch_models.encoders.loading import load_pretrained, resolve_device, resolve_dtype
+from flowmatch_models.encoders.loading import (
+    load_identified,
+    load_pretrained,
+    own_memory,
+    resolve_device,
+    resolve_dtype,
+)
 from flowmatch_models.encoders.spec import EncoderSpec, simulated_rate
 from flowmatch_models.encoders.zoo import is_random_weights
+from flowmatch_models.storage.fingerprint import dtype_name
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 
@@ -81,10 +88,16 @@ class Encoders:
             )
         self.text_saturated = 0  # caption values clamped to the fp16 range so far
         self.simulated_pairs_per_s = simulated_rate()
+        #: where weight hashes are remembered between processes (set by the precalc)
+        self.weights_cache: Any = None
+        #: per role, the identity of the weights its model was loaded from (taken at the load:
+        #: :func:`~flowmatch_models.encoders.loading.load_identified`), what a fingerprint names
+        self.weights: dict[str, dict] = {}
         self._vae: Any = None
         self._dino: Any = None
         self._text: Any = None
         self._tokenizer: Any = None
+        self._tokenizer_given = False  # from_models: kept when the text model loads
 
     @classmethod
     def from_models(
@@ -114,17 +127,32 @@ class Encoders:
                 text = text.to(enc.text_dtype)
             enc._text = enc._prepare(text, compile_it=False)
         enc._tokenizer = tokenizer
+        enc._tokenizer_given = tokenizer is not None
         return enc
 
     def _compiling(self) -> bool:
         return self.spec.compile and self._device.type == "cuda"
 
+    def compute(self, role: str) -> dict:
+        """The resolved compute dtype and device class of ``role``'s encoder, as a fingerprint
+        records them: ``{"compute_dtype": "bf16", "device": "cuda"}``."""
+        dtype = self.text_dtype if role == "text" else self.dtype
+        return {"compute_dtype": dtype_name(dtype), "device": self._device.type}
+
+    def _identified(self, role: str, load: Callable[[], Any]) -> Any:
+        """``load()`` of ``role``'s model with the identity of the weights it read
+        (:attr:`weights`)."""
+        got, self.weights[role] = load_identified(
+            getattr(self.spec, role), load, self.weights_cache
+        )
+        return got
+
     def _prepare(self, model: Any, compile_it: bool) -> Any:
-        model = model.to(self._device).eval().requires_grad_(False)
+        model = own_memory(model.to(self._device)).eval().requires_grad_(False)
         return torch.compile(model) if compile_it and self._compiling() else model
 
     def _prepare_vae(self, vae: Any) -> Any:
-        vae = vae.to(self._device).eval().requires_grad_(False)
+        vae = own_memory(vae.to(self._device)).eval().requires_grad_(False)
         if self.spec.channels_last and self._device.type == "cuda":
             vae = vae.to(memory_format=torch.channels_last)
         if self._compiling():
@@ -135,7 +163,7 @@ class Encoders:
         """Load ``role``'s model now (``vae``, ``dino``, or ``text`` with its tokenizer), on
         this thread: the lazy imports of diffusers and transformers are not safe to race."""
         if role == "text":
-            _ = self.tokenizer, self.text_model
+            _ = self.text_model  # its tokenizer with it: one version of the folder
         else:
             getattr(self, role)
 
@@ -161,10 +189,14 @@ class Encoders:
         if self._vae is None:
             from diffusers import AutoencoderDC
 
-            vae = load_pretrained(
-                "vae", self.spec.vae, AutoencoderDC.from_pretrained, torch_dtype=self.dtype
+            self._vae = self._identified(
+                "vae",
+                lambda: self._prepare_vae(
+                    load_pretrained(
+                        "vae", self.spec.vae, AutoencoderDC.from_pretrained, torch_dtype=self.dtype
+                    )
+                ),
             )
-            self._vae = self._prepare_vae(vae)
         return self._vae
 
     @property
@@ -173,32 +205,48 @@ class Encoders:
         if self._dino is None:
             from transformers import AutoModel
 
-            dino = load_pretrained(
-                "dino", self.spec.dino, AutoModel.from_pretrained, dtype=self.dtype
+            self._dino = self._identified(
+                "dino",
+                lambda: self._prepare(
+                    load_pretrained(
+                        "dino", self.spec.dino, AutoModel.from_pretrained, dtype=self.dtype
+                    ),
+                    compile_it=True,
+                ),
             )
-            self._dino = self._prepare(dino, compile_it=True)
         return self._dino
 
     @property
     def text_model(self) -> Any:
         """The text encoder (``Gemma3TextModel`` for gemma-3-270m; loaded on first use)."""
         if self._text is None:
-            from transformers import AutoModel
-
-            model = load_pretrained(
-                "text", self.spec.text, AutoModel.from_pretrained, dtype=self.text_dtype
-            )
-            self._text = self._prepare(model, compile_it=False)
+            self._load_text()
         return self._text
 
     @property
     def tokenizer(self) -> Any:
-        """The caption tokenizer (loaded on first use)."""
+        """The caption tokenizer (loaded on first use: alone, where only it is needed; with the
+        text model, :meth:`load`, the two from one version of the folder)."""
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
-            self._tokenizer = load_pretrained("text", self.spec.text, AutoTokenizer.from_pretrained)
+            self._tokenizer = self._load_tokenizer()
         return self._tokenizer
+
+    def _load_tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
+
+        return load_pretrained("text", self.spec.text, AutoTokenizer.from_pretrained)
+
+    def _load_text(self) -> None:
+        from transformers import AutoModel
+
+        def load() -> tuple[Any, Any]:  # a tokenizer from_models was given is kept
+            tok = self._tokenizer if self._tokenizer_given else self._load_tokenizer()
+            model = load_pretrained(
+                "text", self.spec.text, AutoModel.from_pretrained, dtype=self.text_dtype
+            )
+            return tok, self._prepare(model, compile_it=False)
+
+        self._tokenizer, self._text = self._identified("text", load)
 
     # --------------------------------------------------------------------------------- images
     def _batches(self, n: int) -> list[slice]:

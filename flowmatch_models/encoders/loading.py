@@ -120,3 +120,42 @@ def load_pretrained(kind: str, source: str, loader: Callable[..., Any], **kwargs
         return loader(source, **kwargs)
     except (OSError, ValueError) as exc:  # transformers/diffusers raise OSError (EnvironmentError)
         raise MissingWeightsError(_missing_message(kind, source, exc)) from exc
+
+
+#: Loads of one model retried while its folder keeps changing under them, before giving up.
+LOAD_TRIES = 3
+
+
+def load_identified(
+    source: str, load: Callable[[], Any], weights_cache: str | Path | None = None
+) -> tuple[Any, dict]:
+    """``(load(), the identity of the weights it read)``: the folder (or hub revision) is
+    identified, loaded, and identified again (a stat, unless it changed); a folder rewritten
+    in between (a ``flowmatch zoo`` re-run, a fine-tune saved over it, a git-lfs pull) is
+    loaded again, up to :data:`LOAD_TRIES` times. The identity is what the fingerprint of
+    every value the model computes names (flowmatch_models.storage.fingerprint.weights_identity)."""
+    from flowmatch_models.storage.fingerprint import weights_identity
+
+    seen = []
+    for _ in range(LOAD_TRIES):
+        before = weights_identity(source, weights_cache)
+        got = load()
+        after = weights_identity(source, weights_cache)
+        if before == after:
+            return got, before
+        seen.append(before)
+        del got
+    raise RuntimeError(
+        f"the weights at {source} changed during each of {LOAD_TRIES} loads ({seen}); load "
+        "again once whatever writes them has finished"
+    )
+
+
+def own_memory(model: Any) -> Any:
+    """``model`` with every parameter and buffer in memory of its own: loaded on the CPU,
+    safetensors leaves them mapped from the weights file, so a file rewritten in place would
+    change the model while it encodes (a GPU copy is already its own)."""
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.device.type == "cpu":
+            t.data = t.data.clone()
+    return model

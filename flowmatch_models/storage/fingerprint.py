@@ -119,7 +119,9 @@ def disagreement(
     With ``source_of`` (partition -> its source), partitions of one source must share a
     fingerprint and partitions of different sources only its ``fields`` (the kind's own
     settings): their ``inputs`` differ because each source's rows stage records its own
-    settings (flowmatch_assets/ingest/sources), which changes no array's meaning."""
+    settings (flowmatch_assets/ingest/sources), which changes no array's meaning. A fingerprint
+    recorded before the resolved compute dtype reads as :func:`as_resolved` makes it."""
+    fps = {p: as_resolved(fp) for p, fp in fps.items()}
     if source_of is not None:
         by: dict[str, dict[str, Fingerprint | None]] = {}
         for p, fp in fps.items():
@@ -252,3 +254,41 @@ def weights_identity(model: str, cache_file: str | Path | None = None) -> dict:
 def weights_cache_file(data_root: str | Path) -> Path:
     """Where a data root remembers weight hashes between processes."""
     return Path(os.fspath(data_root)) / "catalog" / "weights_sha256.json"
+
+
+# ------------------------------------------------------------------- compute dtype and device
+
+#: The short names a fingerprint records for a resolved compute dtype.
+DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def dtype_name(dtype) -> str:
+    """``torch.bfloat16`` (or ``"bfloat16"``, ``"bf16"``) -> ``"bf16"``."""
+    name = str(dtype).removeprefix("torch.")
+    return DTYPE_NAMES.get(name, name)
+
+
+def auto_resolution() -> dict:
+    """What ``device: auto`` and ``dtype: auto`` resolve to on this machine, as a fingerprint
+    records them: ``{"compute_dtype": "bf16", "device": "cuda"}`` with a GPU, ``fp32``/``cpu``
+    without (flowmatch_models.encoders.loading.resolve_dtype)."""
+    from flowmatch_models.encoders.loading import resolve_device, resolve_dtype
+
+    dev = resolve_device("auto")
+    return {"compute_dtype": dtype_name(resolve_dtype("auto", dev)), "device": dev.type}
+
+
+def is_legacy_auto(fields: dict) -> bool:
+    """A fingerprint recorded before the resolved compute dtype was (``compute_dtype: auto``
+    and no ``device``): it was made with whatever ``auto`` resolved to where it ran."""
+    return fields.get("compute_dtype") == "auto" and "device" not in fields
+
+
+def as_resolved(fp: Fingerprint | None) -> Fingerprint | None:
+    """``fp`` as it would be recorded now: a fingerprint from before the resolved compute dtype
+    (:func:`is_legacy_auto`) read as made with what ``auto`` resolves to here (its stored hash
+    and records are never rewritten: comparisons read it so, so no shard made with the dtype
+    ``auto`` still resolves to turns stale after the upgrade); any other unchanged."""
+    if fp is None or not is_legacy_auto(fp.fields):
+        return fp
+    return Fingerprint({**fp.fields, **auto_resolution()}, fp.inputs, fp.rows)
