@@ -111,6 +111,26 @@ def rank_failure(wait_s: float = 10.0) -> tuple[str, int] | None:
     return rank_error(Path(folder))
 
 
+def end_ranks_on_exit(stop) -> None:
+    """A second signal (``stop``: a :class:`~flowmatch_models.train.signals.SignalStop`)
+    exits this process at once: in the launcher, first SIGKILL the ranks it started (none is
+    left waiting in a collective: NCCL would wait its 30-minute timeout); in a rank, first
+    leave the line for the launcher (:func:`record_rank_error`), whose observer then ends
+    every process with it."""
+
+    def end(line: str, code: int) -> None:
+        import signal
+
+        if is_launcher():
+            for p in _STARTED:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGKILL)
+        else:
+            record_rank_error(line, code)
+
+    stop.on_exit.append(end)
+
+
 def watch_ranks() -> None:
     """Make Lightning's child-process observer report a rank's own error.
 
