@@ -74,7 +74,7 @@ def write_error_message(path: Path | None, error: BaseException, keep: Path | No
     kept = f"the newest complete full state {keep} is intact" if keep else "no earlier checkpoint"
     what = f"{path.name} in {path.parent}" if path is not None else "a checkpoint"
     return (
-        f"error writing {what}: {type(error).__name__}: {error}; nothing half-written was "
+        f"writing {what} failed: {type(error).__name__}: {error}; nothing half-written was "
         f"left and {kept}. Fix the folder, then resume with --resume auto"
     )
 
@@ -264,7 +264,18 @@ class CheckpointPolicy(Callback):
         self.finish(trainer)
         path = self.dir / self.full_name(trainer)
         t0 = time.perf_counter()
-        ckpt = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        ckpt, msg = None, None
+        try:  # rank 0 also writes trained_counts.json here (the module's on_save_checkpoint)
+            ckpt = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        except (OSError, RuntimeError) as e:
+            if not trainer.is_global_zero:
+                raise
+            keep = self.last if self.last.is_file() else None
+            full = _is_disk_full(e, self.dir, 1 << 20)
+            msg = ("full", disk_full_message(path, 1 << 20, keep)) if full else None
+            msg = msg or ("error", write_error_message(path, e, keep))
+        if trainer.world_size > 1 or msg:  # every rank raises rank 0's error, or none does
+            self._raise_if_full(trainer, msg)
         if trainer.is_global_zero:
             self._need = payload_bytes(ckpt)
             self.writer.save(ckpt, path, self._link_and_prune)
@@ -282,10 +293,11 @@ class CheckpointPolicy(Callback):
     def save_ema(self, trainer, pl_module) -> None:
         msg = None
         if trainer.is_global_zero:
-            ckpt = ema_snapshot(trainer, pl_module)
+            ckpt: dict = {}
             path = self.dir / self.ema_name(trainer)
             keep = self.last if self.last.is_file() else None
             try:
+                ckpt = ema_snapshot(trainer, pl_module)  # (writes trained_counts.json too)
                 with atomic_path(path) as tmp:
                     torch.save(ckpt, tmp)
             except (OSError, RuntimeError) as e:

@@ -554,13 +554,14 @@ def _pipes():
     return contextlib.nullcontext(None)
 
 
-def _error(line: str, code: int) -> int:
+def _error(line: str, code: int, agreed: bool = False) -> int:
     """Print the one-line error; also into ``$FLOWMATCH_ERROR_FILE`` when the caller (the
     training assets) asked for it, so that the UI's failure names it. A stop's line
     (:data:`EXIT_STOPPED`) is then the caller's to say (the CLI's last line, the run's log)."""
-    if code != EXIT_STOPPED or not os.environ.get("FLOWMATCH_ERROR_FILE"):
-        print(line, file=sys.stderr, flush=True)
-    distributed.record_rank_error(line, code)  # another rank's: the launcher says it (and exits)
+    said_by_caller = code == EXIT_STOPPED and os.environ.get("FLOWMATCH_ERROR_FILE")
+    if not said_by_caller and not (agreed and not distributed.is_launcher()):
+        print(line, file=sys.stderr, flush=True)  # (an agreed error: the launcher's line only)
+    distributed.record_rank_error(line, code, agreed)  # a rank's: the launcher says it
     if os.environ.get("FLOWMATCH_ERROR_FILE") and distributed.is_launcher():
         atomic_write_text(os.environ["FLOWMATCH_ERROR_FILE"], line)
     return code
@@ -629,7 +630,8 @@ def _main(args: argparse.Namespace, stop: SignalStop) -> int:
             PartitionChangedError,
             CheckpointWriteError,
         ) as e:  # stopped itself
-            return _error(f"error: {e.strerror if isinstance(e, DiskFullError) else e}", 3)
+            agreed = isinstance(e, (DiskFullError, CheckpointWriteError))  # rank 0's, broadcast
+            return _error(f"error: {e.strerror if isinstance(e, DiskFullError) else e}", 3, agreed)
         except StoppedBySignal as e:
             return _error(str(e), EXIT_STOPPED)
         except Exception:  # a rank the launcher started failed first: its line, its exit code
