@@ -32,6 +32,16 @@ def store(tmp_path_factory) -> Path:
     return make_store(tmp_path_factory.mktemp("stop_store"))
 
 
+@pytest.fixture(scope="module")
+def encoders(zoo) -> dict[str, str]:
+    """The tiny random zoo as the resource's encoders (a finished run exports with them)."""
+    return {
+        "FLOWMATCH_VAE": zoo["vae"],
+        "FLOWMATCH_TEXT": zoo["text"],
+        "FLOWMATCH_DINO": zoo["dino"],
+    }
+
+
 def _yaml(store: Path, folder: Path, **over) -> Path:
     cfg = tiny_config(
         store,
@@ -52,7 +62,7 @@ class Cli:
     """``flowmatch train NAME`` in its own session (a terminal's foreground group), output
     lines as they come; the data root and the Dagster instance are the test's."""
 
-    def __init__(self, folder: Path, store: Path, name: str, steps: int):
+    def __init__(self, folder: Path, store: Path, name: str, steps: int, encoders: dict):
         folder.mkdir(parents=True, exist_ok=True)
         self.home, self.ack = folder / "home", folder / f"{name}.ack"
         self.home.mkdir(exist_ok=True)
@@ -63,6 +73,7 @@ class Cli:
             DAGSTER_HOME=str(self.home),
             FLOWMATCH_DATA_ROOT=str(store),
             FLOWMATCH_STOP_ACK=str(self.ack),  # the training process notes a first signal
+            **encoders,
         )
         cmd = [sys.executable, "-m", "flowmatch_assets.cli", "train", "--run-name", name]
         cmd += ["--steps", str(steps), "--config", str(folder / "run.yaml"), "--no-samples"]
@@ -114,11 +125,11 @@ def _state(store: Path, name: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def whole(store, tmp_path_factory) -> dict[str, torch.Tensor]:
+def whole(store, encoders, tmp_path_factory) -> dict[str, torch.Tensor]:
     """An uninterrupted ``flowmatch train`` of TOTAL steps: what every resume must equal."""
     folder = tmp_path_factory.mktemp("whole")
     _yaml(store, folder)
-    cli = Cli(folder, store, "whole", TOTAL)
+    cli = Cli(folder, store, "whole", TOTAL, encoders)
     assert cli.finish() == 0, "\n".join(cli.lines[-30:])
     return _state(store, "whole")
 
@@ -141,13 +152,15 @@ def _stop(cli: Cli, how: str) -> None:
 @pytest.mark.parametrize(
     "how", ["ctrl-c", "sigterm-to-the-group", "sigterm-to-the-cli", "ctrl-c-twice"]
 )
-def test_every_way_of_stopping_flowmatch_train_keeps_the_work(store, whole, tmp_path, how):
+def test_every_way_of_stopping_flowmatch_train_keeps_the_work(
+    store, encoders, whole, tmp_path, how
+):
     """Each way ends with exit 75, the run CANCELED, and the one line as the last; one signal
     saves a full state at >= the step logged at the signal, and the resume equals the
     uninterrupted run (torch.equal); two exit at once, saying what is kept."""
     name = how.replace("-", "_")
     _yaml(store, tmp_path)
-    cli = Cli(tmp_path, store, name, 100_000)
+    cli = Cli(tmp_path, store, name, 100_000, encoders)
     cli.wait_step(SIGNALLED_AT)
     _stop(cli, how)
     assert cli.finish() == EXIT_STOPPED, "\n".join(cli.lines[-30:])
@@ -168,7 +181,7 @@ def test_every_way_of_stopping_flowmatch_train_keeps_the_work(store, whole, tmp_
     assert step >= SIGNALLED_AT and str(ck / f"step{step:07d}.ckpt") in last
     assert os.path.samefile(ck / "last.ckpt", ck / f"step{step:07d}.ckpt")
     assert run.tags["flowmatch/stopped_at_step"] == str(step)
-    resumed = Cli(tmp_path, store, name, TOTAL)
+    resumed = Cli(tmp_path, store, name, TOTAL, encoders)
     assert resumed.finish() == 0, "\n".join(resumed.lines[-30:])
     _same(_state(store, name), whole)
 
