@@ -48,6 +48,7 @@ from flowmatch_models.inference.export import export_pipeline
 from flowmatch_models.storage.atomic import atomic_write_text
 from flowmatch_models.storage.layout import DataLayout, source_of
 from flowmatch_models.train import distributed, finetune, signals, wandb_run
+from flowmatch_models.train.branches import retire_abandoned
 from flowmatch_models.train.callbacks import (
     AtomicCheckpointIO,
     CheckpointPolicy,
@@ -241,6 +242,10 @@ def train(request: TrainRequest, pipes=None, stop: SignalStop | None = None) -> 
         atomic_write_text(path, json.dumps(request.to_dict(), indent=1))
         if request.resume == "none":  # a new run (or a restart): its parent, or none
             finetune.write_lineage(cfg.run_dir(), request.parent)
+        start = _checkpoint_step(request.resume) if request.resume != "none" else 0
+        moved = retire_abandoned(cfg.run_dir() / "checkpoints", start, request.resume)
+        if moved is not None:
+            print(f"note: the checkpoints after step {start} (abandoned) moved to {moved}")
         distributed.publish_request(path)
         distributed.publish_rank_errors(cfg.run_dir() / ".rank_errors")
     return _fit(request, cfg, pipes, stop)
