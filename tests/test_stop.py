@@ -289,3 +289,39 @@ def test_a_write_error_on_rank_0_ends_every_rank_with_one_line(store, tmp_path):
     assert run.finish(timeout=120) == 3, run.err
     line = [ln for ln in run.err.splitlines() if ln.startswith("error: writing step0000006.ckpt")]
     assert len(line) == 1 and run.err.strip().endswith(line[0]), run.err
+
+
+def _catches(pid: int, signum: int, timeout: float = 60) -> None:
+    """Wait until process ``pid`` has a handler for ``signum`` (its /proc status SigCgt)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = Path(f"/proc/{pid}/status").read_text()
+        caught = int(
+            next(ln for ln in status.splitlines() if ln.startswith("SigCgt:")).split()[1], 16
+        )
+        if caught >> (signum - 1) & 1:
+            return
+        time.sleep(0.002)
+    raise AssertionError(f"{pid} never caught signal {signum}")
+
+
+def test_a_stop_during_start_up_says_what_is_kept(store, tmp_path):
+    """SIGTERM while the training process still imports (its handlers are installed first):
+    exit 75 and one line saying no state could be saved and which complete one is kept (the
+    previous session's), not a traceback."""
+    out = tmp_path / "run"
+    first = Run(tmp_path, tiny_config(store, out, trainer__max_steps=2), "first")
+    assert first.finish() == 0, first.err
+    over = dict(trainer__max_steps=4)
+    run = Run(tmp_path, tiny_config(store, out, **over), "again")
+    _catches(run.proc.pid, signal.SIGTERM)
+    os.kill(run.proc.pid, signal.SIGTERM)
+    assert run.finish() == EXIT_STOPPED, run.err
+    last = run.err.strip().splitlines()[-1]
+    kept = out / "checkpoints" / "last.ckpt"
+    assert last.startswith(
+        f"stopped by SIGTERM before a full state could be saved: the newest complete full "
+        f"state {kept} (step 2) is kept; resume with --resume auto"
+    ), run.err
+    assert "Traceback" not in run.err
+    assert torch.load(kept, weights_only=True, mmap=True)["global_step"] == 2
