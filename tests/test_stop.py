@@ -157,7 +157,8 @@ def test_every_way_of_stopping_flowmatch_train_keeps_the_work(
 ):
     """Each way ends with exit 75, the run CANCELED, and the one line as the last; one signal
     saves a full state at >= the step logged at the signal, and the resume equals the
-    uninterrupted run (torch.equal); two exit at once, saying what is kept."""
+    uninterrupted run (torch.equal); two exit at once, saying what is kept. (Before issue 50:
+    exit 1 and "training FAILED", and Ctrl-C or a SIGTERM to the group saved nothing.)"""
     name = how.replace("-", "_")
     _yaml(store, tmp_path)
     cli = Cli(tmp_path, store, name, 100_000, encoders)
@@ -181,6 +182,8 @@ def test_every_way_of_stopping_flowmatch_train_keeps_the_work(
     assert step >= SIGNALLED_AT and str(ck / f"step{step:07d}.ckpt") in last
     assert os.path.samefile(ck / "last.ckpt", ck / f"step{step:07d}.ckpt")
     assert run.tags["flowmatch/stopped_at_step"] == str(step)
+    if how == "sigterm-to-the-cli":  # saved before issue 50 too; its resume: test_faults' SIGTERM
+        return  # (the file's time: ~3 min)
     resumed = Cli(tmp_path, store, name, TOTAL, encoders)
     assert resumed.finish() == 0, "\n".join(resumed.lines[-30:])
     _same(_state(store, name), whole)
