@@ -101,9 +101,11 @@ class Cli:
             assert time.monotonic() < deadline, f"never reached step {n}"
             time.sleep(0.01)
 
-    def wait_ack(self, timeout: float = 60) -> None:
+    def wait_ack(self, text: str, timeout: float = 60) -> None:
+        """Until the training process says it handled ``text`` (signals.py: ``SIGINT
+        received=2 forwarded=1``)."""
         deadline = time.monotonic() + timeout
-        while not self.ack.exists():
+        while not (self.ack.exists() and text in self.ack.read_text()):
             assert time.monotonic() < deadline, "the training process never took the signal"
             time.sleep(0.01)
 
@@ -143,9 +145,9 @@ def _stop(cli: Cli, how: str) -> None:
         os.killpg(pid, signal.SIGTERM)
     elif how == "sigterm-to-the-cli":  # Kubernetes' PID 1
         os.kill(pid, signal.SIGTERM)
-    elif how == "ctrl-c-twice":  # the second once the first was taken (deterministic)
-        os.killpg(pid, signal.SIGINT)
-        cli.wait_ack()
+    elif how == "ctrl-c-twice":  # the second once both copies of the first were taken:
+        os.killpg(pid, signal.SIGINT)  # two pending SIGINTs of one process are one
+        cli.wait_ack("forwarded=1")  # (the CLI's copy counted: the training process saw it)
         os.killpg(pid, signal.SIGINT)
 
 

@@ -40,7 +40,7 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 #: the file where a parent that forwards signals to this process counts them (one integer)
 FORWARDED_ENV = "FLOWMATCH_FORWARDED_SIGNALS"
-#: where the process notes that it took a first signal (``<signal name>``), for its caller
+#: where the process notes each signal it handled (:meth:`SignalStop._acknowledge`), for a caller
 ACK_ENV = "FLOWMATCH_STOP_ACK"
 
 #: the :class:`SignalStop` that ``python -m flowmatch_models.train`` installed at start-up
@@ -117,6 +117,7 @@ class SignalStop:
     def _handle(self, signum, frame) -> None:
         self.received += 1
         name = signal_name(signum)
+        self._acknowledge(name)
         if self.signum is not None:
             if self.stops() < 2:  # the other copy of a job-wide signal already taken
                 return
@@ -137,10 +138,16 @@ class SignalStop:
             f"(send it again to exit at once)",
             flush=True,
         )
+
+    def _acknowledge(self, name: str) -> None:
+        """``$FLOWMATCH_STOP_ACK`` (when set: a caller that waits for it, the tests) says
+        what this process has handled: ``SIGINT received=2 forwarded=1``."""
         ack = os.environ.get(ACK_ENV)
         if ack:
             try:
-                Path(ack).write_text(name)
+                Path(ack).write_text(
+                    f"{name} received={self.received} forwarded={self.forwarded()}"
+                )
             except OSError:
                 pass
 
