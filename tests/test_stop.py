@@ -330,3 +330,41 @@ def test_a_stop_during_start_up_says_what_is_kept(store, tmp_path):
     ), run.err
     assert "Traceback" not in run.err
     assert torch.load(kept, weights_only=True, mmap=True)["global_step"] == 2
+
+
+def test_a_forwarded_copy_and_a_direct_copy_of_one_signal_are_one_stop(tmp_path):
+    """The counting itself (signals.py), in a real process: a direct SIGINT and the parent's
+    forwarded copy (counted in the file first) are one stop; the next forwarded one is the
+    second and exits at once (130). Each signal waits for the previous one's acknowledgement
+    (two pending SIGINTs of one process are one delivery)."""
+    count, ack = tmp_path / "forwarded", tmp_path / "ack"
+    code = (
+        "import time\n"
+        "from flowmatch_models.train.signals import SignalStop\n"
+        "s = SignalStop(); s.install()\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
+    env.update(PYTHONPATH=str(REPO), FLOWMATCH_FORWARDED_SIGNALS=str(count))
+    env["FLOWMATCH_STOP_ACK"] = str(ack)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert proc.stdout.readline() == b"ready\n"
+
+    def send(text: str) -> None:
+        proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 30
+        while not (ack.exists() and ack.read_text() == text):
+            assert time.monotonic() < deadline and proc.poll() is None, ack.read_text()
+            time.sleep(0.005)
+
+    send("SIGINT received=1 forwarded=0")  # direct: the first stop
+    count.write_text("1")
+    send("SIGINT received=2 forwarded=1")  # the parent's copy of it
+    assert proc.poll() is None
+    count.write_text("2")
+    proc.send_signal(signal.SIGINT)  # the parent's second: exit at once
+    assert proc.wait(30) == 128 + signal.SIGINT
+    assert b"SIGINT again: exiting now without saving" in proc.stderr.read()
