@@ -10,6 +10,7 @@ working. Nothing else in flowmatch imports ``dagster._*`` or reaches into ``inst
 import contextlib
 import hashlib
 import os
+import time
 from collections.abc import Iterator, Sequence
 
 import dagster as dg
@@ -330,3 +331,49 @@ def console_silenced() -> Iterator[None]:
         yield
     finally:
         logging.setLoggerClass(base)
+
+
+@contextlib.contextmanager
+def log_mirrors_apart() -> Iterator[None]:
+    """Inside the block, the processes Dagster starts to mirror a step's compute log to this
+    terminal (``tail -F`` and its orphan watcher) run in a process group of their own: a Ctrl-C
+    in the terminal (SIGINT to the foreground group) no longer kills the tail (what the training
+    process says while it saves its state was lost) nor prints the watcher's KeyboardInterrupt
+    traceback. The watcher still ends the tail when this process dies. Private:
+    ``dagster._core.execution.compute_logs.execute_posix_tail`` (replaced by a copy of it that
+    passes ``process_group=0``)."""
+    import subprocess
+    import sys
+
+    from dagster._core.execution import compute_logs
+
+    real = compute_logs.execute_posix_tail
+
+    @contextlib.contextmanager
+    def apart(path, stream):
+        stream = stream if compute_logs._fileno(stream) else None
+        tail = watcher = None
+        try:
+            tail = subprocess.Popen(
+                ["tail", "-F", "-c", "+0", path], stdout=stream, process_group=0
+            )
+            watcher = subprocess.Popen(
+                [
+                    sys.executable,
+                    os.path.abspath(compute_logs.watch_orphans.__file__),
+                    str(os.getpid()),
+                    str(tail.pid),
+                ],
+                process_group=0,
+            )
+            yield (tail.pid, watcher.pid)
+        finally:
+            time.sleep(float(os.getenv("DAGSTER_COMPUTE_LOG_TAIL_WAIT_AFTER_FINISH", "0")))
+            for proc in (tail, watcher):
+                compute_logs._clean_up_subprocess(proc)
+
+    compute_logs.execute_posix_tail = apart
+    try:
+        yield
+    finally:
+        compute_logs.execute_posix_tail = real

@@ -206,7 +206,7 @@ def run_assets(
     all_tags = {**(tags or {}), **EXTRA_TAGS}  # the verb that made it wins over the function's
     if partition is not None:
         all_tags["dagster/partition"] = partition
-    with quiet_dagster(), quiet_console():
+    with quiet_dagster(), quiet_console(), compat.log_mirrors_apart():
         result = compat.execute_code_location_run(
             str(WORKSPACE),
             job_for(selection),
@@ -406,7 +406,7 @@ def train(
     res=None,
     sources: list[str] | None = None,
     min_coverage: float | None = None,
-) -> bool:
+) -> TrainOutcome:
     """Materialize flow_model (and samples); training itself runs as a Pipes subprocess (its
     progress lines go to this process's output); ``settings``: nested training settings over
     the YAML (``{"data": {"batch_size": 16}}``); ``sources``: only their partitions."""
@@ -422,11 +422,40 @@ def train(
     ops = {"flow_model": {"config": run_cfg}}
     if with_samples:
         ops["samples"] = {"config": {"run_name": run_name}}
-    t0 = time.perf_counter()
     tags = {ORIGIN_TAG: "train", "flowmatch/run": run_name}
-    result = run_assets(list(ops), config={"ops": ops}, tags=tags, res=res)
-    print(f"training {'ok' if result.success else 'FAILED'} ({time.perf_counter() - t0:.0f}s)")
-    return result.success
+    return _training_run("training", list(ops), {"ops": ops}, tags, res)
+
+
+class TrainOutcome:
+    """A training verb's outcome: true when the run succeeded; ``stopped``: the one line of a
+    run stopped by a signal (its state saved, or why not: the CLI exits 75 with it)."""
+
+    def __init__(self, ok: bool, stopped: str | None = None):
+        self.ok, self.stopped = ok, stopped
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def _training_run(what: str, selection: list[str], config: dict, tags: dict, res) -> TrainOutcome:
+    """Run a training selection; its last line says how it ended: ``training ok (48s)``, or a
+    stop's one line (training_pipes.py; the run is CANCELED), or ``training FAILED``."""
+    from flowmatch_assets.defs.training_pipes import STOPPED_LINE_TAG
+
+    t0 = time.perf_counter()
+    inst = instance()
+    result = run_assets(
+        selection, config=config, tags=tags, res=res, dagster_instance=inst, steps=False
+    )
+    run = inst.get_run_by_id(result.run_id) if not result.success else None
+    stopped = run.tags.get(STOPPED_LINE_TAG) if run is not None else None
+    if not stopped:
+        _print_steps(result)
+    else:
+        print(stopped, file=sys.stderr, flush=True)
+        return TrainOutcome(False, stopped)
+    print(f"{what} {'ok' if result.success else 'FAILED'} ({time.perf_counter() - t0:.0f}s)")
+    return TrainOutcome(result.success)
 
 
 def finetune(
@@ -443,7 +472,7 @@ def finetune(
     min_coverage: float = 1.0,
     with_samples: bool = True,
     res=None,
-) -> bool:
+) -> TrainOutcome:
     """Materialize ``fine_tune`` (and ``samples``): a new run ``run_name`` from ``parent``'s
     weights (flowmatch_models/train/finetune.py) on ``sources`` (default every source), weighted."""
     cfg: dict = {
@@ -464,11 +493,8 @@ def finetune(
     ops = {"fine_tune": {"config": cfg}}
     if with_samples:
         ops["samples"] = {"config": {"run_name": run_name}}
-    t0 = time.perf_counter()
     tags = {ORIGIN_TAG: "finetune", "flowmatch/run": run_name, "flowmatch/parent": parent}
-    result = run_assets(list(ops), config={"ops": ops}, tags=tags, res=res)
-    print(f"fine-tune {'ok' if result.success else 'FAILED'} ({time.perf_counter() - t0:.0f}s)")
-    return result.success
+    return _training_run("fine-tune", list(ops), {"ops": ops}, tags, res)
 
 
 def evaluate(

@@ -4,6 +4,8 @@ breaking `flowmatch stale`, `verify` or the CLI's one-line errors silently."""
 
 from __future__ import annotations
 
+import os
+
 import dagster as dg
 import pytest
 
@@ -160,3 +162,24 @@ def test_a_code_location_run_carries_its_origin_and_the_jobs_snapshot(tmp_path, 
         snap = instance.get_job_snapshot(run.job_snapshot_id)
         parent = defs.resolve_job_def("reports_job").get_job_snapshot_id()
         assert snap.lineage_snapshot.parent_snapshot_id == parent
+
+
+def test_log_mirrors_apart_start_dagsters_tail_in_a_group_of_its_own(tmp_path):
+    """A Ctrl-C in the terminal (SIGINT to the foreground group) must not reach the processes
+    that mirror a step's compute log: the tail and its orphan watcher run in their own process
+    group inside the block (and are ended after it); outside it Dagster's own function is back."""
+    from dagster._core.execution import compute_logs
+
+    from flowmatch_assets import compat
+
+    real = compute_logs.execute_posix_tail
+    log = tmp_path / "step.log"
+    log.write_text("a line\n")
+    with open(tmp_path / "mirror.txt", "w") as out, compat.log_mirrors_apart():
+        assert compute_logs.execute_posix_tail is not real
+        with compute_logs.execute_posix_tail(str(log), out) as (tail, watcher):
+            for pid in (tail, watcher):
+                assert os.getpgid(pid) == pid != os.getpgid(0)
+        for pid in (tail, watcher):  # ended (and reaped) with the block
+            assert not os.path.exists(f"/proc/{pid}")
+    assert compute_logs.execute_posix_tail is real

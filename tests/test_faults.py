@@ -122,9 +122,9 @@ def test_sigterm_saves_a_full_state_exits_75_and_resumes_exactly(store, tmp_path
     os.kill(run.proc.pid, signal.SIGTERM)
     assert run.finish() == EXIT_STOPPED, run.err
     err = [ln for ln in run.err.strip().splitlines() if "SIGTERM" in ln]  # (the store warns)
-    assert len(err) == 1 and err[0].startswith("stopped by SIGTERM: full state saved at step ")
-    assert run.err.strip().endswith(err[0])
-    step = int(err[0].split("at step ")[1].split(":")[0])
+    assert len(err) == 1 and err[0].startswith("stopped at step ")
+    assert " by SIGTERM: full state saved at " in err[0] and run.err.strip().endswith(err[0])
+    step = int(err[0].split("at step ")[1].split(" ")[0])
     ck = cut / "checkpoints"
     assert step >= at and f"{ck / f'step{step:07d}.ckpt'}" in err[0]
     assert os.path.samefile(ck / "last.ckpt", ck / f"step{step:07d}.ckpt")
@@ -198,9 +198,9 @@ def test_sigterm_to_the_launcher_stops_both_ddp_ranks_and_resumes_exactly(store,
     run.wait_step(random.Random().randint(3, 6))
     os.kill(run.proc.pid, signal.SIGTERM)
     assert run.finish() == EXIT_STOPPED, run.err
-    line = [ln for ln in run.err.splitlines() if ln.startswith("stopped by SIGTERM")]
-    assert len(line) == 1, run.err
-    step = int(line[0].split("at step ")[1].split(":")[0])
+    line = [ln for ln in run.err.splitlines() if ln.startswith("stopped at step")]
+    assert len(line) == 1 and " by SIGTERM: full state saved at " in line[0], run.err
+    step = int(line[0].split("at step ")[1].split(" ")[0])
     total = step + 3
     resumed = Run(tmp_path, tiny_config(store, cut, **over), "resume", "--max-steps", str(total))
     assert resumed.finish() == 0, resumed.err

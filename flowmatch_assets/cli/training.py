@@ -101,7 +101,15 @@ def cmd_train(
         sources=source or None,
         min_coverage=min_coverage,
     )
-    return 0 if ok else 1
+    return _exit_code(ok)
+
+
+def _exit_code(outcome) -> int:
+    """0 done; 75 stopped by a signal (the state saved or said: resume with the same verb,
+    a scheduler requeues on it; flowmatch_models/train/signals.py EXIT_STOPPED); 1 failed."""
+    from flowmatch_models.train.signals import EXIT_STOPPED
+
+    return 0 if outcome else (EXIT_STOPPED if getattr(outcome, "stopped", None) else 1)
 
 
 def cmd_finetune(
@@ -139,4 +147,4 @@ def cmd_finetune(
         min_coverage,
         not no_samples,
     )
-    return 0 if ok else 1
+    return _exit_code(ok)

@@ -24,7 +24,8 @@ from flowmatch_assets.defs.partitions import (
 )
 from flowmatch_assets.defs.resources import FlowmatchResource, flowmatch_from_env
 from flowmatch_assets.defs.sensors import build_verify_sensor
-from flowmatch_assets.defs.training_assets import fine_tune, flow_model, stop_timeout_s
+from flowmatch_assets.defs.training_assets import fine_tune, flow_model
+from flowmatch_assets.defs.training_pipes import TrainingPipesClient, stop_timeout_s
 from flowmatch_assets.freshness.fingerprints import code_version
 from flowmatch_models.embeddings.kinds import KINDS, TRAINING_INPUTS
 
@@ -112,7 +113,7 @@ JOBS = [ingest_job, embed_job, lineage_job, train_job, finetune_job, evaluation_
 def resources_for(flowmatch: FlowmatchResource | dg.ResourceDefinition) -> dict:
     """Every resource the assets need, around one FlowmatchResource (default for the code
     location: built from the environment when a run starts)."""
-    client = dg.PipesSubprocessClient(termination_timeout_seconds=stop_timeout_s())
+    client = TrainingPipesClient(termination_timeout_seconds=stop_timeout_s())
     return {"flowmatch": flowmatch, "pipes_subprocess_client": client}
 
 

@@ -19,6 +19,7 @@ from flowmatch_assets.defs.deploy import TRAIN_TAGS
 from flowmatch_assets.defs.partitions import SHARDS
 from flowmatch_assets.defs.resources import FlowmatchResource
 from flowmatch_assets.defs.routine import human_bytes, publish_run
+from flowmatch_assets.defs.training_pipes import TrainingStopped, record_stop, stop_line
 from flowmatch_assets.freshness.fingerprints import trained_on
 from flowmatch_assets.reports.budget import logged_rates, steady_rate
 from flowmatch_models.embeddings.kinds import TRAINING_INPUTS
@@ -156,68 +157,9 @@ def write_ledgers(data_root: str | Path, run_name: str, run: Path) -> list[int]:
     return done
 
 
-#: How long a stopped training run may take to save its full state before Dagster gives up on
-#: it: "Terminate" in the UI sends the training process SIGINT through Pipes; it saves a full
-#: state at the next step boundary and exits 75 (flowmatch_models/train/signals.py). A large
-#: model's state (weights, AdamW, EMA) takes minutes to write; FLOWMATCH_STOP_TIMEOUT_S sets it.
-STOP_TIMEOUT_ENV = "FLOWMATCH_STOP_TIMEOUT_S"
-STOP_TIMEOUT_S = 600.0
-
-
-def stop_timeout_s() -> float:
-    """Seconds the Pipes client waits for a terminated training process (FLOWMATCH_STOP_TIMEOUT_S,
-    default 600)."""
-    raw = os.environ.get(STOP_TIMEOUT_ENV)
-    try:
-        return float(raw) if raw else STOP_TIMEOUT_S
-    except ValueError:
-        raise ValueError(f"{STOP_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
-
-
-#: Run tags of a training run: its name and parent (a fine-tune's), and where a stop saved it.
+#: Run tags of a training run: its name and parent (a fine-tune's); a stopped run's are
+#: training_pipes.py's
 RUN_TAG, PARENT_TAG = "flowmatch/run", "flowmatch/parent"
-STOPPED_STEP_TAG, STOPPED_CHECKPOINT_TAG = "flowmatch/stopped_at_step", "flowmatch/checkpoint"
-
-
-def saved_state(run: Path, since: float) -> tuple[int, Path] | None:
-    """``(step, file)`` of the full state ``checkpoints/last.ckpt`` points to, when it was
-    written at or after ``since`` (a time.time()); None when this session saved none."""
-    ck = run / "checkpoints"
-    last = ck / "last.ckpt"
-    if not last.exists() or last.stat().st_mtime < since:
-        return None
-    for f in sorted(ck.glob("step*.ckpt"), reverse=True):
-        if f.stem[4:].isdigit() and os.path.samefile(f, last):
-            return int(f.stem[4:]), f
-    return None
-
-
-def record_stop(
-    context: dg.AssetExecutionContext, run: Path, since: float, line: str | None
-) -> int | None:
-    """A training run terminated from the UI (or its run worker interrupted): the step and the
-    file of the full state it saved, as run tags, an observation of the asset and a log line.
-    Returns the step (None when no state was saved)."""
-    saved = saved_state(run, since)
-    if saved is None:
-        context.log.warning(line or "training stopped before it could save a full state")
-        return None
-    step, path = saved
-    context.instance.add_run_tags(
-        context.run_id, {STOPPED_STEP_TAG: str(step), STOPPED_CHECKPOINT_TAG: str(path)}
-    )
-    context.log_event(
-        dg.AssetObservation(
-            asset_key=context.asset_key,
-            metadata={
-                "stopped_at_step": dg.MetadataValue.int(step),
-                "checkpoint": dg.MetadataValue.path(str(path)),
-                "resume": "materialize this asset again (resume: auto), or `flowmatch resume`",
-            },
-        )
-    )
-    context.log.warning(line or f"stopped: full state saved at step {step}: {path}")
-    return step
 
 
 def run_dir(flowmatch: FlowmatchResource, name: str) -> Path:
@@ -381,8 +323,9 @@ def run_training(
     run: Path,
 ) -> dg.PipesClientCompletedInvocation:
     """``python -m flowmatch_models.train --pipes-request`` with ``request`` in the Pipes extras.
-    "Terminate" (Pipes sends SIGINT; the process saves a full state) is recorded (record_stop)
-    and re-raised; a failed process's one-line error ($FLOWMATCH_ERROR_FILE) is the dg.Failure."""
+    A stop (a signal to this process, forwarded, or to the training process: it saves a full
+    state and exits 75; training_pipes.py) is recorded (record_stop) and ends the run CANCELED;
+    a failed process's one-line error ($FLOWMATCH_ERROR_FILE) is the dg.Failure."""
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="flowmatch-train-") as tmp:
         error_file = Path(tmp) / "error.txt"  # the process's one-line error (a bad init, ...)
@@ -395,9 +338,16 @@ def run_training(
                 env=env,
                 cwd=str(REPO),
             )
-        except dg.DagsterExecutionInterruptedError:  # "Terminate": Pipes sent SIGINT, it saved
-            line = error_file.read_text().strip() if error_file.is_file() else None
-            record_stop(context, run, started, line)
+        except TrainingStopped as e:  # saved (or said why not): the run ends CANCELED
+            record_stop(context, run, started, stop_line(e, error_file, run, started))
+            raise dg.DagsterExecutionInterruptedError() from None
+        except dg.DagsterExecutionInterruptedError:  # Dagster's own client: "Terminate"
+            record_stop(
+                context,
+                run,
+                started,
+                stop_line(TrainingStopped(-2, "SIGINT", False), error_file, run, started),
+            )
             raise
         except Exception as e:  # noqa: BLE001 - a failed training process: say why in one line
             if not error_file.is_file():

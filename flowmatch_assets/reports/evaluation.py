@@ -15,7 +15,7 @@ No Dagster here: the ``evaluation`` asset and ``flowmatch bench learning`` call 
 from __future__ import annotations
 
 import functools
-import json
+import os
 import re
 from pathlib import Path
 
@@ -48,15 +48,17 @@ def checkpoints(run_dir: str | Path, which: str = "latest") -> list[tuple[int, P
 
 
 def _last_step(ckpt_dir: Path) -> int:
-    """The step of ``last.ckpt`` without loading it: ``trained_counts.json`` is rewritten by
-    every checkpoint save and the newest save is always ``last.ckpt``; else a full load."""
-    counts = ckpt_dir / "trained_counts.json"
-    if counts.is_file():
-        return int(json.loads(counts.read_text())["step"])
+    """The step ``last.ckpt`` holds: the ``stepN.ckpt`` it is a link to, else its
+    ``global_step`` (memory-mapped: no tensor is read). Never ``trained_counts.json``: an EMA
+    snapshot or a save still in flight writes it ahead of ``last.ckpt``."""
+    last = ckpt_dir / "last.ckpt"
+    for p in ckpt_dir.glob("step*.ckpt"):
+        m = re.fullmatch(r"step(\d+)\.ckpt", p.name)
+        if m and os.path.samefile(p, last):
+            return int(m.group(1))
     import torch
 
-    last = torch.load(ckpt_dir / "last.ckpt", map_location="cpu", weights_only=True)
-    return int(last["global_step"])
+    return int(torch.load(last, map_location="cpu", weights_only=True, mmap=True)["global_step"])
 
 
 def evaluate_checkpoint(

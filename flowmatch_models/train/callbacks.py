@@ -21,12 +21,18 @@ from flowmatch_models.data.module import EmbeddingDataModule
 from flowmatch_models.figures.curves import loss_curve_now
 from flowmatch_models.storage.atomic import atomic_path
 from flowmatch_models.train.config import TrainConfig
-from flowmatch_models.train.signals import SignalStop, StoppedBySignal
+from flowmatch_models.train.signals import SignalStop, StoppedBySignal, signal_name
 from flowmatch_models.train.state_writer import StateWriter
 
 
 class DiskFullError(OSError):
     """No space left for a checkpoint or an export; the previous one is intact."""
+
+
+class CheckpointWriteError(Exception):
+    """A checkpoint write failed for another reason (an I/O error, a removed folder): one line,
+    raised on every rank (the others would wait in the next collective); the newest complete
+    full state is intact."""
 
 
 def _is_disk_full(e: BaseException, folder: Path | None = None, need: int = 0) -> bool:
@@ -60,6 +66,16 @@ def disk_full_message(path: Path, need: int, keep: Path | None) -> str:
         f"{free / 1e9:.2f} GB free); nothing half-written was left and {kept}. Free space "
         "there (or set run.out_dir on a bigger disk, or lower trainer.keep_full/keep_ema), "
         "then resume with --resume auto"
+    )
+
+
+def write_error_message(path: Path | None, error: BaseException, keep: Path | None) -> str:
+    """One line: which write failed and why, what is intact, the fix."""
+    kept = f"the newest complete full state {keep} is intact" if keep else "no earlier checkpoint"
+    what = f"{path.name} in {path.parent}" if path is not None else "a checkpoint"
+    return (
+        f"writing {what} failed: {type(error).__name__}: {error}; nothing half-written was "
+        f"left and {kept}. Fix the folder, then resume with --resume auto"
     )
 
 
@@ -192,11 +208,12 @@ class CheckpointPolicy(Callback):
             self.save_ema(trainer, pl_module)
         if step % self.full_every == 0 or due or sig:
             self.save_full(trainer)
-        if sig:
-            self.stop.signum = self.stop.signum or sig
+        if sig:  # agreed by every rank; a rank's own signal count is left as it is (signals.py)
+            self.stop.agreed = self.stop.agreed or sig
             self.finish(trainer)  # the state is complete before the run says so
             path = self.dir / self.full_name(trainer)
-            self.stopped = StoppedBySignal(self.stop.name, step, str(path))
+            name = self.stop.name if self.stop.signum else signal_name(sig)
+            self.stopped = StoppedBySignal(name, step, str(path))
             trainer.should_stop = True
 
     def on_train_end(self, trainer, pl_module) -> None:
@@ -221,21 +238,25 @@ class CheckpointPolicy(Callback):
     def ema_name(trainer) -> str:
         return f"step{trainer.global_step:07d}-ema.ckpt"
 
-    def _raise_if_full(self, trainer, msg: str | None) -> None:
+    def _raise_if_full(self, trainer, msg: tuple[str, str] | None) -> None:
+        """Every rank raises rank 0's write error ``(kind, line)``: a full disk or another."""
         if trainer.world_size > 1:
             msg = trainer.strategy.broadcast(msg, src=0)
+        if msg and msg[0] == "full":
+            raise DiskFullError(errno.ENOSPC, msg[1])
         if msg:
-            raise DiskFullError(errno.ENOSPC, msg)
+            raise CheckpointWriteError(msg[1])
 
-    def _written(self, error: BaseException | None) -> str | None:
-        """The one-line message of a full disk in the previous write (others re-raised)."""
+    def _written(self, error: BaseException | None) -> tuple[str, str] | None:
+        """The one-line message of an error in the previous write: ("full", line) for a full
+        disk, ("error", line) for any other."""
         if error is None:
             return None
         path = self.writer.failed_path
-        if path is None or not _is_disk_full(error, path.parent, self._need):
-            raise error
         keep = self.last if self.last.is_file() else None
-        return disk_full_message(path, self._need, keep)
+        if path is not None and _is_disk_full(error, path.parent, self._need):
+            return "full", disk_full_message(path, self._need, keep)
+        return "error", write_error_message(path, error, keep)
 
     def save_full(self, trainer) -> None:
         """The full state of this step: dumped on every rank, written by rank 0 (in the
@@ -243,7 +264,18 @@ class CheckpointPolicy(Callback):
         self.finish(trainer)
         path = self.dir / self.full_name(trainer)
         t0 = time.perf_counter()
-        ckpt = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        ckpt, msg = None, None
+        try:  # rank 0 also writes trained_counts.json here (the module's on_save_checkpoint)
+            ckpt = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        except (OSError, RuntimeError) as e:
+            if not trainer.is_global_zero:
+                raise
+            keep = self.last if self.last.is_file() else None
+            full = _is_disk_full(e, self.dir, 1 << 20)
+            msg = ("full", disk_full_message(path, 1 << 20, keep)) if full else None
+            msg = msg or ("error", write_error_message(path, e, keep))
+        if trainer.world_size > 1 or msg:  # every rank raises rank 0's error, or none does
+            self._raise_if_full(trainer, msg)
         if trainer.is_global_zero:
             self._need = payload_bytes(ckpt)
             self.writer.save(ckpt, path, self._link_and_prune)
@@ -261,16 +293,19 @@ class CheckpointPolicy(Callback):
     def save_ema(self, trainer, pl_module) -> None:
         msg = None
         if trainer.is_global_zero:
-            ckpt = ema_snapshot(trainer, pl_module)
+            ckpt: dict = {}
             path = self.dir / self.ema_name(trainer)
+            keep = self.last if self.last.is_file() else None
             try:
+                ckpt = ema_snapshot(trainer, pl_module)  # (writes trained_counts.json too)
                 with atomic_path(path) as tmp:
                     torch.save(ckpt, tmp)
             except (OSError, RuntimeError) as e:
                 need = payload_bytes(ckpt)
-                if not _is_disk_full(e, path.parent, need):
-                    raise
-                msg = disk_full_message(path, need, self.last if self.last.is_file() else None)
+                if _is_disk_full(e, path.parent, need):
+                    msg = ("full", disk_full_message(path, need, keep))
+                else:
+                    msg = ("error", write_error_message(path, e, keep))
             else:
                 self._prune(full=False)
         self._raise_if_full(trainer, msg)

@@ -62,8 +62,10 @@ def publish_rank_errors(folder: Path) -> None:
     watch_ranks()
 
 
-def record_rank_error(line: str, code: int) -> None:
-    """In a rank the launcher started: leave the one line and exit code for the launcher."""
+def record_rank_error(line: str, code: int, agreed: bool = False) -> None:
+    """In a rank the launcher started: leave the one line and exit code for the launcher;
+    ``agreed``: every rank stops with it (rank 0's write error, broadcast), so the launcher
+    says it itself and its observer leaves it to."""
     folder = os.environ.get(RANK_ERRORS_ENV)
     if is_launcher() or not folder:
         return
@@ -72,7 +74,10 @@ def record_rank_error(line: str, code: int) -> None:
     from flowmatch_models.storage.atomic import atomic_write_text
 
     rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "?"))
-    atomic_write_text(Path(folder) / f"rank{rank}.json", json.dumps({"line": line, "code": code}))
+    atomic_write_text(
+        Path(folder) / f"rank{rank}.json",
+        json.dumps({"line": line, "code": code, "agreed": agreed}),
+    )
 
 
 def rank_error(folder: Path) -> tuple[str, int] | None:
@@ -86,6 +91,19 @@ def rank_error(folder: Path) -> tuple[str, int] | None:
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return None
+
+
+def _agreed(folder: str | None) -> bool:
+    """Whether a rank left an error every rank stops with (:func:`record_rank_error`)."""
+    import json
+
+    for path in sorted(Path(folder).glob("rank*.json")) if folder else []:
+        try:
+            if json.loads(path.read_text()).get("agreed"):
+                return True
+        except (OSError, ValueError, AttributeError):
+            continue
+    return False
 
 
 #: the rank processes this launcher started (Lightning's ``Popen`` objects), once started
@@ -109,6 +127,26 @@ def rank_failure(wait_s: float = 10.0) -> tuple[str, int] | None:
             break
         time.sleep(0.05)
     return rank_error(Path(folder))
+
+
+def end_ranks_on_exit(stop) -> None:
+    """A second signal (``stop``: a :class:`~flowmatch_models.train.signals.SignalStop`)
+    exits this process at once: in the launcher, first SIGKILL the ranks it started (none is
+    left waiting in a collective: NCCL would wait its 30-minute timeout); in a rank, first
+    leave the line for the launcher (:func:`record_rank_error`), whose observer then ends
+    every process with it."""
+
+    def end(line: str, code: int) -> None:
+        import signal
+
+        if is_launcher():
+            for p in _STARTED:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGKILL)
+        else:
+            record_rank_error(line, code)
+
+    stop.on_exit.append(end)
 
 
 def watch_ranks() -> None:
@@ -145,6 +183,8 @@ def watch_ranks() -> None:
             if all(c is not None and c in (0, EXIT_STOPPED) for c in codes):
                 return True  # done, or stopped at the agreed step (the launcher stops too)
             if any(c not in (None, 0, EXIT_STOPPED) for c in codes):
+                if _agreed(os.environ.get(RANK_ERRORS_ENV)):
+                    return True  # every rank stops with it: the launcher says it, exits
                 self._terminate_all()
                 return True
             return False

@@ -47,10 +47,12 @@ from flowmatch_models.figures.curves import merge_metrics, plot_coverage, plot_l
 from flowmatch_models.inference.export import export_pipeline
 from flowmatch_models.storage.atomic import atomic_write_text
 from flowmatch_models.storage.layout import DataLayout, source_of
-from flowmatch_models.train import distributed, finetune, wandb_run
+from flowmatch_models.train import distributed, finetune, signals, wandb_run
+from flowmatch_models.train.branches import retire_abandoned
 from flowmatch_models.train.callbacks import (
     AtomicCheckpointIO,
     CheckpointPolicy,
+    CheckpointWriteError,
     DiskFullError,
     ProgressPrinter,
     SampleGridCallback,
@@ -227,8 +229,9 @@ def select_sources(partitions: Sequence[str], cfg: TrainConfig) -> list[str]:
 # --------------------------------------------------------------------------------------------
 
 
-def train(request: TrainRequest, pipes=None) -> TrainResult:
-    """Run one training session; in the launcher first decide and publish the request."""
+def train(request: TrainRequest, pipes=None, stop: SignalStop | None = None) -> TrainResult:
+    """Run one training session; in the launcher first decide and publish the request.
+    ``stop``: the process's signal handler (default: one installed for the session)."""
     published = distributed.published_request()
     if published is not None:  # a DDP rank: the launcher has decided
         request = TrainRequest.from_dict(json.loads(published.read_text()))
@@ -239,12 +242,23 @@ def train(request: TrainRequest, pipes=None) -> TrainResult:
         atomic_write_text(path, json.dumps(request.to_dict(), indent=1))
         if request.resume == "none":  # a new run (or a restart): its parent, or none
             finetune.write_lineage(cfg.run_dir(), request.parent)
+        start = _checkpoint_step(request.resume) if request.resume != "none" else 0
+        moved = retire_abandoned(cfg.run_dir() / "checkpoints", start, request.resume)
+        if moved is not None:
+            print(f"note: the checkpoints after step {start} (abandoned) moved to {moved}")
         distributed.publish_request(path)
         distributed.publish_rank_errors(cfg.run_dir() / ".rank_errors")
-    return _fit(request, cfg, pipes)
+    return _fit(request, cfg, pipes, stop)
 
 
-def _fit(request: TrainRequest, cfg: TrainConfig, pipes) -> TrainResult:
+def _kept(run_dir: Path) -> str | None:
+    last = run_dir / "checkpoints" / "last.ckpt"
+    return f"{last} (step {_checkpoint_step(str(last))})" if last.is_file() else None
+
+
+def _fit(
+    request: TrainRequest, cfg: TrainConfig, pipes, stop: SignalStop | None = None
+) -> TrainResult:
     run_dir = cfg.run_dir()
     ckpt_path = None if request.resume == "none" else request.resume
     L.seed_everything(cfg.run.seed, workers=True, verbose=False)
@@ -305,7 +319,8 @@ def _fit(request: TrainRequest, cfg: TrainConfig, pipes) -> TrainResult:
             wandb_run.make_logger(cfg, run_dir, distributed.is_launcher(), coverage, request.parent)
         )
     ckpt_io = AtomicCheckpointIO()
-    stop = SignalStop()  # a signal from here on is a stop with a full state saved
+    own_stop = stop is None  # else the process's, installed at its start (__main__.py)
+    stop = stop or SignalStop()  # a signal from here on is a stop with a full state saved
     stop.install()
     ckpt_cb = CheckpointPolicy(
         run_dir / "checkpoints",
@@ -343,18 +358,20 @@ def _fit(request: TrainRequest, cfg: TrainConfig, pipes) -> TrainResult:
     )
     samples_before = _samples_in(ckpt_path)
     t0 = time.perf_counter()
+    if stop.requested and distributed.is_launcher():  # before any rank started: nothing new
+        if own_stop:
+            stop.restore()
+        raise StoppedBySignal(stop.name, 0, None, _kept(run_dir))
     try:
         trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
     except SIGTERMException:  # Lightning's handler won before ours was installed: nothing new
         ckpt_cb.writer.wait()
-        last = run_dir / "checkpoints" / "last.ckpt"
-        raise StoppedBySignal(
-            "SIGTERM",
-            _checkpoint_step(str(last)) if last.is_file() else 0,
-            str(last) if last.is_file() else None,
-        ) from None
+        raise StoppedBySignal("SIGTERM", 0, None, _kept(run_dir)) from None
     finally:
-        stop.restore()
+        if own_stop:
+            stop.restore()
+        else:  # Lightning's teardown put back the handlers it found; ours stay till the end
+            stop.install()
         ckpt_cb.writer.release()
     total = int(sum(dm.trained_counts.values()))
     result = TrainResult(
@@ -379,6 +396,11 @@ def _fit(request: TrainRequest, cfg: TrainConfig, pipes) -> TrainResult:
         parent=request.parent,
     )
     result.metrics["val_loss"] = module.last_validation.get("val/loss")
+    if ckpt_cb.stopped is None and (stop.requested or stop.agreed) and distributed.is_launcher():
+        # the signal came after the last step boundary (the final state is saved): it is a stop
+        last = run_dir / "checkpoints" / "last.ckpt"
+        step = _checkpoint_step(str(last)) if last.is_file() else int(trainer.global_step)
+        ckpt_cb.stopped = StoppedBySignal(stop.name, step, str(last) if last.is_file() else None)
     if ckpt_cb.stopped is not None:  # a signal: the state is saved, quickly out (no export)
         result.stopped = str(ckpt_cb.stopped)
         result.checkpoint = ckpt_cb.stopped.checkpoint
@@ -537,11 +559,14 @@ def _pipes():
     return contextlib.nullcontext(None)
 
 
-def _error(line: str, code: int) -> int:
+def _error(line: str, code: int, agreed: bool = False) -> int:
     """Print the one-line error; also into ``$FLOWMATCH_ERROR_FILE`` when the caller (the
-    training assets) asked for it, so that the UI's failure names it."""
-    print(line, file=sys.stderr)
-    distributed.record_rank_error(line, code)  # another rank's: the launcher says it (and exits)
+    training assets) asked for it, so that the UI's failure names it. A stop's line
+    (:data:`EXIT_STOPPED`) is then the caller's to say (the CLI's last line, the run's log)."""
+    said_by_caller = code == EXIT_STOPPED and os.environ.get("FLOWMATCH_ERROR_FILE")
+    if not said_by_caller and not (agreed and not distributed.is_launcher()):
+        print(line, file=sys.stderr, flush=True)  # (an agreed error: the launcher's line only)
+    distributed.record_rank_error(line, code, agreed)  # a rank's: the launcher says it
     if os.environ.get("FLOWMATCH_ERROR_FILE") and distributed.is_launcher():
         atomic_write_text(os.environ["FLOWMATCH_ERROR_FILE"], line)
     return code
@@ -572,6 +597,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--result-json", default=None, help="also write the TrainResult here")
     args = ap.parse_args(argv)
+    stop = signals.EARLY or SignalStop()  # installed by __main__.py before the imports
+    stop.install()
+    distributed.end_ranks_on_exit(stop)
+    try:
+        return _main(args, stop)
+    finally:
+        stop.restore()
+        stop.on_exit.clear()
+
+
+def _main(args: argparse.Namespace, stop: SignalStop) -> int:
     quiet_libraries()
     with _pipes() as pipes:
         try:  # a user's mistake (bad key or value, changed order on resume): one line, exit 2
@@ -590,11 +626,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             else:
                 raise ConfigError("pass --config run.yaml (see configs/tiny.yaml)")
-            result = train(request, pipes)
+            result = train(request, pipes, stop)
         except (ConfigError, OrderChangedError, FileNotFoundError) as e:
             return _error(f"error: {e}", 2)
-        except (NonFiniteStepsError, DiskFullError, PartitionChangedError) as e:  # stopped itself
-            return _error(f"error: {e.strerror if isinstance(e, DiskFullError) else e}", 3)
+        except (
+            NonFiniteStepsError,
+            DiskFullError,
+            PartitionChangedError,
+            CheckpointWriteError,
+        ) as e:  # stopped itself
+            agreed = isinstance(e, (DiskFullError, CheckpointWriteError))  # rank 0's, broadcast
+            return _error(f"error: {e.strerror if isinstance(e, DiskFullError) else e}", 3, agreed)
         except StoppedBySignal as e:
             return _error(str(e), EXIT_STOPPED)
         except Exception:  # a rank the launcher started failed first: its line, its exit code
