@@ -20,4 +20,7 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   fi
 fi
 "${PIP[@]}" -q -e ".[dev]"
+# the lowest Lightning pyproject.toml allows, beside the venv's, for tests/test_lightning_floor.py
+# (a mid-epoch resume with accumulation is exact from 2.5 on; 2.4 shifts its groups)
+[ -d .venv/lightning-floor/lightning ] || "${PIP[@]}" -q --no-deps --target .venv/lightning-floor "lightning==2.5.0"
 echo "install: done ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__, "cuda" if torch.cuda.is_available() else "cpu")'))"
