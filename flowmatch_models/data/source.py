@@ -121,7 +121,10 @@ class ShardSource:
         self.text_max_len = text_max_len
         self.load_dino = load_dino
         # with a remote data root: the embeddings another machine made, fetched in parallel
-        remote.prefetch(root, [(k, p) for p in self.partitions for k in self.kinds])
+        remote.prefetch(
+            root,
+            [(k, p, self.layout.asset_path(k, p)) for p in self.partitions for k in self.kinds],
+        )
         self.cache_shards = max(1, cache_shards)
         self._open: OrderedDict[int, dict] = OrderedDict()
         self._lock = threading.Lock()  # the caches, for a loader's threads (ThreadLoader)

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
+from flowmatch_models.encoders.resolve import resolve_device, resolve_dtype  # noqa: F401 - re-exported
 
 #: Set to 1 by the CLI's ``--verbose`` (and inherited by the training process): the progress bars
 #: and notices of the libraries we call (transformers, Lightning, wandb) show again.
@@ -39,28 +39,6 @@ def quiet_progress() -> Iterator[None]:
 
 class MissingWeightsError(RuntimeError):
     """An encoder's weights are neither a local folder nor in the Hugging Face cache."""
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    table = {
-        "fp32": torch.float32,
-        "float32": torch.float32,
-        "bf16": torch.bfloat16,
-        "bfloat16": torch.bfloat16,
-        "fp16": torch.float16,
-        "float16": torch.float16,
-    }
-    if dtype not in table:
-        raise ValueError(f"unknown dtype {dtype!r}; use auto, fp32, bf16 or fp16")
-    return table[dtype]
 
 
 def _looks_like_path(source: str) -> bool:

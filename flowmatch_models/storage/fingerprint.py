@@ -271,8 +271,8 @@ def dtype_name(dtype) -> str:
 def auto_resolution() -> dict:
     """What ``device: auto`` and ``dtype: auto`` resolve to on this machine, as a fingerprint
     records them: ``{"compute_dtype": "bf16", "device": "cuda"}`` with a GPU, ``fp32``/``cpu``
-    without (flowmatch_models.encoders.loading.resolve_dtype)."""
-    from flowmatch_models.encoders.loading import resolve_device, resolve_dtype
+    without (flowmatch_models.encoders.resolve.resolve_dtype)."""
+    from flowmatch_models.encoders.resolve import resolve_device, resolve_dtype
 
     dev = resolve_device("auto")
     return {"compute_dtype": dtype_name(resolve_dtype("auto", dev)), "device": dev.type}

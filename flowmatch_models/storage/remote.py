@@ -399,21 +399,18 @@ def ensure(path):
 
 
 def prefetch(root: str | Path, wanted, threads: int = 8) -> int:
-    """Fetch the shards ``wanted`` (``(asset, partition)`` pairs) that this machine's cache
+    """Fetch the shards ``wanted`` (``(asset, partition, path)``) that this machine's cache
     lacks, ``threads`` at a time (a training start: its embeddings, ahead of the loader);
     returns how many were checked. A no-op without a remote."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from flowmatch_models.storage.layout import DataLayout
-
     store = active(root)
     if store is None:
         return 0
-    layout = DataLayout(root)
-    pairs = [(a, p) for a, p in wanted if p in published(root, a)]
+    todo = [(a, p, Path(f)) for a, p, f in wanted if p in published(root, a)]
     with ThreadPoolExecutor(threads, thread_name_prefix="flowmatch-prefetch") as pool:
-        list(pool.map(lambda ap: store.readable(*ap, layout.asset_path(*ap)), pairs))
-    return len(pairs)
+        list(pool.map(lambda apf: store.readable(*apf), todo))
+    return len(todo)
 
 
 def published(root: str | Path, asset: str) -> set[str]:

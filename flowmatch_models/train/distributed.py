@@ -11,12 +11,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from flowmatch_models.train.signals import is_launcher  # noqa: F401 - its home is signals.py
+
 REQUEST_ENV = "FLOWMATCH_REQUEST"
-
-
-def is_launcher() -> bool:
-    """True in the process the user (or Dagster) started: local rank 0 of node 0."""
-    return os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
 
 
 def published_request() -> Path | None:

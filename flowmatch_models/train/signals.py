@@ -36,6 +36,13 @@ from pathlib import Path
 #: with ``--resume auto``; a scheduler requeues on it); docs/training.md
 EXIT_STOPPED = 75
 
+
+def is_launcher() -> bool:
+    """True in the process the user (or Dagster) started: local rank 0 of node 0 (the DDP
+    launcher; ``distributed.py`` reads it from here)."""
+    return os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
+
+
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 #: the file where a parent that forwards signals to this process counts them (one integer)
@@ -87,8 +94,6 @@ class SignalStop:
     def forwarded(self) -> int:
         """Signals the parent forwarded to this process (the launcher only: the ranks it
         starts inherit the environment, not the forwarded copies)."""
-        from flowmatch_models.train.distributed import is_launcher
-
         path = self._forwarded if self._forwarded is not None else os.environ.get(FORWARDED_ENV)
         return read_count(path) if is_launcher() else 0
 
