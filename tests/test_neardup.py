@@ -1,0 +1,220 @@
+"""Near-duplicates, the perceptual detector (issue 48): planted copies of a sample's own images
+(re-encoded at quality 40, resized 0.5x and back, cropped 4%, a 10-px border added) stored by
+the real metadata + images stages are found across partitions, unrelated look-alikes (same
+shape and colour) are kept, the kept samples do not depend on the order the partitions were
+materialized in, and a threshold change re-decides the near duplicates alone."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from pathlib import Path
+
+import dagster as dg
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image, ImageOps
+
+from flowmatch_assets.catalog import Catalog
+from flowmatch_assets.cli.reports import _neardup
+from flowmatch_assets.definitions import defs
+from flowmatch_assets.defs.definitions import resources_for
+from flowmatch_assets.defs.partitions import register_partitions
+from flowmatch_assets.defs.resources import FlowmatchResource
+from flowmatch_assets.demo.dataset import draw_image
+from flowmatch_assets.ingest import neardup
+from flowmatch_assets.ingest.images import IngestConfig
+
+KEYS = ["000-00", "001-00"]
+BASES = 12
+
+
+def _jpeg(img: Image.Image, quality: int = 90) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, "JPEG", quality=quality)
+    return buf.getvalue()
+
+
+def _crop4(img: Image.Image) -> Image.Image:
+    w, h = img.size
+    dx, dy = round(w * 0.02), round(h * 0.02)  # 4% of each side in all
+    return img.crop((dx, dy, w - dx, h - dy))
+
+
+VARIANTS = {
+    "q40": lambda im: Image.open(io.BytesIO(_jpeg(im, 40))).convert("RGB"),
+    "half": lambda im: im.resize((im.width // 2, im.height // 2)).resize(im.size),
+    "crop4": _crop4,
+    "border": lambda im: ImageOps.expand(im, 10, fill=(255, 255, 255)),
+}
+
+
+def _words(caption: str) -> tuple[str, str]:
+    w = caption.split()
+    return w[2], w[3]  # colour, shape
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    """Two metadata files: 000 holds the originals and look-alikes of some, 001 the planted
+    copies (4 per original) and more look-alikes. Yields (sample dir, {copy id: original id},
+    look-alike ids, original ids)."""
+    base = tmp_path_factory.mktemp("neardup")
+    img_dir, md = base / "images", base / "metadata"
+    img_dir.mkdir()
+    md.mkdir()
+    rng = np.random.default_rng(3)
+    files: list[list[dict]] = [[], []]
+    planted_of, lookalikes, originals = {}, [], []
+
+    def add(fno: int, rid: str, img: Image.Image, caption: str) -> None:
+        data = _jpeg(img)
+        (img_dir / f"{rid}.jpg").write_bytes(data)
+        files[fno].append(
+            {
+                "id": rid,
+                "url": f"file:images/{rid}.jpg",
+                "caption": caption,
+                "width": img.width,
+                "height": img.height,
+                "mime_type": "image/jpeg",
+                "hash": hashlib.md5(data).hexdigest(),
+                "license": "cc0-1.0",
+                "source": "test",
+            }
+        )
+
+    sides = (520, 800)
+    for b in range(BASES):
+        img, cap = draw_image(rng, long_sides=sides)
+        add(0, f"orig-{b:02d}", img, cap)
+        originals.append(f"orig-{b:02d}")
+        for name, f in VARIANTS.items():
+            add(1, f"copy-{b:02d}-{name}", f(img), cap)
+            planted_of[f"copy-{b:02d}-{name}"] = f"orig-{b:02d}"
+        colour, shape = _words(cap)
+        for k in range(2):  # unrelated: the same shape and colour, drawn anew
+            for _ in range(200):
+                other, ocap = draw_image(rng, shapes=(shape,), long_sides=sides)
+                if _words(ocap) == (colour, shape):
+                    break
+            add(k, f"alike-{b:02d}-{k}", other, ocap)
+            lookalikes.append(f"alike-{b:02d}-{k}")
+    for n, rows in enumerate(files):
+        pq.write_table(pa.Table.from_pylist(rows), md / f"pd12m.{n:03d}.parquet")
+    return base, planted_of, lookalikes, originals
+
+
+def _materialize(data: Path, sample: Path, order: list[str]) -> FlowmatchResource:
+    res = FlowmatchResource(
+        data_root=str(data),
+        metadata_source=str(sample / "metadata"),
+        ingest=IngestConfig(file_root=str(sample), threads=2),
+    )
+    with dg.instance_for_test() as instance:
+        register_partitions(instance, res)
+        for k in order:
+            r = dg.materialize(
+                list(defs.assets),
+                selection=["metadata", "images"],
+                partition_key=k,
+                instance=instance,
+                resources=resources_for(res),
+            )
+            assert r.success
+    return res
+
+
+def _kept_and_losers(data: Path) -> tuple[set[str], dict[str, str]]:
+    rows = Catalog(data).query("SELECT id, outcome, reason, kept_id FROM dataset_rows")
+    kept = {r["id"] for r in rows if r["outcome"] == "stored"}
+    losers = {r["id"]: r["kept_id"] for r in rows if r["reason"] == "near_duplicate"}
+    return kept, losers
+
+
+def test_planted_near_duplicates_are_found_in_any_order_and_look_alikes_kept(
+    tmp_path, planted, capsys
+):
+    sample, planted_of, lookalikes, originals = planted
+    fwd = tmp_path / "fwd"
+    _materialize(fwd, sample, KEYS)
+    assert _neardup(Catalog(fwd), None, True) == 0
+    report = json.loads(capsys.readouterr().out)
+    kept, losers = _kept_and_losers(fwd)
+    right = {i for i, w in losers.items() if planted_of.get(i) == w}
+    precision, recall = len(right) / max(1, len(losers)), len(right) / len(planted_of)
+    assert precision >= 0.95 and recall >= 0.95, (precision, recall, losers)
+    assert not set(lookalikes) & set(losers), "an unrelated look-alike was removed"
+    assert set(originals) <= kept
+    assert report["near_duplicates"] == len(losers)
+    assert report["kept"] == len(originals) + len(lookalikes) + len(planted_of) - len(losers)
+    # the catalog names each loser's detector, distance and winner
+    cat = Catalog(fwd)
+    rows = cat.query("SELECT * FROM near_duplicates ORDER BY partition, id")
+    assert {r["detector"] for r in rows} == {"phash"}
+    assert all(0 <= r["distance"] <= neardup.DEFAULT_THRESHOLD for r in rows)
+    dups = cat.query("SELECT id, kept_id FROM duplicates WHERE kind = 'near_phash'")
+    assert {r["id"]: r["kept_id"] for r in dups} == losers
+    failures = {
+        (r["outcome"], r["reason"]): r["rows"]
+        for r in cat.query(
+            "SELECT outcome, reason, count(*) AS rows FROM dataset_rows GROUP BY ALL"
+        )
+    }
+    assert failures[("filtered", "near_duplicate")] == len(losers)
+
+    # reverse order: 001-00 first (its copies stored, nothing earlier to lose to), then
+    # 000-00; the same samples are kept, each loser names the same winner
+    rev = tmp_path / "rev"
+    _materialize(rev, sample, KEYS[::-1])
+    _neardup(Catalog(rev), None, True)
+    assert _kept_and_losers(rev) == (kept, losers)
+
+    # incremental: deciding again reads the small hash records, never an images shard again
+    records = {p: p.stat().st_mtime_ns for p in neardup.phash_dir(rev).glob("*.parquet")}
+    _neardup(Catalog(rev), None, True)
+    assert {p: p.stat().st_mtime_ns for p in records} == records
+
+
+def test_a_threshold_change_re_decides_the_near_duplicates_alone(tmp_path, planted, capsys):
+    sample, planted_of, _, _ = planted
+    data = tmp_path / "data"
+    _materialize(data, sample, KEYS[:1])  # the originals and their look-alikes only
+    _neardup(Catalog(data), None, True)
+
+    def snapshot() -> dict[str, int]:  # every file but the near duplicates' decision
+        skip = ("catalog",)
+        return {
+            str(p.relative_to(data)): p.stat().st_mtime_ns
+            for p in data.rglob("*")
+            if p.is_file() and not str(p.relative_to(data)).startswith(skip)
+        }
+
+    before = snapshot()
+    hashes = {p: p.stat().st_mtime_ns for p in neardup.phash_dir(data).glob("*.parquet")}
+    _neardup(Catalog(data), 40, True)  # far too loose: look-alikes now "duplicates"
+    loose = _kept_and_losers(data)[1]
+    assert loose, "a 40-bit threshold should call some look-alikes duplicates"
+    _neardup(Catalog(data), neardup.DEFAULT_THRESHOLD, True)
+    assert _kept_and_losers(data)[1] == {}
+    # no shard (images, or an embedding made from them) and no hash record was rewritten
+    assert snapshot() == before
+    assert {p: p.stat().st_mtime_ns for p in hashes} == hashes
+    meta = pq.read_schema(neardup.near_path(neardup.DataLayout(data))).metadata
+    assert json.loads(meta[b"flowmatch_neardup"])["threshold"] == neardup.DEFAULT_THRESHOLD
+
+
+def test_the_decision_keeps_the_earliest_and_compares_with_kept_rows_only():
+    """A chain a ~ b ~ c where a and c are far apart: b loses to a, c (compared with the
+    kept a only) is kept; blocks do not change the result."""
+    a = np.uint64(0)
+    b = np.uint64((1 << 6) - 1)  # 6 bits from a
+    c = np.uint64((1 << 12) - 1)  # 6 bits from b, 12 from a
+    d = np.uint64((1 << 12) - 1 + (1 << 40))  # 1 bit from c
+    h = np.array([a, b, c, d], np.uint64)
+    for block in (1, 2, 1024):
+        w, dist = neardup.decide(h, 8, block=block)
+        assert w.tolist() == [-1, 0, -1, 2] and dist.tolist() == [0, 6, 0, 1]
