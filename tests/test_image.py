@@ -36,7 +36,9 @@ runtime = "runc"
 
 
 def _podman(env: dict, *args: str, timeout: float = 1200, check: bool = True):
-    p = subprocess.run(["podman", *args], env=env, capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run(
+        ["podman", *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
     if check:
         assert p.returncode == 0, (args, p.stdout[-3000:], p.stderr[-3000:])
     return p

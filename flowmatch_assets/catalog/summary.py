@@ -49,15 +49,15 @@ import pyarrow.parquet as pq
 
 from flowmatch_assets.catalog.derived import (
     CARD_SUMMARY_SCHEMA,
+    NEAR_SCHEMA,
     _write_bytes,
     _write_table,
     card_inputs,
     card_summary_path,
     content_hashes_path,
     losers_of,
-    near_path,
-    NEAR_SCHEMA,
     md5_hashes,
+    near_path,
     write_card_summary,
     write_content_hashes,
 )
