@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image, ImageOps
 
-from flowmatch_assets.catalog import Catalog
+from flowmatch_assets.catalog import Catalog, record_card_rows
 from flowmatch_assets.cli.reports import _neardup
 from flowmatch_assets.definitions import defs
 from flowmatch_assets.defs.definitions import resources_for
@@ -27,6 +27,7 @@ from flowmatch_assets.defs.resources import FlowmatchResource
 from flowmatch_assets.demo.dataset import draw_image
 from flowmatch_assets.ingest import neardup
 from flowmatch_assets.ingest.images import IngestConfig
+from flowmatch_assets.reports.data_card import card_rows
 
 KEYS = ["000-00", "001-00"]
 BASES = 12
@@ -135,12 +136,23 @@ def _kept_and_losers(data: Path) -> tuple[set[str], dict[str, str]]:
     return kept, losers
 
 
+def _card_outcomes(data: Path, scope: str) -> dict[str, int]:
+    rows = Catalog(data).query(
+        "SELECT item, value FROM data_card WHERE scope = ? AND section = 'outcome'", [scope]
+    )
+    return {r["item"]: int(r["value"]) for r in rows}
+
+
 def test_planted_near_duplicates_are_found_in_any_order_and_look_alikes_kept(
     tmp_path, planted, capsys
 ):
     sample, planted_of, lookalikes, originals = planted
     fwd = tmp_path / "fwd"
-    _materialize(fwd, sample, KEYS)
+    res = _materialize(fwd, sample, KEYS)
+    for k in KEYS:  # the data card first (as its asset would), the decision after it
+        rows = card_rows(res.layout, res.metadata_source, res.shard_size, k, None, 64)
+        record_card_rows(fwd, k, rows)
+    assert _card_outcomes(fwd, "dataset").get("filtered:near_duplicate") is None
     assert _neardup(Catalog(fwd), None, True) == 0
     report = json.loads(capsys.readouterr().out)
     kept, losers = _kept_and_losers(fwd)
@@ -165,6 +177,12 @@ def test_planted_near_duplicates_are_found_in_any_order_and_look_alikes_kept(
         )
     }
     assert failures[("filtered", "near_duplicate")] == len(losers)
+    by_reason = {(r["asset"], r["reason"]): r["rows"] for r in cat.failures_by_reason()}
+    assert by_reason[("images", "near_duplicate")] == len(losers)  # `flowmatch catalog failures`
+    # the data card follows the decision made after it (its summary is redone)
+    assert _card_outcomes(fwd, "001-00")["filtered:near_duplicate"] == len(losers)
+    assert _card_outcomes(fwd, "dataset")["filtered:near_duplicate"] == len(losers)
+    assert _card_outcomes(fwd, "dataset")["stored"] == report["kept"]
 
     # reverse order: 001-00 first (its copies stored, nothing earlier to lose to), then
     # 000-00; the same samples are kept, each loser names the same winner

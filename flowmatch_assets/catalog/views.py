@@ -531,9 +531,16 @@ class Catalog:
         )
 
     def failures_by_reason(self) -> list[dict]:
+        # + the stored rows that lose to an earlier look-alike (decided after images ran),
+        # as dataset_rows' rules say
         return self.query(
-            """SELECT asset, outcome, reason, retryable, sum(rows)::BIGINT AS rows
-               FROM row_outcomes WHERE outcome IN ('failed', 'filtered')
+            """SELECT asset, outcome, reason, retryable, sum(rows)::BIGINT AS rows FROM (
+                   SELECT asset, outcome, reason, retryable, rows FROM row_outcomes
+                   WHERE outcome IN ('failed', 'filtered')
+                   UNION ALL
+                   SELECT 'images', outcome, reason, false, count(*) FROM dataset_rows
+                   WHERE (partition, id) IN (SELECT (partition, id) FROM near_duplicates)
+                   GROUP BY ALL)
                GROUP BY ALL ORDER BY asset, outcome, rows DESC, reason"""
         )
 
