@@ -236,3 +236,30 @@ def test_the_decision_keeps_the_earliest_and_compares_with_kept_rows_only():
     for block in (1, 2, 1024):
         w, dist = neardup.decide(h, 8, block=block)
         assert w.tolist() == [-1, 0, -1, 2] and dist.tolist() == [0, 6, 0, 1]
+
+
+def test_the_hash_at_the_stored_size_keeps_copies_close_and_look_alikes_far():
+    """On 256 px images themselves (a 10-px border is then 4% of a side: the flat frame is
+    trimmed before hashing): every copy within the default threshold of its original, every
+    look-alike (same shape and colour) beyond it."""
+    rng = np.random.default_rng(5)
+    thr = neardup.DEFAULT_THRESHOLD
+    originals, alikes = [], []
+    for _ in range(16):
+        img, cap = draw_image(rng, long_sides=(300, 400))
+        originals.append(ImageOps.fit(img, (256, 256)))
+        colour, shape = _words(cap)
+        for _ in range(200):
+            other, ocap = draw_image(rng, shapes=(shape,), long_sides=(300, 400))
+            if _words(ocap) == (colour, shape):
+                break
+        alikes.append(ImageOps.fit(other, (256, 256)))
+    h = neardup.phash(originals)
+    for name, f in VARIANTS.items():
+        copies = [ImageOps.fit(f(im), (256, 256)) for im in originals]
+        d = neardup.hamming(h, neardup.phash(copies))
+        assert d.max() <= thr, (name, d.tolist())
+    d = neardup.hamming(h[:, None], neardup.phash(originals + alikes)[None, :])
+    d[np.arange(16), np.arange(16)] = 64  # each image with itself
+    far = int(d.min())
+    assert far > thr, far
