@@ -158,6 +158,7 @@ def test_planted_near_duplicates_are_found_in_any_order_and_look_alikes_kept(
     kept, losers = _kept_and_losers(fwd)
     right = {i for i, w in losers.items() if planted_of.get(i) == w}
     precision, recall = len(right) / max(1, len(losers)), len(right) / len(planted_of)
+    print(f"neardup planted: precision {precision:.3f} recall {recall:.3f} of {len(planted_of)}")
     assert precision >= 0.95 and recall >= 0.95, (precision, recall, losers)
     assert not set(lookalikes) & set(losers), "an unrelated look-alike was removed"
     assert set(originals) <= kept
