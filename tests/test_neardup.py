@@ -19,6 +19,7 @@ import pytest
 from PIL import Image, ImageOps
 
 from flowmatch_assets.catalog import Catalog, record_card_rows
+from flowmatch_assets.cli.main import main
 from flowmatch_assets.cli.reports import _neardup
 from flowmatch_assets.definitions import defs
 from flowmatch_assets.defs.definitions import resources_for
@@ -144,7 +145,7 @@ def _card_outcomes(data: Path, scope: str) -> dict[str, int]:
 
 
 def test_planted_near_duplicates_are_found_in_any_order_and_look_alikes_kept(
-    tmp_path, planted, capsys
+    tmp_path, planted, capsys, monkeypatch
 ):
     sample, planted_of, lookalikes, originals = planted
     fwd = tmp_path / "fwd"
@@ -153,7 +154,9 @@ def test_planted_near_duplicates_are_found_in_any_order_and_look_alikes_kept(
         rows = card_rows(res.layout, res.metadata_source, res.shard_size, k, None, 64)
         record_card_rows(fwd, k, rows)
     assert _card_outcomes(fwd, "dataset").get("filtered:near_duplicate") is None
-    assert _neardup(Catalog(fwd), None, True) == 0
+    capsys.readouterr()
+    monkeypatch.setenv("FLOWMATCH_DATA_ROOT", str(fwd))
+    assert main(["catalog", "neardup", "--json"]) == 0  # the one command that measures it
     report = json.loads(capsys.readouterr().out)
     kept, losers = _kept_and_losers(fwd)
     right = {i for i, w in losers.items() if planted_of.get(i) == w}
@@ -223,7 +226,8 @@ def test_a_threshold_change_re_decides_the_near_duplicates_alone(tmp_path, plant
     assert snapshot() == before
     assert {p: p.stat().st_mtime_ns for p in hashes} == hashes
     meta = pq.read_schema(neardup.near_path(neardup.DataLayout(data))).metadata
-    assert json.loads(meta[b"flowmatch_neardup"])["threshold"] == neardup.DEFAULT_THRESHOLD
+    settings = json.loads(meta[b"flowmatch_neardup"])["thresholds"]
+    assert settings == {"phash": neardup.DEFAULT_THRESHOLD, "dino_cls": None}
 
 
 def test_the_decision_keeps_the_earliest_and_compares_with_kept_rows_only():
@@ -264,3 +268,52 @@ def test_the_hash_at_the_stored_size_keeps_copies_close_and_look_alikes_far():
     d[np.arange(16), np.arange(16)] = 64  # each image with itself
     far = int(d.min())
     assert far > thr, far
+
+
+def test_the_semantic_detector_finds_planted_neighbours_in_stored_cls_vectors(tmp_path):
+    """dino_features shards of two partitions (the real store) with planted neighbours: a
+    row whose CLS has cosine >= 0.9 with an earlier kept row's loses to it, across partitions
+    and within one; a row near only a loser is kept; rows the pHash removed take no part."""
+    from flowmatch_models.storage.layout import DataLayout
+    from flowmatch_models.storage.store import write_shard
+
+    rng = np.random.default_rng(0)
+    layout = DataLayout(tmp_path)
+    a = rng.normal(size=(40, 384)).astype(np.float32)
+    b = rng.normal(size=(40, 384)).astype(np.float32)
+
+    def near(v: np.ndarray, eps: float = 0.2) -> np.ndarray:  # cosine ~0.98
+        return v + eps * np.linalg.norm(v) / np.sqrt(384) * rng.normal(size=384)
+
+    want = {}
+    for k in range(8):  # b's rows 0..7: neighbours of a's rows 10..17 (across partitions)
+        b[k] = near(a[10 + k])
+        want[("001-00", f"b{k}")] = ("000-00", f"a{10 + k}")
+    b[20] = near(b[15])  # within a partition
+    want[("001-00", "b20")] = ("001-00", "b15")
+    # a chain: b30 is near a loser (b0) but not near its winner a10 -> kept
+    u0, ua = b[0] / np.linalg.norm(b[0]), a[10] / np.linalg.norm(a[10])
+    e = ua - (ua @ u0) * u0
+    b[30] = 0.92 * u0 - np.sqrt(1 - 0.92**2) * e / np.linalg.norm(e)  # 0.92 to b0, ~0.82 to a10
+    for name, p, v in (("a", "000-00", a), ("b", "001-00", b)):
+        write_shard(
+            layout.asset_path("dino_features", p),
+            {"cls": v},
+            [f"{name}{i}" for i in range(len(v))],
+        )
+    t = neardup.semantic_duplicates(tmp_path, 0.9, ["001-00", "000-00"])
+    got = {
+        (p, i): (kp, ki)
+        for p, i, kp, ki in zip(
+            *(t.column(c).to_pylist() for c in ("partition", "id", "kept_partition", "kept_id"))
+        )
+    }
+    assert got == want
+    assert min(t.column("similarity").to_pylist()) >= 0.9
+    assert set(t.column("detector").to_pylist()) == {"dino_cls"}
+    # a row already removed by the pHash (a10) is no winner: its neighbour b0 is kept, and
+    # b30 (near b0, now kept) loses to it
+    t2 = neardup.semantic_duplicates(tmp_path, 0.9, ["000-00", "001-00"], {("000-00", "a10")})
+    got2 = dict(zip(t2.column("id").to_pylist(), t2.column("kept_id").to_pylist()))
+    want2 = {i: ki for (_, i), (_, ki) in want.items() if i != "b0"} | {"b30": "b0"}
+    assert got2 == want2

@@ -255,7 +255,8 @@ NEAR_SCHEMA = pa.schema(
         ("kept_partition", pa.string()),
         ("kept_id", pa.string()),
         ("detector", pa.string()),
-        ("distance", pa.int32()),
+        ("distance", pa.int32()),  # phash: bits that differ
+        ("similarity", pa.float64()),  # dino_cls: cosine; phash: share of bits that agree
     ]
 )
 

@@ -214,7 +214,7 @@ def _dedupe_views(layout: DataLayout, legacy: frozenset[str], losers: str) -> li
         # the Hamming distance of the 64-bit pHashes), as last decided (`flowmatch catalog
         # neardup`); a row whose bytes an earlier row stored too stays a content duplicate
         f"""CREATE OR REPLACE VIEW near_duplicates AS
-           SELECT partition, id, kept_partition, kept_id, detector, distance
+           SELECT partition, id, kept_partition, kept_id, detector, distance, similarity
            FROM read_parquet({near}) WHERE (partition, id) NOT IN
                 (SELECT (partition, id) FROM content_duplicates)""",
         """CREATE OR REPLACE VIEW duplicates AS

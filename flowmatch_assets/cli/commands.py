@@ -344,6 +344,14 @@ COMMANDS: dict[str, Command] = {
                 help="`catalog neardup`: the pHash bits two images may differ in and still be "
                 "near duplicates (default 10); re-decides the near duplicates only",
             ),
+            arg(
+                "--min-cosine",
+                type=float,
+                default=None,
+                help="`catalog neardup`: also call a row a near duplicate when its DINOv2 CLS "
+                "(dino_features) has at least this cosine with an earlier kept row's (off by "
+                "default; e.g. 0.95)",
+            ),
             arg("--json", dest="as_json", action="store_true"),
         ],
     ),

@@ -167,67 +167,140 @@ def read_hashes(root: str | Path, partitions: list[str] | None = None) -> HashRo
     return HashRows(np.concatenate(parts), np.concatenate(ids), np.concatenate(hs))
 
 
-def decide(hashes: np.ndarray, threshold: int, block: int = 1024) -> tuple[np.ndarray, np.ndarray]:
-    """(winner index or -1, distance) of each row in order: row ``i`` loses to the first kept
-    row ``j < i`` within ``threshold`` bits. Blocks of rows are compared with every kept row
-    before them at once (uint64 XOR + popcount), then among themselves in order."""
-    n = len(hashes)
+def _greedy(n: int, score, ok, block: int = 1024) -> tuple[np.ndarray, np.ndarray]:
+    """(winner index or -1, score) of each of ``n`` rows in order: row ``i`` loses to the first
+    kept row ``j < i`` with ``ok(score(i, j))``. A block of rows is compared with every kept row
+    before it at once (``score(rows, kept)``: a matrix), then its rows among themselves in order."""
     winner = np.full(n, -1, np.int64)
-    dist = np.zeros(n, np.int32)
+    best = np.zeros(n, np.float64)
     kept_idx = np.zeros(0, np.int64)
     for s in range(0, n, block):
-        hb = hashes[s : s + block]
+        rows = np.arange(s, min(n, s + block))
         if len(kept_idx):
-            dd = hamming(hb[:, None], hashes[kept_idx][None, :])
-            near = dd <= threshold
-            has = near.any(axis=1)
-            first = near.argmax(axis=1)  # kept_idx is ascending: the earliest kept row
-            for k in np.flatnonzero(has):
-                winner[s + k] = kept_idx[first[k]]
-                dist[s + k] = dd[k, first[k]]
+            sc = score(rows, kept_idx)
+            near = ok(sc)
+            first = near.argmax(axis=1)  # kept_idx ascends: the earliest kept row
+            for k in np.flatnonzero(near.any(axis=1)):
+                winner[s + k], best[s + k] = kept_idx[first[k]], sc[k, first[k]]
         new_kept: list[int] = []
-        for k in range(len(hb)):
-            if winner[s + k] >= 0:
+        for i in rows:
+            if winner[i] >= 0:
                 continue
             if new_kept:
-                dk = hamming(hb[k], hashes[new_kept])
-                j = int(np.argmax(dk <= threshold))
-                if dk[j] <= threshold:
-                    winner[s + k], dist[s + k] = new_kept[j], dk[j]
+                sk = score(np.array([i]), np.asarray(new_kept))[0]
+                j = int(np.argmax(ok(sk)))
+                if ok(sk[j]):
+                    winner[i], best[i] = new_kept[j], sk[j]
                     continue
-            new_kept.append(s + k)
+            new_kept.append(int(i))
         kept_idx = np.concatenate([kept_idx, np.asarray(new_kept, np.int64)])
-    return winner, dist
+    return winner, best
 
 
-def near_duplicates(
-    root: str | Path, threshold: int = DEFAULT_THRESHOLD, partitions: list[str] | None = None
-) -> pa.Table:
-    """The stored rows that lose to an earlier kept look-alike (:data:`NEAR_SCHEMA`)."""
-    rows = read_hashes(root, partitions)
-    winner, dist = decide(rows.phash, threshold)
-    lost = np.flatnonzero(winner >= 0)
+def decide(hashes: np.ndarray, threshold: int, block: int = 1024) -> tuple[np.ndarray, np.ndarray]:
+    """(winner index or -1, distance) of each row in order: row ``i`` loses to the first kept
+    row ``j < i`` within ``threshold`` bits (uint64 XOR + popcount)."""
+    w, d = _greedy(
+        len(hashes),
+        lambda a, b: hamming(hashes[a][:, None], hashes[b][None, :]),
+        lambda sc: sc <= threshold,
+        block,
+    )
+    return w, d.astype(np.int32)
+
+
+def decide_cosine(
+    vectors: np.ndarray, min_cosine: float, block: int = 1024
+) -> tuple[np.ndarray, np.ndarray]:
+    """(winner index or -1, cosine) of each row in order: row ``i`` loses to the first kept
+    row ``j < i`` whose vector's cosine with its own is >= ``min_cosine``."""
+    v = np.asarray(vectors, np.float32)
+    v = v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
+    return _greedy(len(v), lambda a, b: v[a] @ v[b].T, lambda sc: sc >= min_cosine, block)
+
+
+def _table(partition, ids, lost, winner, detector: str, distance, similarity) -> pa.Table:
     w = winner[lost]
     return pa.table(
         {
-            "partition": rows.partition[lost].tolist(),
-            "id": rows.id[lost].tolist(),
-            "kept_partition": rows.partition[w].tolist(),
-            "kept_id": rows.id[w].tolist(),
-            "detector": ["phash"] * len(lost),
-            "distance": dist[lost],
+            "partition": partition[lost].tolist(),
+            "id": ids[lost].tolist(),
+            "kept_partition": partition[w].tolist(),
+            "kept_id": ids[w].tolist(),
+            "detector": [detector] * len(lost),
+            "distance": distance,
+            "similarity": similarity,
         },
         schema=NEAR_SCHEMA,
     )
 
 
-def write_near_duplicates(
+def near_duplicates(
     root: str | Path, threshold: int = DEFAULT_THRESHOLD, partitions: list[str] | None = None
 ) -> pa.Table:
-    """Decide over the pHash records of ``partitions`` (default: every one) and write the
-    table the catalog reads (atomically, with the threshold it was decided at)."""
+    """The stored rows that lose to an earlier kept look-alike (:data:`NEAR_SCHEMA`;
+    similarity: the share of the 64 bits that agree)."""
+    rows = read_hashes(root, partitions)
+    winner, dist = decide(rows.phash, threshold)
+    lost = np.flatnonzero(winner >= 0)
+    d = dist[lost]
+    return _table(rows.partition, rows.id, lost, winner, "phash", d, 1.0 - d / 64.0)
+
+
+# ------------------------------------------------------------- the semantic detector (CLS)
+
+
+def read_cls(root: str | Path, partitions: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(partition, id, DINOv2 CLS) of every row of the ``dino_features`` shards of
+    ``partitions`` that have one, in dataset order (the ``cls`` array alone is read)."""
+    from flowmatch_models.storage.store import read_shard
+
+    layout = DataLayout(root)
+    parts, ids, vecs = [], [], []
+    for p in sorted(partitions):
+        path = layout.asset_path("dino_features", p)
+        if not path.exists():
+            continue
+        sh = read_shard(remote.ensure(path))
+        vecs.append(np.asarray(sh["cls"], np.float32))
+        ids.append(np.asarray(sh.ids, object))
+        parts.append(np.full(len(sh.ids), p, object))
+    if not vecs:
+        return np.zeros(0, object), np.zeros(0, object), np.zeros((0, 1), np.float32)
+    return np.concatenate(parts), np.concatenate(ids), np.concatenate(vecs)
+
+
+def semantic_duplicates(
+    root: str | Path, min_cosine: float, partitions: list[str], skip: set = frozenset()
+) -> pa.Table:
+    """The stored rows whose DINOv2 CLS has cosine >= ``min_cosine`` with an earlier kept
+    row's (brute force, blocks of rows against every kept one); rows in ``skip`` ((partition,
+    id): lost to another detector already) take no part."""
+    part, ids, v = read_cls(root, partitions)
+    keep = np.array([(p, i) not in skip for p, i in zip(part, ids)], bool)
+    part, ids, v = part[keep], ids[keep], v[keep]
+    winner, cos = decide_cosine(v, min_cosine)
+    lost = np.flatnonzero(winner >= 0)
+    return _table(part, ids, lost, winner, "dino_cls", np.zeros(len(lost), np.int32), cos[lost])
+
+
+def write_near_duplicates(
+    root: str | Path,
+    threshold: int = DEFAULT_THRESHOLD,
+    partitions: list[str] | None = None,
+    min_cosine: float | None = None,
+) -> pa.Table:
+    """Decide over the pHash records of ``partitions`` (default: every one), then (with
+    ``min_cosine``) over the DINOv2 CLS of the rows the pHash kept, and write the table the
+    catalog reads (atomically, with the settings it was decided at)."""
     t = near_duplicates(root, threshold, partitions)
-    meta = {"flowmatch_neardup": json.dumps({"detector": "phash", "threshold": threshold})}
+    if min_cosine is not None:
+        if partitions is None:
+            partitions = sorted(p.stem for p in phash_dir(root).glob("*.parquet"))
+        lost = set(zip(t.column("partition").to_pylist(), t.column("id").to_pylist()))
+        t = pa.concat_tables([t, semantic_duplicates(root, min_cosine, partitions, lost)])
+    settings = {"phash": threshold, "dino_cls": min_cosine}
+    meta = {"flowmatch_neardup": json.dumps({"thresholds": settings})}
     out = near_path(DataLayout(root))
     with atomic_path(out) as tmp:
         pq.write_table(t.replace_schema_metadata(meta), tmp)
