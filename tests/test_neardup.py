@@ -167,6 +167,18 @@ def test_planted_near_duplicates_are_found_in_any_order_and_look_alikes_kept(
     assert set(originals) <= kept
     assert report["near_duplicates"] == len(losers)
     assert report["kept"] == len(originals) + len(lookalikes) + len(planted_of) - len(losers)
+    # the pairs, side by side, the least similar first: the kept image left, its copy right
+    png, pairs = neardup.pairs_picture(
+        fwd, pq.read_table(neardup.near_path(neardup.DataLayout(fwd)))
+    )
+    assert report["pairs_png"] == str(png) and all(planted_of[b] == a for a, b in pairs)
+    assert Image.open(png).size == (2 * 130 + 2, min(12, len(losers)) * 130 + 2)
+    worst = max(
+        d
+        for d in (r["distance"] for r in Catalog(fwd).query("SELECT distance FROM near_duplicates"))
+    )
+    first = Catalog(fwd).query("SELECT distance FROM near_duplicates WHERE id = ?", [pairs[0][1]])
+    assert first[0]["distance"] == worst
     # the catalog names each loser's detector, distance and winner
     cat = Catalog(fwd)
     rows = cat.query("SELECT * FROM near_duplicates ORDER BY partition, id")

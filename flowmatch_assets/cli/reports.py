@@ -89,6 +89,8 @@ def _neardup(cat, threshold: int | None, as_json: bool, min_cosine: float | None
     )[0]
     rows = {"threshold": t, "min_cosine": min_cosine, "partitions": len(parts), **rows}
     rows["near_fraction"] = round(near.num_rows / max(1, rows["kept"] + near.num_rows), 6)
+    picture, _ = neardup.pairs_picture(cat.layout.root, near)
+    rows["pairs_png"] = str(picture) if picture else None
     print(json.dumps(rows, indent=1) if as_json else format_table([rows]))
     return 0
 

@@ -305,3 +305,49 @@ def write_near_duplicates(
     with atomic_path(out) as tmp:
         pq.write_table(t.replace_schema_metadata(meta), tmp)
     return t
+
+
+# ---------------------------------------------------------------------------- the picture
+
+
+def pairs_picture(
+    root: str | Path, near: pa.Table, n: int = 12, cell: int = 128
+) -> tuple[Path | None, list[tuple[str, str]]]:
+    """``<root>/reports/near_duplicates.png``: up to ``n`` pairs side by side (kept row left,
+    the row that lost to it right), the least similar first (those closest to the threshold:
+    where a user sees whether it is right). Returns (path or None, the (kept id, loser id)
+    pairs shown, top to bottom)."""
+    from flowmatch_models.figures.grid import make_grid, save_png
+    from flowmatch_models.storage.image_shard import decode
+
+    if not near.num_rows:
+        return None, []
+    t = near.sort_by([("similarity", "ascending"), ("partition", "ascending"), ("id", "ascending")])
+    rows = t.slice(0, n).to_pylist()
+    want: dict[str, set[str]] = {}
+    for r in rows:
+        want.setdefault(r["kept_partition"], set()).add(r["kept_id"])
+        want.setdefault(r["partition"], set()).add(r["id"])
+    layout = DataLayout(root)
+    images: dict[tuple[str, str], bytes] = {}
+    for p, ids in want.items():
+        shard = remote.ensure(layout.asset_path("images", p))
+        got = pq.read_table(shard, columns=["id", "image"], filters=[("id", "in", sorted(ids))])
+        for i, b in zip(got.column("id").to_pylist(), got.column("image").to_pylist()):
+            images[(p, i)] = b
+    cells, pairs = [], []
+    for r in rows:
+        a, b = (
+            images.get((r["kept_partition"], r["kept_id"])),
+            images.get((r["partition"], r["id"])),
+        )
+        if a is None or b is None:  # a shard rewritten since the decision
+            continue
+        cells += [decode(a), decode(b)]
+        pairs.append((r["kept_id"], r["id"]))
+    if not cells:
+        return None, []
+    out = save_png(
+        make_grid(cells, cols=2, cell=cell), layout.root / "reports" / "near_duplicates.png"
+    )
+    return out, pairs
