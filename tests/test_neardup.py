@@ -213,28 +213,59 @@ def test_planted_near_duplicates_are_found_in_any_order_and_look_alikes_kept(
     assert {p: p.stat().st_mtime_ns for p in records} == records
 
 
-def test_a_threshold_change_re_decides_the_near_duplicates_alone(tmp_path, planted, capsys):
-    sample, planted_of, _, _ = planted
-    data = tmp_path / "data"
-    _materialize(data, sample, KEYS[:1])  # the originals and their look-alikes only
-    _neardup(Catalog(data), None, True)
+def test_a_threshold_change_re_decides_the_near_duplicates_alone(tmp_path, planted, zoo, capsys):
+    """The originals and their look-alikes with every embedding made (the tiny zoo encoders):
+    re-deciding at another pHash threshold or with the CLS detector on changes the outcomes
+    and leaves every asset partition fresh, every shard and hash record as it was."""
+    from flowmatch_assets.defs.definitions import all_assets_and_checks
+    from flowmatch_assets.freshness.fingerprints import staleness
+    from flowmatch_models.encoders.spec import EncoderSpec
+    from flowmatch_models.storage.layout import PARTITIONED_ASSETS
 
-    def snapshot() -> dict[str, int]:  # every file but the near duplicates' decision
-        skip = ("catalog",)
+    sample, _, lookalikes, originals = planted
+    data = tmp_path / "data"
+    res = FlowmatchResource(
+        data_root=str(data),
+        metadata_source=str(sample / "metadata"),
+        ingest=IngestConfig(file_root=str(sample), threads=2),
+        encoders=EncoderSpec(**zoo, batch_size=8),
+    )
+    kinds = ["vae_latents", "dino_features", "text_embeddings"]
+    with dg.instance_for_test() as instance:
+        register_partitions(instance, res)
+        r = dg.materialize(
+            all_assets_and_checks(),
+            selection=["metadata", "images", *kinds],
+            partition_key=KEYS[0],  # the originals and their look-alikes only
+            instance=instance,
+            resources=resources_for(res),
+        )
+        assert r.success
+    assert staleness(res, None, list(PARTITIONED_ASSETS)) == []
+    _neardup(Catalog(data), None, True)
+    assert _kept_and_losers(data)[1] == {}
+
+    def snapshot() -> dict[str, int]:  # every file but the catalog (the decision lives there)
         return {
             str(p.relative_to(data)): p.stat().st_mtime_ns
             for p in data.rglob("*")
-            if p.is_file() and not str(p.relative_to(data)).startswith(skip)
+            if p.is_file() and not str(p.relative_to(data)).startswith(("catalog", "reports"))
         }
 
     before = snapshot()
+    assert any(k.startswith("dino_features/") for k in before)
     hashes = {p: p.stat().st_mtime_ns for p in neardup.phash_dir(data).glob("*.parquet")}
     _neardup(Catalog(data), 40, True)  # far too loose: look-alikes now "duplicates"
-    loose = _kept_and_losers(data)[1]
-    assert loose, "a 40-bit threshold should call some look-alikes duplicates"
+    assert _kept_and_losers(data)[1], "a 40-bit threshold should call some look-alikes duplicates"
+    _neardup(Catalog(data), neardup.DEFAULT_THRESHOLD, True, min_cosine=-1.0)  # every CLS "near"
+    kept, losers = _kept_and_losers(data)
+    assert kept == {"orig-00"} and len(losers) == len(originals) + len(lookalikes) // 2 - 1
+    cls = Catalog(data).query("SELECT DISTINCT detector FROM near_duplicates")
+    assert cls == [{"detector": "dino_cls"}]
     _neardup(Catalog(data), neardup.DEFAULT_THRESHOLD, True)
     assert _kept_and_losers(data)[1] == {}
-    # no shard (images, or an embedding made from them) and no hash record was rewritten
+    # nothing upstream read the settings: every partition fresh, no file rewritten
+    assert staleness(res, None, list(PARTITIONED_ASSETS)) == []
     assert snapshot() == before
     assert {p: p.stat().st_mtime_ns for p in hashes} == hashes
     meta = pq.read_schema(neardup.near_path(neardup.DataLayout(data))).metadata
