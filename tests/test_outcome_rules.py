@@ -19,20 +19,27 @@ IMAGES = [None, ("stored", None), ("failed", "timeout"), ("filtered", "too_small
 
 
 def test_sql_and_numpy_agree_on_every_combination_of_a_rows_facts():
-    combos = list(itertools.product(META, IMAGES, (False, True)))
+    combos = [
+        (m, i, (c, n))
+        for m, i, c, n in itertools.product(META, IMAGES, (False, True), (False, True))
+    ]
     con = duckdb.connect()
     con.execute("CREATE TABLE m (id INT, outcome TEXT, reason TEXT)")
     con.execute("CREATE TABLE i (id INT, outcome TEXT, reason TEXT)")
     con.execute("CREATE TABLE c (id INT)")
+    con.execute("CREATE TABLE n (id INT)")
     for k, (meta, img, dup) in enumerate(combos):
         con.execute("INSERT INTO m VALUES (?, ?, ?)", [k, *meta])
         if img is not None:
             con.execute("INSERT INTO i VALUES (?, ?, ?)", [k, *img])
-        if dup:
+        if dup[0]:
             con.execute("INSERT INTO c VALUES (?)", [k])
+        if dup[1]:
+            con.execute("INSERT INTO n VALUES (?)", [k])
     sql = (
         f"SELECT m.id, {outcome_rules.sql_case('outcome')}, {outcome_rules.sql_case('reason')} "
-        "FROM m LEFT JOIN i ON i.id = m.id LEFT JOIN c ON c.id = m.id ORDER BY m.id"
+        "FROM m LEFT JOIN i ON i.id = m.id LEFT JOIN c ON c.id = m.id "
+        "LEFT JOIN n ON n.id = m.id ORDER BY m.id"
     )
     by_sql = [(o, r) for _, o, r in con.execute(sql).fetchall()]
     facts = {
@@ -41,16 +48,20 @@ def test_sql_and_numpy_agree_on_every_combination_of_a_rows_facts():
         "images.has": np.array([i is not None for _, i, _ in combos]),
         "images.outcome": np.array([i[0] if i else None for _, i, _ in combos], object),
         "images.reason": np.array([i[1] if i else None for _, i, _ in combos], object),
-        "content_duplicate": np.array([d for _, _, d in combos]),
+        "content_duplicate": np.array([d[0] for _, _, d in combos]),
+        "near_duplicate": np.array([d[1] for _, _, d in combos]),
     }
     outcome, reason = outcome_rules.select(facts)
     assert list(zip(outcome, reason)) == by_sql
     # and the rules say what they should, on a few rows by hand
     got = dict(zip(combos, by_sql))
-    assert got[(META[1], IMAGES[1], True)] == ("filtered", "too_small")  # the metadata's first
-    assert got[(META[0], None, False)] == ("pending", None)
-    assert got[(META[0], IMAGES[1], True)] == ("filtered", "duplicate_content")
-    assert got[(META[0], IMAGES[2], False)] == ("failed", "timeout")
+    assert got[(META[1], IMAGES[1], (True, True))] == ("filtered", "too_small")  # the metadata's
+    assert got[(META[0], None, (False, True))] == ("pending", None)
+    assert got[(META[0], IMAGES[1], (True, False))] == ("filtered", "duplicate_content")
+    # bytes equal beats look-alike: a content duplicate is one whatever its pHash says
+    assert got[(META[0], IMAGES[1], (True, True))] == ("filtered", "duplicate_content")
+    assert got[(META[0], IMAGES[1], (False, True))] == ("filtered", "near_duplicate")
+    assert got[(META[0], IMAGES[2], (False, False))] == ("failed", "timeout")
     assert {o for o, _ in by_sql} <= set(outcome_rules.OUTCOMES)
 
 
@@ -59,7 +70,7 @@ def test_no_second_copy_of_an_outcome_rule_in_the_catalog():
     write them (a CASE branch, a numpy choice): a copy planted in views.py or derived.py fails
     here."""
     planted = re.compile(
-        r"""THEN\s+'(pending|duplicate_content)'|["'](pending|duplicate_content)["']\s*[,)]"""
+        r"""THEN\s+'(pending|duplicate_content|near_duplicate)'|["'](pending|duplicate_content|near_duplicate)["']\s*[,)]"""
     )
     folder = REPO / "flowmatch_assets" / "catalog"
     copies = {

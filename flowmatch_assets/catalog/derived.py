@@ -92,7 +92,11 @@ def _aspect_bucket(a: np.ndarray) -> np.ndarray:
 
 
 def _outcomes(
-    cards: pa.Table, meta: pa.Table | None, images: pa.Table | None, losers: set[str]
+    cards: pa.Table,
+    meta: pa.Table | None,
+    images: pa.Table | None,
+    losers: set[str],
+    near: set[str] = frozenset(),
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Each card row's final outcome and reason by the ``dataset_rows`` rules (the metadata's;
     else the image stage's, ``pending`` before it ran, a content duplicate's ``filtered:
@@ -114,13 +118,13 @@ def _outcomes(
 
     has_m, m_out, m_why = lookup(meta)
     has_i, i_out, i_why = lookup(images)
-    lost = (
-        pc.is_in(ids, value_set=pa.array(sorted(losers), pa.string())).to_numpy(
-            zero_copy_only=False
-        )
-        if losers
-        else np.zeros(n, bool)
-    )
+
+    def among(which: set[str]) -> np.ndarray:
+        if not which:
+            return np.zeros(n, bool)
+        value_set = pa.array(sorted(which), pa.string())
+        return pc.is_in(ids, value_set=value_set).to_numpy(zero_copy_only=False)
+
     outcome, reason = outcome_rules.select(
         {
             "metadata.outcome": m_out,
@@ -128,7 +132,8 @@ def _outcomes(
             "images.has": has_i,
             "images.outcome": i_out,
             "images.reason": i_why,
-            "content_duplicate": lost,
+            "content_duplicate": among(losers),
+            "near_duplicate": among(near),
         }
     )
     return outcome, reason, has_m
@@ -140,14 +145,16 @@ def card_summary(
     meta: pa.Table | None,
     images: pa.Table | None,
     losers: set[str],
+    near: set[str] = frozenset(),
 ) -> pa.Table:
     """One partition's data card from its card records and its metadata and image row
-    records (``losers``: its stored rows whose bytes an earlier row stored): rows per item of
+    records (``losers``: its stored rows whose bytes an earlier row stored; ``near``: those
+    that lose to an earlier look-alike): rows per item of
     each count section, each distribution's exact p10 / p50 / p90 / mean / max (+ sum and
     count, which merge) and its bins (:func:`_bins`, which merge into the dataset's)."""
     import pyarrow.compute as pc
 
-    outcome, reason, has_m = _outcomes(cards, meta, images, losers)
+    outcome, reason, has_m = _outcomes(cards, meta, images, losers, near)
     keep = np.flatnonzero(has_m)  # a card row without a metadata row is no input row
     outcome, reason = outcome[keep], reason[keep]
     stored = outcome == "stored"
@@ -230,13 +237,52 @@ def _ident(path: Path) -> list | None:
 
 def card_inputs(layout: DataLayout, partition: str, losers: set[str]) -> dict:
     """What a partition's card summary is made from: its card, metadata and image row records
-    (inode, size, mtime) and its content losers."""
+    (inode, size, mtime), its content losers and its near duplicates."""
     return {
         "cards": _ident(record_path(layout, "cards", "data_card", partition)),
         "meta": _ident(record_path(layout, "rows", "metadata", partition)),
         "images": _ident(record_path(layout, "rows", "images", partition)),
         "losers": sorted(losers),
+        "near": sorted(near_of(layout).get(partition, ())),
     }
+
+
+#: The near duplicates' table (``ingest/neardup.py`` writes it; the ``near_duplicates`` view).
+NEAR_SCHEMA = pa.schema(
+    [
+        ("partition", pa.string()),
+        ("id", pa.string()),
+        ("kept_partition", pa.string()),
+        ("kept_id", pa.string()),
+        ("detector", pa.string()),
+        ("distance", pa.int32()),  # phash: bits that differ
+        ("similarity", pa.float64()),  # dino_cls: cosine; phash: share of bits that agree
+    ]
+)
+
+
+def near_path(layout: DataLayout) -> Path:
+    """The stored rows that lose to an earlier look-alike, as last decided."""
+    return layout.catalog_dir / "neardup" / "near_duplicates.parquet"
+
+
+_NEAR_CACHE: dict[str, tuple] = {}
+
+
+def near_of(layout: DataLayout) -> dict[str, set[str]]:
+    """partition -> the ids of its near duplicates (read once per version of the table)."""
+    p = near_path(layout)
+    ident = _ident(p)
+    hit = _NEAR_CACHE.get(str(p))
+    if hit is not None and hit[0] == ident:
+        return hit[1]
+    out: dict[str, set[str]] = {}
+    if ident is not None:
+        t = pq.read_table(p, columns=["partition", "id"])
+        for k, i in zip(t.column("partition").to_pylist(), t.column("id").to_pylist()):
+            out.setdefault(k, set()).add(i)
+    _NEAR_CACHE[str(p)] = (ident, out)
+    return out
 
 
 def losers_path(layout: DataLayout) -> Path:
@@ -282,6 +328,7 @@ def write_card_summary(layout: DataLayout, partition: str, losers: set[str] | No
         read(record_path(layout, "rows", "metadata", partition), cols),
         read(record_path(layout, "rows", "images", partition), cols),
         losers,
+        near_of(layout).get(partition, set()),
     )
     t = t.replace_schema_metadata({"flowmatch_inputs": json.dumps(inputs)})
     _write_table(card_summary_path(layout, partition), t)

@@ -4,9 +4,10 @@ never say different things about the same row.
 
 The first rule whose condition holds decides the row's ``outcome`` and ``reason``. A rule's
 values name a stage's own record (``("metadata", "outcome")``: the metadata stage's outcome
-of the row) or are literals. The conditions read four facts of a row: its metadata record's
+of the row) or are literals. The conditions read five facts of a row: its metadata record's
 outcome, whether the image stage has a record of it, whether it lost to an earlier row with
-the same bytes (a content duplicate), and the image stage's record.
+the same bytes (a content duplicate), whether it lost to an earlier look-alike (a near
+duplicate: ``ingest/neardup.py``), and the image stage's record.
 
 A new outcome rule (a near-duplicate filter, say) is one :class:`Rule` here, in its place in
 :data:`RULES`; ``tests/test_outcome_rules.py`` checks that SQL and numpy agree on every
@@ -22,7 +23,7 @@ import numpy as np
 #: A value: a literal, None, or ``(stage, column)`` of that stage's record of the row.
 Value = str | None | tuple[str, str]
 #: The SQL alias of each stage's record (and of the content duplicates) in ``dataset_rows``.
-SQL_ALIAS = {"metadata": "m", "images": "i", "content_duplicate": "c"}
+SQL_ALIAS = {"metadata": "m", "images": "i", "content_duplicate": "c", "near_duplicate": "n"}
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ CONDITIONS = {
     ),
     "images_not_run": ("i.id IS NULL", lambda f: ~f["images.has"]),
     "content_duplicate": ("c.id IS NOT NULL", lambda f: f["content_duplicate"]),
+    "near_duplicate": ("n.id IS NOT NULL", lambda f: f["near_duplicate"]),
     "always": ("TRUE", lambda f: np.ones(len(f["images.has"]), bool)),
 }
 
@@ -50,6 +52,7 @@ RULES: tuple[Rule, ...] = (
     Rule("metadata_did_not_keep", ("metadata", "outcome"), ("metadata", "reason")),
     Rule("images_not_run", "pending", None),
     Rule("content_duplicate", "filtered", "duplicate_content"),
+    Rule("near_duplicate", "filtered", "near_duplicate"),
     Rule("always", ("images", "outcome"), ("images", "reason")),
 )
 
@@ -80,7 +83,7 @@ def sql_case(column: str) -> str:
 def select(facts: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """``(outcome, reason)`` arrays by :data:`RULES` over ``facts``: ``metadata.outcome``,
     ``metadata.reason``, ``images.has``, ``images.outcome``, ``images.reason`` and
-    ``content_duplicate`` (one entry per row)."""
+    ``content_duplicate`` and ``near_duplicate`` (one entry per row)."""
     conds = [np.asarray(CONDITIONS[r.condition][1](facts), bool) for r in RULES]
     n = len(facts["images.has"])
 

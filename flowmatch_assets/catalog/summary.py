@@ -12,6 +12,8 @@ changed since (:func:`refresh`, under a file lock, before every catalog query):
     outcomes.parquet           rows per (asset, partition, outcome, reason) of the row records
     content/<partition>.u64    the sorted 64-bit hashes of a partition's stored md5s
     content_losers.parquet     stored rows whose bytes an earlier row (dataset order) stored too
+    near_duplicates.partitions.json  which partitions the near duplicates' table (written by
+                               ingest/neardup.py) named when last read: their cards are redone
     state/                     per record folder its mtime when last listed and which files
                                have an older schema; per file its inode, size and mtime
 
@@ -47,6 +49,7 @@ import pyarrow.parquet as pq
 
 from flowmatch_assets.catalog.derived import (
     CARD_SUMMARY_SCHEMA,
+    NEAR_SCHEMA,
     _write_bytes,
     _write_table,
     card_inputs,
@@ -54,6 +57,7 @@ from flowmatch_assets.catalog.derived import (
     content_hashes_path,
     losers_of,
     md5_hashes,
+    near_path,
     write_card_summary,
     write_content_hashes,
 )
@@ -406,13 +410,15 @@ def _refresh(layout: DataLayout, s: Path) -> frozenset[str]:
     changes, listed = _scan(layout, state, ["materializations", *kinds])
     footers = _footers(changes)
     made = ("materializations.parquet", "outcomes.parquet", "content_losers.parquet")
+    near = _near_changed(layout, s)
     if (
         changes.changed
         or changes.gone
+        or near
         or not all((s / m).exists() for m in made)
         or not card_summary_path(layout, "_empty").exists()
     ):
-        _update(layout, s, state, changes, footers)
+        _update(layout, s, state, changes, footers, near)
     for kind in kinds:  # which files are of an older schema
         for f in changes.changed.get(kind, []):
             d, foot = state.dirs.get(f"{kind}/{f.asset}"), footers.get(f.path)
@@ -431,7 +437,12 @@ def _refresh(layout: DataLayout, s: Path) -> frozenset[str]:
 
 
 def _update(
-    layout: DataLayout, s: Path, state: _State, changes: _Changes, footers: dict[str, _Seen]
+    layout: DataLayout,
+    s: Path,
+    state: _State,
+    changes: _Changes,
+    footers: dict[str, _Seen],
+    near: set[str],
 ) -> None:
     spill = s / ".tmp-duckdb"
     try:
@@ -441,7 +452,7 @@ def _update(
             if changes.any("rows") or not (s / "outcomes.parquet").exists():
                 _refresh_outcomes(con, s, changes, footers)
             losers_changed = _refresh_content(layout, s, state, changes)
-            _refresh_cards(layout, s, state, changes, losers_changed)
+            _refresh_cards(layout, s, state, changes, losers_changed, near)
     finally:
         shutil.rmtree(spill, ignore_errors=True)
 
@@ -637,8 +648,30 @@ def _card_is_current(layout: DataLayout, s: Path, partition: str, losers: set[st
     return made == card_inputs(layout, partition, losers)
 
 
+def _near_changed(layout: DataLayout, s: Path) -> set[str]:
+    """The partitions whose near duplicates changed since the last refresh (the table is
+    written empty when missing, so that the view always reads one)."""
+    p = near_path(layout)
+    if not p.exists():
+        _write_table(p, NEAR_SCHEMA.empty_table())
+    st = p.stat()
+    ident = [st.st_ino, st.st_size, st.st_mtime_ns]
+    prev_p = s / "near_duplicates.partitions.json"
+    prev = json.loads(prev_p.read_text()) if prev_p.exists() else {"ident": None, "parts": []}
+    if prev["ident"] == ident:
+        return set()
+    now = set(pq.read_table(p, columns=["partition"]).column("partition").to_pylist())
+    _write_bytes(prev_p, json.dumps({"ident": ident, "parts": sorted(now)}).encode())
+    return now | set(prev["parts"])
+
+
 def _refresh_cards(
-    layout: DataLayout, s: Path, state: _State, changes: _Changes, losers_changed: bool
+    layout: DataLayout,
+    s: Path,
+    state: _State,
+    changes: _Changes,
+    losers_changed: bool,
+    near: set[str] = frozenset(),
 ) -> None:
     """Re-summarise the cards whose inputs changed (their card records, their metadata or
     image row records, their content losers) and whose summary was not written with them."""
@@ -650,6 +683,7 @@ def _refresh_cards(
     rows = [*changes.changed.get("rows", []), *changes.gone.get("rows", [])]
     touched = {f.partition for f in changes.changed.get("cards", [])}
     touched |= {f.partition for f in rows if f.asset in ("metadata", "images")}
+    touched |= near
     if losers_changed:  # a partition whose losers changed: its card changes
         t = pq.read_table(s / "content_losers.parquet", columns=["partition"])
         now = set(t.column("partition").to_pylist())

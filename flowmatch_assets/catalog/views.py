@@ -191,7 +191,9 @@ def _view_sql(layout: DataLayout) -> list[str]:
 
 
 def _dedupe_views(layout: DataLayout, legacy: frozenset[str], losers: str) -> list[str]:
-    """Duplicates (flowmatch_assets/ingest/dedupe.py) and every input row's final outcome."""
+    """Duplicates (flowmatch_assets/ingest/dedupe.py, neardup.py) and every input row's final
+    outcome."""
+    near = _sql_str(derived.near_path(layout))
     return [
         # md5 of the bytes of every row stored in a (materialized) images shard
         f"""CREATE OR REPLACE VIEW content_md5 AS
@@ -208,6 +210,13 @@ def _dedupe_views(layout: DataLayout, legacy: frozenset[str], losers: str) -> li
         # md5s by their hashes, so no query joins every stored md5)
         f"""CREATE OR REPLACE VIEW content_duplicates AS
            SELECT partition, id, md5, kept_partition, kept_id FROM read_parquet({losers})""",
+        # stored rows that lose to an earlier kept look-alike (ingest/neardup.py: the detector,
+        # the Hamming distance of the 64-bit pHashes), as last decided (`flowmatch catalog
+        # neardup`); a row whose bytes an earlier row stored too stays a content duplicate
+        f"""CREATE OR REPLACE VIEW near_duplicates AS
+           SELECT partition, id, kept_partition, kept_id, detector, distance, similarity
+           FROM read_parquet({near}) WHERE (partition, id) NOT IN
+                (SELECT (partition, id) FROM content_duplicates)""",
         """CREATE OR REPLACE VIEW duplicates AS
            SELECT partition, id, 'hash' AS kind, hash, kept_partition, kept_id,
                   false AS still_stored
@@ -225,10 +234,13 @@ def _dedupe_views(layout: DataLayout, legacy: frozenset[str], losers: str) -> li
            WHERE d.kind = 'content'
            UNION ALL
            SELECT partition, id, 'content', md5, kept_partition, kept_id, true
-           FROM content_duplicates""",
+           FROM content_duplicates
+           UNION ALL
+           SELECT partition, id, 'near_' || detector, NULL, kept_partition, kept_id, true
+           FROM near_duplicates""",
         # every input row's final outcome by the one table of rules (outcome_rules.py, which
         # the data card's numpy reads too): the metadata's, else the image stage's (pending
-        # before it ran), a content duplicate counted as filtered
+        # before it ran), a content or near duplicate counted as filtered
         f"""CREATE OR REPLACE VIEW dataset_rows AS
            SELECT m.partition, m.id, m.url,
                   CASE WHEN m.outcome != 'stored' THEN 'metadata'
@@ -239,6 +251,7 @@ def _dedupe_views(layout: DataLayout, legacy: frozenset[str], losers: str) -> li
            FROM rows m
            LEFT JOIN rows i ON i.asset = 'images' AND i.partition = m.partition AND i.id = m.id
            LEFT JOIN content_duplicates c ON c.partition = m.partition AND c.id = m.id
+           LEFT JOIN near_duplicates n ON n.partition = m.partition AND n.id = m.id
            LEFT JOIN duplicates d ON d.partition = m.partition AND d.id = m.id
            WHERE m.asset = 'metadata'""",
     ]
@@ -518,9 +531,16 @@ class Catalog:
         )
 
     def failures_by_reason(self) -> list[dict]:
+        # + the stored rows that lose to an earlier look-alike (decided after images ran),
+        # as dataset_rows' rules say
         return self.query(
-            """SELECT asset, outcome, reason, retryable, sum(rows)::BIGINT AS rows
-               FROM row_outcomes WHERE outcome IN ('failed', 'filtered')
+            """SELECT asset, outcome, reason, retryable, sum(rows)::BIGINT AS rows FROM (
+                   SELECT asset, outcome, reason, retryable, rows FROM row_outcomes
+                   WHERE outcome IN ('failed', 'filtered')
+                   UNION ALL
+                   SELECT 'images', outcome, reason, false, count(*) FROM dataset_rows
+                   WHERE (partition, id) IN (SELECT (partition, id) FROM near_duplicates)
+                   GROUP BY ALL)
                GROUP BY ALL ORDER BY asset, outcome, rows DESC, reason"""
         )
 

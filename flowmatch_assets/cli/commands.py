@@ -326,6 +326,7 @@ COMMANDS: dict[str, Command] = {
                     "compression",
                     "throughput",
                     "sizes",
+                    "neardup",
                     "sql",
                     "path",
                     "views",
@@ -335,6 +336,21 @@ COMMANDS: dict[str, Command] = {
                 "sql",
                 nargs="?",
                 help="SQL for `catalog sql` (`flowmatch catalog views` lists the views)",
+            ),
+            arg(
+                "--threshold",
+                type=int,
+                default=None,
+                help="`catalog neardup`: the pHash bits two images may differ in and still be "
+                "near duplicates (default 10); re-decides the near duplicates only",
+            ),
+            arg(
+                "--min-cosine",
+                type=float,
+                default=None,
+                help="`catalog neardup`: also call a row a near duplicate when its DINOv2 CLS "
+                "(dino_features) has at least this cosine with an earlier kept row's (off by "
+                "default; e.g. 0.95)",
             ),
             arg("--json", dest="as_json", action="store_true"),
         ],

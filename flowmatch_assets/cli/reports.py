@@ -9,13 +9,21 @@ from flowmatch_assets import runs
 from flowmatch_assets.cli.common import CliError, flowmatch_resource
 
 
-def cmd_catalog(report: str, sql: str | None, as_json: bool) -> int:
+def cmd_catalog(
+    report: str,
+    sql: str | None,
+    as_json: bool,
+    threshold: int | None = None,
+    min_cosine: float | None = None,
+) -> int:
     from flowmatch_assets.catalog import Catalog, format_table, view_names
 
     if report == "views":
         print("\n".join(view_names()))
         return 0
     cat = Catalog(flowmatch_resource().data_root)
+    if report == "neardup":
+        return _neardup(cat, threshold, as_json, min_cosine)
     if report == "path":
         print(cat.ensure())
         return 0
@@ -53,6 +61,37 @@ def cmd_catalog(report: str, sql: str | None, as_json: bool) -> int:
         print(json.dumps(rows, default=str, indent=1))
     else:
         print(format_table(rows))
+    return 0
+
+
+def _neardup(cat, threshold: int | None, as_json: bool, min_cosine: float | None = None) -> int:
+    """Hash the images partitions not hashed yet (or rewritten since), decide the near
+    duplicates at ``threshold`` over every partition (and, with ``min_cosine``, by their
+    DINOv2 CLS), and report how many there are."""
+    from flowmatch_assets.catalog import format_table
+    from flowmatch_assets.ingest import neardup
+
+    t = threshold if threshold is not None else neardup.DEFAULT_THRESHOLD
+    parts = [
+        r["partition"]
+        for r in cat.query(
+            "SELECT DISTINCT partition FROM materializations WHERE asset = 'images' ORDER BY 1"
+        )
+    ]
+    for p in parts:
+        neardup.phash_partition(cat.layout.root, p)
+    near = neardup.write_near_duplicates(cat.layout.root, t, parts, min_cosine)
+    rows = cat.query(
+        """SELECT count(*) FILTER (WHERE outcome = 'stored') AS kept,
+                  count(*) FILTER (WHERE reason = 'near_duplicate') AS near_duplicates,
+                  count(*) FILTER (WHERE reason = 'duplicate_content') AS content_duplicates
+           FROM dataset_rows"""
+    )[0]
+    rows = {"threshold": t, "min_cosine": min_cosine, "partitions": len(parts), **rows}
+    rows["near_fraction"] = round(near.num_rows / max(1, rows["kept"] + near.num_rows), 6)
+    picture, _ = neardup.pairs_picture(cat.layout.root, near)
+    rows["pairs_png"] = str(picture) if picture else None
+    print(json.dumps(rows, indent=1) if as_json else format_table([rows]))
     return 0
 
 
