@@ -42,7 +42,7 @@ def encoders(zoo) -> dict[str, str]:
     }
 
 
-def _yaml(store: Path, folder: Path, **over) -> Path:
+def _yaml(store: Path, folder: Path, out_dir: Path | None = None, **over) -> Path:
     cfg = tiny_config(
         store,
         folder / "unused",
@@ -52,7 +52,8 @@ def _yaml(store: Path, folder: Path, **over) -> Path:
         trainer__checkpoint_every=1000,
         **over,
     )
-    cfg["run"]["out_dir"] = None  # the CLI's run folder: <data root>/runs/<name>
+    # the CLI's run folder: <data root>/runs/<name>, unless the YAML names one (run.out_dir)
+    cfg["run"]["out_dir"] = str(out_dir) if out_dir else None
     path = folder / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -162,7 +163,9 @@ def test_every_way_of_stopping_flowmatch_train_keeps_the_work(
     uninterrupted run (torch.equal); two exit at once, saying what is kept. (Before issue 50:
     exit 1 and "training FAILED", and Ctrl-C or a SIGTERM to the group saved nothing.)"""
     name = how.replace("-", "_")
-    _yaml(store, tmp_path)
+    # one row keeps its run folder elsewhere (run.out_dir): the stop's tags must find it there
+    out = tmp_path / "elsewhere" if how == "sigterm-to-the-cli" else None
+    _yaml(store, tmp_path, out_dir=out)
     cli = Cli(tmp_path, store, name, 100_000, encoders)
     cli.wait_step(SIGNALLED_AT)
     _stop(cli, how)
@@ -180,10 +183,11 @@ def test_every_way_of_stopping_flowmatch_train_keeps_the_work(
     assert last.startswith("stopped at step ") and f" by {sig}: full state saved at " in last
     assert sum("full state saved at" in ln for ln in cli.lines) == 1
     step = int(last.split("at step ")[1].split(" ")[0])
-    ck = store / "runs" / name / "checkpoints"
+    ck = (out or store / "runs" / name) / "checkpoints"
     assert step >= SIGNALLED_AT and str(ck / f"step{step:07d}.ckpt") in last
     assert os.path.samefile(ck / "last.ckpt", ck / f"step{step:07d}.ckpt")
     assert run.tags["flowmatch/stopped_at_step"] == str(step)
+    assert run.tags["flowmatch/checkpoint"] == str(ck / f"step{step:07d}.ckpt")
     if how == "sigterm-to-the-cli":  # saved before issue 50 too; its resume: test_faults' SIGTERM
         return  # (the file's time: ~3 min)
     resumed = Cli(tmp_path, store, name, TOTAL, encoders)

@@ -264,7 +264,7 @@ def train_run(
     if getattr(config, "parent_run", None):
         tags[PARENT_TAG] = config.parent_run
     context.instance.add_run_tags(context.run_id, tags)  # launched from the UI too
-    run = run_dir(flowmatch, config.run_name)
+    run = cfg.run_dir()  # the training process's own folder: run.out_dir when the YAML sets one
     invocation = run_training(context, pipes_subprocess_client, request, run)
     return publish_training(context, config, flowmatch, invocation, frac)
 
