@@ -73,6 +73,11 @@ def _write_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
+def _publish_id() -> str:
+    """A publish's id: its time first, so journal keys sort in publish order."""
+    return f"{time.time_ns():020d}-{uuid.uuid4().hex[:12]}"
+
+
 def _read_json(path: Path):
     try:
         return json.loads(path.read_text())
@@ -118,7 +123,8 @@ class Remote:
     def publish(self, files: dict[Path, Path], asset: str, partition: str) -> dict:
         """Upload ``files`` (target -> its written temp file) as one publish of ``asset``'s
         ``partition``, then its marker and journal entry (module doc); returns the marker."""
-        pub = f"{time.time_ns():020d}-{uuid.uuid4().hex[:12]}"
+        pub = _publish_id()
+        described, uploads = self._describe(files, "data", pub)
         entry: dict = {
             "kind": "partition",
             "asset": asset,
@@ -126,18 +132,8 @@ class Remote:
             "publish": pub,
             "host": socket.gethostname(),
             "time": time.time(),
-            "files": {},
+            "files": described,
         }
-        uploads = {}
-        for target, tmp in files.items():
-            rel = Path(os.path.abspath(target)).relative_to(self.root).as_posix()
-            key = self.key("data", f"{rel}.{pub}")
-            entry["files"][rel] = {
-                "key": key,
-                "size": os.path.getsize(tmp),
-                "sha256": sha256_file(tmp),
-            }
-            uploads[str(tmp)] = key
         marker_key = self.key("commits", asset, f"{partition}.json")
         try:
             old = self._marker(marker_key)
@@ -155,6 +151,19 @@ class Remote:
         # this machine's own copy of the marker, and the stamps of the files it now caches
         self._keep_marker(entry, files)
         return entry
+
+    def _describe(
+        self, files: dict[Path, Path], folder: str, pub: str
+    ) -> tuple[dict[str, dict], dict[str, str]]:
+        """``({path under the root: {key, size, sha256}}, {local file: key})`` of ``files``
+        (target -> the file holding its content) as publish ``pub`` under ``folder/``."""
+        described, uploads = {}, {}
+        for target, src in files.items():
+            rel = Path(os.path.abspath(target)).relative_to(self.root).as_posix()
+            key = self.key(folder, f"{rel}.{pub}")
+            described[rel] = {"key": key, "size": os.path.getsize(src), "sha256": sha256_file(src)}
+            uploads[str(src)] = key
+        return described, uploads
 
     def _keep_marker(self, entry: dict, files: dict[Path, Path] | None = None) -> None:
         for target, tmp in (files or {}).items():
@@ -180,18 +189,13 @@ class Remote:
     def push_files(self, paths: list[Path]) -> None:
         """Mirror small shared files (the sources registry) to ``files/``, with one journal
         entry naming them, so other machines' syncs bring them."""
-        pub = f"{time.time_ns():020d}-{uuid.uuid4().hex[:12]}"
-        entry: dict = {"kind": "files", "publish": pub, "time": time.time(), "files": {}}
-        uploads = {}
-        for p in paths:
-            if not Path(p).is_file():
-                continue
-            rel = Path(os.path.abspath(p)).relative_to(self.root).as_posix()
-            key = self.key("files", f"{rel}.{pub}")
-            entry["files"][rel] = {"key": key, "size": os.path.getsize(p), "sha256": sha256_file(p)}
-            uploads[str(p)] = key
+        pub = _publish_id()
+        described, uploads = self._describe(
+            {p: p for p in paths if Path(p).is_file()}, "files", pub
+        )
         if not uploads:
             return
+        entry = {"kind": "files", "publish": pub, "time": time.time(), "files": described}
         try:
             self.fs.put(list(uploads), list(uploads.values()))
             self.fs.pipe(self.key("journal", f"{pub}.json"), json.dumps(entry).encode())

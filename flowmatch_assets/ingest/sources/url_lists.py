@@ -143,7 +143,7 @@ def _csv_records(
             return
         except _TooLong:
             yield None, ("field_too_large", f"a line above {LINE_MAX_BYTES} bytes")
-            lines, reader = _decoded(stream), None
+            lines = _decoded(stream)  # the line read past ended the old generator
             reader = csv.reader(lines, delimiter=delim)
             continue
         except csv.Error as e:
