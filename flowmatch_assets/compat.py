@@ -377,3 +377,13 @@ def log_mirrors_apart() -> Iterator[None]:
         yield
     finally:
         compute_logs.execute_posix_tail = real
+
+
+def run_launcher_api() -> tuple[type, type, type]:
+    """``(LaunchRunContext, CheckRunHealthResult, WorkerStatus)`` of ``dagster._core.launcher``:
+    the extension points a run launcher overrides (every launcher package, dagster-celery's
+    included, imports them from there). flowmatch's Celery launcher
+    (defs/celery_launcher.py) routes runs to queues and reports dead workers with them."""
+    from dagster._core.launcher import CheckRunHealthResult, LaunchRunContext, WorkerStatus
+
+    return LaunchRunContext, CheckRunHealthResult, WorkerStatus

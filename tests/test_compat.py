@@ -183,3 +183,18 @@ def test_log_mirrors_apart_start_dagsters_tail_in_a_group_of_its_own(tmp_path):
         for pid in (tail, watcher):  # ended (and reaped) with the block
             assert not os.path.exists(f"/proc/{pid}")
     assert compute_logs.execute_posix_tail is real
+
+
+def test_run_launcher_api_has_what_the_celery_launcher_overrides():
+    from dagster_celery.launcher import CeleryRunLauncher
+
+    from flowmatch_assets.compat import run_launcher_api
+
+    launch_ctx, health, status = run_launcher_api()
+    assert {"RUNNING", "FAILED", "SUCCESS", "UNKNOWN"} <= {s.name for s in status}
+    r = health(status.FAILED, "gone")
+    assert (r.status, r.msg) == (status.FAILED, "gone"), "compat.run_launcher_api changed"
+    assert set(launch_ctx._fields) >= {"dagster_run", "workspace"}, "compat.run_launcher_api"
+    for name in ("launch_run", "check_run_worker_health", "get_run_worker_debug_info"):
+        assert callable(getattr(CeleryRunLauncher, name)), name
+    assert CeleryRunLauncher.supports_check_run_worker_health.fget(None) is True

@@ -53,3 +53,53 @@ def test_eager_automation_is_opt_in():
         "dino_features",
         "text_embeddings",
     }
+
+
+def test_the_pods_dagster_k8s_builds_for_the_steps_use_the_image_the_remote_and_no_secret():
+    """The Job that dagster-k8s's step handler would create for the encoder, training and
+    image steps (construct_dagster_k8s_job, as K8sStepHandler.launch_step calls it), from the
+    Helm values as the chart passes them to runs: the image, the remote, one GPU where wanted,
+    the keys only by Secret reference, and the cache an emptyDir (no shared volume)."""
+    import yaml
+    from dagster_k8s.container_context import K8sContainerContext
+    from dagster_k8s.job import (
+        DagsterK8sJobConfig,
+        construct_dagster_k8s_job,
+        get_user_defined_k8s_config,
+    )
+
+    from flowmatch_assets.definitions_k8s import defs
+    from tests.conftest import REPO
+
+    values = yaml.safe_load((REPO / "deploy" / "k8s" / "values.yaml").read_text())
+    dep = values["dagster-user-deployments"]["deployments"][0]
+    assert dep["dagsterApiGrpcArgs"] == ["-m", "flowmatch_assets.definitions_k8s"]
+    image = f"{dep['image']['repository']}:{dep['image']['tag']}"
+    launcher = values["runLauncher"]["config"]["k8sRunLauncher"]
+    assert dep["includeConfigInLaunchedRuns"]["enabled"]
+    base = K8sContainerContext(
+        env=dep["env"],
+        env_secrets=[s["name"] for s in dep["envSecrets"]],
+        volumes=launcher["volumes"],
+        volume_mounts=launcher["volumeMounts"],
+    )
+    cfg = DagsterK8sJobConfig(
+        job_image=image, dagster_home="/opt/dagster/dagster_home", instance_config_map="instance"
+    )
+    for name, gpus in (("vae_latents", "1"), ("flow_model", "1"), ("images", None)):
+        tags = _node(defs, name).assets_def.op.tags
+        ctx = base.merge(K8sContainerContext(run_k8s_config=get_user_defined_k8s_config(tags)))
+        job = construct_dagster_k8s_job(
+            cfg, ["dagster", "api", "execute_step"], "dagster-step-x", ctx.run_k8s_config
+        )
+        pod = job.spec.template.spec
+        (c,) = pod.containers
+        assert c.image == image
+        assert (c.resources.limits or {}).get("nvidia.com/gpu") == gpus, name
+        env = {e.name: e.value for e in c.env}
+        assert env["FLOWMATCH_REMOTE"].startswith("s3://")
+        assert env["FLOWMATCH_DATA_ROOT"] == "/data"
+        assert not any("SECRET" in k or "PASSWORD" in k for k in env), env
+        assert [e.secret_ref.name for e in c.env_from if e.secret_ref] == ["flowmatch-s3"]
+        assert [v.persistent_volume_claim for v in pod.volumes if v.name == "data"] == [None]
+        assert [v.empty_dir is not None for v in pod.volumes if v.name == "data"] == [True]

@@ -9,12 +9,12 @@ import time
 import dagster as dg
 import pytest
 
+from flowmatch_assets.bench.postgres_server import pg_bin, postgres_server
 from flowmatch_assets.catalog import Catalog
 from flowmatch_assets.cli.devserver import dagster_dev
 from flowmatch_assets.defs.partitions import register_partitions
 from flowmatch_assets.freshness import backfill
 from tests.conftest import REPO, make_resource
-from tests.postgres import pg_bin, postgres_server
 
 ASSETS = ["metadata", "images"]
 

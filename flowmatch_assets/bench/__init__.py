@@ -28,5 +28,6 @@ BENCHES = {
         "scale",
         "checkpoint",
         "remote",
+        "launcher",
     )
 }

@@ -85,6 +85,7 @@ def seaweed_s3(folder: Path, timeout: float = 60) -> Iterator[SeaweedS3]:
         "-s3",
         f"-s3.port={s3}",
         f"-s3.port.grpc={s3g}",
+        "-s3.port.iceberg=0",  # its Iceberg catalog (a fixed port, 8181, by default): off
     ]
     log = open(folder / "weed.log", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -27,3 +27,12 @@ IMAGE_TAGS = k8s_tags(cpu="4", memory="8Gi")
 ENCODER_TAGS = k8s_tags(cpu="8", memory="32Gi", gpus=1)
 #: training: one pod per node; Lightning DDP spans its GPUs (set devices in the YAML)
 TRAIN_TAGS = k8s_tags(cpu="16", memory="64Gi", gpus=1)
+
+#: Dagster's concurrency pool of the steps that want a GPU (encoders, training)
+GPU_POOL = "gpu"
+#: the assets in that pool: the Celery run launcher sends a run holding any of them to the GPU
+#: machines' queue, every other run to the CPU (download) machines' queue. tests/test_celery.py
+#: checks this list against the definitions' pools.
+GPU_ASSETS = frozenset(
+    {"vae_latents", "dino_features", "text_embeddings", "flow_model", "fine_tune"}
+)

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 from flowmatch_assets import compat
 from flowmatch_assets.catalog import RowOutcome
 from flowmatch_assets.defs.data_assets import images
-from flowmatch_assets.defs.deploy import ENCODER_TAGS
+from flowmatch_assets.defs.deploy import ENCODER_TAGS, GPU_POOL
 from flowmatch_assets.defs.partitions import shard_partitions
 from flowmatch_assets.defs.resources import FlowmatchResource
 from flowmatch_assets.defs.routine import (
@@ -39,6 +39,7 @@ from flowmatch_models.embeddings.checks import shard_problems
 from flowmatch_models.embeddings.kinds import KINDS, EmbeddingKind
 from flowmatch_models.embeddings.precalc import Ahead, encode_partition, read_ahead
 from flowmatch_models.encoders.devices import lease_device
+from flowmatch_models.storage import remote
 from flowmatch_models.storage.fingerprint import ATTR as FINGERPRINT_ATTR
 from flowmatch_models.storage.fingerprint import Fingerprint, weights_cache_file
 from flowmatch_models.storage.image_shard import read_image_meta
@@ -71,7 +72,7 @@ def build_encode_embeddings(kinds: Sequence[EmbeddingKind]) -> dg.AssetsDefiniti
         ],
         partitions_def=shard_partitions,
         can_subset=True,
-        pool="gpu",
+        pool=GPU_POOL,
         op_tags=ENCODER_TAGS,
         name="encode_embeddings",
         backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=PARTITIONS_PER_RUN),
@@ -105,7 +106,8 @@ def _encode(
     """``(ids, {kind: Encoded})`` of one partition on the leased ``device`` (encoders shared
     across partitions; ``ahead``: this partition read ahead, :func:`_read_ahead`, closed here)."""
     try:
-        src = flowmatch.layout.asset_path("images", part)
+        # with a remote data root the images shard is fetched here (its marker came with the sync)
+        src = remote.ensure(flowmatch.layout.asset_path("images", part))
         if ahead is None:  # the cheap refusals before any encoder loads
             if not src.exists():
                 raise dg.Failure(

@@ -23,6 +23,7 @@ from flowmatch_assets.ingest.metadata import FilterConfig
 from flowmatch_assets.ingest.sources import SourceConfig, SourceError, read_sources, sources_file
 from flowmatch_assets.ingest.sources.config import check_location
 from flowmatch_models.encoders.spec import EncoderSpec
+from flowmatch_models.storage import remote
 from flowmatch_models.storage.layout import DataLayout
 
 
@@ -236,15 +237,18 @@ def flowmatch_from_env(init_context: dg.InitResourceContext) -> FlowmatchResourc
     with a remote data root, this machine's cache first catches up with what other machines
     published (flowmatch_models/storage/remote.py)."""
     res = resource_from_env(overrides=init_context.resource_config)
-    synced(res, init_context.log.info if init_context.log else None)
+    store = remote.active(res.data_root)
+    if store is not None and store.sync():
+        if init_context.log:
+            init_context.log.info(f"remote {store.url}: new publishes from other machines")
+        # what arrived may be settings (the sources registry): read them again
+        res = resource_from_env(overrides=init_context.resource_config)
     return res
 
 
 def synced(res: FlowmatchResource, say=None) -> FlowmatchResource:
     """``res`` after its remote's journal is applied to this machine's cache (no remote: as
     it is). ``say`` gets one line when other machines published something."""
-    from flowmatch_models.storage import remote
-
     store = remote.active(res.data_root)
     if store is not None:
         n = store.sync()

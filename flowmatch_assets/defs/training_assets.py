@@ -15,7 +15,7 @@ import dagster as dg
 from pydantic import Field
 
 from flowmatch_assets import catalog
-from flowmatch_assets.defs.deploy import TRAIN_TAGS
+from flowmatch_assets.defs.deploy import GPU_POOL, TRAIN_TAGS
 from flowmatch_assets.defs.partitions import SHARDS
 from flowmatch_assets.defs.resources import FlowmatchResource
 from flowmatch_assets.defs.routine import human_bytes, publish_run
@@ -207,7 +207,7 @@ def coverage_or_fail(
     deps=list(TRAINING_INPUTS),
     group_name=GROUP,
     kinds={"pytorch", "lightning", "wandb"},
-    pool="gpu",
+    pool=GPU_POOL,
     op_tags=TRAIN_TAGS,
     description="The flow-matching SANA DiT (+REPA) checkpoint, trained or resumed on every covered partition.",
 )
@@ -225,7 +225,7 @@ def flow_model(
     deps=[flow_model, *TRAINING_INPUTS],
     group_name=GROUP,
     kinds={"pytorch", "lightning", "wandb"},
-    pool="gpu",
+    pool=GPU_POOL,
     op_tags=TRAIN_TAGS,
     description="A fine-tune: a new run that starts from another run's weights (EMA or raw, "
     "optionally frozen parts) with a fresh optimizer and schedule, on partitions of any source "

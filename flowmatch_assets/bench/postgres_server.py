@@ -1,4 +1,4 @@
-"""A real PostgreSQL server for tests: initdb in a temp dir, listening on 127.0.0.1:<free port>,
+"""A real PostgreSQL server for the tests and `flowmatch bench launcher`: initdb in a temp dir, listening on 127.0.0.1:<free port>,
 stopped (and deleted) afterwards. Uses Debian's postgresql binaries; as root it runs them as
 the ``postgres`` user (PostgreSQL refuses to run as root)."""
 
