@@ -54,7 +54,8 @@ def _worker(home: Path, env: dict, log: Path) -> subprocess.Popen:
     cmd = [str(Path(sys.executable).parent / "dagster-celery"), "worker", "start"]
     cmd += ["-A", "dagster_celery.app", "-n", "bench", "-q", "cpu,gpu"]
     cmd += ["-y", str(REPO / "deploy" / "celery-worker.yaml"), "--", "-c", "1"]
-    full = {**os.environ, **env, "DAGSTER_HOME": str(home)}
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"  # its `celery`
+    full = {**os.environ, **env, "DAGSTER_HOME": str(home), "PATH": path}
     with open(log, "ab") as f:
         return subprocess.Popen(
             cmd, env=full, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
@@ -65,7 +66,7 @@ def _run_overheads(url: str, data: Path, keys: list[str]) -> list[float]:
     out = []
     for key in keys:
         run_id = launch_run(url, ["metadata", "images"], {}, tags={"dagster/partition": key})
-        status = wait_run(url, run_id, timeout=600, poll=0.2)
+        status = wait_run(url, run_id, timeout=120, poll=0.2)
         if status != "SUCCESS":
             raise RuntimeError(f"run {run_id} of {key}: {status}")
         t = backfill.graphql(url, RUN_TIMES, {"runId": run_id})["runOrError"]
@@ -143,6 +144,10 @@ def _deployment(kind: str, tmp: Path, md_dir: Path, a) -> dict:
             if kind == "celery" and a.partitions:
                 stop_group(worker, grace=10)  # nothing executes: only the queueing is measured
                 out["backfill"] = _queue_time(dev.url, home, keys[: a.partitions], a.timeout)
+        except Exception:
+            if worker is not None:
+                print((tmp / "worker.log").read_text(errors="replace")[-4000:], file=sys.stderr)
+            raise
         finally:
             if worker is not None:
                 stop_group(worker, grace=10)
