@@ -200,10 +200,10 @@ class EmbeddingDataModule(L.LightningDataModule):
             complete = DataLayout(self.root).complete_partitions()
             found = complete if self.grow else (self.fixed or self._initial)
             skipped = self._other_fingerprints(found) if self.grow else {}
-            decided = (complete, found, skipped)
+            decided = (complete, found, skipped, self._wanted().digest)  # the list now
         if ddp:  # every rank takes rank 0's decision (a partition re-made in between: the same)
             decided = trainer.strategy.broadcast(decided, src=0)
-        complete, found, skipped = decided
+        complete, found, skipped, digest = decided
         self._available = complete
         self._skipped = skipped
         if self._skipped:
@@ -215,7 +215,8 @@ class EmbeddingDataModule(L.LightningDataModule):
                 len(self._skipped),
                 "; ".join(f"{p} ({w})" for p, w in list(self._skipped.items())[:5]),
             )
-        ex = self._wanted()  # the catalog's list now: a new version starts with this epoch
+        ex = self.source.exclude  # the exclusion list: rank 0's version (its snapshot), on all
+        ex = ex if ex.digest == digest else exclusions.recorded(self.root, digest)
         if found and found != self.partitions:
             new = sorted(set(found) - set(self.partitions))
             gone = sorted(set(self.partitions) - set(found))
