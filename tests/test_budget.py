@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import dagster as dg
+import pyarrow.parquet as pq
 import pytest
 
 from flowmatch_assets.catalog import Catalog, MaterializationRecord, record_materialization
@@ -273,3 +274,57 @@ def test_the_budget_says_what_one_fault_costs(tmp_path):
     bench = json.loads(CHECKPOINT_BENCH.read_text())
     assert f["stall_s_per_hour"] == pytest.approx(2 * bench["new"]["stall_s"])
     assert f["old_stall_s_per_hour"] == pytest.approx(2 * bench["old"]["stall_s"])
+
+
+def _near(root, ids: list[tuple[str, str]]) -> None:
+    """A near duplicates table as `flowmatch catalog neardup` writes it."""
+    import pyarrow as pa
+
+    from flowmatch_assets.catalog.derived import NEAR_SCHEMA, near_path
+    from flowmatch_models.storage.layout import DataLayout
+
+    rows = [
+        {"partition": p, "id": i, "kept_partition": p, "kept_id": "w", "detector": "phash"}
+        for p, i in ids
+    ]
+    path = near_path(DataLayout(root))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows, schema=NEAR_SCHEMA), path)
+
+
+def test_the_budget_prices_the_samples_training_skips(tmp_path):
+    for p in ("000-00", "000-01"):
+        _rec(tmp_path, "images", p, 1000, 10.0)  # 2,000 rows stored
+        _embeddings(tmp_path, p)  # 250 pairs/s on cuda:0
+    _rec(tmp_path, "flow_model", "run", 1, 1.0, device="cuda:0", extra={"samples_per_s": 500.0})
+    _near(tmp_path, [("000-00", "a"), ("000-01", "b"), ("000-01", "c"), ("000-00", "d")])
+    cfg = BudgetConfig(
+        dataset_pairs=100_000, updates=1000, effective_batch=200, gpu_hour_usd=3.0, gpus=2
+    )
+    md, data = budget(Catalog(tmp_path), cfg)
+    r = data["removed"]
+    assert (r["removed"], r["stored"], r["fraction"]) == (4, 2000, 0.002)
+    got = {(x["stage"], x["scope"]): x for x in r["rows"]}
+    assert len(got) == 4 and {x["source"] for x in r["rows"]} == {"ours"}
+    # rows removed x seconds per row x rate: a pair 1/250 s; training 2 visits (1000 x 200 /
+    # 100,000) at 1/500 s each; 2 GPUs billed at $3 a GPU-hour
+    for scope, rows in (("here", 4), ("dataset", 0.002 * 100_000)):
+        pre, tr = got[("precalc", scope)], got[("training", scope)]
+        assert pre["rows"] == pytest.approx(rows) and tr["rows"] == pytest.approx(rows)
+        assert pre["gpu_hours"] == pytest.approx(rows * (1 / 250) / 3600 * 2)
+        assert tr["gpu_hours"] == pytest.approx(rows * (2 / 500) / 3600 * 2)
+        assert tr["cloud_usd"] == pytest.approx(tr["gpu_hours"] * 3.0)
+    assert "## Removed samples" in md and "4 of 2,000 stored rows (0.20%)" in md
+    assert "| training (100,000 pairs) | 200 | ours, cuda:0 | 0.004 | 0.0004444 | $0.001333 |" in md
+
+    # nothing GPU-measured: the seed's rates, its 2 GPUs
+    seed_root = tmp_path / "seed"
+    _rec(seed_root, "images", "000-00", 300, 3.0)
+    _near(seed_root, [("000-00", "a"), ("000-00", "b"), ("000-00", "c")])
+    _, data = budget(Catalog(seed_root), cfg)
+    seed = {(x["stage"], x["scope"]): x for x in data["removed"]["rows"]}
+    assert data["removed"]["removed"] == 3 and data["removed"]["stored"] == 300
+    assert seed[("precalc", "here")]["source"] == "seed (2x RTX 3090)"
+    assert seed[("precalc", "here")]["gpu_hours"] == pytest.approx(3 / 200 / 3600 * 2)
+    want = 3 * 2 / (0.39 * 1024) / 3600 * 2
+    assert seed[("training", "here")]["gpu_hours"] == pytest.approx(want)

@@ -21,6 +21,7 @@ BENCHES = {
         "learning",
         "gpu",
         "dedupe",
+        "neardup",
         "ledger",
         "fingerprint",
         "finetune",

@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 
 from flowmatch_assets.catalog import outcome_rules
 from flowmatch_assets.catalog.record_kinds import record_path
+from flowmatch_models.data import exclude as exclusions
 from flowmatch_models.storage.atomic import atomic_path, write_parquet
 from flowmatch_models.storage.layout import DataLayout
 
@@ -263,7 +264,7 @@ NEAR_SCHEMA = pa.schema(
 
 def near_path(layout: DataLayout) -> Path:
     """The stored rows that lose to an earlier look-alike, as last decided."""
-    return layout.catalog_dir / "neardup" / "near_duplicates.parquet"
+    return layout.root / exclusions.NEAR_DUPLICATES  # training skips them too
 
 
 _NEAR_CACHE: dict[str, tuple] = {}
@@ -287,7 +288,7 @@ def near_of(layout: DataLayout) -> dict[str, set[str]]:
 
 def losers_path(layout: DataLayout) -> Path:
     """The stored rows whose bytes an earlier row stored too (written by :mod:`.summary`)."""
-    return layout.catalog_dir / "summary" / "content_losers.parquet"
+    return layout.root / exclusions.CONTENT_LOSERS  # training skips them too
 
 
 def losers_of(layout: DataLayout, partitions: Iterable[str]) -> dict[str, set[str]]:

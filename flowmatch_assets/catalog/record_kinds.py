@@ -149,6 +149,7 @@ LEDGER_EPOCH_SCHEMA = pa.schema(
         ("seed", pa.int64()),
         ("shuffle_window", pa.int64()),
         ("heldout", pa.list_(pa.float64())),
+        ("exclude", pa.string()),  # null: no exclusion list (flowmatch_models/data/exclude.py)
         ("bucket_chunk", pa.int64()),  # null: one bucket (no chunks)
         ("global_batch", pa.int64()),
         ("accumulate", pa.int64()),

@@ -8,6 +8,7 @@ import os
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -123,6 +124,7 @@ def write_ledgers(data_root: str | Path, run_name: str, run: Path) -> list[int]:
     """The catalog's ledger of every checkpoint of a run that has none yet (or an older one):
     the deltas are the library's (``ledger.checkpoint_ledgers``), the records the catalog's.
     Returns the steps written."""
+    from flowmatch_models.data import exclude as exclusions
     from flowmatch_models.data.rows import sample_grids
     from flowmatch_models.embeddings.kinds import model_inputs
     from flowmatch_models.storage.store import read_shard
@@ -150,7 +152,7 @@ def write_ledgers(data_root: str | Path, run_name: str, run: Path) -> list[int]:
     }
     done = []
     for step, rows, segs, chain in ledger.checkpoint_ledgers(
-        run, recorded, ids_of, grids_of, is_recorded
+        run, recorded, ids_of, grids_of, is_recorded, partial(exclusions.recorded, data_root)
     ):
         catalog.record_ledger(data_root, run_name, step, rows, segs, chain)
         done.append(step)

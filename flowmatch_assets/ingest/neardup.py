@@ -34,6 +34,7 @@ from PIL import Image
 from scipy.fft import dctn
 
 from flowmatch_assets.catalog.derived import NEAR_SCHEMA, near_path
+from flowmatch_assets.ingest.neardup_index import decide_incremental
 from flowmatch_models.storage import remote
 from flowmatch_models.storage.atomic import atomic_path
 from flowmatch_models.storage.layout import DataLayout
@@ -236,10 +237,26 @@ def _table(partition, ids, lost, winner, detector: str, distance, similarity) ->
 
 
 def near_duplicates(
-    root: str | Path, threshold: int = DEFAULT_THRESHOLD, partitions: list[str] | None = None
+    root: str | Path,
+    threshold: int = DEFAULT_THRESHOLD,
+    partitions: list[str] | None = None,
+    brute: bool = False,
 ) -> pa.Table:
     """The stored rows that lose to an earlier kept look-alike (:data:`NEAR_SCHEMA`;
-    similarity: the share of the 64 bits that agree)."""
+    similarity: the share of the 64 bits that agree): by the kept decision and its index
+    (:mod:`.neardup_index`: only partitions after the unchanged decided ones are decided), or
+    with ``brute`` every row against every kept row (the reference; O(rows x kept))."""
+    if not brute:
+        d = phash_dir(root)
+        names = sorted(p.stem for p in d.glob("*.parquet")) if d.is_dir() else []
+        names = [n for n in names if partitions is None or n in partitions]
+
+        def load(name: str) -> tuple[np.ndarray, np.ndarray]:
+            t = pq.read_table(d / f"{name}.parquet").sort_by("position")
+            return np.asarray(t.column("id").to_pylist(), object), t.column("phash").to_numpy()
+
+        records = [(n, _shard_identity(d / f"{n}.parquet")) for n in names]
+        return decide_incremental(root, threshold, records, load)[0]
     rows = read_hashes(root, partitions)
     winner, dist = decide(rows.phash, threshold)
     lost = np.flatnonzero(winner >= 0)

@@ -35,6 +35,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from flowmatch_assets.catalog import PD12M_PAIRS, Catalog, format_table
+from flowmatch_assets.reports.removed import removed_cost, removed_rows, render_removed
 from flowmatch_models.embeddings.kinds import EMBEDDING_ASSETS
 from flowmatch_models.storage.atomic import atomic_write_text
 
@@ -691,11 +692,25 @@ def render_markdown(rows: list[dict], disk_rows: list[dict], cfg: BudgetConfig) 
     return head + "\n" + format_table(table) + "\n\n## Disk\n\n" + format_table(dtable) + "\n"
 
 
+def _gpu_rates(measured: dict, cfg: BudgetConfig) -> list[tuple[str, str, str, float, int]]:
+    """Per stage the GPU-measured rates ``(stage, "ours", device, samples/s, GPUs billed)``,
+    else the seed's (what the removed samples are priced at)."""
+    out = []
+    seed = {"precalc": SEED_PRECALC_PAIRS_S, "training": SEED_UPDATES_S * SEED_BATCH}
+    for stage in ("precalc", "training"):
+        ours = [r for r in measured.get(stage) or [] if is_gpu(r.device)]
+        out += [(stage, "ours", r.device, r.per_s, cfg.gpus) for r in ours]
+        if not ours:
+            out.append((stage, "seed (2x RTX 3090)", "2x RTX 3090", seed[stage], SEED_GPUS))
+    return out
+
+
 def budget(catalog: Catalog, cfg: BudgetConfig) -> tuple[str, dict]:
     """Measure, project and render: ``(markdown, json-able data)``."""
     measured = measure(catalog)
     rows, disk_rows = project(measured, cfg), project_disk(measured, cfg)
     faults = fault_row(measured, cfg)
+    removed = removed_cost(_gpu_rates(measured, cfg), cfg, *removed_rows(catalog))
     data = {
         "config": cfg.model_dump(),
         "measured": {
@@ -706,9 +721,11 @@ def budget(catalog: Catalog, cfg: BudgetConfig) -> tuple[str, dict]:
         "disk": disk_rows,
         "payback_hours": payback_hours(cfg),
         "faults": faults,
+        "removed": removed,
     }
     json.dumps(data)  # fail here, not in a caller, if something is not serialisable
-    return render_markdown(rows, disk_rows, cfg) + render_faults(faults), data
+    md = render_markdown(rows, disk_rows, cfg) + render_faults(faults)
+    return md + render_removed(removed, cfg.dataset_pairs), data
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import lightning as L
 import numpy as np
 from torch.utils.data import DataLoader
 
+from flowmatch_models.data import exclude as exclusions
 from flowmatch_models.data.batch import DecodedBatch, StoredBatch
 from flowmatch_models.data.order import ORDER, OrderChangedError, train_rows
 from flowmatch_models.data.ring import BatchRing
@@ -126,11 +127,13 @@ class EmbeddingDataModule(L.LightningDataModule):
         heldout: tuple[float, int] = (0.0, 0),
         bucket_chunk: int = 256,
         loader: str = "threads",
+        exclude: bool = True,
     ):
         super().__init__()
         if loader not in LOADERS:
             raise ValueError(f"data.loader {loader!r}: choose one of {', '.join(LOADERS)}")
         self.loader = loader
+        self.exclude = exclude  # skip the exclusion list's rows (near and content duplicates)
         self.bucket_chunk = int(bucket_chunk)
         self.fixed_text_len = fixed_text_len
         self.heldout = (float(heldout[0]), int(heldout[1]))
@@ -141,11 +144,8 @@ class EmbeddingDataModule(L.LightningDataModule):
         self.partitions = self.fixed or DataLayout(root).complete_partitions()
         self._initial = list(self.partitions)
         self.batch_size, self.num_workers, self.seed = batch_size, num_workers, seed
-        self.shuffle_window, self.text_max_len, self.load_dino = (
-            shuffle_window,
-            text_max_len,
-            load_dino,
-        )
+        self.shuffle_window, self.text_max_len = shuffle_window, text_max_len
+        self.load_dino = load_dino
         self.accumulate = accumulate
         self.source = self._open(self.partitions)
         self.epoch, self.position = 0, 0
@@ -161,7 +161,10 @@ class EmbeddingDataModule(L.LightningDataModule):
         #: by the next epoch's loader, saved in the state
         self._epoch_end = False
 
-    def _open(self, partitions: list[str]) -> ShardSource:
+    def _wanted(self) -> exclusions.Exclusions:  # the catalog's list now (or none)
+        return exclusions.current(self.root) if self.exclude else exclusions.NONE
+
+    def _open(self, partitions: list[str], ex: exclusions.Exclusions | None = None) -> ShardSource:
         return ShardSource(
             self.root,
             partitions,
@@ -170,6 +173,7 @@ class EmbeddingDataModule(L.LightningDataModule):
             2 * self.shuffle_window + 1,
             fixed_text_len=self.fixed_text_len,
             heldout=self.heldout,
+            exclude=self._wanted() if ex is None else ex,
         )
 
     @property
@@ -196,10 +200,10 @@ class EmbeddingDataModule(L.LightningDataModule):
             complete = DataLayout(self.root).complete_partitions()
             found = complete if self.grow else (self.fixed or self._initial)
             skipped = self._other_fingerprints(found) if self.grow else {}
-            decided = (complete, found, skipped)
+            decided = (complete, found, skipped, self._wanted().digest)  # the list now
         if ddp:  # every rank takes rank 0's decision (a partition re-made in between: the same)
             decided = trainer.strategy.broadcast(decided, src=0)
-        complete, found, skipped = decided
+        complete, found, skipped, digest = decided
         self._available = complete
         self._skipped = skipped
         if self._skipped:
@@ -211,6 +215,8 @@ class EmbeddingDataModule(L.LightningDataModule):
                 len(self._skipped),
                 "; ".join(f"{p} ({w})" for p, w in list(self._skipped.items())[:5]),
             )
+        ex = self.source.exclude  # the exclusion list: rank 0's version (its snapshot), on all
+        ex = ex if ex.digest == digest else exclusions.recorded(self.root, digest)
         if found and found != self.partitions:
             new = sorted(set(found) - set(self.partitions))
             gone = sorted(set(self.partitions) - set(found))
@@ -221,7 +227,9 @@ class EmbeddingDataModule(L.LightningDataModule):
                 f"+{len(new)} new: {', '.join(new[:5])}" if new else "",
                 f" -{len(gone)} gone: {', '.join(gone[:5])}" if gone else "",
             )
-            self.partitions, self.source, self._orders = list(found), self._open(found), {}
+        if (found and found != self.partitions) or ex.digest != self.source.exclude.digest:
+            found = found or self.partitions
+            self.partitions, self.source, self._orders = list(found), self._open(found, ex), {}
             for p in found:
                 self.trained_counts.setdefault(p, 0)
         if ddp:
@@ -302,6 +310,7 @@ class EmbeddingDataModule(L.LightningDataModule):
                 "seed": self.seed,
                 "shuffle_window": self.shuffle_window,
                 "heldout": list(self.heldout),
+                **({"exclude": d} if (d := self.source.exclude.digest) else {}),
                 "global_batch": stream.global_batch,
                 "accumulate": self.accumulate,
                 "pos_from": self.position,
@@ -361,6 +370,7 @@ class EmbeddingDataModule(L.LightningDataModule):
                     train_rows(
                         read_shard(layout.asset_path(model_inputs()["latents"].name, p)).ids,
                         *self.heldout,
+                        self.source.exclude.ids.get(p, ()),
                     )
                 )
                 for p in avail
@@ -412,6 +422,7 @@ class EmbeddingDataModule(L.LightningDataModule):
             # the chunks cut this epoch's order only with several buckets
             **({"bucket_chunk": self.bucket_chunk} if len(self.source.grids) > 1 else {}),
             "heldout": list(self.heldout),
+            **({"exclude": d} if (d := self.source.exclude.digest) else {}),
             "partitions": list(self.partitions),
             "trained_counts": dict(self.trained_counts),
             "ledger": [dict(s) for s in self.ledger if s["pos_to"] > s["pos_from"]],
@@ -460,9 +471,11 @@ class EmbeddingDataModule(L.LightningDataModule):
         )
         complete = set(DataLayout(self.root).complete_partitions())
         if not changed and position > 0 and set(theirs) <= complete:
-            # mid-epoch: finish the epoch on its recorded partition set, exactly
-            if theirs != self.partitions:
-                self.partitions, self.source, self._orders = theirs, self._open(theirs), {}
+            # mid-epoch: finish the epoch on its recorded partitions and exclusion list, exactly
+            ex = state.get("exclude") or ""
+            if theirs != self.partitions or ex != self.source.exclude.digest:
+                ex = exclusions.recorded(self.root, ex)
+                self.partitions, self.source, self._orders = theirs, self._open(theirs, ex), {}
             self.epoch, self.position = epoch, position
             self._decided_epoch = epoch
             return

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 import xxhash
@@ -34,10 +34,15 @@ def heldout_rows(ids: Sequence[str], fraction: float, cap: int) -> np.ndarray:
     return chosen.astype(np.int64)
 
 
-def train_rows(ids: Sequence[str], fraction: float, cap: int) -> np.ndarray:
-    """The rows of a partition that training uses: all but :func:`heldout_rows`."""
+def train_rows(
+    ids: Sequence[str], fraction: float, cap: int, excluded: Collection[str] = ()
+) -> np.ndarray:
+    """The rows of a partition that training uses: all but :func:`heldout_rows` and the rows
+    whose ids are ``excluded`` (the exclusion list's, :mod:`flowmatch_models.data.exclude`)."""
     keep = np.ones(len(ids), bool)
     keep[heldout_rows(ids, fraction, cap)] = False
+    if excluded:
+        keep[[i in excluded for i in ids]] = False
     return np.flatnonzero(keep).astype(np.int64)
 
 

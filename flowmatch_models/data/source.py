@@ -20,6 +20,7 @@ from flowmatch_models.data.batch import (
     slot_views,
 )
 from flowmatch_models.data.decode import decode_batch
+from flowmatch_models.data.exclude import NONE, Exclusions
 from flowmatch_models.data.order import epoch_order, heldout_rows
 from flowmatch_models.data.rows import ReadPool, empty_buffer, open_rows, sample_grids
 from flowmatch_models.embeddings.kinds import FIRST_TOKEN_ATTR, KINDS, model_inputs
@@ -95,7 +96,8 @@ class ShardSource:
 
     ``heldout = (fraction, cap)`` holds out :func:`heldout_rows` of every partition: ``sizes``
     count the trainable rows, :meth:`plan` with ``train`` maps a trainable index to its row and
-    :meth:`heldout_batch` serves the held-out ones (validation, FD)."""
+    :meth:`heldout_batch` serves the held-out ones (validation, FD). ``exclude`` (an
+    :class:`Exclusions` version): rows never trained on either (near and content duplicates)."""
 
     def __init__(
         self,
@@ -106,6 +108,7 @@ class ShardSource:
         cache_shards: int = 4,
         fixed_text_len: bool = False,
         heldout: tuple[float, int] = (0.0, 0),
+        exclude: Exclusions = NONE,
     ):
         self.layout = DataLayout(root)
         inputs = model_inputs()  # which kinds hold the latents, caption states, DINO target
@@ -135,15 +138,19 @@ class ShardSource:
         self.fingerprints = self._agreed_fingerprints()
         ids = [self._shard(self.latents, p).ids for p in self.partitions]
         self.heldout_rows = [heldout_rows(i, *self.heldout) for i in ids]
-        self.sizes = np.array(
-            [len(i) - len(h) for i, h in zip(ids, self.heldout_rows)], dtype=np.int64
-        )
+        self.exclude = exclude
+        #: per partition, the rows never trained on: held out or excluded
+        self.untrained = [
+            np.union1d(h, exclude.rows(p, i)).astype(np.int64)
+            for p, i, h in zip(self.partitions, ids, self.heldout_rows)
+        ]
+        self.sizes = np.array([len(i) - len(u) for i, u in zip(ids, self.untrained)], np.int64)
         del ids  # 10k strings a partition: not kept (nor copied into every worker)
         # every trainable sample's bucket: an index into ``grids``, the (h, w) latent grids
         # found (one byte a sample: 12 MB for PD12M, beside the order)
         every = [sample_grids(self._shard(self.latents, p)) for p in self.partitions]
         trained = np.concatenate(
-            [np.delete(g, h, axis=0) for g, h in zip(every, self.heldout_rows)]
+            [np.delete(g, u, axis=0) for g, u in zip(every, self.untrained)]
         ).reshape(-1, 2)
         found, code = np.unique(trained, axis=0, return_inverse=True)
         #: the buckets (latent grids) of the trainable samples; ``buckets`` indexes them
@@ -333,7 +340,7 @@ class ShardSource:
             [out["lengths"], out["offsets"][:-1], out["cells"][:-1], *grids.astype(np.int64).T],
             axis=1,
         )
-        out["train_rows"] = np.delete(np.arange(len(grids)), self.heldout_rows[i])
+        out["train_rows"] = np.delete(np.arange(len(grids)), self.untrained[i])
         if self.load_dino:
             dino = self._shard(self.dino, p)
             shards.append(dino)

@@ -9,6 +9,8 @@ rename), so "the file exists" means "the partition is materialized".
                                                 vae_latents, dino_features, text_embeddings, ...)
     <root>/catalog/...                          per-partition catalog records (parquet)
     <root>/catalog.duckdb                       DuckDB views over the records
+    <root>/exclusions/<digest>.parquet          every version of the rows training skipped
+                                                (flowmatch_models.data.exclude)
     <root>/previews/<asset>/<partition>.png     preview grids
 """
 

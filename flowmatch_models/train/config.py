@@ -162,6 +162,13 @@ class DataConfig(_Section):
         "FD); 0 = none. Changing it changes the data order (like run.seed).",
     )
     heldout_max_per_partition: int = Field(50, ge=0, description="Cap on held-out per partition.")
+    skip_duplicates: bool = Field(
+        True,
+        description="Never train on the rows that lose to an earlier sample: the near duplicates "
+        "(`flowmatch catalog neardup`) and stored content duplicates. The list's version is "
+        "read at each epoch's start and recorded in the ledger; a resume finishes its epoch "
+        "with the recorded one.",
+    )
     allow_order_change: bool = Field(
         False, description="Resume although run.seed/shuffle_window changed (next epoch)."
     )

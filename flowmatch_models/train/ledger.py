@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from flowmatch_models.data.exclude import Exclusions
 from flowmatch_models.data.order import epoch_order, train_rows
 
 
@@ -55,6 +56,7 @@ ORDER_KEYS = (
     "seed",
     "shuffle_window",
     "heldout",
+    "exclude",
     "bucket_chunk",
     "global_batch",
     "accumulate",
@@ -91,46 +93,60 @@ def delta(base: Sequence[dict], segs: Sequence[dict]) -> list[dict]:
     return out + [dict(s) for s in segs[last + 1 :]]
 
 
-def _trained_ids(ids: Sequence[str], heldout: tuple) -> Sequence[str]:
-    """A partition's ids in the order the segment's rows index: the trainable ones."""
-    if not heldout or not heldout[0]:
-        return ids
-    return [ids[i] for i in train_rows(ids, float(heldout[0]), int(heldout[1]))]
-
-
 def expand(
     segments: Sequence[dict],
     ids_of: Callable[[str], Sequence[str]],
     grids_of: Callable[[str], np.ndarray] | None = None,
+    excluded_of: Callable[[str], Exclusions] | None = None,
 ) -> dict[str, np.ndarray]:
     """Per trained sample: ``sample_id, partition`` (arrow arrays), ``times_seen, first_step,
     last_step, partition_size`` (numpy), from ledger segments (whole, or a :func:`delta`);
     ``ids_of(partition)`` gives a partition's sample ids in shard order, ``grids_of`` its
-    samples' latent grids ``[N, 2]`` (segments of several buckets; all rows, shard order)."""
+    samples' latent grids ``[N, 2]`` (segments of several buckets; all rows, shard order).
+    A segment's positions index its partitions' trainable rows: all but the held-out ones
+    and those of its exclusion list (``exclude``: a digest; ``excluded_of(digest)`` reads that
+    version back, e.g. :func:`flowmatch_models.data.exclude.recorded` of the data root), so
+    each segment is mapped to shard rows with its own rules, whatever later ones used."""
     names: list[str] = []
     index: dict[str, int] = {}
-    sizes: dict[str, int] = {}
-    keys, steps = [], []
+    sizes: dict[str, int] = {}  # trainable samples, as the partition's first segment had them
+    rows_n: dict[str, int] = {}  # every row of the shard
     offsets: dict[str, int] = {}
-    heldout: dict[str, tuple] = {}  # per partition: the held-out rule its rows skip
-    for seg in segments:
-        rule = tuple(seg.get("heldout") or (0.0, 0))
+    keys, steps = [], []
+    ids: dict[str, Sequence[str]] = {}
+    trainable: dict[tuple, np.ndarray] = {}
 
-        def trained_grids(p: str, rule=rule) -> np.ndarray:
-            g = np.asarray(grids_of(p))  # type: ignore[misc]
-            if rule[0]:
-                g = g[train_rows(ids_of(p), float(rule[0]), int(rule[1]))]
-            return g
+    def train_of(p: str, seg: dict) -> np.ndarray:
+        """The shard rows that ``seg``'s positions in partition ``p`` index."""
+        rule = tuple(seg.get("heldout") or (0.0, 0))
+        digest = seg.get("exclude") or ""
+        if (p, rule, digest) not in trainable:
+            if digest and excluded_of is None:
+                raise ValueError(f"segment trained with exclusion list {digest}: pass excluded_of")
+            skip = excluded_of(digest).ids.get(p, ()) if digest else ()  # type: ignore[misc]
+            if p not in ids:
+                ids[p] = ids_of(p)
+            trainable[(p, rule, digest)] = train_rows(ids[p], float(rule[0]), int(rule[1]), skip)
+        return trainable[(p, rule, digest)]
+
+    for seg in segments:
+
+        def trained_grids(p: str, seg=seg) -> np.ndarray:
+            return np.asarray(grids_of(p))[train_of(p, seg)]  # type: ignore[misc]
 
         shard, row, step = segment_samples(seg, trained_grids if grids_of else None)
-        for p, n in zip(seg["partitions"], seg["sizes"]):
+        rows = [train_of(p, seg) for p in seg["partitions"]]
+        for p, n, r in zip(seg["partitions"], seg["sizes"], rows):
+            if len(r) != int(n):
+                raise ValueError(f"partition {p}: {len(r)} trainable rows, the segment had {n}")
             if p not in index:
-                index[p], offsets[p] = len(names), sum(sizes.values())
+                index[p], offsets[p] = len(names), sum(rows_n.values())
                 names.append(p)
-                sizes[p] = int(n)
-                heldout[p] = tuple(seg.get("heldout") or (0.0, 0))
+                sizes[p], rows_n[p] = int(n), len(ids[p])
         off = np.array([offsets[p] for p in seg["partitions"]], np.int64)
-        keys.append(off[shard] + row)
+        starts = np.concatenate([[0], np.cumsum([len(r) for r in rows])]).astype(np.int64)
+        flat = np.concatenate(rows) if rows else np.zeros(0, np.int64)
+        keys.append(off[shard] + flat[starts[shard] + row])
         steps.append(step)
     if not keys:
         key, step = np.zeros(0, np.int64), np.zeros(0, np.int64)
@@ -140,9 +156,9 @@ def expand(
     key, step = key[order], step[order]
     first = np.flatnonzero(np.r_[True, key[1:] != key[:-1]]) if len(key) else key
     uniq = key[first]
-    bounds = np.array([offsets[p] for p in names] + [sum(sizes.values())], np.int64)
+    bounds = np.array([offsets[p] for p in names] + [sum(rows_n.values())], np.int64)
     part = (np.searchsorted(bounds, uniq, side="right") - 1).astype(np.int32)
-    all_ids = pa.array([i for p in names for i in _trained_ids(ids_of(p), heldout[p])], pa.string())
+    all_ids = pa.array([i for p in names for i in ids[p]], pa.string())
     return {
         "sample_id": all_ids.take(pa.array(uniq)),
         "partition": pa.DictionaryArray.from_arrays(part, pa.array(names, pa.string())),
@@ -159,13 +175,15 @@ def checkpoint_ledgers(
     ids_of: Callable[[str], Sequence[str]],
     grids_of: Callable[[str], np.ndarray] | None,
     is_recorded: Callable[[int, Path], bool],
+    excluded_of: Callable[[str], Exclusions] | None = None,
 ) -> Iterator[tuple[int, list[dict], list[dict], list[int]]]:
     """The ledgers of a run's checkpoints that are not recorded yet (``is_recorded(step,
     checkpoint)`` says which are), in step order: ``(step, rows trained since its base, its
     segments, its chain of steps)``. Each checkpoint records only the samples trained since its
     base -- the latest recorded checkpoint its ledger continues (``recorded``: step ->
     (segments, chain), updated as it goes) -- so the cost is one expansion per trained sample,
-    however many checkpoints; a checkpoint's samples are the sum of its chain's deltas."""
+    however many checkpoints; a checkpoint's samples are the sum of its chain's deltas.
+    ``excluded_of(digest)``: the exclusion lists the segments name (:func:`expand`)."""
     import torch
 
     ckpts = []
@@ -183,7 +201,7 @@ def checkpoint_ledgers(
             if b < step and is_prefix(recorded[b][0], segs)
         ]
         base_segs, base_chain = recorded[bases[0]] if bases else ([], [])
-        rows = expand(delta(base_segs, segs), ids_of, grids_of)
+        rows = expand(delta(base_segs, segs), ids_of, grids_of, excluded_of)
         chain = [*base_chain, step]
         recorded[step] = (segs, chain)
         done.add(step)

@@ -277,6 +277,7 @@ def _fit(
         accumulate=t.accumulate_grad_batches,
         fixed_text_len=cfg.model.compile,
         heldout=(d.heldout_fraction, d.heldout_max_per_partition),
+        exclude=d.skip_duplicates,
         bucket_chunk=d.bucket_chunk,
         loader=d.loader,
     )
