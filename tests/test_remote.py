@@ -218,3 +218,20 @@ def test_a_publish_killed_before_its_marker_is_invisible_and_a_corrupt_cache_is_
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     with pytest.raises(remote.RemoteError, match=r"remote s3://flowmatch/faults \(http://127"):
         remote.Remote("s3://flowmatch/faults", tmp_path / "c").sync()
+
+
+def test_the_near_duplicate_list_reaches_every_machine(s3, zoo, tmp_path, monkeypatch, capsys):
+    """`catalog neardup` decides on one machine; every machine's loader excludes the same rows:
+    the list is pushed to the remote and a sync elsewhere brings it, byte for byte."""
+    from flowmatch_assets.ingest import neardup
+    from flowmatch_models.storage.layout import DataLayout
+
+    a = Machine(tmp_path, "a", s3, zoo, "near")
+    b = Machine(tmp_path, "b", s3, zoo, "near")
+    for k, v in a.env.items():
+        monkeypatch.setenv(k, v)
+    neardup.write_near_duplicates(a.root, 10, [])
+    mine = neardup.near_path(DataLayout(a.root))
+    b.run(monkeypatch, capsys, "catalog", "coverage")  # B's first verb syncs the journal
+    theirs = b.root / mine.relative_to(a.root)
+    assert theirs.read_bytes() == mine.read_bytes()
