@@ -138,6 +138,9 @@ def test_the_image_runs_the_cli_and_the_code_location(image):
     assert int(facts[4]) >= 12
     out = _run(env, "dagster", "definitions", "validate", "-m", "flowmatch_assets.definitions")
     assert "Validation successful" in out.stdout + out.stderr
+    # a Celery worker (docs/scaling-out.md) starts from the image: its CLI and the launcher load
+    assert "--queue" in _run(env, "dagster-celery", "worker", "start", "--help").stdout
+    _run(env, "python", "-c", "import redis, flowmatch_assets.defs.celery_launcher")
     size = int(_podman(env, "image", "inspect", "--format", "{{.Size}}", IMAGE).stdout.strip())
     print(f"image size {size / 1e9:.2f} GB")
     assert size < 3.5e9
