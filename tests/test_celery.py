@@ -24,6 +24,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
+from flowmatch_assets.bench.orchestration import launch_run
 from flowmatch_assets.bench.postgres_server import pg_bin, postgres_server
 from flowmatch_assets.bench.redis_server import redis_binary, redis_server
 from flowmatch_assets.bench.seaweed import make_bucket, seaweed_s3, weed_binary
@@ -268,6 +269,24 @@ def test_a_backfill_on_two_celery_workers_survives_a_killed_worker(
                 assert instance.get_materialized_partitions(dg.AssetKey(a)) == set(PARTS)
                 done = instance.fetch_materializations(dg.AssetKey(a), limit=100).records
                 assert sorted(e.partition_key for e in done) == sorted(PARTS), a
+
+        # no worker is left: a GPU run waits in its queue, and its log and debug info name it
+        waiting = launch_run(dev.url, ["vae_latents"], partition=PARTS[0])
+        with dg.DagsterInstance.from_config(str(home)) as instance:
+            deadline = time.monotonic() + 120
+            while "dagster-celery/task_id" not in instance.get_run_by_id(waiting).tags:
+                assert time.monotonic() < deadline, dev.fail_msg("the run was never sent")
+                time.sleep(1)
+            time.sleep(3)
+            run = instance.get_run_by_id(waiting)
+            assert run.status == dg.DagsterRunStatus.STARTING
+            sent = [
+                e.dagster_event.engine_event_data.metadata
+                for e in instance.all_logs(waiting)
+                if e.dagster_event and "forwarded to the broker" in (e.user_message or "")
+            ]
+            assert [m["Celery Queue"].value for m in sent] == ["gpu"]
+            assert "queue='gpu'" in instance.run_launcher.get_run_worker_debug_info(run)
 
         # the head never made anything itself: its data root holds only what it synced
         _cli(monkeypatch, capsys, head_env, "catalog", "coverage")  # syncs the journal
