@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks import Callback
 
 from flowmatch_models.data.module import EmbeddingDataModule
 from flowmatch_models.figures.curves import loss_curve_now
+from flowmatch_models.model.loss_terms import LOSS_TERMS
 from flowmatch_models.storage.atomic import atomic_path
 from flowmatch_models.train.config import TrainConfig
 from flowmatch_models.train.signals import SignalStop, StoppedBySignal, signal_name
@@ -356,9 +357,9 @@ class ProgressPrinter(Callback):
         self._last = step
         m = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
         nan = float("nan")
+        terms = " ".join(f"{t.key} {m.get(t.logged, nan):.4f}" for t in LOSS_TERMS)
         line = (
-            f"step {step}/{trainer.max_steps} loss {m.get('train/loss', nan):.4f} "
-            f"fm {m.get('train/fm', nan):.4f} repa {m.get('train/repa', nan):.4f} "
+            f"step {step}/{trainer.max_steps} {terms} "
             f"lr {m.get('train/lr', nan):.2e} {m.get('train/samples_per_s', nan):.0f} samples/s "
             f"({time.perf_counter() - self.t0:.0f}s)"
         )

@@ -44,6 +44,14 @@ from flowmatch_models.model.dit import (
     fold_text_norm,
 )
 from flowmatch_models.model.flow import FlowMatching
+from flowmatch_models.model.loss_terms import (
+    LOSS_TERMS,
+    TOTAL,
+    VAL_BIN,
+    VAL_LOSS,
+    VAL_SAMPLES,
+    bucket_loss,
+)
 from flowmatch_models.storage.atomic import atomic_write_text
 from flowmatch_models.train.config import TrainConfig
 
@@ -266,13 +274,12 @@ class FlowMatchModule(L.LightningModule):
         dino = batch.get("dino")
         out = self.flow.loss(self.model, x, text, batch["mask"], dino, generator=gen)
         b = x.shape[0]
-        self.log("train/loss", out["loss"], prog_bar=True, batch_size=b)
-        self.log("train/fm", out["fm"], batch_size=b)
-        self.log("train/repa", out["repa"], batch_size=b)
+        for term in LOSS_TERMS:
+            self.log(term.logged, out[term.key], prog_bar=term.key == TOTAL, batch_size=b)
         dm = getattr(self.trainer, "datamodule", None)
         if len(getattr(getattr(dm, "source", None), "grids", ())) > 1:  # aspect-ratio buckets
             h, w = x.shape[-2:]  # one bucket a batch: its loss under the bucket's pixel size
-            self.log(f"train/loss_{h * 32}x{w * 32}", out["loss"], batch_size=b)
+            self.log(bucket_loss(h * 32, w * 32), out[TOTAL], batch_size=b)
         sums = out["bin_loss"].nan_to_num(0.0) * out["bin_count"]  # every micro-batch, on device
         if self._bin_sum is None:
             self._bin_sum, self._bin_cnt = torch.zeros_like(sums), torch.zeros_like(sums)
@@ -280,7 +287,7 @@ class FlowMatchModule(L.LightningModule):
         self._bin_cnt += out["bin_count"]
         if dm is not None and hasattr(dm, "mark_consumed") and "global_batch" in meta:
             dm.mark_consumed(epoch, pos, meta["global_batch"])
-        return out["loss"]
+        return out[TOTAL]
 
     def optimizer_step(self, *args, **kwargs) -> None:
         super().optimizer_step(*args, **kwargs)
@@ -353,9 +360,9 @@ class FlowMatchModule(L.LightningModule):
                     sums[k] += float(((v.float() - (e - xb)) ** 2).mean(dim=(1, 2, 3)).sum())
             count += len(x)
         self.ema.train(was)
-        out: dict[str, float] = {f"val/t{k}": sums[k] / count for k in range(n_bins)}
-        out["val/loss"] = sum(out.values()) / n_bins
-        out["val/samples"] = float(count)
+        out: dict[str, float] = {f"{VAL_BIN}{k}": sums[k] / count for k in range(n_bins)}
+        out[VAL_LOSS] = sum(out.values()) / n_bins
+        out[VAL_SAMPLES] = float(count)
         return out
 
     @torch.no_grad()

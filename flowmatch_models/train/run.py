@@ -45,6 +45,7 @@ from flowmatch_models.data.source import PartitionChangedError
 from flowmatch_models.encoders.loading import verbose
 from flowmatch_models.figures.curves import merge_metrics, plot_coverage, plot_loss_curve
 from flowmatch_models.inference.export import export_pipeline
+from flowmatch_models.model.loss_terms import TERMS, TOTAL, VAL_LOSS, VAL_METRIC
 from flowmatch_models.storage.atomic import atomic_write_text
 from flowmatch_models.storage.layout import DataLayout, source_of
 from flowmatch_models.train import distributed, finetune, signals, wandb_run
@@ -387,7 +388,7 @@ def _fit(
         data_position={"epoch": dm.epoch, "position": dm.position},
         metrics={
             k: float(v) if (v := trainer.callback_metrics.get(f"train/{k}")) is not None else None
-            for k in ("loss", "fm", "repa", "samples_per_s", "lr")
+            for k in (*TERMS, "samples_per_s", "lr")
         },
         wall_s=time.perf_counter() - t0,
         resumed_from=ckpt_path,
@@ -395,7 +396,7 @@ def _fit(
         grad_norm_mean=module.grad_norm_mean(),
         parent=request.parent,
     )
-    result.metrics["val_loss"] = module.last_validation.get("val/loss")
+    result.metrics[VAL_METRIC] = module.last_validation.get(VAL_LOSS)
     if ckpt_cb.stopped is None and (stop.requested or stop.agreed) and distributed.is_launcher():
         # the signal came after the last step boundary (the final state is saved): it is a stop
         last = run_dir / "checkpoints" / "last.ckpt"
@@ -409,7 +410,7 @@ def _fit(
         return result
     _finish_outputs(result, cfg, trainer, module, dm, grid_cb, loggers)
     print(
-        f"done: step {result.step} loss {result.metrics['loss']} on {result.device} in "
+        f"done: step {result.step} loss {result.metrics[TOTAL]} on {result.device} in "
         f"{result.wall_s:.0f}s; checkpoint {result.checkpoint}; export {result.export_dir}",
         flush=True,
     )
