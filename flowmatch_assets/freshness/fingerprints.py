@@ -27,7 +27,7 @@ from pathlib import Path
 import dagster as dg
 
 from flowmatch_assets import catalog, compat
-from flowmatch_assets.defs.resources import FlowmatchResource
+from flowmatch_assets.freshness.settings import Settings
 from flowmatch_assets.ingest.metadata import filter_fields
 from flowmatch_assets.ingest.sources import SourceError, partition_source
 from flowmatch_models.data.buckets import label
@@ -66,7 +66,7 @@ def upstream_of(asset: str) -> str | None:
     return {"images": "metadata"}.get(asset)
 
 
-def expected_fields(res: FlowmatchResource, asset: str, partition: str | None = None) -> dict:
+def expected_fields(res: Settings, asset: str, partition: str | None = None) -> dict:
     """The fields a materialization of ``asset`` (for ``partition``: its source's settings
     matter to the rows stage) under ``res``'s settings records (a local model folder is hashed
     once per process, and remembered in the data root). A source's rows record its settings
@@ -100,7 +100,7 @@ def expected_fields(res: FlowmatchResource, asset: str, partition: str | None = 
     return kind_fingerprint(KINDS[asset], res.encoders, weights_cache=cache).fields
 
 
-def stored(res: FlowmatchResource, asset: str, partition: str) -> Fingerprint | None:
+def stored(res: Settings, asset: str, partition: str) -> Fingerprint | None:
     """The fingerprint in the partition's catalog record (None: no record or none recorded)."""
     rec = catalog.read_materialization(res.data_root, asset, partition)
     return _from_record(rec) if rec else None
@@ -110,13 +110,13 @@ def _from_record(rec: dict) -> Fingerprint | None:
     return Fingerprint.from_json(json.loads(rec.get("extra") or "{}").get("fingerprint"))
 
 
-def inputs_of(res: FlowmatchResource, asset: str, partition: str) -> dict[str, str]:
+def inputs_of(res: Settings, asset: str, partition: str) -> dict[str, str]:
     """``{upstream: its stored fingerprint hash}`` for a materialization of ``asset`` now."""
     up = upstream_of(asset)
     return {up: hash_of(stored(res, up, partition))} if up else {}
 
 
-def current(res: FlowmatchResource, asset: str, partition: str) -> Fingerprint:
+def current(res: Settings, asset: str, partition: str) -> Fingerprint:
     """The fingerprint a materialization of ``asset``'s ``partition`` records now."""
     return Fingerprint(expected_fields(res, asset, partition), inputs_of(res, asset, partition))
 
@@ -182,7 +182,7 @@ class Stale:
 
 
 def _records(
-    res: FlowmatchResource, assets: Sequence[str], partitions: Sequence[str] | None
+    res: Settings, assets: Sequence[str], partitions: Sequence[str] | None
 ) -> dict[tuple[str, str], Fingerprint | None]:
     """``(asset, partition) -> stored fingerprint`` of every materialized one asked for (a few
     partitions: their record files; otherwise one catalog query)."""
@@ -212,7 +212,7 @@ def _records(
 
 
 def staleness(
-    res: FlowmatchResource,
+    res: Settings,
     partitions: Sequence[str] | None = None,
     assets: Sequence[str] | None = None,
 ) -> list[Stale]:
@@ -268,7 +268,7 @@ def staleness(
     return out
 
 
-def _compared(res: FlowmatchResource, asset: str, fp: Fingerprint, expected: dict) -> dict:
+def _compared(res: Settings, asset: str, fp: Fingerprint, expected: dict) -> dict:
     """A kind's stored fields as compared with the ``expected`` ones: one recorded before the
     resolved compute dtype as what ``auto`` resolves to here (``as_resolved``), and a compute
     dtype and device that the settings make where it was made (``compute_agrees``) as agreeing."""
@@ -337,7 +337,7 @@ def _feeds(a: str, b: str) -> bool:
     return False
 
 
-def trained_on(res: FlowmatchResource, partitions: Iterable[str]) -> dict[str, dict[str, list]]:
+def trained_on(res: Settings, partitions: Iterable[str]) -> dict[str, dict[str, list]]:
     """``{kind: {fingerprint hash: [partitions]}}`` of the training inputs' shards now (what a
     training run that used ``partitions`` records as its input fingerprints)."""
     from flowmatch_models.storage.store import read_shard
@@ -355,7 +355,7 @@ def trained_on(res: FlowmatchResource, partitions: Iterable[str]) -> dict[str, d
     return out
 
 
-def model_staleness(res: FlowmatchResource, runs: Sequence[str] | None = None) -> list[Stale]:
+def model_staleness(res: Settings, runs: Sequence[str] | None = None) -> list[Stale]:
     """Training runs (``flow_model`` records) that trained on a partition that is stale now,
     or whose shard was re-made with another fingerprint since; and fine-tunes whose parent was
     re-trained since they started from it (its weights at that step changed, or are gone), or
@@ -439,7 +439,7 @@ def fresh_result(
     )
 
 
-def finetuned_runs(res: FlowmatchResource) -> list[str]:
+def finetuned_runs(res: Settings) -> list[str]:
     """The runs recorded with a parent (fine-tunes: flowmatch_models/train/finetune.py)."""
     rows = catalog.Catalog(res.data_root).query(
         "SELECT partition AS run, extra FROM materializations WHERE asset = 'flow_model'"
@@ -447,14 +447,14 @@ def finetuned_runs(res: FlowmatchResource) -> list[str]:
     return sorted(r["run"] for r in rows if json.loads(r["extra"] or "{}").get("parent"))
 
 
-def _has_runs(res: FlowmatchResource) -> bool:
+def _has_runs(res: Settings) -> bool:
     rows = catalog.Catalog(res.data_root).query(
         "SELECT count(*) AS n FROM materializations WHERE asset = 'flow_model'"
     )
     return bool(rows[0]["n"])
 
 
-def model_check_results(res: FlowmatchResource, found: Sequence[Stale]) -> dict[str, tuple]:
+def model_check_results(res: Settings, found: Sequence[Stale]) -> dict[str, tuple]:
     """``{check: (asset, passed, description, stale runs)}`` of ``flow_model_fresh`` (every
     run) and ``fine_tune_fresh`` (the fine-tunes) for the stale runs ``found``."""
     tuned = set(finetuned_runs(res))
@@ -475,7 +475,7 @@ def model_check_results(res: FlowmatchResource, found: Sequence[Stale]) -> dict[
 
 def report(
     instance: dg.DagsterInstance,
-    res: FlowmatchResource,
+    res: Settings,
     found: Sequence[Stale],
     partitions: Sequence[str],
     assets: Sequence[str],
