@@ -163,10 +163,6 @@ def write_ledgers(data_root: str | Path, run_name: str, run: Path) -> list[int]:
 RUN_TAG, PARENT_TAG = "flowmatch/run", "flowmatch/parent"
 
 
-def run_dir(flowmatch: FlowmatchResource, name: str) -> Path:
-    return Path(flowmatch.data_root) / "runs" / name
-
-
 def coverage_or_fail(
     flowmatch: FlowmatchResource,
     known: list[str],
