@@ -21,6 +21,7 @@ from flowmatch_models.data.module import EmbeddingDataModule
 from flowmatch_models.figures.curves import loss_curve_now
 from flowmatch_models.model.loss_terms import LOSS_TERMS
 from flowmatch_models.storage.atomic import atomic_path
+from flowmatch_models.train import lightning_compat
 from flowmatch_models.train.config import TrainConfig
 from flowmatch_models.train.signals import SignalStop, StoppedBySignal, signal_name
 from flowmatch_models.train.state_writer import StateWriter
@@ -177,7 +178,7 @@ class CheckpointPolicy(Callback):
         self._t_full = time.monotonic()
         self.stop.install()  # replaces Lightning's SIGTERM handler (installed by fit)
         if trainer.received_sigterm:  # Lightning's handler saw one first: it is ours now
-            trainer._signal_connector.received_sigterm = False
+            lightning_compat.forget_sigterm(trainer)
             self.stop.signum = self.stop.signum or signal.SIGTERM
         if trainer.is_global_zero:  # what a killed write left behind takes disk space
             for p in self.dir.glob(".tmp-step*.ckpt.*"):
@@ -267,7 +268,7 @@ class CheckpointPolicy(Callback):
         t0 = time.perf_counter()
         ckpt, msg = None, None
         try:  # rank 0 also writes trained_counts.json here (the module's on_save_checkpoint)
-            ckpt = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            ckpt = lightning_compat.dump_checkpoint(trainer)
         except (OSError, RuntimeError) as e:
             if not trainer.is_global_zero:
                 raise

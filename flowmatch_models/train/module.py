@@ -53,6 +53,7 @@ from flowmatch_models.model.loss_terms import (
     bucket_loss,
 )
 from flowmatch_models.storage.atomic import atomic_write_text
+from flowmatch_models.train import lightning_compat
 from flowmatch_models.train.config import TrainConfig
 
 
@@ -179,7 +180,7 @@ class FlowMatchModule(L.LightningModule):
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         if not grads:
             return
-        opt = getattr(optimizer, "_optimizer", optimizer)
+        opt = lightning_compat.plain_optimizer(optimizer)
         scaler = self._grad_scaler()
         if scaler is not None:  # the fused AdamW unscales nothing after this
             scaler.unscale_(opt)
@@ -190,7 +191,7 @@ class FlowMatchModule(L.LightningModule):
             scale = (clip / (norm + 1e-6)).clamp(max=1.0)
             torch._foreach_mul_(grads, torch.where(bad, torch.ones_like(scale), scale))
         if scaler is None:  # else the scaler sets it from its own check (the same gradients)
-            opt.found_inf = bad.float()
+            lightning_compat.skip_step_if(opt, bad)
         self._grad_norm, self._bad = norm, bad
         if self._norm_sum is None:
             self._norm_sum = torch.zeros((), dtype=torch.float32, device=norm.device)
@@ -201,7 +202,7 @@ class FlowMatchModule(L.LightningModule):
 
     def _grad_scaler(self) -> torch.amp.GradScaler | None:
         """The loss scaler of ``16-mixed`` (Lightning's precision plugin), else None."""
-        if self._trainer is None:
+        if lightning_compat.attached_trainer(self) is None:
             return None
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
         return scaler if scaler is not None and scaler.is_enabled() else None
@@ -260,7 +261,7 @@ class FlowMatchModule(L.LightningModule):
 
     def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
         """Decode the stored batch where it now is (the GPU): codes -> float32 states."""
-        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        dm = getattr(lightning_compat.attached_trainer(self), "datamodule", None)
         decode = getattr(dm, "decode_batch", None)
         return decode(batch, self.device) if decode is not None else batch
 
