@@ -30,7 +30,6 @@ LONGER = {
     "flowmatch_assets/reports/budget.py",
     "flowmatch_assets/runs.py",
     "flowmatch_models/storage/store.py",
-    "flowmatch_models/train/run.py",
 }
 
 
