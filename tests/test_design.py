@@ -25,12 +25,10 @@ LONGER = {
     "flowmatch_assets/bench/store.py",
     "flowmatch_assets/catalog/summary.py",
     "flowmatch_assets/catalog/views.py",
-    "flowmatch_assets/freshness/fingerprints.py",
     "flowmatch_assets/ingest/decode.py",
     "flowmatch_assets/reports/budget.py",
     "flowmatch_assets/runs.py",
     "flowmatch_models/storage/store.py",
-    "flowmatch_models/train/run.py",
 }
 
 

@@ -20,6 +20,7 @@ from flowmatch_assets.bench import orchestration
 from flowmatch_assets.catalog import Catalog
 from flowmatch_assets.cli.devserver import REPO, dagster_dev, make_dagster_home
 from flowmatch_assets.defs.partitions import register_partitions
+from flowmatch_assets.defs.resources import resource_from_env as settings
 from flowmatch_assets.freshness import backfill
 from tests.conftest import make_resource
 
@@ -292,7 +293,10 @@ def test_dagster_dev_backfill_catalog_and_ui(tmp_path, small_sample, zoo, monkey
         with dg.DagsterInstance.from_config(str(home)) as instance:
             assert backfill.missing_partitions(instance, ASSETS, str(data)) == []
         monkeypatch.setenv("FLOWMATCH_DATA_ROOT", str(data))  # the CLI reads it from env
-        assert backfill.main(["--missing", "--assets", ",".join(ASSETS), "--url", dev.url]) == 0
+        assert (
+            backfill.main(["--missing", "--assets", ",".join(ASSETS), "--url", dev.url], settings)
+            == 0
+        )
 
         # a standing setting changes: `backfill --stale` re-makes exactly text_embeddings
         for k in (
@@ -305,11 +309,11 @@ def test_dagster_dev_backfill_catalog_and_ui(tmp_path, small_sample, zoo, monkey
         ):
             monkeypatch.setenv(k, env[k])
         (tmp_path / "settings.yaml").write_text("encoders: {max_tokens: 16}\n")
-        assert backfill.stale_backfills(ASSETS) == [(["text_embeddings"], keys)]
+        assert backfill.stale_backfills(ASSETS, settings()) == [(["text_embeddings"], keys)]
         t1 = time.monotonic()
-        assert backfill.main(["--stale", "--url", dev.url, "--wait", "--poll", "3"]) == 0
+        assert backfill.main(["--stale", "--url", dev.url, "--wait", "--poll", "3"], settings) == 0
         timings["backfill --stale"] = time.monotonic() - t1
-        assert backfill.stale_backfills(ASSETS) == [], dev.fail_msg("still stale")
+        assert backfill.stale_backfills(ASSETS, settings()) == [], dev.fail_msg("still stale")
         with dg.DagsterInstance.from_config(str(home)) as instance:
             for a in ASSETS:  # one more materialization of text_embeddings only
                 n = len(instance.fetch_materializations(dg.AssetKey(a), limit=10).records)

@@ -147,3 +147,36 @@ def test_a_type_checking_import_counts():
     plant = "if TYPE_CHECKING:\n    from flowmatch_models.embeddings.kinds import EmbeddingKind\n"
     cycle = _cycle(_graph({"flowmatch_models.encoders.spec": plant}))
     assert cycle is not None and "flowmatch_models.encoders.spec" in cycle
+
+
+def _defs_imports_of_freshness(planted: dict[str, str] | None = None) -> dict[str, list[str]]:
+    """freshness/ module -> what it imports from defs/ (``planted``: module -> extra source)."""
+    out = {}
+    for module, path in _modules().items():
+        if not module.startswith("flowmatch_assets.freshness"):
+            continue
+        src = path.read_text() + (planted or {}).get(module, "")
+        bad = sorted(
+            {m for m in _imports(path, module, src) if m.startswith("flowmatch_assets.defs")}
+        )
+        if bad:
+            out[module] = bad
+    return out
+
+
+def test_freshness_imports_nothing_from_defs():
+    """What is stale depends on the settings, not on the Dagster resource class: freshness/
+    takes a ``freshness.settings.Settings`` (the resource is one) and never imports defs/."""
+    found = _defs_imports_of_freshness()
+    assert not found, f"freshness/ imports defs/ (take the settings as an argument): {found}"
+
+
+def test_a_defs_import_planted_in_freshness_is_found():
+    plant = "def f():\n    from flowmatch_assets.defs.resources import resource_from_env\n"
+    found = _defs_imports_of_freshness({"flowmatch_assets.freshness.state": plant})
+    assert found == {
+        "flowmatch_assets.freshness.state": [
+            "flowmatch_assets.defs.resources",
+            "flowmatch_assets.defs.resources.resource_from_env",
+        ]
+    }

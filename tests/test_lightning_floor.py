@@ -45,3 +45,21 @@ def test_a_mid_epoch_resume_is_exact_on_the_lowest_lightning_allowed():
     )
     assert p.returncode == 0, p.stdout[-4000:]
     assert "1 passed" in p.stdout
+
+
+@pytest.mark.skipif(not (FLOOR / "lightning").is_dir(), reason="bash scripts/install.sh puts it")
+def test_every_fenced_internal_holds_on_the_lowest_lightning_allowed():
+    """tests/test_lightning_compat.py (each private Lightning API of
+    flowmatch_models/train/lightning_compat.py) under the lowest Lightning allowed (~6 s)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(FLOOR), str(REPO)])}
+    p = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+        + ["tests/test_lightning_compat.py"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stdout[-4000:]
+    assert re.search(r"\b8 passed", p.stdout), p.stdout[-2000:]

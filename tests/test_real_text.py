@@ -19,7 +19,8 @@ import torch
 from flowmatch_assets.definitions import defs
 from flowmatch_assets.defs.definitions import resources_for
 from flowmatch_assets.defs.partitions import register_partitions
-from flowmatch_assets.freshness.fingerprints import model_staleness, staleness
+from flowmatch_assets.freshness.fingerprints import staleness
+from flowmatch_assets.freshness.training_runs import model_staleness
 from flowmatch_models.encoders.frozen import Encoders
 from flowmatch_models.encoders.spec import EncoderSpec
 from flowmatch_models.encoders.zoo import (

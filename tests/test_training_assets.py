@@ -16,7 +16,7 @@ from flowmatch_assets.cli import main as cli_main
 from flowmatch_assets.definitions import defs
 from flowmatch_assets.defs.definitions import resources_for
 from flowmatch_assets.defs.partitions import register_partitions
-from flowmatch_assets.freshness.fingerprints import model_staleness
+from flowmatch_assets.freshness.training_runs import model_staleness
 from flowmatch_models.encoders.spec import EncoderSpec
 from tests.conftest import make_resource
 from tests.wandb_records import config as wandb_config

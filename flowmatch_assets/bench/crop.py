@@ -36,6 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
+from flowmatch_models.storage.layout import DataLayout
+
 
 def _original_shows_it(path: Path, colour: str) -> bool:
     """Does the analyser find the caption's colour in the whole original (long side 512)? The
@@ -210,7 +212,7 @@ def train_both(
                     raise RuntimeError(f"{mode} {k}: the embeddings failed")
         emb_s = time.perf_counter() - t0
         cfg = yaml.safe_load((repo / "configs" / "tiny.yaml").read_text())
-        cfg["run"].update(out_dir=str(work / "runs" / mode))
+        cfg["run"].update(out_dir=str(DataLayout(work).run_dir(mode)))
         cfg["data"].update(
             root=str(work / mode), batch_size=batch, bucket_chunk=batch, num_workers=0
         )

@@ -34,6 +34,7 @@ from pathlib import Path
 from flowmatch_assets.demo.dataset import NEW_SHAPES, SHAPES, write_shapes2
 from flowmatch_assets.reports.evaluation import checkpoints, evaluate_checkpoint
 from flowmatch_models.storage.atomic import atomic_path, atomic_write_text
+from flowmatch_models.storage.layout import DataLayout
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCE = "shapes2"
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="for all")
     a = p.parse_args(argv)
     root = Path(a.data_root).resolve()
-    parent = root / "runs" / a.parent
+    parent = DataLayout(root).run_dir(a.parent)
     if not (parent / "checkpoints" / "last.ckpt").is_file():
         raise SystemExit(f"no trained run {parent}; run `flowmatch demo` first (or --parent)")
     data = prepare(root, a.images)

@@ -95,6 +95,7 @@ def toy_position(pos_embed: bool, steps: int = 400, seed: int = 0) -> dict[str, 
 
     from flowmatch_models.model.dit import build_model
     from flowmatch_models.model.flow import FlowMatching
+    from flowmatch_models.model.loss_terms import TOTAL
 
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed + 1)
@@ -108,7 +109,7 @@ def toy_position(pos_embed: bool, steps: int = 400, seed: int = 0) -> dict[str, 
     for _ in range(steps):
         c = torch.randint(0, n_cls, (32,), generator=g)
         x = mu[c] + sigma * torch.randn(32, 32, 8, 8, generator=g)
-        loss = fm.loss(model, x, text[c], mask[c], generator=g)["loss"]
+        loss = fm.loss(model, x, text[c], mask[c], generator=g)[TOTAL]
         opt.zero_grad()
         loss.backward()
         opt.step()

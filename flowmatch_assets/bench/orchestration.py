@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> dict:
             )
 
             # missing-only backfill over every partition, launched then cancelled
-            missing, missing_s = _timed(backfill.missing_partitions, dev.url, [a.asset])
+            missing, missing_s = _timed(backfill.missing_partitions, dev.url, [a.asset], str(data))
             bid, launch_s = _timed(
                 backfill.launch_backfill, dev.url, missing, [a.asset], title="bench orchestration"
             )

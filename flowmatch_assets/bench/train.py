@@ -24,6 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from flowmatch_models.model.dit import PRESETS, build_model, count_params
 from flowmatch_models.model.flow import FlowMatching
+from flowmatch_models.model.loss_terms import TOTAL
 from flowmatch_models.train.config import ModelConfig
 
 
@@ -108,7 +109,7 @@ def bench(
 
     def step() -> torch.Tensor:
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
-            loss = fm.loss(model, x, text, mask, dino)["loss"]
+            loss = fm.loss(model, x, text, mask, dino)[TOTAL]
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -120,7 +121,7 @@ def bench(
     counter = FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS)
     with counter:
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
-            loss = fm.loss(model, x, text, mask, dino)["loss"]
+            loss = fm.loss(model, x, text, mask, dino)[TOTAL]
         loss.backward()
     opt.zero_grad(set_to_none=True)
     flops = counter.get_total_flops()

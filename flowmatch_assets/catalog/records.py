@@ -42,6 +42,7 @@ from flowmatch_assets.catalog.record_kinds import (  # noqa: F401 (the schemas: 
     record_path,
     step_key,
 )
+from flowmatch_models.model.loss_terms import VAL_BIN, VAL_LOSS, VAL_SAMPLES
 from flowmatch_models.storage.atomic import atomic_path, write_parquet
 from flowmatch_models.storage.layout import DataLayout
 
@@ -327,19 +328,19 @@ def validation_rows(metrics_csv: str | Path, run: str) -> list[dict]:
     out = []
     with open(metrics_csv, newline="") as f:
         for r in csv.DictReader(f):
-            if not r.get("val/loss"):
+            if not r.get(VAL_LOSS):
                 continue
-            step, n = int(r["step"]), int(float(r.get("val/samples") or 0))
+            step, n = int(r["step"]), int(float(r.get(VAL_SAMPLES) or 0))
             out.append(
-                {"run": run, "step": step, "t_bin": -1, "loss": float(r["val/loss"]), "samples": n}
+                {"run": run, "step": step, "t_bin": -1, "loss": float(r[VAL_LOSS]), "samples": n}
             )
             for k, v in r.items():
-                if k.startswith("val/t") and v:
+                if k.startswith(VAL_BIN) and v:
                     out.append(
                         {
                             "run": run,
                             "step": step,
-                            "t_bin": int(k[5:]),
+                            "t_bin": int(k[len(VAL_BIN) :]),
                             "loss": float(v),
                             "samples": n,
                         }

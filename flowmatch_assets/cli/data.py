@@ -298,7 +298,9 @@ def cmd_stale(partition: list[str], asset: list[str], as_json: bool, no_report: 
     """List stale asset partitions and training runs with the fingerprint fields that changed;
     report them to Dagster as the per-partition ``<asset>_fresh`` checks (unless --no-report)."""
     from flowmatch_assets.catalog import format_table
-    from flowmatch_assets.freshness.fingerprints import model_staleness, report, staleness
+    from flowmatch_assets.freshness.fingerprints import staleness
+    from flowmatch_assets.freshness.stale_report import report
+    from flowmatch_assets.freshness.training_runs import model_staleness
     from flowmatch_models.storage.layout import PARTITIONED_ASSETS
 
     res, instance = flowmatch_resource(), dagster_instance()

@@ -131,7 +131,7 @@ def _stages(root: Path, res, t0: float, train_steps: int | None) -> int:
     print("                    flowmatch catalog coverage | failures | compression | throughput")
     for p in previews[:3]:
         print(f"  preview grid:     {p}")
-    run = root / "runs" / "demo"
+    run = layout.run_dir("demo")
     if (run / "loss_curve.png").exists():
         print(f"  loss curve:       {run / 'loss_curve.png'}")
         print(f"  sample grid:      {root / 'samples' / 'demo.png'}  (decoded by the demo VAE)")

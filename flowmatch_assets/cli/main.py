@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command; a usage mistake is one line on stderr and exit code 2 (`--debug`:
     the traceback too). The runs a verb makes print one line per step; `--verbose` shows
     Dagster's event log too, and what the libraries print that tells a user nothing (their
-    progress bars and notices: runs.quiet_dagster, flowmatch_models.train.run.quiet_libraries,
+    progress bars and notices: runs.quiet_dagster, flowmatch_models.train.quiet.quiet_libraries,
     flowmatch_models.encoders.loading.quiet_progress)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv

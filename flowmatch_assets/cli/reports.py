@@ -138,9 +138,10 @@ def cmd_budget(argv: list[str]) -> int:
 
 
 def cmd_backfill(argv: list[str]) -> int:
+    from flowmatch_assets.defs.resources import resource_from_env
     from flowmatch_assets.freshness.backfill import main
 
-    return main(argv)
+    return main(argv, resource_from_env)
 
 
 def cmd_bench(which: str | None, argv: list[str]) -> int:

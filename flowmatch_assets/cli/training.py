@@ -6,6 +6,7 @@ from pathlib import Path
 
 from flowmatch_assets import runs
 from flowmatch_assets.cli.common import CliError, flowmatch_resource
+from flowmatch_models.storage.layout import run_folder
 
 
 def cmd_evaluate(
@@ -26,10 +27,7 @@ def cmd_evaluate(
 
 def _run_dir(run: str) -> Path:
     """A run name (under <data root>/runs) or a run folder."""
-    p = Path(run)
-    return (
-        p if (p / "checkpoints").is_dir() else Path(flowmatch_resource().data_root) / "runs" / run
-    )
+    return run_folder(run, flowmatch_resource().data_root)
 
 
 def cmd_export(

@@ -14,11 +14,10 @@ from flowmatch_assets.defs.resources import FlowmatchResource
 from flowmatch_assets.freshness.fingerprints import (
     fresh_check_name,
     fresh_result,
-    model_check_results,
-    model_staleness,
     staleness,
     stored,
 )
+from flowmatch_assets.freshness.training_runs import model_check_results, model_staleness
 from flowmatch_models.storage.layout import PARTITIONED_ASSETS
 
 
@@ -80,7 +79,7 @@ def fine_tune_fresh(flowmatch: FlowmatchResource) -> dg.AssetCheckResult:
 
 
 def _model_check(flowmatch: FlowmatchResource, check: str) -> dg.AssetCheckResult:
-    """The verdict `flowmatch stale` reports too (fingerprints.model_check_results)."""
+    """The verdict `flowmatch stale` reports too (freshness.training_runs.model_check_results)."""
     _, passed, desc, runs = model_check_results(flowmatch, model_staleness(flowmatch))[check]
     return dg.AssetCheckResult(
         passed=passed, description=desc, metadata={"stale_runs": dg.MetadataValue.json(runs)}

@@ -7,7 +7,7 @@ from pydantic import Field
 
 from flowmatch_assets import catalog
 from flowmatch_assets.defs.resources import FlowmatchResource
-from flowmatch_assets.defs.training_assets import GROUP, flow_model, run_dir
+from flowmatch_assets.defs.training_assets import GROUP, flow_model
 
 
 class SamplesConfig(dg.Config):
@@ -53,7 +53,7 @@ def samples(
         sample_grid,
     )
 
-    export = run_dir(flowmatch, config.run_name) / "pipeline"
+    export = flowmatch.layout.run_dir(config.run_name) / "pipeline"
     if not export.exists():
         raise dg.Failure(f"no trained model at {export}; materialize flow_model first")
     try:
@@ -143,7 +143,7 @@ def evaluation(
     from flowmatch_models.data.buckets import label, parse_sizes
     from flowmatch_models.figures.grid import markdown_image
 
-    out = run_dir(flowmatch, config.run_name)
+    out = flowmatch.layout.run_dir(config.run_name)
     found = checkpoints(out, config.checkpoints)
     if not found:
         raise dg.Failure(f"no checkpoint under {out / 'checkpoints'}; materialize flow_model first")

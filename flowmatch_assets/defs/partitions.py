@@ -20,13 +20,12 @@ import pyarrow as pa
 
 from flowmatch_assets.catalog import read_partitions, record_partitions
 from flowmatch_assets.defs.resources import FlowmatchResource
+from flowmatch_assets.freshness.shards import SHARDS, shard_partitions  # noqa: F401 (here too)
 from flowmatch_assets.ingest import sources as src
 from flowmatch_assets.ingest.metadata import MetadataError
 from flowmatch_models.storage.layout import source_of
 
-SHARDS = "shards"
 _LOG = logging.getLogger(__name__)
-shard_partitions = dg.DynamicPartitionsDefinition(name=SHARDS)
 
 
 @dataclass

@@ -21,9 +21,10 @@ from flowmatch_assets.defs.partitions import SHARDS
 from flowmatch_assets.defs.resources import FlowmatchResource
 from flowmatch_assets.defs.routine import human_bytes, publish_run
 from flowmatch_assets.defs.training_pipes import TrainingStopped, record_stop, stop_line
-from flowmatch_assets.freshness.fingerprints import trained_on
+from flowmatch_assets.freshness.training_runs import trained_on
 from flowmatch_assets.reports.budget import logged_rates, steady_rate
 from flowmatch_models.embeddings.kinds import TRAINING_INPUTS
+from flowmatch_models.model.loss_terms import HEADLINE, METADATA, TOTAL, VAL_METRIC
 from flowmatch_models.storage.layout import DataLayout, source_of
 from flowmatch_models.train.config import (
     ConfigError,
@@ -162,10 +163,6 @@ def write_ledgers(data_root: str | Path, run_name: str, run: Path) -> list[int]:
 #: Run tags of a training run: its name and parent (a fine-tune's); a stopped run's are
 #: training_pipes.py's
 RUN_TAG, PARENT_TAG = "flowmatch/run", "flowmatch/parent"
-
-
-def run_dir(flowmatch: FlowmatchResource, name: str) -> Path:
-    return Path(flowmatch.data_root) / "runs" / name
 
 
 def coverage_or_fail(
@@ -425,8 +422,7 @@ def run_record(
         "samples_per_s": rate,
         "samples_per_s_last_window": result.metrics.get("samples_per_s"),
         "rate_windows": len(windows),
-        "loss": result.metrics.get("loss"),
-        "val_loss": result.metrics.get("val_loss"),
+        **{k: result.metrics.get(k) for k in (TOTAL, VAL_METRIC)},
         "skipped_steps": result.skipped_steps,  # non-finite steps, since the run began
         "grad_norm_mean": result.grad_norm_mean,  # this session's, finite steps, before clipping
         "disk_bytes": result.disk_bytes,  # the run folder (checkpoints, exports, logs)
@@ -447,9 +443,8 @@ def training_metadata(
     md = {k: round_meta(v) for k, v in reported.items()}
     # the headline: the flow-matching loss (what falls as it learns), the REPA term apart (a
     # negative cosine, so their weighted sum can be negative), the held-out loss
-    names = {"fm": "fm_loss", "repa": "repa_loss", "loss": "total_loss", "val_loss": "val_loss"}
-    md = {names.get(k, k): v for k, v in md.items()}
-    md = {k: md[k] for k in ("fm_loss", "val_loss") if k in md} | md
+    md = {METADATA.get(k, k): v for k, v in md.items()}
+    md = {k: md[k] for k in HEADLINE if k in md} | md
     if result.disk_bytes:
         md["disk_size"] = human_bytes(result.disk_bytes)
     md["samples_per_s"] = round_meta(rate) if rate is not None else 0.0

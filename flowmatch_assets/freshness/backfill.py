@@ -24,6 +24,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 
+from flowmatch_assets.freshness.settings import Settings, SettingsFrom
 from flowmatch_models.storage.layout import PARTITIONED_ASSETS
 
 #: The data assets of one partition, in lineage order (the default of ``--assets``; read live,
@@ -224,7 +225,7 @@ def wait_backfill(
         time.sleep(poll)
 
 
-def _missing_from_url(url: str, asset_keys: Sequence[str], data_root=None) -> list[str]:
+def _missing_from_url(url: str, asset_keys: Sequence[str], data_root: str) -> list[str]:
     nodes = graphql(url, PARTITIONS, {"keys": [key_input(a) for a in asset_keys]})["assetNodes"]
     found = {"/".join(n["assetKey"]["path"]): n for n in nodes}
     unknown = [a for a in asset_keys if a not in found]
@@ -244,45 +245,42 @@ def _missing_from_url(url: str, asset_keys: Sequence[str], data_root=None) -> li
         missing |= keys - done
         # the same definition as every other command: a file gone or corrupt, or no catalog
         # record, is missing even where Dagster remembers a materialization
-        missing |= set(_missing_on_disk(sorted(keys & done), [a], data_root=data_root))
+        missing |= set(_missing_on_disk(sorted(keys & done), [a], data_root))
     return sorted(missing)
 
 
 def _missing_on_disk(
-    keys: Sequence[str], asset_keys: Sequence[str], instance=None, data_root=None
+    keys: Sequence[str], asset_keys: Sequence[str], data_root: str, instance=None
 ) -> list[str]:
-    from flowmatch_assets.defs.resources import resource_from_env
     from flowmatch_assets.freshness.state import missing_partitions as _missing
     from flowmatch_assets.freshness.state import partition_states
     from flowmatch_models.storage.layout import DataLayout
 
-    layout = DataLayout(data_root) if data_root else resource_from_env().layout
+    layout = DataLayout(data_root)
     known = [a for a in asset_keys if a in DEFAULT_ASSETS]
     return _missing(partition_states(layout, keys, known, instance))
 
 
-def _missing_from_instance(instance, asset_keys: Sequence[str], data_root=None) -> list[str]:
-    from flowmatch_assets.defs.partitions import SHARDS
+def _missing_from_instance(instance, asset_keys: Sequence[str], data_root: str) -> list[str]:
+    from flowmatch_assets.freshness.shards import SHARDS
 
     keys = sorted(instance.get_dynamic_partitions(SHARDS))
-    return _missing_on_disk(keys, asset_keys, instance, data_root)
+    return _missing_on_disk(keys, asset_keys, data_root, instance)
 
 
-def missing_partitions(
-    source, asset_keys: Sequence[str] | None = None, data_root: str | None = None
-) -> list[str]:
+def missing_partitions(source, asset_keys: Sequence[str] | None, data_root: str) -> list[str]:
     """Registered partitions that at least one of ``asset_keys`` is missing, by the one
     definition in flowmatch_assets.freshness.state (file valid, catalog record, Dagster materialization;
     failed partitions count as missing; on a webserver, ones materializing now do not).
-    ``source`` is a webserver URL or a DagsterInstance; the files are those of ``data_root``
-    (default: FLOWMATCH_DATA_ROOT)."""
+    ``source`` is a webserver URL or a DagsterInstance; the files are those of ``data_root``."""
     asset_keys = list(DEFAULT_ASSETS) if asset_keys is None else asset_keys
     if isinstance(source, str):
         return _missing_from_url(source, asset_keys, data_root)
     return _missing_from_instance(source, asset_keys, data_root)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None, settings: SettingsFrom) -> int:
+    """`flowmatch backfill`; ``settings()`` gives the settings (the CLI: from the environment)."""
     p = argparse.ArgumentParser(
         prog="flowmatch backfill",
         description="Launch a Dagster asset backfill through a running webserver (dagster dev).",
@@ -321,9 +319,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if a.stale:
-            return _backfill_stale(a, assets)
+            return _backfill_stale(a, assets, settings())
         if a.missing:
-            missing = missing_partitions(a.url, assets)
+            missing = missing_partitions(a.url, assets, settings().data_root)
             keys = sorted(set(keys) | set(missing))
             print(f"{len(missing)} partitions missing for {', '.join(assets)}", flush=True)
         if not keys:
@@ -360,18 +358,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if st["ok"] else 1
 
 
-def stale_backfills(assets: Sequence[str], data_root: str | None = None) -> list[tuple]:
+def stale_backfills(assets: Sequence[str], res: Settings) -> list[tuple]:
     """``(assets, partitions)`` of the backfills that re-make exactly the stale asset
-    partitions of ``assets`` (settings and files: FLOWMATCH_*, or ``data_root``)."""
-    from flowmatch_assets.defs.resources import resource_from_env
+    partitions of ``assets`` under the settings ``res`` (and its data root's files)."""
     from flowmatch_assets.freshness.fingerprints import stale_groups, staleness
 
-    res = resource_from_env(overrides={"data_root": data_root} if data_root else None)
     return stale_groups(staleness(res, assets=list(assets)))
 
 
-def _backfill_stale(a: argparse.Namespace, assets: Sequence[str]) -> int:
-    groups = stale_backfills(assets)
+def _backfill_stale(a: argparse.Namespace, assets: Sequence[str], res: Settings) -> int:
+    groups = stale_backfills(assets, res)
     if not groups:
         print("nothing stale")
         return 0
@@ -395,7 +391,3 @@ def _backfill_stale(a: argparse.Namespace, assets: Sequence[str]) -> int:
         )
         ok = ok and st["ok"]
     return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -20,25 +20,23 @@ materialization, and reported by ``flowmatch stale``) fails naming the changed f
 """
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import dagster as dg
 
 from flowmatch_assets import catalog, compat
-from flowmatch_assets.defs.resources import FlowmatchResource
+from flowmatch_assets.freshness.settings import Settings
 from flowmatch_assets.ingest.metadata import filter_fields
 from flowmatch_assets.ingest.sources import SourceError, partition_source
 from flowmatch_models.data.buckets import label
 from flowmatch_models.embeddings.kinds import (
     KINDS,
-    TRAINING_INPUTS,
     compute_agrees,
     kind_fingerprint,
 )
 from flowmatch_models.storage.fingerprint import (
-    UNKNOWN,
     Fingerprint,
     as_resolved,
     diff,
@@ -66,7 +64,7 @@ def upstream_of(asset: str) -> str | None:
     return {"images": "metadata"}.get(asset)
 
 
-def expected_fields(res: FlowmatchResource, asset: str, partition: str | None = None) -> dict:
+def expected_fields(res: Settings, asset: str, partition: str | None = None) -> dict:
     """The fields a materialization of ``asset`` (for ``partition``: its source's settings
     matter to the rows stage) under ``res``'s settings records (a local model folder is hashed
     once per process, and remembered in the data root). A source's rows record its settings
@@ -100,7 +98,7 @@ def expected_fields(res: FlowmatchResource, asset: str, partition: str | None = 
     return kind_fingerprint(KINDS[asset], res.encoders, weights_cache=cache).fields
 
 
-def stored(res: FlowmatchResource, asset: str, partition: str) -> Fingerprint | None:
+def stored(res: Settings, asset: str, partition: str) -> Fingerprint | None:
     """The fingerprint in the partition's catalog record (None: no record or none recorded)."""
     rec = catalog.read_materialization(res.data_root, asset, partition)
     return _from_record(rec) if rec else None
@@ -110,13 +108,13 @@ def _from_record(rec: dict) -> Fingerprint | None:
     return Fingerprint.from_json(json.loads(rec.get("extra") or "{}").get("fingerprint"))
 
 
-def inputs_of(res: FlowmatchResource, asset: str, partition: str) -> dict[str, str]:
+def inputs_of(res: Settings, asset: str, partition: str) -> dict[str, str]:
     """``{upstream: its stored fingerprint hash}`` for a materialization of ``asset`` now."""
     up = upstream_of(asset)
     return {up: hash_of(stored(res, up, partition))} if up else {}
 
 
-def current(res: FlowmatchResource, asset: str, partition: str) -> Fingerprint:
+def current(res: Settings, asset: str, partition: str) -> Fingerprint:
     """The fingerprint a materialization of ``asset``'s ``partition`` records now."""
     return Fingerprint(expected_fields(res, asset, partition), inputs_of(res, asset, partition))
 
@@ -181,8 +179,8 @@ class Stale:
         return "; ".join(self.reasons)
 
 
-def _records(
-    res: FlowmatchResource, assets: Sequence[str], partitions: Sequence[str] | None
+def recorded_fingerprints(
+    res: Settings, assets: Sequence[str], partitions: Sequence[str] | None
 ) -> dict[tuple[str, str], Fingerprint | None]:
     """``(asset, partition) -> stored fingerprint`` of every materialized one asked for (a few
     partitions: their record files; otherwise one catalog query)."""
@@ -212,7 +210,7 @@ def _records(
 
 
 def staleness(
-    res: FlowmatchResource,
+    res: Settings,
     partitions: Sequence[str] | None = None,
     assets: Sequence[str] | None = None,
 ) -> list[Stale]:
@@ -223,7 +221,7 @@ def staleness(
     wanted = set(assets or lineage)
     # an asset's staleness needs its upstream chain's
     need = [a for a in lineage if any(_feeds(a, w) for w in wanted)]
-    recs = _records(res, need, partitions)
+    recs = recorded_fingerprints(res, need, partitions)
     expected: dict[str, dict] = {}
     diffs: dict[tuple, list[str]] = {}  # (fingerprint, expectation) -> the fields that differ
     parts = sorted({p for _, p in recs}) if partitions is None else list(partitions)
@@ -268,7 +266,7 @@ def staleness(
     return out
 
 
-def _compared(res: FlowmatchResource, asset: str, fp: Fingerprint, expected: dict) -> dict:
+def _compared(res: Settings, asset: str, fp: Fingerprint, expected: dict) -> dict:
     """A kind's stored fields as compared with the ``expected`` ones: one recorded before the
     resolved compute dtype as what ``auto`` resolves to here (``as_resolved``), and a compute
     dtype and device that the settings make where it was made (``compute_agrees``) as agreeing."""
@@ -337,87 +335,6 @@ def _feeds(a: str, b: str) -> bool:
     return False
 
 
-def trained_on(res: FlowmatchResource, partitions: Iterable[str]) -> dict[str, dict[str, list]]:
-    """``{kind: {fingerprint hash: [partitions]}}`` of the training inputs' shards now (what a
-    training run that used ``partitions`` records as its input fingerprints)."""
-    from flowmatch_models.storage.store import read_shard
-
-    out: dict[str, dict[str, list]] = {}
-    for kind in TRAINING_INPUTS:
-        groups = out.setdefault(kind, {})
-        for p in partitions:
-            path = res.layout.asset_path(kind, p)
-            try:
-                fp = Fingerprint.from_json(read_shard(path).attrs.get("fingerprint"))
-            except Exception:  # noqa: BLE001 - gone or unreadable: no fingerprint to record
-                fp = None
-            groups.setdefault(hash_of(fp), []).append(p)
-    return out
-
-
-def model_staleness(res: FlowmatchResource, runs: Sequence[str] | None = None) -> list[Stale]:
-    """Training runs (``flow_model`` records) that trained on a partition that is stale now,
-    or whose shard was re-made with another fingerprint since; and fine-tunes whose parent was
-    re-trained since they started from it (its weights at that step changed, or are gone), or
-    is stale itself (flowmatch_models/train/finetune.py)."""
-    from flowmatch_models.train.finetune import parent_changed
-
-    rows = catalog.Catalog(res.data_root).query(
-        "SELECT partition AS run, extra FROM materializations WHERE asset = 'flow_model' "
-        "ORDER BY partition"
-    )
-    records = {r["run"]: json.loads(r["extra"] or "{}") for r in rows}
-    wanted = [r for r in records if runs is None or r in runs]
-    if not wanted:
-        return []
-    now = _records(res, list(TRAINING_INPUTS), None)
-    stale = {(s.asset, s.partition): s for s in staleness(res, assets=list(TRAINING_INPUTS))}
-    memo: dict[str, list[str]] = {}
-    digests: dict = {}
-
-    def reasons_of(run: str, seen: tuple = ()) -> list[str]:
-        if run in memo:
-            return memo[run]
-        extra = records[run]
-        reasons = _data_reasons(extra.get("input_fingerprints"), stale, now)
-        parent = extra.get("parent")
-        if parent:
-            why = parent_changed(parent, digests)
-            if why:
-                reasons.append(why)
-            elif parent["run"] in records and parent["run"] not in (*seen, run):
-                up = reasons_of(parent["run"], (*seen, run))
-                if up:
-                    reasons.append(f"its parent {parent['run']} is stale ({up[0]})")
-        memo[run] = reasons
-        return reasons
-
-    return [Stale("flow_model", r, tuple(why)) for r in wanted if (why := reasons_of(r))]
-
-
-def _data_reasons(used: dict | None, stale: dict, now: dict) -> list[str]:
-    """Why a run's training data is stale now (its record's ``input_fingerprints``)."""
-    if not used:
-        return ["no input fingerprints recorded: unknown"]
-    reasons = []
-    for kind, groups in sorted(used.items()):
-        for h, parts in sorted(groups.items()):
-            bad = [p for p in parts if (kind, p) in stale]
-            if bad:
-                first = stale[(kind, bad[0])]
-                reasons.append(
-                    f"{len(bad)} {kind} partitions it trained on are stale "
-                    f"({', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}: {first.reason})"
-                )
-            remade = [p for p in parts if p not in bad and hash_of(now.get((kind, p))) != h]
-            if remade and h != UNKNOWN:
-                reasons.append(
-                    f"{len(remade)} {kind} partitions were re-made since training "
-                    f"({', '.join(remade[:5])}: {h} -> {hash_of(now.get((kind, remade[0])))})"
-                )
-    return reasons
-
-
 # --------------------------------------------------------------------------- Dagster view
 
 
@@ -437,112 +354,6 @@ def fresh_result(
             "changed": dg.MetadataValue.json(list(stale.reasons) if stale else []),
         },
     )
-
-
-def finetuned_runs(res: FlowmatchResource) -> list[str]:
-    """The runs recorded with a parent (fine-tunes: flowmatch_models/train/finetune.py)."""
-    rows = catalog.Catalog(res.data_root).query(
-        "SELECT partition AS run, extra FROM materializations WHERE asset = 'flow_model'"
-    )
-    return sorted(r["run"] for r in rows if json.loads(r["extra"] or "{}").get("parent"))
-
-
-def _has_runs(res: FlowmatchResource) -> bool:
-    rows = catalog.Catalog(res.data_root).query(
-        "SELECT count(*) AS n FROM materializations WHERE asset = 'flow_model'"
-    )
-    return bool(rows[0]["n"])
-
-
-def model_check_results(res: FlowmatchResource, found: Sequence[Stale]) -> dict[str, tuple]:
-    """``{check: (asset, passed, description, stale runs)}`` of ``flow_model_fresh`` (every
-    run) and ``fine_tune_fresh`` (the fine-tunes) for the stale runs ``found``."""
-    tuned = set(finetuned_runs(res))
-    out = {}
-    for asset, runs in (
-        ("flow_model", list(found)),
-        ("fine_tune", [s for s in found if s.partition in tuned]),
-    ):
-        desc = "; ".join(f"run {s.partition}: {s.reason}" for s in runs)[:2000] or None
-        out[fresh_check_name(asset)] = (
-            asset,
-            not runs,
-            desc,
-            {s.partition: s.reasons for s in runs},
-        )
-    return out
-
-
-def report(
-    instance: dg.DagsterInstance,
-    res: FlowmatchResource,
-    found: Sequence[Stale],
-    partitions: Sequence[str],
-    assets: Sequence[str],
-    run_config: dict | None = None,
-    models: Sequence[Stale] | None = None,
-) -> int:
-    """Make the ``<asset>_fresh`` checks in ``instance`` agree with ``found`` for every
-    materialized (asset, partition) asked about (and, given the stale training runs
-    ``models``, ``flow_model_fresh`` and ``fine_tune_fresh``: a fine-tune whose parent was
-    re-trained outside Dagster shows in the UI too): an evaluation is recorded where the latest
-    one says otherwise, all in one run tagged ``flowmatch/cli=stale``. Returns how many.
-
-    (Why a run and not ``report_runless_asset_event``: Dagster 1.13 keys check executions by
-    (check, run id, partition), so a second runless evaluation of one partition's check fails
-    its UNIQUE constraint.)"""
-    bad = {(s.asset, s.partition): s for s in found}
-    recs = _records(res, list(assets), list(partitions))
-    evaluations = []
-    for a in assets:
-        latest = fresh_status(instance, a)
-        for p in partitions:
-            if (a, p) not in recs:
-                continue
-            s = bad.get((a, p))
-            if latest.get(p) == ("FAILED" if s else "SUCCEEDED"):
-                continue
-            r = fresh_result(p, s, recs[(a, p)])
-            evaluations.append(
-                dg.AssetCheckEvaluation(
-                    asset_key=dg.AssetKey(a),
-                    check_name=fresh_check_name(a),
-                    passed=r.passed,
-                    partition=p,
-                    metadata=r.metadata,
-                    description=r.description,
-                )
-            )
-    results = model_check_results(res, models) if models is not None else {}
-    has = {"flow_model": _has_runs(res), "fine_tune": bool(finetuned_runs(res))}
-    for check, (asset, passed, desc, runs) in results.items():
-        key = dg.AssetCheckKey(dg.AssetKey(asset), check)
-        if not has[asset]:  # no run of that kind: nothing for the check to say
-            continue
-        if compat.check_status(instance, key) == ("SUCCEEDED" if passed else "FAILED"):
-            continue
-        evaluations.append(
-            dg.AssetCheckEvaluation(
-                asset_key=dg.AssetKey(asset),
-                check_name=check,
-                passed=passed,
-                description=desc,
-                metadata={"stale_runs": runs},
-            )
-        )
-    if evaluations:
-        compat.report_check_evaluations(
-            instance,
-            evaluations,
-            (
-                "flowmatch_stale_report",
-                "`flowmatch stale` reporting its checks.",
-                "report_fresh_checks",
-            ),
-            tags={"flowmatch/cli": "stale"},
-            run_config=run_config,
-        )
-    return len(evaluations)
 
 
 def fresh_status(instance: dg.DagsterInstance, asset: str) -> dict[str, str]:

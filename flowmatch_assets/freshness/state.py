@@ -189,7 +189,7 @@ def verify(
 def _record_failed_attempt(instance, s: PartitionState, run_config: dict | None = None) -> None:
     """Dagster's latest attempt for ``s.asset``'s partition becomes a failure naming what
     verify found (the partition shows as Failed, no longer Materialized)."""
-    from flowmatch_assets.defs.partitions import shard_partitions
+    from flowmatch_assets.freshness.shards import shard_partitions
 
     message = f"flowmatch verify: {s.asset} {s.partition} is {s.state} ({s.detail})"
     compat.record_failed_materialization(

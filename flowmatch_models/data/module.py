@@ -38,6 +38,7 @@ from flowmatch_models.storage import remote
 from flowmatch_models.storage.fingerprint import Fingerprint
 from flowmatch_models.storage.layout import DataLayout
 from flowmatch_models.storage.store import read_shard
+from flowmatch_models.train import lightning_compat
 
 log = logging.getLogger(__name__)
 
@@ -65,35 +66,6 @@ def rank_disagreement(rank0: dict, mine: dict, rank: int) -> str | None:
                 "it was re-made while the ranks read it; resume with --resume auto"
             )
     return None
-
-
-def close_lightning_epoch(checkpoint: dict | None) -> None:
-    """Rewrite a checkpoint's Lightning loop state (before Lightning restores it) as if its
-    epoch had ended: the in-epoch batch, scheduler and optimizer counters at 0 and the epoch
-    counted complete. For a state saved inside Lightning's epoch whose data position moves to
-    the next epoch on resume (the step that ended the data's epoch; a changed order): Lightning
-    ends accumulation groups by its in-epoch batch counter, which would otherwise go on from
-    mid-epoch into the data's new epoch (a group of 2 of 4 micro-batches, the rest shifted)."""
-    fit = ((checkpoint or {}).get("loops") or {}).get("fit_loop")
-    if not fit or "epoch_loop.batch_progress" not in fit:
-        return
-    bp = fit["epoch_loop.batch_progress"]
-    bp["current"] = {k: 0 for k in bp["current"]}
-    bp["total"]["completed"] = bp["total"]["processed"]  # the last batch's end is behind it
-    bp["is_last_batch"] = False
-    for key in (
-        "epoch_loop.scheduler_progress",
-        "epoch_loop.manual_optimization.optim_step_progress",
-    ):
-        if key in fit:
-            fit[key]["current"] = {k: 0 for k in fit[key]["current"]}
-    opt = fit.get("epoch_loop.automatic_optimization.optim_progress", {}).get("optimizer", {})
-    for part in opt.values():
-        part["current"] = {k: 0 for k in part["current"]}
-    ep = fit.get("epoch_progress")
-    if ep:
-        for c in (ep["total"], ep["current"]):
-            c["ready"] = c["started"] = c["processed"] = c["completed"] = c["completed"] + 1
 
 
 class EmbeddingDataModule(L.LightningDataModule):
@@ -484,8 +456,7 @@ class EmbeddingDataModule(L.LightningDataModule):
         # its batch counter starts the data's next epoch at 0, as uninterrupted
         if position > 0 or state.get("epoch_end"):
             trainer = getattr(self, "trainer", None)
-            connector = getattr(trainer, "_checkpoint_connector", None)
-            close_lightning_epoch(getattr(connector, "_loaded_checkpoint", None))
+            lightning_compat.close_epoch(lightning_compat.loaded_checkpoint(trainer))
         if not changed and position == 0:
             self.epoch, self.position = epoch, 0  # a boundary: the new epoch decides anew
             return

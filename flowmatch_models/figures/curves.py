@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+from flowmatch_models.model.loss_terms import LOSS_TERMS, VAL_LOSS
 from flowmatch_models.storage.atomic import atomic_path
 
 
@@ -42,17 +43,14 @@ def plot_loss_curve(metrics_csv: Path, out_png: Path) -> Path:
         rows = list(csv.DictReader(f))
     fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
     # the flow-matching term on a log axis; the total (fm + lambda * -cos) goes negative with
-    # REPA, so it is drawn only when it stays positive (REPA off: it equals fm)
-    for key in ("train/fm", "train/loss"):
-        pts = [(int(r["step"]), float(r[key])) for r in rows if r.get(key)]
-        if pts and (key == "train/fm" or min(v for _, v in pts) > 0):
-            ax[0].plot(*zip(*pts), label="flow matching" if key == "train/fm" else "total")
-    pts = [(int(r["step"]), float(r["val/loss"])) for r in rows if r.get("val/loss")]
+    # REPA, so it is drawn only when it stays positive (REPA off: it equals fm); REPA apart
+    for term in LOSS_TERMS:
+        pts = [(int(r["step"]), float(r[term.logged])) for r in rows if r.get(term.logged)]
+        if pts and (not term.positive or min(v for _, v in pts) > 0):
+            ax[term.panel].plot(*zip(*pts), label=term.label)
+    pts = [(int(r["step"]), float(r[VAL_LOSS])) for r in rows if r.get(VAL_LOSS)]
     if pts:  # held-out, EMA, fixed noise and t grid: the curve to judge a run by
         ax[0].plot(*zip(*pts), "o-", label="validation (held-out, EMA)", color="C3")
-    pts = [(int(r["step"]), float(r["train/repa"])) for r in rows if r.get("train/repa")]
-    if pts:
-        ax[1].plot(*zip(*pts), label="repa (-cos)", color="C2")
     for a in ax:
         a.set_xlabel("step")
         if a.lines:

@@ -35,6 +35,7 @@ from diffusers import SanaTransformer2DModel
 
 from flowmatch_models.model.dit import DEFAULT_TEXT_DIM, FlowDiT, sana_timestep
 from flowmatch_models.model.flow_settings import FlowSettings, TSampling
+from flowmatch_models.model.loss_terms import FM, REPA, TOTAL
 
 
 def null_caption(
@@ -165,7 +166,7 @@ class FlowMatching(FlowSettings):
             sums = torch.zeros(self.n_bins, device=x.device).index_add_(0, idx, per_sample.detach())
             bin_loss = sums / count.clamp(min=1)
             bin_loss[count == 0] = float("nan")
-        return {"loss": total, "fm": fm, "repa": repa, "bin_loss": bin_loss, "bin_count": count}
+        return {TOTAL: total, FM: fm, REPA: repa, "bin_loss": bin_loss, "bin_count": count}
 
     @torch.no_grad()
     def sample(

@@ -12,6 +12,8 @@ rename), so "the file exists" means "the partition is materialized".
     <root>/exclusions/<digest>.parquet          every version of the rows training skipped
                                                 (flowmatch_models.data.exclude)
     <root>/previews/<asset>/<partition>.png     preview grids
+    <root>/runs/<name>/                         a training run's folder (DataLayout.run_dir; a
+                                                config's run.out_dir puts it elsewhere)
 """
 
 from __future__ import annotations
@@ -53,6 +55,13 @@ PD12M = "pd12m"
 BUILT_IN_SOURCES = (PD12M,)
 #: A configured source's name (flowmatch_assets/ingest/sources): its partitions are ``<name>-NNNNN``.
 SOURCE_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
+
+
+def run_folder(run: str | Path, data_root: str | Path) -> Path:
+    """A run given as a folder (one holding ``checkpoints/``) or by name (its folder under the
+    data root)."""
+    p = Path(run).expanduser()
+    return p.resolve() if (p / "checkpoints").is_dir() else DataLayout(data_root).run_dir(str(run))
 
 
 def source_of(partition: str) -> str:
@@ -101,6 +110,11 @@ class DataLayout:
         """Partitions that have every asset in ``assets`` (default: every training input)."""
         sets = [set(self.partitions_with(a)) for a in assets]
         return sorted(set.intersection(*sets)) if sets else []
+
+    def run_dir(self, name: str) -> Path:
+        """The folder of the training run ``name`` (the one place the rule is written:
+        ``TrainConfig.run_dir``, the assets and the CLI ask here)."""
+        return self.root / "runs" / name
 
     @property
     def catalog_dir(self) -> Path:

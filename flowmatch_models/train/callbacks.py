@@ -19,7 +19,9 @@ from lightning.pytorch.callbacks import Callback
 
 from flowmatch_models.data.module import EmbeddingDataModule
 from flowmatch_models.figures.curves import loss_curve_now
+from flowmatch_models.model.loss_terms import LOSS_TERMS
 from flowmatch_models.storage.atomic import atomic_path
+from flowmatch_models.train import lightning_compat
 from flowmatch_models.train.config import TrainConfig
 from flowmatch_models.train.signals import SignalStop, StoppedBySignal, signal_name
 from flowmatch_models.train.state_writer import StateWriter
@@ -176,7 +178,7 @@ class CheckpointPolicy(Callback):
         self._t_full = time.monotonic()
         self.stop.install()  # replaces Lightning's SIGTERM handler (installed by fit)
         if trainer.received_sigterm:  # Lightning's handler saw one first: it is ours now
-            trainer._signal_connector.received_sigterm = False
+            lightning_compat.forget_sigterm(trainer)
             self.stop.signum = self.stop.signum or signal.SIGTERM
         if trainer.is_global_zero:  # what a killed write left behind takes disk space
             for p in self.dir.glob(".tmp-step*.ckpt.*"):
@@ -266,7 +268,7 @@ class CheckpointPolicy(Callback):
         t0 = time.perf_counter()
         ckpt, msg = None, None
         try:  # rank 0 also writes trained_counts.json here (the module's on_save_checkpoint)
-            ckpt = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            ckpt = lightning_compat.dump_checkpoint(trainer)
         except (OSError, RuntimeError) as e:
             if not trainer.is_global_zero:
                 raise
@@ -356,9 +358,9 @@ class ProgressPrinter(Callback):
         self._last = step
         m = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
         nan = float("nan")
+        terms = " ".join(f"{t.key} {m.get(t.logged, nan):.4f}" for t in LOSS_TERMS)
         line = (
-            f"step {step}/{trainer.max_steps} loss {m.get('train/loss', nan):.4f} "
-            f"fm {m.get('train/fm', nan):.4f} repa {m.get('train/repa', nan):.4f} "
+            f"step {step}/{trainer.max_steps} {terms} "
             f"lr {m.get('train/lr', nan):.2e} {m.get('train/samples_per_s', nan):.0f} samples/s "
             f"({time.perf_counter() - self.t0:.0f}s)"
         )

@@ -32,6 +32,7 @@ from pydantic import (
 )
 
 from flowmatch_models.model.flow_settings import LEGACY_KEYS, config_fields
+from flowmatch_models.storage.layout import DataLayout
 
 
 class ConfigError(ValueError):
@@ -327,7 +328,7 @@ class TrainConfig(_Section):
         """``run.out_dir``, else ``<data root>/runs/<run.name>`` (absolute)."""
         if self.run.out_dir:
             return Path(self.run.out_dir).expanduser().resolve()
-        return self.data_root() / "runs" / self.run.name
+        return DataLayout(self.data_root()).run_dir(self.run.name)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (wandb config, TrainRequest files)."""

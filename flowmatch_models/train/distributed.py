@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from flowmatch_models.train import lightning_compat
 from flowmatch_models.train.signals import is_launcher  # noqa: F401 - its home is signals.py
 
 REQUEST_ENV = "FLOWMATCH_REQUEST"
@@ -156,11 +157,7 @@ def watch_ranks() -> None:
     line on stderr (and in ``$FLOWMATCH_ERROR_FILE``) and the rank's exit code. A rank that
     stopped on a signal (exit :data:`~flowmatch_models.train.signals.EXIT_STOPPED`) is not a
     failure: the ranks agreed to stop at the same step and the launcher stops by itself."""
-    try:
-        from lightning.fabric.strategies.launchers import subprocess_script as sub
-    except ImportError:  # pragma: no cover - Lightning without the observer
-        return
-    base = getattr(sub, "_ChildProcessObserver", None)
+    base = lightning_compat.child_process_observer()
     if base is None or getattr(base, "_flowmatch", False):
         return
 
@@ -206,4 +203,4 @@ def watch_ranks() -> None:
                 atomic_write_text(os.environ["FLOWMATCH_ERROR_FILE"], line)
             os._exit(code)
 
-    sub._ChildProcessObserver = RankObserver
+    lightning_compat.install_child_process_observer(RankObserver)

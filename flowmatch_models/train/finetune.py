@@ -29,16 +29,11 @@ import torch
 import xxhash
 
 from flowmatch_models.storage.atomic import atomic_write_text
+from flowmatch_models.storage.layout import run_folder
 from flowmatch_models.train.config import ConfigError, InitConfig
 
 LINEAGE_FILE = "lineage.json"
 _CKPT = re.compile(r"step(\d+)(-ema)?\.ckpt")
-
-
-def run_folder(run: str, data_root: Path) -> Path:
-    """A run name (under ``<data root>/runs``) or a run folder."""
-    p = Path(run).expanduser()
-    return p.resolve() if (p / "checkpoints").is_dir() else Path(data_root) / "runs" / run
 
 
 def _load(path: Path) -> dict:

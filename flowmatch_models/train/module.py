@@ -44,7 +44,16 @@ from flowmatch_models.model.dit import (
     fold_text_norm,
 )
 from flowmatch_models.model.flow import FlowMatching
+from flowmatch_models.model.loss_terms import (
+    LOSS_TERMS,
+    TOTAL,
+    VAL_BIN,
+    VAL_LOSS,
+    VAL_SAMPLES,
+    bucket_loss,
+)
 from flowmatch_models.storage.atomic import atomic_write_text
+from flowmatch_models.train import lightning_compat
 from flowmatch_models.train.config import TrainConfig
 
 
@@ -171,7 +180,7 @@ class FlowMatchModule(L.LightningModule):
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         if not grads:
             return
-        opt = getattr(optimizer, "_optimizer", optimizer)
+        opt = lightning_compat.plain_optimizer(optimizer)
         scaler = self._grad_scaler()
         if scaler is not None:  # the fused AdamW unscales nothing after this
             scaler.unscale_(opt)
@@ -182,7 +191,7 @@ class FlowMatchModule(L.LightningModule):
             scale = (clip / (norm + 1e-6)).clamp(max=1.0)
             torch._foreach_mul_(grads, torch.where(bad, torch.ones_like(scale), scale))
         if scaler is None:  # else the scaler sets it from its own check (the same gradients)
-            opt.found_inf = bad.float()
+            lightning_compat.skip_step_if(opt, bad)
         self._grad_norm, self._bad = norm, bad
         if self._norm_sum is None:
             self._norm_sum = torch.zeros((), dtype=torch.float32, device=norm.device)
@@ -193,7 +202,7 @@ class FlowMatchModule(L.LightningModule):
 
     def _grad_scaler(self) -> torch.amp.GradScaler | None:
         """The loss scaler of ``16-mixed`` (Lightning's precision plugin), else None."""
-        if self._trainer is None:
+        if lightning_compat.attached_trainer(self) is None:
             return None
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
         return scaler if scaler is not None and scaler.is_enabled() else None
@@ -252,7 +261,7 @@ class FlowMatchModule(L.LightningModule):
 
     def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
         """Decode the stored batch where it now is (the GPU): codes -> float32 states."""
-        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        dm = getattr(lightning_compat.attached_trainer(self), "datamodule", None)
         decode = getattr(dm, "decode_batch", None)
         return decode(batch, self.device) if decode is not None else batch
 
@@ -266,13 +275,12 @@ class FlowMatchModule(L.LightningModule):
         dino = batch.get("dino")
         out = self.flow.loss(self.model, x, text, batch["mask"], dino, generator=gen)
         b = x.shape[0]
-        self.log("train/loss", out["loss"], prog_bar=True, batch_size=b)
-        self.log("train/fm", out["fm"], batch_size=b)
-        self.log("train/repa", out["repa"], batch_size=b)
+        for term in LOSS_TERMS:
+            self.log(term.logged, out[term.key], prog_bar=term.key == TOTAL, batch_size=b)
         dm = getattr(self.trainer, "datamodule", None)
         if len(getattr(getattr(dm, "source", None), "grids", ())) > 1:  # aspect-ratio buckets
             h, w = x.shape[-2:]  # one bucket a batch: its loss under the bucket's pixel size
-            self.log(f"train/loss_{h * 32}x{w * 32}", out["loss"], batch_size=b)
+            self.log(bucket_loss(h * 32, w * 32), out[TOTAL], batch_size=b)
         sums = out["bin_loss"].nan_to_num(0.0) * out["bin_count"]  # every micro-batch, on device
         if self._bin_sum is None:
             self._bin_sum, self._bin_cnt = torch.zeros_like(sums), torch.zeros_like(sums)
@@ -280,7 +288,7 @@ class FlowMatchModule(L.LightningModule):
         self._bin_cnt += out["bin_count"]
         if dm is not None and hasattr(dm, "mark_consumed") and "global_batch" in meta:
             dm.mark_consumed(epoch, pos, meta["global_batch"])
-        return out["loss"]
+        return out[TOTAL]
 
     def optimizer_step(self, *args, **kwargs) -> None:
         super().optimizer_step(*args, **kwargs)
@@ -353,9 +361,9 @@ class FlowMatchModule(L.LightningModule):
                     sums[k] += float(((v.float() - (e - xb)) ** 2).mean(dim=(1, 2, 3)).sum())
             count += len(x)
         self.ema.train(was)
-        out: dict[str, float] = {f"val/t{k}": sums[k] / count for k in range(n_bins)}
-        out["val/loss"] = sum(out.values()) / n_bins
-        out["val/samples"] = float(count)
+        out: dict[str, float] = {f"{VAL_BIN}{k}": sums[k] / count for k in range(n_bins)}
+        out[VAL_LOSS] = sum(out.values()) / n_bins
+        out[VAL_SAMPLES] = float(count)
         return out
 
     @torch.no_grad()

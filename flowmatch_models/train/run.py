@@ -23,16 +23,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import errno
 import json
-import logging
 import os
 import sys
 import time
-import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import lightning as L
@@ -42,11 +38,10 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from flowmatch_models.data.module import EmbeddingDataModule
 from flowmatch_models.data.order import OrderChangedError
 from flowmatch_models.data.source import PartitionChangedError
-from flowmatch_models.encoders.loading import verbose
 from flowmatch_models.figures.curves import merge_metrics, plot_coverage, plot_loss_curve
 from flowmatch_models.inference.export import export_pipeline
+from flowmatch_models.model.loss_terms import TERMS, TOTAL, VAL_LOSS, VAL_METRIC
 from flowmatch_models.storage.atomic import atomic_write_text
-from flowmatch_models.storage.layout import DataLayout, source_of
 from flowmatch_models.train import distributed, finetune, signals, wandb_run
 from flowmatch_models.train.branches import retire_abandoned
 from flowmatch_models.train.callbacks import (
@@ -62,167 +57,18 @@ from flowmatch_models.train.callbacks import (
 )
 from flowmatch_models.train.config import ConfigError, TrainConfig, load_config
 from flowmatch_models.train.module import FlowMatchModule, NonFiniteStepsError
+from flowmatch_models.train.quiet import quiet_libraries, quiet_wandb
+from flowmatch_models.train.session import (
+    TrainRequest,
+    TrainResult,
+    checkpoint_step,
+    decide,
+    select_sources,
+)
 from flowmatch_models.train.signals import EXIT_STOPPED, SignalStop, StoppedBySignal
 
-__all__ = ["TrainRequest", "TrainResult", "main", "train"]
-
-# --------------------------------------------------------------------------------------------
-# the boundary: what goes in, what comes out
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class TrainRequest:
-    """One training session: which config, on which partitions, for how many steps, where."""
-
-    #: a YAML path (read anew on each start) or a config dict; flow_model sends the full dump
-    #: of the TrainConfig it validated (``TrainConfig.to_dict()``), nothing left to parse
-    config: str | dict = "configs/tiny.yaml"
-    overrides: list[str] = field(default_factory=list)  # ``key.sub=value`` items (the CLI's --set)
-    partitions: list[str] | None = None  # None: every complete partition, decided at start
-    max_steps: int | None = None  # total steps (None: the config's trainer.max_steps)
-    extra_steps: int | None = None  # or: this many beyond the checkpoint resumed from
-    run_dir: str | None = None  # None: the config's (run.out_dir or <data root>/runs/<name>)
-    resume: str = "auto"  # auto (last.ckpt if any), none, or a checkpoint path
-    coverage: dict = field(default_factory=dict)  # what the caller knew (logged to wandb)
-    log_segment: int | None = None  # logs/segNNN of this session (decided by the launcher)
-    parent: dict | None = None  # a fine-tune's parent (decided by the launcher: finetune.py)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> TrainRequest:
-        return cls(**d)
-
-
-@dataclass
-class TrainResult:
-    """What a session did, measured (never guessed by the caller)."""
-
-    run_dir: str
-    is_global_zero: bool = True
-    device: str = ""  # e.g. "cuda (NVIDIA H200) x 2, bf16-mixed", from the trainer
-    step: int = 0
-    start_step: int = 0
-    samples_session: int = 0  # samples trained in this session (all ranks)
-    samples_total: int = 0  # since the run began
-    trained_counts: dict[str, int] = field(default_factory=dict)
-    partitions: list[str] = field(default_factory=list)
-    data_position: dict[str, int] = field(default_factory=dict)
-    metrics: dict[str, float | None] = field(default_factory=dict)  # last logged train/*
-    wall_s: float = 0.0
-    resumed_from: str | None = None
-    checkpoint: str | None = None
-    export_dir: str | None = None  # the SanaPipeline folder
-    metrics_csv: str | None = None
-    loss_curve: str | None = None
-    coverage_curve: str | None = None  # partitions/samples available vs used per epoch
-    sample_grid: str | None = None
-    wandb_dir: str | None = None
-    skipped_steps: int = 0  # optimizer steps skipped for non-finite gradients, since the run began
-    grad_norm_mean: float | None = None  # this session's mean grad norm (finite, pre-clip)
-    disk_bytes: int = 0  # the run folder on disk (checkpoints, exports, logs), hard links once
-    parent: dict | None = None  # a fine-tune's parent run, step and digest (finetune.py)
-    stopped: str | None = None  # stopped by a signal: the line saying so (exit EXIT_STOPPED)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> TrainResult:
-        return cls(**d)
-
-    def materialization_metadata(self) -> dict:
-        """Scalars for a Dagster materialization (Pipes)."""
-        keep = {
-            "step": self.step,
-            "device": self.device,
-            "checkpoint": self.checkpoint,
-            "samples_session": self.samples_session,
-            "samples_total": self.samples_total,
-            "wall_s": round(self.wall_s, 1),
-            "export_dir": self.export_dir,
-            "skipped_steps": self.skipped_steps,
-            "disk_bytes": self.disk_bytes,
-            "grad_norm_mean": self.grad_norm_mean,
-            "wandb_dir": self.wandb_dir,
-            **self.metrics,
-        }
-        if self.parent:
-            keep["parent_run"], keep["parent_step"] = self.parent["run"], self.parent["step"]
-        return {k: v for k, v in keep.items() if v is not None}
-
-
-def _checkpoint_step(path: str) -> int:
-    """The global step of a checkpoint, read without loading its tensors (mmap)."""
-    ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    return int(ckpt.get("global_step", 0))
-
-
-def _resolve_resume(resume: str | None, run_dir: Path) -> str | None:
-    if resume in (None, "", "none"):
-        return None
-    if resume == "auto":
-        last = run_dir / "checkpoints" / "last.ckpt"
-        return str(last) if last.is_file() else None
-    if not Path(resume).is_file():
-        raise FileNotFoundError(f"--resume {resume}: no such checkpoint; use --resume auto")
-    return resume
-
-
-def decide(request: TrainRequest) -> tuple[TrainRequest, TrainConfig]:
-    """The launcher's decisions, made once: the config, the run folder, the partitions, the
-    checkpoint to resume and the step budget. Returns the decided request and its config."""
-    cfg = load_config(request.config, request.overrides, request.max_steps)
-    run_dir = Path(request.run_dir).expanduser().resolve() if request.run_dir else cfg.run_dir()
-    cfg.run.out_dir, cfg.data.root = str(run_dir), str(cfg.data_root())
-    resume = _resolve_resume(request.resume, run_dir)
-    if request.extra_steps is not None:
-        cfg.trainer.max_steps = (_checkpoint_step(resume) if resume else 0) + request.extra_steps
-    partitions = request.partitions or cfg.data.partitions
-    cfg.data.grow = cfg.data.grow and not (request.partitions is None and cfg.data.partitions)
-    if not partitions:
-        partitions = DataLayout(cfg.data.root).complete_partitions()
-    partitions = select_sources(partitions, cfg)
-    cfg.data.partitions = list(partitions)
-    parent = finetune.read_lineage(run_dir) if resume else None
-    if resume and cfg.init.on and parent is None:
-        print(f"note: init is ignored: {run_dir.name} resumes from its own checkpoint", flush=True)
-    if not resume and cfg.init.on:  # a fine-tune's first session: its parent's weights
-        parent = finetune.resolve_parent(cfg.init, cfg.data_root(), run_dir)
-    decided = dataclasses.replace(
-        request,
-        config=cfg.to_dict(),
-        overrides=[],
-        partitions=list(partitions),
-        max_steps=cfg.trainer.max_steps,
-        extra_steps=None,
-        run_dir=str(run_dir),
-        resume=resume or "none",
-        log_segment=len(list((run_dir / "logs").glob("seg*"))),
-        parent=parent,
-    )
-    return decided, cfg
-
-
-def select_sources(partitions: Sequence[str], cfg: TrainConfig) -> list[str]:
-    """``partitions`` of ``data.sources`` only (all when unset), each taken ``data.source_weights``
-    times (a per-source weight: its samples drawn that many times as often); either one fixes
-    the list for the session (``data.grow`` off: a resume picks up new partitions)."""
-    d = cfg.data
-    if not d.sources and not d.source_weights:
-        return list(partitions)
-    picked = [p for p in partitions if d.sources is None or source_of(p) in d.sources]
-    if not picked:
-        have = sorted({source_of(p) for p in partitions})
-        raise ConfigError(
-            f"data.sources {d.sources}: no complete partition of them (complete "
-            f"partitions are of {have}); materialize their embeddings first"
-        )
-    d.grow = False
-    return [p for p in picked for _ in range(d.source_weights.get(source_of(p), 1))]
-
+# the boundary (train/session.py), imported from here too
+__all__ = ["TrainRequest", "TrainResult", "decide", "main", "select_sources", "train"]
 
 # --------------------------------------------------------------------------------------------
 # the run
@@ -242,7 +88,7 @@ def train(request: TrainRequest, pipes=None, stop: SignalStop | None = None) -> 
         atomic_write_text(path, json.dumps(request.to_dict(), indent=1))
         if request.resume == "none":  # a new run (or a restart): its parent, or none
             finetune.write_lineage(cfg.run_dir(), request.parent)
-        start = _checkpoint_step(request.resume) if request.resume != "none" else 0
+        start = checkpoint_step(request.resume) if request.resume != "none" else 0
         moved = retire_abandoned(cfg.run_dir() / "checkpoints", start, request.resume)
         if moved is not None:
             print(f"note: the checkpoints after step {start} (abandoned) moved to {moved}")
@@ -253,7 +99,7 @@ def train(request: TrainRequest, pipes=None, stop: SignalStop | None = None) -> 
 
 def _kept(run_dir: Path) -> str | None:
     last = run_dir / "checkpoints" / "last.ckpt"
-    return f"{last} (step {_checkpoint_step(str(last))})" if last.is_file() else None
+    return f"{last} (step {checkpoint_step(str(last))})" if last.is_file() else None
 
 
 def _fit(
@@ -315,7 +161,7 @@ def _fit(
         )
     ]
     if cfg.logging.wandb:
-        _quiet_wandb()
+        quiet_wandb()
         loggers.append(
             wandb_run.make_logger(cfg, run_dir, distributed.is_launcher(), coverage, request.parent)
         )
@@ -380,7 +226,7 @@ def _fit(
         is_global_zero=trainer.is_global_zero,
         device=distributed.device_description(trainer),
         step=int(trainer.global_step),
-        start_step=_checkpoint_step(ckpt_path) if ckpt_path else 0,
+        start_step=checkpoint_step(ckpt_path) if ckpt_path else 0,
         samples_session=total - samples_before,
         samples_total=total,
         trained_counts=dict(dm.trained_counts),
@@ -388,7 +234,7 @@ def _fit(
         data_position={"epoch": dm.epoch, "position": dm.position},
         metrics={
             k: float(v) if (v := trainer.callback_metrics.get(f"train/{k}")) is not None else None
-            for k in ("loss", "fm", "repa", "samples_per_s", "lr")
+            for k in (*TERMS, "samples_per_s", "lr")
         },
         wall_s=time.perf_counter() - t0,
         resumed_from=ckpt_path,
@@ -396,11 +242,11 @@ def _fit(
         grad_norm_mean=module.grad_norm_mean(),
         parent=request.parent,
     )
-    result.metrics["val_loss"] = module.last_validation.get("val/loss")
+    result.metrics[VAL_METRIC] = module.last_validation.get(VAL_LOSS)
     if ckpt_cb.stopped is None and (stop.requested or stop.agreed) and distributed.is_launcher():
         # the signal came after the last step boundary (the final state is saved): it is a stop
         last = run_dir / "checkpoints" / "last.ckpt"
-        step = _checkpoint_step(str(last)) if last.is_file() else int(trainer.global_step)
+        step = checkpoint_step(str(last)) if last.is_file() else int(trainer.global_step)
         ckpt_cb.stopped = StoppedBySignal(stop.name, step, str(last) if last.is_file() else None)
     if ckpt_cb.stopped is not None:  # a signal: the state is saved, quickly out (no export)
         result.stopped = str(ckpt_cb.stopped)
@@ -410,7 +256,7 @@ def _fit(
         return result
     _finish_outputs(result, cfg, trainer, module, dm, grid_cb, loggers)
     print(
-        f"done: step {result.step} loss {result.metrics['loss']} on {result.device} in "
+        f"done: step {result.step} loss {result.metrics[TOTAL]} on {result.device} in "
         f"{result.wall_s:.0f}s; checkpoint {result.checkpoint}; export {result.export_dir}",
         flush=True,
     )
@@ -505,52 +351,6 @@ def _finish_outputs(result, cfg, trainer, module, dm, grid_cb, loggers) -> None:
 #: the frozen parts are in eval mode; the module moves and decodes batches itself (the data
 #: module's hooks are the default ones); Lightning's own pytree helper uses a deprecated torch
 #: check. Matched at the start of the message, so any other warning still shows.
-EXPECTED_WARNINGS = (
-    r"Found \d+ module\(s\) in eval mode at the start of training",
-    r"You have overridden `on_(before|after)_batch_transfer` in `LightningModule` but have "
-    r"passed in a `LightningDataModule`",
-    r"`isinstance\(treespec, LeafSpec\)` is deprecated",
-)
-
-
-def quiet_libraries() -> None:
-    """What the libraries print that tells a user of this run nothing, silenced in this process
-    unless ``FLOWMATCH_VERBOSE`` is set (the CLI's ``--verbose``): Lightning's info lines
-    ("GPU available ...", "TPU available ...", the litlogger tip, "max_steps reached"), the
-    :data:`EXPECTED_WARNINGS` and transformers' "Writing model shards" bar of the export (wandb:
-    :func:`_quiet_wandb`). The run's own lines (progress, checkpoints, errors) are printed by
-    this package and always show; so does every other warning."""
-    if verbose():
-        return
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    for message in EXPECTED_WARNINGS:
-        warnings.filterwarnings("ignore", message=message)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-
-
-def _quiet_wandb() -> None:
-    """wandb's banner, run summary and notices off, its errors on (unless ``FLOWMATCH_VERBOSE``;
-    ``WANDB_*`` variables the user set win): the run folder's ``wandb/`` is named by the caller.
-    Its terminal is set up from them now, before the logger starts its run, whose settings
-    check warns about the ``anonymous`` argument Lightning passes. (Not ``wandb.setup()``: it
-    would read the environment before the logger sets ``WANDB_MODE`` for an offline run.)"""
-    if verbose():
-        return
-    for key, value in (
-        ("WANDB_QUIET", "true"),
-        ("WANDB_SHOW_INFO", "false"),
-        ("WANDB_SHOW_WARNINGS", "false"),
-    ):
-        os.environ.setdefault(key, value)
-    import wandb
-
-    settings = wandb.Settings()
-    settings.update_from_env_vars(dict(os.environ))
-    wandb.termsetup(settings, None)
-
-
 def _pipes():
     """Dagster Pipes when launched by Dagster (``DAGSTER_PIPES_CONTEXT``), in the launcher."""
     if os.environ.get("DAGSTER_PIPES_CONTEXT") and distributed.is_launcher():
