@@ -280,12 +280,15 @@ def test_a_backfill_on_two_celery_workers_survives_a_killed_worker(
             time.sleep(3)
             run = instance.get_run_by_id(waiting)
             assert run.status == dg.DagsterRunStatus.STARTING
+            logs = instance.all_logs(waiting)
             sent = [
                 e.dagster_event.engine_event_data.metadata
-                for e in instance.all_logs(waiting)
-                if e.dagster_event and "forwarded to the broker" in (e.user_message or "")
+                for e in logs
+                if e.dagster_event and "forwarded to the broker" in (e.dagster_event.message or "")
             ]
-            assert [m["Celery Queue"].value for m in sent] == ["gpu"]
+            assert [m["Celery Queue"].value for m in sent] == ["gpu"], [
+                e.dagster_event and e.dagster_event.message for e in logs
+            ]
             assert "queue='gpu'" in instance.run_launcher.get_run_worker_debug_info(run)
 
         # the head never made anything itself: its data root holds only what it synced
