@@ -204,3 +204,15 @@ def test_a_causal_encoders_first_states_are_the_null_captions(enc, minilm):
     bert = Encoders(EncoderSpec(text=minilm, device="cpu"))
     tokens, lengths = bert.encode_text(captions)
     assert not first_token_is_null(tokens, lengths, bert.encode_null())
+
+
+def test_an_unknown_store_codec_is_refused_when_the_settings_are_read():
+    """The codec setting names one of the store's codecs (one list: storage/codecs.py); a typo
+    fails at launch, not inside write_shard after a partition was encoded."""
+    from pydantic import ValidationError
+
+    from flowmatch_models.storage.codecs import CODECS
+
+    assert [EncoderSpec(codec=c).codec for c in CODECS] == list(CODECS)
+    with pytest.raises(ValidationError, match="unknown codec 'lz5'; choose one of none, zstd"):
+        EncoderSpec(codec="lz5")

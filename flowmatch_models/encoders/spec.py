@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
+
+from flowmatch_models.storage.codecs import CODECS
 
 #: The default storage of the lossy-capable training inputs: caption states at 4.5 bits per
 #: value (<= 46 KB for 128 tokens of 640), DINOv2 patches at 4 (12 KB for 64 x 384); with fp16
@@ -73,6 +75,15 @@ class EncoderSpec(BaseModel):
         "rate, decoded on the GPU), int8 or fp8 for its lossy-capable arrays, error recorded; "
         "absent: lossless. Default: all of PD12M within 64 KB per sample (docs/DESIGN.md).",
     )
+
+    @field_validator("codec")
+    @classmethod
+    def _known_codec(cls, v: str) -> str:
+        """A codec the store writes (``storage/codecs.py`` ``CODECS``), refused at launch
+        rather than after a partition is encoded."""
+        if v not in CODECS:
+            raise ValueError(f"unknown codec {v!r}; choose one of {', '.join(CODECS)}")
+        return v
 
 
 #: ``flowmatch bench precompute`` only: the pairs per second of a simulated GPU
