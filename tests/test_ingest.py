@@ -343,8 +343,14 @@ def test_output_formats(fmt: str, pil: str) -> None:
 
 
 def test_bad_image_format_is_a_config_error() -> None:
-    with pytest.raises(ValueError, match="image_format"):
-        ingest_rows([{"id": "a", "url": "http://x/a"}], _cfg(image_format="gif"))
+    # refused when the settings are read (one list: ingest/images.py IMAGE_FORMATS) ...
+    with pytest.raises(ValueError, match="image_format 'gif' is not supported; use jpeg, webp"):
+        _cfg(image_format="gif")
+    # ... and by the stage before any row, for a config changed after it was validated
+    cfg = _cfg()
+    cfg.image_format = "gif"
+    with pytest.raises(ValueError, match="image_format 'gif' is not supported"):
+        ingest_rows([{"id": "a", "url": "http://x/a"}], cfg)
 
 
 def test_max_pixels_checked_before_decoding() -> None:

@@ -8,9 +8,9 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, as_completed
 
 import urllib3
 
-from flowmatch_assets.ingest.decode import ENCODERS, process_image
+from flowmatch_assets.ingest.decode import process_image
 from flowmatch_assets.ingest.fetch import fetch_bytes, make_pool
-from flowmatch_assets.ingest.images import IngestConfig, IngestError, IngestResult
+from flowmatch_assets.ingest.images import IngestConfig, IngestError, IngestResult, pillow_format
 
 
 def _check_hash(row: Mapping, md5: str, cfg: IngestConfig) -> None:
@@ -58,10 +58,7 @@ def ingest_rows(
     Returns one ``IngestResult`` per row, in input order; never raises for a bad row (only for
     a bad config). ``progress(done, total)`` is called from the calling thread as rows finish.
     """
-    if cfg.image_format.lower() not in ENCODERS:
-        raise ValueError(
-            f"ingest.image_format {cfg.image_format!r} is not supported; use jpeg, webp or png"
-        )
+    pillow_format(cfg.image_format)  # a bad config raises before any row
     if cfg.threads < 1:
         raise ValueError(f"ingest.threads must be >= 1, got {cfg.threads}")
     total = len(rows)
@@ -114,10 +111,7 @@ def ingest_blobs(
     ``cfg.decode_memory_bytes`` of them (or one), wait in memory. Returns
     one ``IngestResult`` per row of ``rows``, in their order (a row ``blobs`` never yields fails
     as ``internal``)."""
-    if cfg.image_format.lower() not in ENCODERS:
-        raise ValueError(
-            f"ingest.image_format {cfg.image_format!r} is not supported; use jpeg, webp or png"
-        )
+    pillow_format(cfg.image_format)  # a bad config raises before any row
     position = {str(r.get("id", "")): i for i, r in enumerate(rows)}
     results: list[IngestResult | None] = [None] * len(rows)
     done = 0

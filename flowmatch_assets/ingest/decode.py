@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageFile
 
-from flowmatch_assets.ingest.images import IngestConfig, IngestError
+from flowmatch_assets.ingest.images import IMAGE_FORMATS, IngestConfig, IngestError, pillow_format
 
 try:  # libjpeg-turbo with M/8 DCT scaling; without it every JPEG takes the Pillow draft path
     import simplejpeg
@@ -38,7 +38,7 @@ except ImportError:  # pragma: no cover - simplejpeg is a declared dependency
     simplejpeg = None
 from flowmatch_models.data.buckets import cover_box
 
-ENCODERS = {"jpeg": "JPEG", "webp": "WEBP", "png": "PNG"}
+ENCODERS = IMAGE_FORMATS  # the stored format -> Pillow encoder (ingest/images.py)
 
 # Pillow allocates a large image in blocks (16 MB by default), which glibc serves from each
 # thread's own heap once its mmap threshold has grown, and keeps there when freed: 6 threads
@@ -408,11 +408,7 @@ def process_image(data: bytes, cfg: IngestConfig) -> tuple[bytes, int, int]:
             "PIL.ImageFile.LOAD_TRUNCATED_IMAGES is True somewhere in this process; truncated "
             "images would be stored silently. Leave it False."
         )
-    encoder = ENCODERS.get(cfg.image_format.lower())
-    if encoder is None:
-        raise ValueError(
-            f"ingest.image_format {cfg.image_format!r} is not supported; use jpeg, webp or png"
-        )
+    encoder = pillow_format(cfg.image_format)
     fmt = sniff_format(data)
     if fmt is None:
         raise IngestError("not_image", describe_bytes(data))

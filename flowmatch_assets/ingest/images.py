@@ -83,6 +83,20 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from flowmatch_models.data.buckets import GRID, Bucket, buckets_for, nearest, square
 
+#: The stored images' formats (``IngestConfig.image_format``, any case) -> Pillow's encoder.
+IMAGE_FORMATS = {"jpeg": "JPEG", "webp": "WEBP", "png": "PNG"}
+
+
+def pillow_format(image_format: str) -> str:
+    """Pillow's encoder of a stored image format; a clear error for any other."""
+    encoder = IMAGE_FORMATS.get(image_format.lower())
+    if encoder is None:
+        raise ValueError(
+            f"ingest.image_format {image_format!r} is not supported; use "
+            + ", ".join(IMAGE_FORMATS)
+        )
+    return encoder
+
 
 class IngestConfig(BaseModel):
     """Download, decode, resize and encode settings of the images stage."""
@@ -160,11 +174,19 @@ class IngestConfig(BaseModel):
         "(a CDN placeholder, a replaced file). Rows without an md5-like hash (32 hex digits) "
         "and sources' own images are not checked.",
     )
-    image_format: str = Field(default="jpeg", description="jpeg, webp or png.")
+    image_format: str = Field(
+        default="jpeg", description="The stored images' format: " + ", ".join(IMAGE_FORMATS) + "."
+    )
     quality: int = Field(default=95, description="JPEG/WebP quality.")
     user_agent: str = Field(
         default="flowmatch/0.1 (+PD12M research)", description="HTTP User-Agent."
     )
+
+    @field_validator("image_format")
+    @classmethod
+    def _format(cls, v: str) -> str:
+        pillow_format(v)  # refused when the settings are read, not at the first image
+        return v
 
     @field_validator("allow_networks")
     @classmethod
