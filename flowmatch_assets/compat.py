@@ -370,13 +370,30 @@ def log_mirrors_apart() -> Iterator[None]:
         finally:
             time.sleep(float(os.getenv("DAGSTER_COMPUTE_LOG_TAIL_WAIT_AFTER_FINISH", "0")))
             for proc in (tail, watcher):
-                compute_logs._clean_up_subprocess(proc)
+                _end(proc)
 
     compute_logs.execute_posix_tail = apart
     try:
         yield
     finally:
         compute_logs.execute_posix_tail = real
+
+
+def _end(proc, grace: float = 2.0) -> None:
+    """SIGTERM, then SIGKILL after ``grace`` seconds: a process that inherited SIGTERM ignored
+    (Dagster's own clean-up waits 30 s and then raises) still ends, and is reaped."""
+    import subprocess
+
+    if proc is None:
+        return
+    try:
+        proc.terminate()
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    except OSError:
+        pass
 
 
 def run_launcher_api() -> tuple[type, type, type]:

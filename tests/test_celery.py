@@ -175,6 +175,16 @@ def _rows(root: Path) -> list[tuple]:
     ]
 
 
+def _partitions_of(run) -> set[str]:
+    """The partitions a run materializes: its one partition, or its range (an embedding run)."""
+    tags = run.tags
+    if "dagster/partition" in tags:
+        return {tags["dagster/partition"]}
+    lo = tags["dagster/asset_partition_range_start"]
+    hi = tags["dagster/asset_partition_range_end"]
+    return {p for p in PARTS if lo <= p <= hi}
+
+
 def _worker_of(celery_app, run) -> str | None:
     task = run.tags.get("dagster-celery/task_id")
     if not task:
@@ -257,7 +267,7 @@ def test_a_backfill_on_two_celery_workers_survives_a_killed_worker(
             assert dead.status == dg.DagsterRunStatus.FAILURE
             retry = [r for r in ok if r.tags.get("dagster/parent_run_id") == killed]
             assert len(retry) == 1 and where[retry[0].run_id] == "w2", (where, killed)
-            assert retry[0].tags.get("dagster/partition") == dead.tags.get("dagster/partition")
+            assert _partitions_of(retry[0]) == _partitions_of(dead)
             # both workers did work that finished; every other run succeeded once
             assert {where[r.run_id] for r in ok} == {"w1", "w2"}, where
             assert len(ok) == len(runs) - 1
@@ -265,10 +275,17 @@ def test_a_backfill_on_two_celery_workers_survives_a_killed_worker(
             for r in runs:
                 gpu = any(k.to_user_string() in GPU_ASSETS for k in r.asset_selection)
                 assert r.tags["dagster-celery/queue"] == ("gpu" if gpu else "cpu")
-            for a in ASSETS:  # every partition materialized, once
+            for a in ASSETS:  # every partition materialized, once (the killed run aside)
                 assert instance.get_materialized_partitions(dg.AssetKey(a)) == set(PARTS)
                 done = instance.fetch_materializations(dg.AssetKey(a), limit=100).records
-                assert sorted(e.partition_key for e in done) == sorted(PARTS), a
+                alive = [e.partition_key for e in done if e.run_id != killed]
+                # the worker can die after a step's materialization was recorded and before its
+                # success was: the retry (from failure) runs that step again, so the killed run's
+                # own materializations are of its partition only and may repeat the retry's
+                lost = {e.partition_key for e in done if e.run_id == killed}
+                assert lost <= _partitions_of(dead), (a, lost)
+                assert set(alive) | lost == set(PARTS), a
+                assert len(alive) == len(set(alive)), (a, alive)
 
         # no worker is left: a GPU run waits in its queue, and its log and debug info name it
         waiting = launch_run(dev.url, ["vae_latents"], partition=PARTS[0])

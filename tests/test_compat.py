@@ -5,6 +5,8 @@ breaking `flowmatch stale`, `verify` or the CLI's one-line errors silently."""
 from __future__ import annotations
 
 import os
+import time
+from pathlib import Path
 
 import dagster as dg
 import pytest
@@ -183,6 +185,37 @@ def test_log_mirrors_apart_start_dagsters_tail_in_a_group_of_its_own(tmp_path):
         for pid in (tail, watcher):  # ended (and reaped) with the block
             assert not os.path.exists(f"/proc/{pid}")
     assert compute_logs.execute_posix_tail is real
+
+
+def test_log_mirrors_end_even_when_sigterm_was_ignored_before_them(tmp_path):
+    """A process that ignores SIGTERM passes that on to the tail it starts (Lightning ignores
+    SIGINT after a Ctrl-C and never restores it): the mirror still ends within seconds."""
+    import signal
+
+    from dagster._core.execution import compute_logs
+
+    from flowmatch_assets import compat
+
+    log = tmp_path / "step.log"
+    log.write_text("a line\n")
+    before = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        with open(tmp_path / "mirror.txt", "w") as out, compat.log_mirrors_apart():
+            t0 = time.monotonic()
+            with compute_logs.execute_posix_tail(str(log), out) as (tail, watcher):
+                ignored = int(_status(tail)["SigIgn"], 16)
+                assert ignored & (1 << (signal.SIGTERM - 1)), "the tail should inherit it"
+                t0 = time.monotonic()
+            assert time.monotonic() - t0 < 10
+            for pid in (tail, watcher):
+                assert not os.path.exists(f"/proc/{pid}")
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _status(pid: int) -> dict[str, str]:
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return dict(line.split(":\t", 1) for line in lines if ":\t" in line)
 
 
 def test_run_launcher_api_has_what_the_celery_launcher_overrides():
