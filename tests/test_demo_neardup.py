@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from PIL import Image
 
 from flowmatch_assets.demo.dataset import NEAR_COPIES, NEAR_THRESHOLD, SampleSpec, write_sample
 from flowmatch_assets.ingest import neardup
@@ -52,6 +53,8 @@ def test_the_copies_follow_every_other_row_and_leave_the_sample_as_it_was(sample
         c, o = by_id[copy_id], by_id[original_id]
         assert s["expected_outcomes"][copy_id] == s["expected_outcomes"][original_id] == "stored"
         assert c["caption"] == o["caption"]
+        with Image.open(Path(s["dest"]) / o["url"].removeprefix("file:")) as im:
+            assert (o["mime_type"], im.mode) == ("image/jpeg", "RGB")  # a colour JPEG
         assert c["hash"] not in {r["hash"] for r in others}  # the exact-hash dedupe keeps it
         assert c["url"] != o["url"] and c["source"] != o["source"]
     # the held-out rows of every partition (configs/tiny.yaml: 10%, at most 50) stay the same

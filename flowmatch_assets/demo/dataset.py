@@ -71,7 +71,7 @@ NEAR_COPIES: tuple[tuple[int, int, str], ...] = (
     (0, 67, "half"),
     (1, 13, "crop4"),
     (1, 42, "border"),
-    (2, 18, "crop4"),
+    (2, 3, "crop4"),
 )
 #: The pHash bits the demo decides near duplicates at (`flowmatch catalog neardup --threshold`):
 #: the planted copies lie within 2 bits of their originals, the sample's closest unrelated pairs
