@@ -64,8 +64,8 @@ def test_the_copies_follow_every_other_row_and_leave_the_sample_as_it_was(sample
         assert [ids[k] for k in heldout_rows(ids, 0.1, 50)] == [
             kept[k] for k in heldout_rows(kept, 0.1, 50)
         ]
-    # a spec that does not draw the sources plants nothing
-    small = write_sample(Path(s["dest"]).parent / "small", SampleSpec(files=1, rows_per_file=4))
+    # a spec that does not draw every source plants nothing (test_dedupe's draws one of them)
+    small = write_sample(Path(s["dest"]).parent / "small", SampleSpec(files=3, rows_per_file=5))
     assert small["near_copies"] == {}
 
 
