@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+from functools import partial
 from pathlib import Path
 
 import dagster as dg
@@ -25,7 +26,7 @@ from flowmatch_assets.definitions import defs
 from flowmatch_assets.defs.definitions import resources_for
 from flowmatch_assets.defs.partitions import register_partitions
 from flowmatch_assets.defs.resources import FlowmatchResource
-from flowmatch_assets.demo.dataset import draw_image
+from flowmatch_assets.demo.dataset import draw_image, near_copy
 from flowmatch_assets.ingest import neardup
 from flowmatch_assets.ingest.images import IngestConfig
 from flowmatch_assets.reports.data_card import card_rows
@@ -40,18 +41,8 @@ def _jpeg(img: Image.Image, quality: int = 90) -> bytes:
     return buf.getvalue()
 
 
-def _crop4(img: Image.Image) -> Image.Image:
-    w, h = img.size
-    dx, dy = round(w * 0.02), round(h * 0.02)  # 4% of each side in all
-    return img.crop((dx, dy, w - dx, h - dy))
-
-
-VARIANTS = {
-    "q40": lambda im: Image.open(io.BytesIO(_jpeg(im, 40))).convert("RGB"),
-    "half": lambda im: im.resize((im.width // 2, im.height // 2)).resize(im.size),
-    "crop4": _crop4,
-    "border": lambda im: ImageOps.expand(im, 10, fill=(255, 255, 255)),
-}
+#: the planted copies, made as the demo sample makes its own (near_copy)
+VARIANTS = {how: partial(near_copy, how=how) for how in ("q40", "half", "crop4", "border")}
 
 
 def _words(caption: str) -> tuple[str, str]:

@@ -99,11 +99,30 @@ def cmd_demo(
         runs.EXTRA_TAGS.update(saved_tags)
 
 
+def _near_duplicates(root: Path) -> str | None:
+    """The near-duplicate decision over the stored images, as `flowmatch catalog neardup
+    --threshold 4` makes it (before training, which skips what it removes); one line; the
+    pairs picture's path."""
+    from flowmatch_assets.catalog import Catalog
+    from flowmatch_assets.cli.reports import decide_near_duplicates
+    from flowmatch_assets.demo.dataset import NEAR_THRESHOLD
+
+    r = decide_near_duplicates(Catalog(root), NEAR_THRESHOLD)
+    how = ", ".join(f"{n} {d}" for d, n in r["detectors"].items()) or "none"
+    print(
+        f"\nnear duplicates: {r['near_duplicates']} found ({how}; pHash within "
+        f"{r['threshold']} bits) among {r['kept'] + r['near_duplicates']} stored images; "
+        f"training skips them; picture: {r['pairs_png'] or '-'}"
+    )
+    return r["pairs_png"]
+
+
 def _stages(root: Path, res, t0: float, train_steps: int | None) -> int:
     """The demo's runs, each tagged ``flowmatch/demo: <stage>`` (and ``flowmatch/cli: demo``);
     then where the results lie."""
     runs.EXTRA_TAGS.update({runs.ORIGIN_TAG: "demo", runs.DEMO_TAG: "lineage"})
     results = runs.materialize(raise_on_error=False, res=res)
+    near_png = _near_duplicates(root)
     trained = evaluated = True
     train_on = train_steps is None or train_steps > 0
     if train_on:
@@ -131,6 +150,8 @@ def _stages(root: Path, res, t0: float, train_steps: int | None) -> int:
     print("                    flowmatch catalog coverage | failures | compression | throughput")
     for p in previews[:3]:
         print(f"  preview grid:     {p}")
+    if near_png:
+        print(f"  near duplicates:  {near_png}  (each removed image beside the one kept)")
     run = layout.run_dir("demo")
     if (run / "loss_curve.png").exists():
         print(f"  loss curve:       {run / 'loss_curve.png'}")
