@@ -26,7 +26,6 @@ LONGER = {
     "flowmatch_assets/catalog/views.py",
     "flowmatch_assets/ingest/decode.py",
     "flowmatch_assets/runs.py",
-    "flowmatch_models/storage/store.py",
 }
 
 
