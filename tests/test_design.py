@@ -25,7 +25,6 @@ LONGER = {
     "flowmatch_assets/bench/store.py",
     "flowmatch_assets/catalog/views.py",
     "flowmatch_assets/ingest/decode.py",
-    "flowmatch_assets/runs.py",
 }
 
 

@@ -11,7 +11,7 @@ import os
 import time
 from pathlib import Path
 
-from flowmatch_assets import runs
+from flowmatch_assets import runs, train_runs
 from flowmatch_assets.cli.common import CliError
 from flowmatch_assets.cli.reports import print_reports
 from flowmatch_assets.demo import DEMO_VAE
@@ -129,11 +129,11 @@ def _stages(root: Path, res, t0: float, train_steps: int | None) -> int:
         steps = train_steps or "configs/tiny.yaml's"
         print(f"\ntraining the tiny DiT for {steps} steps on the covered partitions ...")
         runs.EXTRA_TAGS[runs.DEMO_TAG] = "train"
-        trained = runs.train(steps=train_steps, run_name="demo", res=res)
+        trained = train_runs.train(steps=train_steps, run_name="demo", res=res)
         if trained:
             print("\nevaluating caption following of every checkpoint (48 prompts each) ...")
             runs.EXTRA_TAGS[runs.DEMO_TAG] = "evaluate"
-            evaluated = runs.evaluate(run_name="demo", which="all", res=res)
+            evaluated = train_runs.evaluate(run_name="demo", which="all", res=res)
     runs.EXTRA_TAGS[runs.DEMO_TAG] = "reports"
     budget_ok = runs.materialize_budget(res)
     cards_ok = runs.materialize_data_cards(res=res)
