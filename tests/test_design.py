@@ -23,7 +23,6 @@ LONGER = {
     "flowmatch_models/data/source.py",
     "flowmatch_assets/bench/scale.py",
     "flowmatch_assets/bench/store.py",
-    "flowmatch_assets/ingest/decode.py",
 }
 
 
