@@ -104,7 +104,12 @@ def _texture(rng: np.random.Generator, w: int, h: int, base: tuple[int, int, int
     grad = np.linspace(-20, 20, lw)[None, :, None] * rng.choice([-1, 1])
     small = np.clip(np.array(base)[None, None, :] + noise + grad, 0, 255).astype(np.uint8)
     img = Image.fromarray(small).resize((w, h), Image.BILINEAR)
-    fine = Image.effect_noise((w, h), 40).convert("RGB")  # fine grain, made in C
+    # fine grain from a child of ``rng`` (not Pillow's effect_noise, whose C rand() is process
+    # state: a second sample in one process came out different); spawning leaves rng's own
+    # stream where it was, so every other draw of the sample is the one before
+    z = rng.spawn(1)[0].standard_normal((h, w), dtype=np.float32)
+    grain = np.clip(128 + 40 * z, 0, 255).astype(np.uint8)
+    fine = Image.fromarray(grain).convert("RGB")
     return Image.blend(img, fine, 0.06)
 
 
