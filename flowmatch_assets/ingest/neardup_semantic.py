@@ -164,6 +164,8 @@ def decide_clustered(
 def _settle(i, j, s, winner, best, lost) -> None:
     """The block's own pairs (row i, earlier row j, cosine s), in dataset order: a row not lost
     yet loses to its first earlier row that is still kept (j's fate is settled before i's)."""
+    if not len(i):
+        return
     o = np.lexsort((j, i))
     i, j, s = i[o], j[o], s[o]
     bounds = np.r_[0, np.flatnonzero(np.diff(i)) + 1, len(i)]
