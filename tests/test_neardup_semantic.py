@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from flowmatch_assets.bench.semdedup import clustered as synthetic
 from flowmatch_assets.ingest import neardup
 from flowmatch_assets.ingest import neardup_semantic as sem
 
@@ -14,18 +15,8 @@ from flowmatch_assets.ingest import neardup_semantic as sem
 def clustered(n: int, d: int, centers: int, share: float, spread: float, seed: int):
     """Unit rows around ``centers`` random centres (``spread``: noise to centre) and
     ``share * n`` planted copies: a row of the second half at cosine 0.95-0.99 with a row of the
-    first half. Returns (vectors, centres)."""
-    rng = np.random.default_rng(seed)
-    c = sem.unit(rng.standard_normal((centers, d)))
-    v = sem.unit(c[rng.integers(0, centers, n)] + spread * sem.unit(rng.standard_normal((n, d))))
-    m = int(n * share)
-    src = rng.choice(n // 2, m, replace=False)
-    dst = rng.choice(np.arange(n // 2, n), m, replace=False)
-    cos = rng.uniform(0.95, 0.99, m)[:, None]
-    e = sem.unit(rng.standard_normal((m, d)))
-    e = sem.unit(e - (e * v[src]).sum(1, keepdims=True) * v[src])
-    v[dst] = cos * v[src] + np.sqrt(1 - cos**2) * e
-    return v.astype(np.float32), c
+    first half (the bench's). Returns (vectors, centres)."""
+    return synthetic(np.random.default_rng(seed), n, d, centers, share, spread)
 
 
 def test_the_clustered_decision_equals_brute_force_when_near_pairs_share_a_cluster():
