@@ -209,13 +209,15 @@ def stored_centroids(
     fitted before, else fitted and written there (atomically; centroids of another sample are
     removed)."""
     n = min(FIT_ROWS if fit_rows is None else fit_rows, len(v))
+    if n == 0:  # no CLS: nothing to decide, nothing kept
+        return np.zeros((1, v.shape[1]), np.float32)
     k = clusters_for(n)
     digest = sample_digest(part[:n], ids[:n], v[:n], k)
     d = centroid_dir(root)
     path = d / f"centroids-{digest}.npy"
     if path.exists():
         return np.load(path, allow_pickle=False)
-    c = fit_centroids(v[:n], k) if n else np.zeros((1, v.shape[1]), np.float32)
+    c = fit_centroids(v[:n], k)
     with atomic_path(path) as tmp:
         with open(tmp, "wb") as f:
             np.save(f, c, allow_pickle=False)
