@@ -9,6 +9,7 @@ against brute force (``neardup.decide_cosine``), on synthetic DINOv2-like CLS ve
 - brute force's cost: 10,000 rows against 20,000 kept ones, scaled to 12.4M kept rows.
 - the cost at PD12M's size: for each ``--sizes`` N, N rows in clusters of ``--cluster-rows``
   rows (PD12M's 12.4M rows over 4,000 centroids: ~3,100 a cluster), the centres as centroids,
+  in blocks of 256 rows a centroid (PD12M's default: each cluster compares ~512 rows at once),
   the whole decision timed: its CPU-seconds per 10,000 rows stay flat as N grows (the work of a
   row is its clusters' rows, not every kept row). Plus the assignment of 10,000 rows to
   ``MAX_CLUSTERS`` centroids, and one k-means iteration of ``FIT_ROWS`` rows (projected from a
@@ -80,11 +81,14 @@ def cost(rng, n: int, d: int, cluster_rows: int, t: float) -> dict:
     k = max(1, n // cluster_rows)
     v, c = clustered(rng, n, d, k)
     c0 = time.process_time()
-    w, _ = sem.decide_clustered(v, t, c)
+    # blocks of 256 rows a centroid, as at PD12M (decide_clustered's default there): each
+    # cluster compares ~512 rows at once, whatever the number of clusters
+    w, _ = sem.decide_clustered(v, t, c, block=256 * k)
     cpu = time.process_time() - c0
     return {
         "rows": n,
         "clusters": k,
+        "block_rows": 256 * k,
         "decide_cpu_s": round(cpu, 2),
         "cpu_s_per_10k_rows": round(cpu * 10_000 / n, 3),
         "found": int((w >= 0).sum()),

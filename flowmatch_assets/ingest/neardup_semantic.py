@@ -103,14 +103,15 @@ def decide_clustered(
     min_cosine: float,
     centroids: np.ndarray,
     probes: int = PROBES,
-    block: int = 65536,
+    block: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(winner index or -1, cosine) of each row in order: row ``i`` loses to the first kept row
     ``j < i`` whose home cluster is one of ``i``'s ``probes`` nearest centroids and whose cosine
     with ``i`` is >= ``min_cosine``. A block of rows is compared, cluster by cluster, with the
     rows before it (kept ones only count), then among itself (pairs above the threshold, settled
-    in order). Memory: one copy of the vectors (float32, sorted by home cluster) and ~40 bytes
-    a row."""
+    in order). A block (default: ``256 x centroids`` rows, at least 65,536) gives each cluster
+    ~512 rows to compare at once: matrix products, not a cluster's rows read per row. Memory:
+    one copy of the vectors (float32, sorted by home cluster) and ~40 bytes a row."""
     x = np.asarray(vectors, np.float32)
     n = len(x)
     winner = np.full(n, -1, np.int64)
@@ -118,6 +119,7 @@ def decide_clustered(
     if n == 0:
         return winner, best
     c = unit(centroids)
+    block = block or max(65536, 256 * len(c))
     probe = nearest(x, c, probes)  # [n, p] (a row's length does not change its ranking)
     home = probe[:, 0]
     order = np.argsort(home, kind="stable")  # by cluster, then dataset order
