@@ -16,7 +16,7 @@ against brute force (``neardup.decide_cosine``), on synthetic DINOv2-like CLS ve
   smaller one). Projected to 12.4M: rows x (per-row decision + assignment), and the vectors'
   bytes.
 
-Run: ``flowmatch bench semdedup [--rows 5000] [--sizes 25000,100000] [--out F]`` (~30 s; the
+Run: ``flowmatch bench semdedup [--rows 5000] [--sizes 25000,100000] [--out F]`` (~45 s; the
 recorded run: ``--rows 20000 --sizes 50000,200000``, ~2 min); ends with one JSON line.
 """
 
