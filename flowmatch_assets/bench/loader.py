@@ -3,7 +3,7 @@ boundaries, bytes per sample.
 
 Writes synthetic PD12M-sized partitions (``--partition-size`` 10,000 samples each, as many as
 two shuffle windows need) to a work folder: caption states of the real Gemma3-270M on
-PD12M-like captions (:func:`flowmatch_assets.bench.store.pd12m_like_captions`; encoded once and
+PD12M-like captions (:func:`flowmatch_assets.bench.corpus.pd12m_like_captions`; encoded once and
 cached, then tiled to size), DC-AE latents and DINOv2 patches as smooth synthetic fields (no real
 weights offline), in the storage asked for (``default``: the pipeline's, see
 ``EncoderSpec``; ``lossless``: fp16, codec none; ``zstd``: fp16 byte-shuffled zstd, the old
@@ -34,114 +34,16 @@ import json
 import os
 import shutil
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
+from flowmatch_assets.bench.proc_tree import TreeMonitor
+
 PD12M_PAIRS = 12_400_000
 STORAGES = ("default", "lossless", "zstd")
-
-
-# --------------------------------------------------------------------------------------------
-# memory and CPU of a process tree
-# --------------------------------------------------------------------------------------------
-
-
-def _tree(pid: int) -> list[int]:
-    """``pid`` and its live descendants (DataLoader workers)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        try:
-            kids = Path(f"/proc/{p}/task/{p}/children").read_text().split()
-        except OSError:
-            kids = []
-        todo += [int(k) for k in kids]
-    return out
-
-
-def _rollup(pid: int) -> dict[str, int] | None:
-    try:
-        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
-    except OSError:
-        return None
-    kb = {}
-    for line in text.splitlines()[1:]:
-        key, _, rest = line.partition(":")
-        parts = rest.split()
-        if parts and parts[-1] == "kB":
-            kb[key] = int(parts[0]) * 1024
-    return {
-        "rss": kb.get("Rss", 0),
-        "pss": kb.get("Pss", 0),
-        "uss": kb.get("Private_Clean", 0) + kb.get("Private_Dirty", 0),
-    }
-
-
-def _cpu_seconds(pid: int) -> float | None:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-class TreeMonitor:
-    """Samples the memory (summed over the process tree of ``pid``) and its CPU time every
-    ``interval`` s in a thread of *this* process (so the sampling is not counted): ``peak``,
-    ``cpu()`` (seconds, the last seen of each process, so exited workers still count) and
-    ``timeline`` of ``(time.time(), cpu seconds)``."""
-
-    def __init__(self, pid: int, interval: float = 0.05):
-        self.interval, self.pid = interval, pid
-        self.peak = {"rss": 0, "pss": 0, "uss": 0}
-        self.peak_processes = 0
-        self.timeline: list[tuple[float, float]] = []
-        self._cpu: dict[int, float] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _sample(self) -> None:
-        total = {"rss": 0, "pss": 0, "uss": 0}
-        pids = _tree(self.pid)
-        for p in pids:
-            r = _rollup(p)
-            if r:
-                for k in total:
-                    total[k] += r[k]
-            c = _cpu_seconds(p)
-            if c is not None:
-                self._cpu[p] = c
-        for k in total:
-            self.peak[k] = max(self.peak[k], total[k])
-        self.peak_processes = max(self.peak_processes, len(pids))
-        self.timeline.append((time.time(), sum(self._cpu.values())))
-
-    def cpu_at(self, t: float) -> float:
-        """CPU seconds of the tree at wall time ``t`` (linear between samples)."""
-        ts, cs = zip(*self.timeline)
-        return float(np.interp(t, ts, cs))
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._sample()
-            self._stop.wait(self.interval)
-
-    def cpu(self) -> float:
-        self._sample()
-        return sum(self._cpu.values())
-
-    def __enter__(self) -> TreeMonitor:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 # --------------------------------------------------------------------------------------------
@@ -155,7 +57,7 @@ def gemma_states(n: int, workdir: Path, gemma: Path | None) -> tuple[np.ndarray,
     if cache.exists():
         z = np.load(cache)
         return z["tokens"], z["lengths"]
-    from flowmatch_assets.bench.store import gemma_hidden_states, pd12m_like_captions
+    from flowmatch_assets.bench.corpus import gemma_hidden_states, pd12m_like_captions
     from flowmatch_models.encoders.zoo import GEMMA_FOLDER, create_real_gemma
 
     folder = create_real_gemma(gemma or Path("data") / "zoo" / GEMMA_FOLDER)
@@ -186,7 +88,7 @@ def partition_arrays(
     size: int, tokens: np.ndarray, lengths: np.ndarray, seed: int = 0
 ) -> dict[str, dict[str, np.ndarray]]:
     """One partition's arrays per kind: the base captions tiled to ``size`` samples."""
-    from flowmatch_assets.bench.store import image_arrays
+    from flowmatch_assets.bench.corpus import image_arrays
     from flowmatch_models.storage.store import ragged_offsets
 
     base = len(lengths)
