@@ -15,7 +15,8 @@ from flowmatch_assets.defs.budget_assets import budget_report
 from flowmatch_assets.defs.checks import build_fresh_checks, fine_tune_fresh, flow_model_fresh
 from flowmatch_assets.defs.data_assets import images, images_complete, metadata
 from flowmatch_assets.defs.data_card_assets import data_card, dataset_card
-from flowmatch_assets.defs.embedding_assets import build_embedding_checks, build_encode_embeddings
+from flowmatch_assets.defs.embedding_assets import build_encode_embeddings
+from flowmatch_assets.defs.embedding_checks import build_embedding_checks
 from flowmatch_assets.defs.evaluation_assets import evaluation, samples
 from flowmatch_assets.defs.partitions import (
     metadata_partition_sensor,

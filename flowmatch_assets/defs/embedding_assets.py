@@ -23,26 +23,23 @@ from flowmatch_assets import compat
 from flowmatch_assets.catalog import RowOutcome
 from flowmatch_assets.defs.data_assets import images
 from flowmatch_assets.defs.deploy import ENCODER_TAGS, GPU_POOL
+from flowmatch_assets.defs.embedding_checks import check_shards, run_checks
 from flowmatch_assets.defs.partitions import shard_partitions
 from flowmatch_assets.defs.resources import FlowmatchResource
 from flowmatch_assets.defs.routine import (
     PartitionOutput,
     human_bytes,
     pin_version,
-    run_partitions,
-    shards_check_result,
 )
 from flowmatch_assets.freshness import fingerprints
 from flowmatch_assets.freshness.fingerprints import fresh_result, staleness
 from flowmatch_assets.freshness.fingerprints import stored as shard_fp
-from flowmatch_models.embeddings.checks import shard_problems
 from flowmatch_models.embeddings.kinds import KINDS, EmbeddingKind
 from flowmatch_models.embeddings.precalc import Ahead, encode_partition, read_ahead
 from flowmatch_models.encoders.devices import lease_device
 from flowmatch_models.storage import remote
 from flowmatch_models.storage.fingerprint import ATTR as FINGERPRINT_ATTR
 from flowmatch_models.storage.fingerprint import Fingerprint, weights_cache_file
-from flowmatch_models.storage.image_shard import read_image_meta
 from flowmatch_models.storage.store import read_shard, write_shard
 
 GROUP = "embeddings"
@@ -306,7 +303,7 @@ def encode_many(context, flowmatch: FlowmatchResource, selected: list[EmbeddingK
                     ahead.close()
                 if pending is not None:
                     report(*pending)
-    yield from _run_checks(selected, published)
+    yield from run_checks(selected, published)
     if failed:
         lines = [f"{p}: {'; '.join(why)}" for p, why in failed.items()]
         ok = sum(1 for p in published if p.results)
@@ -330,35 +327,6 @@ def _materialization(context, flowmatch, name: str, part: str, r: dg.Materialize
         metadata=r.metadata,
         tags={**tags, **(r.tags or {}), **({"dagster/backfill": backfill} if backfill else {})},
     )
-
-
-def _run_checks(selected: list[EmbeddingKind], published: list[_Published]):
-    """``<kind>_valid`` and the warning checks over the run's published partitions: one
-    evaluation each (as a run of one partition records one)."""
-    for k in selected:
-        parts = [p for p in published if k.name in p.results]
-        if not parts:
-            continue
-        problems = [x for p in parts for x in p.problems[k.name]]
-        r = shards_check_result([p.partition for p in parts], problems)
-        yield dg.AssetCheckEvaluation(
-            asset_key=dg.AssetKey(k.name),
-            check_name=f"{k.name}_valid",
-            passed=r.passed,
-            metadata=r.metadata,
-            blocking=True,
-        )
-        for rule in k.warnings:
-            per = {p.partition: p.warnings[k.name][rule.attr] for p in parts}
-            w = _warn_result(rule, per)
-            yield dg.AssetCheckEvaluation(
-                asset_key=dg.AssetKey(k.name),
-                check_name=f"{k.name}_{rule.name}",
-                passed=w.passed,
-                metadata=w.metadata,
-                description=w.description,
-                severity=dg.AssetCheckSeverity.WARN,
-            )
 
 
 def _error(exc: BaseException) -> tuple[str, str]:
@@ -464,71 +432,3 @@ def _vs_seed(seed: int, stored: int) -> str:
     if stored <= seed:
         return f"{seed / stored:.1f}x smaller ({sizes})"
     return f"{stored / seed:.2f}x larger ({sizes})"
-
-
-def check_shards(flowmatch: FlowmatchResource, asset: str, parts: list[str]) -> list[str]:
-    """Problems of ``asset``'s shards: the kind's rules (shapes, dtypes, finiteness, rows,
-    ragged lengths), checksums, and ids aligned with images."""
-    layout, kind = flowmatch.layout, KINDS[asset]
-    problems = []
-    for p in parts:
-        try:
-            shard = read_shard(layout.asset_path(asset, p), verify=True)
-        except Exception as e:  # noqa: BLE001 - every problem is reported, not raised
-            problems.append(f"{p}: {e}")
-            continue
-        ids = read_image_meta(layout.asset_path("images", p)).column("id").to_pylist()
-        problems += [f"{p}: {x}" for x in shard_problems(kind, shard, ids)]
-    return problems
-
-
-def _valid_check(kind: EmbeddingKind) -> dg.AssetChecksDefinition:
-    @dg.asset_check(
-        asset=kind.name,
-        name=f"{kind.name}_valid",
-        blocking=True,
-        description=f"{kind.name}: shapes and dtypes, finite values, checksums, ids aligned with images.",
-    )
-    def _check(
-        context: dg.AssetCheckExecutionContext, flowmatch: FlowmatchResource
-    ) -> dg.AssetCheckResult:
-        parts = run_partitions(context) or flowmatch.layout.partitions_with(kind.name)
-        return shards_check_result(parts, check_shards(flowmatch, kind.name, parts))
-
-    return _check
-
-
-def _warn_check(kind: EmbeddingKind, rule) -> dg.AssetChecksDefinition:
-    @dg.asset_check(asset=kind.name, name=f"{kind.name}_{rule.name}", description=rule.description)
-    def _check(
-        context: dg.AssetCheckExecutionContext, flowmatch: FlowmatchResource
-    ) -> dg.AssetCheckResult:
-        layout = flowmatch.layout
-        per_part = {}
-        for p in run_partitions(context) or layout.partitions_with(kind.name):
-            try:
-                attrs = read_shard(layout.asset_path(kind.name, p)).attrs
-            except Exception:  # noqa: BLE001 - the validity check reports unreadable shards
-                continue
-            per_part[p] = int(attrs.get(rule.attr, 0))
-        return _warn_result(rule, per_part)
-
-    return _check
-
-
-def _warn_result(rule, per_part: dict[str, int]) -> dg.AssetCheckResult:
-    total = sum(per_part.values())
-    return dg.AssetCheckResult(
-        passed=total == 0,
-        severity=dg.AssetCheckSeverity.WARN,
-        metadata={
-            f"{rule.attr}_values": total,
-            "partitions": dg.MetadataValue.json({k: v for k, v in per_part.items() if v}),
-        },
-        description=None if total == 0 else f"{total} {rule.attr} values: {rule.fix}",
-    )
-
-
-def build_embedding_checks(kinds: Sequence[EmbeddingKind]) -> list[dg.AssetChecksDefinition]:
-    """Per kind: the blocking validity check, then one warning check per WarnRule."""
-    return [c for k in kinds for c in (_valid_check(k), *(_warn_check(k, w) for w in k.warnings))]
