@@ -358,7 +358,9 @@ def test_a_kind_that_fails_on_the_writer_thread_fails_alone(
 ) -> None:
     """In a run of many partitions, writing one kind of one partition fails (on the writer
     thread, as a full disk would): that kind of that partition is not published and is named in
-    the run's failure; every other kind and partition is published, with its materialization."""
+    the run's failure; every other kind and partition is published, with its materialization.
+    A run of that one partition does the same (it failed at the kind, before the kinds after
+    it, when it had a path of its own)."""
     from flowmatch_assets.defs import embedding_assets
 
     res = make_resource(tmp_path / "data", small_sample, encoders=EncoderSpec(**zoo, batch_size=8))
@@ -391,6 +393,22 @@ def test_a_kind_that_fails_on_the_writer_thread_fails_alone(
         msg = failure.step_failure_data.user_failure_data.description
         assert msg.startswith("1 of 2 partitions failed (2 published): 000-00: dino_features: ")
         assert "No space left on device (planted)" in msg
+        # a run of one partition takes the same path (one publish path, issue 47): there too
+        # the kind fails alone, the kinds after it are published as the step's outputs
+        for a in EMB:
+            res.layout.asset_path(a, "000-00").unlink(missing_ok=True)
+        one = _run(res, "000-00", instance, EMB)
+        assert not one.success
+        mats = {
+            e.event_specific_data.materialization.asset_key.to_user_string()
+            for e in one.all_events
+            if e.event_type_value == "ASSET_MATERIALIZATION"
+        }
+        assert mats == {"vae_latents", "text_embeddings"}
+        assert not res.layout.asset_path("dino_features", "000-00").exists()
+        failure = next(e for e in one.all_events if e.event_type_value == "STEP_FAILURE")
+        msg = failure.step_failure_data.user_failure_data.description
+        assert msg.startswith("1 of 1 partitions failed (1 published): 000-00: dino_features: ")
 
 
 def test_the_seed_format_comparison_says_larger_when_larger() -> None:

@@ -75,19 +75,11 @@ def build_encode_embeddings(kinds: Sequence[EmbeddingKind]) -> dg.AssetsDefiniti
         backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=PARTITIONS_PER_RUN),
     )
     def encode_embeddings(context: dg.AssetExecutionContext, flowmatch: FlowmatchResource):
-        """Encode the run's partitions with the selected kinds; write each kind's shard of each
-        partition atomically. A run of one partition yields its results (its checks run as
-        steps after it); a run of many (a backfill) publishes and reports each partition on its
-        own while the next one is encoded (:func:`encode_many`)."""
+        """Encode the run's partitions with the selected kinds; write and publish each kind's
+        shard of each partition atomically, through one path for a run of one partition and a
+        backfill's run of many (:func:`encode_partitions`)."""
         selected = [KINDS[k.to_user_string()] for k in context.selected_asset_keys]
-        if len(context.partition_keys) > 1:
-            yield from encode_many(context, flowmatch, selected)
-            return
-        part = context.partition_keys[0]
-        with lease_device(flowmatch.encoders.device) as device:
-            ids, encoded = _encode(context, flowmatch, part, selected, device)
-        for e in encoded.values():
-            yield _store(context, flowmatch, e, ids, part)
+        yield from encode_partitions(context, flowmatch, selected)
 
     return encode_embeddings
 
@@ -196,16 +188,19 @@ class _Published:
 
 
 def _publish_partition(
-    context, flowmatch: FlowmatchResource, part: str, ids, encoded
+    context, flowmatch: FlowmatchResource, part: str, ids, encoded, checks: bool = True
 ) -> _Published:
-    """Fit, write and publish every kind of one partition, then run its kinds' checks on what
-    was published (the writer thread's work: it overlaps the next partition's encoding)."""
+    """Fit, write and publish every kind of one partition, then (``checks``) run its kinds'
+    checks on what was published (the writer thread's work: it overlaps the next partition's
+    encoding). A kind that fails fails alone: its error is kept, the other kinds go on."""
     out = _Published(part)
     for name, e in encoded.items():
         try:
             out.results[name] = _store(context, flowmatch, e, ids, part)
         except Exception as exc:  # noqa: BLE001 - a kind that fails fails alone
             out.errors[name] = _error(exc)
+            continue
+        if not checks:
             continue
         try:  # published: its checks' verdicts (a check that cannot run is a problem)
             out.problems[name] = check_shards(flowmatch, name, [part])
@@ -214,7 +209,7 @@ def _publish_partition(
         except Exception as exc:  # noqa: BLE001
             out.problems[name] = [f"{part}: checking the shard failed: {_error(exc)[0]}"]
             out.warnings[name] = {w.attr: 0 for w in KINDS[name].warnings}
-    done = list(out.results)
+    done = list(out.results) if checks else []
     try:
         found = {st.asset: st for st in staleness(flowmatch, [part], done)} if done else {}
         for name in done:
@@ -224,19 +219,25 @@ def _publish_partition(
     return out
 
 
-def encode_many(context, flowmatch: FlowmatchResource, selected: list[EmbeddingKind]):
-    """A run of many partitions (a backfill's): the encoders load once (for the whole run) on
-    one leased device held until the last partition is written, and while partition i+1 is
-    encoded, partition i is fitted, written and published on a writer thread. Each partition is
-    published atomically on its own (``PartitionOutput``) and reported as its own
-    materialization, with its checks' evaluations: ``<kind>_fresh`` per partition,
-    ``<kind>_valid`` and the warnings once for the run's partitions (yielded: a failed
-    ``_valid`` fails the run, as it blocks a run of one). A partition that fails fails alone:
-    the others are published, each error is logged with its traceback when it happens, and the
-    run fails at the end naming every failed partition and kind. A partition published before
-    the run is stopped or crashes is still reported."""
+def encode_partitions(context, flowmatch: FlowmatchResource, selected: list[EmbeddingKind]):
+    """The one publish path of a run's partitions, one or a backfill's many: the encoders load
+    once (for the whole run) on one leased device held until the last partition is written,
+    and while partition i+1 is encoded, partition i is fitted, written and published on a
+    writer thread (:func:`_publish_partition`). Each partition is published atomically on its
+    own (``PartitionOutput``). A partition, or a kind of one, that fails fails alone: the
+    others are published, each error is logged with its traceback when it happens, and the run
+    fails at the end naming every failed partition and kind.
+
+    What Dagster hears is the one difference. A run of one partition yields each kind's
+    result as its output (the steps after it in the run, the kinds' checks among them, take
+    it). A run of many reports each partition as its own materialization, with its checks'
+    evaluations: ``<kind>_fresh`` per partition, ``<kind>_valid`` and the warnings once for
+    the run's partitions (yielded: a failed ``_valid`` fails the run, as it blocks a run of
+    one). A partition published before the run is stopped or crashes is still reported."""
     keys = list(context.partition_keys)
     t0, n = time.perf_counter(), len(keys)
+    single = n == 1  # its results are the step's outputs, its checks the steps after it
+    outputs: list[dg.MaterializeResult] = []
     failed: dict[str, list[str]] = {}  # partition -> "kind: why" (or why, for all its kinds)
     published: list[_Published] = []
     pending: tuple[str, Future] | None = None
@@ -245,13 +246,16 @@ def encode_many(context, flowmatch: FlowmatchResource, selected: list[EmbeddingK
         failed.setdefault(part, []).append(f"{what}{err[0]}")
         context.log.error(f"{part}: {what}{err[0]}\n{err[1]}")
 
-    def report(part: str, fut: Future) -> None:
+    def report(part: str, fut: Future, as_outputs: bool = False) -> None:
         try:
             got = fut.result()
         except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
             fail(part, "", _error(exc))
             return
         for name, r in got.results.items():
+            if as_outputs:
+                outputs.append(r)
+                continue
             context.log_event(_materialization(context, flowmatch, name, part, r))
             if name in got.fresh:
                 f = got.fresh[name]
@@ -272,6 +276,7 @@ def encode_many(context, flowmatch: FlowmatchResource, selected: list[EmbeddingK
     with lease_device(flowmatch.encoders.device) as device:
         with ThreadPoolExecutor(1, thread_name_prefix="flowmatch-publish") as writer:
             ahead: Ahead | None = None  # the next partition, read while this one encodes
+            finished = False
             try:
                 for i, part in enumerate(keys):
                     cur, ahead = ahead, None
@@ -290,7 +295,7 @@ def encode_many(context, flowmatch: FlowmatchResource, selected: list[EmbeddingK
                         pending = None
                     if encoded is not None:
                         fut = writer.submit(
-                            _publish_partition, context, flowmatch, part, ids, encoded
+                            _publish_partition, context, flowmatch, part, ids, encoded, not single
                         )
                         pending = (part, fut)
                         del ids, encoded  # the writer holds them now
@@ -298,12 +303,13 @@ def encode_many(context, flowmatch: FlowmatchResource, selected: list[EmbeddingK
                     context.log.info(
                         f"[{i + 1}/{n}] {part} encoded ({rate * 60:.1f} partitions/min)"
                     )
+                finished = True
             finally:  # stopped, crashed or done: what was published is reported
                 if ahead is not None:
                     ahead.close()
-                if pending is not None:
-                    report(*pending)
-    yield from run_checks(selected, published)
+                if pending is not None:  # a stopped run of one logs it: no output follows
+                    report(*pending, as_outputs=single and finished)
+    yield from outputs if single else run_checks(selected, published)
     if failed:
         lines = [f"{p}: {'; '.join(why)}" for p, why in failed.items()]
         ok = sum(1 for p in published if p.results)

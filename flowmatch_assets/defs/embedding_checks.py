@@ -1,7 +1,7 @@
 """The embedding kinds' asset checks: per kind the blocking ``<kind>_valid`` (shapes, dtypes,
 finite values, checksums, ids aligned with images) and one warning check per ``WarnRule``, as
 check steps after a run of one partition, and their evaluations from a run of many partitions
-(:func:`run_checks`, which ``encode_many`` yields once for the run's published partitions)."""
+(:func:`run_checks`, which ``encode_partitions`` yields once for the run's published partitions)."""
 
 from collections.abc import Sequence
 
