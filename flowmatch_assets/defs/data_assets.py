@@ -23,6 +23,7 @@ from flowmatch_assets.defs.routine import (
     shards_check_result,
 )
 from flowmatch_assets.freshness import fingerprints
+from flowmatch_assets.freshness.state import DATA_CHECKS
 from flowmatch_assets.ingest.images import IngestConfig
 from flowmatch_assets.ingest.metadata import MetadataError, filter_rows
 from flowmatch_assets.ingest.shard import NothingToRetry, TooFewStored, make_image_shard
@@ -289,7 +290,7 @@ with warnings.catch_warnings():  # partitioned checks are "preview" in Dagster 1
     warnings.simplefilter("ignore", dg.PreviewWarning)
     images_complete = dg.asset_check(  # per partition: the UI's check table has a row each
         asset=images,
-        name="images_complete",
+        name=DATA_CHECKS["images"],  # the one name `verify` and the freshness reports read
         partitions_def=shard_partitions,
         blocking=True,
         description="Every kept metadata row has exactly one outcome; stored images are RGB at "
