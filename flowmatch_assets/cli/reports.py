@@ -15,6 +15,7 @@ def cmd_catalog(
     as_json: bool,
     threshold: int | None = None,
     min_cosine: float | None = None,
+    colour_tolerance: int | None = None,
 ) -> int:
     from flowmatch_assets.catalog import Catalog, format_table, view_names
 
@@ -23,7 +24,7 @@ def cmd_catalog(
         return 0
     cat = Catalog(flowmatch_resource().data_root)
     if report == "neardup":
-        return _neardup(cat, threshold, as_json, min_cosine)
+        return _neardup(cat, threshold, as_json, min_cosine, colour_tolerance)
     if report == "path":
         print(cat.ensure())
         return 0
@@ -64,14 +65,26 @@ def cmd_catalog(
     return 0
 
 
-def _neardup(cat, threshold: int | None, as_json: bool, min_cosine: float | None = None) -> int:
+def _neardup(
+    cat,
+    threshold: int | None,
+    as_json: bool,
+    min_cosine: float | None = None,
+    colour_tolerance: int | None = None,
+) -> int:
     """Hash the images partitions not hashed yet (or rewritten since), decide the near
-    duplicates at ``threshold`` over every partition (and, with ``min_cosine``, by their
-    DINOv2 CLS), and report how many there are."""
+    duplicates at ``threshold`` bits and ``colour_tolerance`` over every partition (and, with
+    ``min_cosine``, by their DINOv2 CLS), and report how many there are."""
     from flowmatch_assets.catalog import format_table
     from flowmatch_assets.ingest import neardup
+    from flowmatch_assets.ingest.neardup_colour import check_tolerance
 
     t = threshold if threshold is not None else neardup.DEFAULT_THRESHOLD
+    tol = neardup.DEFAULT_COLOUR_TOLERANCE if colour_tolerance is None else colour_tolerance
+    try:
+        tol = check_tolerance(tol)
+    except ValueError as e:
+        raise CliError(str(e)) from None
     parts = [
         r["partition"]
         for r in cat.query(
@@ -80,14 +93,15 @@ def _neardup(cat, threshold: int | None, as_json: bool, min_cosine: float | None
     ]
     for p in parts:
         neardup.phash_partition(cat.layout.root, p)
-    near = neardup.write_near_duplicates(cat.layout.root, t, parts, min_cosine)
+    near = neardup.write_near_duplicates(cat.layout.root, t, parts, min_cosine, tol)
     rows = cat.query(
         """SELECT count(*) FILTER (WHERE outcome = 'stored') AS kept,
                   count(*) FILTER (WHERE reason = 'near_duplicate') AS near_duplicates,
                   count(*) FILTER (WHERE reason = 'duplicate_content') AS content_duplicates
            FROM dataset_rows"""
     )[0]
-    rows = {"threshold": t, "min_cosine": min_cosine, "partitions": len(parts), **rows}
+    settings = {"threshold": t, "colour_tolerance": tol, "min_cosine": min_cosine}
+    rows = {**settings, "partitions": len(parts), **rows}
     rows["near_fraction"] = round(near.num_rows / max(1, rows["kept"] + near.num_rows), 6)
     picture, _ = neardup.pairs_picture(cat.layout.root, near)
     rows["pairs_png"] = str(picture) if picture else None
