@@ -23,15 +23,15 @@ TOL = 20  # the colour tolerance of these tests
 def _planted(rng, n: int, t: int) -> tuple[np.ndarray, np.ndarray]:
     """Random hashes and colour signatures, a tenth of them replaced by copies of others with
     0..t+2 bits flipped (within and just past the threshold), some copies of copies (chains);
-    each copy's colours moved by up to 2 x TOL (about half of the copies agree)."""
+    4 bytes of each copy's colours moved by up to 2 x TOL (about half of the copies agree)."""
     h = rng.integers(0, 2**64 - 1, n, dtype=np.uint64, endpoint=True)
     c = rng.integers(0, 256, (n, SIGNATURE_BYTES), dtype=np.uint8)
     for s, d in zip(rng.integers(0, n, n // 10), rng.integers(0, n, n // 10)):
         bits = rng.choice(64, int(rng.integers(0, t + 3)), replace=False)
         h[d] = h[s] ^ np.uint64(sum(1 << int(b) for b in bits))
         move = np.zeros(SIGNATURE_BYTES, np.int16)
-        move[rng.integers(0, SIGNATURE_BYTES)] = rng.integers(-2 * TOL, 2 * TOL + 1)
-        c[d] = np.clip(c[s] + move, 0, 255)
+        move[rng.choice(SIGNATURE_BYTES, 4, replace=False)] = rng.integers(0, 2 * TOL + 1)
+        c[d] = np.where(c[s] < 128, c[s] + move, c[s] - move)
     return h, c
 
 
@@ -40,9 +40,9 @@ def _brute_query(members, colours, q, qc, t: int, tol: int = TOL) -> np.ndarray:
     for s in range(0, len(q), 64):
         ok = np.bitwise_count(q[s : s + 64, None] ^ members[None, :]) <= t
         r, k = np.nonzero(ok)  # the colours of the hash's matches (all agree at 255)
-        if tol < 255:
-            a, b = qc[s + r], colours[k]
-            ok[r, k] = (np.maximum(a, b) - np.minimum(a, b)).max(-1) <= tol
+        if tol < 255:  # the mean of the 4 largest differences
+            diff = np.abs(qc[s + r].astype(np.int16) - colours[k])
+            ok[r, k] = np.sort(diff, axis=-1)[:, -4:].mean(-1) <= tol
         out.append(np.where(ok.any(1), ok.argmax(1), -1))
     return np.concatenate(out)
 
@@ -112,7 +112,7 @@ def test_the_kept_decision_decides_appended_partitions_alone_and_equals_brute_fo
     assert got(first) == brute(names[:4]) and info == {"reused": 0, "decided": names[:4]}
     # the colour decides: without it (255: every colour agrees) other rows lose
     hash_only = brute(names[:4], 255)
-    assert len(first) > 100 and len(hash_only - got(first)) > 100
+    assert len(first) > 100 and len(hash_only - got(first)) > 80
     # two partitions appended: only they are read and decided (winners' partitions read for ids)
     loaded.clear()
     table, info = decide_incremental(tmp_path, t, TOL, [(n, "v1") for n in names], load)

@@ -70,12 +70,12 @@ def _planted(
 
 
 def phash_size(rng, n: int, partition: int, share: float, t: int, tol: int) -> dict:
-    kept, kept_c = rng.integers(0, 2**64 - 1, n, dtype=np.uint64, endpoint=True), _colours(rng, n)
-    c0 = _cpu()
     ix = HashIndex(t, tol)
-    ix.add(kept, kept_c)
+    c0 = _cpu()
+    # the index holds the only copy (as a loaded decision does): no second one in the peak RSS
+    ix.add(rng.integers(0, 2**64 - 1, n, dtype=np.uint64, endpoint=True), _colours(rng, n))
     build = _cpu() - c0
-    part, part_c, planted = _planted(rng, kept, kept_c, partition, share, t, tol)
+    part, part_c, planted = _planted(rng, ix.hashes, ix.colours, partition, share, t, tol)
     ix.tolerance = 255  # the hash alone (every colour agrees): what the colour check removes
     hash_only = int((ix.query(part, part_c)[0] >= 0).sum())
     ix.tolerance = tol

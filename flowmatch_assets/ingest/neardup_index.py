@@ -138,11 +138,15 @@ class HashIndex:
         return ((h >> np.uint64(self.shifts[c])) & mask).astype(np.int32)
 
     def add(self, hashes: np.ndarray, colours: np.ndarray) -> None:
-        """Append rows (younger than every member): each at its buckets' ends."""
-        hashes = np.asarray(hashes, np.uint64)
+        """Append rows (younger than every member): each at its buckets' ends. An empty index
+        keeps the arrays given (no second copy of 12.4M rows): do not change them after."""
+        hashes, colours = np.asarray(hashes, np.uint64), _colours(colours, len(hashes))
         base = len(self.hashes)
-        self.hashes = np.concatenate([self.hashes, hashes])
-        self.colours = np.concatenate([self.colours, _colours(colours, len(hashes))])
+        if base:
+            self.hashes = np.concatenate([self.hashes, hashes])
+            self.colours = np.concatenate([self.colours, colours])
+        else:
+            self.hashes, self.colours = hashes, colours
         for c, w in enumerate(self.widths):
             key = self._chunk(hashes, c)
             order = np.argsort(key, kind="stable")
