@@ -323,7 +323,7 @@ def write_pd12m(md_dir: Path, images: Path, urls: dict[str, str]) -> dict[str, s
 def scan_bomb(size: tuple[int, int], scans: int) -> bytes:
     """A progressive JPEG of ``size`` (flat grey, a few KB per 1,000 scans) whose last scan is
     repeated until it has ``scans``: each one makes a decoder go over the whole image again."""
-    from flowmatch_assets.ingest.decode import _MARKER_IN_SCAN
+    from flowmatch_assets.ingest.jpeg_markers import _MARKER_IN_SCAN
 
     buf = io.BytesIO()
     Image.new("L", size, 128).save(buf, "JPEG", progressive=True, quality=90)

@@ -15,7 +15,8 @@ from flowmatch_assets.catalog import Catalog, MaterializationRecord, record_mate
 from flowmatch_assets.cli.budget import main
 from flowmatch_assets.defs.budget_assets import budget_report
 from flowmatch_assets.defs.resources import FlowmatchResource
-from flowmatch_assets.reports.budget import BudgetConfig, budget, measure, payback_hours, project
+from flowmatch_assets.reports.budget import BudgetConfig, budget, payback_hours, project
+from flowmatch_assets.reports.measured import measure
 
 EMB = {"vae_latents": 2.0, "dino_features": 1.0, "text_embeddings": 1.0}
 
@@ -231,11 +232,11 @@ def test_disk_per_kind_worst_case_tokens_and_whether_the_ssd_fits(tmp_path, caps
 def test_the_budget_imports_no_torch_and_its_recorded_counts_are_current(tmp_path):
     """`flowmatch budget` answers without torch and Lightning (~7 s of imports; issue 28): the
     presets' parameter counts are recorded (re-record: `python -m
-    flowmatch_assets.reports.budget`) and still what the DiT counts."""
+    flowmatch_assets.reports.param_counts`) and still what the DiT counts."""
     import subprocess
     import sys
 
-    from flowmatch_assets.reports import budget as b
+    from flowmatch_assets.reports import param_counts as b
 
     code = (
         "import sys; from flowmatch_assets.catalog import Catalog; "
@@ -247,7 +248,7 @@ def test_the_budget_imports_no_torch_and_its_recorded_counts_are_current(tmp_pat
     assert out.stdout.strip() == "[]"
     table = json.loads(b.PARAM_COUNTS.read_text())
     assert table["key"] == b._param_key(), (
-        "the DiT changed: re-record with `python -m flowmatch_assets.reports.budget`"
+        "the DiT changed: re-record with `python -m flowmatch_assets.reports.param_counts`"
     )
     for name, counts in table["counts"].items():
         preset, hidden = name.split("/")
@@ -260,7 +261,7 @@ def test_the_budget_says_what_one_fault_costs(tmp_path):
     hour is the measured stall per state times 2 states an hour."""
     import json
 
-    from flowmatch_assets.reports.budget import CHECKPOINT_BENCH
+    from flowmatch_assets.reports.faults import CHECKPOINT_BENCH
 
     md, data = budget(Catalog(tmp_path), BudgetConfig(updates=400_000))
     f = data["faults"]

@@ -20,15 +20,8 @@ LONGER = {
     # these four passed it when `ruff format` replaced the packed `# fmt: skip` lines
     "flowmatch_assets/bench/loader.py",
     "flowmatch_assets/defs/embedding_assets.py",
-    "flowmatch_models/data/source.py",
     "flowmatch_assets/bench/scale.py",
     "flowmatch_assets/bench/store.py",
-    "flowmatch_assets/catalog/summary.py",
-    "flowmatch_assets/catalog/views.py",
-    "flowmatch_assets/ingest/decode.py",
-    "flowmatch_assets/reports/budget.py",
-    "flowmatch_assets/runs.py",
-    "flowmatch_models/storage/store.py",
 }
 
 

@@ -18,7 +18,7 @@ from flowmatch_assets.defs.partitions import register_partitions
 from flowmatch_assets.defs.training_assets import coverage_or_fail
 from flowmatch_assets.freshness.fingerprints import stored as shard_fp
 from flowmatch_assets.ingest.metadata import FilterConfig
-from flowmatch_assets.reports.budget import measure
+from flowmatch_assets.reports.measured import measure
 from flowmatch_models.embeddings.kinds import KINDS, registered
 from flowmatch_models.encoders.spec import EncoderSpec
 from flowmatch_models.storage.image_shard import read_image_meta

@@ -19,8 +19,8 @@ from dagster._utils.test.data_versions import get_stale_status_resolver
 from flowmatch_assets import cli
 from flowmatch_assets.defs.definitions import build_definitions
 from flowmatch_assets.freshness.fingerprints import fresh_status
+from flowmatch_models.data.agreement import FingerprintMismatchError
 from flowmatch_models.data.module import EmbeddingDataModule
-from flowmatch_models.data.source import FingerprintMismatchError
 from flowmatch_models.storage.fingerprint import Fingerprint, diff, disagreement, folder_sha256
 from flowmatch_models.storage.layout import DataLayout
 
@@ -241,7 +241,7 @@ def test_exact_inputs_per_kind_and_fingerprints_from_before_them():
     captions it read, not the images' fingerprint; an image kind both. Row digests stay outside
     the hash (partitions of one source still share one), and a caption shard recorded before
     exact inputs (the images' hash as its input) trains beside one recorded since."""
-    from flowmatch_models.data.source import agreeing
+    from flowmatch_models.data.agreement import agreeing
     from flowmatch_models.embeddings.kinds import KINDS as REGISTRY
     from flowmatch_models.embeddings.kinds import kind_fingerprint, kind_inputs
     from flowmatch_models.encoders.spec import EncoderSpec

@@ -155,7 +155,8 @@ def test_a_url_that_serves_other_bytes_than_pd12m_hashed_is_hash_mismatch(
 def test_a_progressive_jpeg_of_thousands_of_scans_is_refused_before_decoding():
     """3,000 scans of a 4000 x 4000 picture (156 KB) decoded for 76 s before (2 busy cores);
     the scans are counted first: too_many_scans at once. Ordinary progressive JPEGs pass."""
-    from flowmatch_assets.ingest.decode import jpeg_scans, process_image
+    from flowmatch_assets.ingest.decode import process_image
+    from flowmatch_assets.ingest.jpeg_markers import jpeg_scans
 
     bomb = hs.scan_bomb((4000, 4000), 3000)
     assert len(bomb) < 200_000 and jpeg_scans(bomb, 10**6) == 3000

@@ -324,8 +324,9 @@ def test_the_jpeg_scan_count_resynchronises_as_the_decoder_does():
 
     from PIL import Image
 
-    from flowmatch_assets.ingest.decode import jpeg_scans, process_image
+    from flowmatch_assets.ingest.decode import process_image
     from flowmatch_assets.ingest.images import IngestConfig, IngestError
+    from flowmatch_assets.ingest.jpeg_markers import jpeg_scans
     from tests import hostile_sources as hs
 
     bomb = hs.scan_bomb((400, 300), 600)

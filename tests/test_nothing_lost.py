@@ -29,7 +29,7 @@ from flowmatch_assets.demo.dataset import SampleSpec, write_sample
 from flowmatch_assets.freshness import backfill
 from flowmatch_assets.freshness.state import dagster_materialized, partition_states
 from flowmatch_assets.ingest.images import IngestConfig, is_retryable
-from flowmatch_assets.reports.budget import steady_rate
+from flowmatch_assets.reports.measured import steady_rate
 from flowmatch_models.encoders.spec import EncoderSpec
 from flowmatch_models.storage.layout import PARTITIONED_ASSETS
 from tests.conftest import make_resource

@@ -13,6 +13,7 @@ from flowmatch_assets.catalog import (
     RecordKind,
     catalog_version,
     record_path,
+    record_scan,
     summary,
     view_names,
 )
@@ -80,7 +81,7 @@ def test_a_new_record_kind_is_one_entry_and_its_writer(tmp_path, monkeypatch):
         "threshold": None,
     }
     assert "near_dups" in summary.legacy_kinds(layout)
-    assert "near_dups/images" in summary._State(summary.summary_dir(layout)).dirs
+    assert "near_dups/images" in record_scan.State(summary.summary_dir(layout)).dirs
     # a custom view over it is one more CREATE in views.py; here the registry's plain view
     # already answers the report
     assert cat.query(

@@ -110,19 +110,19 @@ def test_missing_asks_dagster_once_per_asset_and_finds_the_one_gone(env_of, monk
 
 
 def test_a_query_after_nothing_changed_lists_no_record_folder(env_of):
-    from flowmatch_assets.catalog import Catalog, summary
+    from flowmatch_assets.catalog import Catalog, record_scan, summary
     from flowmatch_models.storage.layout import DataLayout
 
     layout = DataLayout(env_of / "data")
     cat = Catalog(layout.root)
     cat.query("SELECT count(*) FROM materializations")
-    state = summary._State(summary.summary_dir(layout))
+    state = record_scan.State(summary.summary_dir(layout))
     for rel in list(state.dirs):  # listed long enough after their last change
         state.dirs[rel]["listed"] += 3600
     state.save([])
-    changes, listed = summary._scan(
+    changes, listed = record_scan.scan(
         layout,
-        summary._State(summary.summary_dir(layout)),
+        record_scan.State(summary.summary_dir(layout)),
         ["materializations", *summary.row_kinds()],
     )
     assert listed == [] and not changes.changed and not changes.gone

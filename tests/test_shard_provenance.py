@@ -258,7 +258,7 @@ def test_fp32_and_bf16_shards_never_share_a_fingerprint(tmp_path, small_sample, 
     same fingerprint. A fingerprint recorded before (``compute_dtype: auto``, no device) reads
     fresh where auto resolves to the dtype the settings ask now, stale where they ask another,
     and trains beside the shards made here since."""
-    from flowmatch_models.data.source import agreeing
+    from flowmatch_models.data.agreement import agreeing
 
     images = _images(tmp_path, 2)
     kind = KINDS["vae_latents"]

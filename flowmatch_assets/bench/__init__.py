@@ -22,6 +22,7 @@ BENCHES = {
         "gpu",
         "dedupe",
         "neardup",
+        "semdedup",
         "ledger",
         "fingerprint",
         "finetune",

@@ -66,7 +66,7 @@ def run(folder: Path, tensor_mb: float, saves: int = 4) -> dict:
     import numpy as np
     import torch
 
-    from flowmatch_assets.reports.budget import param_counts
+    from flowmatch_assets.reports.param_counts import param_counts
     from flowmatch_models.storage.atomic import atomic_path
     from flowmatch_models.train.callbacks import payload_bytes
     from flowmatch_models.train.config import load_config

@@ -126,7 +126,14 @@ def run(work: Path, files: int, rows: int, seed: int, threads: int = 2) -> dict:
 
     sample = write_sample(
         work / "sample",
-        SampleSpec(files=files, rows_per_file=rows, seed=seed, bad_rows=False, layout="sides"),
+        SampleSpec(
+            files=files,
+            rows_per_file=rows,
+            seed=seed,
+            bad_rows=False,
+            layout="sides",
+            near_copies=False,
+        ),
     )
     keys = [f"{n:03d}-00" for n in range(files)]
     result: dict = {"bench": "crop", "files": files, "rows_per_file": rows, "seed": seed}

@@ -14,17 +14,15 @@ changed since (:func:`refresh`, under a file lock, before every catalog query):
     content_losers.parquet     stored rows whose bytes an earlier row (dataset order) stored too
     near_duplicates.partitions.json  which partitions the near duplicates' table (written by
                                ingest/neardup.py) named when last read: their cards are redone
-    state/                     per record folder its mtime when last listed and which files
-                               have an older schema; per file its inode, size and mtime
+    state/                     what the record folders held when last listed (record_scan.py)
 
 and, beside the card records, ``<root>/catalog/card_summaries/<partition>.parquet``: one
 partition's data card (counts, exact statistics, and bins that merge into the dataset's),
 written with the card records (``record_card_rows``) and redone here only when one of its
 inputs changed since (its card, metadata or image row records, its content losers).
 
-A record file is re-read only when its identity changed (a rewrite is an atomic rename: a new
-inode); a folder whose mtime did not change is not even listed (every writer renames into its
-folder, which changes its mtime; a file edited in place is seen when its folder next changes).
+A record file is re-read only when its identity changed, and a folder whose mtime did not
+change is not even listed (:mod:`.record_scan`).
 Nothing here is a source of truth: deleting ``summary/`` rebuilds it (so does a new
 ``SUMMARY_VERSION`` or DuckDB).
 """
@@ -36,11 +34,8 @@ import fcntl
 import json
 import os
 import shutil
-import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
 
 import duckdb
 import numpy as np
@@ -67,7 +62,7 @@ from flowmatch_assets.catalog.record_kinds import (
     record_path,
     row_kinds,
 )
-from flowmatch_assets.catalog.records import SUMMARY_KEY
+from flowmatch_assets.catalog.record_scan import Changes, Seen, State, read_footers, scan
 from flowmatch_models.storage.layout import DataLayout
 
 #: Bump when a summary's definition changes: every summary is rebuilt from the records.
@@ -92,9 +87,6 @@ LOSER_SCHEMA = pa.schema(
 )
 #: Record files read per DuckDB query (bounds the memory of the first build).
 BATCH = 256
-#: A directory changed less than this long ago is listed even if its mtime looks unchanged
-#: (two renames within one timestamp tick).
-FRESH_DIR_S = 2.0
 
 
 def summary_dir(layout: DataLayout) -> Path:
@@ -103,199 +95,6 @@ def summary_dir(layout: DataLayout) -> Path:
 
 def _version() -> str:
     return f"{SUMMARY_VERSION}/duckdb-{duckdb.__version__}"
-
-
-# ---------------------------------------------------------------------------- record files
-
-
-class _File(NamedTuple):
-    """A record file: its path, its folder's name (the asset) and its stem (the partition)."""
-
-    path: str
-    asset: str
-    partition: str
-
-
-@dataclass
-class _Changes:
-    """Per kind: the record files changed or new (re-read them) and gone (drop them)."""
-
-    changed: dict[str, list[_File]] = field(default_factory=dict)
-    gone: dict[str, list[_File]] = field(default_factory=dict)
-
-    def any(self, kind: str) -> bool:
-        return bool(self.changed.get(kind) or self.gone.get(kind))
-
-
-class _State:
-    """What the summaries were made from: per record folder (``<kind>/<asset>``) its mtime and
-    inode when last listed and whether any file has an older schema (``dirs.json``), and per
-    file its inode, size and mtime (``<kind>__<asset>.json``, read only when its folder
-    changed)."""
-
-    def __init__(self, s: Path):
-        self.path = s / "state"
-        try:
-            self.dirs: dict[str, dict] = json.loads((self.path / "dirs.json").read_text())
-        except (OSError, ValueError):
-            self.dirs = {}
-        self.files: dict[str, dict[str, list]] = {}  # rel -> name -> [ino, size, mtime_ns]
-
-    def _file(self, rel: str) -> Path:
-        return self.path / (rel.replace("/", "__") + ".json")
-
-    def listing(self, rel: str) -> dict[str, list]:
-        """The files of a folder as last listed."""
-        if rel not in self.files:
-            try:
-                self.files[rel] = json.loads(self._file(rel).read_text())
-            except (OSError, ValueError):
-                self.files[rel] = {}
-        return self.files[rel]
-
-    def save(self, changed: Iterable[str]) -> None:
-        for rel in changed:
-            _write_bytes(self._file(rel), json.dumps(self.files.get(rel, {})).encode())
-        _write_bytes(self.path / "dirs.json", json.dumps(self.dirs).encode())
-
-
-def _scan(layout: DataLayout, state: _State, kinds: Sequence[str]) -> tuple[_Changes, list[str]]:
-    """What changed in the record folders of ``kinds`` since the last refresh (a folder whose
-    mtime and inode did not change, and that was listed well after its mtime, is not listed);
-    and the folders listed."""
-    c = layout.catalog_dir
-    changes, listed = _Changes(), []
-    now = time.time()
-    for kind in kinds:
-        root = c / kind
-        assets = {e.name for e in os.scandir(root) if e.is_dir()} if root.is_dir() else set()
-        assets |= {r.split("/", 1)[1] for r in state.dirs if r.split("/", 1)[0] == kind}
-        for asset in sorted(assets - {"_empty"}):
-            rel, folder = f"{kind}/{asset}", root / asset
-            seen = state.dirs.get(rel)
-            try:
-                st = folder.stat()
-            except FileNotFoundError:
-                st = None
-            if (
-                st is not None
-                and seen is not None
-                and [st.st_mtime_ns, st.st_ino] == seen["at"]
-                and seen["listed"] > st.st_mtime_ns / 1e9 + FRESH_DIR_S
-            ):
-                continue  # the folder did not change since it was listed
-            old = state.listing(rel)
-            new: dict[str, list] = {}
-            base = str(folder)
-            if st is not None:
-                changed = changes.changed.setdefault(kind, [])
-                for e in os.scandir(base):
-                    if not e.name.endswith(".parquet") or e.name.startswith("."):
-                        continue
-                    try:
-                        t = e.stat()
-                    except FileNotFoundError:
-                        continue
-                    new[e.name] = [t.st_ino, t.st_size, t.st_mtime_ns]
-                    if old.get(e.name) != new[e.name]:
-                        changed.append(_File(e.path, asset, e.name[: -len(".parquet")]))
-            for name in old.keys() - new.keys():
-                path = os.path.join(base, name)
-                changes.gone.setdefault(kind, []).append(_File(path, asset, name[:-8]))
-            state.files[rel] = new
-            if st is None:
-                state.dirs.pop(rel, None)
-            else:
-                prev = seen.get("legacy", []) if seen else []
-                state.dirs[rel] = {
-                    "at": [st.st_mtime_ns, st.st_ino],
-                    "listed": now,
-                    "legacy": sorted(set(prev) & set(new)),
-                }
-            listed.append(rel)
-    return changes, listed
-
-
-def _thrift_string(b: bytes) -> bytes:
-    """``b`` as a thrift compact-protocol string: its length (varint), then its bytes."""
-    n, out = len(b), bytearray()
-    while n >= 0x80:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out) + b
-
-
-_SUMMARY = _thrift_string(SUMMARY_KEY)
-
-
-def _footer(path: str) -> bytes:
-    """A parquet file's footer as bytes (one read for the files the catalog writes)."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        f.seek(max(0, size - 65536))
-        chunk = f.read()
-    if chunk[-4:] != b"PAR1":
-        raise ValueError(f"{path}: not a parquet file")
-    n = int.from_bytes(chunk[-8:-4], "little")
-    if n + 8 > len(chunk):
-        with open(path, "rb") as f:
-            f.seek(-8 - n, os.SEEK_END)
-            return f.read(n)
-    return chunk[-8 - n : -8]
-
-
-def _own_summary(raw: bytes, path: str):
-    """The summary the writer put in the footer (a key-value pair: the key, then field 2 of
-    type binary, 0x18, its length and bytes); None if there is none."""
-    i = raw.find(_SUMMARY)
-    if i < 0:
-        return None
-    j = i + len(_SUMMARY)
-    if raw[j] != 0x18:  # not laid out as pyarrow writes it: parse it properly
-        value = (pq.read_metadata(path).metadata or {}).get(SUMMARY_KEY)
-        return None if value is None else json.loads(value)
-    j, n, shift = j + 1, 0, 0
-    while True:
-        b = raw[j]
-        j += 1
-        n |= (b & 0x7F) << shift
-        shift += 7
-        if b < 0x80:
-            break
-    return json.loads(raw[j : j + n])
-
-
-class _Seen(NamedTuple):
-    """What a changed record file's footer says: its own summary (materializations and row
-    records), and whether it has today's columns (per-row records)."""
-
-    summary: object
-    current: bool
-
-
-def _footers(changes: _Changes) -> dict[str, _Seen]:
-    """What the footer of each changed record file says (read as bytes, a tenth of what
-    parsing it costs; a file gone meanwhile, or unreadable, is left out: the views' globs will
-    say so)."""
-    kinds = row_kinds()  # the registry's per-row kinds and their schemas (record_kinds.py)
-    names = {k: [_thrift_string(n.encode()) for n in sch.names] for k, sch in kinds.items()}
-    out = {}
-    for kind in ("materializations", *kinds):
-        own = kind in ("materializations", "rows")
-        for f in changes.changed.get(kind, []):
-            try:
-                raw = _footer(f.path)
-                out[f.path] = _Seen(
-                    _own_summary(raw, f.path) if own else None,
-                    all(n in raw for n in names.get(kind, ())),
-                )
-            except (OSError, ValueError):
-                continue
-    return out
-
-
-# --------------------------------------------------------------------------------- refresh
 
 
 def cores() -> int:
@@ -405,10 +204,10 @@ def _refresh(layout: DataLayout, s: Path) -> frozenset[str]:
     if not marker.exists() or marker.read_text() != _version():
         _clear(s)  # another summary version: start over
         _write_bytes(marker, _version().encode())
-    state = _State(s)
+    state = State(s)
     kinds = row_kinds()
-    changes, listed = _scan(layout, state, ["materializations", *kinds])
-    footers = _footers(changes)
+    changes, listed = scan(layout, state, ["materializations", *kinds])
+    footers = read_footers(changes)
     made = ("materializations.parquet", "outcomes.parquet", "content_losers.parquet")
     near = _near_changed(layout, s)
     if (
@@ -439,9 +238,9 @@ def _refresh(layout: DataLayout, s: Path) -> frozenset[str]:
 def _update(
     layout: DataLayout,
     s: Path,
-    state: _State,
-    changes: _Changes,
-    footers: dict[str, _Seen],
+    state: State,
+    changes: Changes,
+    footers: dict[str, Seen],
     near: set[str],
 ) -> None:
     spill = s / ".tmp-duckdb"
@@ -472,7 +271,7 @@ def legacy_kinds(layout: DataLayout) -> frozenset[str]:
         return frozenset()
 
 
-def _refresh_materializations(con, s: Path, changes: _Changes, footers: dict) -> None:
+def _refresh_materializations(con, s: Path, changes: Changes, footers: dict) -> None:
     """Every changed record's row from its footer; a record written before footers carried
     it (an older flowmatch) is read whole, by name."""
     import datetime as dt
@@ -495,7 +294,7 @@ def _refresh_materializations(con, s: Path, changes: _Changes, footers: dict) ->
     _replace_rows(s / "materializations.parquet", out, new, MATERIALIZATION_SCHEMA)
 
 
-def _refresh_outcomes(con, s: Path, changes: _Changes, footers: dict) -> None:
+def _refresh_outcomes(con, s: Path, changes: Changes, footers: dict) -> None:
     """Rows per outcome and reason of every changed row record, from its footer (a record
     written before footers carried them: from its rows)."""
     changed = changes.changed.get("rows", [])
@@ -550,7 +349,7 @@ def _hash_count(layout: DataLayout, partition: str, ident: list[int]) -> int:
     return (p.stat().st_size - 24) // 8
 
 
-def _refresh_content(layout: DataLayout, s: Path, state: _State, changes: _Changes) -> bool:
+def _refresh_content(layout: DataLayout, s: Path, state: State, changes: Changes) -> bool:
     """If a content record changed (or which partitions have images did), find the stored
     rows whose bytes an earlier row (dataset order) stored too: the repeated hashes over every
     partition's, then the exact md5s of the rows that have one. Returns whether they changed."""
@@ -668,8 +467,8 @@ def _near_changed(layout: DataLayout, s: Path) -> set[str]:
 def _refresh_cards(
     layout: DataLayout,
     s: Path,
-    state: _State,
-    changes: _Changes,
+    state: State,
+    changes: Changes,
     losers_changed: bool,
     near: set[str] = frozenset(),
 ) -> None:

@@ -11,7 +11,7 @@ import os
 import time
 from pathlib import Path
 
-from flowmatch_assets import runs
+from flowmatch_assets import runs, train_runs
 from flowmatch_assets.cli.common import CliError
 from flowmatch_assets.cli.reports import print_reports
 from flowmatch_assets.demo import DEMO_VAE
@@ -99,22 +99,41 @@ def cmd_demo(
         runs.EXTRA_TAGS.update(saved_tags)
 
 
+def _near_duplicates(root: Path) -> str | None:
+    """The near-duplicate decision over the stored images, as `flowmatch catalog neardup
+    --threshold 4` makes it (before training, which skips what it removes); one line; the
+    pairs picture's path."""
+    from flowmatch_assets.catalog import Catalog
+    from flowmatch_assets.cli.reports import decide_near_duplicates
+    from flowmatch_assets.demo.dataset import NEAR_THRESHOLD
+
+    r = decide_near_duplicates(Catalog(root), NEAR_THRESHOLD)
+    how = ", ".join(f"{n} {d}" for d, n in r["detectors"].items()) or "none"
+    print(
+        f"\nnear duplicates: {r['near_duplicates']} found ({how}; pHash within "
+        f"{r['threshold']} bits) among {r['kept'] + r['near_duplicates']} stored images; "
+        f"training skips them; picture: {r['pairs_png'] or '-'}"
+    )
+    return r["pairs_png"]
+
+
 def _stages(root: Path, res, t0: float, train_steps: int | None) -> int:
     """The demo's runs, each tagged ``flowmatch/demo: <stage>`` (and ``flowmatch/cli: demo``);
     then where the results lie."""
     runs.EXTRA_TAGS.update({runs.ORIGIN_TAG: "demo", runs.DEMO_TAG: "lineage"})
     results = runs.materialize(raise_on_error=False, res=res)
+    near_png = _near_duplicates(root)
     trained = evaluated = True
     train_on = train_steps is None or train_steps > 0
     if train_on:
         steps = train_steps or "configs/tiny.yaml's"
         print(f"\ntraining the tiny DiT for {steps} steps on the covered partitions ...")
         runs.EXTRA_TAGS[runs.DEMO_TAG] = "train"
-        trained = runs.train(steps=train_steps, run_name="demo", res=res)
+        trained = train_runs.train(steps=train_steps, run_name="demo", res=res)
         if trained:
             print("\nevaluating caption following of every checkpoint (48 prompts each) ...")
             runs.EXTRA_TAGS[runs.DEMO_TAG] = "evaluate"
-            evaluated = runs.evaluate(run_name="demo", which="all", res=res)
+            evaluated = train_runs.evaluate(run_name="demo", which="all", res=res)
     runs.EXTRA_TAGS[runs.DEMO_TAG] = "reports"
     budget_ok = runs.materialize_budget(res)
     cards_ok = runs.materialize_data_cards(res=res)
@@ -131,6 +150,8 @@ def _stages(root: Path, res, t0: float, train_steps: int | None) -> int:
     print("                    flowmatch catalog coverage | failures | compression | throughput")
     for p in previews[:3]:
         print(f"  preview grid:     {p}")
+    if near_png:
+        print(f"  near duplicates:  {near_png}  (each removed image beside the one kept)")
     run = layout.run_dir("demo")
     if (run / "loss_curve.png").exists():
         print(f"  loss curve:       {run / 'loss_curve.png'}")

@@ -72,10 +72,24 @@ def _neardup(
     min_cosine: float | None = None,
     colour_tolerance: int | None = None,
 ) -> int:
+    """`flowmatch catalog neardup`: :func:`decide_near_duplicates`, printed."""
+    from flowmatch_assets.catalog import format_table
+
+    rows = decide_near_duplicates(cat, threshold, min_cosine, colour_tolerance)
+    print(json.dumps(rows, indent=1) if as_json else format_table([rows]))
+    return 0
+
+
+def decide_near_duplicates(
+    cat,
+    threshold: int | None = None,
+    min_cosine: float | None = None,
+    colour_tolerance: int | None = None,
+) -> dict:
     """Hash the images partitions not hashed yet (or rewritten since), decide the near
     duplicates at ``threshold`` bits and ``colour_tolerance`` over every partition (and, with
-    ``min_cosine``, by their DINOv2 CLS), and report how many there are."""
-    from flowmatch_assets.catalog import format_table
+    ``min_cosine``, by their DINOv2 CLS), draw the pairs picture; return how many there are
+    (`catalog neardup` prints it, the demo calls it before training)."""
     from flowmatch_assets.ingest import neardup
     from flowmatch_assets.ingest.neardup_colour import check_tolerance
 
@@ -103,10 +117,11 @@ def _neardup(
     settings = {"threshold": t, "colour_tolerance": tol, "min_cosine": min_cosine}
     rows = {**settings, "partitions": len(parts), **rows}
     rows["near_fraction"] = round(near.num_rows / max(1, rows["kept"] + near.num_rows), 6)
+    detectors = near.column("detector").to_pylist()
+    rows["detectors"] = {d: detectors.count(d) for d in sorted(set(detectors))}
     picture, _ = neardup.pairs_picture(cat.layout.root, near)
     rows["pairs_png"] = str(picture) if picture else None
-    print(json.dumps(rows, indent=1) if as_json else format_table([rows]))
-    return 0
+    return rows
 
 
 def print_reports(data_root: str) -> None:

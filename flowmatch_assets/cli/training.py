@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flowmatch_assets import runs
+from flowmatch_assets import train_runs
 from flowmatch_assets.cli.common import CliError, flowmatch_resource
 from flowmatch_models.storage.layout import run_folder
 
@@ -14,7 +14,7 @@ def cmd_evaluate(
 ) -> int:
     from flowmatch_assets.catalog import Catalog, format_table
 
-    ok = runs.evaluate(run_name, checkpoints, prompts, sizes=sizes)
+    ok = train_runs.evaluate(run_name, checkpoints, prompts, sizes=sizes)
     rows = Catalog(flowmatch_resource().data_root).query(
         "SELECT step, coalesce(size, '256x256') AS size, attribute, round(accuracy, 3) AS "
         "accuracy, round(chance, 3) AS chance, round(x_chance, 1) AS x_chance FROM evaluations "
@@ -90,7 +90,7 @@ def cmd_train(
     source: list[str],
     min_coverage: float,
 ) -> int:
-    ok = runs.train(
+    ok = train_runs.train(
         steps,
         run_name,
         config,
@@ -131,7 +131,7 @@ def cmd_finetune(
         if not sep or not value.isdigit() or int(value) < 1:
             raise CliError(f"--weight {w!r}: expected SOURCE=N with a whole number N >= 1")
         weights_by[name] = int(value)
-    ok = runs.finetune(
+    ok = train_runs.finetune(
         run,
         parent,
         steps,

@@ -237,21 +237,27 @@ def flowmatch_from_env(init_context: dg.InitResourceContext) -> FlowmatchResourc
     with a remote data root, this machine's cache first catches up with what other machines
     published (flowmatch_models/storage/remote.py)."""
     res = resource_from_env(overrides=init_context.resource_config)
-    store = remote.active(res.data_root)
-    if store is not None and store.sync():
-        if init_context.log:
-            init_context.log.info(f"remote {store.url}: new publishes from other machines")
-        # what arrived may be settings (the sources registry): read them again
+    say = init_context.log.info if init_context.log else None
+    if sync_remote(res.data_root, say):  # what arrived may be settings (the sources registry)
         res = resource_from_env(overrides=init_context.resource_config)
     return res
 
 
+def sync_remote(data_root: str, say=None) -> int:
+    """Apply the remote's journal (of ``data_root``, if it has one) to this machine's cache;
+    the number of publishes applied (0 without a remote). ``say`` gets one line when other
+    machines published something."""
+    store = remote.active(data_root)
+    if store is None:
+        return 0
+    n = store.sync()
+    if n and say is not None:
+        say(f"remote {store.url}: {n} new publishes from other machines")
+    return n
+
+
 def synced(res: FlowmatchResource, say=None) -> FlowmatchResource:
     """``res`` after its remote's journal is applied to this machine's cache (no remote: as
-    it is). ``say`` gets one line when other machines published something."""
-    store = remote.active(res.data_root)
-    if store is not None:
-        n = store.sync()
-        if n and say is not None:
-            say(f"remote {store.url}: {n} new publishes from other machines")
+    it is)."""
+    sync_remote(res.data_root, say)
     return res

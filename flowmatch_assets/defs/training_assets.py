@@ -22,7 +22,7 @@ from flowmatch_assets.defs.resources import FlowmatchResource
 from flowmatch_assets.defs.routine import human_bytes, publish_run
 from flowmatch_assets.defs.training_pipes import TrainingStopped, record_stop, stop_line
 from flowmatch_assets.freshness.training_runs import trained_on
-from flowmatch_assets.reports.budget import logged_rates, steady_rate
+from flowmatch_assets.reports.measured import logged_rates, steady_rate
 from flowmatch_models.embeddings.kinds import TRAINING_INPUTS
 from flowmatch_models.model.loss_terms import HEADLINE, METADATA, TOTAL, VAL_METRIC
 from flowmatch_models.storage.layout import DataLayout, source_of

@@ -6,7 +6,10 @@ position and the background, so a text-to-image model trained on it has somethin
 Mostly JPEG, some PNG, RGBA PNG and grayscale. A handful of deliberately bad rows exercise every
 failure path: a missing file (404-like), a truncated JPEG, an HTML page saved as .jpg, a zero-byte
 file, a tiny image whose metadata claims a large size, plus rows the metadata filters drop (a
-small original, an extreme aspect ratio, an empty caption, a duplicate hash).
+small original, an extreme aspect ratio, an empty caption, a duplicate hash). And a few planted
+near-duplicates (:data:`NEAR_COPIES`): re-encoded, resized, cropped and bordered copies of its
+own images, with their own ids, files and hashes, appended after every other row of the last
+metadata file, so the rest of the sample is the same with or without them.
 
 Images are served as relative ``file:images/<id>.jpg`` URLs, resolved against the ingest's
 allowed root (FLOWMATCH_FILE_ROOT, by default ``<data root>/sample``), so a data root can be moved.
@@ -27,8 +30,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, ImageOps
 
+from flowmatch_models.data.order import heldout_rows
 from flowmatch_models.storage.atomic import atomic_path, atomic_write_bytes, atomic_write_text
 
 COLOURS: dict[str, tuple[int, int, int]] = {
@@ -56,6 +60,25 @@ CROSS_ARM = 0.3  # a cross's arms are 2 x 0.3 r wide
 LICENSES = ("cc0-1.0", "public-domain-mark-1.0")
 SOURCES = ("wikimedia", "smithsonian", "nasa", "met")
 NAMESPACE = uuid.UUID("6f1c7f0e-3b9a-4c3e-9a43-0d6f1e5b7a10")
+#: The planted near-duplicates: (metadata file, row) of a good row and how its copy is made
+#: (:func:`near_copy`). Rows of the default sample (seed 0, 96 rows a file) that are colour
+#: JPEGs, not held out by configs/tiny.yaml, and whose copies' pHashes at the stored 256 px lie
+#: within 2 bits of the original's (about half the sample's crop and border copies lie 6 or more
+#: bits away, as far as its closest unrelated pairs). A spec that does not draw every source
+#: plants none (the tests' small samples stay as they were).
+NEAR_COPIES: tuple[tuple[int, int, str], ...] = (
+    (0, 11, "q40"),
+    (0, 67, "half"),
+    (1, 13, "crop4"),
+    (1, 42, "border"),
+    (2, 3, "crop4"),
+)
+#: The pHash bits the demo decides near duplicates at (`flowmatch catalog neardup --threshold`):
+#: the planted copies lie within 2 bits of their originals, the sample's closest unrelated pairs
+#: (the same shape, size and position in another colour: alike in grey) 6 to 10 bits apart, so
+#: the default threshold (10) would remove 9 of its unrelated images too by the hash alone (the
+#: colour check at its default tolerance keeps them: ``tests/test_demo_neardup.py``).
+NEAR_THRESHOLD = 4
 
 
 @dataclass
@@ -71,6 +94,8 @@ class SampleSpec:
     #: sit at the ends of the long side, where a centre square cuts them (draw_image), all
     #: colour JPEGs
     layout: str = "crop"
+    #: append the copies of :data:`NEAR_COPIES` to the last file (when it draws all their sources)
+    near_copies: bool = True
 
 
 def _texture(rng: np.random.Generator, w: int, h: int, base: tuple[int, int, int]) -> Image.Image:
@@ -80,7 +105,12 @@ def _texture(rng: np.random.Generator, w: int, h: int, base: tuple[int, int, int
     grad = np.linspace(-20, 20, lw)[None, :, None] * rng.choice([-1, 1])
     small = np.clip(np.array(base)[None, None, :] + noise + grad, 0, 255).astype(np.uint8)
     img = Image.fromarray(small).resize((w, h), Image.BILINEAR)
-    fine = Image.effect_noise((w, h), 40).convert("RGB")  # fine grain, made in C
+    # fine grain from a child of ``rng`` (not Pillow's effect_noise, whose C rand() is process
+    # state: a second sample in one process came out different); spawning leaves rng's own
+    # stream where it was, so every other draw of the sample is the one before
+    z = rng.spawn(1)[0].standard_normal((h, w), dtype=np.float32)
+    grain = np.clip(128 + 40 * z, 0, 255).astype(np.uint8)
+    fine = Image.fromarray(grain).convert("RGB")
     return Image.blend(img, fine, 0.06)
 
 
@@ -187,11 +217,73 @@ def _encode(img: Image.Image, kind: str) -> tuple[bytes, str, str]:
     raise ValueError(kind)
 
 
+def near_copy(img: Image.Image, how: str) -> Image.Image:
+    """A near-duplicate of ``img``: ``q40`` re-encoded as JPEG at quality 40, ``half`` resized
+    to half and back, ``crop4`` 2% cut from each side (4% of each dimension), ``border`` a
+    10-px white frame added."""
+    if how == "q40":
+        buf = io.BytesIO()
+        img.save(buf, "JPEG", quality=40)
+        return Image.open(io.BytesIO(buf.getvalue())).convert("RGB")
+    if how == "half":
+        return img.resize((img.width // 2, img.height // 2)).resize(img.size)
+    if how == "crop4":
+        dx, dy = round(img.width * 0.02), round(img.height * 0.02)
+        return img.crop((dx, dy, img.width - dx, img.height - dy))
+    if how == "border":
+        return ImageOps.expand(img, 10, fill=(255, 255, 255))
+    raise ValueError(f"near copy {how!r}: q40, half, crop4 or border")
+
+
+def _near_rows(img_dir: Path, sources: dict, seed: int, near: dict[str, str]) -> list[dict]:
+    """The rows of the planted copies of ``sources`` (``(file, row) -> (image, row)``), in
+    :data:`NEAR_COPIES` order; ``near`` gets copy id -> original id. A copy's id is one that no
+    held-out fraction up to 0.5 holds out (``heldout_rows``), so the held-out set stays the
+    sample's own."""
+    rows = []
+    for k, (fno, i, how) in enumerate(NEAR_COPIES):
+        if (fno, i) not in sources:
+            continue
+        img, row = sources[fno, i]
+        attempt = 0
+        while True:
+            rid = str(uuid.uuid5(NAMESPACE, f"{seed}-near-{k}-{attempt}"))
+            if not len(heldout_rows([rid], 0.5, 1)):
+                break
+            attempt += 1
+        copy = near_copy(img, how)
+        if how == "q40":  # the file itself at quality 40
+            buf = io.BytesIO()
+            img.save(buf, "JPEG", quality=40)
+            data, mime, ext = buf.getvalue(), "image/jpeg", ".jpg"
+        else:
+            data, mime, ext = _encode(copy, "jpeg")
+        path = img_dir / f"{rid}{ext}"
+        if not path.exists() or path.stat().st_size != len(data):
+            atomic_write_bytes(path, data)
+        source = SOURCES[(SOURCES.index(row["source"]) + 1) % len(SOURCES)]  # another scan
+        rows.append(
+            {
+                **row,
+                "id": rid,
+                "url": _rel_url(path, img_dir.parent),
+                "width": copy.size[0],
+                "height": copy.size[1],
+                "mime_type": mime,
+                "hash": hashlib.md5(data).hexdigest(),
+                "source": source,
+            }
+        )
+        near[rid] = row["id"]
+    return rows
+
+
 def write_sample(dest: str | Path, spec: SampleSpec | None = None) -> dict:
     """Write the sample under ``dest`` (``metadata/pd12m.NNN.parquet`` and ``images/``).
 
-    Returns a summary (paths, row counts, expected outcomes). Idempotent: the same spec gives
-    the same files; each file is written atomically.
+    Returns a summary (paths, row counts, expected outcomes, ``near_copies``: planted copy id
+    -> original id; the copies are ``stored`` until a near-duplicate decision). Idempotent: the
+    same spec gives the same files; each file is written atomically.
     """
     spec = spec or SampleSpec()
     dest = Path(dest).expanduser().resolve()
@@ -200,6 +292,11 @@ def write_sample(dest: str | Path, spec: SampleSpec | None = None) -> dict:
     md_dir.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(spec.seed)
     expected: dict[str, str] = {}
+    near: dict[str, str] = {}
+    wanted = {(f, i) for f, i, _ in NEAR_COPIES}
+    if not spec.near_copies or any(f >= spec.files or i >= spec.rows_per_file for f, i in wanted):
+        wanted = set()  # all or nothing: the tests' small samples stay as they were
+    sources: dict[tuple[int, int], tuple[Image.Image, dict]] = {}
     total = 0
     for fno in range(spec.files):
         rows = []
@@ -227,8 +324,13 @@ def write_sample(dest: str | Path, spec: SampleSpec | None = None) -> dict:
                 }
             )
             expected[rid] = "stored"
+            if (fno, i) in wanted:
+                sources[fno, i] = (img, rows[-1])
         if spec.bad_rows and fno == 0:
             rows += _bad_rows(img_dir, rng, expected, spec.seed)
+        if fno == spec.files - 1:  # after every other row: no row moves
+            rows += _near_rows(img_dir, sources, spec.seed, near)
+            expected.update(dict.fromkeys(near, "stored"))
         table = pa.Table.from_pylist(rows)
         with atomic_path(md_dir / f"pd12m.{fno:03d}.parquet") as tmp:
             pq.write_table(table, tmp, row_group_size=64)
@@ -239,6 +341,7 @@ def write_sample(dest: str | Path, spec: SampleSpec | None = None) -> dict:
         "files": spec.files,
         "rows": total,
         "expected_outcomes": expected,
+        "near_copies": near,
     }
     atomic_write_text(dest / "expected.json", json.dumps(summary, indent=1))
     return summary

@@ -47,6 +47,7 @@ from flowmatch_assets.ingest.neardup_colour import (
     pairs_agree,
 )
 from flowmatch_assets.ingest.neardup_index import decide_incremental
+from flowmatch_assets.ingest.neardup_semantic import decide_clustered, stored_centroids
 from flowmatch_models.storage import remote
 from flowmatch_models.storage.atomic import atomic_path
 from flowmatch_models.storage.layout import DataLayout
@@ -369,15 +370,24 @@ def read_cls(root: str | Path, partitions: list[str]) -> tuple[np.ndarray, np.nd
 
 
 def semantic_duplicates(
-    root: str | Path, min_cosine: float, partitions: list[str], skip: set = frozenset()
+    root: str | Path,
+    min_cosine: float,
+    partitions: list[str],
+    skip: set = frozenset(),
+    brute: bool = False,
 ) -> pa.Table:
     """The stored rows whose DINOv2 CLS has cosine >= ``min_cosine`` with an earlier kept
-    row's (brute force, blocks of rows against every kept one); rows in ``skip`` ((partition,
-    id): lost to another detector already) take no part."""
+    row's, within clusters (:mod:`.neardup_semantic`; with ``brute``, every kept row: the
+    reference); rows in ``skip`` ((partition, id): lost to another detector already) take no
+    part (the centroids are fitted before they are left out)."""
     part, ids, v = read_cls(root, partitions)
+    centroids = None if brute else stored_centroids(root, part, ids, v)
     keep = np.array([(p, i) not in skip for p, i in zip(part, ids)], bool)
     part, ids, v = part[keep], ids[keep], v[keep]
-    winner, cos = decide_cosine(v, min_cosine)
+    if brute:
+        winner, cos = decide_cosine(v, min_cosine)
+    else:
+        winner, cos = decide_clustered(v, min_cosine, centroids)
     lost = np.flatnonzero(winner >= 0)
     return _table(part, ids, lost, winner, "dino_cls", np.zeros(len(lost), np.int32), cos[lost])
 

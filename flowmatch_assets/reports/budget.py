@@ -28,16 +28,15 @@ Honesty rules, enforced here:
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import asdict
 
 from pydantic import BaseModel, Field
 
 from flowmatch_assets.catalog import PD12M_PAIRS, Catalog, format_table
+from flowmatch_assets.reports.faults import checkpoint_row, fault_row, render_faults
+from flowmatch_assets.reports.measured import Rate, is_gpu, measure
 from flowmatch_assets.reports.removed import removed_cost, removed_rows, render_removed
 from flowmatch_models.embeddings.kinds import EMBEDDING_ASSETS
-from flowmatch_models.storage.atomic import atomic_write_text
 
 #: The seeds' published figures (shared/context/seed-flow-matching-on-a-budget.txt).
 SEED_PRECALC_PAIRS_S = 200.0  # 2x RTX 3090, both fully used
@@ -90,168 +89,6 @@ class BudgetConfig(BaseModel):
         for name in ("gpu_hour_usd", "cpu_hour_usd", "box_watts", "kwh_usd", "ssd_tb"):
             if getattr(self, name) < 0:
                 raise ValueError(f"budget: {name} must be >= 0, got {getattr(self, name)}")
-
-
-@dataclass(frozen=True)
-class Rate:
-    """One measured rate: ``per_s`` samples (images, pairs, training samples) per second."""
-
-    stage: str
-    per_s: float
-    device: str
-    samples: int
-    seconds: float
-    count: int  # partitions (images, precalc) or runs (training)
-    note: str = ""
-
-
-def is_gpu(device: str) -> bool:
-    """Whether a device label names a GPU (``cuda``, ``cuda:0``, ``cuda (NVIDIA H200)``...)."""
-    d = device.lower()
-    return "cuda" in d or "gpu" in d or "rocm" in d
-
-
-def _images(catalog: Catalog) -> list[Rate]:
-    rows = catalog.query(
-        """SELECT coalesce(device, 'unknown device') AS d, sum(samples) AS n,
-                  sum(seconds) AS s, count(*) AS k
-           FROM materializations WHERE asset = 'images' AND seconds > 0
-           GROUP BY 1 HAVING sum(samples) > 0 ORDER BY 1"""
-    )
-    return [
-        Rate("images", r["n"] / r["s"], r["d"], int(r["n"]), float(r["s"]), int(r["k"]))
-        for r in rows
-    ]
-
-
-def _precalc(catalog: Catalog) -> list[Rate]:
-    emb = ", ".join(f"'{a}'" for a in EMBEDDING_ASSETS)
-    rows = catalog.query(
-        f"""WITH p AS (
-              SELECT partition, coalesce(any_value(device), 'unknown device') AS d,
-                     min(samples) AS n, sum(seconds) AS s, count(DISTINCT asset) AS k,
-                     bool_or(coalesce(TRY_CAST(json_extract(extra, '$.random_weights')
-                                               AS BOOLEAN), false)) AS zoo
-              FROM materializations WHERE asset IN ({emb}) GROUP BY partition)
-            SELECT d, sum(n) AS n, sum(s) AS s, count(*) AS k, bool_or(zoo) AS zoo
-            FROM p WHERE k = {len(EMBEDDING_ASSETS)} AND s > 0 AND n > 0
-            GROUP BY d ORDER BY d"""
-    )
-    kinds = catalog.query(
-        f"""SELECT coalesce(device, 'unknown device') AS d, asset, sum(samples) AS n,
-                  sum(seconds) AS s,
-                  bool_or(coalesce(TRY_CAST(json_extract(extra, '$.random_weights')
-                                            AS BOOLEAN), false)) AS zoo,
-                  any_value(coalesce(json_extract_string(extra, '$.weights'), '')) AS weights
-           FROM materializations WHERE asset IN ({emb}) AND seconds > 0 AND samples > 0
-           GROUP BY d, asset ORDER BY d, asset"""
-    )
-    out = []
-    for r in rows:
-        note = f"sum of the {len(EMBEDDING_ASSETS)} encoders' seconds"
-        if r["zoo"]:
-            note += "; RANDOM-WEIGHT zoo encoders, not the real models' cost"
-        per = [
-            f"{k['asset']} {k['n'] / k['s']:,.1f}/s"
-            + (f" ({k['weights'].split(':')[0]})" if k["weights"] else "")
-            for k in kinds
-            if k["d"] == r["d"]
-        ]
-        if per:  # each encoder's own rate: a real model's is a real cost on this device
-            note += "; per encoder on " + r["d"] + ": " + ", ".join(per)
-        out.append(
-            Rate("precalc", r["n"] / r["s"], r["d"], int(r["n"]), float(r["s"]), int(r["k"]), note)
-        )
-    return out
-
-
-def steady_rate(rates: list[float]) -> float | None:
-    """The median of a run's logged samples/s windows, without the first (start-up, compile,
-    first batches) and, from 3 windows on, the last (it often holds the final checkpoint and
-    sample grid): one slow window moves a median by at most one rank. None without windows."""
-    xs = [float(x) for x in rates if x is not None and float(x) > 0]
-    if len(xs) >= 3:
-        xs = xs[1:-1]
-    elif len(xs) == 2:
-        xs = xs[1:]
-    if not xs:
-        return None
-    xs.sort()
-    mid = len(xs) // 2
-    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
-
-
-def logged_rates(metrics_csv: str | Path) -> list[float]:
-    """The ``train/samples_per_s`` column of a Lightning CSVLogger ``metrics.csv``, in order."""
-    import csv
-
-    out = []
-    with open(metrics_csv, newline="") as f:
-        for r in csv.DictReader(f):
-            v = r.get("train/samples_per_s")
-            if v not in (None, ""):
-                out.append(float(v))
-    return out
-
-
-def _training(catalog: Catalog) -> list[Rate]:
-    rows = catalog.query(
-        """SELECT coalesce(device, 'unknown device') AS d,
-                  coalesce(json_extract_string(extra, '$.preset'), '?') AS preset,
-                  partition, samples, seconds,
-                  TRY_CAST(json_extract(extra, '$.samples_per_s') AS DOUBLE) AS sps, written_at
-           FROM materializations WHERE asset = 'flow_model' ORDER BY written_at"""
-    )
-    latest: dict[tuple[str, str], dict] = {}
-    runs: dict[tuple[str, str], int] = {}
-    for r in rows:
-        key = (r["d"], r["preset"])
-        runs[key] = runs.get(key, 0) + 1
-        latest[key] = r  # ordered by written_at: the last one wins
-    out = []
-    for (device, preset), r in sorted(latest.items()):
-        n, s = int(r["samples"] or 0), float(r["seconds"] or 0.0)
-        if r["sps"] and r["sps"] > 0:
-            per_s, how = float(r["sps"]), "median samples/s over the run's steady logged windows"
-        elif n > 0 and s > 0:
-            per_s, how = n / s, "samples / wall s (incl. startup; too high if resumed)"
-        else:
-            continue
-        note = f"run {r['partition']}, preset {preset}; {how}"
-        out.append(Rate("training", per_s, device, n, s, runs[(device, preset)], note))
-    return out
-
-
-def _bytes_per_sample(catalog: Catalog) -> dict[str, dict]:
-    rows = catalog.query(
-        "SELECT asset, codec, samples, stored_bytes_per_sample AS b, tokens, token_row_bytes "
-        "FROM compression"
-    )
-    return {
-        r["asset"]: {
-            "bytes": float(r["b"]),
-            "codec": r["codec"],
-            "samples": int(r["samples"]),
-            "tokens": r["tokens"],
-            "token_row_bytes": r["token_row_bytes"],
-        }
-        for r in rows
-        if r["b"]
-    }
-
-
-def measure(catalog: Catalog) -> dict:
-    """Everything measured: ``{"images"|"precalc"|"training": [Rate, ...], "bytes": {...}}``.
-
-    One Rate per device (training: per device and preset, latest run); an empty list where a
-    stage was never measured. ``bytes`` maps asset -> stored bytes per sample and codec.
-    """
-    return {
-        "images": _images(catalog),
-        "precalc": _precalc(catalog),
-        "training": _training(catalog),
-        "bytes": _bytes_per_sample(catalog),
-    }
 
 
 def _row(
@@ -485,156 +322,6 @@ def ssd_fit(embeddings_gb: float, worst_gb: float, checkpoints_gb: float, ssd_tb
     }
 
 
-#: Parameter counts of the DiT presets (flowmatch_models/model/dit.py), recorded so that the budget
-#: needs no torch: ``{"key": <dit.py + diffusers>, "counts": {"<preset>/<projector_hidden>":
-#: [params, transformer params]}}``. Re-record: ``python -m flowmatch_assets.reports.budget``
-#: (tests/test_budget.py fails when it is out of date; a stale table is computed at run time).
-PARAM_COUNTS = Path(__file__).with_name("param_counts.json")
-
-
-def _param_key() -> str:
-    """What the presets' parameter counts depend on: dit.py's source and diffusers' version."""
-    import hashlib
-    import importlib.metadata
-    import importlib.util
-
-    origin = importlib.util.find_spec("flowmatch_models.model.dit").origin
-    h = hashlib.sha256(Path(origin).read_bytes())
-    h.update(importlib.metadata.version("diffusers").encode())
-    return h.hexdigest()[:16]
-
-
-def count_params_of(preset: str, projector_hidden: int | None) -> tuple[int, int]:
-    """(every parameter, the transformer's) of a freshly built ``preset`` (on the meta device)."""
-    import torch
-
-    from flowmatch_models.model.dit import build_model, count_params
-
-    with torch.device("meta"):
-        model = build_model(preset, projector_hidden=projector_hidden)
-    return count_params(model), count_params(model.transformer)
-
-
-def param_counts(preset: str, projector_hidden: int | None) -> tuple[int, int]:
-    """The recorded counts (:data:`PARAM_COUNTS`) when they are current, else computed."""
-    try:
-        table = json.loads(PARAM_COUNTS.read_text())
-        if table["key"] == _param_key():
-            return tuple(table["counts"][f"{preset}/{projector_hidden}"])  # type: ignore[return-value]
-    except (OSError, ValueError, KeyError):
-        pass
-    return count_params_of(preset, projector_hidden)
-
-
-def record_param_counts(configs: Sequence[str | Path] = ()) -> dict:
-    """Write :data:`PARAM_COUNTS` for the model of every config in ``configs`` (default every
-    ``configs/*.yaml``)."""
-    from flowmatch_models.train.config import load_config
-
-    paths = list(configs) or sorted(
-        (Path(__file__).resolve().parents[2] / "configs").glob("*.yaml")
-    )
-    counts = {}
-    for p in paths:
-        m = load_config(p).model
-        counts[f"{m.preset}/{m.projector_hidden}"] = list(
-            count_params_of(m.preset, m.projector_hidden)
-        )
-    table = {"key": _param_key(), "counts": dict(sorted(counts.items()))}
-    atomic_write_text(PARAM_COUNTS, json.dumps(table, indent=1) + "\n")
-    return table
-
-
-def checkpoint_row(cfg: BudgetConfig) -> dict:
-    """Checkpoints of a run of ``updates`` steps with configs/base.yaml's retention (full
-    states + EMA snapshots, the arithmetic of
-    :func:`flowmatch_models.train.config.checkpoint_disk_plan`), priced with the base preset's
-    real parameter counts (:func:`param_counts`: no torch import when they are recorded)."""
-    from flowmatch_models.train.config import checkpoint_disk_plan, load_config
-
-    base = load_config(Path(__file__).resolve().parents[2] / "configs" / "base.yaml")
-    base.trainer.max_steps = cfg.updates
-    params, transformer = param_counts(base.model.preset, base.model.projector_hidden)
-    plan = checkpoint_disk_plan(base, params, transformer)
-    t = base.trainer
-    note = (
-        f"base.yaml: {plan['ema_snapshots_kept']} EMA snapshots (every {t.checkpoint_every:,}) "
-        f"x {plan['ema_snapshot_bytes'] / 1e9:.2f} GB + {plan['full_states_kept']} full states "
-        f"x {plan['full_state_bytes'] / 1e9:.2f} GB; last.ckpt a link"
-    )
-    return {
-        "what": f"checkpoints (SSD, {cfg.updates:,} updates)",
-        "bytes_per_sample": None,
-        "gb": plan["total_bytes"] / 1e9,
-        "note": note,
-    }
-
-
-#: ``flowmatch bench checkpoint``'s raw numbers (the stall per full state, old and new writer)
-CHECKPOINT_BENCH = Path(__file__).resolve().parents[2] / "docs" / "benchmarks" / "checkpoint.json"
-
-
-def fault_row(measured: dict, cfg: BudgetConfig) -> dict:
-    """What one fault (a crash, a power cut, a preemption without warning) costs the configured
-    run (configs/base.yaml): the work since the newest full state, on average half the interval
-    between full states and at worst all of it, on every GPU of the run; and the training
-    loop's stall per hour for writing them (:mod:`flowmatch_models.train.state_writer`, the
-    stall per state measured by ``flowmatch bench checkpoint``). A signal (SIGTERM, SIGUSR1)
-    loses nothing: the state is saved at the next step (docs/training.md)."""
-    from flowmatch_models.train.config import load_config
-
-    base = load_config(Path(__file__).resolve().parents[2] / "configs" / "base.yaml")
-    t = base.trainer
-    gpus = int(t.devices) * int(t.num_nodes) if str(t.devices).isdigit() else 1
-    gpu_rates = [r for r in measured["training"] if is_gpu(r.device)]
-    if gpu_rates:
-        r = max(gpu_rates, key=lambda r: r.per_s)
-        ups, rate_src = r.per_s / cfg.effective_batch, f"measured on {r.device}"
-    else:
-        ups, rate_src = SEED_UPDATES_S, "the seed's 2x RTX 3090 rate (no GPU run measured)"
-    step_s = (t.full_every / ups) if t.full_every else float("inf")
-    clock_s = 60.0 * t.full_every_minutes if t.full_every_minutes else float("inf")
-    interval_s = min(step_s, clock_s)
-    stall = old = None
-    if CHECKPOINT_BENCH.is_file():
-        bench = json.loads(CHECKPOINT_BENCH.read_text())
-        stall, old = bench["new"]["stall_s"], bench["old"]["stall_s"]
-    per_hour = 3600.0 / interval_s if interval_s < float("inf") else 0.0
-    return {
-        "interval_minutes": interval_s / 60,
-        "interval_from": "full_every_minutes" if clock_s <= step_s else "full_every steps",
-        "updates_per_s": ups,
-        "rate_source": rate_src,
-        "gpus": gpus,
-        "expected_lost_gpu_hours": gpus * interval_s / 2 / 3600,
-        "worst_lost_gpu_hours": gpus * interval_s / 3600,
-        "states_per_hour": per_hour,
-        "stall_s_per_state": stall,
-        "stall_s_per_hour": None if stall is None else stall * per_hour,
-        "old_stall_s_per_hour": None if old is None else old * per_hour,
-    }
-
-
-def render_faults(f: dict) -> str:
-    """The fault section of the report: lost GPU time per fault and the checkpoint stall."""
-    stall = (
-        f"{f['stall_s_per_hour']:.1f} s of stall per hour ({f['states_per_hour']:.1f} full "
-        f"states x {f['stall_s_per_state']:.2f} s; the synchronous writer before: "
-        f"{f['old_stall_s_per_hour']:.0f} s)"
-        if f["stall_s_per_hour"] is not None
-        else "stall per state not measured (flowmatch bench checkpoint)"
-    )
-    return (
-        f"\n## Faults\n\nconfigs/base.yaml saves a full state every "
-        f"{f['interval_minutes']:.0f} minutes ({f['interval_from']}; {f['updates_per_s']:.3g} "
-        f"updates/s, {f['rate_source']}). One fault (crash, power cut, preemption without "
-        f"warning) loses {f['expected_lost_gpu_hours']:.2f} GPU-hours expected, "
-        f"{f['worst_lost_gpu_hours']:.2f} at worst ({f['gpus']} GPUs x half / all of the "
-        f"interval); a signal (SIGTERM, SIGINT, SIGUSR1) loses nothing. Checkpoint stall: "
-        f"{stall}.\n"
-    )
-
-
 def payback_hours(cfg: BudgetConfig) -> float | None:
     """Hours of use after which an owned box (hardware + power) is cheaper than ``gpus`` cloud
     GPUs; None without ``hardware_usd`` or if power costs as much as the cloud."""
@@ -709,7 +396,7 @@ def budget(catalog: Catalog, cfg: BudgetConfig) -> tuple[str, dict]:
     """Measure, project and render: ``(markdown, json-able data)``."""
     measured = measure(catalog)
     rows, disk_rows = project(measured, cfg), project_disk(measured, cfg)
-    faults = fault_row(measured, cfg)
+    faults = fault_row(measured, cfg, SEED_UPDATES_S)
     removed = removed_cost(_gpu_rates(measured, cfg), cfg, *removed_rows(catalog))
     data = {
         "config": cfg.model_dump(),
@@ -726,7 +413,3 @@ def budget(catalog: Catalog, cfg: BudgetConfig) -> tuple[str, dict]:
     json.dumps(data)  # fail here, not in a caller, if something is not serialisable
     md = render_markdown(rows, disk_rows, cfg) + render_faults(faults)
     return md + render_removed(removed, cfg.dataset_pairs), data
-
-
-if __name__ == "__main__":
-    print(json.dumps(record_param_counts(), indent=1))

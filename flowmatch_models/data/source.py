@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flowmatch_models.data.agreement import FingerprintMismatchError, agreeing, shard_fingerprint
 from flowmatch_models.data.batch import (
     BatchPlan,
     DecodedBatch,
@@ -29,13 +30,12 @@ from flowmatch_models.storage import transform as transform_codec
 from flowmatch_models.storage.fingerprint import ATTR as FINGERPRINT_ATTR
 from flowmatch_models.storage.fingerprint import (
     Fingerprint,
-    as_resolved,
     diff,
     disagreement,
     hash_of,
 )
 from flowmatch_models.storage.layout import DataLayout, source_of
-from flowmatch_models.storage.store import Shard, StoreError, ragged_offsets, read_shard
+from flowmatch_models.storage.store import Shard, ragged_offsets, read_shard
 
 log = logging.getLogger(__name__)
 
@@ -45,36 +45,9 @@ def array_width(shard: Shard, array: str) -> int:
     return int(shard.info(array)["shape"][-1])
 
 
-class FingerprintMismatchError(ValueError):
-    """Partitions of one embedding kind made by different settings (fingerprints)."""
-
-
 class PartitionChangedError(RuntimeError):
     """A partition's file was re-made while a batch read from the old one was on its way: its
     codes would be decoded with another file's tables. The run stops (it never trains on it)."""
-
-
-def shard_fingerprint(layout: DataLayout, kind: str, partition: str) -> Fingerprint | None:
-    """The fingerprint in a shard's attrs (None: made before fingerprints, or unreadable)."""
-    try:
-        attrs = read_shard(layout.asset_path(kind, partition)).attrs
-    except (OSError, StoreError):
-        return None
-    return Fingerprint.from_json(attrs.get(FINGERPRINT_ATTR))
-
-
-def agreeing(kind: str, fp: Fingerprint | None) -> Fingerprint | None:
-    """What partitions of ``kind`` must share to be trained together: the fingerprint; for a
-    kind that reads only the rows' captions (its values do not depend on how the images were
-    stored), its fields alone (a shard from before exact inputs recorded the images partition's
-    fingerprint as its input; one made since, the rows it read: both train together). One
-    recorded before the resolved compute dtype reads as made with what ``auto`` resolves to here
-    (``as_resolved``): it trains with the shards made here since."""
-    fp = as_resolved(fp)
-    k = KINDS.get(kind)
-    if fp is None or k is None or k.role.input != "captions":
-        return fp
-    return Fingerprint(fp.fields)
 
 
 class ShardSource:
@@ -247,42 +220,10 @@ class ShardSource:
         return out
 
     def text_stats(self, max_tokens: int = 200_000) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-channel mean and std of the caption states (``text_embeddings.tokens``) over the
-        first partitions, up to ``max_tokens`` tokens (float64 sums): the caption
-        standardisation of ``model.text_norm``."""
-        total = count = sq = None
-        n, chunk = 0, 16_384
-        for p in self.partitions:
-            shard = self._shard(self.text, p)
-            tokens = open_rows(shard, "tokens")
-            rows = min(tokens.shape[0], max_tokens - n)
-            dev = tokens.coded and self.tables(
-                self.text, p, key=shard.table_key("tokens"), shard=shard
-            )
-            # a causal encoder's first states: the null caption's, as training decodes them
-            firsts = (
-                ragged_offsets(np.asarray(shard["lengths"]))[:-1]
-                if shard.attrs.get(FIRST_TOKEN_ATTR) and self.null_tokens is not None
-                else np.zeros(0, np.int64)
-            )
-            for a in range(0, rows, chunk):
-                part = torch.from_numpy(
-                    np.empty((min(chunk, rows - a), *tokens.row_shape), tokens.dtype)
-                )
-                tokens.read([a], len(part), part, [0])
-                t = (transform_codec.decode(part, dev) if dev else part.float()).double().numpy()
-                at = firsts[(firsts >= a) & (firsts < a + len(t))] - a
-                if len(at):
-                    t[at] = self.null_tokens[0]
-                total = t.sum(0) if total is None else total + t.sum(0)
-                sq = (t**2).sum(0) if sq is None else sq + (t**2).sum(0)
-            n += rows
-            if n >= max_tokens:
-                break
-        count = max(n, 1)
-        mean = total / count
-        std = np.sqrt(np.maximum(sq / count - mean**2, 0.0))
-        return torch.from_numpy(mean).float(), torch.from_numpy(std).float()
+        """Per-channel mean and std of the caption states: :func:`.text_stats.caption_stats`."""
+        from flowmatch_models.data.text_stats import caption_stats
+
+        return caption_stats(self, max_tokens)
 
     def mismatch(self, kind: str, fp: Fingerprint | None, partition: str) -> str | None:
         """Why ``partition``'s shard of ``kind`` with fingerprint ``fp`` does not belong with
