@@ -2,7 +2,9 @@
 quality 40, resized 0.5x and back, cropped 4%, a 10-px border) are appended after every other
 row, so the rest of the sample is row for row the one before them, and at the demo's threshold
 the pHash of the images as the images stage stores them finds exactly the copies (precision and
-recall 1) and no unrelated image of the sample."""
+recall 1) and no unrelated image of the sample; at the default threshold the hash alone also
+removes unrelated pictures with the same shape at the same place in another colour, which the
+colour check keeps."""
 
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ from flowmatch_assets.demo.dataset import NEAR_COPIES, NEAR_THRESHOLD, SampleSpe
 from flowmatch_assets.ingest import neardup
 from flowmatch_assets.ingest.decode import process_image
 from flowmatch_assets.ingest.images import IngestConfig
+from flowmatch_assets.ingest.neardup_colour import colour_difference
+from flowmatch_assets.ingest.neardup_index import HashIndex, decide_block
 from flowmatch_models.data.order import heldout_rows
 
 #: sha256 of every row of the default sample as written before the copies were planted (each
@@ -72,7 +76,7 @@ def test_the_copies_follow_every_other_row_and_leave_the_sample_as_it_was(sample
 def test_the_detector_finds_the_planted_copies_and_nothing_else(sample):
     s, files = sample
     near = s["near_copies"]
-    cfg, ids, hashes = IngestConfig(), [], []
+    cfg, ids, stored = IngestConfig(), [], []
     root = Path(s["dest"])
     for rows in files:  # dataset order, as the decision walks it
         for r in rows:
@@ -80,10 +84,10 @@ def test_the_detector_finds_the_planted_copies_and_nothing_else(sample):
                 continue
             data, _, _ = process_image((root / r["url"].removeprefix("file:")).read_bytes(), cfg)
             ids.append(r["id"])
-            hashes.append(neardup.phash([data])[0])
-    h = np.array(hashes, np.uint64)
+            stored.append(data)
+    h, c = neardup.signatures(stored)
     assert len(h) == 288 + 5
-    winner, dist = neardup.decide(h, NEAR_THRESHOLD)
+    winner, dist = neardup.decide(h, NEAR_THRESHOLD, c)  # the default colour tolerance
     found = {ids[i]: ids[winner[i]] for i in np.flatnonzero(winner >= 0)}
     assert found == near  # precision 1, recall 1, each against its own original
     # the margin: every copy within 2 bits, every other pair of the sample 6 bits or more apart
@@ -95,9 +99,26 @@ def test_the_detector_finds_the_planted_copies_and_nothing_else(sample):
     d[:, copy_rows] = 64
     np.fill_diagonal(d, 64)
     assert int(d.min()) == 6 > NEAR_THRESHOLD
-    # at the default threshold the sample's unrelated look-alikes go too (why the demo uses 4)
-    w10, _ = neardup.decide(h, neardup.DEFAULT_THRESHOLD)
+    # at the default threshold the hash alone (colour tolerance 255: every colour agrees)
+    # removes the sample's unrelated look-alikes too (why the demo uses 4)
+    w10, _ = neardup.decide(h, neardup.DEFAULT_THRESHOLD, c, 255)
     assert int((w10 >= 0).sum()) - len(near) == 9
+    # they are the same shape at the same place in another colour (a white and a yellow ring
+    # on navy): their colour signatures lie far beyond the tolerance, the copies' well within
+    # (measured: 10 pairs within 10 bits, 19 to 82 apart; copies 3.25 at most)
+    tol = neardup.DEFAULT_COLOUR_TOLERANCE
+    i, j = np.nonzero(np.triu(d <= neardup.DEFAULT_THRESHOLD, 1))
+    assert len(i) == 10, d[i, j].tolist()
+    assert colour_difference(c[i], c[j]).min() > 1.5 * tol
+    copies = colour_difference(c[copy_rows], c[[pos[near[x]] for x in near]])
+    assert copies.max() <= 0.5 * tol, copies.tolist()
+    # so with the colour check the default threshold finds exactly the copies as well, by brute
+    # force and by the kept decision's index alike
+    w, _ = neardup.decide(h, neardup.DEFAULT_THRESHOLD, c, tol)
+    assert {ids[k]: ids[w[k]] for k in np.flatnonzero(w >= 0)} == near
+    w, _ = decide_block(HashIndex(neardup.DEFAULT_THRESHOLD, tol), h, c)  # an empty index:
+    assert {ids[k]: ids[-2 - w[k]] for k in np.flatnonzero(w <= -2)} == near  # -2 - j: row j
+    assert (w >= 0).sum() == 0
 
 
 def test_the_sample_is_the_same_in_any_process_state(tmp_path):

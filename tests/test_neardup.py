@@ -1,8 +1,8 @@
 """Near-duplicates, the perceptual detector (issue 48): planted copies of a sample's own images
 (re-encoded at quality 40, resized 0.5x and back, cropped 4%, a 10-px border added) stored by
 the real metadata + images stages are found across partitions, unrelated look-alikes (same
-shape and colour) are kept, the kept samples do not depend on the order the partitions were
-materialized in, and a threshold change re-decides the near duplicates alone."""
+shape and colour) are kept, the kept samples do not depend on the order the partitions were materialized in, and a threshold
+or colour tolerance change re-decides the near duplicates alone."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from flowmatch_assets.defs.resources import FlowmatchResource
 from flowmatch_assets.demo.dataset import draw_image, near_copy
 from flowmatch_assets.ingest import neardup
 from flowmatch_assets.ingest.images import IngestConfig
+from flowmatch_assets.ingest.neardup_colour import colour_difference
 from flowmatch_assets.reports.data_card import card_rows
 
 KEYS = ["000-00", "001-00"]
@@ -202,6 +203,13 @@ def test_planted_near_duplicates_are_found_in_any_order_and_look_alikes_kept(
     records = {p: p.stat().st_mtime_ns for p in neardup.phash_dir(rev).glob("*.parquet")}
     _neardup(Catalog(rev), None, True)
     assert {p: p.stat().st_mtime_ns for p in records} == records
+    # a record of the version before the colour check (no colour column) is hashed again
+    rec = neardup.phash_dir(rev) / f"{KEYS[0]}.parquet"
+    old = pq.read_table(rec)
+    shard = {b"flowmatch_shard": old.schema.metadata[b"flowmatch_shard"]}
+    pq.write_table(old.drop_columns(["colour"]).replace_schema_metadata(shard), rec)
+    _neardup(Catalog(rev), None, True)
+    assert pq.read_table(rec).equals(old) and _kept_and_losers(rev) == (kept, losers)
 
 
 def test_a_threshold_change_re_decides_the_near_duplicates_alone(tmp_path, planted, zoo, capsys):
@@ -246,8 +254,11 @@ def test_a_threshold_change_re_decides_the_near_duplicates_alone(tmp_path, plant
     before = snapshot()
     assert any(k.startswith("dino_features/") for k in before)
     hashes = {p: p.stat().st_mtime_ns for p in neardup.phash_dir(data).glob("*.parquet")}
-    _neardup(Catalog(data), 40, True)  # far too loose: look-alikes now "duplicates"
-    assert _kept_and_losers(data)[1], "a 40-bit threshold should call some look-alikes duplicates"
+    _neardup(Catalog(data), 40, True, colour_tolerance=255)  # far too loose, the hash alone
+    loose = _kept_and_losers(data)[1]
+    assert loose, "a 40-bit threshold should call some look-alikes duplicates"
+    _neardup(Catalog(data), 40, True)  # the colour check keeps those in other colours
+    assert set(_kept_and_losers(data)[1]) < set(loose)
     _neardup(Catalog(data), neardup.DEFAULT_THRESHOLD, True, min_cosine=-1.0)  # every CLS "near"
     kept, losers = _kept_and_losers(data)
     assert kept == {"orig-00"} and len(losers) == len(originals) + len(lookalikes) // 2 - 1
@@ -261,26 +272,33 @@ def test_a_threshold_change_re_decides_the_near_duplicates_alone(tmp_path, plant
     assert {p: p.stat().st_mtime_ns for p in hashes} == hashes
     meta = pq.read_schema(neardup.near_path(neardup.DataLayout(data))).metadata
     settings = json.loads(meta[b"flowmatch_neardup"])["thresholds"]
-    assert settings == {"phash": neardup.DEFAULT_THRESHOLD, "dino_cls": None}
+    assert settings == {"phash": 10, "phash_colour": 10, "dino_cls": None}
 
 
 def test_the_decision_keeps_the_earliest_and_compares_with_kept_rows_only():
     """A chain a ~ b ~ c where a and c are far apart: b loses to a, c (compared with the
-    kept a only) is kept; blocks do not change the result."""
+    kept a only) is kept; d near c loses to it unless its colours differ; blocks do not change
+    the result."""
     a = np.uint64(0)
     b = np.uint64((1 << 6) - 1)  # 6 bits from a
     c = np.uint64((1 << 12) - 1)  # 6 bits from b, 12 from a
     d = np.uint64((1 << 12) - 1 + (1 << 40))  # 1 bit from c
     h = np.array([a, b, c, d], np.uint64)
+    c = np.zeros((4, 32), np.uint8)
+    other = c.copy()
+    other[3, 4:8] = 11  # d in another colour: 4 cells, each 1 past the default tolerance
     for block in (1, 2, 1024):
-        w, dist = neardup.decide(h, 8, block=block)
+        w, dist = neardup.decide(h, 8, c, block=block)
         assert w.tolist() == [-1, 0, -1, 2] and dist.tolist() == [0, 6, 0, 1]
+        w, dist = neardup.decide(h, 8, other, block=block)
+        assert w.tolist() == [-1, 0, -1, -1] and dist.tolist() == [0, 6, 0, 0]
 
 
 def test_the_hash_at_the_stored_size_keeps_copies_close_and_look_alikes_far():
     """On 256 px images themselves (a 10-px border is then 4% of a side: the flat frame is
-    trimmed before hashing): every copy within the default threshold of its original, every
-    look-alike (same shape and colour) beyond it."""
+    trimmed before hashing): every copy within the default threshold of its original and its
+    colours well within the default tolerance, every look-alike (same shape and colour)
+    beyond the threshold."""
     rng = np.random.default_rng(5)
     thr = neardup.DEFAULT_THRESHOLD
     originals, alikes = [], []
@@ -293,11 +311,15 @@ def test_the_hash_at_the_stored_size_keeps_copies_close_and_look_alikes_far():
             if _words(ocap) == (colour, shape):
                 break
         alikes.append(ImageOps.fit(other, (256, 256)))
-    h = neardup.phash(originals)
+    h, c = neardup.signatures(originals)
     for name, f in VARIANTS.items():
         copies = [ImageOps.fit(f(im), (256, 256)) for im in originals]
-        d = neardup.hamming(h, neardup.phash(copies))
+        hc, cc = neardup.signatures(copies)
+        d = neardup.hamming(h, hc)
         assert d.max() <= thr, (name, d.tolist())
+        diff = colour_difference(c, cc)
+        print(f"{name}: colours {diff.max()} apart at most")  # measured 2, 1, 6.25, 3
+        assert diff.max() <= 0.7 * neardup.DEFAULT_COLOUR_TOLERANCE, (name, diff.tolist())
     d = neardup.hamming(h[:, None], neardup.phash(originals + alikes)[None, :])
     d[np.arange(16), np.arange(16)] = 64  # each image with itself
     far = int(d.min())

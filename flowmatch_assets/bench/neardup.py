@@ -1,13 +1,16 @@
 """Benchmark: the near-duplicate decision at PD12M's size (12.4M rows), on synthetic hashes.
 
 - pHash: for each ``--sizes`` N, a multi-index hash (``ingest/neardup_index.py``) of N random
-  kept 64-bit hashes, then one partition of ``--partition`` rows (``--planted`` of them copies
-  of kept rows with 0..threshold bits flipped) decided against it (:func:`decide_block`: the
+  kept 64-bit hashes with random 32-byte colour signatures, then one partition of
+  ``--partition`` rows (``--planted`` of them copies of kept rows with 0..threshold bits flipped
+  and their colours moved by up to the tolerance) decided against it (:func:`decide_block`: the
   index, then the partition's own rows in order) and its kept rows added. Measured: the index's
-  bytes, the CPU-seconds of the partition (decide + add), the rows found within the threshold
-  (every planted copy, and the few random rows that close). Projected to 12.4M: the bytes per row from the largest N (the chunk
-  tables are fixed: 2^21-2^22 offsets each), the CPU-seconds by a line through the two sizes
-  (probes cost the same at any N; candidates grow with N).
+  bytes, the CPU-seconds of the partition (decide + add), the rows within the threshold whose
+  colours agree (every planted copy; the few random rows that close in bits,
+  ``found_hash_only``, fail the colour check with random colours: real colours cluster, so more
+  pass there). Projected to 12.4M: the bytes per row from the largest N (the chunk tables are
+  fixed: 2^21-2^22 offsets each), the CPU-seconds by a line through the two sizes (probes cost
+  the same at any N; candidates grow with N).
 - the reference: brute force (every row against every kept row) for one partition against
   ``--brute`` kept rows, scaled linearly.
 - DINO CLS (the semantic path, brute force in blocks): one partition's 384-d vectors against
@@ -28,6 +31,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from flowmatch_assets.ingest.neardup_colour import DEFAULT_TOLERANCE, SIGNATURE_BYTES
 from flowmatch_assets.ingest.neardup_index import HashIndex, decide_block
 
 PD12M = 12_400_000
@@ -42,30 +46,43 @@ def _cpu() -> float:
     return time.process_time()
 
 
-def _planted(rng, kept: np.ndarray, n: int, share: float, t: int) -> tuple[np.ndarray, int]:
-    """``n`` random hashes, ``share`` of them copies of kept rows with 0..t bits flipped."""
-    h = rng.integers(0, 2**64 - 1, n, dtype=np.uint64, endpoint=True)
+def _colours(rng, n: int) -> np.ndarray:
+    return rng.integers(0, 256, (n, SIGNATURE_BYTES), dtype=np.uint8)
+
+
+def _planted(
+    rng, kept: np.ndarray, kept_colours: np.ndarray, n: int, share: float, t: int, tol: int
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """``n`` random hashes and colours, ``share`` of them copies of kept rows with 0..t bits
+    flipped and each colour byte moved by up to ``tol``."""
+    h, c = rng.integers(0, 2**64 - 1, n, dtype=np.uint64, endpoint=True), _colours(rng, n)
     k = int(n * share)
-    src = kept[rng.integers(0, len(kept), k)]
+    pick = rng.integers(0, len(kept), k)
     flips = np.zeros(k, np.uint64)
     for j, bits in enumerate(rng.integers(0, t + 1, k)):
         for b in rng.choice(64, int(bits), replace=False):
             flips[j] |= np.uint64(1 << int(b))
-    h[rng.choice(n, k, replace=False)] = src ^ flips
-    return h, k
+    at = rng.choice(n, k, replace=False)
+    h[at] = kept[pick] ^ flips
+    moved = kept_colours[pick].astype(np.int16) + rng.integers(-tol, tol + 1, (k, SIGNATURE_BYTES))
+    c[at] = np.clip(moved, 0, 255).astype(np.uint8)
+    return h, c, k
 
 
-def phash_size(rng, n: int, partition: int, share: float, t: int) -> dict:
-    kept = rng.integers(0, 2**64 - 1, n, dtype=np.uint64, endpoint=True)
+def phash_size(rng, n: int, partition: int, share: float, t: int, tol: int) -> dict:
+    ix = HashIndex(t, tol)
     c0 = _cpu()
-    ix = HashIndex(t)
-    ix.add(kept)
+    # the index holds the only copy (as a loaded decision does): no second one in the peak RSS
+    ix.add(rng.integers(0, 2**64 - 1, n, dtype=np.uint64, endpoint=True), _colours(rng, n))
     build = _cpu() - c0
-    part, planted = _planted(rng, kept, partition, share, t)
+    part, part_c, planted = _planted(rng, ix.hashes, ix.colours, partition, share, t, tol)
+    ix.tolerance = 255  # the hash alone (every colour agrees): what the colour check removes
+    hash_only = int((ix.query(part, part_c)[0] >= 0).sum())
+    ix.tolerance = tol
     c0, w0 = _cpu(), time.perf_counter()
-    win, _ = decide_block(ix, part)
+    win, _ = decide_block(ix, part, part_c)
     c1 = _cpu()
-    ix.add(part[win == -1])
+    ix.add(part[win == -1], part_c[win == -1])
     c2, w2 = _cpu(), time.perf_counter()
     return {
         "kept_rows": n,
@@ -80,9 +97,11 @@ def phash_size(rng, n: int, partition: int, share: float, t: int) -> dict:
         "partition_cpu_s": round(c2 - c0, 2),
         "partition_wall_s": round(w2 - w0, 2),
         "planted": planted,
-        # rows within the threshold of a kept row: the planted ones, and the few random pairs
-        # that close (tests/test_neardup_index.py holds the index to brute force exactly)
+        # rows within the threshold of a kept row, colours agreeing: the planted ones
+        # (tests/test_neardup_index.py holds the index to brute force exactly)
         "found": int((win >= 0).sum()),
+        # within the threshold of a kept row in bits alone: + the random rows that close
+        "found_hash_only": hash_only,
     }
 
 
@@ -94,16 +113,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--partition", type=int, default=10_000)
     p.add_argument("--planted", type=float, default=0.01, help="share of planted copies")
     p.add_argument("--threshold", type=int, default=10)
+    p.add_argument("--colour-tolerance", type=int, default=DEFAULT_TOLERANCE)
     p.add_argument("--brute", type=int, default=100_000, help="kept rows for the brute force")
     p.add_argument("--cls-kept", type=int, default=20_000)
     p.add_argument("--out", default=None, help="also write the JSON here")
     a = p.parse_args(argv)
     rng = np.random.default_rng(0)
     sizes = [int(s) for s in a.sizes.split(",")]
-    runs = [phash_size(rng, n, a.partition, a.planted, a.threshold) for n in sizes]
+    tol = a.colour_tolerance
+    runs = [phash_size(rng, n, a.partition, a.planted, a.threshold, tol) for n in sizes]
     # the reference: brute force of one partition against --brute kept rows
     kept = rng.integers(0, 2**64 - 1, a.brute, dtype=np.uint64, endpoint=True)
-    part, _ = _planted(rng, kept, a.partition, a.planted, a.threshold)
+    part, _, _ = _planted(rng, kept, _colours(rng, a.brute), a.partition, a.planted, a.threshold, 0)
     c0 = _cpu()
     for s in range(0, len(part), 256):
         _ = (np.bitwise_count(part[s : s + 256, None] ^ kept[None, :]) <= a.threshold).any(1)
@@ -126,11 +147,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
         cpu_12m = a1["partition_cpu_s"] + max(slope, 0.0) * (PD12M - a1["kept_rows"])
     else:
         cpu_12m = last["partition_cpu_s"] * PD12M / last["kept_rows"]
-    fixed_mb = sum((2**w + 1) * 4 for w in HashIndex(a.threshold).widths) / 1e6
+    fixed_mb = sum((2**w + 1) * 4 for w in HashIndex(a.threshold, tol).widths) / 1e6
     per_row = (last["index_mb"] - fixed_mb) * 1e6 / last["kept_rows"]
     result = {
         "bench": "neardup",
         "threshold": a.threshold,
+        "colour_tolerance": tol,
         "partition_rows": a.partition,
         "runs": runs,
         "projected_12m_index_mb": round(fixed_mb + per_row * PD12M / 1e6, 0),

@@ -345,6 +345,14 @@ COMMANDS: dict[str, Command] = {
                 "near duplicates (default 10); re-decides the near duplicates only",
             ),
             arg(
+                "--colour-tolerance",
+                type=int,
+                default=None,
+                help="`catalog neardup`: the most one cell of the two images' 4x4 colour "
+                "signatures (YCbCr Cb, Cr, 0-255) may differ for a pHash match to count "
+                "(default 20; 255: the pHash alone); re-decides the near duplicates only",
+            ),
+            arg(
                 "--min-cosine",
                 type=float,
                 default=None,

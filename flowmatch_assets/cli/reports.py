@@ -15,6 +15,7 @@ def cmd_catalog(
     as_json: bool,
     threshold: int | None = None,
     min_cosine: float | None = None,
+    colour_tolerance: int | None = None,
 ) -> int:
     from flowmatch_assets.catalog import Catalog, format_table, view_names
 
@@ -23,7 +24,7 @@ def cmd_catalog(
         return 0
     cat = Catalog(flowmatch_resource().data_root)
     if report == "neardup":
-        return _neardup(cat, threshold, as_json, min_cosine)
+        return _neardup(cat, threshold, as_json, min_cosine, colour_tolerance)
     if report == "path":
         print(cat.ensure())
         return 0
@@ -64,25 +65,40 @@ def cmd_catalog(
     return 0
 
 
-def _neardup(cat, threshold: int | None, as_json: bool, min_cosine: float | None = None) -> int:
+def _neardup(
+    cat,
+    threshold: int | None,
+    as_json: bool,
+    min_cosine: float | None = None,
+    colour_tolerance: int | None = None,
+) -> int:
     """`flowmatch catalog neardup`: :func:`decide_near_duplicates`, printed."""
     from flowmatch_assets.catalog import format_table
 
-    rows = decide_near_duplicates(cat, threshold, min_cosine)
+    rows = decide_near_duplicates(cat, threshold, min_cosine, colour_tolerance)
     print(json.dumps(rows, indent=1) if as_json else format_table([rows]))
     return 0
 
 
 def decide_near_duplicates(
-    cat, threshold: int | None = None, min_cosine: float | None = None
+    cat,
+    threshold: int | None = None,
+    min_cosine: float | None = None,
+    colour_tolerance: int | None = None,
 ) -> dict:
     """Hash the images partitions not hashed yet (or rewritten since), decide the near
-    duplicates at ``threshold`` over every partition (and, with ``min_cosine``, by their
-    DINOv2 CLS), draw the pairs picture; return how many there are (`catalog neardup` prints
-    it, the demo calls it before training)."""
+    duplicates at ``threshold`` bits and ``colour_tolerance`` over every partition (and, with
+    ``min_cosine``, by their DINOv2 CLS), draw the pairs picture; return how many there are
+    (`catalog neardup` prints it, the demo calls it before training)."""
     from flowmatch_assets.ingest import neardup
+    from flowmatch_assets.ingest.neardup_colour import check_tolerance
 
     t = threshold if threshold is not None else neardup.DEFAULT_THRESHOLD
+    tol = neardup.DEFAULT_COLOUR_TOLERANCE if colour_tolerance is None else colour_tolerance
+    try:
+        tol = check_tolerance(tol)
+    except ValueError as e:
+        raise CliError(str(e)) from None
     parts = [
         r["partition"]
         for r in cat.query(
@@ -91,14 +107,15 @@ def decide_near_duplicates(
     ]
     for p in parts:
         neardup.phash_partition(cat.layout.root, p)
-    near = neardup.write_near_duplicates(cat.layout.root, t, parts, min_cosine)
+    near = neardup.write_near_duplicates(cat.layout.root, t, parts, min_cosine, tol)
     rows = cat.query(
         """SELECT count(*) FILTER (WHERE outcome = 'stored') AS kept,
                   count(*) FILTER (WHERE reason = 'near_duplicate') AS near_duplicates,
                   count(*) FILTER (WHERE reason = 'duplicate_content') AS content_duplicates
            FROM dataset_rows"""
     )[0]
-    rows = {"threshold": t, "min_cosine": min_cosine, "partitions": len(parts), **rows}
+    settings = {"threshold": t, "colour_tolerance": tol, "min_cosine": min_cosine}
+    rows = {**settings, "partitions": len(parts), **rows}
     rows["near_fraction"] = round(near.num_rows / max(1, rows["kept"] + near.num_rows), 6)
     detectors = near.column("detector").to_pylist()
     rows["detectors"] = {d: detectors.count(d) for d in sorted(set(detectors))}

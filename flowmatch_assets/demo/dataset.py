@@ -76,7 +76,8 @@ NEAR_COPIES: tuple[tuple[int, int, str], ...] = (
 #: The pHash bits the demo decides near duplicates at (`flowmatch catalog neardup --threshold`):
 #: the planted copies lie within 2 bits of their originals, the sample's closest unrelated pairs
 #: (the same shape, size and position in another colour: alike in grey) 6 to 10 bits apart, so
-#: the default threshold (10) would remove 7 of its unrelated images too.
+#: the default threshold (10) would remove 9 of its unrelated images too by the hash alone (the
+#: colour check at its default tolerance keeps them: ``tests/test_demo_neardup.py``).
 NEAR_THRESHOLD = 4
 
 

@@ -1,23 +1,28 @@
-"""Near-duplicates, the perceptual detector: a 64-bit DCT hash (pHash) of every stored 256 px
-image, and which stored rows lose to an earlier look-alike (Hamming distance <= a threshold).
+"""Near-duplicates, the perceptual detector: a 64-bit DCT hash (pHash) and a colour signature
+of every stored 256 px image, and which stored rows lose to an earlier look-alike (Hamming
+distance <= a threshold, and colours within a tolerance).
 
 **The hashes** are a pure function of a partition's images shard: :func:`phash_partition`
 reads the shard once and writes ``<root>/catalog/neardup/phash/<partition>.parquet`` (``id``,
-``position``, ``phash``; atomic, tagged with the shard's identity: a rewritten shard is hashed
-again, an unchanged one never). No model, no GPU, no network; ~1 ms an image (the decode).
+``position``, ``phash``, ``colour``; atomic, tagged with the shard's identity and the record's
+version: a rewritten shard, or a record of an older version, is hashed again, an unchanged one
+never). No model, no GPU, no network; ~1 ms an image (the decode).
 
-**The decision** (:func:`near_duplicates`) reads those small records only (8 bytes a row; no
+**The decision** (:func:`near_duplicates`) reads those small records only (40 bytes a row; no
 image of an older partition is read again) and walks every stored row in dataset order
-(partition, position): a row whose hash is within ``threshold`` bits of a row *kept* before it
-loses to the earliest such row. The rule depends on the set of hashes and the threshold alone,
-never on which partition was materialized first, so any order keeps the same samples. The
-threshold is a setting of this decision only: changing it rewrites no images shard and no
-embedding (nothing upstream of the decision reads it).
+(partition, position): a row loses to the earliest row *kept* before it whose hash is within
+``threshold`` bits of its own and whose colour signature agrees within ``colour_tolerance``
+(:mod:`.neardup_colour`: the hash is grey, so without it the same shape at the same place in
+another colour is a "copy"). The rule depends on the set of records and the two settings
+alone, never on which partition was materialized first, so any order keeps the same samples.
+The settings belong to this decision only: changing them rewrites no images shard and no
+embedding (nothing upstream of the decision reads them).
 
 The hash (as ``imagehash.phash``): the image in grey, resized to 32x32 (box filter), its 2-D
 DCT-II, the 8x8 lowest frequencies, one bit per coefficient above their median. Re-encodes,
 0.5x resizes, crops of a few per cent and thin borders stay within ~10 bits; unrelated images
-of the same shape and colour differ in ~20-40 (``tests/test_neardup.py``).
+of the same shape and colour differ in ~20-40, of the same shape and place in another colour
+in as few as 6 (there the colour check decides; ``tests/test_neardup.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +39,13 @@ from PIL import Image
 from scipy.fft import dctn
 
 from flowmatch_assets.catalog.derived import NEAR_SCHEMA, near_path
+from flowmatch_assets.ingest.neardup_colour import (
+    DEFAULT_TOLERANCE,
+    SIGNATURE_BYTES,
+    check_tolerance,
+    colour_signature,
+    pairs_agree,
+)
 from flowmatch_assets.ingest.neardup_index import decide_incremental
 from flowmatch_assets.ingest.neardup_semantic import decide_clustered, stored_centroids
 from flowmatch_models.storage import remote
@@ -42,8 +54,19 @@ from flowmatch_models.storage.layout import DataLayout
 
 #: Bits that may differ between a row and the earlier row it duplicates (the default setting).
 DEFAULT_THRESHOLD = 10
+#: The largest colour difference (:mod:`.neardup_colour`) between them (the default setting).
+DEFAULT_COLOUR_TOLERANCE = DEFAULT_TOLERANCE
 #: How a record's rows are stored.
-PHASH_SCHEMA = pa.schema([("id", pa.string()), ("position", pa.int32()), ("phash", pa.uint64())])
+PHASH_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("position", pa.int32()),
+        ("phash", pa.uint64()),
+        ("colour", pa.list_(pa.uint8(), SIGNATURE_BYTES)),
+    ]
+)
+#: The records' version: a record of another (older: no colour) is written again.
+RECORD_VERSION = "2"
 _BITS = (1 << np.arange(63, -1, -1, dtype=np.uint64)).astype(np.uint64)
 
 
@@ -58,17 +81,27 @@ def phash_pixels(grey32: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint64) * _BITS).sum(axis=1, dtype=np.uint64)
 
 
-def grey32(image: Image.Image | np.ndarray | bytes) -> np.ndarray:
-    """An image (PIL, HxWx3 uint8 or encoded bytes) as the 32x32 grey array the hash reads."""
+def trimmed(image: Image.Image | np.ndarray | bytes) -> Image.Image:
+    """An image (PIL, HxWx3 uint8 or encoded bytes) in RGB without its flat frame (what the
+    hash and the colour signature read)."""
     if isinstance(image, bytes):
         with Image.open(io.BytesIO(image)) as im:
-            return grey32(im.convert("RGB"))
+            return trimmed(im.convert("RGB"))
     im = Image.fromarray(image) if isinstance(image, np.ndarray) else image
-    g = im.convert("L")
-    top, bottom, left, right = _flat_border(np.asarray(g, np.int16))
+    im = im.convert("RGB")
+    top, bottom, left, right = _flat_border(np.asarray(im.convert("L"), np.int16))
     if bottom - top >= 8 and right - left >= 8:
-        g = g.crop((left, top, right, bottom))
-    return np.asarray(g.resize((32, 32), Image.BOX), np.float64)
+        im = im.crop((left, top, right, bottom))
+    return im
+
+
+def _grey32(trim: Image.Image) -> np.ndarray:
+    return np.asarray(trim.convert("L").resize((32, 32), Image.BOX), np.float64)
+
+
+def grey32(image: Image.Image | np.ndarray | bytes) -> np.ndarray:
+    """An image (PIL, HxWx3 uint8 or encoded bytes) as the 32x32 grey array the hash reads."""
+    return _grey32(trimmed(image))
 
 
 def _flat_border(a: np.ndarray, tol: int = 6, most: float = 0.25) -> tuple[int, int, int, int]:
@@ -91,9 +124,20 @@ def _flat_border(a: np.ndarray, tol: int = 6, most: float = 0.25) -> tuple[int, 
 
 def phash(images: list) -> np.ndarray:
     """uint64 pHash of each image (PIL, array or encoded bytes)."""
+    return signatures(images)[0]
+
+
+def signatures(images: list) -> tuple[np.ndarray, np.ndarray]:
+    """(uint64 pHash, uint8 ``[N, 32]`` colour signature) of each image (PIL, array or encoded
+    bytes), each image decoded and trimmed once."""
     if not images:
-        return np.zeros(0, np.uint64)
-    return phash_pixels(np.stack([grey32(i) for i in images]))
+        return np.zeros(0, np.uint64), np.zeros((0, SIGNATURE_BYTES), np.uint8)
+    trims = [trimmed(i) for i in images]
+    return phash_pixels(np.stack([_grey32(t) for t in trims])), colours_of(trims)
+
+
+def colours_of(trims: list[Image.Image]) -> np.ndarray:
+    return np.stack([colour_signature(t) for t in trims])
 
 
 def hamming(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -114,26 +158,39 @@ def _shard_identity(shard: Path) -> str:
 
 
 def phash_partition(root: str | Path, partition: str, batch: int = 256) -> Path:
-    """The pHash record of ``partition``'s images shard (written when missing or when the
-    shard changed since; the shard's images are read in batches, never all at once)."""
+    """The pHash and colour record of ``partition``'s images shard (written when missing, when
+    the shard changed since or when the record is of another version; the shard's images are
+    read in batches, never all at once)."""
     layout = DataLayout(root)
     shard = Path(remote.ensure(layout.asset_path("images", partition)))
     out = phash_dir(root) / f"{partition}.parquet"
     ident = _shard_identity(shard)
     if out.exists():
         meta = pq.read_schema(out).metadata or {}
-        if meta.get(b"flowmatch_shard") == ident.encode():
+        if (meta.get(b"flowmatch_shard"), meta.get(b"flowmatch_record")) == (
+            ident.encode(),
+            RECORD_VERSION.encode(),
+        ):
             return out
-    ids, hashes = [], []
+    ids, hashes, colours = [], [np.zeros(0, np.uint64)], [np.zeros((0, SIGNATURE_BYTES), np.uint8)]
     pf = pq.ParquetFile(shard)
     for b in pf.iter_batches(batch_size=batch, columns=["id", "image"]):
         d = b.to_pydict()
         ids += [str(i) for i in d["id"]]
-        hashes.append(phash(d["image"]))
-    h = np.concatenate(hashes) if hashes else np.zeros(0, np.uint64)
+        h, c = signatures(d["image"])
+        hashes.append(h)
+        colours.append(c)
+    c = np.concatenate(colours)
     t = pa.table(
-        {"id": ids, "position": np.arange(len(ids), dtype=np.int32), "phash": h},
-        schema=PHASH_SCHEMA.with_metadata({"flowmatch_shard": ident}),
+        {
+            "id": ids,
+            "position": np.arange(len(ids), dtype=np.int32),
+            "phash": np.concatenate(hashes),
+            "colour": pa.FixedSizeListArray.from_arrays(pa.array(c.ravel()), SIGNATURE_BYTES),
+        },
+        schema=PHASH_SCHEMA.with_metadata(
+            {"flowmatch_shard": ident, "flowmatch_record": RECORD_VERSION}
+        ),
     )
     with atomic_path(out) as tmp:
         pq.write_table(t, tmp)
@@ -150,6 +207,18 @@ class HashRows:
     partition: np.ndarray  # object
     id: np.ndarray  # object
     phash: np.ndarray  # uint64
+    colour: np.ndarray  # uint8 [N, 32]
+
+
+def read_record(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ids, hashes, colour signatures) of one record, in position order."""
+    t = pq.read_table(path).sort_by("position")
+    colour = t.column("colour").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+    return (
+        np.asarray(t.column("id").to_pylist(), object),
+        t.column("phash").to_numpy(),
+        np.asarray(colour, np.uint8).reshape(t.num_rows, SIGNATURE_BYTES),
+    )
 
 
 def read_hashes(root: str | Path, partitions: list[str] | None = None) -> HashRows:
@@ -158,15 +227,17 @@ def read_hashes(root: str | Path, partitions: list[str] | None = None) -> HashRo
     names = sorted(p.stem for p in d.glob("*.parquet")) if d.is_dir() else []
     if partitions is not None:
         names = sorted(set(names) & set(partitions))
-    parts, ids, hs = [], [], []
+    parts, ids, hs, cs = [], [], [], []
     for n in names:
-        t = pq.read_table(d / f"{n}.parquet").sort_by("position")
-        ids.append(np.asarray(t.column("id").to_pylist(), object))
-        hs.append(t.column("phash").to_numpy())
-        parts.append(np.full(t.num_rows, n, object))
+        i, h, c = read_record(d / f"{n}.parquet")
+        ids.append(i)
+        hs.append(h)
+        cs.append(c)
+        parts.append(np.full(len(i), n, object))
     if not names:
-        return HashRows(np.zeros(0, object), np.zeros(0, object), np.zeros(0, np.uint64))
-    return HashRows(np.concatenate(parts), np.concatenate(ids), np.concatenate(hs))
+        empty = np.zeros(0, object)
+        return HashRows(empty, empty, np.zeros(0, np.uint64), colours_of([]))
+    return HashRows(*(np.concatenate(x) for x in (parts, ids, hs, cs)))
 
 
 def _greedy(n: int, score, ok, block: int = 1024) -> tuple[np.ndarray, np.ndarray]:
@@ -199,15 +270,26 @@ def _greedy(n: int, score, ok, block: int = 1024) -> tuple[np.ndarray, np.ndarra
     return winner, best
 
 
-def decide(hashes: np.ndarray, threshold: int, block: int = 1024) -> tuple[np.ndarray, np.ndarray]:
+def decide(
+    hashes: np.ndarray,
+    threshold: int,
+    colours: np.ndarray,
+    tolerance: int = DEFAULT_COLOUR_TOLERANCE,
+    block: int = 1024,
+) -> tuple[np.ndarray, np.ndarray]:
     """(winner index or -1, distance) of each row in order: row ``i`` loses to the first kept
-    row ``j < i`` within ``threshold`` bits (uint64 XOR + popcount)."""
-    w, d = _greedy(
-        len(hashes),
-        lambda a, b: hamming(hashes[a][:, None], hashes[b][None, :]),
-        lambda sc: sc <= threshold,
-        block,
-    )
+    row ``j < i`` within ``threshold`` bits (uint64 XOR + popcount) whose colour signature is
+    within ``tolerance`` of its own (checked for the hash's matches only)."""
+    colours = np.asarray(colours, np.uint8)
+
+    def score(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        d = hamming(hashes[a][:, None], hashes[b][None, :])
+        r, k = np.nonzero(d <= threshold)
+        off = ~pairs_agree(colours, a[r], colours, b[k], tolerance)
+        d[r[off], k[off]] = 65  # beyond any threshold: no match
+        return d
+
+    w, d = _greedy(len(hashes), score, lambda sc: sc <= threshold, block)
     return w, d.astype(np.int32)
 
 
@@ -242,24 +324,23 @@ def near_duplicates(
     threshold: int = DEFAULT_THRESHOLD,
     partitions: list[str] | None = None,
     brute: bool = False,
+    colour_tolerance: int = DEFAULT_COLOUR_TOLERANCE,
 ) -> pa.Table:
     """The stored rows that lose to an earlier kept look-alike (:data:`NEAR_SCHEMA`;
     similarity: the share of the 64 bits that agree): by the kept decision and its index
     (:mod:`.neardup_index`: only partitions after the unchanged decided ones are decided), or
     with ``brute`` every row against every kept row (the reference; O(rows x kept))."""
+    tol = check_tolerance(colour_tolerance)
     if not brute:
         d = phash_dir(root)
         names = sorted(p.stem for p in d.glob("*.parquet")) if d.is_dir() else []
         names = [n for n in names if partitions is None or n in partitions]
-
-        def load(name: str) -> tuple[np.ndarray, np.ndarray]:
-            t = pq.read_table(d / f"{name}.parquet").sort_by("position")
-            return np.asarray(t.column("id").to_pylist(), object), t.column("phash").to_numpy()
-
         records = [(n, _shard_identity(d / f"{n}.parquet")) for n in names]
-        return decide_incremental(root, threshold, records, load)[0]
+        return decide_incremental(
+            root, threshold, tol, records, lambda n: read_record(d / f"{n}.parquet")
+        )[0]
     rows = read_hashes(root, partitions)
-    winner, dist = decide(rows.phash, threshold)
+    winner, dist = decide(rows.phash, threshold, rows.colour, tol)
     lost = np.flatnonzero(winner >= 0)
     d = dist[lost]
     return _table(rows.partition, rows.id, lost, winner, "phash", d, 1.0 - d / 64.0)
@@ -316,17 +397,18 @@ def write_near_duplicates(
     threshold: int = DEFAULT_THRESHOLD,
     partitions: list[str] | None = None,
     min_cosine: float | None = None,
+    colour_tolerance: int = DEFAULT_COLOUR_TOLERANCE,
 ) -> pa.Table:
     """Decide over the pHash records of ``partitions`` (default: every one), then (with
     ``min_cosine``) over the DINOv2 CLS of the rows the pHash kept, and write the table the
     catalog reads (atomically, with the settings it was decided at)."""
-    t = near_duplicates(root, threshold, partitions)
+    t = near_duplicates(root, threshold, partitions, colour_tolerance=colour_tolerance)
     if min_cosine is not None:
         if partitions is None:
             partitions = sorted(p.stem for p in phash_dir(root).glob("*.parquet"))
         lost = set(zip(t.column("partition").to_pylist(), t.column("id").to_pylist()))
         t = pa.concat_tables([t, semantic_duplicates(root, min_cosine, partitions, lost)])
-    settings = {"phash": threshold, "dino_cls": min_cosine}
+    settings = {"phash": threshold, "phash_colour": colour_tolerance, "dino_cls": min_cosine}
     meta = {"flowmatch_neardup": json.dumps({"thresholds": settings})}
     out = near_path(DataLayout(root))
     with atomic_path(out) as tmp:

@@ -8,26 +8,30 @@ differing bits would make ``m (r + 1) > t``). Per chunk, the kept rows are bucke
 chunk's exact value (a direct-addressed table: ``starts``, ``2^w + 1`` offsets into
 ``members``, the kept rows sorted by chunk value then by age). A query probes, per chunk, every
 value within ``r`` bits of its own (``sum_{k<=r} C(w, k)`` buckets) and checks the candidates
-found with an XOR and a popcount, so the answer -- the *earliest* kept row within ``t`` bits --
-is exactly brute force's. With ``m = t + 1`` (``r = 0``: one probe a chunk) a 10-bit threshold
-would cut 6-bit chunks, whose buckets hold 1/64 of the index each (no better than brute force
-at 12.4M); so ``m`` is chosen for the threshold by the expected probes plus candidates at
-PD12M's size (:func:`chunks_for`): 3 chunks of 21-22 bits at 10 bits (1,794 probes a chunk, ~6
-candidates a probe at 12.4M). A threshold too large for any split (40 bits: ~all pairs are
-candidates) keeps brute force (``m = 0``).
+found with an XOR and a popcount; those within ``t`` bits are checked with their colour
+signatures (:mod:`.neardup_colour`, 32 bytes a kept row: read only for the rows the hash
+matched). Every kept row within ``t`` bits is a candidate of some chunk, so the answer -- the
+*earliest* kept row within ``t`` bits whose colours agree -- is exactly brute force's. With
+``m = t + 1`` (``r = 0``: one probe a chunk) a 10-bit threshold would cut 6-bit chunks, whose
+buckets hold 1/64 of the index each (no better than brute force at 12.4M); so ``m`` is chosen
+for the threshold by the expected probes plus candidates at PD12M's size (:func:`chunks_for`):
+3 chunks of 21-22 bits at 10 bits (1,794 probes a chunk, ~6 candidates a probe at 12.4M). A
+threshold too large for any split (40 bits: ~all pairs are candidates) keeps brute force
+(``m = 0``).
 
 Adding rows is a merge, never a re-sort: the new rows are younger than every member, so each
 goes at its bucket's end (``np.insert``) and ``starts`` grows by the new rows' counts (one pass
 over the arrays: O(index size) memory moves, no comparisons).
 
-**The decision kept** (:func:`decide_incremental`): per threshold, ``catalog/neardup/decision/
-t<threshold>/`` holds the partitions decided (their hash records' identities), the kept rows
-(hash, partition number, position) with their index, and the losers (``NEAR_SCHEMA`` rows). A
-run whose partitions start with the decided ones, unchanged, decides only the rest: each is
-compared with the index (every kept row before it) and then among its own rows in order
-(:func:`decide_block`), and its kept rows are added. A partition inserted before a decided one
-(dataset order), or a changed record, re-decides from there on (the rule's result depends on
-every earlier kept row). Files are written under new names and ``state.json`` (the commit) last.
+**The decision kept** (:func:`decide_incremental`): per threshold and colour tolerance,
+``catalog/neardup/decision/t<threshold>-c<tolerance>/`` holds the partitions decided (their
+hash records' identities), the kept rows (hash, colour signature, partition number, position)
+with their index, and the losers (``NEAR_SCHEMA`` rows). A run whose partitions start with the
+decided ones, unchanged, decides only the rest: each is compared with the index (every kept row
+before it) and then among its own rows in order (:func:`decide_block`), and its kept rows are
+added. A partition inserted before a decided one (dataset order), or a changed record,
+re-decides from there on (the rule's result depends on every earlier kept row). Files are written
+under new names and ``state.json`` (the commit) last.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from flowmatch_assets.catalog.derived import NEAR_SCHEMA
+from flowmatch_assets.ingest.neardup_colour import SIGNATURE_BYTES, colours_agree, pairs_agree
 from flowmatch_models.storage.atomic import atomic_path, atomic_write_text
 
 #: The size the chunking is chosen for (PD12M's stored rows).
@@ -92,13 +97,25 @@ def _flips(w: int, r: int) -> np.ndarray:
     return np.asarray(out, np.int32)
 
 
-class HashIndex:
-    """The kept hashes in insertion (dataset) order, and per chunk their buckets."""
+def _colours(colours, n: int) -> np.ndarray:
+    c = np.asarray(colours, np.uint8)
+    if c.shape != (n, SIGNATURE_BYTES):
+        raise ValueError(f"colour signatures {c.shape}: want ({n}, {SIGNATURE_BYTES})")
+    return c
 
-    def __init__(self, threshold: int, m: int | None = None, rows: int = DESIGN_ROWS):
+
+class HashIndex:
+    """The kept hashes and colour signatures in insertion (dataset) order, and per chunk the
+    hashes' buckets. A match: within ``threshold`` bits, colours within ``tolerance``."""
+
+    def __init__(
+        self, threshold: int, tolerance: int, m: int | None = None, rows: int = DESIGN_ROWS
+    ):
         self.threshold = int(threshold)
+        self.tolerance = int(tolerance)
         self.m = chunks_for(threshold, rows) if m is None else int(m)
         self.hashes = np.zeros(0, np.uint64)
+        self.colours = np.zeros((0, SIGNATURE_BYTES), np.uint8)
         self.widths = _widths(self.m) if self.m else []
         self.shifts = [int(64 - sum(self.widths[: i + 1])) for i in range(self.m)]
         self.flips = [_flips(w, r) for w, r in zip(self.widths, radii(self.threshold, self.m))]
@@ -113,18 +130,23 @@ class HashIndex:
 
     @property
     def nbytes(self) -> int:
-        arrays = [*self.starts, *self.members, *self.bucketed]
+        arrays = [self.colours, *self.starts, *self.members, *self.bucketed]
         return self.hashes.nbytes + sum(a.nbytes for a in arrays)
 
     def _chunk(self, h: np.ndarray, c: int) -> np.ndarray:
         mask = np.uint64((1 << self.widths[c]) - 1)
         return ((h >> np.uint64(self.shifts[c])) & mask).astype(np.int32)
 
-    def add(self, hashes: np.ndarray) -> None:
-        """Append rows (younger than every member): each at its buckets' ends."""
-        hashes = np.asarray(hashes, np.uint64)
+    def add(self, hashes: np.ndarray, colours: np.ndarray) -> None:
+        """Append rows (younger than every member): each at its buckets' ends. An empty index
+        keeps the arrays given (no second copy of 12.4M rows): do not change them after."""
+        hashes, colours = np.asarray(hashes, np.uint64), _colours(colours, len(hashes))
         base = len(self.hashes)
-        self.hashes = np.concatenate([self.hashes, hashes])
+        if base:
+            self.hashes = np.concatenate([self.hashes, hashes])
+            self.colours = np.concatenate([self.colours, colours])
+        else:
+            self.hashes, self.colours = hashes, colours
         for c, w in enumerate(self.widths):
             key = self._chunk(hashes, c)
             order = np.argsort(key, kind="stable")
@@ -134,9 +156,13 @@ class HashIndex:
             counts = np.bincount(key, minlength=2**w)
             self.starts[c][1:] += np.cumsum(counts).astype(np.int32)
 
-    def query(self, q: np.ndarray, block: int = 512) -> tuple[np.ndarray, np.ndarray]:
-        """Per query hash: (the earliest member within ``threshold`` bits or -1, its distance)."""
+    def query(
+        self, q: np.ndarray, q_colours: np.ndarray, block: int = 512
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Per query (hash, colour signature): (the earliest member within ``threshold`` bits
+        whose colours agree, or -1; its distance in bits)."""
         q = np.asarray(q, np.uint64)
+        qc = _colours(q_colours, len(q))
         win = np.full(len(q), -1, np.int64)
         dist = np.zeros(len(q), np.int32)
         if not len(self.hashes) or not len(q):
@@ -145,14 +171,16 @@ class HashIndex:
             for s in range(0, len(q), block):
                 d = np.bitwise_count(q[s : s + block, None] ^ self.hashes[None, :])
                 ok = d <= self.threshold
+                r, k = np.nonzero(ok)  # the colours of the hash's matches only
+                ok[r, k] = pairs_agree(qc, s + r, self.colours, k, self.tolerance)
                 first = ok.argmax(axis=1)
                 hit = ok[np.arange(len(first)), first]
                 win[s : s + block] = np.where(hit, first, -1)
                 dist[s : s + block] = np.where(hit, d[np.arange(len(first)), first], 0)
             return win, dist
-        big = np.iinfo(np.int64).max
+        big, t = np.iinfo(np.int64).max, self.threshold
         for s in range(0, len(q), block):
-            qs = q[s : s + block]
+            qs, qcs = q[s : s + block], qc[s : s + block]
             best = np.full(len(qs), big, np.int64)
             for c in range(self.m):
                 probe = (self._chunk(qs, c)[:, None] ^ self.flips[c][None, :]).ravel()
@@ -165,9 +193,10 @@ class HashIndex:
                 total = int(n.sum())
                 owner = np.repeat(nz // len(self.flips[c]), n)
                 at = np.repeat(lo - (np.cumsum(n) - n), n) + np.arange(total)
-                ok = np.bitwise_count(self.bucketed[c][at] ^ qs[owner]) <= self.threshold
-                if ok.any():
-                    np.minimum.at(best, owner[ok], self.members[c][at[ok]].astype(np.int64))
+                ok = np.flatnonzero(np.bitwise_count(self.bucketed[c][at] ^ qs[owner]) <= t)
+                member = self.members[c][at[ok]].astype(np.int64)
+                agree = pairs_agree(self.colours, member, qcs, owner[ok], self.tolerance)
+                np.minimum.at(best, owner[ok][agree], member[agree])
             found = best < big
             win[s : s + block][found] = best[found]
             dist[s : s + block][found] = np.bitwise_count(
@@ -176,15 +205,16 @@ class HashIndex:
         return win, dist
 
     def arrays(self) -> dict[str, np.ndarray]:
-        out = {"hashes": self.hashes}
+        out = {"hashes": self.hashes, "colours": self.colours}
         for c in range(self.m):
             out[f"starts{c}"], out[f"members{c}"] = self.starts[c], self.members[c]
         return out  # ``bucketed`` is ``hashes[members]``: not stored
 
     @classmethod
-    def of(cls, threshold: int, m: int, arrays) -> HashIndex:
-        ix = cls(threshold, m)
+    def of(cls, threshold: int, tolerance: int, m: int, arrays) -> HashIndex:
+        ix = cls(threshold, tolerance, m)
         ix.hashes = np.asarray(arrays["hashes"], np.uint64)
+        ix.colours = _colours(arrays["colours"], len(ix.hashes))
         for c in range(m):
             ix.starts[c] = np.asarray(arrays[f"starts{c}"], np.int64)
             ix.members[c] = np.asarray(arrays[f"members{c}"], np.int32)
@@ -192,27 +222,35 @@ class HashIndex:
         return ix
 
 
-def decide_block(index: HashIndex, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Rows later than every member of ``index``, in order: (winner, distance) of each. A
-    winner ``>= 0`` is a member (the earliest kept row within the threshold); ``-2 - j``: row
-    ``j`` of this block (the earliest of its rows kept before it); -1: kept. The index is not
-    changed (:meth:`HashIndex.add` the kept rows)."""
-    t = index.threshold
-    win, dist = index.query(hashes)
-    kept: list[int] = []
+def decide_block(
+    index: HashIndex, hashes: np.ndarray, colours: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Rows later than every member of ``index``, in order (hashes and colour signatures):
+    (winner, distance) of each. A winner ``>= 0`` is a member (the earliest kept row within
+    the threshold whose colours agree); ``-2 - j``: row ``j`` of this block (the earliest of
+    its rows kept before it); -1: kept. The index is not changed (:meth:`HashIndex.add` the
+    kept rows)."""
+    t, tol = index.threshold, index.tolerance
+    hashes = np.asarray(hashes, np.uint64)
+    colours = _colours(colours, len(hashes))
+    win, dist = index.query(hashes, colours)
+    kept = np.zeros(len(hashes), np.int64)  # this block's kept rows, in order
+    kept_h = np.zeros(len(hashes), np.uint64)  # and their hashes
+    n = 0
     for i in np.flatnonzero(win < 0):
-        if kept:
-            d = np.bitwise_count(hashes[kept] ^ hashes[i])
-            j = int(np.argmax(d <= t))
-            if d[j] <= t:
-                win[i], dist[i] = -2 - kept[j], d[j]
-                continue
-        kept.append(int(i))
+        d = np.bitwise_count(kept_h[:n] ^ hashes[i])
+        near = np.flatnonzero(d <= t)  # the colours of the hash's matches only
+        ok = near[colours_agree(colours[kept[near]], colours[i], tol)]
+        if len(ok):
+            win[i], dist[i] = -2 - kept[ok[0]], d[ok[0]]
+            continue
+        kept[n], kept_h[n] = i, hashes[i]
+        n += 1
     return win, dist
 
 
-def decision_dir(root: str | Path, threshold: int) -> Path:
-    return Path(root) / "catalog" / "neardup" / "decision" / f"t{threshold}"
+def decision_dir(root: str | Path, threshold: int, tolerance: int) -> Path:
+    return Path(root) / "catalog" / "neardup" / "decision" / f"t{threshold}-c{tolerance}"
 
 
 def _load(d: Path) -> tuple[dict, HashIndex | None, np.ndarray, pa.Table]:
@@ -221,7 +259,7 @@ def _load(d: Path) -> tuple[dict, HashIndex | None, np.ndarray, pa.Table]:
         return {"partitions": []}, None, np.zeros((0, 2), np.int32), NEAR_SCHEMA.empty_table()
     state = json.loads(state_file.read_text())
     with np.load(d / state["kept"], allow_pickle=False) as z:
-        index = HashIndex.of(state["threshold"], state["m"], z)
+        index = HashIndex.of(state["threshold"], state["tolerance"], state["m"], z)
         where = np.asarray(z["where"], np.int32)
     return state, index, where, pq.read_table(d / state["losers"])
 
@@ -229,15 +267,17 @@ def _load(d: Path) -> tuple[dict, HashIndex | None, np.ndarray, pa.Table]:
 def decide_incremental(
     root: str | Path,
     threshold: int,
+    tolerance: int,
     records: list[tuple[str, str]],
-    load: Callable[[str], tuple[np.ndarray, np.ndarray]],
+    load: Callable[[str], tuple[np.ndarray, np.ndarray, np.ndarray]],
 ) -> tuple[pa.Table, dict]:
     """The pHash losers of ``records`` (per partition in dataset order: name and its hash
-    record's identity; ``load(name)``: its ids and hashes in position order), deciding only
+    record's identity; ``load(name)``: its ids, hashes and colour signatures in position
+    order) at ``threshold`` bits and colour ``tolerance``, deciding only
     the partitions after the longest unchanged prefix of the kept decision (only theirs and
     their winners' records are read); returns (NEAR_SCHEMA table, what was done: ``reused``,
     ``decided`` partitions)."""
-    d = decision_dir(root, threshold)
+    d = decision_dir(root, threshold, tolerance)
     state, index, where, losers = _load(d)
     done = [(p["name"], p["identity"]) for p in state["partitions"]]
     keep = 0
@@ -246,7 +286,7 @@ def decide_incremental(
     if keep < len(done):  # re-decide from the first partition that differs
         index, where, losers = None, np.zeros((0, 2), np.int32), NEAR_SCHEMA.empty_table()
         keep = 0
-    index = index or HashIndex(threshold)
+    index = index or HashIndex(threshold, tolerance)
     names = [r[0] for r in records]
     cache: dict[str, np.ndarray] = {}
 
@@ -258,9 +298,10 @@ def decide_incremental(
     tables, parts = [losers], []
     for k in range(keep, len(records)):
         name = names[k]
-        ids, hashes = load(name)
+        ids, hashes, colours = load(name)
+        hashes = np.asarray(hashes, np.uint64)
         cache[name] = ids
-        win, dist = decide_block(index, np.asarray(hashes, np.uint64))
+        win, dist = decide_block(index, hashes, colours)
         lost = np.flatnonzero(win != -1)
         kept = np.flatnonzero(win == -1)
         kp, kid = [], []
@@ -288,17 +329,17 @@ def decide_incremental(
                 schema=NEAR_SCHEMA,
             )
         )
-        index.add(np.asarray(hashes, np.uint64)[kept])
+        index.add(hashes[kept], np.asarray(colours, np.uint8)[kept])
         add = np.stack([np.full(len(kept), k, np.int32), kept.astype(np.int32)], axis=1)
         where = np.concatenate([where, add])
         parts.append(name)
     table = pa.concat_tables(tables)
     if parts or not (d / "state.json").exists():
-        _save(d, threshold, index, where, table, records)
+        _save(d, index, where, table, records)
     return table, {"reused": keep, "decided": parts}
 
 
-def _save(d: Path, threshold: int, index: HashIndex, where, table: pa.Table, parts) -> None:
+def _save(d: Path, index: HashIndex, where, table: pa.Table, parts) -> None:
     d.mkdir(parents=True, exist_ok=True)
     tag = uuid.uuid4().hex[:12]
     kept, losers = f"kept-{tag}.npz", f"losers-{tag}.parquet"
@@ -307,7 +348,8 @@ def _save(d: Path, threshold: int, index: HashIndex, where, table: pa.Table, par
     with atomic_path(d / losers) as tmp:
         pq.write_table(table, tmp)
     state = {
-        "threshold": threshold,
+        "threshold": index.threshold,
+        "tolerance": index.tolerance,
         "m": index.m,
         "kept": kept,
         "losers": losers,
