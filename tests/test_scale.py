@@ -69,7 +69,7 @@ def test_every_verb_costs_the_same_per_partition_at_4x_the_partitions(instances)
 def env_of(instances):
     """The FLOWMATCH_* and DAGSTER_HOME of the bigger instance, for the test's duration."""
     root = instances[SIZES[1]]
-    env = scale._env(root)
+    env = scale.instance_env(root)
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     yield root

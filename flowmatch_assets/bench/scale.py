@@ -35,8 +35,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from flowmatch_assets.bench.scale_instance import REPO, build, keys_for
-from flowmatch_assets.bench.scale_instance import instance_env as _env
+from flowmatch_assets.bench.scale_instance import REPO, build, environ, instance_env, keys_for
 
 # ---------------------------------------------------------------------------------- the verbs
 
@@ -90,7 +89,7 @@ def _rss_kb(pid: int) -> int:
 
 def _first_build(root: Path) -> None:
     """No catalog yet: the next catalog query builds ``catalog.duckdb`` and every summary."""
-    data = Path(_env(root)["FLOWMATCH_DATA_ROOT"])
+    data = Path(instance_env(root)["FLOWMATCH_DATA_ROOT"])
     (data / "catalog.duckdb").unlink(missing_ok=True)
     shutil.rmtree(data / "catalog" / "summary", ignore_errors=True)
 
@@ -175,13 +174,11 @@ def time_in_process(root: Path, names: Sequence[str], repeat: int = 2) -> dict[s
     from flowmatch_assets import cli
 
     todo = verbs(root)
-    env = _env(root)
-    saved = {k: os.environ.get(k) for k in env}
+    env = instance_env(root)
     out: dict[str, dict] = {}
-    try:
-        for name in (n for n in names if n != "metadata"):
-            args, extra = todo[name]
-            os.environ.update({**env, **extra})
+    for name in (n for n in names if n != "metadata"):
+        args, extra = todo[name]
+        with environ({**env, **extra}):
             best = {"cpu_s": float("inf"), "wall_s": float("inf")}
             for _ in range(repeat):
                 if name == "catalog_build":
@@ -201,15 +198,7 @@ def time_in_process(root: Path, names: Sequence[str], repeat: int = 2) -> dict[s
                     "wall_s": min(best["wall_s"], time.perf_counter() - w0),
                     "rc": rc,
                 }
-            for k in extra:
-                os.environ.pop(k, None)
-            out[name] = {k: round(v, 3) for k, v in best.items()}
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        out[name] = {k: round(v, 3) for k, v in best.items()}
     return out
 
 
@@ -226,7 +215,7 @@ def time_metadata(
     argv = ["materialize", "-a", "metadata"]
     for k in keys_for(parts):
         argv += ["-p", k]
-    r = run_verb(argv, _env(root), code, timeout, mem_cap_gb, core, keep_output=True)
+    r = run_verb(argv, instance_env(root), code, timeout, mem_cap_gb, core, keep_output=True)
     text = r.pop("output")
     secs = [float(x) for x in re.findall(r"metadata ok \(([0-9.]+)s\)", text)]
     r["partition_s"] = secs
@@ -272,7 +261,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             built = build(root, a.partitions, a.rows, log=print)
             (root / "built.json").write_text(json.dumps(built))
         out["build"] = json.loads((root / "built.json").read_text())
-        env = _env(root)
+        env = instance_env(root)
         todo = verbs(root)
         names = a.verbs.split(",") if a.verbs else [*todo, "metadata"]
         unknown = [n for n in names if n not in todo and n != "metadata"]

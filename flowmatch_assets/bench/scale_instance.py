@@ -6,9 +6,11 @@ partition and asset. :func:`build` makes it; :func:`instance_env` is its environ
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +35,22 @@ IMAGE_OUTCOMES = [
 ]
 LICENSES = ("cc0-1.0", "public-domain-mark-1.0")
 SOURCES = ("wikimedia", "smithsonian", "nasa", "met", "loc")
+
+
+@contextlib.contextmanager
+def environ(values: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``values`` set, each variable as it was afterwards (the in-process
+    verbs and the build read the instance's settings from the environment)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def instance_env(root: Path, rows: int | None = None) -> dict[str, str]:
@@ -324,9 +342,7 @@ def build(
         shutil.rmtree(root / "data" / "catalog", ignore_errors=True)
         (root / "data" / "catalog.duckdb").unlink(missing_ok=True)
     t_meta = time.perf_counter() - t0
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with environ(env):
         res = runs.resource()
         inst = runs.instance()
         register_partitions(inst, res)  # every partition of the metadata files
@@ -373,12 +389,6 @@ def build(
                     runs.log_config(),
                 )
         t_dagster = time.perf_counter() - t2
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     cat = root / "data" / "catalog"
     size = sum(f.stat().st_size for f in cat.rglob("*.parquet"))
     return {

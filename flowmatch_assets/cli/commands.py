@@ -348,9 +348,10 @@ COMMANDS: dict[str, Command] = {
                 "--colour-tolerance",
                 type=int,
                 default=None,
-                help="`catalog neardup`: the most one cell of the two images' 4x4 colour "
-                "signatures (YCbCr Cb, Cr, 0-255) may differ for a pHash match to count "
-                "(default 20; 255: the pHash alone); re-decides the near duplicates only",
+                help="`catalog neardup`: the most the mean of the 4 largest cell differences "
+                "of the two images' 4x4 colour signatures (YCbCr Cb, Cr, 0-255) may be for a "
+                "pHash match to count (default 10; 255: the pHash alone); re-decides the near "
+                "duplicates only",
             ),
             arg(
                 "--min-cosine",
