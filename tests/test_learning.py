@@ -1,8 +1,10 @@
-"""The demo domain is learnable: on a shortened schedule (1,000 steps of configs/tiny.yaml) the
-tiny DiT follows captions clearly above chance, scored by the caption analyser on images decoded
-by the committed demo VAE. The full demo (2,000 steps) and `flowmatch bench learning` record the
-longer curves; this pins that learning happens at all (it did not before: sample grids were
-noise and accuracies sat at chance)."""
+"""The demo domain is learnable: on a short schedule (500 steps of configs/tiny.yaml) the tiny
+DiT follows captions clearly above chance (reports/learning_check.py's SHORT floors), scored by
+the caption analyser on images decoded by the committed demo VAE, and its held-out FD-DINOv2 and
+validation loss fall. The full schedule's floors (shape too) are the demo's own check:
+`flowmatch demo` checks its 2,000-step run against learning_check.FULL and exits 1 if it did
+not learn; `flowmatch bench learning` records the longer curves. This pins that learning
+happens at all (it did not before: sample grids were noise and accuracies sat at chance)."""
 
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ import yaml
 
 from flowmatch_assets.demo import DEMO_VAE
 from flowmatch_assets.demo.images import sample_images
-from flowmatch_assets.reports.caption_eval import CHANCE
 from flowmatch_assets.reports.evaluation import evaluate_checkpoint, fd_dinov2, heldout_set
+from flowmatch_assets.reports.learning_check import SHORT, shortfalls
 from flowmatch_models.encoders.frozen import Encoders
 from flowmatch_models.encoders.spec import EncoderSpec
 from flowmatch_models.storage.layout import DataLayout
@@ -53,9 +55,10 @@ def encode_store(root: Path, zoo: dict, n: int = 256, parts: int = 2) -> None:
 
 
 @pytest.mark.slow
-# 1,000 real training steps: ~14 min on 2 loaded cores (CI at load 5: 839 s); a CI run whose
-# rate dipped to 6-10 samples/s for minutes at a time (best 130) passed 900 s at step 925
-@pytest.mark.timeout(1800)
+# 500 real training steps: ~100 s on 2 idle cores (1,000 steps took 193 s in CI); the
+# floors hold with room there (colour 0.94 vs 0.50, size 0.83 vs 0.60, position 0.92 vs 0.60,
+# all four 0.10 vs 0.035, FD-DINOv2 7.6 -> 3.0): `python -m flowmatch_assets.bench learning`
+@pytest.mark.timeout(1200)
 def test_tiny_dit_learns_to_follow_captions(tmp_path: Path, zoo: dict) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -64,10 +67,10 @@ def test_tiny_dit_learns_to_follow_captions(tmp_path: Path, zoo: dict) -> None:
         cfg = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
         cfg["run"]["out_dir"] = str(tmp_path / "run")
         cfg["data"]["root"] = str(tmp_path / "data")
-        cfg["trainer"].update(max_steps=1000, checkpoint_every=250, full_every=1000, sample_every=0)
+        cfg["trainer"].update(max_steps=500, checkpoint_every=250, full_every=500, sample_every=0)
         cfg["logging"]["wandb"] = False
         result = train(TrainRequest(config=cfg, resume="none"))
-        assert result.step == 1000 and result.device == "cpu, 32-true"
+        assert result.step == 500 and result.device == "cpu, 32-true"
         ckpts = tmp_path / "run" / "checkpoints"
         r = evaluate_checkpoint(ckpts / "last.ckpt", zoo["text"], str(DEMO_VAE), 48)
         held = heldout_set(tmp_path / "data", ckpts / "last.ckpt")
@@ -75,28 +78,27 @@ def test_tiny_dit_learns_to_follow_captions(tmp_path: Path, zoo: dict) -> None:
             fd_dinov2(
                 ckpts / f"step{s:07d}-ema.ckpt", tmp_path / "data", str(DEMO_VAE), zoo["dino"], held
             )
-            for s in (250, 1000)
+            for s in (250, 500)
         ]
     finally:
         torch.set_num_threads(threads)
     acc = r["accuracy"]
     print({a: round(v, 3) for a, v in acc.items()})
-    # clearly above chance (1/8 colour, 1/2 size, 1/3 position) after half the demo's schedule;
-    # shape (1/6) needs the full schedule (the demo's floor: 2x chance at 2,000 steps)
-    assert acc["colour"] >= 4 * CHANCE["colour"]
-    assert acc["position"] >= 1.8 * CHANCE["position"]
-    assert acc["size"] >= 1.2 * CHANCE["size"]
-    all_four = CHANCE["colour"] * CHANCE["shape"] * CHANCE["size"] * CHANCE["position"]
-    assert r["all_correct"] >= 10 * all_four  # all four right in one image
-    # the held-out signals (tiny.yaml holds out 10%): FD-DINOv2 and the validation loss fall
     print("FD-DINOv2", [round(f["fd_dinov2"], 2) for f in fd], "on", held["n"])
+    # the held-out set: tiny.yaml holds out 10%; FD with the random zoo DINOv2, labelled so
     assert 15 <= held["n"] <= 40 and fd[0]["dino_weights"].startswith("RANDOM WEIGHTS")
-    assert fd[1]["fd_dinov2"] < 0.8 * fd[0]["fd_dinov2"]
     import csv
 
     with open(tmp_path / "run" / "metrics.csv") as f:
         val = [
             (int(x["step"]), float(x["val/loss"])) for x in csv.DictReader(f) if x.get("val/loss")
         ]
-    assert [s for s, _ in val] == [250, 500, 750, 1000]
-    assert val[-1][1] < val[0][1]
+    assert [s for s, _ in val] == [250, 500]
+    fds = (fd[0]["fd_dinov2"], fd[1]["fd_dinov2"])
+    assert shortfalls(acc, SHORT, fds, (val[0][1], val[-1][1])) == []
+    # the check itself: a model at chance, or one whose held-out signals rose, is refused
+    assert len(shortfalls({}, SHORT)) == 4
+    assert shortfalls(acc, SHORT, fds[::-1], (val[-1][1], val[0][1]))[-2:] == [
+        f"FD-DINOv2 {fds[1]:.2f} -> {fds[0]:.2f} (not <= 0.8x the first)",
+        f"validation loss {val[-1][1]:.4f} -> {val[0][1]:.4f} (did not fall)",
+    ]

@@ -191,6 +191,7 @@ def _stages(root: Path, res, t0: float, train_steps: int | None) -> int:
                 "lower is better):"
             )
             print(format_table(held))
+    learned = _learning_check(root, train_steps) if trained and evaluated and train_on else True
     if budget_ok:
         print(f"  budget report:    {root / 'reports' / 'budget.md'}")
     if cards_ok:
@@ -214,5 +215,26 @@ def _stages(root: Path, res, t0: float, train_steps: int | None) -> int:
         "                    Lineage: the asset graph; Catalog: each asset, its partitions and "
         "metadata (evaluation: the figure); Runs: these runs, by job"
     )
-    ok = all(results.values()) and trained and evaluated and budget_ok and cards_ok
+    ok = all(results.values()) and trained and evaluated and budget_ok and cards_ok and learned
     return 0 if ok else 1
+
+
+def _learning_check(root: Path, train_steps: int | None) -> bool:
+    """The demo's own check that it learned (reports/learning_check.py's FULL floors, for
+    tiny.yaml's full schedule); one line. False (the demo exits 1) when a floor is missed."""
+    from flowmatch_assets.catalog import Catalog
+    from flowmatch_assets.reports.learning_check import FULL, run_shortfalls
+
+    if train_steps is not None:
+        print(f"\nlearning check: not made (its floors are for {FULL.name}, not --train-steps)")
+        return True
+    step, missed = run_shortfalls(Catalog(root), "demo", FULL)
+    if missed:
+        print(f"\nlearning check FAILED at step {step} ({FULL.name}): " + "; ".join(missed))
+        return False
+    floors = ", ".join(f"{a} >= {t:g}x chance" for a, t in FULL.times_chance.items())
+    print(
+        f"\nlearning check: ok at step {step} ({floors}, all four >= {FULL.all_four:g}x; "
+        "FD-DINOv2 and validation loss fell)"
+    )
+    return True
