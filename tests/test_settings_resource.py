@@ -90,8 +90,11 @@ def test_a_deployments_env_var_survives_a_launchpad_that_sets_another_field(clea
     config: a run config that names the resource replaces them all (a field declared ``= None``
     came back None, so the deployment's EnvVar was silently lost)."""
     clean_env.setenv("DEPLOY_ROOT", str(tmp_path / "deployed"))
+    clean_env.setenv("DEPLOY_SHARDS", "123")
     clean_env.setenv("FLOWMATCH_VAE", "env/vae")
-    settings = FlowmatchSettings(data_root=dg.EnvVar("DEPLOY_ROOT"), shard_size=123)
+    settings = FlowmatchSettings(
+        data_root=dg.EnvVar("DEPLOY_ROOT"), shard_size=dg.EnvVar.int("DEPLOY_SHARDS")
+    )
     plain = _run(settings)
     assert (plain["data_root"], plain["shard_size"]) == (str(tmp_path / "deployed"), 123)
     got = _run(settings, _launchpad(encoders={"max_tokens": 64}))

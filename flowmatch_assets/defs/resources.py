@@ -3,9 +3,11 @@
 The knobs themselves are plain pydantic models that live with the code that uses them
 (``FilterConfig`` in ingest/metadata.py, ``IngestConfig`` in ingest/images.py, ``EncoderSpec``
 in flowmatch_models/encoders/spec.py); :func:`dagster_config` makes each a ``dg.Config`` so that the
-resource can nest it and the launchpad can edit it. The FLOWMATCH_* environment is read when the
-resource is built (:func:`resource_from_env`: in a run, when its resources initialise), never
-when a module is imported.
+resource can nest it. The FLOWMATCH_* environment is read when the resource is built
+(:func:`resource_from_env`: in a run, when its resources initialise), never when a module is
+imported. The code location's ``flowmatch`` resource is :class:`FlowmatchSettings`: the settings
+of defs/settings.py as typed fields a deployment sets (``dg.EnvVar``) and the launchpad overrides;
+it builds the FlowmatchResource every asset takes.
 """
 
 from __future__ import annotations
@@ -234,8 +236,10 @@ class FlowmatchSettings(dg.ConfigurableResource):
     """flowmatch's settings (the ``flowmatch`` resource): each field unset means its FLOWMATCH_*
     variable, then the default (defs/settings.py lists them); a deployment sets a field with
     ``dg.EnvVar("FLOWMATCH_...")`` to make its variable required. The launchpad and a CLI run's
-    config override fields, nested ones (filters, ingest, encoders, sources) field by field.
-    Hands the assets a FlowmatchResource, built when a run starts (after a remote's sync)."""
+    config override fields, nested ones (filters, ingest, encoders, sources) field by field over
+    the environment's (a run config's ``encoders`` replaces a constructor's ``encoders`` whole:
+    a deployment sets the flat fields). Hands the assets a FlowmatchResource, built when a run
+    starts (after a remote's sync)."""
 
     data_root: str | None = Field(description=described("data_root"))
     metadata_source: str | None = Field(description=described("metadata_source"))
@@ -280,10 +284,15 @@ class FlowmatchSettings(dg.ConfigurableResource):
         return resource_from_env(env, over)
 
 
+#: what ``dg.EnvVar(...)`` and ``dg.EnvVar.int(...)`` make (a field keeps it when a run config
+#: that sets other fields rebuilds the resource: read here, not by Dagster)
+_ENV_VARS = (dg.EnvVar, type(dg.EnvVar.int("_")))
+
+
 def _plain(field: str, v: Any) -> Any:
     """A constructor's value as resource_from_env takes it: an EnvVar's value (SettingError
     naming it when unset), an overrides object's fields that are set."""
-    if isinstance(v, dg.EnvVar | type(dg.EnvVar.int("_"))):
+    if isinstance(v, _ENV_VARS):
         value = v.get_value()
         if value is None:
             raise SettingError(
