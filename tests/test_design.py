@@ -49,6 +49,7 @@ def test_the_table_has_its_rows():
         "EmbeddingKind",
         "codec",
         "CLI verb",
+        "a new setting a deployment sets",
     ):
         assert any(must in c for c in changes), must
 

@@ -2,8 +2,9 @@
 
 ``flowmatch_assets.definitions`` (the code location workspace.yaml names) is
 ``build_definitions()``; ``flowmatch_assets.definitions_k8s`` the same with the k8s executor.
-Settings come from FLOWMATCH_* environment variables, read when a run's resources are built
-(resources.flowmatch_from_env). The embedding assets and their checks are built from the
+Settings are the ``flowmatch`` resource, ``FlowmatchSettings`` (defs/resources.py): unset here, so
+each comes from its FLOWMATCH_* environment variable when a run's resources are built; a
+deployment's code location sets the ones it must have (``dg.EnvVar``, definitions_k8s.py). The embedding assets and their checks are built from the
 registry of embedding kinds (flowmatch_models.embeddings) each time definitions are built.
 """
 
@@ -23,7 +24,7 @@ from flowmatch_assets.defs.partitions import (
     shard_partitions,
     source_partition_sensor,
 )
-from flowmatch_assets.defs.resources import FlowmatchResource, flowmatch_from_env
+from flowmatch_assets.defs.resources import FlowmatchResource, FlowmatchSettings
 from flowmatch_assets.defs.sensors import build_verify_sensor
 from flowmatch_assets.defs.training_assets import fine_tune, flow_model
 from flowmatch_assets.defs.training_pipes import TrainingPipesClient, stop_timeout_s
@@ -111,9 +112,9 @@ reports_job = dg.define_asset_job(
 JOBS = [ingest_job, embed_job, lineage_job, train_job, finetune_job, evaluation_job, reports_job]
 
 
-def resources_for(flowmatch: FlowmatchResource | dg.ResourceDefinition) -> dict:
-    """Every resource the assets need, around one FlowmatchResource (default for the code
-    location: built from the environment when a run starts)."""
+def resources_for(flowmatch: FlowmatchResource | FlowmatchSettings) -> dict:
+    """Every resource the assets need, around one FlowmatchResource (the code location's: the
+    FlowmatchSettings that build it when a run starts)."""
     client = TrainingPipesClient(termination_timeout_seconds=stop_timeout_s())
     return {"flowmatch": flowmatch, "pipes_subprocess_client": client}
 
@@ -150,16 +151,19 @@ local_executor = dg.in_process_executor
 
 
 def build_definitions(
-    executor: dg.ExecutorDefinition | None = None, automation: str | None = None
+    executor: dg.ExecutorDefinition | None = None,
+    automation: str | None = None,
+    settings: FlowmatchSettings | None = None,
 ) -> dg.Definitions:
     """All definitions; ``executor`` replaces Dagster's default multiprocess executor;
-    ``automation`` (default: FLOWMATCH_AUTOMATION or "off") see :func:`with_automation`."""
+    ``automation`` (default: FLOWMATCH_AUTOMATION or "off") see :func:`with_automation`;
+    ``settings``: the deployment's (default: every one from the environment, when a run starts)."""
     mode = automation or os.environ.get("FLOWMATCH_AUTOMATION", "off")
     return dg.Definitions(
         assets=with_automation(assets(), mode),
         asset_checks=checks(),
         sensors=[metadata_partition_sensor, source_partition_sensor, build_verify_sensor()],
         jobs=JOBS,
-        resources=resources_for(flowmatch_from_env),
+        resources=resources_for(settings or FlowmatchSettings()),
         executor=executor or local_executor,
     )

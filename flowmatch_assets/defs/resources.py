@@ -3,20 +3,23 @@
 The knobs themselves are plain pydantic models that live with the code that uses them
 (``FilterConfig`` in ingest/metadata.py, ``IngestConfig`` in ingest/images.py, ``EncoderSpec``
 in flowmatch_models/encoders/spec.py); :func:`dagster_config` makes each a ``dg.Config`` so that the
-resource can nest it and the launchpad can edit it. The FLOWMATCH_* environment is read when the
-resource is built (:func:`resource_from_env`: in a run, when its resources initialise), never
-when a module is imported.
+resource can nest it. The FLOWMATCH_* environment is read when the resource is built
+(:func:`resource_from_env`: in a run, when its resources initialise), never when a module is
+imported. The code location's ``flowmatch`` resource is :class:`FlowmatchSettings`: the settings
+of defs/settings.py as typed fields a deployment sets (``dg.EnvVar``) and the launchpad overrides;
+it builds the FlowmatchResource every asset takes.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_origin
 
 import dagster as dg
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, create_model, field_validator
 
+from flowmatch_assets.defs.settings import ENV_OF, described
 from flowmatch_assets.demo import DEMO_VAE
 from flowmatch_assets.ingest.images import IngestConfig
 from flowmatch_assets.ingest.metadata import FilterConfig
@@ -105,24 +108,6 @@ def _abs(p: str) -> str:
 
 class SettingError(ValueError):
     """A FLOWMATCH_* environment variable holds a value that cannot be used."""
-
-
-#: The environment variable behind each setting resource_from_env reads (for error messages).
-ENV_OF = {
-    "data_root": "FLOWMATCH_DATA_ROOT",
-    "metadata_source": "FLOWMATCH_METADATA",
-    "shard_size": "FLOWMATCH_SHARD_SIZE",
-    "file_root": "FLOWMATCH_FILE_ROOT",
-    "min_stored_fraction": "FLOWMATCH_MIN_STORED_FRACTION",
-    "deadline_s": "FLOWMATCH_DEADLINE_S",
-    "allow_networks": "FLOWMATCH_ALLOW_NETWORKS",
-    "vae": "FLOWMATCH_VAE",
-    "dino": "FLOWMATCH_DINO",
-    "text": "FLOWMATCH_TEXT",
-    "device": "FLOWMATCH_DEVICE",
-    "settings": "FLOWMATCH_SETTINGS",
-    "sources": "FLOWMATCH_SOURCES",
-}
 
 
 def resource_from_env(
@@ -226,21 +211,100 @@ def _int_env(env: Any, var: str, default: int) -> int:
         raise SettingError(f"{var}={raw!r} is not a whole number") from None
 
 
-@dg.resource(
-    config_schema=dg.Field(dg.Permissive(), is_required=False, default_value={}),
-    description="flowmatch's settings, read from the FLOWMATCH_* environment when a run starts; "
-    "launchpad config overrides fields of FlowmatchResource (data_root, metadata_source, "
-    "shard_size, filters, ingest, encoders), nested ones field by field.",
-)
-def flowmatch_from_env(init_context: dg.InitResourceContext) -> FlowmatchResource:
-    """The code location's resource: built from the environment when a run (or sensor) needs it;
-    with a remote data root, this machine's cache first catches up with what other machines
-    published (flowmatch_models/storage/remote.py)."""
-    res = resource_from_env(overrides=init_context.resource_config)
-    say = init_context.log.info if init_context.log else None
-    if sync_remote(res.data_root, say):  # what arrived may be settings (the sources registry)
-        res = resource_from_env(overrides=init_context.resource_config)
-    return res
+def overrides_config(model: type[BaseModel]) -> type:
+    """``model``'s fields as a ``dg.Config`` of overrides: each optional and absent from the run
+    config unless given (no default: a launchpad that sets ``max_tokens`` sets only it)."""
+    fields = {
+        n: (
+            (str if get_origin(f.annotation) is Literal else f.annotation) | None,
+            Field(description=f.description),
+        )
+        for n, f in model.model_fields.items()
+    }
+    return create_model(f"{model.__name__}Overrides", __base__=dg.Config, **fields)
+
+
+FilterOverrides = overrides_config(FilterConfig)
+IngestOverrides = overrides_config(IngestConfig)
+EncoderOverrides = overrides_config(EncoderSpec)
+SourceOverrides = overrides_config(SourceConfig)
+#: the settings that resource_from_env takes as overrides (winning over a FLOWMATCH_SETTINGS file)
+_OVERRIDES = ("data_root", "metadata_source", "shard_size", "filters", "ingest", "encoders")
+
+
+class FlowmatchSettings(dg.ConfigurableResource):
+    """flowmatch's settings (the ``flowmatch`` resource): each field unset means its FLOWMATCH_*
+    variable, then the default (defs/settings.py lists them); a deployment sets a field with
+    ``dg.EnvVar("FLOWMATCH_...")`` to make its variable required. The launchpad and a CLI run's
+    config override fields, nested ones (filters, ingest, encoders, sources) field by field over
+    the environment's (a run config's ``encoders`` replaces a constructor's ``encoders`` whole:
+    a deployment sets the flat fields). Hands the assets a FlowmatchResource, built when a run
+    starts (after a remote's sync)."""
+
+    data_root: str | None = Field(description=described("data_root"))
+    metadata_source: str | None = Field(description=described("metadata_source"))
+    shard_size: int | None = Field(description=described("shard_size"))
+    file_root: str | None = Field(description=described("file_root"))
+    min_stored_fraction: float | None = Field(description=described("min_stored_fraction"))
+    deadline_s: float | None = Field(description=described("deadline_s"))
+    allow_networks: list[str] | None = Field(description=described("allow_networks"))
+    vae: str | None = Field(description=described("vae"))
+    dino: str | None = Field(description=described("dino"))
+    text: str | None = Field(description=described("text"))
+    device: str | None = Field(description=described("device"))
+    settings_file: str | None = Field(description=described("settings_file"))
+    sources_file: str | None = Field(description=described("sources_file"))
+    filters: FilterOverrides | None = Field(description="Metadata filters to override.")
+    ingest: IngestOverrides | None = Field(description="Image-stage settings to override.")
+    encoders: EncoderOverrides | None = Field(description="Encoder settings to override.")
+    sources: dict[str, SourceOverrides] | None = Field(
+        description="Sources to add or override (merged per source into FLOWMATCH_SOURCES')."
+    )
+
+    def create_resource(self, context: dg.InitResourceContext) -> FlowmatchResource:
+        given = context.resource_config or {}
+        res = self.build(given)
+        say = context.log.info if context.log else None
+        if sync_remote(res.data_root, say):  # what arrived may be settings (the sources registry)
+            res = self.build(given)
+        return res
+
+    def build(self, given: dict | None = None, environ: dict | None = None) -> FlowmatchResource:
+        """The FlowmatchResource of these settings over ``environ`` (default: this process's).
+        ``given``: the run's resource config as Dagster resolved it (exact: a null it gives is
+        kept); a field it lacks is the constructor's (an EnvVar read now)."""
+        env = dict(os.environ if environ is None else environ)
+        values = {k: v for k, v in (given or {}).items() if v is not None}
+        for k in type(self).model_fields:
+            if k not in (given or {}) and getattr(self, k) is not None:
+                values[k] = _plain(k, getattr(self, k))
+        over = {k: values.pop(k) for k in (*_OVERRIDES, "sources") if k in values}
+        for k, v in values.items():  # the others are their variables
+            env[ENV_OF[k]] = ",".join(v) if isinstance(v, list) else str(v)
+        return resource_from_env(env, over)
+
+
+#: what ``dg.EnvVar(...)`` and ``dg.EnvVar.int(...)`` make (a field keeps it when a run config
+#: that sets other fields rebuilds the resource: read here, not by Dagster)
+_ENV_VARS = (dg.EnvVar, type(dg.EnvVar.int("_")))
+
+
+def _plain(field: str, v: Any) -> Any:
+    """A constructor's value as resource_from_env takes it: an EnvVar's value (SettingError
+    naming it when unset), an overrides object's fields that are set."""
+    if isinstance(v, _ENV_VARS):
+        value = v.get_value()
+        if value is None:
+            raise SettingError(
+                f"FlowmatchSettings.{field} is read from the environment variable "
+                f"{v.env_var_name}, which is not set"
+            )
+        return value
+    if isinstance(v, BaseModel):
+        return {k: x for k, x in v.model_dump().items() if x is not None}
+    if isinstance(v, dict):
+        return {k: _plain(field, x) for k, x in v.items()}
+    return v
 
 
 def sync_remote(data_root: str, say=None) -> int:
