@@ -57,7 +57,7 @@ def encode_store(root: Path, zoo: dict, n: int = 256, parts: int = 2) -> None:
 @pytest.mark.slow
 # 500 real training steps: ~100 s on 2 idle cores (1,000 steps took 193 s in CI); the
 # floors hold with room there (colour 0.94 vs 0.50, size 0.83 vs 0.60, position 0.92 vs 0.60,
-# all four 0.10 vs 0.035, FD-DINOv2 7.6 -> 3.0): `python -m flowmatch_assets.bench learning`
+# all four 0.10 vs 0.035, FD-DINOv2 7.6 -> 3.0; BENCHMARKS.md, Learning)
 @pytest.mark.timeout(1200)
 def test_tiny_dit_learns_to_follow_captions(tmp_path: Path, zoo: dict) -> None:
     threads = torch.get_num_threads()
