@@ -24,6 +24,7 @@ from pathlib import Path
 
 import dagster as dg
 
+from flowmatch_assets.defs.pipes_messages import WholeLinesMessageReader
 from flowmatch_models.storage.atomic import atomic_write_text
 from flowmatch_models.train.signals import EXIT_STOPPED, FORWARDED_ENV, SIGNALS, signal_name
 
@@ -91,7 +92,11 @@ class TrainingPipesClient(dg.PipesSubprocessClient):
     """Dagster's subprocess Pipes client, with the stop of :class:`SignalRelay`: a signal is
     forwarded (once per signal received), the process is waited for up to
     ``termination_timeout_seconds`` after the first one, then killed; a stopped process raises
-    :class:`TrainingStopped` (the asset records it and ends the run CANCELED)."""
+    :class:`TrainingStopped` (the asset records it and ends the run CANCELED). Messages are
+    read whole (:class:`~flowmatch_assets.defs.pipes_messages.WholeLinesMessageReader`)."""
+
+    def __init__(self, *, message_reader: dg.PipesMessageReader | None = None, **kwargs):
+        super().__init__(message_reader=message_reader or WholeLinesMessageReader(), **kwargs)
 
     def run(  # type: ignore[override]
         self,
