@@ -276,7 +276,7 @@ def test_dagster_dev_backfill_catalog_and_ui(tmp_path, small_sample, zoo, monkey
                 dev.url,
                 bid,
                 timeout=BACKFILL_TIMEOUT,
-                poll=5,
+                poll=1,
                 progress_cb=lambda s: log(backfill.format_status(s)),
             )
         except TimeoutError as e:
@@ -311,7 +311,7 @@ def test_dagster_dev_backfill_catalog_and_ui(tmp_path, small_sample, zoo, monkey
         (tmp_path / "settings.yaml").write_text("encoders: {max_tokens: 16}\n")
         assert backfill.stale_backfills(ASSETS, settings()) == [(["text_embeddings"], keys)]
         t1 = time.monotonic()
-        assert backfill.main(["--stale", "--url", dev.url, "--wait", "--poll", "3"], settings) == 0
+        assert backfill.main(["--stale", "--url", dev.url, "--wait", "--poll", "1"], settings) == 0
         timings["backfill --stale"] = time.monotonic() - t1
         assert backfill.stale_backfills(ASSETS, settings()) == [], dev.fail_msg("still stale")
         with dg.DagsterInstance.from_config(str(home)) as instance:
@@ -362,7 +362,7 @@ def test_dagster_dev_backfill_catalog_and_ui(tmp_path, small_sample, zoo, monkey
         run_id = orchestration.launch_run(dev.url, ["flow_model", "samples"], run_config)
         log(f"launched training run {run_id}")
         try:
-            status = orchestration.wait_run(dev.url, run_id, timeout=400)
+            status = orchestration.wait_run(dev.url, run_id, timeout=400, poll=1)
         except TimeoutError as e:
             pytest.fail(dev.fail_msg(str(e)))
         assert status == "SUCCESS", dev.fail_msg(f"training run ended {status}")
@@ -416,12 +416,12 @@ def test_dagster_dev_backfill_catalog_and_ui(tmp_path, small_sample, zoo, monkey
             rid = orchestration.launch_run(
                 dev.url, ["flow_model"], {"ops": {"flow_model": {"config": whole}}}
             )
-            assert orchestration.wait_run(dev.url, rid, timeout=400) == "SUCCESS"
+            assert orchestration.wait_run(dev.url, rid, timeout=400, poll=1) == "SUCCESS"
         resume = {**train_cfg, "run_name": "e2e-stop", "max_steps": total}
         rid = orchestration.launch_run(
             dev.url, ["flow_model"], {"ops": {"flow_model": {"config": resume}}}
         )
-        assert orchestration.wait_run(dev.url, rid, timeout=400) == "SUCCESS", dev.fail_msg(
+        assert orchestration.wait_run(dev.url, rid, timeout=400, poll=1) == "SUCCESS", dev.fail_msg(
             "resume"
         )
         a, b = _final_weights(data / "runs" / "e2e-stop"), _final_weights(data / "runs" / reference)
@@ -493,7 +493,7 @@ def test_dagster_dev_backfill_catalog_and_ui(tmp_path, small_sample, zoo, monkey
         ]
         assert all(5_000 < s.stat().st_size < 200_000 for s in room.values()), room
         # the re-execution from the UI: the same job and result, logging at INFO as any run
-        assert orchestration.wait_run(dev.url, ids["reexecuted"], timeout=120) == "SUCCESS"
+        assert orchestration.wait_run(dev.url, ids["reexecuted"], timeout=120, poll=1) == "SUCCESS"
         again = orchestration.run_details(dev.url, ids["reexecuted"])
         assert again["jobName"] == "reports_job" and again["tags"]["dagster/partition"] == "000-00"
         with dg.DagsterInstance.from_config(str(home)) as instance:
