@@ -74,8 +74,36 @@ def test_no_second_copy_of_an_outcome_rule_in_the_catalog():
     )
     folder = REPO / "flowmatch_assets" / "catalog"
     copies = {
-        f.name: planted.findall(f.read_text())
+        f.name: found
         for f in folder.glob("*.py")
-        if f.name != "outcome_rules.py"
+        if f.name != "outcome_rules.py" and (found := planted.findall(f.read_text()))
     }
-    assert not {k: v for k, v in copies.items() if v}, copies
+    assert not copies, copies
+
+
+def test_the_catalogs_retryable_is_the_ingest_rule_on_every_reason_and_status():
+    """Which failures `flowmatch retry` fetches again (ingest.is_retryable) and what the
+    catalog's ``retryable`` column says (views.py's macro) come from one pair of tables
+    (``RETRYABLE``, ``RETRYABLE_HTTP``): they agree on every reason and every HTTP status, and
+    no file writes the rule a second time (a copy of a reason list or a status pattern)."""
+    from flowmatch_assets.catalog.views import _retryable_sql
+    from flowmatch_assets.ingest.images import REASONS, RETRYABLE, RETRYABLE_HTTP, is_retryable
+
+    reasons = [*sorted(REASONS), *(f"http_{c}" for c in range(100, 600)), None, ""]
+    reasons += ["http_5", "http_5000", "xhttp_503", "http_503x", "HTTP_503"]
+    con = duckdb.connect()
+    con.execute(f"CREATE MACRO retryable(r) AS {_retryable_sql('r')}")
+    by_sql = [con.execute("SELECT retryable(?)", [r]).fetchone()[0] for r in reasons]
+    assert by_sql == [is_retryable(r) for r in reasons]
+    assert {r for r, ok in zip(reasons, by_sql) if ok} == RETRYABLE | {
+        f"http_{c}" for c in [*range(500, 600), 408, 429]
+    }
+    planted = re.compile(r"""["']connection_error["']\s*,\s*["']|http_\(?5""")
+    copies = {
+        str(f.relative_to(REPO)): found
+        for f in (REPO / "flowmatch_assets").rglob("*.py")
+        if (f.name != "images.py" or f.parent.name != "ingest")
+        and (found := planted.findall(f.read_text()))
+    }
+    assert not copies, copies
+    assert RETRYABLE_HTTP.startswith("http_(5")  # what the planted pattern looks for

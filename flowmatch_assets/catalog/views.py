@@ -259,14 +259,12 @@ def _dedupe_views(layout: DataLayout, legacy: frozenset[str], losers: str) -> li
 
 
 def _retryable_sql(col: str) -> str:
-    """SQL twin of ingest.is_retryable (one list of reasons: ingest.RETRYABLE)."""
-    from flowmatch_assets.ingest.images import RETRYABLE
+    """SQL of ingest.is_retryable, from its two tables (``RETRYABLE``, ``RETRYABLE_HTTP``)."""
+    from flowmatch_assets.ingest.images import RETRYABLE, RETRYABLE_HTTP
 
     names = ", ".join(_sql_str(r) for r in sorted(RETRYABLE))
-    return (
-        f"coalesce({col} IN ({names}) OR regexp_full_match({col}, 'http_(5[0-9][0-9]|408|429)'),"
-        " false)"
-    )
+    http = f"regexp_full_match({col}, {_sql_str(RETRYABLE_HTTP)})"
+    return f"coalesce({col} IN ({names}) OR {http}, false)"
 
 
 def _ensure_placeholders(layout: DataLayout) -> None:

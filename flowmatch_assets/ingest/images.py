@@ -76,6 +76,7 @@ A bad row never raises: it becomes a ``failed`` result whose ``reason`` is one o
 from __future__ import annotations
 
 import ipaddress
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -251,18 +252,18 @@ REASONS: frozenset[str] = frozenset(
 #: re-fetches these by default; every other reason is permanent for the same bytes and config.
 #: HTTP 5xx, 408 and 429 are retryable too (see :func:`is_retryable`).
 RETRYABLE: frozenset[str] = frozenset({"timeout", "connection_error", "internal", "out_of_memory"})
+#: The HTTP statuses a later attempt may fix, as one pattern that Python's ``re`` and DuckDB's
+#: ``regexp_full_match`` (catalog/views.py's ``retryable`` macro) both read: 5xx, 408, 429.
+RETRYABLE_HTTP = r"http_(5[0-9][0-9]|408|429)"
 
 
 def is_retryable(reason: str | None) -> bool:
     """Whether a failure ``reason`` may succeed on a later attempt (timeouts, 5xx, connection
     errors, 408/429); 4xx, corrupt, not_image, too_small, bombs, too_large and refused
-    redirects are permanent."""
+    redirects are permanent. The catalog's SQL reads the same two tables."""
     if not reason:
         return False
-    if reason.startswith("http_"):
-        code = reason[5:]
-        return code.isdigit() and (code.startswith("5") or code in ("408", "429"))
-    return reason in RETRYABLE
+    return reason in RETRYABLE or re.fullmatch(RETRYABLE_HTTP, reason) is not None
 
 
 class IngestError(Exception):

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from flowmatch_assets.reports.caption_eval import CHANCE
+from flowmatch_assets.reports.evaluation import ATTRIBUTES
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,6 @@ SHORT = Floors("500 steps", {"colour": 4.0, "size": 1.2, "position": 1.8})
 FULL = Floors("tiny.yaml's 2,000 steps", {**SHORT.times_chance, "shape": 2.0})
 #: The last FD-DINOv2 measured must be at most this fraction of the first.
 FD_FALL = 0.8
-_FOUR = ("colour", "shape", "size", "position")
 
 
 def shortfalls(
@@ -52,7 +52,7 @@ def shortfalls(
         if got is None or got < want:
             out.append(f"{attr} {_f(got)} < {want:.2f} ({times:g}x chance)")
     chance4 = 1.0
-    for attr in _FOUR:
+    for attr in ATTRIBUTES:  # the evaluation's all-four: these four right in one image
         chance4 *= CHANCE[attr]
     want, got = floors.all_four * chance4, accuracy.get("all_four")
     if got is None or got < want:
