@@ -207,3 +207,18 @@ def test_list_formats_and_column_names(tmp_path):
     wrong = cfg.model_copy(update={"url_field": "link"})
     with pytest.raises(ValueError, match="no column 'link'"):
         kind.rows(wrong, "l", Manifest("k", "l", "urls", "c.parquet", 0, 3))
+
+
+def test_the_url_list_benchmark_registers_every_row_of_both_formats():
+    """`flowmatch bench url_list` (BENCHMARKS.md, URL lists) on a small list: every row of the
+    jsonl and the .tsv.gz registered, each timed beside the plain read of the same file."""
+    from flowmatch_assets.bench import url_list
+
+    out = url_list.main(["--rows", "5000", "--shard-size", "1000"])
+    assert out["bench"] == "url_list" and out["rows"] == 5000
+    for fmt in ("jsonl", "tsv_gz"):
+        r = out[fmt]
+        assert r["bytes"] > 5000 * 40 // (20 if fmt == "tsv_gz" else 1), r
+        assert r["register_s"] > 0 and r["plain_read_s"] > 0 and r["ratio"] > 0
+        assert abs(r["ratio"] - r["register_s"] / r["plain_read_s"]) < 0.1 * r["ratio"] + 0.05
+        assert abs(r["pd12m_register_s"] - r["register_s"] * 12_400_000 / 5000) <= 1

@@ -31,5 +31,6 @@ BENCHES = {
         "checkpoint",
         "remote",
         "launcher",
+        "url_list",
     )
 }
