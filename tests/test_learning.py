@@ -102,3 +102,12 @@ def test_tiny_dit_learns_to_follow_captions(tmp_path: Path, zoo: dict) -> None:
         f"FD-DINOv2 {fds[1]:.2f} -> {fds[0]:.2f} (not <= 0.8x the first)",
         f"validation loss {val[-1][1]:.4f} -> {val[0][1]:.4f} (did not fall)",
     ]
+
+
+def test_the_full_floors_are_named_for_tiny_yamls_schedule() -> None:
+    """FULL's name says which schedule its floors were measured on (the demo prints it): it
+    must be configs/tiny.yaml's, which the demo trains, so a changed schedule fails here."""
+    from flowmatch_assets.reports.learning_check import FULL
+
+    steps = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())["trainer"]["max_steps"]
+    assert FULL.name == f"tiny.yaml's {steps:,} steps"
