@@ -66,6 +66,16 @@ class Command:
     rest: bool = False
 
 
+SET = arg(
+    "--set",
+    dest="overrides",
+    action="append",
+    default=[],
+    metavar="KEY=VALUE",
+    help="one key of the YAML, e.g. trainer.max_steps=100 (repeatable; docs/settings.md)",
+)
+NO_SAMPLES = arg("--no-samples", action="store_true", help="the weights only (no samples asset)")
+JSON = arg("--json", dest="as_json", action="store_true", help="print JSON instead of a table")
 PARTITION = arg("--partition", "-p", action="append", default=[], help="partition key (repeatable)")
 
 COMMANDS: dict[str, Command] = {
@@ -78,7 +88,13 @@ COMMANDS: dict[str, Command] = {
         cmd_partitions,
         "list or register the partitions of PD12M and of your own image sources",
         [
-            arg("action", choices=["list", "register", "remove"], nargs="?", default="list"),
+            arg(
+                "action",
+                choices=["list", "register", "remove"],
+                nargs="?",
+                default="list",
+                help="list (NEW and ORPHAN keys), register the new ones, or remove keys",
+            ),
             arg("--source", default=None, help="only this source (a name, or pd12m)"),
             arg(
                 "--partition",
@@ -98,7 +114,13 @@ COMMANDS: dict[str, Command] = {
         cmd_sources,
         "your own images as sources: image folders, Hugging Face parquet, WebDataset tars, URL lists",
         [
-            arg("action", choices=["list", "add", "remove"], nargs="?", default="list"),
+            arg(
+                "action",
+                choices=["list", "add", "remove"],
+                nargs="?",
+                default="list",
+                help="list the sources, add one (NAME and the options below) or remove one",
+            ),
             arg(
                 "name", nargs="?", help="add/remove: the source's name (starts its partition keys)"
             ),
@@ -200,10 +222,10 @@ COMMANDS: dict[str, Command] = {
         "materialize flow_model (+ samples): start or resume training",
         [
             arg("--steps", type=int, default=None, help="total steps (default: the YAML's)"),
-            arg("--run-name", default="default"),
+            arg("--run-name", default="default", help="the run: <data root>/runs/<name> (resumed)"),
             arg("--config", default=None, help="training YAML (default configs/tiny.yaml)"),
-            arg("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE"),
-            arg("--no-samples", action="store_true"),
+            SET,
+            NO_SAMPLES,
             arg(
                 "--source",
                 action="append",
@@ -225,7 +247,12 @@ COMMANDS: dict[str, Command] = {
             arg("run", help="the fine-tune's run name (its own folder under <data root>/runs)"),
             arg("--from", dest="parent", required=True, help="the parent run (name or folder)"),
             arg("--step", type=int, default=None, help="the parent's step (default: latest)"),
-            arg("--weights", choices=["ema", "raw"], default="ema"),
+            arg(
+                "--weights",
+                choices=["ema", "raw"],
+                default="ema",
+                help="the parent's EMA or raw weights",
+            ),
             arg(
                 "--freeze",
                 action="append",
@@ -248,14 +275,14 @@ COMMANDS: dict[str, Command] = {
             ),
             arg("--steps", type=int, default=None, help="total steps (default 500)"),
             arg("--config", default=None, help="training YAML (default configs/tiny.yaml)"),
-            arg("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE"),
+            SET,
             arg(
                 "--min-coverage",
                 type=float,
                 default=1.0,
                 help="fraction of the chosen sources' partitions that must be covered",
             ),
-            arg("--no-samples", action="store_true"),
+            NO_SAMPLES,
         ],
     ),
     "export": Command(
@@ -278,8 +305,13 @@ COMMANDS: dict[str, Command] = {
         cmd_evaluate,
         "score caption following of a run's checkpoints (evaluation asset)",
         [
-            arg("--run-name", default="default"),
-            arg("--checkpoints", choices=["latest", "all"], default="latest"),
+            arg("--run-name", default="default", help="the run whose checkpoints are scored"),
+            arg(
+                "--checkpoints",
+                choices=["latest", "all"],
+                default="latest",
+                help="its last checkpoint, or every EMA snapshot (a curve)",
+            ),
             arg("--prompts", type=int, default=48, help="prompts from the caption grammar"),
             arg(
                 "--sizes",
@@ -294,10 +326,10 @@ COMMANDS: dict[str, Command] = {
         cmd_demo,
         "write the demo dataset and materialize every partition end to end",
         [
-            arg("--data-root", default="data"),
-            arg("--files", type=int, default=3),
-            arg("--rows-per-file", type=int, default=96),
-            arg("--regenerate", action="store_true"),
+            arg("--data-root", default="data", help="where the demo writes everything"),
+            arg("--files", type=int, default=3, help="metadata files (partitions) of the sample"),
+            arg("--rows-per-file", type=int, default=96, help="rows per metadata file"),
+            arg("--regenerate", action="store_true", help="write the sample again"),
             arg(
                 "--train-steps",
                 type=int,
@@ -331,6 +363,7 @@ COMMANDS: dict[str, Command] = {
                     "path",
                     "views",
                 ],
+                help="which report (docs/catalog.md describes each)",
             ),
             arg(
                 "sql",
@@ -361,7 +394,7 @@ COMMANDS: dict[str, Command] = {
                 "(dino_features) has at least this cosine with an earlier kept row's (off by "
                 "default; e.g. 0.95)",
             ),
-            arg("--json", dest="as_json", action="store_true"),
+            JSON,
         ],
     ),
     "data-card": Command(
@@ -375,14 +408,14 @@ COMMANDS: dict[str, Command] = {
                 action="store_false",
                 help="print from the records as they are (materialize nothing)",
             ),
-            arg("--json", dest="as_json", action="store_true"),
+            JSON,
         ],
     ),
     "cache": Command(
         cmd_cache,
         "this machine's cache of the remote data root (FLOWMATCH_REMOTE): show, or trim it",
         [
-            arg("action", nargs="?", default="show", choices=["show", "trim"]),
+            arg("action", nargs="?", default="show", choices=["show", "trim"], help="default show"),
             arg("--max-gb", type=float, default=None, help="trim: keep at most this many GB"),
         ],
     ),
@@ -398,7 +431,7 @@ COMMANDS: dict[str, Command] = {
                 default=[],
                 help="asset name (repeatable; default every partitioned asset and flow_model)",
             ),
-            arg("--json", dest="as_json", action="store_true"),
+            JSON,
             arg(
                 "--no-report",
                 action="store_true",

@@ -76,7 +76,7 @@ class ModelConfig(_Section):
         "(Gemma's few huge channels otherwise dominate early; BENCHMARKS.md 'Real text'); "
         "folded into caption_projection.linear_1 for sampling and export (plain SANA).",
     )
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = Field(False, description="Recompute activations: less memory.")
     compile: bool = Field(
         False,
         description="torch.compile the model's forward (captions padded to data.text_max_len): "
@@ -111,11 +111,11 @@ FlowConfig = create_model(
 
 
 class OptimConfig(_Section):
-    lr: float = Field(1e-4, gt=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = Field(0.0, ge=0)
+    lr: float = Field(1e-4, gt=0, description="Peak learning rate (AdamW).")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
     warmup_steps: int = Field(1000, ge=0, description="Linear warmup from lr/warmup_steps.")
-    schedule: Literal["constant", "cosine"] = "constant"
+    schedule: Literal["constant", "cosine"] = Field("constant", description="After warmup.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine floor as a fraction of lr.")
     grad_clip: float = Field(1.0, ge=0, description="Gradient-norm clip; 0 = none.")
     ema_decay: float = Field(
@@ -227,16 +227,16 @@ class InitConfig(_Section):
 
 
 class TrainerConfig(_Section):
-    max_steps: int = Field(1000, ge=0)
-    accumulate_grad_batches: int = Field(1, ge=1)
+    max_steps: int = Field(1000, ge=0, description="Optimizer steps the run ends at.")
+    accumulate_grad_batches: int = Field(1, ge=1, description="Micro-batches per step.")
     precision: str = Field("auto", description="auto = bf16-mixed on GPU, 32-true on CPU.")
-    accelerator: str = "auto"
-    devices: int | str = "auto"
+    accelerator: str = Field("auto", description="auto, gpu or cpu (Lightning's).")
+    devices: int | str = Field("auto", description="Devices per node (auto: every GPU).")
     strategy: str = Field(
         "auto", description="auto, ddp, ...: strategies that keep a whole model per device."
     )
-    num_nodes: int = Field(1, ge=1)
-    log_every: int = Field(10, ge=1)
+    num_nodes: int = Field(1, ge=1, description="Machines (multi-node DDP).")
+    log_every: int = Field(10, ge=1, description="Steps between logged metrics.")
     checkpoint_every: int = Field(
         500, ge=1, description="EMA-only snapshot stepN-ema.ckpt (evaluation, export) cadence."
     )
@@ -265,7 +265,7 @@ class TrainerConfig(_Section):
         20, ge=1, description="Stop after this many consecutive non-finite (skipped) steps."
     )
     sample_every: int = Field(500, ge=0, description="Sample grid (and wandb images); 0 = off.")
-    progress_bar: bool = False
+    progress_bar: bool = Field(False, description="Lightning's bar (else one line a log).")
 
     @field_validator("strategy")
     @classmethod
@@ -280,8 +280,8 @@ class TrainerConfig(_Section):
 
 
 class LoggingConfig(_Section):
-    wandb: bool = True
-    wandb_project: str = "flowmatch"
+    wandb: bool = Field(True, description="Log to wandb (offline without a key).")
+    wandb_project: str = Field("flowmatch", description="The wandb project.")
     wandb_mode: Literal["auto", "online", "offline"] = Field(
         "auto", description="auto = online iff WANDB_API_KEY is set, else offline."
     )
@@ -289,15 +289,18 @@ class LoggingConfig(_Section):
 
 
 class SampleConfig(_Section):
-    prompts: list[str] = [
-        "a photograph of a lighthouse on a cliff at sunset",
-        "an oil painting of a bowl of fruit",
-        "a black and white photo of a city street",
-        "a watercolor of mountains and a lake",
-    ]
-    steps: int = Field(30, ge=1)
-    cfg_scale: float = 4.0
-    seed: int = 0
+    prompts: list[str] = Field(
+        [
+            "a photograph of a lighthouse on a cliff at sunset",
+            "an oil painting of a bowl of fruit",
+            "a black and white photo of a city street",
+            "a watercolor of mountains and a lake",
+        ],
+        description="The captions of the sample grids, one image each.",
+    )
+    steps: int = Field(30, ge=1, description="Sampler (Euler) steps of a grid.")
+    cfg_scale: float = Field(4.0, description="Classifier-free guidance scale.")
+    seed: int = Field(0, description="Noise seed of the grids.")
 
 
 class EncodersConfig(_Section):

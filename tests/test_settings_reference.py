@@ -1,0 +1,31 @@
+"""docs/settings.md lists every setting, made from the settings' classes
+(flowmatch_assets/reports/settings_reference.py): a field added without its line there, or
+without a description, fails here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from flowmatch_assets.reports import settings_reference
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_every_setting_has_a_description():
+    assert settings_reference.undescribed() == []
+
+
+def test_docs_settings_md_is_current():
+    want = settings_reference.render()
+    got = (REPO / "docs" / "settings.md").read_text()
+    assert got == want, (
+        "docs/settings.md is not current: "
+        "python -m flowmatch_assets.reports.settings_reference > docs/settings.md"
+    )
+    # what it lists, checked by hand: a key of each part, a default, a required field
+    assert "| `trainer.keep_ema` | `0` | Newest EMA snapshots kept; 0 = all. |" in got
+    assert "| `filters.max_caption_chars` | `4000` |" in got
+    assert "| `data_root` | (required) |" in got
+    assert "| `sources.<name>.kind` | (required) |" in got
+    rows = settings_reference.training_rows() + settings_reference.pipeline_rows()
+    assert got.count("\n| `") == len(rows) > 130
