@@ -28,4 +28,6 @@ def test_docs_settings_md_is_current():
     assert "| `data_root` | (required) |" in got
     assert "| `sources.<name>.kind` | (required) |" in got
     rows = settings_reference.training_rows() + settings_reference.pipeline_rows()
-    assert got.count("\n| `") == len(rows) > 130
+    rows += settings_reference.asset_rows()
+    assert got.count("\n| `") == len(rows) > 170
+    assert '| `flow_model.config_file` | `"configs/tiny.yaml"` |' in got  # not this checkout's path

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Literal, get_args, get_origin
 
 from pydantic import BaseModel
@@ -39,8 +40,18 @@ variables (docs/command-line.md, Settings). Class: `FlowmatchResource` in
 """
 
 
+REPO = Path(__file__).resolve().parents[2]
 #: the default of a field that has none (the settings must give it)
 REQUIRED = object()
+
+
+ASSETS = """## Each asset's run config (the launchpad's `ops.<asset>.config`)
+
+What one materialization of the asset takes, beside the settings above: in the UI's launchpad,
+or from the command line (`flowmatch train`, `evaluate`, `retry`, ... set these for you;
+docs/cli.md). The classes are in `flowmatch_assets/defs/`. A key here is the asset's name and
+the field: `flow_model.max_steps` is `ops: {flow_model: {config: {max_steps: ...}}}`.
+"""
 
 
 def fields(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, object, str]]:
@@ -69,6 +80,7 @@ def _default(value: object) -> str:
         text = json.dumps(value)
     except TypeError:
         text = str(value)
+    text = text.replace(f"{REPO}/", "")  # a path in the checkout: as the repository spells it
     text = text.replace("|", "\\|")
     return f"`{text}`" if len(text) <= 60 else f"`{text[:57]}...`"
 
@@ -103,9 +115,29 @@ def pipeline_rows() -> list[tuple[str, object, str]]:
     return [*fields(FlowmatchResource), *fields(SourceConfig, "sources.<name>.")]
 
 
+def asset_configs() -> dict[str, type[BaseModel]]:
+    """Each asset's run config (the launchpad's ``ops.<asset>.config``) by asset."""
+    from flowmatch_assets.defs.data_assets import ImagesConfig
+    from flowmatch_assets.defs.evaluation_assets import EvaluationConfig, SamplesConfig
+    from flowmatch_assets.defs.training_assets import FineTuneConfig, TrainRunConfig
+
+    return {
+        "images": ImagesConfig,
+        "flow_model": TrainRunConfig,
+        "fine_tune": FineTuneConfig,
+        "samples": SamplesConfig,
+        "evaluation": EvaluationConfig,
+    }
+
+
+def asset_rows() -> list[tuple[str, object, str]]:
+    return [row for a, c in asset_configs().items() for row in fields(c, f"{a}.")]
+
+
 def undescribed() -> list[str]:
     """The keys whose field has no description (the test requires none)."""
-    return [key for key, _, what in training_rows() + pipeline_rows() if not what.strip()]
+    rows = training_rows() + pipeline_rows() + asset_rows()
+    return [key for key, _, what in rows if not what.strip()]
 
 
 def render() -> str:
@@ -119,6 +151,7 @@ def render() -> str:
 
     lines = [HEADER, TRAINING.rstrip(), *_sections(training_rows(), first)]
     lines += ["", PIPELINE.rstrip(), *_sections(pipeline_rows(), pipeline)]
+    lines += ["", ASSETS.rstrip(), *_sections(asset_rows(), first)]
     return "\n".join(lines) + "\n"
 
 
