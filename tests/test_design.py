@@ -54,6 +54,19 @@ def test_the_table_has_its_rows():
         assert any(must in c for c in changes), must
 
 
+def test_every_line_of_the_table_is_a_row():
+    """A line that does not split into three cells (a " | " inside a cell, a missing grep
+    pattern) would be skipped by _rows, and its files never checked."""
+    text = (REPO / "docs" / "DESIGN.md").read_text()
+    table = text.split("## Where a change goes", 1)[1].split("\n## ", 1)[0]
+    lines = [x for x in table.splitlines() if x.startswith("|")]
+    body = lines[2:]  # after the header and its |---| line
+    parsed = {f"| {c} | {f} | `{g}` |" for c, f, g in _rows()}
+    bad = [x[:120] for x in body if x.strip() not in parsed]
+    assert lines[:2] and set(lines[1]) <= set("|- :"), lines[:2]
+    assert not bad, f"table lines that are not three cells (change | files | `grep`): {bad}"
+
+
 @pytest.mark.parametrize("change, files, pattern", _rows(), ids=lambda x: x[:40])
 def test_each_change_names_every_file_its_grep_finds(change, files, pattern):
     named = PATH.findall(files)

@@ -138,8 +138,9 @@ def test_minilm_text_encoder_through_configuration_alone(
 ):
     """MiniLM-L6 (384-d, real) as the text encoder by setting its folder and nothing else:
     encode, train, sample (our sampler and the exported SanaPipeline agree), and the
-    fingerprints mark the partitions and the run stale when the text encoder changes back."""
-    spec = EncoderSpec(vae=zoo["vae"], dino=zoo["dino"], text=minilm, batch_size=8)
+    fingerprints mark the partitions and the run stale when the text encoder changes back.
+    Captions are cut at 8 tokens (encoders.max_tokens): the grids' and the export's prompts too."""
+    spec = EncoderSpec(vae=zoo["vae"], dino=zoo["dino"], text=minilm, batch_size=8, max_tokens=8)
     res = make_resource(tmp_path / "data", small_sample, encoders=spec)
     with dg.instance_for_test() as instance:
         register_partitions(instance, res)
@@ -164,13 +165,16 @@ def test_minilm_text_encoder_through_configuration_alone(
     run_dir = tmp_path / "data" / "runs" / "t"
     ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["flowmatch"]["widths"] == {"text": 384, "repa": 384}
+    assert ckpt["flowmatch"]["max_tokens"] == 8  # the run's prompts are cut as its captions
     assert ckpt["flowmatch"]["transformer_config"]["caption_channels"] == 384
     assert (
         ckpt["state_dict"]["model.transformer.caption_projection.linear_1.weight"].shape[1] == 384
     )
     pipeline = run_dir / "pipeline"
     meta = json.loads((pipeline / "transformer" / "flowmatch.json").read_text())
-    assert meta["text_width"] == 384
+    assert meta["text_width"] == 384 and meta["max_tokens"] == 8
+    call = json.loads((pipeline / "flowmatch_call.json").read_text())
+    assert call["max_sequence_length"] == 8  # SanaPipeline cuts the prompt as training did
     index = json.loads((pipeline / "model_index.json").read_text())
     assert index["text_encoder"] == ["transformers", "BertModel"]
     # plain diffusers SanaPipeline with MiniLM as its text encoder == the project's sampler

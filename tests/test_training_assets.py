@@ -339,12 +339,19 @@ def _pipeline_matches_sampler(pipeline: Path, tmp_path: Path, zoo: dict) -> None
     import numpy as np
     import torch
 
+    from flowmatch_models.inference.export_format import prompt_max_tokens
     from flowmatch_models.inference.sample import generate, load_model, load_vae, prompt_embeddings
 
     block = (REPO / "docs" / "training.md").read_text().split("<!-- use-the-model -->")[1]
     code = re.search(r"```python\n(.*?)```", block, re.S).group(1)
     prompt = re.search(r'pipe\("([^"]+)"', code).group(1)
     code = code.replace("data/runs/demo/pipeline", str(pipeline))
+    # the call's arguments, as the export records them (the guide shows the default's)
+    call = json.loads((pipeline / "flowmatch_call.json").read_text())
+    assert call["complex_human_instruction"] is None and code.count("max_sequence_length=128") == 2
+    code = code.replace(
+        "max_sequence_length=128", f"max_sequence_length={call['max_sequence_length']}"
+    )
     env = {**os.environ, "PYTHONPATH": ""}  # plain diffusers: no flowmatch on the path
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
@@ -354,7 +361,8 @@ def _pipeline_matches_sampler(pipeline: Path, tmp_path: Path, zoo: dict) -> None
     torch.set_num_threads(1)
     model, meta = load_model(model_dir=pipeline)
     assert [224, 320] in meta["buckets"] and [256, 256] in meta["buckets"]
-    text, mask, _ = prompt_embeddings([prompt], zoo["text"])
+    assert call["max_sequence_length"] == prompt_max_tokens(meta) == meta["max_tokens"]
+    text, mask, _ = prompt_embeddings([prompt], zoo["text"], prompt_max_tokens(meta))
     # the square, and a wide aspect-ratio bucket (the guide's second line)
     for png, size in (("red_circle.png", (256, 256)), ("red_circle_wide.png", (224, 320))):
         theirs = np.asarray(Image.open(tmp_path / png).convert("RGB")).astype(int)

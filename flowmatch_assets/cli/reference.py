@@ -1,5 +1,5 @@
 """docs/cli.md, made from the command table itself: every verb of `flowmatch` with its help,
-as `flowmatch <verb> --help` prints it (a verb with its own parser: its module's help).
+as `flowmatch <verb> --help` prints it (the same call, so the two cannot differ).
 
 A newcomer looks here before adding a flag: the one they want may exist (``--json`` on
 catalog, data-card, stale and budget, say). The file is generated
@@ -9,7 +9,6 @@ fails when it is not current.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import os
@@ -25,18 +24,11 @@ examples: docs/command-line.md. Every verb also takes `--verbose` and `--debug`.
 
 def verb_help(name: str) -> str:
     """What `flowmatch NAME --help` prints (80 columns, whoever runs it)."""
-    from flowmatch_assets.cli.commands import COMMANDS
     from flowmatch_assets.cli.main import main
 
     saved = os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = "80"
     try:
-        c = COMMANDS[name]
-        if not c.rest:  # the verb's parser as build_parser makes it
-            parser = argparse.ArgumentParser(prog=f"flowmatch {name}")
-            for flags, kw in c.args:
-                parser.add_argument(*flags, **kw)
-            return parser.format_help()
         out = io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
             main([name, "--help"])

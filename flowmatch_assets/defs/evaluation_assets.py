@@ -46,6 +46,7 @@ def samples(
 
     from flowmatch_models.data.buckets import label, parse_sizes
     from flowmatch_models.figures.grid import markdown_image
+    from flowmatch_models.inference.export_format import prompt_max_tokens
     from flowmatch_models.inference.sample import (
         load_model,
         load_vae,
@@ -62,7 +63,7 @@ def samples(
         raise dg.Failure(f"samples {e}") from e
     model, meta = load_model(model_dir=export)
     enc = flowmatch.encoders
-    text, mask, labels = prompt_embeddings(config.prompts, enc.text)
+    text, mask, labels = prompt_embeddings(config.prompts, enc.text, prompt_max_tokens(meta))
     vae = load_vae(enc.vae)
     md: dict = {}
     for i, size in enumerate(sizes):

@@ -281,7 +281,7 @@ def train_settings(config: TrainRunConfig, flowmatch: FlowmatchResource, init: d
     own = {
         "data": data,
         "run": {"name": config.run_name},
-        "encoders": {"vae": enc.vae, "text": enc.text},
+        "encoders": {"vae": enc.vae, "text": enc.text, "max_tokens": enc.max_tokens},
         **init,
     }
     return merge_settings(own, settings_from_items(config.overrides), config.settings)

@@ -85,6 +85,7 @@ def evaluate_checkpoint(
     """
     import torch
 
+    from flowmatch_models.inference.export_format import prompt_max_tokens
     from flowmatch_models.inference.sample import generate, load_model
 
     model, meta = load_model(checkpoint=checkpoint)
@@ -92,7 +93,7 @@ def evaluate_checkpoint(
     if size is not None and size[0] != size[1]:
         orientation = "landscape" if size[1] > size[0] else "portrait"
     prompts = caption_eval.prompts(n_prompts, seed, prompt_shapes, orientation)
-    text, mask = _prompt_embeddings(tuple(prompts), text_encoder)
+    text, mask = _prompt_embeddings(tuple(prompts), text_encoder, prompt_max_tokens(meta))
     with torch.inference_mode():
         images = generate(
             model,
@@ -124,11 +125,11 @@ def evaluate_checkpoint(
 
 
 @functools.lru_cache(maxsize=2)
-def _prompt_embeddings(prompts: tuple[str, ...], text_encoder: str):
+def _prompt_embeddings(prompts: tuple[str, ...], text_encoder: str, max_tokens: int):
     """The prompts' text embeddings, encoded once per process for all checkpoints."""
     from flowmatch_models.inference.sample import prompt_embeddings
 
-    text, mask, _ = prompt_embeddings(list(prompts), text_encoder)
+    text, mask, _ = prompt_embeddings(list(prompts), text_encoder, max_tokens)
     return text, mask
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from flowmatch_models.data.buckets import GRID, buckets_for
-from flowmatch_models.inference.export_format import META_FILE, NULL_FILE
+from flowmatch_models.inference.export_format import META_FILE, NULL_FILE, prompt_max_tokens
 from flowmatch_models.storage.atomic import atomic_write_text
 
 
@@ -46,10 +46,12 @@ def write_transformer(
     shift: float,
     null_text,
     parent: dict | None = None,
+    max_tokens: int | None = None,
 ) -> Path:
     """``save_pretrained`` the EMA transformer to ``out`` with ``flowmatch.json`` (scaling
-    factor, preset, shift; a fine-tune's ``parent``: run, step, digest, ...: flowmatch_models/
-    finetune.py) and the null caption (``null_caption.safetensors``)."""
+    factor, preset, shift, the prompts' ``max_tokens``; a fine-tune's ``parent``: run, step,
+    digest, ...: flowmatch_models/finetune.py) and the null caption
+    (``null_caption.safetensors``)."""
     ema.save_pretrained(out)
     meta = {
         "scaling_factor": float(scaling_factor),
@@ -62,6 +64,8 @@ def write_transformer(
         "timestep_scale": "t in [0, 1] x 1000",
         "text_width": int(ema.config.caption_channels),  # the caption states it was trained on
         "flow_shift": float(shift),
+        # prompts are cut as its training captions were (export_format.prompt_max_tokens)
+        "max_tokens": prompt_max_tokens({"max_tokens": max_tokens}),
         # (height, width) in pixels at the model's budget for SanaPipeline(height=, width=,
         # use_resolution_binning=False): its own bins stop at 512 px (flowmatch_models/data/buckets.py)
         "buckets": [[h, w] for h, w in buckets_for(int(ema.config.sample_size) * GRID)],
@@ -87,9 +91,12 @@ def export_pipeline(
     vae: str | None = None,
     text_encoder: str | None = None,
     parent: dict | None = None,
+    max_tokens: int | None = None,
 ) -> Path:
     """Write the pipeline folder ``out`` (replaced atomically: built beside it, then renamed);
-    ``parent``: a fine-tune's parent, recorded in ``transformer/flowmatch.json``."""
+    ``parent``: a fine-tune's parent, recorded in ``transformer/flowmatch.json``;
+    ``max_tokens``: the token limit of the captions it trained on (the pipeline's
+    ``max_sequence_length``; None: EncoderSpec's default)."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     out = Path(out)
@@ -104,7 +111,15 @@ def export_pipeline(
             from flowmatch_models.encoders.frozen import Encoders
             from flowmatch_models.encoders.spec import EncoderSpec
 
-            enc = Encoders(EncoderSpec(vae=vae, text=text_encoder, device="cpu", dtype="fp32"))
+            enc = Encoders(
+                EncoderSpec(
+                    vae=vae,
+                    text=text_encoder,
+                    device="cpu",
+                    dtype="fp32",
+                    max_tokens=prompt_max_tokens({"max_tokens": max_tokens}),
+                )
+            )
             width = int(enc.text_model.config.hidden_size)
             if width != int(ema.config.caption_channels):
                 raise ExportError(
@@ -127,7 +142,7 @@ def export_pipeline(
         else:
             scheduler.save_pretrained(tmp / "scheduler")
         write_transformer(
-            ema, tmp / "transformer", scaling_factor, preset, shift, null_text, parent
+            ema, tmp / "transformer", scaling_factor, preset, shift, null_text, parent, max_tokens
         )
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -165,4 +180,5 @@ def export_checkpoint(
         vae=vae or used.get("vae") or default_vae,
         text_encoder=text_encoder or used.get("text") or default_text,
         parent=meta.get("parent"),
+        max_tokens=prompt_max_tokens(meta),
     )

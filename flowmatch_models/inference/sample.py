@@ -22,7 +22,7 @@ from diffusers import SanaTransformer2DModel
 
 from flowmatch_models.data.buckets import GRID, buckets_for, label
 from flowmatch_models.figures.grid import make_grid, save_png
-from flowmatch_models.inference.export_format import META_FILE, NULL_FILE
+from flowmatch_models.inference.export_format import META_FILE, NULL_FILE, prompt_max_tokens
 from flowmatch_models.model.dit import fold_text_norm, transformer_config
 from flowmatch_models.model.flow import null_caption, sample
 
@@ -69,14 +69,17 @@ def load_vae(path: str):
 
 
 def prompt_embeddings(
-    prompts: Sequence[str], text_encoder: str
+    prompts: Sequence[str], text_encoder: str, max_tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
-    """Gemma3 hidden states of ``prompts``, padded: ``(text [N, L, 640], mask [N, L], labels)``."""
+    """Gemma3 hidden states of ``prompts``, padded: ``(text [N, L, 640], mask [N, L], labels)``;
+    each cut to ``max_tokens`` as the model's training captions were (a model's own:
+    ``export_format.prompt_max_tokens(meta)``)."""
     from flowmatch_models.encoders.frozen import Encoders
     from flowmatch_models.encoders.spec import EncoderSpec
     from flowmatch_models.storage.store import pad_ragged
 
-    tokens, lengths = Encoders(EncoderSpec(text=text_encoder)).encode_text(list(prompts))
+    spec = EncoderSpec(text=text_encoder, max_tokens=max_tokens)
+    tokens, lengths = Encoders(spec).encode_text(list(prompts))
     text, mask = pad_ragged(tokens, lengths, np.arange(len(prompts)))
     return torch.from_numpy(text).float(), torch.from_numpy(mask), list(prompts)
 
@@ -213,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if sf is None:
         raise SystemExit("no scaling factor in the model metadata; pass --scaling-factor")
     shift = args.shift if args.shift is not None else float(meta.get("flow_shift", 1.0))
-    text, mask, labels = prompt_embeddings(args.prompts, args.text_encoder)
+    text, mask, labels = prompt_embeddings(args.prompts, args.text_encoder, prompt_max_tokens(meta))
     vae = load_vae(args.vae) if args.vae else None
     out = sample_grid(
         model,

@@ -408,7 +408,7 @@ class SampleGridCallback(Callback):
         enc = self.cfg.encoders
         if self._prompts is None:
             if enc.text:
-                self._prompts = prompt_embeddings(self.cfg.sample.prompts, enc.text)
+                self._prompts = prompt_embeddings(self.cfg.sample.prompts, enc.text, enc.max_tokens)
             else:
                 self._prompts = store_captions(self.dm.source, len(self.cfg.sample.prompts))
             if enc.vae:

@@ -306,6 +306,12 @@ class SampleConfig(_Section):
 class EncodersConfig(_Section):
     vae: str | None = Field(None, description="DC-AE folder/hub id (decode grids; export).")
     text: str | None = Field(None, description="Gemma3 folder/hub id (encode prompts; export).")
+    max_tokens: int = Field(
+        128,
+        ge=2,
+        description="Prompts (grids, export) are cut to this many tokens, as the captions of "
+        "the text embeddings were (the resource's encoders.max_tokens; the assets set it).",
+    )
 
 
 class TrainConfig(_Section):

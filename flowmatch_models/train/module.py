@@ -407,6 +407,7 @@ class FlowMatchModule(L.LightningModule):
             "flow_shift": self.config.flow.sample_shift,  # the sampler's (the old single shift)
             "skipped_steps": self.skipped_steps(),
             "encoders": {"vae": self.config.encoders.vae, "text": self.config.encoders.text},
+            "max_tokens": self.config.encoders.max_tokens,  # export_format.prompt_max_tokens
             "widths": dict(self.widths),
             "text_norm": self.model.text_norm(),  # folded into the EMA for sampling / export
         }

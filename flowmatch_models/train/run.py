@@ -330,6 +330,7 @@ def _finish_outputs(result, cfg, trainer, module, dm, grid_cb, loggers) -> None:
                 null_text=module.flow.null_text,
                 vae=cfg.encoders.vae,
                 text_encoder=cfg.encoders.text,
+                max_tokens=cfg.encoders.max_tokens,
                 parent=result.parent,
             )
         )
