@@ -227,14 +227,12 @@ class Remote:
         if last:
             ns = max(0, int(last.split("-", 1)[0]) - SKEW_S * 10**9)
             after = self.key("journal", f"{ns:020d}")
-        try:
+        try:  # the new entries' names, in journal (publish) order: the listing's
             keys = self._list_after(self.key("journal") + "/", after)
+            names = (k.rsplit("/", 1)[1].removesuffix(".json") for k in keys)
+            new = [n for n in names if n not in seen]
         except Exception as e:  # noqa: BLE001
             raise self._fail("reading its journal", e) from None
-        # entry names, in journal (publish) order: the listing's order
-        new = [
-            n for n in (k.rsplit("/", 1)[1].removesuffix(".json") for k in keys) if n not in seen
-        ]
         todo = self._fold(new)
         done = 0  # new[:done] are covered by what is applied
         for i in range(0, len(todo), SYNC_BATCH):
@@ -244,7 +242,7 @@ class Remote:
             while done < len(new) and new[done] <= upto:
                 done += 1
             last, seen = self._keep_position(last, seen, new[covered:done])
-        if done < len(new):  # the newest entries were all older publishes, or skipped
+        if done < len(new):  # (the newest entry is always applied, unless it names no file)
             self._keep_position(last, seen, new[done:])
         return len(new)
 
@@ -284,9 +282,10 @@ class Remote:
         todo += [(n, rel, info) for rel, (n, info) in shared.items()]
         return sorted(todo, key=lambda t: t[0])
 
-    def _list_after(self, prefix: str, after: str) -> list[str]:
+    def _list_after(self, prefix: str, after: str):
+        """The keys under ``prefix`` after ``after``, in order, a page (1,000) at a time."""
         bucket, _, key_prefix = prefix.partition("/")
-        out, token = [], None
+        token = None
         while True:
             kw = {"Bucket": bucket, "Prefix": key_prefix}
             if token:
@@ -294,10 +293,10 @@ class Remote:
             elif after:
                 kw["StartAfter"] = after.partition("/")[2]
             r = self.fs.call_s3("list_objects_v2", **kw)
-            out += [f"{bucket}/{o['Key']}" for o in r.get("Contents", [])]
+            yield from (f"{bucket}/{o['Key']}" for o in r.get("Contents", []))
             token = r.get("NextContinuationToken")
             if not token:
-                return out
+                return
 
     def _apply_many(self, todo: list[tuple[str, bytes | str, dict | None]]) -> None:
         """Apply ``todo`` (:meth:`_fold`'s): bring each partition's files (its records and
