@@ -235,3 +235,77 @@ def test_the_near_duplicate_list_reaches_every_machine(s3, zoo, tmp_path, monkey
     b.run(monkeypatch, capsys, "catalog", "coverage")  # B's first verb syncs the journal
     theirs = b.root / mine.relative_to(a.root)
     assert theirs.read_bytes() == mine.read_bytes()
+
+
+def _publish(store: remote.Remote, partition: str, files: dict[str, bytes]) -> dict:
+    """``store`` publishes ``partition`` of images with ``files`` (path under its root: bytes),
+    then renames them into place, as a partition's transaction does."""
+    temps = {}
+    for rel, data in files.items():
+        target = store.root / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".tmp-{target.name}")
+        tmp.write_bytes(data)
+        temps[target] = tmp
+    entry = store.publish(temps, "images", partition)
+    for target, tmp in temps.items():
+        tmp.replace(target)
+    return entry
+
+
+def test_a_partition_published_twice_reaches_a_machine_that_syncs_later(s3, tmp_path, monkeypatch):
+    """A publishes p, then q, then p again (a re-run: p's first objects are deleted). A machine
+    that syncs only afterwards gets p's newest publish, whether the two publishes of p are read
+    in different batches of the journal or in one, and never asks for p's deleted objects (the
+    first publish's preview, which the second has not, included). A sync that fails midway
+    keeps what it applied: the next one reads only the entries after it."""
+    for k, v in s3.env.items():
+        monkeypatch.setenv(k, v)
+    url = "s3://flowmatch/republish"
+    ra = remote.Remote(url, tmp_path / "a")
+    rec, prev = "catalog/materializations/images/{}.parquet", "previews/images/{}.png"
+    shard = "images/{}.parquet"
+    _publish(
+        ra,
+        "p",
+        {
+            shard.format("p"): b"old shard",
+            rec.format("p"): b"old record",
+            prev.format("p"): b"old preview",
+        },
+    )
+    q = _publish(ra, "q", {shard.format("q"): b"q shard", rec.format("q"): b"q record"})
+    newest = _publish(ra, "p", {shard.format("p"): b"new shard", rec.format("p"): b"new record"})
+    # the first publish of p is gone from the remote
+    assert len(ra.fs.ls(ra.key("data", "catalog", "materializations", "images"))) == 2
+
+    for name, batch in (("b", 1), ("c", 512)):
+        monkeypatch.setattr(remote, "SYNC_BATCH", batch)
+        rb = remote.Remote(url, tmp_path / name)
+        assert rb.sync() == 3, name
+        assert remote.published(rb.root, "images") == {"p", "q"}
+        marker = json.loads(rb.marker_path("images", "p").read_text())
+        assert marker["publish"] == newest["publish"], name
+        assert (rb.root / rec.format("p")).read_bytes() == b"new record"
+        assert (rb.root / rec.format("q")).read_bytes() == b"q record"
+        assert not (rb.root / prev.format("p")).exists()
+        assert not (rb.root / shard.format("p")).exists()  # shards stay remote
+        assert rb.readable("images", "p", rb.root / shard.format("p")).read_bytes() == b"new shard"
+        assert rb.sync() == 0
+
+    # a sync that fails at p (its record's object differs from its marker) keeps q
+    monkeypatch.setattr(remote, "SYNC_BATCH", 1)
+    key = newest["files"][rec.format("p")]["key"]
+    ra.fs.pipe(key, b"not the record")
+    rd = remote.Remote(url, tmp_path / "d")
+    with pytest.raises(remote.RemoteError, match="its marker says"):
+        rd.sync()
+    assert remote.published(rd.root, "images") == {"q"}
+    assert (rd.root / rec.format("q")).read_bytes() == b"q record"
+    pos = json.loads((rd.state / "journal.json").read_text())
+    assert pos["last"] == q["publish"]
+    ra.fs.pipe(key, b"new record")
+    assert rd.sync() == 1  # p's second publish only: the entries up to q's are applied
+    assert (rd.root / rec.format("p")).read_bytes() == b"new record"
+    assert remote.published(rd.root, "images") == {"p", "q"}
+    assert rd.sync() == 0

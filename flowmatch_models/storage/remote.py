@@ -17,9 +17,10 @@ reader never sees half a publish; an upload that fails raises and the transactio
 nothing locally either. Objects of the publish a marker replaces are deleted after it.
 
 **Read**: :meth:`Remote.sync` reads the journal after the last entry this machine saw (one
-LIST when nothing changed), keeps each new marker locally (``.remote/commits/``: what
-``DataLayout.partitions_with`` counts as present) and brings the small files (catalog records,
-previews, the sources registry); shards stay remote until :func:`readable` fetches one, checks
+LIST when nothing changed) and folds it to each partition's newest publish (an older one's
+objects are deleted: a machine that was away never asks for them), keeps each new marker
+locally (``.remote/commits/``: what ``DataLayout.partitions_with`` counts as present) and
+brings the small files (catalog records, previews, the sources registry); shards stay remote until :func:`readable` fetches one, checks
 its size and sha256 and renames it into place. A cached file is trusted while its size,
 mtime and inode are the ones recorded when it was verified; otherwise it is fetched again.
 ``cache_files`` / ``trim`` show and trim the cache (least recently used first).
@@ -208,9 +209,17 @@ class Remote:
         return self.state / "commits" / asset / f"{partition}.json"
 
     def sync(self) -> int:
-        """Apply the journal entries this machine has not seen; returns how many. Entries are
-        read and their files fetched many at a time (s3fs runs the GETs concurrently), and
-        applied in journal order."""
+        """Apply the journal entries this machine has not seen; returns how many.
+
+        The new entries are folded before anything is fetched (:meth:`_fold`): only each
+        partition's newest publish is applied, and each shared file's. An older publish of a
+        partition is never applied: its objects were deleted when the newer one replaced it,
+        and a machine that was away (or is new) would ask for them in vain. What the fold keeps
+        is applied in journal order, ``SYNC_BATCH`` at a time (:meth:`_apply_many`), and the
+        position (``journal.json``) is written after each batch: it covers every new entry up to
+        the last one applied (an older publish whose newer one is still ahead is covered by
+        that one). A sync that fails midway keeps what it applied; the next one reads the
+        journal from there and skips a partition whose marker here is as new."""
         pos = _read_json(self.state / "journal.json") or {}
         last = pos.get("last", "")
         seen = set(pos.get("recent", []))
@@ -218,31 +227,65 @@ class Remote:
         if last:
             ns = max(0, int(last.split("-", 1)[0]) - SKEW_S * 10**9)
             after = self.key("journal", f"{ns:020d}")
-        try:
+        try:  # the new entries' names, in journal (publish) order: the listing's
             keys = self._list_after(self.key("journal") + "/", after)
+            names = (k.rsplit("/", 1)[1].removesuffix(".json") for k in keys)
+            new = [n for n in names if n not in seen]
         except Exception as e:  # noqa: BLE001
             raise self._fail("reading its journal", e) from None
-        new = [k for k in keys if k.rsplit("/", 1)[1].removesuffix(".json") not in seen]
-        for i in range(0, len(new), SYNC_BATCH):
-            batch = new[i : i + SYNC_BATCH]
-            try:
-                bodies = self.fs.cat(batch)
-            except Exception as e:  # noqa: BLE001
-                raise self._fail("reading its journal", e) from None
-            entries = [json.loads(bodies[k]) for k in batch]
-            self._apply_many(entries)
-            for k in batch:
-                name = k.rsplit("/", 1)[1].removesuffix(".json")
-                seen.add(name)
-                last = max(last, name)
-            horizon = int(last.split("-", 1)[0]) - 2 * SKEW_S * 10**9
-            recent = sorted(x for x in seen if int(x.split("-", 1)[0]) >= horizon)
-            _write_json(self.state / "journal.json", {"last": last, "recent": recent})
+        todo = self._fold(new)
+        done = 0  # new[:done] are covered by what is applied
+        for i in range(0, len(todo), SYNC_BATCH):
+            batch = todo[i : i + SYNC_BATCH]
+            self._apply_many(batch)
+            upto, covered = batch[-1][0], done
+            while done < len(new) and new[done] <= upto:
+                done += 1
+            last, seen = self._keep_position(last, seen, new[covered:done])
+        if done < len(new):  # (the newest entry is always applied, unless it names no file)
+            self._keep_position(last, seen, new[done:])
         return len(new)
 
-    def _list_after(self, prefix: str, after: str) -> list[str]:
+    def _keep_position(self, last: str, seen: set[str], names: list[str]) -> tuple[str, set[str]]:
+        """Write the position after ``names`` (journal order) are applied: the last entry seen
+        and the ones seen near it (what a listing from ``SKEW_S`` before it returns again)."""
+        if names:
+            last = max(last, names[-1])
+        horizon = int(last.split("-", 1)[0]) - 2 * SKEW_S * 10**9
+        recent = {x for x in (*seen, *names) if int(x.split("-", 1)[0]) >= horizon}
+        _write_json(self.state / "journal.json", {"last": last, "recent": sorted(recent)})
+        return last, recent
+
+    def _fold(self, names: list[str]) -> list[tuple[str, bytes | str, dict | None]]:
+        """What the journal entries ``names`` (journal order) leave to apply, in journal order:
+        ``(name, the entry's body, None)`` for each partition's newest publish, ``(name, path,
+        its info)`` for each shared file's newest publish. The bodies are read ``SYNC_BATCH``
+        at a time (s3fs runs the GETs concurrently); memory: one body per partition, not per
+        publish."""
+        parts: dict[tuple[str, str], tuple[str, bytes]] = {}
+        shared: dict[str, tuple[str, dict]] = {}
+        for i in range(0, len(names), SYNC_BATCH):
+            batch = names[i : i + SYNC_BATCH]
+            keys = [self.key("journal", f"{n}.json") for n in batch]
+            try:
+                bodies = self.fs.cat(keys)
+            except Exception as e:  # noqa: BLE001
+                raise self._fail("reading its journal", e) from None
+            for name, key in zip(batch, keys, strict=True):
+                entry = json.loads(bodies[key])
+                if entry.get("kind") == "files":
+                    shared.update({rel: (name, info) for rel, info in entry["files"].items()})
+                else:  # a later name is a newer publish
+                    parts[(entry["asset"], entry["partition"])] = (name, bodies[key])
+            del bodies
+        todo = [(n, body, None) for n, body in parts.values()]
+        todo += [(n, rel, info) for rel, (n, info) in shared.items()]
+        return sorted(todo, key=lambda t: t[0])
+
+    def _list_after(self, prefix: str, after: str):
+        """The keys under ``prefix`` after ``after``, in order, a page (1,000) at a time."""
         bucket, _, key_prefix = prefix.partition("/")
-        out, token = [], None
+        token = None
         while True:
             kw = {"Bucket": bucket, "Prefix": key_prefix}
             if token:
@@ -250,30 +293,31 @@ class Remote:
             elif after:
                 kw["StartAfter"] = after.partition("/")[2]
             r = self.fs.call_s3("list_objects_v2", **kw)
-            out += [f"{bucket}/{o['Key']}" for o in r.get("Contents", [])]
+            yield from (f"{bucket}/{o['Key']}" for o in r.get("Contents", []))
             token = r.get("NextContinuationToken")
             if not token:
-                return out
+                return
 
-    def _apply_many(self, entries: list[dict]) -> None:
-        """Bring the files of ``entries`` (a partition's records and preview, not its shard;
-        the sources registry's files), then keep each partition's marker; the newest
-        publish of a file wins."""
+    def _apply_many(self, todo: list[tuple[str, bytes | str, dict | None]]) -> None:
+        """Apply ``todo`` (:meth:`_fold`'s): bring each partition's files (its records and
+        preview, not its shard) and each shared file, then keep each partition's marker; a
+        partition whose marker here is as new (this machine's own publish, or one applied
+        before a failed sync) is skipped."""
         wanted: dict[Path, dict] = {}
-        markers: dict[tuple[str, str], dict] = {}
-        for entry in entries:
-            if entry.get("kind") == "files":
-                wanted.update({self.root / r: info for r, info in entry["files"].items()})
+        markers = []
+        for _name, what, info in todo:
+            if info is not None:
+                wanted[self.root / what] = info
                 continue
-            at = (entry["asset"], entry["partition"])
-            mine = markers.get(at) or _read_json(self.marker_path(*at))
+            entry = json.loads(what)
+            mine = _read_json(self.marker_path(entry["asset"], entry["partition"]))
             if mine and mine.get("publish", "") >= entry["publish"]:
-                continue  # this publish (or a newer one) is known here already
+                continue
             shard = self._shard_rel(entry)
             wanted.update({self.root / r: info for r, info in entry["files"].items() if r != shard})
-            markers[at] = entry
+            markers.append(entry)
         self._fetch_many(wanted)
-        for entry in markers.values():
+        for entry in markers:
             _write_json(self.marker_path(entry["asset"], entry["partition"]), entry)
 
     @staticmethod
