@@ -20,8 +20,8 @@ nothing locally either. Objects of the publish a marker replaces are deleted aft
 LIST when nothing changed) and folds it to each partition's newest publish (an older one's
 objects are deleted: a machine that was away never asks for them), keeps each new marker
 locally (``.remote/commits/``: what ``DataLayout.partitions_with`` counts as present) and
-brings the small files (catalog records, previews, the sources registry); shards stay remote until :func:`readable` fetches one, checks
-its size and sha256 and renames it into place. A cached file is trusted while its size,
+brings the small files (catalog records, previews, the sources registry); shards stay remote
+until :func:`readable` fetches one, checks its size and sha256 and renames it into place. A cached file is trusted while its size,
 mtime and inode are the ones recorded when it was verified; otherwise it is fetched again.
 ``cache_files`` / ``trim`` show and trim the cache (least recently used first).
 """
