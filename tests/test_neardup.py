@@ -257,6 +257,8 @@ def test_a_threshold_change_re_decides_the_near_duplicates_alone(tmp_path, plant
     _neardup(Catalog(data), 40, True, colour_tolerance=255)  # far too loose, the hash alone
     loose = _kept_and_losers(data)[1]
     assert loose, "a 40-bit threshold should call some look-alikes duplicates"
+    png = data / "reports" / "near_duplicates.png"
+    assert png.is_file()  # the pairs, side by side
     _neardup(Catalog(data), 40, True)  # the colour check keeps those in other colours
     assert set(_kept_and_losers(data)[1]) < set(loose)
     _neardup(Catalog(data), neardup.DEFAULT_THRESHOLD, True, min_cosine=-1.0)  # every CLS "near"
@@ -266,6 +268,7 @@ def test_a_threshold_change_re_decides_the_near_duplicates_alone(tmp_path, plant
     assert cls == [{"detector": "dino_cls"}]
     _neardup(Catalog(data), neardup.DEFAULT_THRESHOLD, True)
     assert _kept_and_losers(data)[1] == {}
+    assert not png.exists()  # no pairs now: the earlier decision's picture is gone
     # nothing upstream read the settings: every partition fresh, no file rewritten
     assert staleness(res, None, list(PARTITIONED_ASSETS)) == []
     assert snapshot() == before

@@ -428,11 +428,15 @@ def pairs_picture(
     """``<root>/reports/near_duplicates.png``: up to ``n`` pairs side by side (kept row left,
     the row that lost to it right), the least similar first (those closest to the threshold:
     where a user sees whether it is right). Returns (path or None, the (kept id, loser id)
-    pairs shown, top to bottom)."""
+    pairs shown, top to bottom); with none to show, an earlier run's picture is removed (it
+    would show pairs this run did not find)."""
     from flowmatch_models.figures.grid import make_grid, save_png
     from flowmatch_models.storage.image_shard import decode
 
+    layout = DataLayout(root)
+    png = layout.root / "reports" / "near_duplicates.png"
     if not near.num_rows:
+        png.unlink(missing_ok=True)
         return None, []
     t = near.sort_by([("similarity", "ascending"), ("partition", "ascending"), ("id", "ascending")])
     rows = t.slice(0, n).to_pylist()
@@ -440,7 +444,6 @@ def pairs_picture(
     for r in rows:
         want.setdefault(r["kept_partition"], set()).add(r["kept_id"])
         want.setdefault(r["partition"], set()).add(r["id"])
-    layout = DataLayout(root)
     images: dict[tuple[str, str], bytes] = {}
     for p, ids in want.items():
         shard = remote.ensure(layout.asset_path("images", p))
@@ -458,8 +461,6 @@ def pairs_picture(
         cells += [decode(a), decode(b)]
         pairs.append((r["kept_id"], r["id"]))
     if not cells:
+        png.unlink(missing_ok=True)
         return None, []
-    out = save_png(
-        make_grid(cells, cols=2, cell=cell), layout.root / "reports" / "near_duplicates.png"
-    )
-    return out, pairs
+    return save_png(make_grid(cells, cols=2, cell=cell), png), pairs
