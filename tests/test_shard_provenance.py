@@ -54,7 +54,7 @@ def _sha(version: str) -> str:
     return hashlib.sha256(version.encode()).hexdigest()
 
 
-def _images(folder, n: int):
+def _images(folder, n: int, captions: list[str] | None = None):
     """An images shard of ``n`` 256 px noise JPEGs (as the ``images`` asset writes them)."""
     from PIL import Image
 
@@ -68,7 +68,7 @@ def _images(folder, n: int):
             {
                 **dict.fromkeys(("md5", "url"), ""),
                 "id": f"000-00-{i:06d}",
-                "caption": f"noise {i}",
+                "caption": captions[i] if captions else f"noise {i}",
                 "image": buf.getvalue(),
                 "format": "jpeg",
                 **dict.fromkeys(("orig_width", "orig_height", "height", "width"), 256),
@@ -358,3 +358,42 @@ def test_the_images_reader_waits_for_a_writer_in_progress(tmp_path, small_sample
         order.append("read done")
     writer.join(5)
     assert order[2:] == ["two readers", "writer waits", "read done", "writer in"]
+
+
+def test_a_partitions_captions_are_encoded_in_batches_of_like_length(tmp_path, zoo):
+    """The text encoder gets the whole partition: its batches are cut from the captions sorted
+    by length, so each pads to captions of its own length (handed a batch at a time, the sort
+    never reached past one batch and every batch padded to its longest random row); the
+    states are the ones of encoding each caption, back in row order."""
+    from flowmatch_models.encoders.frozen import Encoders
+
+    rng = np.random.default_rng(3)
+    captions = [" ".join(["word"] * int(k)) for k in rng.permutation([1, 2, 3, 4, 30] * 4)]
+    images = _images(tmp_path, len(captions), captions)
+    spec = EncoderSpec(**zoo, batch_size=5, device="cpu")
+    kind = KINDS["text_embeddings"]
+    precalc.clear_shared_encoders()
+    shapes: list[tuple[int, int]] = []
+    try:
+        enc = precalc._encoders([kind], spec, "cpu", None)[kind.name]  # the ones it uses
+        hook = enc.text_model.register_forward_pre_hook(
+            lambda _m, args, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+        )
+        try:
+            got = precalc.encode_partition(images, [kind], spec, "cpu", log=lambda m: None)
+        finally:
+            hook.remove()
+    finally:
+        precalc.clear_shared_encoders()
+    lengths = got["text_embeddings"].arrays["lengths"]
+    assert shapes.pop() == (1, 1)  # the null caption, encoded last
+    by_length = np.sort(lengths)[::-1]
+    want = [(5, int(by_length[i])) for i in range(0, len(lengths), 5)]
+    assert sorted(shapes) == sorted(want), shapes  # the long captions in one batch
+    in_row_order = sum(5 * int(lengths[i : i + 5].max()) for i in range(0, len(lengths), 5))
+    padded = sum(b * n for b, n in shapes)
+    assert padded < 0.6 * in_row_order, (padded, in_row_order)  # 605 vs 1,040 tokens
+    alone = Encoders(spec)
+    tokens, lens = alone.encode_text(captions)
+    assert np.array_equal(lens, lengths)
+    assert np.allclose(got["text_embeddings"].arrays["tokens"], tokens, atol=2e-3)

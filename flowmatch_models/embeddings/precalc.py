@@ -287,10 +287,10 @@ def _encode(ahead: Ahead, kinds, spec, device, encs, log, inputs, weights_cache)
     for k in caption_kinds:
         got = tokens.get(k.name)
         ids_of = got.result() if got is not None else encs[k.name].tokenize(captions)
-        for i in range(0, len(captions), spec.batch_size):
-            batch = CaptionBatch(captions[i : i + spec.batch_size], ids_of[i : i + spec.batch_size])
-            for key, arr in run(k, batch).items():
-                parts[k.name].setdefault(key, []).append(arr)
+        # the whole partition at once: the encoder sorts it by length and cuts its own
+        # batches, so a batch pads to captions of its own length, not to a random row's
+        for key, arr in run(k, CaptionBatch(captions, ids_of)).items():
+            parts[k.name].setdefault(key, []).append(arr)
 
     out = {}
     for k in kinds:
