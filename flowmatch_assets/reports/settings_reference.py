@@ -66,7 +66,7 @@ def fields(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, obje
         else:
             default = REQUIRED if info.default is PydanticUndefined else info.default
         what = info.description or ""
-        if get_origin(ann) is Literal:
+        if what and get_origin(ann) is Literal:  # an undescribed one stays empty (undescribed)
             what += " One of: " + ", ".join(str(a) for a in get_args(ann)) + "."
         yield prefix + name, default, what.strip()
 

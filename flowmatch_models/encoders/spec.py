@@ -17,6 +17,9 @@ from flowmatch_models.storage.codecs import CODECS
 #: value (<= 46 KB for 128 tokens of 640), DINOv2 patches at 4 (12 KB for 64 x 384); with fp16
 #: latents and CLS every sample is <= 64 KB, all of PD12M <= 800 GB (BENCHMARKS.md "Storage at PD12M scale").
 DEFAULT_LOSSY = {"text_embeddings": "pca4.5", "dino_features": "pca4"}
+#: Caption truncation in tokens: the text embeddings' default, and a model's prompts' when its
+#: metadata records none (inference/export_format.prompt_max_tokens)
+DEFAULT_MAX_TOKENS = 128
 
 
 class EncoderSpec(BaseModel):
@@ -55,7 +58,9 @@ class EncoderSpec(BaseModel):
         "is refused (Gemma3 overflows it). Stored as fp16, saturated values counted.",
     )
     batch_size: int = Field(default=64, description="Images or captions per encoder forward.")
-    max_tokens: int = Field(default=128, description="Caption truncation in tokens (BOS included).")
+    max_tokens: int = Field(
+        default=DEFAULT_MAX_TOKENS, description="Caption truncation in tokens (BOS included)."
+    )
     dino_size: int = Field(default=224, description="DINOv2 input size for dino_pool=avg2x2.")
     dino_pool: str = Field(
         default="avg2x2",

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from flowmatch_models.data.buckets import GRID, buckets_for
+from flowmatch_models.encoders.spec import DEFAULT_MAX_TOKENS
 from flowmatch_models.inference.export_format import META_FILE, NULL_FILE, prompt_max_tokens
 from flowmatch_models.storage.atomic import atomic_write_text
 
@@ -46,7 +47,7 @@ def write_transformer(
     shift: float,
     null_text,
     parent: dict | None = None,
-    max_tokens: int | None = None,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
 ) -> Path:
     """``save_pretrained`` the EMA transformer to ``out`` with ``flowmatch.json`` (scaling
     factor, preset, shift, the prompts' ``max_tokens``; a fine-tune's ``parent``: run, step,
@@ -65,7 +66,7 @@ def write_transformer(
         "text_width": int(ema.config.caption_channels),  # the caption states it was trained on
         "flow_shift": float(shift),
         # prompts are cut as its training captions were (export_format.prompt_max_tokens)
-        "max_tokens": prompt_max_tokens({"max_tokens": max_tokens}),
+        "max_tokens": int(max_tokens),
         # (height, width) in pixels at the model's budget for SanaPipeline(height=, width=,
         # use_resolution_binning=False): its own bins stop at 512 px (flowmatch_models/data/buckets.py)
         "buckets": [[h, w] for h, w in buckets_for(int(ema.config.sample_size) * GRID)],
@@ -91,12 +92,12 @@ def export_pipeline(
     vae: str | None = None,
     text_encoder: str | None = None,
     parent: dict | None = None,
-    max_tokens: int | None = None,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
 ) -> Path:
     """Write the pipeline folder ``out`` (replaced atomically: built beside it, then renamed);
     ``parent``: a fine-tune's parent, recorded in ``transformer/flowmatch.json``;
     ``max_tokens``: the token limit of the captions it trained on (the pipeline's
-    ``max_sequence_length``; None: EncoderSpec's default)."""
+    ``max_sequence_length``)."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     out = Path(out)
@@ -117,7 +118,7 @@ def export_pipeline(
                     text=text_encoder,
                     device="cpu",
                     dtype="fp32",
-                    max_tokens=prompt_max_tokens({"max_tokens": max_tokens}),
+                    max_tokens=max_tokens,
                 )
             )
             width = int(enc.text_model.config.hidden_size)

@@ -11,7 +11,7 @@ def prompt_max_tokens(meta: dict) -> int:
     """How many tokens a prompt is cut to for a model of this metadata (a checkpoint's
     ``flowmatch`` info or an export's ``flowmatch.json``): as the captions of the text
     embeddings it trained on were (``encoders.max_tokens``); a model made before it was
-    recorded: EncoderSpec's default."""
-    from flowmatch_models.encoders.spec import EncoderSpec
+    recorded: the default."""
+    from flowmatch_models.encoders.spec import DEFAULT_MAX_TOKENS
 
-    return int(meta.get("max_tokens") or EncoderSpec.model_fields["max_tokens"].default)
+    return int(meta.get("max_tokens") or DEFAULT_MAX_TOKENS)

@@ -31,6 +31,7 @@ from pydantic import (
     model_validator,
 )
 
+from flowmatch_models.encoders.spec import DEFAULT_MAX_TOKENS
 from flowmatch_models.model.flow_settings import LEGACY_KEYS, config_fields
 from flowmatch_models.storage.layout import DataLayout
 
@@ -307,8 +308,8 @@ class EncodersConfig(_Section):
     vae: str | None = Field(None, description="DC-AE folder/hub id (decode grids; export).")
     text: str | None = Field(None, description="Gemma3 folder/hub id (encode prompts; export).")
     max_tokens: int = Field(
-        128,
-        ge=2,
+        DEFAULT_MAX_TOKENS,
+        ge=1,
         description="Prompts (grids, export) are cut to this many tokens, as the captions of "
         "the text embeddings were (the resource's encoders.max_tokens; the assets set it).",
     )
