@@ -225,13 +225,14 @@ def wait_backfill(
         time.sleep(poll)
 
 
-def _missing_from_url(url: str, asset_keys: Sequence[str], data_root: str) -> list[str]:
+def _partition_statuses(url: str, asset_keys: Sequence[str]) -> dict[str, tuple[set, set]]:
+    """Per asset, (registered partitions, ones Dagster counts materialized or materializing)."""
     nodes = graphql(url, PARTITIONS, {"keys": [key_input(a) for a in asset_keys]})["assetNodes"]
     found = {"/".join(n["assetKey"]["path"]): n for n in nodes}
     unknown = [a for a in asset_keys if a not in found]
     if unknown:
         raise BackfillError(f"unknown assets on {url}: {unknown}")
-    missing: set[str] = set()
+    out = {}
     for a in asset_keys:
         n = found[a]
         dims = n["partitionKeysByDimension"] or []
@@ -241,11 +242,25 @@ def _missing_from_url(url: str, asset_keys: Sequence[str], data_root: str) -> li
         if st["__typename"] != "DefaultPartitionStatuses":
             raise BackfillError(f"{a}: unexpected partition statuses {st['__typename']}")
         done = set(st["materializedPartitions"]) | set(st["materializingPartitions"])
-        keys = set(dims[0]["partitionKeys"])
-        missing |= keys - done
+        out[a] = (set(dims[0]["partitionKeys"]), done)
+    return out
+
+
+def _missing_from_url(url: str, asset_keys: Sequence[str], data_root: str) -> list[str]:
+    statuses = _partition_statuses(url, asset_keys)
+    unseen = {a: keys - done for a, (keys, done) in statuses.items()}
+    # Dagster builds these from two reads, the materializations and then the unfinished
+    # attempts: a partition whose materialization lands between them is in neither. One whose
+    # files are already present is asked about once more, and is missing only if both say so.
+    if any(unseen[a] - set(_missing_on_disk(sorted(unseen[a]), [a], data_root)) for a in unseen):
+        statuses = _partition_statuses(url, asset_keys)
+        unseen = {a: unseen[a] & (keys - done) for a, (keys, done) in statuses.items()}
+    missing: set[str] = set()
+    for a, (keys, _) in statuses.items():
+        missing |= unseen[a]
         # the same definition as every other command: a file gone or corrupt, or no catalog
         # record, is missing even where Dagster remembers a materialization
-        missing |= set(_missing_on_disk(sorted(keys & done), [a], data_root))
+        missing |= set(_missing_on_disk(sorted(keys - unseen[a]), [a], data_root))
     return sorted(missing)
 
 
