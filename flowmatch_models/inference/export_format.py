@@ -3,7 +3,8 @@
 
 #: The encoded empty prompt (text_embeddings' null_tokens): the null caption of CFG.
 NULL_FILE = "null_caption.safetensors"
-#: What the sampler needs beside diffusers' config: scaling factor, preset, flow shift, null caption.
+#: What the sampler needs beside diffusers' config: scaling factor, preset, flow shift, text width,
+#: prompt token limit (max_tokens), buckets, null caption (inference/export.py writes it).
 META_FILE = "flowmatch.json"
 
 
