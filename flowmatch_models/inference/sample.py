@@ -61,7 +61,8 @@ def load_model(
 
 
 def load_vae(path: str):
-    """The DC-AE decoder (``AutoencoderDC.from_pretrained``) via the project's encoder loader."""
+    """The DC-AE (``AutoencoderDC.from_pretrained``, encoder and decoder) via the project's
+    encoder loader; the sampler decodes with it."""
     from flowmatch_models.encoders.frozen import Encoders
     from flowmatch_models.encoders.spec import EncoderSpec
 

@@ -63,7 +63,13 @@ class ModelConfig(_Section):
         None, ge=1, description="REPA aligns block k counted from 1; null = preset default."
     )
     projector_hidden: int | None = Field(None, ge=1, description="REPA MLP width; null = preset.")
-    pos_embed: bool = Field(True, description="Sin-cos positional embedding on the 8x8 grid.")
+    pos_embed: bool = Field(
+        True,
+        description=(
+            "Sin-cos positional embedding on each bucket's token grid (diffusers' PatchEmbed "
+            "computes it anew for a grid other than sample_size's)."
+        ),
+    )
     init: Literal["sana", "default"] = Field("sana", description="Sana init or PyTorch default.")
     qk_norm: bool = Field(
         True, description="RMSNorm on queries/keys across heads (SANA 256 px/Sana 1.5 qk_norm)."
