@@ -281,7 +281,7 @@ class IngestResult:
 
     id: str
     url: str
-    outcome: str  # "stored" or "failed"
+    outcome: str  # "stored" or "failed" (ingest/shard.py sets "filtered" after)
     reason: str | None = None
     detail: str | None = None
     image: bytes | None = None  # encoded size x size RGB in cfg.image_format
