@@ -36,7 +36,8 @@ COPY flowmatch_models flowmatch_models
 COPY flowmatch_assets flowmatch_assets
 COPY configs configs
 COPY docs/benchmarks docs/benchmarks
-RUN pip install -e ".[scale]" && python -c "import flowmatch_assets.definitions"
+# (neardup: scipy, which no other dependency of the image brings)
+RUN pip install -e ".[scale]" && python -c "import flowmatch_assets.definitions, flowmatch_assets.ingest.neardup"
 
 # a user of its own; the data root is a volume; a Dagster instance of its own (sqlite, telemetry
 # off) until DAGSTER_HOME names a shared one (deploy/dagster.postgres.yaml, the Helm chart's)
