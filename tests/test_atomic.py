@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-from flowmatch_models.storage.atomic import atomic_write_text, deferred, written
+from flowmatch_models.storage.atomic import atomic_write_text, deferred, umask, written
 
 
 def test_deferred_writes_are_renamed_together_in_order(tmp_path):
@@ -71,3 +72,16 @@ def test_a_before_hook_sees_every_pending_file_and_its_failure_publishes_nothing
     assert seen == {a: "new a", b: "new b"}
     assert a.read_text() == "old a" and not b.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]
+
+
+def test_a_written_file_has_the_mode_a_plain_write_gives_and_the_umask_is_read_unchanged(tmp_path):
+    old = os.umask(0o002)
+    try:
+        assert umask() == 0o002  # read from /proc/self/status: nothing set meanwhile
+        atomic_write_text(tmp_path / "a.txt", "x")
+        os.umask(0o077)
+        atomic_write_text(tmp_path / "b.txt", "x")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.txt").stat().st_mode & 0o777 == 0o664
+    assert (tmp_path / "b.txt").stat().st_mode & 0o777 == 0o600

@@ -271,3 +271,35 @@ def test_the_hash_index_agrees_with_a_brute_force_first_occurrence(tmp_path):
         f, r = idx2.lookup(np.array([bytes.fromhex(h)], dtype="S16"))
         assert (int(f[0]), int(r[0])) == w
     assert not glob.exists()  # the old file list's index was replaced
+
+
+def test_the_hash_index_is_readable_by_the_group_that_shares_the_data_root(tmp_path):
+    """Under ``umask 002`` (a team on one box) every file and folder of the index has the mode a
+    plain write would give; the global index's folder used to be tempfile's 0700."""
+    md = tmp_path / "md"
+    md.mkdir()
+    recs = [
+        {
+            "id": f"0-{i}",
+            "url": f"http://x/{i}",
+            "caption": "c",
+            "width": 500,
+            "height": 500,
+            "mime_type": "image/jpeg",
+            "hash": hashlib.md5(str(i % 7).encode()).hexdigest(),
+            "license": "cc0-1.0",
+            "source": "s",
+        }
+        for i in range(20)
+    ]
+    pq.write_table(pa.Table.from_pylist(recs), md / "pd12m.000.parquet")
+    old = os.umask(0o002)
+    try:
+        build_hash_index(tmp_path / "data", str(md), FilterConfig(), 10)
+    finally:
+        os.umask(old)
+    made = list((tmp_path / "data" / "dedupe").rglob("*"))
+    assert any(p.name.startswith("global-") for p in made)
+    modes = {str(p.relative_to(tmp_path)): p.stat().st_mode & 0o777 for p in made}
+    want = {k: 0o775 if (tmp_path / k).is_dir() else 0o664 for k in modes}
+    assert modes == want

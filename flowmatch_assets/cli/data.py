@@ -1,4 +1,5 @@
-"""The data verbs: partitions, sources, materialize, retry, verify, stale, upgrade, demo-data."""
+"""The data verbs: partitions, sources, materialize, retry, verify, stale, upgrade, cache,
+demo-data."""
 
 from __future__ import annotations
 

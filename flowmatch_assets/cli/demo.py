@@ -147,7 +147,10 @@ def _stages(root: Path, res, t0: float, train_steps: int | None) -> int:
     )
     print(f"  data root:        {root}")
     print(f"  catalog (DuckDB): {layout.catalog_db}")
-    print("                    flowmatch catalog coverage | failures | compression | throughput")
+    print(
+        "                    flowmatch catalog coverage | failures | compression | throughput "
+        "| sizes | neardup"
+    )
     for p in previews[:3]:
         print(f"  preview grid:     {p}")
     if near_png:

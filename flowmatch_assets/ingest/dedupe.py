@@ -56,7 +56,7 @@ from flowmatch_assets.ingest.metadata import (
     list_metadata_files,
     shard_key,
 )
-from flowmatch_models.storage.atomic import atomic_path
+from flowmatch_models.storage.atomic import atomic_path, usual_mode
 from flowmatch_models.storage.layout import DataLayout
 
 #: Filter fields that are not row-local (they do not decide which rows are eligible winners).
@@ -239,6 +239,7 @@ def _build_global(base, final, files, ident, cfg, log) -> None:
     sk, first = first_occurrences(keys, file_)
     del keys
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-global-", dir=base))
+    usual_mode(tmp, directory=True)  # another user's metadata run reads it too
     try:
         for name, a in (("keys", sk), ("file", file_[first]), ("row", row[first])):
             np.save(tmp / f"{name}.npy", np.ascontiguousarray(a), allow_pickle=False)

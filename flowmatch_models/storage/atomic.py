@@ -131,6 +131,25 @@ def written(target: str | os.PathLike) -> Path:
     return tx.path(target) if tx is not None else Path(target)
 
 
+def umask() -> int:
+    """This process's umask: from /proc/self/status where Linux says it (nothing changes), else
+    set and put back (a moment in which another thread's new file would get mode 0666)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def usual_mode(path: str | os.PathLike, directory: bool = False) -> None:
+    """Give a file or folder that tempfile made (0600 / 0700: its owner's alone) the mode a
+    plain ``open`` or ``mkdir`` would, so that a group sharing the data root (``umask 002``)
+    can read it as every other file of the root."""
+    os.chmod(path, (0o777 if directory else 0o666) & ~umask())
+
+
 @contextlib.contextmanager
 def atomic_path(target: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
     """Yield a temporary path beside ``target``; on success rename it onto ``target``.
@@ -144,9 +163,7 @@ def atomic_path(target: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
     fd, tmp = tempfile.mkstemp(
         prefix=f".tmp-{target.name}.", suffix=suffix or ".tmp", dir=target.parent
     )
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual mode
+    usual_mode(tmp)  # mkstemp makes 0600
     os.close(fd)
     tmp_path = Path(tmp)
     tx = _ACTIVE.get()
